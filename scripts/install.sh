@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up ctxprefill in a virtual environment (default .venv; CTXPREFILL_VENV overrides).
+#
+# torch: a machine without a GPU gets the pinned CPU build (torch==2.13.0, from local
+# disk on our CI machines; an open-ended "torch" would download gigabytes of CUDA
+# wheels). A GPU image that already has its CUDA torch creates the venv with
+# CTXPREFILL_SYSTEM_SITE=1 so that torch is inherited, not replaced.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${CTXPREFILL_VENV:-.venv}
+TORCH_SPEC=${CTXPREFILL_TORCH_SPEC:-torch==2.13.0}
+log() { printf '[install] %s\n' "$*" >&2; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  if [ "${CTXPREFILL_SYSTEM_SITE:-0}" = 1 ]; then python3 -m venv --system-site-packages "$VENV"; else python3 -m venv "$VENV"; fi
+fi
+PY="$VENV/bin/python"
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  log "installing $TORCH_SPEC"
+  "$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
+fi
+log "installing ctxprefill and its test dependencies"
+"$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
+"$PY" -c "import ctxprefill, ctxprefill_client, torch; print('[install] ctxprefill', ctxprefill.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())" >&2

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Set up and run the whole test suite (what CI runs). Tools some tests need are
+# installed when missing: promtool + prometheus (Debian package "prometheus"), buf
+# (npm). Tests whose tool is still missing skip with the reason printed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+VENV=${CTXPREFILL_VENV:-.venv}
+log() { printf '[test] %s\n' "$*" >&2; }
+
+if ! command -v promtool >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  log "installing Debian's prometheus (promtool, prometheus)"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
+    || log "could not install prometheus: its tests will skip"
+  # the package may start a system service; tests run their own instance
+  (command -v service >/dev/null && service prometheus stop >/dev/null 2>&1) || true
+  pkill -x prometheus >/dev/null 2>&1 || true
+fi
+if [ -x scripts/lint_proto.sh ] || [ -f scripts/lint_proto.sh ]; then
+  log "buf lint"
+  bash scripts/lint_proto.sh
+fi
+log "pytest"
+exec "$VENV/bin/python" -m pytest -q "$@"

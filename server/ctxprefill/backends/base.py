@@ -1,0 +1,63 @@
+"""The attention-backend interface: ragged, non-causal attention with a natural-log LSE.
+
+A backend computes, for one chunk, the attention of the chunk's query rows over the
+chunk's packed keys and values. Sequences are ragged and given by cumulative lengths;
+query segment i attends to key segment i only. A segment with no keys yields
+``out = 0`` and ``lse = -inf`` for its rows (SPEC §3).
+
+The ``out`` contract (SPEC §5): a backend whose ``supports_out()`` is True writes its
+result into the ``out`` tensor it is given (same data pointer) and returns it; the
+engine checks the pointer and fails loudly if a backend claims it but did not.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+
+class AttentionBackend(abc.ABC):
+    """One attention implementation. Stateless apart from caches of compiled kernels."""
+
+    #: registry name, e.g. "reference", "triton"
+    name: str = ""
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+        """(available, reason when not) on this device."""
+        return True, ""
+
+    @classmethod
+    def supports(cls, device: torch.device, q_dtype: torch.dtype) -> bool:
+        """Whether this backend handles queries/keys of ``q_dtype`` on ``device``."""
+        return True
+
+    @abc.abstractmethod
+    def supports_out(self) -> bool:
+        """True when ``run_context_chunk`` writes into a caller-given ``out``."""
+
+    @abc.abstractmethod
+    def run_context_chunk(
+        self,
+        q: torch.Tensor,  # [Tq, H, Dqk], bf16 or fp8 e4m3
+        k: torch.Tensor,  # [Tk, H, Dqk], same dtype as q
+        v: torch.Tensor,  # [Tk, H, Dv], same dtype as q
+        cu_seqlens_q: torch.Tensor,  # int32 [B+1] on q.device, cu[0] = 0, cu[B] = Tq
+        cu_seqlens_k: torch.Tensor,  # int32 [B+1] on q.device, cu[0] = 0, cu[B] = Tk
+        max_q: int,
+        max_k: int,
+        scale: float,
+        out: torch.Tensor | None = None,  # [Tq, H, Dv] bf16, may be a strided view
+        causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(out [Tq, H, Dv] bf16, lse [H, Tq] float32, natural log)``.
+
+        ``causal=True`` (bottom-right aligned, as for new tokens attending to themselves)
+        is only used by tests and the client-side example; context chunks are
+        non-causal.
+        """
+
+    def launches_per_call(self) -> int:
+        """Kernel launches one ``run_context_chunk`` makes on a GPU (for the launch metric)."""
+        return 1

@@ -1,0 +1,53 @@
+"""Attention backends by name, and ``auto``: the best one this device supports."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .base import AttentionBackend
+
+# name -> "module:Class"; imported lazily so that a CPU machine never imports triton.
+_BACKENDS: dict[str, str] = {
+    "triton": "ctxprefill.backends.triton_attention:TritonAttentionBackend",
+    "reference": "ctxprefill.backends.reference:ReferenceBackend",
+}
+# best first; ``auto`` takes the first that is available and handles the dtype
+_AUTO_ORDER = ("triton", "reference")
+
+
+def names() -> list[str]:
+    return list(_BACKENDS)
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(_BACKENDS)}")
+    mod, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
+def create(name: str, device: torch.device, q_dtype: torch.dtype) -> tuple[AttentionBackend, str]:
+    """(backend, why it was chosen). ``name="auto"`` picks the first usable one."""
+    device = torch.device(device)
+    if name != "auto":
+        cls = backend_class(name)
+        ok, why = cls.is_available(device)
+        if not ok:
+            raise ValueError(f"attention backend {name!r} is not available on {device}: {why}")
+        if not cls.supports(device, q_dtype):
+            raise ValueError(f"attention backend {name!r} does not support {q_dtype} on {device}")
+        return cls(), "requested"
+    skipped = []
+    for candidate in _AUTO_ORDER:
+        try:
+            cls = backend_class(candidate)
+        except ImportError as e:  # e.g. triton not installed
+            skipped.append(f"{candidate}: {e}")
+            continue
+        ok, why = cls.is_available(device)
+        if ok and cls.supports(device, q_dtype):
+            return cls(), "auto" + (f" (skipped {'; '.join(skipped)})" if skipped else "")
+        skipped.append(f"{candidate}: {why or 'dtype not supported'}")
+    raise ValueError(f"no attention backend for {q_dtype} on {device}: {'; '.join(skipped)}")

@@ -1,0 +1,69 @@
+"""The paged latent cache: ``num_blocks × block_size`` slots of raw bytes (SPEC §2).
+
+Storage is one uint8 tensor ``[num_slots, bytes_per_slot]``; the slot formats live in
+``ops/slot_format.py``. Every slot index is checked here, on the host, before a
+kernel sees it: a bad index on the GPU would take the whole cache down with it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import CacheConfig
+from .errors import InvalidArgument, OutOfRange
+from .ops.insert import insert
+
+
+class PagedLatentCache:
+    def __init__(self, config: CacheConfig, device: torch.device, latent: int = 512, rope: int = 64):
+        self.config = config
+        self.latent, self.rope = latent, rope
+        self.device = torch.device(device)
+        self.storage = torch.zeros((config.num_slots, config.bytes_per_slot), dtype=torch.uint8, device=self.device)
+        # which slots hold a token (host side; for the slots-used gauge)
+        self._used = torch.zeros(config.num_slots, dtype=torch.bool)
+
+    @property
+    def slots_used(self) -> int:
+        return int(self._used.sum())
+
+    def check_slots(self, slot_mapping: torch.Tensor, field: str = "slot_mapping", allow_skip: bool = True) -> torch.Tensor:
+        """Validate an int64 [T] slot list (on the host); returns it on the host."""
+        if slot_mapping.dim() != 1:
+            raise InvalidArgument(field, f"must be 1-D, got shape {list(slot_mapping.shape)}")
+        if slot_mapping.dtype != torch.int64:
+            raise InvalidArgument(field, f"must be int64, got {slot_mapping.dtype}")
+        s = slot_mapping.cpu()
+        if s.numel():
+            lo = -1 if allow_skip else 0
+            bad = (s < lo) | (s >= self.config.num_slots)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise OutOfRange(
+                    f"{field}[{i}]",
+                    f"slot {int(s[i])} is outside [{lo}, {self.config.num_slots})"
+                    + (" (-1 skips a token)" if allow_skip else ""),
+                )
+        return s
+
+    def write(self, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> int:
+        """Insert T tokens; returns the number of slots written (slot -1 skips)."""
+        slots = self.check_slots(slot_mapping)
+        T = slots.numel()
+        for name, t, width in (("kv_c", kv_c, self.latent), ("k_pe", k_pe, self.rope)):
+            if tuple(t.shape) != (T, width):
+                raise InvalidArgument(name, f"must have shape [{T}, {width}] (T from slot_mapping), got {list(t.shape)}")
+            if t.dtype not in (torch.bfloat16, torch.float32):
+                raise InvalidArgument(name, f"must be bf16 or float32, got {t.dtype}")
+        keep = slots >= 0
+        if T == 0 or not bool(keep.any()):
+            return 0
+        dev = self.device
+        insert(self.storage, kv_c.to(dev), k_pe.to(dev), slots.to(dev), self.config.dtype, self.config.k_scale)
+        self._used[slots[keep]] = True
+        return int(keep.sum())
+
+    def read(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The raw bytes of the given slots, uint8 [T, bytes_per_slot] on the host."""
+        slots = self.check_slots(slot_mapping, allow_skip=False)
+        return self.storage[slots.to(self.device)].cpu()

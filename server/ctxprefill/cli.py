@@ -1,0 +1,73 @@
+"""``ctxprefill``: serve | demo | make-weights."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import __version__
+from .errors import ConfigError
+
+
+def _make_weights(ns) -> int:
+    from .config import ModelShape
+    from .weights import random_kv_b_proj, save_weights
+
+    t = random_kv_b_proj(ModelShape(heads=ns.heads), ns.dtype, ns.seed, ns.scale_kind)
+    save_weights(ns.out, t, ns.prefix)
+    keys = ", ".join(f"{ns.prefix}{k} {list(v.shape)} {v.dtype}" for k, v in t.items())
+    print(f"wrote {ns.out}: {keys}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .settings import add_arguments, from_args
+
+    p = argparse.ArgumentParser(prog="ctxprefill", description=__doc__)
+    p.add_argument("--version", action="version", version=__version__)
+    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING: quiet)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    serve = sub.add_parser("serve", help="start the gRPC server and the metrics/health HTTP server")
+    add_arguments(serve)
+
+    demo = sub.add_parser("demo", help="run one request in-process (or against --target) and check it against float64")
+    add_arguments(demo)
+    demo.add_argument("--target", default=None, help="host:port of a running server to drive instead")
+    demo.set_defaults(num_blocks=256)
+
+    mw = sub.add_parser("make-weights", help="write random kv_b_proj weights in the checkpoint layout")
+    mw.add_argument("--out", required=True, help="safetensors file to write")
+    mw.add_argument("--heads", type=int, default=16)
+    mw.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    mw.add_argument("--scale-kind", choices=("block", "tensor"), default="block",
+                    help="fp8: 128x128 weight_scale_inv (block) or a scalar weight_scale (tensor)")
+    mw.add_argument("--prefix", default="", help="key prefix, e.g. model.layers.0.self_attn.")
+    mw.add_argument("--seed", type=int, default=0)
+
+    ns = p.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), stream=sys.stderr,
+                        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}')
+    try:
+        if ns.cmd == "make-weights":
+            return _make_weights(ns)
+        settings = from_args(ns)
+        if ns.cmd == "demo":
+            if ns.target:
+                from .service.remote_demo import run_remote_demo
+
+                return run_remote_demo(ns.target, settings)
+            from .demo import run_demo
+
+            return run_demo(settings)
+        from .service.server import serve
+
+        return serve(settings)
+    except ConfigError as e:
+        print(f"ctxprefill: configuration error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

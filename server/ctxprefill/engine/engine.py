@@ -1,0 +1,186 @@
+"""The engine: owns the cache, the weights, the attention backend and the workspace,
+validates a request completely on the host, then runs the chunk loop.
+
+Requests are serialized (one at a time on the device: the workspace is shared);
+the service's queue decides who goes next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from ..backends import registry
+from ..backends.base import AttentionBackend
+from ..cache import PagedLatentCache
+from ..config import EngineConfig
+from ..errors import InvalidArgument, OutOfRange
+from ..ops import _cuda
+from ..ops.fp8 import FP8
+from ..weights import KvBProjWeights
+from .loop import LoopInputs, Observer, run_chunk_loop
+from .plan import ContextChunk, plan_chunks, validate_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSpec:
+    query_len: int
+    context_len: int
+    block_table: Sequence[int] = ()
+
+
+@dataclasses.dataclass
+class PrefillStats:
+    chunks: list[ContextChunk]
+    launches: Counter
+    path: str  # "fused" | "generic"
+    fp8_path: dict[str, str]
+    stage_ns: dict[str, int]
+    total_ns: int
+    context_tokens: int
+    query_tokens: int
+
+
+@dataclasses.dataclass
+class PrefillResult:
+    out: torch.Tensor  # [Tq, H, V] bf16
+    lse: torch.Tensor  # [H, Tq] float32, natural log
+    stats: PrefillStats
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, weights: KvBProjWeights, device: str | torch.device = "cpu",
+                 backend: AttentionBackend | None = None):
+        if weights.dtype != config.kv_b_proj_dtype:
+            config = dataclasses.replace(config, kv_b_proj_dtype=weights.dtype)
+        self.config = config
+        self.device = torch.device(device)
+        shape = config.shape
+        n = shape.heads * (shape.qk_nope_head_dim + shape.v_head_dim)
+        if tuple(weights.weight.shape) != (n, shape.kv_lora_rank):
+            raise ValueError(f"kv_b_proj weight shape {tuple(weights.weight.shape)} != [{n}, {shape.kv_lora_rank}]")
+        self.weights = weights.to(self.device)
+        self.cache = PagedLatentCache(config.cache, self.device, shape.kv_lora_rank, shape.qk_rope_head_dim)
+        self.q_dtype = FP8 if config.prefill_dtype == "fp8" else torch.bfloat16
+        if backend is None:
+            backend, self.backend_reason = registry.create(config.backend, self.device, self.q_dtype)
+        else:
+            self.backend_reason = "given"
+        self.backend = backend
+        width = shape.kv_lora_rank + shape.qk_rope_head_dim
+        self.workspace = torch.empty(config.workspace_tokens * width * 2, dtype=torch.uint8, device=self.device)
+        self.instance_id = uuid.uuid4().hex
+        self._lock = threading.Lock()
+
+    # -- facts ----------------------------------------------------------------------
+    @property
+    def fused_kernels_active(self) -> bool:
+        """Fused path selected and its compiled kernels in use on this device."""
+        return self.config.fused and self.device.type == "cuda" and _cuda.load() is not None
+
+    # -- cache ------------------------------------------------------------------------
+    def write_cache(self, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> int:
+        with self._lock:
+            return self.cache.write(slot_mapping, kv_c, k_pe)
+
+    def read_cache(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            return self.cache.read(slot_mapping)
+
+    # -- validation -------------------------------------------------------------------
+    def _check_request(self, q: torch.Tensor, seqs: Sequence[SequenceSpec], workspace_tokens: int) -> torch.Tensor:
+        """Checks everything about a request on the host; returns the int32 block table."""
+        shape, cache = self.config.shape, self.config.cache
+        if workspace_tokens < cache.block_size:
+            raise InvalidArgument("workspace_tokens", f"{workspace_tokens} is less than one block ({cache.block_size})")
+        if workspace_tokens > self.config.workspace_tokens:
+            raise InvalidArgument(
+                "workspace_tokens", f"{workspace_tokens} exceeds the server's workspace ({self.config.workspace_tokens})"
+            )
+        if q.dtype != self.q_dtype:
+            raise InvalidArgument(
+                "q", f"dtype {q.dtype} does not match the server's prefill dtype {self.config.prefill_dtype} "
+                     f"(expects {self.q_dtype})"
+            )
+        if q.dim() != 3 or q.shape[1] != shape.heads or q.shape[2] != shape.qk_head_dim:
+            raise InvalidArgument("q", f"shape {list(q.shape)} is not [Tq, {shape.heads}, {shape.qk_head_dim}]")
+        total_q = 0
+        max_blocks = 0
+        for i, s in enumerate(seqs):
+            if s.query_len < 0:
+                raise InvalidArgument(f"sequences[{i}].query_len", f"must be >= 0, got {s.query_len}")
+            if s.context_len < 0:
+                raise InvalidArgument(f"sequences[{i}].context_len", f"must be >= 0, got {s.context_len}")
+            need = math.ceil(s.context_len / cache.block_size)
+            if len(s.block_table) < need:
+                raise InvalidArgument(
+                    f"sequences[{i}].block_table",
+                    f"has {len(s.block_table)} blocks, context_len {s.context_len} needs {need} of {cache.block_size}",
+                )
+            total_q += s.query_len
+            max_blocks = max(max_blocks, need)
+        if total_q != q.shape[0]:
+            raise InvalidArgument("sequences", f"query_len values sum to {total_q} but q has {q.shape[0]} rows")
+        bt = torch.zeros((len(seqs), max(max_blocks, 1)), dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            need = math.ceil(s.context_len / cache.block_size)
+            if need:
+                row = torch.as_tensor(list(s.block_table[:need]), dtype=torch.int64)
+                bad = (row < 0) | (row >= cache.num_blocks)
+                if bool(bad.any()):
+                    j = int(bad.nonzero()[0, 0])
+                    raise OutOfRange(
+                        f"sequences[{i}].block_table[{j}]", f"block {int(row[j])} is outside [0, {cache.num_blocks})"
+                    )
+                bt[i, :need] = row.to(torch.int32)
+        return bt
+
+    # -- the request ------------------------------------------------------------------
+    def prefill_context(
+        self,
+        q: torch.Tensor,
+        sequences: Sequence[SequenceSpec],
+        workspace_tokens: int | None = None,
+        plan: Sequence[ContextChunk] | None = None,
+        fused: bool | None = None,
+        observer: Observer | None = None,
+    ) -> PrefillResult:
+        cfg = self.config
+        W = cfg.workspace_tokens if workspace_tokens is None else int(workspace_tokens)
+        bt = self._check_request(q, sequences, W)
+        context_lens = [s.context_len for s in sequences]
+        if plan is None:
+            plan = plan_chunks(context_lens, W, cfg.cache.block_size)
+        else:
+            validate_plan(plan, context_lens, W)
+        fused = cfg.fused if fused is None else fused
+        inputs = LoopInputs(
+            q=q.to(self.device),
+            query_lens=[s.query_len for s in sequences],
+            block_table=bt.to(self.device),
+            chunks=list(plan),
+            cache=self.cache.storage,
+            cache_dtype=cfg.cache.dtype,
+            k_scale=cfg.cache.k_scale,
+            block_size=cfg.cache.block_size,
+            workspace=self.workspace,
+            weight=self.weights.compute,
+            kv_b_proj_bf16=self.weights.dtype == "bf16",
+            gather_raw_fp8=cfg.gather_raw_fp8,
+            fp8_prefill=cfg.prefill_dtype == "fp8",
+            scale=cfg.shape.scale,
+            heads=cfg.shape.heads,
+        )
+        with self._lock:
+            r = run_chunk_loop(inputs, self.backend, fused, observer)
+        stats = PrefillStats(
+            chunks=list(plan), launches=r.launches, path="fused" if fused else "generic", fp8_path=cfg.fp8_path_labels,
+            stage_ns=r.stage_ns, total_ns=r.total_ns, context_tokens=sum(context_lens), query_tokens=int(q.shape[0]),
+        )
+        return PrefillResult(r.out, r.lse, stats)

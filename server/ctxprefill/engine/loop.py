@@ -1,0 +1,184 @@
+"""The chunk loop (SPEC §5): gather → cast → kv_b_proj → pack → attention → accumulate.
+
+The generic and the fused path differ only in the pack; everything else is the same
+code, so a difference in results can only come from the pack. The ``out`` contract:
+with a backend that ``supports_out()``, the output buffers exist before any chunk,
+rows no direct write will reach are set to 0 / -inf, each non-continuation chunk is
+computed straight into ``out[token_slice]``, and a continuation chunk computes into
+scratch and is merged in. Every backend that claims ``supports_out`` is checked to
+have written into the buffer it was given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..backends.base import AttentionBackend
+from ..ops import launches
+from ..ops.cast import cast_latent
+from ..ops.fp8 import FP8
+from ..ops.gather import gather
+from ..ops.kv_b_proj import kv_b_proj
+from ..ops.merge import merge
+from ..ops.pack import (
+    fused_mla_kv_concat,
+    fused_mla_kv_concat_quant_fp8,
+    generic_kv_concat,
+    generic_kv_concat_quant_fp8,
+)
+from .plan import ContextChunk
+from .timing import StageTimer
+
+STAGES = ("gather", "cast", "kv_b_proj", "pack", "attention", "merge")
+
+
+@dataclasses.dataclass
+class LoopInputs:
+    """Everything one request's chunk loop reads; tensors on the engine's device."""
+
+    q: torch.Tensor  # [Tq, H, 192] bf16, or fp8 for fp8 prefill
+    query_lens: Sequence[int]
+    block_table: torch.Tensor  # int32 [B, max_blocks], every used entry checked
+    chunks: Sequence[ContextChunk]
+    cache: torch.Tensor  # uint8 [num_slots, bytes_per_slot]
+    cache_dtype: str
+    k_scale: float
+    block_size: int
+    workspace: torch.Tensor  # uint8, at least rows * 576 * 2 bytes
+    weight: torch.Tensor  # kv_b_proj weight in its compute dtype [H*(P+V), L]
+    kv_b_proj_bf16: bool  # bf16 weight: the latent is cast to bf16 every chunk
+    gather_raw_fp8: bool
+    fp8_prefill: bool
+    scale: float
+    heads: int
+    latent: int = 512
+    nope: int = 128
+    v_dim: int = 128
+
+
+@dataclasses.dataclass
+class LoopResult:
+    out: torch.Tensor  # [Tq, H, V] bf16
+    lse: torch.Tensor  # [H, Tq] float32
+    launches: Counter
+    stage_ns: dict[str, int]
+    total_ns: int
+
+
+#: observer(chunk_index, chunk, q, k, v, out, lse) — tests compare paths chunk by chunk
+Observer = Callable[[int, ContextChunk, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _chunk_metadata(x: LoopInputs, device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]]:
+    """Per chunk: (cu_seq_lens, seq_starts, cu_seqlens_q, q0, q1, max_q), built on the
+    host and moved to the device in one copy for the whole request."""
+    q_offsets = [0]
+    for n in x.query_lens:
+        q_offsets.append(q_offsets[-1] + n)
+    host, spans = [], []
+    for c in x.chunks:
+        cu_k, cu_q = [0], [0]
+        for s, n in zip(c.sequences, c.context_lens):
+            cu_k.append(cu_k[-1] + n)
+            cu_q.append(cu_q[-1] + x.query_lens[s])
+        base = len(host)
+        host += cu_k + list(c.context_starts) + cu_q
+        spans.append((base, c.num_sequences, q_offsets[c.first_sequence], q_offsets[c.first_sequence + c.num_sequences],
+                      max((x.query_lens[s] for s in c.sequences), default=0)))
+    dev = torch.tensor(host, dtype=torch.int32).to(device, non_blocking=False)
+    meta = []
+    for base, n, q0, q1, max_q in spans:
+        cu_k = dev[base : base + n + 1]
+        starts = dev[base + n + 1 : base + 2 * n + 1]
+        cu_q = dev[base + 2 * n + 1 : base + 3 * n + 2]
+        meta.append((cu_k, starts, cu_q, q0, q1, max_q))
+    return meta
+
+
+def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observer: Observer | None = None) -> LoopResult:
+    q = x.q
+    device = q.device
+    Tq, H = q.shape[0], x.heads
+    counts: Counter = Counter()
+    timer = StageTimer(device)
+
+    @contextlib.contextmanager
+    def stage(name):
+        with launches.stage(counts, name), timer.stage(name):
+            yield
+
+    meta = _chunk_metadata(x, device)
+    ws_dtype = FP8 if x.gather_raw_fp8 else torch.bfloat16
+    width = x.latent + 64
+    direct = [not c.is_continuation for c in x.chunks]
+    written = [False] * Tq  # rows some direct (non-continuation) chunk will write
+    for c, (_, _, _, q0, q1, _), d in zip(x.chunks, meta, direct):
+        if d:
+            written[q0:q1] = [True] * (q1 - q0)
+    single = len(x.chunks) == 1 and direct[0] and meta[0][3] == 0 and meta[0][4] == Tq
+
+    out = lse = None
+    if not single:
+        out = torch.empty((Tq, H, x.v_dim), dtype=torch.bfloat16, device=device)
+        lse = torch.empty((H, Tq), dtype=torch.float32, device=device)
+        if not all(written):  # rows without context, or reached only by merges
+            with stage("merge"):
+                launches.note(2)
+                out.zero_()
+                lse.fill_(float("-inf"))
+
+    for i, (c, (cu_k, starts, cu_q, q0, q1, max_q)) in enumerate(zip(x.chunks, meta)):
+        rows = c.rows
+        with stage("gather"):
+            ws = x.workspace[: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
+            bt = x.block_table[c.first_sequence : c.first_sequence + c.num_sequences]
+            gather(x.cache, bt, cu_k, starts, ws, x.cache_dtype, x.k_scale, x.block_size)
+        latent, k_pe = ws[:, : x.latent], ws[:, x.latent :]
+        with stage("cast"):
+            if x.kv_b_proj_bf16:
+                latent = cast_latent(latent, torch.bfloat16)
+        with stage("kv_b_proj"):
+            kv = kv_b_proj(latent, x.weight).view(rows, H, x.nope + x.v_dim)
+        k_nope, v = kv[..., : x.nope], kv[..., x.nope :]
+        with stage("pack"):
+            if x.fp8_prefill:
+                k, v = (fused_mla_kv_concat_quant_fp8 if fused else generic_kv_concat_quant_fp8)(k_nope, k_pe, v)
+            else:
+                k = (fused_mla_kv_concat if fused else generic_kv_concat)(k_nope, k_pe)
+        q_c = q[q0:q1]
+        max_k = max(c.context_lens)
+        with stage("attention"):
+            launches.note(backend.launches_per_call())
+            if single:
+                out, lse = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale)
+                o_c, l_c = out, lse
+            elif direct[i] and backend.supports_out():
+                target = out[q0:q1]
+                o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, out=target)
+                if o_c.data_ptr() != target.data_ptr():
+                    raise RuntimeError(
+                        f"attention backend {backend.name!r} claims supports_out() but did not write into the "
+                        f"out buffer it was given (chunk {i})"
+                    )
+            else:
+                o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale)
+        if not single:
+            with stage("merge"):
+                if direct[i]:
+                    if not backend.supports_out():
+                        launches.note(1)
+                        out[q0:q1].copy_(o_c)
+                    launches.note(1)
+                    lse[:, q0:q1].copy_(l_c)
+                else:
+                    merge(out[q0:q1], lse[:, q0:q1], o_c, l_c)
+        if observer is not None:
+            observer(i, c, q_c, k, v, o_c, l_c)
+
+    stage_ns, total_ns = timer.finish()
+    return LoopResult(out, lse, counts, stage_ns, total_ns)

@@ -1,0 +1,144 @@
+"""Server settings (SPEC §8): one typed object built from flags or the environment,
+and the engine it describes.
+
+Every flag ``--some-flag`` can also be set as ``CTXPREFILL_SOME_FLAG``; a flag given
+on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+
+import torch
+
+from .config import CacheConfig, EngineConfig, ModelShape
+from .errors import ConfigError
+from .weights import load_kv_b_proj, prepare, random_kv_b_proj
+
+log = logging.getLogger("ctxprefill")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeSettings:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int = 9400
+    device: str = "auto"
+    heads: int = 16
+    block_size: int = 64
+    num_blocks: int = 4096
+    cache_dtype: str = "auto"
+    k_scale: float = 1.0
+    prefill_dtype: str = "bf16"
+    backend: str = "auto"
+    workspace_tokens: int = 65536
+    weights: str | None = None
+    weights_prefix: str = ""
+    seed: int = 0
+    kv_b_proj_dtype: str = "bf16"  # random weights only; a file decides its own
+    generic: bool = False  # run the generic (unfused) pack path
+    softmax_scale: float | None = None
+    grace_seconds: float = 25.0  # SIGTERM: how long in-flight requests may take to finish
+    max_message_bytes: int = 1 << 30  # gRPC send/receive limit
+    queue_size: int = 64  # requests admitted at once (running + waiting); more get RESOURCE_EXHAUSTED
+
+
+_HELP = {
+    "host": "address to bind the gRPC server to",
+    "port": "gRPC port",
+    "metrics_port": "HTTP port for /metrics, /healthz and /readyz",
+    "device": "auto (cuda if present, else cpu), cpu, cuda or cuda:N",
+    "heads": "attention heads on this worker (128 / tensor-parallel size)",
+    "block_size": "tokens per cache block",
+    "num_blocks": "cache blocks",
+    "cache_dtype": "auto (bf16), fp8 or fp8_ds_mla",
+    "k_scale": "per-tensor scale of the fp8 cache",
+    "prefill_dtype": "bf16 or fp8 (q arrives in fp8; k, v quantized)",
+    "backend": "attention backend: auto, triton or reference",
+    "workspace_tokens": "rows of the gather workspace (the largest chunk)",
+    "weights": "safetensors file holding {prefix}kv_b_proj.weight (random weights when absent)",
+    "weights_prefix": "key prefix in the weights file, e.g. model.layers.0.self_attn.",
+    "seed": "seed of the random weights used when --weights is not given",
+    "kv_b_proj_dtype": "dtype of random weights (bf16 or fp8); a weights file decides its own",
+    "generic": "use the generic (unfused) pack path instead of the fused kernels",
+    "softmax_scale": "softmax scale (default (P+R)**-0.5; pass the final one, yarn mscale included)",
+    "grace_seconds": "on SIGTERM/SIGINT: seconds in-flight requests get to finish before the server exits",
+    "max_message_bytes": "largest gRPC message the server receives or sends, in bytes",
+    "queue_size": "requests admitted at once (the running one and those waiting for the device); "
+                  "more are refused with RESOURCE_EXHAUSTED",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(ServeSettings):
+        flag = "--" + f.name.replace("_", "-")
+        env = "CTXPREFILL_" + f.name.upper()
+        default = f.default
+        if env in os.environ:
+            default = os.environ[env]
+            if f.type == "bool":
+                default = default.lower() in ("1", "true", "yes", "on")
+        if f.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f"{_HELP[f.name]} [{env}]")
+            continue
+        typ = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], str)
+        if f.name == "softmax_scale":
+            typ = float
+        p.add_argument(flag, type=typ, default=default, help=f"{_HELP[f.name]} (default: %(default)s) [{env}]")
+
+
+def from_args(ns: argparse.Namespace) -> ServeSettings:
+    kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServeSettings) if hasattr(ns, f.name)}
+    for f in dataclasses.fields(ServeSettings):  # environment strings -> types
+        v = kw.get(f.name)
+        if isinstance(v, str) and f.type in ("int", "float", "float | None"):
+            try:
+                kw[f.name] = int(v) if f.type == "int" else float(v)
+            except ValueError:
+                raise ConfigError(f"CTXPREFILL_{f.name.upper()}={v!r} is not a number") from None
+    return ServeSettings(**kw)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: no CUDA device is available")
+    return dev
+
+
+def build_engine(s: ServeSettings):
+    """Validated config + weights -> Engine (raises ConfigError with the flag at fault)."""
+    from .engine.engine import Engine
+
+    shape = ModelShape(heads=s.heads, softmax_scale=s.softmax_scale)
+    if s.weights:
+        weights = load_kv_b_proj(s.weights, shape, s.weights_prefix)
+    else:
+        t = random_kv_b_proj(shape, s.kv_b_proj_dtype, s.seed)
+        weights = prepare(s.kv_b_proj_dtype, t["kv_b_proj.weight"], t.get("kv_b_proj.weight_scale_inv"))
+    config = EngineConfig(
+        shape=shape,
+        cache=CacheConfig(s.cache_dtype, s.block_size, s.num_blocks, s.k_scale),
+        kv_b_proj_dtype=weights.dtype,
+        prefill_dtype=s.prefill_dtype,
+        workspace_tokens=s.workspace_tokens,
+        fused=not s.generic,
+        backend=s.backend,
+    )
+    device = resolve_device(s.device)
+    try:
+        engine = Engine(config, weights, device)
+    except ValueError as e:  # backend selection
+        raise ConfigError(f"--backend {s.backend}: {e}") from None
+    log.info(
+        "engine ready",
+        extra={"device": str(device), "backend": engine.backend.name, "backend_reason": engine.backend_reason,
+               "fused_kernels": engine.fused_kernels_active, "cache_dtype": s.cache_dtype,
+               "kv_b_proj_dtype": weights.dtype, "prefill_dtype": s.prefill_dtype},
+    )
+    return engine

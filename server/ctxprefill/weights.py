@@ -1,0 +1,127 @@
+"""``kv_b_proj`` weights from safetensors (SPEC §8), and a writer of random ones.
+
+Keys, with an optional prefix (a real checkpoint uses e.g.
+``model.layers.0.self_attn.``):
+- ``{prefix}kv_b_proj.weight`` [H*(P+V), L], bf16 or fp8 e4m3;
+- for fp8, either ``{prefix}kv_b_proj.weight_scale_inv`` float32
+  [ceil(N/128), ceil(L/128)] (DeepSeek-V3's 128×128 blocks: W_deq = W * s) or a scalar
+  ``{prefix}kv_b_proj.weight_scale``.
+Only safetensors is read: nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ModelShape
+from .errors import ConfigError
+from .ops.fp8 import FP8, saturating_cast_fp8
+
+BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class KvBProjWeights:
+    dtype: str  # "bf16" | "fp8"
+    weight: torch.Tensor  # [N, L] bf16 or fp8, as stored
+    scale: torch.Tensor | None  # fp8 only: float32 scalar or [ceil(N/128), ceil(L/128)]
+    compute: torch.Tensor  # [N, L] what the GEMM multiplies by: bf16, or fp32 W_deq
+
+    def to(self, device) -> "KvBProjWeights":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return KvBProjWeights(self.dtype, move(self.weight), move(self.scale), move(self.compute))
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W_deq in float32: each 128×128 block (or the whole tensor) times its scale."""
+    w = weight.float()
+    if scale.dim() == 0 or scale.numel() == 1:
+        return w * scale.float().reshape(())
+    N, L = w.shape
+    s = scale.float().repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :L]
+    return w * s
+
+
+def prepare(dtype: str, weight: torch.Tensor, scale: torch.Tensor | None) -> KvBProjWeights:
+    if dtype == "bf16":
+        return KvBProjWeights("bf16", weight, None, weight)
+    w_deq = dequantize(weight, scale)
+    as_bf16 = w_deq.to(torch.bfloat16)
+    exact = bool(torch.equal(as_bf16.float(), w_deq))
+    return KvBProjWeights("fp8", weight, scale, as_bf16 if exact else w_deq)
+
+
+def load_kv_b_proj(path: str, shape: ModelShape, prefix: str = "") -> KvBProjWeights:
+    key = f"{prefix}kv_b_proj.weight"
+    n_expected = shape.heads * (shape.qk_nope_head_dim + shape.v_head_dim)
+    if not os.path.isfile(path):
+        raise ConfigError(f"--weights: no such file {path!r}")
+    with safe_open(path, framework="pt") as f:
+        keys = set(f.keys())
+        if key not in keys:
+            near = sorted(k for k in keys if k.endswith("kv_b_proj.weight"))
+            raise ConfigError(f"--weights: {path} has no tensor {key!r}" + (f" (did you mean prefix for {near[:3]}?)" if near else ""))
+        weight = f.get_tensor(key)
+        scale_inv = f.get_tensor(f"{prefix}kv_b_proj.weight_scale_inv") if f"{prefix}kv_b_proj.weight_scale_inv" in keys else None
+        scale = f.get_tensor(f"{prefix}kv_b_proj.weight_scale") if f"{prefix}kv_b_proj.weight_scale" in keys else None
+    if tuple(weight.shape) != (n_expected, shape.kv_lora_rank):
+        raise ConfigError(
+            f"--weights: {key} has shape {tuple(weight.shape)}, expected [{n_expected}, {shape.kv_lora_rank}] "
+            f"for {shape.heads} heads (H*(P+V), L)"
+        )
+    if weight.dtype == torch.bfloat16:
+        return prepare("bf16", weight, None)
+    if weight.dtype != FP8:
+        raise ConfigError(f"--weights: {key} has dtype {weight.dtype}; bf16 or float8_e4m3fn expected")
+    if scale_inv is not None:
+        want = (math.ceil(weight.shape[0] / BLOCK), math.ceil(weight.shape[1] / BLOCK))
+        if tuple(scale_inv.shape) != want:
+            raise ConfigError(f"--weights: {prefix}kv_b_proj.weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {list(want)}")
+        scale = scale_inv
+    elif scale is not None:
+        if scale.numel() != 1:
+            raise ConfigError(f"--weights: {prefix}kv_b_proj.weight_scale must be a scalar, has shape {tuple(scale.shape)}")
+        scale = scale.reshape(())
+    else:
+        raise ConfigError(f"--weights: fp8 {key} needs {prefix}kv_b_proj.weight_scale_inv or {prefix}kv_b_proj.weight_scale")
+    scale = scale.float()
+    if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+        raise ConfigError("--weights: kv_b_proj weight scales must be finite and positive")
+    return prepare("fp8", weight, scale)
+
+
+def random_kv_b_proj(shape: ModelShape, dtype: str, seed: int, scale_kind: str = "block") -> dict[str, torch.Tensor]:
+    """Random weights in the checkpoint layout (unprefixed keys).
+
+    Values ~ N(0, 1/L) so that kv_b_proj outputs are O(1). fp8: quantized per 128×128
+    block (``scale_kind="block"``, arbitrary float scales as in real checkpoints) or
+    per tensor (``"tensor"``, a power-of-two scale).
+    """
+    g = torch.Generator().manual_seed(seed)
+    N = shape.heads * (shape.qk_nope_head_dim + shape.v_head_dim)
+    L = shape.kv_lora_rank
+    w = torch.randn((N, L), generator=g) / math.sqrt(L)
+    if dtype == "bf16":
+        return {"kv_b_proj.weight": w.to(torch.bfloat16)}
+    if dtype != "fp8":
+        raise ValueError(f"weight dtype must be bf16 or fp8, not {dtype!r}")
+    if scale_kind == "tensor":  # a power of two: W_deq is then exact in bf16 (the fast GEMM)
+        s = torch.tensor(2.0 ** math.ceil(math.log2(float(w.abs().amax()) / 448.0)))
+        return {"kv_b_proj.weight": saturating_cast_fp8(w / s), "kv_b_proj.weight_scale": s.reshape(()).float()}
+    nb, lb = math.ceil(N / BLOCK), math.ceil(L / BLOCK)
+    pad = torch.zeros((nb * BLOCK, lb * BLOCK))
+    pad[:N, :L] = w
+    amax = pad.reshape(nb, BLOCK, lb, BLOCK).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    s = (amax / 448.0).float()
+    q = saturating_cast_fp8(w / dequantize(torch.ones_like(w), s))
+    return {"kv_b_proj.weight": q, "kv_b_proj.weight_scale_inv": s}
+
+
+def save_weights(path: str, tensors: dict[str, torch.Tensor], prefix: str = "") -> None:
+    save_file({prefix + k: v.contiguous() for k, v in tensors.items()}, path)

@@ -1,0 +1,134 @@
+"""Fused vs generic, chunk by chunk, bit for bit (SPEC §5, §10) — on the CPU.
+
+The seed's method: q, k, v handed to attention and each chunk's output and LSE must
+be identical between the paths, and so must the merged result, for every
+combination of cache dtype × kv_b_proj dtype × out mode × prefill dtype.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from ctxprefill.backends.reference import ReferenceBackend
+from ctxprefill.workload import make_request
+
+from engine_helpers import bits, make_engine, record_chunks
+
+COMBOS = list(itertools.product(["auto", "fp8", "fp8_ds_mla"], ["bf16", "fp8"], [True, False], ["bf16", "fp8"]))
+CASES = {
+    # the seed's case: continuation chunk, an empty sequence, W = 128, block 16, H = 2
+    "seed": dict(contexts=[200, 48, 32, 0], queries=[8, 4, 6, 5], W=128, block=16, heads=2, blocks=64),
+    # larger: several continuations, empty sequences in the middle and at the ends
+    "larger": dict(contexts=[0, 700, 0, 65, 300, 0, 1, 130], queries=[3, 9, 2, 1, 7, 4, 5, 2], W=192, block=32,
+                   heads=3, blocks=64),
+    # one chunk, no empty row: the fast path without an accumulator
+    "single": dict(contexts=[40, 17], queries=[5, 3], W=128, block=16, heads=4, blocks=16),
+}
+
+
+def run_case(case, cache_dtype, kvb, honor_out, prefill, scale_kind="block"):
+    c = CASES[case]
+    eng = make_engine(cache_dtype, kvb, prefill, heads=c["heads"], block_size=c["block"], num_blocks=c["blocks"],
+                      workspace_tokens=c["W"], honor_out=honor_out, scale_kind=scale_kind)
+    q, seqs = make_request(eng, c["contexts"], c["queries"], seed=1)
+    fused, fchunks = record_chunks(eng, q, seqs, fused=True)
+    generic, gchunks = record_chunks(eng, q, seqs, fused=False)
+    return eng, fused, fchunks, generic, gchunks
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("cache_dtype,kvb,honor_out,prefill", COMBOS)
+def test_fused_equals_generic_chunk_by_chunk(case, cache_dtype, kvb, honor_out, prefill):
+    eng, fused, fchunks, generic, gchunks = run_case(case, cache_dtype, kvb, honor_out, prefill)
+    assert len(fchunks) == len(gchunks) == len(fused.stats.chunks) > 0
+    names = ("q", "k", "v", "out", "lse")
+    for i, (a, b) in enumerate(zip(fchunks, gchunks)):
+        for name, x, y in zip(names, a, b):
+            assert x.dtype == y.dtype and x.shape == y.shape, (i, name)
+            assert torch.equal(bits(x), bits(y)), f"chunk {i}: {name} differs"
+        if prefill == "fp8":
+            assert a[1].dtype == torch.float8_e4m3fn and a[2].dtype == torch.float8_e4m3fn
+    assert torch.equal(bits(fused.out), bits(generic.out))
+    assert torch.equal(bits(fused.lse), bits(generic.lse))
+    # exactly one pack launch per chunk on the fused path; more on the generic one when fp8
+    n = len(fused.stats.chunks)
+    assert fused.stats.launches["pack"] == n
+    assert generic.stats.launches["pack"] == (5 * n if prefill == "fp8" else n)
+    for st in (fused.stats, generic.stats):
+        assert st.fp8_path == {"cache_dtype": cache_dtype, "kv_b_proj_dtype": kvb, "prefill_dtype": prefill}
+    if case == "seed":
+        assert [c.is_continuation for c in fused.stats.chunks] == [False, True, False]
+
+
+@pytest.mark.parametrize("prefill", ["bf16", "fp8"])
+def test_fp8_per_tensor_weights_fused_equals_generic(prefill):
+    """fp8 weights with a scalar scale take the exact-bf16 GEMM; block scales the fp32 one."""
+    eng, fused, fchunks, generic, gchunks = run_case("seed", "fp8", "fp8", True, prefill, scale_kind="tensor")
+    assert eng.weights.compute.dtype == torch.bfloat16
+    assert torch.equal(bits(fused.out), bits(generic.out)) and torch.equal(bits(fused.lse), bits(generic.lse))
+    eng2 = run_case("seed", "fp8", "fp8", True, prefill, scale_kind="block")[0]
+    assert eng2.weights.compute.dtype == torch.float32
+
+
+def test_out_modes_agree_bit_for_bit():
+    """Writing straight into out[token_slice] or copying a backend's own result is the same."""
+    _, a, *_ = run_case("larger", "fp8_ds_mla", "bf16", True, "bf16")
+    _, b, *_ = run_case("larger", "fp8_ds_mla", "bf16", False, "bf16")
+    assert torch.equal(bits(a.out), bits(b.out)) and torch.equal(bits(a.lse), bits(b.lse))
+
+
+class LyingBackend(ReferenceBackend):
+    """Claims supports_out() but returns a buffer of its own."""
+
+    def run_context_chunk(self, *args, out=None, **kw):
+        return super().run_context_chunk(*args, out=None, **kw)
+
+
+def test_backend_that_ignores_out_fails_loudly():
+    c = CASES["seed"]
+    eng = make_engine(workspace_tokens=c["W"], backend=LyingBackend(honor_out=True))
+    q, seqs = make_request(eng, c["contexts"], c["queries"])
+    with pytest.raises(RuntimeError, match="did not write into the out buffer"):
+        eng.prefill_context(q, seqs)
+
+
+def test_single_chunk_returns_backend_result_directly():
+    c = CASES["single"]
+    eng = make_engine(heads=c["heads"], workspace_tokens=c["W"], num_blocks=c["blocks"])
+    q, seqs = make_request(eng, c["contexts"], c["queries"])
+    r = eng.prefill_context(q, seqs)
+    assert len(r.stats.chunks) == 1
+    assert "merge" not in r.stats.launches  # no accumulator: no fill, copy or merge
+
+
+def test_rows_without_context_are_exactly_zero_and_minus_inf():
+    eng = make_engine(workspace_tokens=128)
+    q, seqs = make_request(eng, [0, 50, 0], [3, 2, 4])
+    r = eng.prefill_context(q, seqs)
+    for rows in (slice(0, 3), slice(5, 9)):
+        assert bool((r.out[rows] == 0).all()) and not torch.signbit(r.out[rows].float()).any()
+        assert bool((r.lse[:, rows] == float("-inf")).all())
+    assert bool(torch.isfinite(r.lse[:, 3:5]).all())
+
+
+def test_no_context_at_all():
+    eng = make_engine()
+    q, seqs = make_request(eng, [0, 0], [2, 1])
+    r = eng.prefill_context(q, seqs)
+    assert r.stats.chunks == [] and bool((r.out == 0).all()) and bool((r.lse == float("-inf")).all())
+
+
+def test_fresh_sequence_inside_a_continuation_chunk_starts_from_zero():
+    """contexts [200, 0, 32], W=128: chunk 2 is a continuation of seq 0 that also holds
+    all of seq 2 — seq 2's rows are reached only by a merge, so they must be
+    initialised to 0 / -inf first (a trap for planners of this shape)."""
+    from ctxprefill.reference64 import prefill_context_float64
+    from ctxprefill.workload import relative_error
+
+    eng = make_engine(workspace_tokens=128)
+    q, seqs = make_request(eng, [200, 0, 32], [4, 2, 3])
+    r = eng.prefill_context(q, seqs)
+    assert r.stats.chunks[1].is_continuation and 2 in r.stats.chunks[1].sequences
+    ref_out, ref_lse = prefill_context_float64(eng, q, seqs)
+    assert relative_error(r.out[6:], ref_out[6:]) < 1e-2
