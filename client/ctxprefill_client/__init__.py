@@ -1,0 +1,73 @@
+"""ctxprefill_client: the caller's side of the ctxprefill gRPC API (numpy, grpcio and
+protobuf only; no torch).
+
+- :class:`PrefillContextClient` / :class:`AsyncPrefillContextClient`: the RPCs, with
+  deadlines, retries on UNAVAILABLE and server-restart detection.
+- :func:`merge_partials`: merge two (output, LSE) attention partials.
+- :mod:`ctxprefill_client.tensors`: numpy <-> ``Tensor`` messages and exact bf16/fp8 casts.
+- Generated protobuf/gRPC code lives in ``ctxprefill_client._proto.ctxprefill.v1``
+  (``ctxprefill_pb2``, ``ctxprefill_pb2_grpc``), made by ``scripts/gen_proto.sh``.
+"""
+
+from ._common import (
+    ContextChunk,
+    CtxPrefillError,
+    CtxPrefillRpcError,
+    PrefillResult,
+    ResponseDecodeError,
+    Sequence,
+    ServerInfo,
+    ServerRestartedError,
+)
+from .aio import AsyncPrefillContextClient
+from .client import PrefillContextClient
+from .merge import merge_partials
+from .tensors import (
+    BF16,
+    FP8_E4M3,
+    FP16,
+    FP32,
+    INT32,
+    INT64,
+    UINT8,
+    RawTensor,
+    bf16_bits_to_float32,
+    decode_tensor,
+    encode_tensor,
+    float32_to_bf16_bits,
+    float32_to_fp8_e4m3_bits,
+    fp8_e4m3_bits_to_float32,
+    tensor_to_numpy,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BF16",
+    "FP16",
+    "FP32",
+    "FP8_E4M3",
+    "INT32",
+    "INT64",
+    "UINT8",
+    "AsyncPrefillContextClient",
+    "ContextChunk",
+    "CtxPrefillError",
+    "CtxPrefillRpcError",
+    "PrefillContextClient",
+    "PrefillResult",
+    "RawTensor",
+    "ResponseDecodeError",
+    "Sequence",
+    "ServerInfo",
+    "ServerRestartedError",
+    "__version__",
+    "bf16_bits_to_float32",
+    "decode_tensor",
+    "encode_tensor",
+    "float32_to_bf16_bits",
+    "float32_to_fp8_e4m3_bits",
+    "fp8_e4m3_bits_to_float32",
+    "merge_partials",
+    "tensor_to_numpy",
+]

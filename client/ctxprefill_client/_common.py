@@ -1,0 +1,448 @@
+"""What the sync and asyncio clients share: types, errors, request building, response
+decoding, retry policy and instance-id tracking. No I/O here."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence as _SeqABC
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from .tensors import (
+    BF16,
+    FP8_E4M3,
+    FP32,
+    INT64,
+    UINT8,
+    RawTensor,
+    decode_tensor,
+    encode_tensor,
+)
+
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+DEFAULT_RETRIES = 3
+DEFAULT_BACKOFF_BASE_S = 0.1
+DEFAULT_BACKOFF_MAX_S = 5.0
+
+# The only status code retried as is: the server is draining, restarting or not reachable.
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class CtxPrefillError(Exception):
+    """Base class of every error this client raises."""
+
+
+class CtxPrefillRpcError(CtxPrefillError):
+    """An RPC failed with a gRPC status. ``code`` is a ``grpc.StatusCode``."""
+
+    def __init__(self, method: str, code: grpc.StatusCode | None, details: str) -> None:
+        self.method = method
+        self.code = code
+        self.details = details
+        name = code.name if code is not None else "?"
+        super().__init__(f"{method} failed: {name}: {details}")
+
+
+class ServerRestartedError(CtxPrefillRpcError):
+    """The server is not the instance this client saw first: it restarted and its
+    cache (in GPU memory) is gone, so block tables and slots written before now point
+    at nothing. Re-populate the cache, then call ``reset_instance()`` on the client.
+
+    Raised for FAILED_PRECONDITION on a request that carried ``expected_instance_id``,
+    and when a response reports an instance id other than the remembered one.
+    """
+
+    def __init__(
+        self,
+        method: str,
+        expected_instance_id: str | None,
+        actual_instance_id: str | None,
+        details: str = "",
+        code: grpc.StatusCode | None = grpc.StatusCode.FAILED_PRECONDITION,
+    ) -> None:
+        self.expected_instance_id = expected_instance_id
+        self.actual_instance_id = actual_instance_id
+        msg = (
+            f"server instance changed (expected {expected_instance_id!r}, "
+            f"got {actual_instance_id if actual_instance_id is not None else 'another'}); "
+            "its cache is gone"
+        )
+        if details:
+            msg += f": {details}"
+        super().__init__(method, code, msg)
+
+
+class ResponseDecodeError(CtxPrefillError):
+    """A response did not have the shape or dtype the API promises."""
+
+
+# --------------------------------------------------------------------------- types
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One sequence of a PrefillContext batch (see the proto's ``Sequence``)."""
+
+    query_len: int
+    context_len: int
+    block_table: tuple[int, ...] = ()
+
+    def to_proto(self) -> pb.Sequence:
+        return pb.Sequence(
+            query_len=int(self.query_len),
+            context_len=int(self.context_len),
+            block_table=[int(b) for b in self.block_table],
+        )
+
+
+@dataclass(frozen=True)
+class ContextChunk:
+    """One chunk of a context plan (see the proto's ``ContextChunk``)."""
+
+    first_sequence: int
+    num_sequences: int
+    context_start: tuple[int, ...]
+    context_len: tuple[int, ...]
+
+    def to_proto(self) -> pb.ContextChunk:
+        return pb.ContextChunk(
+            first_sequence=int(self.first_sequence),
+            num_sequences=int(self.num_sequences),
+            context_start=[int(x) for x in self.context_start],
+            context_len=[int(x) for x in self.context_len],
+        )
+
+    @classmethod
+    def from_proto(cls, m: pb.ContextChunk) -> "ContextChunk":
+        return cls(m.first_sequence, m.num_sequences, tuple(m.context_start), tuple(m.context_len))
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """GetServerInfo's answer as plain Python values (``versions`` as a dict)."""
+
+    instance_id: str
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+    cache_dtype: str
+    block_size: int
+    num_blocks: int
+    k_scale: float
+    bytes_per_slot: int
+    kv_b_proj_dtype: str
+    kv_b_proj_scale_format: str
+    weights_source: str
+    prefill_dtype: str
+    attention_backend: str
+    attention_backend_supports_out: bool
+    fused_kernels_active: bool
+    fused_kernels_reason: str
+    workspace_tokens: int
+    device: str
+    versions: dict[str, str]
+    max_message_bytes: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @classmethod
+    def from_proto(cls, m: pb.GetServerInfoResponse) -> "ServerInfo":
+        v = m.versions
+        return cls(
+            instance_id=m.instance_id,
+            num_heads=m.num_heads,
+            kv_lora_rank=m.kv_lora_rank,
+            qk_nope_head_dim=m.qk_nope_head_dim,
+            qk_rope_head_dim=m.qk_rope_head_dim,
+            v_head_dim=m.v_head_dim,
+            softmax_scale=m.softmax_scale,
+            cache_dtype=m.cache_dtype,
+            block_size=m.block_size,
+            num_blocks=m.num_blocks,
+            k_scale=m.k_scale,
+            bytes_per_slot=m.bytes_per_slot,
+            kv_b_proj_dtype=m.kv_b_proj_dtype,
+            kv_b_proj_scale_format=m.kv_b_proj_scale_format,
+            weights_source=m.weights_source,
+            prefill_dtype=m.prefill_dtype,
+            attention_backend=m.attention_backend,
+            attention_backend_supports_out=m.attention_backend_supports_out,
+            fused_kernels_active=m.fused_kernels_active,
+            fused_kernels_reason=m.fused_kernels_reason,
+            workspace_tokens=m.workspace_tokens,
+            device=m.device,
+            versions={"server": v.server, "torch": v.torch, "cuda": v.cuda, "cudnn": v.cudnn, "python": v.python},
+            max_message_bytes=m.max_message_bytes,
+        )
+
+
+@dataclass
+class PrefillResult:
+    """PrefillContext's answer.
+
+    - ``output``: float32 ``[Tq, H, V]``, the exact values of the bf16 output;
+    - ``output_bits``: the bf16 bits (``uint16`` ``[Tq, H, V]``, a read-only view of the
+      response bytes), or None if the server sent FP32;
+    - ``lse``: float32 ``[H, Tq]``, natural log, ``-inf`` on rows without context;
+    - ``stats``: a dict — ``num_chunks``, ``chunks`` (list of :class:`ContextChunk`),
+      ``kernel_launches`` and ``stage_nanos`` (dicts by stage), ``path``, ``fp8_path``
+      (dict: cache_dtype, kv_b_proj_dtype, prefill_dtype), ``total_nanos``,
+      ``context_tokens``, ``query_tokens``.
+    """
+
+    output: np.ndarray
+    output_bits: np.ndarray | None
+    lse: np.ndarray
+    stats: dict[str, Any]
+    instance_id: str
+    request_id: str = ""
+    raw: Any = field(default=None, repr=False)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def channel_options(max_message_bytes: int, extra: Iterable[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+    opts = [
+        ("grpc.max_send_message_length", int(max_message_bytes)),
+        ("grpc.max_receive_message_length", int(max_message_bytes)),
+    ]
+    opts.extend(extra)
+    return opts
+
+
+def call_metadata(token: str | None, extra: Iterable[tuple[str, str]] = ()) -> tuple[tuple[str, str], ...]:
+    md: list[tuple[str, str]] = []
+    if token:
+        md.append(("authorization", f"Bearer {token}"))
+    md.extend(extra)
+    return tuple(md)
+
+
+def channel_credentials(
+    credentials: grpc.ChannelCredentials | None,
+    tls: bool,
+    root_certificates: bytes | None,
+) -> grpc.ChannelCredentials | None:
+    if credentials is not None:
+        return credentials
+    if tls or root_certificates is not None:
+        return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    return None
+
+
+def _as_sequence(s: Any, i: int) -> pb.Sequence:
+    if isinstance(s, Sequence):
+        return s.to_proto()
+    if isinstance(s, pb.Sequence):
+        return s
+    if isinstance(s, Mapping):
+        return Sequence(int(s["query_len"]), int(s["context_len"]), tuple(s.get("block_table", ()))).to_proto()
+    if isinstance(s, _SeqABC) and len(s) in (2, 3):
+        bt = tuple(np.asarray(s[2]).ravel().tolist()) if len(s) == 3 else ()
+        return Sequence(int(s[0]), int(s[1]), bt).to_proto()
+    raise TypeError(f"sequences[{i}]: expected Sequence, (query_len, context_len, block_table) or dict")
+
+
+def _as_chunk(c: Any, i: int) -> pb.ContextChunk:
+    if isinstance(c, ContextChunk):
+        return c.to_proto()
+    if isinstance(c, pb.ContextChunk):
+        return c
+    if isinstance(c, Mapping):
+        return ContextChunk(
+            int(c["first_sequence"]), int(c["num_sequences"]), tuple(c["context_start"]), tuple(c["context_len"])
+        ).to_proto()
+    if isinstance(c, _SeqABC) and len(c) == 4:
+        return ContextChunk(int(c[0]), int(c[1]), tuple(c[2]), tuple(c[3])).to_proto()
+    raise TypeError(f"plan[{i}]: expected ContextChunk, (first, num, starts, lens) or dict")
+
+
+def _latent_tensor(x: Any, name: str) -> pb.Tensor:
+    """kv_c / k_pe: RawTensor (BF16/FP32) as is; uint16 -> BF16 bits; floats -> FP32 (exact)."""
+    if isinstance(x, RawTensor):
+        if x.dtype not in (BF16, FP32):
+            raise ValueError(f"{name}: must be BF16 or FP32, got {x.dtype_name}")
+        return encode_tensor(x, name=name)
+    arr = np.asarray(x)
+    if arr.dtype == np.uint16:
+        return encode_tensor(arr, BF16, name=name)
+    if np.issubdtype(arr.dtype, np.floating):
+        return encode_tensor(arr.astype(np.float32, copy=False), FP32, name=name)
+    raise ValueError(f"{name}: expected a float array, uint16 bf16 bits or a RawTensor, got {arr.dtype}")
+
+
+def _slot_tensor(slot_mapping: Any) -> pb.Tensor:
+    arr = np.asarray(slot_mapping)
+    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise ValueError(f"slot_mapping: expected a 1-D integer array, got {arr.dtype} {list(arr.shape)}")
+    return encode_tensor(arr.astype(np.int64, copy=False), INT64, name="slot_mapping")
+
+
+def build_write_request(slot_mapping: Any, kv_c: Any, k_pe: Any, expected: str | None) -> pb.WriteCacheRequest:
+    req = pb.WriteCacheRequest(
+        slot_mapping=_slot_tensor(slot_mapping),
+        kv_c=_latent_tensor(kv_c, "kv_c"),
+        k_pe=_latent_tensor(k_pe, "k_pe"),
+    )
+    if expected is not None:
+        req.expected_instance_id = expected
+    return req
+
+
+def build_read_request(slot_mapping: Any, expected: str | None) -> pb.ReadCacheRequest:
+    req = pb.ReadCacheRequest(slot_mapping=_slot_tensor(slot_mapping))
+    if expected is not None:
+        req.expected_instance_id = expected
+    return req
+
+
+def _q_tensor(q: Any, q_dtype: int | None, server_prefill_dtype: str | None) -> pb.Tensor:
+    if isinstance(q, RawTensor):
+        return encode_tensor(q, q_dtype, name="q")
+    arr = np.asarray(q)
+    if q_dtype is None:
+        if arr.dtype == np.uint16:
+            q_dtype = BF16
+        elif arr.dtype == np.uint8:
+            q_dtype = FP8_E4M3
+        elif server_prefill_dtype == "fp8":
+            q_dtype = FP8_E4M3
+        else:
+            q_dtype = BF16
+    return encode_tensor(arr, q_dtype, name="q")
+
+
+def build_prefill_request(
+    q: Any,
+    sequences: Iterable[Any],
+    *,
+    request_id: str | None,
+    workspace_tokens: int | None,
+    plan: Iterable[Any] | None,
+    expected: str | None,
+    q_dtype: int | None,
+    server_prefill_dtype: str | None,
+) -> pb.PrefillContextRequest:
+    req = pb.PrefillContextRequest(
+        request_id=request_id or "",
+        q=_q_tensor(q, q_dtype, server_prefill_dtype),
+        sequences=[_as_sequence(s, i) for i, s in enumerate(sequences)],
+    )
+    if workspace_tokens is not None:
+        req.workspace_tokens = int(workspace_tokens)
+    if expected is not None:
+        req.expected_instance_id = expected
+    if plan is not None:
+        req.plan.extend(_as_chunk(c, i) for i, c in enumerate(plan))
+    return req
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def _decode(msg: pb.Tensor, name: str, **checks: Any) -> RawTensor:
+    try:
+        return decode_tensor(msg, name=name, **checks)
+    except ValueError as e:
+        raise ResponseDecodeError(str(e)) from None
+
+
+def stats_to_dict(s: pb.Stats) -> dict[str, Any]:
+    return {
+        "num_chunks": s.num_chunks,
+        "chunks": [ContextChunk.from_proto(c) for c in s.chunks],
+        "kernel_launches": dict(s.kernel_launches),
+        "path": s.path,
+        "fp8_path": {
+            "cache_dtype": s.fp8_path.cache_dtype,
+            "kv_b_proj_dtype": s.fp8_path.kv_b_proj_dtype,
+            "prefill_dtype": s.fp8_path.prefill_dtype,
+        },
+        "stage_nanos": dict(s.stage_nanos),
+        "total_nanos": s.total_nanos,
+        "context_tokens": s.context_tokens,
+        "query_tokens": s.query_tokens,
+    }
+
+
+def parse_prefill_response(resp: pb.PrefillContextResponse, num_query_rows: int) -> PrefillResult:
+    out = _decode(resp.output, "output", dtypes=(BF16, FP32), ndim=3)
+    lse = _decode(resp.lse, "lse", dtypes=(FP32,), ndim=2)
+    tq, h, _ = out.shape
+    if tq != num_query_rows:
+        raise ResponseDecodeError(f"output: {tq} rows, the request had {num_query_rows}")
+    if lse.shape != (h, tq):
+        raise ResponseDecodeError(f"lse: shape {list(lse.shape)}, expected [H, Tq] = {[h, tq]}")
+    return PrefillResult(
+        output=out.to_numpy().astype(np.float32, copy=False),
+        output_bits=out.bits if out.dtype == BF16 else None,
+        lse=lse.bits,
+        stats=stats_to_dict(resp.stats),
+        instance_id=resp.instance_id,
+        request_id=resp.request_id,
+        raw=resp,
+    )
+
+
+def parse_read_response(resp: pb.ReadCacheResponse, num_slots: int) -> np.ndarray:
+    slots = _decode(resp.slots, "slots", dtypes=(UINT8,), ndim=2)
+    if slots.shape[0] != num_slots:
+        raise ResponseDecodeError(f"slots: {slots.shape[0]} rows, asked for {num_slots}")
+    return slots.bits
+
+
+# --------------------------------------------------------------------------- policy
+
+
+def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random | None = None) -> float:
+    """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**attempt)]."""
+    r = rng.random() if rng is not None else random.random()
+    return r * min(cap, base * (2.0**attempt))
+
+
+class InstanceTracker:
+    """Remembers the first instance id seen and flags any other one."""
+
+    def __init__(self, expected: str | None = None, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.instance_id: str | None = expected
+
+    def expected(self) -> str | None:
+        return self.instance_id if self.enabled else None
+
+    def observe(self, method: str, instance_id: str) -> None:
+        if not self.enabled or not instance_id:
+            return
+        if self.instance_id is None:
+            self.instance_id = instance_id
+        elif instance_id != self.instance_id:
+            raise ServerRestartedError(method, self.instance_id, instance_id, code=None)
+
+    def reset(self, instance_id: str | None = None) -> None:
+        self.instance_id = instance_id
+
+
+def map_rpc_error(method: str, err: grpc.RpcError, expected_sent: str | None) -> CtxPrefillError:
+    code = err.code() if hasattr(err, "code") else None
+    details = (err.details() if hasattr(err, "details") else str(err)) or ""
+    if code == grpc.StatusCode.FAILED_PRECONDITION and expected_sent is not None:
+        return ServerRestartedError(method, expected_sent, None, details)
+    return CtxPrefillRpcError(method, code, details)

@@ -1,0 +1,241 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATA_TYPE_UNSPECIFIED: _ClassVar[DataType]
+    DATA_TYPE_BF16: _ClassVar[DataType]
+    DATA_TYPE_FP16: _ClassVar[DataType]
+    DATA_TYPE_FP32: _ClassVar[DataType]
+    DATA_TYPE_FP8_E4M3: _ClassVar[DataType]
+    DATA_TYPE_INT32: _ClassVar[DataType]
+    DATA_TYPE_INT64: _ClassVar[DataType]
+    DATA_TYPE_UINT8: _ClassVar[DataType]
+DATA_TYPE_UNSPECIFIED: DataType
+DATA_TYPE_BF16: DataType
+DATA_TYPE_FP16: DataType
+DATA_TYPE_FP32: DataType
+DATA_TYPE_FP8_E4M3: DataType
+DATA_TYPE_INT32: DataType
+DATA_TYPE_INT64: DataType
+DATA_TYPE_UINT8: DataType
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DataType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Versions(_message.Message):
+    __slots__ = ("server", "torch", "cuda", "cudnn", "python")
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    TORCH_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    CUDNN_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_FIELD_NUMBER: _ClassVar[int]
+    server: str
+    torch: str
+    cuda: str
+    cudnn: str
+    python: str
+    def __init__(self, server: _Optional[str] = ..., torch: _Optional[str] = ..., cuda: _Optional[str] = ..., cudnn: _Optional[str] = ..., python: _Optional[str] = ...) -> None: ...
+
+class GetServerInfoResponse(_message.Message):
+    __slots__ = ("instance_id", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "softmax_scale", "cache_dtype", "block_size", "num_blocks", "k_scale", "bytes_per_slot", "kv_b_proj_dtype", "kv_b_proj_scale_format", "weights_source", "prefill_dtype", "attention_backend", "attention_backend_supports_out", "fused_kernels_active", "fused_kernels_reason", "workspace_tokens", "device", "versions", "max_message_bytes")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    KV_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    QK_NOPE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    QK_ROPE_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    V_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    SOFTMAX_SCALE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    K_SCALE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    KV_B_PROJ_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_B_PROJ_SCALE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_SUPPORTS_OUT_FIELD_NUMBER: _ClassVar[int]
+    FUSED_KERNELS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    FUSED_KERNELS_REASON_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+    cache_dtype: str
+    block_size: int
+    num_blocks: int
+    k_scale: float
+    bytes_per_slot: int
+    kv_b_proj_dtype: str
+    kv_b_proj_scale_format: str
+    weights_source: str
+    prefill_dtype: str
+    attention_backend: str
+    attention_backend_supports_out: bool
+    fused_kernels_active: bool
+    fused_kernels_reason: str
+    workspace_tokens: int
+    device: str
+    versions: Versions
+    max_message_bytes: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_heads: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_nope_head_dim: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., softmax_scale: _Optional[float] = ..., cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., k_scale: _Optional[float] = ..., bytes_per_slot: _Optional[int] = ..., kv_b_proj_dtype: _Optional[str] = ..., kv_b_proj_scale_format: _Optional[str] = ..., weights_source: _Optional[str] = ..., prefill_dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., attention_backend_supports_out: _Optional[bool] = ..., fused_kernels_active: _Optional[bool] = ..., fused_kernels_reason: _Optional[str] = ..., workspace_tokens: _Optional[int] = ..., device: _Optional[str] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class WriteCacheRequest(_message.Message):
+    __slots__ = ("slot_mapping", "kv_c", "k_pe", "expected_instance_id")
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    KV_C_FIELD_NUMBER: _ClassVar[int]
+    K_PE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    slot_mapping: Tensor
+    kv_c: Tensor
+    k_pe: Tensor
+    expected_instance_id: str
+    def __init__(self, slot_mapping: _Optional[_Union[Tensor, _Mapping]] = ..., kv_c: _Optional[_Union[Tensor, _Mapping]] = ..., k_pe: _Optional[_Union[Tensor, _Mapping]] = ..., expected_instance_id: _Optional[str] = ...) -> None: ...
+
+class WriteCacheResponse(_message.Message):
+    __slots__ = ("slots_written", "instance_id")
+    SLOTS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    slots_written: int
+    instance_id: str
+    def __init__(self, slots_written: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class ReadCacheRequest(_message.Message):
+    __slots__ = ("slot_mapping", "expected_instance_id")
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    slot_mapping: Tensor
+    expected_instance_id: str
+    def __init__(self, slot_mapping: _Optional[_Union[Tensor, _Mapping]] = ..., expected_instance_id: _Optional[str] = ...) -> None: ...
+
+class ReadCacheResponse(_message.Message):
+    __slots__ = ("slots", "instance_id")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    slots: Tensor
+    instance_id: str
+    def __init__(self, slots: _Optional[_Union[Tensor, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class Sequence(_message.Message):
+    __slots__ = ("query_len", "context_len", "block_table")
+    QUERY_LEN_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    query_len: int
+    context_len: int
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, query_len: _Optional[int] = ..., context_len: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ContextChunk(_message.Message):
+    __slots__ = ("first_sequence", "num_sequences", "context_start", "context_len")
+    FIRST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_START_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    first_sequence: int
+    num_sequences: int
+    context_start: _containers.RepeatedScalarFieldContainer[int]
+    context_len: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_sequence: _Optional[int] = ..., num_sequences: _Optional[int] = ..., context_start: _Optional[_Iterable[int]] = ..., context_len: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefillContextRequest(_message.Message):
+    __slots__ = ("request_id", "q", "sequences", "workspace_tokens", "expected_instance_id", "plan")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    WORKSPACE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    q: Tensor
+    sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
+    workspace_tokens: int
+    expected_instance_id: str
+    plan: _containers.RepeatedCompositeFieldContainer[ContextChunk]
+    def __init__(self, request_id: _Optional[str] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., workspace_tokens: _Optional[int] = ..., expected_instance_id: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[ContextChunk, _Mapping]]] = ...) -> None: ...
+
+class Fp8Path(_message.Message):
+    __slots__ = ("cache_dtype", "kv_b_proj_dtype", "prefill_dtype")
+    CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_B_PROJ_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    cache_dtype: str
+    kv_b_proj_dtype: str
+    prefill_dtype: str
+    def __init__(self, cache_dtype: _Optional[str] = ..., kv_b_proj_dtype: _Optional[str] = ..., prefill_dtype: _Optional[str] = ...) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("num_chunks", "chunks", "kernel_launches", "path", "fp8_path", "stage_nanos", "total_nanos", "context_tokens", "query_tokens")
+    class KernelLaunchesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class StageNanosEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_LAUNCHES_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    FP8_PATH_FIELD_NUMBER: _ClassVar[int]
+    STAGE_NANOS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NANOS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_chunks: int
+    chunks: _containers.RepeatedCompositeFieldContainer[ContextChunk]
+    kernel_launches: _containers.ScalarMap[str, int]
+    path: str
+    fp8_path: Fp8Path
+    stage_nanos: _containers.ScalarMap[str, int]
+    total_nanos: int
+    context_tokens: int
+    query_tokens: int
+    def __init__(self, num_chunks: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ContextChunk, _Mapping]]] = ..., kernel_launches: _Optional[_Mapping[str, int]] = ..., path: _Optional[str] = ..., fp8_path: _Optional[_Union[Fp8Path, _Mapping]] = ..., stage_nanos: _Optional[_Mapping[str, int]] = ..., total_nanos: _Optional[int] = ..., context_tokens: _Optional[int] = ..., query_tokens: _Optional[int] = ...) -> None: ...
+
+class PrefillContextResponse(_message.Message):
+    __slots__ = ("output", "lse", "stats", "instance_id", "request_id")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    LSE_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    output: Tensor
+    lse: Tensor
+    stats: Stats
+    instance_id: str
+    request_id: str
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Union[Tensor, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., instance_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,190 @@
+"""asyncio client of ``ctxprefill.v1.PrefillContextService`` (``grpc.aio``).
+
+The twin of :class:`ctxprefill_client.PrefillContextClient`: same arguments, same
+methods (coroutines), same deadlines, retries and instance-id tracking.
+
+    async with AsyncPrefillContextClient("localhost:50051") as client:
+        info = await client.server_info()
+        res = await client.prefill_context(q, sequences)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+import numpy as np
+
+from ._common import (
+    DEFAULT_BACKOFF_BASE_S,
+    DEFAULT_BACKOFF_MAX_S,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT_S,
+    RETRYABLE_CODES,
+    InstanceTracker,
+    PrefillResult,
+    ServerInfo,
+    backoff_delay,
+    build_prefill_request,
+    build_read_request,
+    build_write_request,
+    call_metadata,
+    channel_credentials,
+    map_rpc_error,
+    parse_prefill_response,
+    parse_read_response,
+)
+from ._common import channel_options as _channel_options
+from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+
+__all__ = ["AsyncPrefillContextClient"]
+
+_R = TypeVar("_R")
+
+
+class AsyncPrefillContextClient:
+    """asyncio client; see :class:`ctxprefill_client.PrefillContextClient` for the arguments.
+
+    Create it inside a running event loop (grpc.aio binds its channel to the loop).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        retries: int = DEFAULT_RETRIES,
+        backoff_base: float = DEFAULT_BACKOFF_BASE_S,
+        backoff_max: float = DEFAULT_BACKOFF_MAX_S,
+        credentials: grpc.ChannelCredentials | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        token: str | None = None,
+        metadata: Iterable[tuple[str, str]] = (),
+        expected_instance_id: str | None = None,
+        track_instance: bool = True,
+        channel_options: Iterable[tuple[str, Any]] = (),
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        self.target = target
+        self.timeout = float(timeout)
+        self.retries = int(retries)
+        self.backoff_base = float(backoff_base)
+        self.backoff_max = float(backoff_max)
+        self._metadata = call_metadata(token, metadata)
+        self._tracker = InstanceTracker(expected_instance_id, track_instance)
+        self._info: ServerInfo | None = None
+        self._owns_channel = channel is None
+        if channel is None:
+            opts = _channel_options(max_message_bytes, channel_options)
+            creds = channel_credentials(credentials, tls, root_certificates)
+            channel = (
+                grpc.aio.secure_channel(target, creds, options=opts)
+                if creds is not None
+                else grpc.aio.insecure_channel(target, options=opts)
+            )
+        self._channel = channel
+        self._stub = pb_grpc.PrefillContextServiceStub(channel)
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def close(self) -> None:
+        if self._owns_channel:
+            await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncPrefillContextClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    @property
+    def instance_id(self) -> str | None:
+        """The server instance this client expects (None until the first answer)."""
+        return self._tracker.instance_id
+
+    def reset_instance(self, instance_id: str | None = None) -> None:
+        """Forget the remembered instance; the next answer's id becomes the expected one."""
+        self._tracker.reset(instance_id)
+        self._info = None
+
+    async def _call(
+        self,
+        method: str,
+        rpc: Callable[..., Awaitable[_R]],
+        request: Any,
+        timeout: float | None,
+        expected: str | None,
+    ) -> _R:
+        deadline = self.timeout if timeout is None else float(timeout)
+        attempt = 0
+        while True:
+            try:
+                return await rpc(request, timeout=deadline, metadata=self._metadata)
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else None
+                if code in RETRYABLE_CODES and attempt < self.retries:
+                    await asyncio.sleep(backoff_delay(attempt, self.backoff_base, self.backoff_max))
+                    attempt += 1
+                    continue
+                raise map_rpc_error(method, err, expected) from err
+
+    # ------------------------------------------------------------------ RPCs
+
+    async def server_info(self, *, timeout: float | None = None) -> ServerInfo:
+        """GetServerInfo. Raises ServerRestartedError if the instance changed."""
+        resp = await self._call("GetServerInfo", self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout, None)
+        info = ServerInfo.from_proto(resp)
+        self._tracker.observe("GetServerInfo", info.instance_id)
+        self._info = info
+        return info
+
+    async def write_cache(self, slot_mapping: Any, kv_c: Any, k_pe: Any, *, timeout: float | None = None) -> int:
+        """WriteCache; see ``PrefillContextClient.write_cache``. Returns slots written."""
+        expected = self._tracker.expected()
+        req = build_write_request(slot_mapping, kv_c, k_pe, expected)
+        resp = await self._call("WriteCache", self._stub.WriteCache, req, timeout, expected)
+        self._tracker.observe("WriteCache", resp.instance_id)
+        return int(resp.slots_written)
+
+    async def read_cache(self, slot_mapping: Any, *, timeout: float | None = None) -> np.ndarray:
+        """ReadCache: the raw bytes of the slots, ``uint8 [T, bytes_per_slot]``."""
+        expected = self._tracker.expected()
+        req = build_read_request(slot_mapping, expected)
+        resp = await self._call("ReadCache", self._stub.ReadCache, req, timeout, expected)
+        self._tracker.observe("ReadCache", resp.instance_id)
+        return parse_read_response(resp, len(req.slot_mapping.data) // 8)
+
+    async def prefill_context(
+        self,
+        q: Any,
+        sequences: Iterable[Any],
+        *,
+        request_id: str | None = None,
+        workspace_tokens: int | None = None,
+        plan: Iterable[Any] | None = None,
+        q_dtype: int | None = None,
+        timeout: float | None = None,
+    ) -> PrefillResult:
+        """PrefillContext; see ``PrefillContextClient.prefill_context``."""
+        expected = self._tracker.expected()
+        req = build_prefill_request(
+            q,
+            sequences,
+            request_id=request_id,
+            workspace_tokens=workspace_tokens,
+            plan=plan,
+            expected=expected,
+            q_dtype=q_dtype,
+            server_prefill_dtype=self._info.prefill_dtype if self._info else None,
+        )
+        resp = await self._call("PrefillContext", self._stub.PrefillContext, req, timeout, expected)
+        self._tracker.observe("PrefillContext", resp.instance_id)
+        rows = int(req.q.shape[0]) if len(req.q.shape) else 0
+        return parse_prefill_response(resp, rows)

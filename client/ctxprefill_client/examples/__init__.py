@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m ctxprefill_client.examples.orchestrator --help``."""

@@ -1,0 +1,304 @@
+"""ctxprefill_client.tensors: exact bf16 / fp8 e4m3 casts (against torch, on every bit
+pattern) and numpy <-> Tensor message encoding. The client itself never imports torch;
+only these tests do, as the reference."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ctxprefill_client import tensors as T
+from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+
+torch = pytest.importorskip("torch")
+
+ALL_U16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+def _torch_bf16_bits(x32: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(x32, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def _torch_fp8_sat_bits(x: np.ndarray) -> np.ndarray:
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    return t.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+
+def _is_nan_bf16(bits: np.ndarray) -> np.ndarray:
+    return (bits & 0x7FFF) > 0x7F80
+
+
+def _is_nan_fp8(bits: np.ndarray) -> np.ndarray:
+    return (bits & 0x7F) == 0x7F
+
+
+def _special_f32() -> np.ndarray:
+    u = [
+        0x00000000, 0x80000000, 0x00000001, 0x80000001, 0x007FFFFF, 0x00800000, 0x00008000, 0x00018000,
+        0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F7FFF, 0x7F7F8000, 0x7F7F8001, 0x7F800000, 0xFF800000,
+        0x7F800001, 0x7FC00000, 0xFFC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800100, 0xFF810000,
+        0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0xBF808000, 0xBF818000,
+    ]  # fmt: skip
+    return np.array(u, dtype=np.uint32).view(np.float32)
+
+
+def _random_f32(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 1 << 32, size=n, dtype=np.uint64).astype(np.uint32)
+    # plus ties and near-ties at every exponent: low half exactly 0x8000, 0x7FFF, 0x8001
+    hi = rng.integers(0, 1 << 16, size=n // 4, dtype=np.uint64).astype(np.uint32) << np.uint32(16)
+    ties = np.concatenate([hi | 0x8000, hi | 0x7FFF, hi | 0x8001, hi])
+    normals = rng.standard_normal(n).astype(np.float32).view(np.uint32)
+    return np.concatenate([bits, ties, normals]).view(np.float32)
+
+
+# --------------------------------------------------------------------------- bf16
+
+
+def test_bf16_to_float32_all_patterns_matches_torch():
+    ours = T.bf16_bits_to_float32(ALL_U16)
+    ref = torch.from_numpy(ALL_U16.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
+    assert ours.dtype == np.float32 and ours.shape == (65536,)
+    np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))
+
+
+def test_bf16_round_trip_all_patterns():
+    back = T.float32_to_bf16_bits(T.bf16_bits_to_float32(ALL_U16))
+    nan = _is_nan_bf16(ALL_U16)
+    assert nan.sum() == 254
+    np.testing.assert_array_equal(back[~nan], ALL_U16[~nan])
+    assert _is_nan_bf16(back[nan]).all()
+    # sign and top payload bits of a NaN are kept (quiet bit set)
+    np.testing.assert_array_equal(back[nan], ALL_U16[nan] | 0x0040)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_float32_to_bf16_matches_torch(seed):
+    x = np.concatenate([_special_f32(), _random_f32(200_000, seed)])
+    ours = T.float32_to_bf16_bits(x)
+    ref = _torch_bf16_bits(x)
+    nan = np.isnan(x)
+    assert nan.any()
+    np.testing.assert_array_equal(ours[~nan], ref[~nan])
+    assert _is_nan_bf16(ours[nan]).all()
+    assert _is_nan_bf16(ref[nan]).all()
+
+
+def test_float32_to_bf16_ties_to_even():
+    x = np.array([0x3F808000, 0x3F818000, 0xBF808000], dtype=np.uint32).view(np.float32)
+    np.testing.assert_array_equal(T.float32_to_bf16_bits(x), np.array([0x3F80, 0x3F82, 0xBF80], np.uint16))
+
+
+def test_float32_to_bf16_float64_input_goes_through_float32():
+    x = np.array([1.0 + 2**-8 + 2**-30, 3.0, -2.5e-40])
+    np.testing.assert_array_equal(T.float32_to_bf16_bits(x), _torch_bf16_bits(x.astype(np.float32)))
+
+
+def test_bf16_shapes_and_strides_kept():
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4).transpose(2, 0, 1)[::2]
+    bits = T.float32_to_bf16_bits(x)
+    assert bits.shape == x.shape and bits.dtype == np.uint16
+    np.testing.assert_array_equal(T.bf16_bits_to_float32(bits), x)
+
+
+# --------------------------------------------------------------------------- fp8
+
+
+def test_fp8_decode_table_matches_torch():
+    codes = np.arange(256, dtype=np.uint8)
+    ours = T.fp8_e4m3_bits_to_float32(codes)
+    ref = torch.from_numpy(codes.copy()).view(torch.float8_e4m3fn).float().numpy()
+    nan = np.isnan(ref)
+    assert nan.sum() == 2 and np.isnan(ours[nan]).all()
+    np.testing.assert_array_equal(ours[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+    assert np.nanmax(ours) == 448.0 and np.nanmin(ours) == -448.0
+
+
+def test_fp8_saturating_cast_all_bf16_patterns_matches_torch():
+    x = T.bf16_bits_to_float32(ALL_U16)  # every bf16 value, as float32
+    ours = T.float32_to_fp8_e4m3_bits(x)
+    ref = _torch_fp8_sat_bits(x)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(ours[~nan], ref[~nan])
+    assert _is_nan_fp8(ours[nan]).all()
+    assert not _is_nan_fp8(ours[~nan]).any()  # saturating: no NaN out of a non-NaN
+    # saturation: +-inf and everything past 448 give +-448 (0x7E / 0xFE)
+    big = ~nan & (np.abs(x) >= 448)
+    np.testing.assert_array_equal(ours[big] & 0x7F, np.full(big.sum(), 0x7E, np.uint8))
+
+
+def test_fp8_saturating_cast_all_fp16_patterns_matches_torch():
+    x16 = ALL_U16.view(np.float16)
+    ours = T.float32_to_fp8_e4m3_bits(x16)
+    ref = _torch_fp8_sat_bits(x16)
+    nan = np.isnan(x16)
+    np.testing.assert_array_equal(ours[~nan], ref[~nan])
+    assert _is_nan_fp8(ours[nan]).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fp8_saturating_cast_random_float32_matches_torch(seed):
+    rng = np.random.default_rng(seed)
+    x = np.concatenate(
+        [
+            _special_f32(),
+            _random_f32(100_000, seed),
+            (rng.standard_normal(100_000) * 100).astype(np.float32),
+            (rng.standard_normal(100_000) * 2**-7).astype(np.float32),  # subnormal range of e4m3
+        ]
+    )
+    ours = T.float32_to_fp8_e4m3_bits(x)
+    ref = _torch_fp8_sat_bits(x)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(ours[~nan], ref[~nan])
+    assert _is_nan_fp8(ours[nan]).all()
+
+
+def test_fp8_float64_input_rounds_once():
+    # 1 + 2**-4 + 2**-40: a float32 cast would round it to the tie 1.0625 -> even (1.0);
+    # rounded once from float64 it is above the tie -> 1.125.
+    x = np.array([1 + 2**-4 + 2**-40, -(1 + 2**-4 + 2**-40)])
+    np.testing.assert_array_equal(T.fp8_e4m3_bits_to_float32(T.float32_to_fp8_e4m3_bits(x)), [1.125, -1.125])
+
+
+def test_fp8_round_trip_all_codes():
+    codes = np.arange(256, dtype=np.uint8)
+    back = T.float32_to_fp8_e4m3_bits(T.fp8_e4m3_bits_to_float32(codes))
+    nan = _is_nan_fp8(codes)
+    np.testing.assert_array_equal(back[~nan], codes[~nan])
+    assert _is_nan_fp8(back[nan]).all()
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@pytest.mark.parametrize(
+    "arr, wire",
+    [
+        (np.arange(12, dtype=np.float32).reshape(3, 4) / 7, T.FP32),
+        (np.arange(12, dtype=np.float16).reshape(2, 2, 3), T.FP16),
+        (np.arange(-5, 5, dtype=np.int32), T.INT32),
+        (np.arange(-5, 5, dtype=np.int64) * (1 << 40), T.INT64),
+        (np.arange(256, dtype=np.uint8).reshape(16, 16), T.UINT8),
+    ],
+)
+def test_encode_decode_round_trip(arr, wire):
+    msg = T.encode_tensor(arr)
+    assert msg.dtype == wire and list(msg.shape) == list(arr.shape)
+    assert len(msg.data) == arr.size * arr.itemsize
+    assert msg.data == np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<")).tobytes()
+    back = T.tensor_to_numpy(msg)
+    np.testing.assert_array_equal(back, arr)
+
+
+def test_encode_bf16_and_fp8_from_floats_and_bits():
+    x = np.array([[1.0, -2.5, 3.140625], [448.0, 1e6, -np.inf]], dtype=np.float32)
+    m = T.encode_tensor(x, T.BF16, name="q")
+    assert m.dtype == T.BF16 and len(m.data) == 12
+    np.testing.assert_array_equal(T.decode_tensor(m).bits, T.float32_to_bf16_bits(x))
+    np.testing.assert_array_equal(T.tensor_to_numpy(m), T.bf16_bits_to_float32(T.float32_to_bf16_bits(x)))
+    bits = T.float32_to_bf16_bits(x)
+    assert T.encode_tensor(bits, T.BF16).data == m.data
+    assert T.encode_tensor(T.RawTensor(T.BF16, bits)).data == m.data
+    f8 = T.encode_tensor(x, T.FP8_E4M3)
+    np.testing.assert_array_equal(T.tensor_to_numpy(f8), [[1.0, -2.5, 3.25], [448.0, 448.0, -448.0]])
+
+
+def test_encode_strided_and_big_endian_inputs():
+    base = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
+    view = base.transpose(1, 0, 2)[:, ::2, 1:4]
+    msg = T.encode_tensor(view)
+    np.testing.assert_array_equal(T.tensor_to_numpy(msg), view)
+    be = np.arange(6, dtype=">i8")
+    msg = T.encode_tensor(be, T.INT64)
+    assert msg.data == np.arange(6, dtype="<i8").tobytes()
+
+
+def test_decode_is_a_read_only_view_without_copy():
+    arr = np.arange(1000, dtype=np.float32)
+    msg = T.encode_tensor(arr)
+    data = msg.data
+    raw = T.decode_tensor(pb.Tensor(dtype=msg.dtype, shape=msg.shape, data=data))
+    assert not raw.bits.flags.writeable
+    # np.frombuffer: the array's memory is the message's bytes object itself, not a copy
+    base = raw.bits
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base, bytes) and len(base) == 4000
+
+
+def test_decode_rejects_length_mismatch_naming_the_field():
+    msg = pb.Tensor(dtype=T.FP32, shape=[2, 3], data=b"\x00" * 20)
+    with pytest.raises(ValueError, match=r"^kv_c: data has 20 bytes.*needs 24"):
+        T.decode_tensor(msg, name="kv_c")
+    with pytest.raises(ValueError, match="^lse: "):
+        T.decode_tensor(pb.Tensor(dtype=T.BF16, shape=[4], data=b"\x00" * 4), name="lse")
+
+
+def test_decode_rejects_bad_dtype_shape_and_ndim():
+    with pytest.raises(ValueError, match="^q: unsupported dtype UNSPECIFIED"):
+        T.decode_tensor(pb.Tensor(shape=[1], data=b"\x00"), name="q")
+    with pytest.raises(ValueError, match="^q: negative dimension"):
+        T.decode_tensor(pb.Tensor(dtype=T.UINT8, shape=[-1], data=b""), name="q")
+    with pytest.raises(ValueError, match=r"^q: expected 3 dimensions"):
+        T.decode_tensor(pb.Tensor(dtype=T.UINT8, shape=[1], data=b"\x00"), name="q", ndim=3)
+    with pytest.raises(ValueError, match=r"^q: dtype FP32 not allowed \(expected BF16, FP8_E4M3\)"):
+        T.decode_tensor(pb.Tensor(dtype=T.FP32, shape=[1], data=b"\x00" * 4), name="q", dtypes=(T.BF16, T.FP8_E4M3))
+
+
+def test_empty_and_scalar_tensors():
+    empty = T.encode_tensor(np.zeros((0, 7), dtype=np.float32))
+    assert list(empty.shape) == [0, 7] and empty.data == b""
+    assert T.tensor_to_numpy(empty).shape == (0, 7)
+    scalar = T.encode_tensor(np.float32(2.5))
+    assert list(scalar.shape) == [] and len(scalar.data) == 4
+    assert T.tensor_to_numpy(scalar) == np.float32(2.5)
+
+
+def test_encode_rejects_bad_combinations():
+    with pytest.raises(ValueError, match="^x: cannot infer"):
+        T.encode_tensor(np.zeros(3), name="x")  # float64: ambiguous
+    with pytest.raises(ValueError, match="^slot_mapping: INT64 needs an integer array"):
+        T.encode_tensor(np.zeros(3, np.float32), T.INT64, name="slot_mapping")
+    with pytest.raises(ValueError, match="out of range"):
+        T.encode_tensor(np.array([1 << 40]), T.INT32, name="b")
+    with pytest.raises(ValueError, match="^q: BF16 needs"):
+        T.encode_tensor(np.zeros(3, np.int32), T.BF16, name="q")
+    with pytest.raises(ValueError):
+        T.RawTensor(T.BF16, np.zeros(3, np.float32))
+
+
+# --------------------------------------------------------------------------- no torch
+
+
+def test_client_imports_without_torch():
+    client_dir = Path(__file__).resolve().parents[1] / "client"
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["torch"] = None  # any `import torch` now raises ImportError
+        import ctxprefill_client
+        import ctxprefill_client.aio, ctxprefill_client.client, ctxprefill_client.merge
+        import ctxprefill_client.tensors, ctxprefill_client.examples.orchestrator
+        from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2, ctxprefill_pb2_grpc
+        import numpy as np
+        out, lse = ctxprefill_client.merge_partials(
+            np.zeros((2, 1, 3), np.float32), np.zeros((1, 2), np.float32),
+            np.ones((2, 1, 3), np.float32), np.zeros((1, 2), np.float32))
+        assert np.allclose(out, 0.5)
+        assert ctxprefill_client.float32_to_fp8_e4m3_bits(np.float32(1e9)) == 0x7E
+        bad = [m for m in sys.modules if m == "torch" or m.startswith("torch.")]
+        assert all(sys.modules[m] is None for m in bad), bad
+        print("ok", ctxprefill_client.__version__)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(client_dir))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok ")
