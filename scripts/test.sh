@@ -16,9 +16,8 @@ if ! command -v promtool >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
   (command -v service >/dev/null && service prometheus stop >/dev/null 2>&1) || true
   pkill -x prometheus >/dev/null 2>&1 || true
 fi
-if [ -x scripts/lint_proto.sh ] || [ -f scripts/lint_proto.sh ]; then
-  log "buf lint"
-  bash scripts/lint_proto.sh
-fi
+log "buf lint; generated gRPC code up to date"
+bash scripts/lint_proto.sh
+bash scripts/gen_proto.sh --check
 log "pytest"
 exec "$VENV/bin/python" -m pytest -q "$@"
