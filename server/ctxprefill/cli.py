@@ -1,4 +1,4 @@
-"""``ctxprefill``: serve | demo | make-weights."""
+"""``ctxprefill``: serve | demo | bench | make-weights."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ def _make_weights(ns) -> int:
 def main(argv: list[str] | None = None) -> int:
     from .settings import add_arguments, from_args
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own parser: a grid of shapes, not server settings
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="ctxprefill", description=__doc__)
     p.add_argument("--version", action="version", version=__version__)
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING: quiet)")
@@ -36,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(demo)
     demo.add_argument("--target", default=None, help="host:port of a running server to drive instead")
     demo.set_defaults(num_blocks=256)
+
+    sub.add_parser("bench", help="fused vs generic path over a grid of shapes, in-process (see bench --help)")
 
     mw = sub.add_parser("make-weights", help="write random kv_b_proj weights in the checkpoint layout")
     mw.add_argument("--out", required=True, help="safetensors file to write")
