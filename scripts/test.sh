@@ -8,6 +8,10 @@ bash scripts/install.sh
 VENV=${CTXPREFILL_VENV:-.venv}
 log() { printf '[test] %s\n' "$*" >&2; }
 
+# Triton runs the attention kernel's CPU tests in its interpreter (no GPU needed)
+"$VENV/bin/python" -c "import triton" 2>/dev/null || "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "triton==3.6.0" \
+  || log "could not install triton: the Triton backend's tests will skip"
+
 if ! command -v promtool >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   log "installing Debian's prometheus (promtool, prometheus)"
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \

@@ -1,0 +1,352 @@
+"""Benchmark: our Triton MLA context attention against torch's attention kernels (GPU).
+
+Useful TFLOP/s = 2 · Σ visible (query, key) pairs · H · (192 + 128) / time — for
+non-causal that is 2·Σ q_i·k_i·H·320; for causal (bottom-right) the exact count of
+visible pairs (≈ half when q_i = k_i). Padding (v to 192 for flash) is not counted.
+
+Per head count H and batch shape, side by side in one process:
+  triton bf16 | triton bf16 causal | triton fp8 (P·V bf16) | triton fp8 (P·V fp8)
+  cudnn bf16    aten._scaled_dot_product_cudnn_attention, dense [B,H,S,D] for equal
+                lengths; ragged: one call per sequence ("loop")
+  flash bf16    F.scaled_dot_product_attention, flash backend, v padded to 192
+  flex bf16/fp8 flex_attention compiled (document mask for ragged), if it works
+The ragged batch does (within ~1 %) the same work as the equal-length one.
+
+  python bench/bench_attention.py --out bench/results/attention.json
+  python bench/bench_attention.py --sweep --out bench/results/attention_sweep.json
+Stays within --budget-s seconds (optional competitors are skipped past it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels, whatever the shell says
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "server"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+T0 = time.time()
+
+
+def log(msg):
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def ragged_like(q_total, work, weights_q, weights_k, align=64):
+    """q lengths ∝ weights_q summing to q_total; k lengths ∝ weights_k, scaled so that
+    Σ q_i·k_i ≈ work, rounded to multiples of ``align`` (a cache block)."""
+    sq = sum(weights_q)
+    q = [int(q_total * w / sq) for w in weights_q]
+    q[-1] += q_total - sum(q)
+    c = work / sum(qi * wk for qi, wk in zip(q, weights_k))
+    k = [max(align, int(round(c * wk / align)) * align) for wk in weights_k]
+    return q, k
+
+
+def cases():
+    rq, rk = ragged_like(4096, 4 * 1024 * 16384, [1, 7, 2.5, 5.5], [6, 2, 8, 3])
+    return [
+        ("1x8192q/16384k", [8192], [16384]),
+        ("4x1024q/16384k", [1024] * 4, [16384] * 4),
+        ("ragged4", rq, rk),  # same work as 4x1024q/16384k
+        ("1x1024q/16384k", [1024], [16384]),
+    ]
+
+
+def pairs(q_lens, k_lens, causal):
+    if not causal:
+        return sum(q * k for q, k in zip(q_lens, k_lens))
+    tot = 0
+    for q, k in zip(q_lens, k_lens):  # row t sees min(k, max(0, t + 1 + k - q)) keys
+        t = torch.arange(q, dtype=torch.int64)
+        tot += int((t + 1 + k - q).clamp(0, k).sum())
+    return tot
+
+
+def make(q_lens, k_lens, H, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Tq, Tk = sum(q_lens), sum(k_lens)
+    q = torch.randn(Tq, H, 192, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(Tk, H, 192, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(Tk, H, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    return q, k, v, cu(q_lens), cu(k_lens)
+
+
+def to_fp8(x):
+    return x.float().clamp(-448, 448).to(FP8)  # saturating cast (SPEC §6)
+
+
+def bench_ms(fn, rep):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=max(10, rep // 4), rep=rep)
+
+
+def dense(x, B):  # packed [B*S, H, D] (equal lengths) -> contiguous [B, H, S, D] (copied once, untimed)
+    return x.reshape(B, -1, *x.shape[1:]).transpose(1, 2).contiguous()
+
+
+# ---------------------------------------------------------------------------- providers
+def prov_triton(q, k, v, cq, ck, ql, kl, scale, causal=False, config=None):
+    from ctxprefill.backends.triton_attention import mla_context_attention
+
+    out = torch.empty(q.shape[0], q.shape[1], 128, device="cuda", dtype=torch.bfloat16)
+    mq, mk = max(ql), max(kl)
+    return lambda: mla_context_attention(q, k, v, cq, ck, mq, mk, scale, out=out, causal=causal, config=config)
+
+
+def prov_cudnn(q, k, v, cq, ck, ql, kl, scale):
+    op = torch.ops.aten._scaled_dot_product_cudnn_attention
+    if len(set(ql)) == 1 and len(set(kl)) == 1:
+        B = len(ql)
+        qd, kd, vd = dense(q, B), dense(k, B), dense(v, B)
+        return lambda: op(qd, kd, vd, None, True, 0.0, False, False, scale=scale)
+    segs = []
+    for i in range(len(ql)):
+        a, b, c, d = int(cq[i]), int(cq[i + 1]), int(ck[i]), int(ck[i + 1])
+        segs.append((dense(q[a:b], 1), dense(k[c:d], 1), dense(v[c:d], 1)))
+    return lambda: [op(a, b, c, None, True, 0.0, False, False, scale=scale) for a, b, c in segs]
+
+
+def prov_flash(q, k, v, cq, ck, ql, kl, scale):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    vp = F.pad(v, (0, 64))  # flash needs d_v == d_qk
+    if len(set(ql)) == 1 and len(set(kl)) == 1:
+        B = len(ql)
+        segs = [(dense(q, B), dense(k, B), dense(vp, B))]
+    else:
+        segs = []
+        for i in range(len(ql)):
+            a, b, c, d = int(cq[i]), int(cq[i + 1]), int(ck[i]), int(ck[i + 1])
+            segs.append((dense(q[a:b], 1), dense(k[c:d], 1), dense(vp[c:d], 1)))
+
+    def fn():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return [F.scaled_dot_product_attention(a, b, c, scale=scale) for a, b, c in segs]
+
+    return fn
+
+
+_FLEX = None
+
+
+def prov_flex(q, k, v, cq, ck, ql, kl, scale):
+    global _FLEX
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _FLEX is None:
+        for knob in ("recompile_limit", "cache_size_limit"):  # one compile per shape; never fall back to eager
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, 64)
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    Tq, Tk = q.shape[0], k.shape[0]
+    if len(ql) == 1:
+        bm = None
+    else:  # packed ragged batch: a document mask
+        qdoc = torch.repeat_interleave(torch.arange(len(ql), device="cuda"), torch.tensor(ql, device="cuda"))
+        kdoc = torch.repeat_interleave(torch.arange(len(kl), device="cuda"), torch.tensor(kl, device="cuda"))
+        bm = create_block_mask(lambda b, h, qi, ki: qdoc[qi] == kdoc[ki], 1, 1, Tq, Tk, device="cuda")
+    qd, kd, vd = (dense(x, 1) for x in (q, k, v))
+    return lambda: _FLEX(qd, kd, vd, block_mask=bm, scale=scale, return_lse=True)
+
+
+# ---------------------------------------------------------------------------- main table
+def sanity(q, k, v, cq, ck, ql, kl, scale):
+    """Our output and LSE against cuDNN's on one equal-length case (bf16)."""
+    from ctxprefill.backends.triton_attention import mla_context_attention
+
+    B = len(ql)
+    o, lse = mla_context_attention(q, k, v, cq, ck, max(ql), max(kl), scale)
+    ref = torch.ops.aten._scaled_dot_product_cudnn_attention(dense(q, B), dense(k, B), dense(v, B), None, True,
+                                                             0.0, False, False, scale=scale)
+    ro = ref[0].transpose(1, 2).reshape(o.shape)
+    rl = ref[1].reshape(B, q.shape[1], -1).transpose(0, 1).reshape(lse.shape)
+    return dict(out_rel=((o.float() - ro.float()).norm() / ro.float().norm()).item(),
+                lse_max_abs=(lse - rl.float()).abs().max().item())
+
+
+class Inputs:
+    """Per (H, case) inputs, made once and kept (all of them fit: ~30 GB at H=128)."""
+
+    def __init__(self):
+        self._d = {}
+
+    def get(self, H, name, ql, kl):
+        if (H, name) not in self._d:
+            q, k, v, cq, ck = make(ql, kl, H)
+            self._d[H, name] = dict(bf16=(q, k, v), fp8=(to_fp8(q), to_fp8(k), to_fp8(v)), cq=cq, ck=ck)
+        return self._d[H, name]
+
+
+def measure(rec, mk, ql, kl, H, causal, rep):
+    try:
+        fn = mk()
+        fn()  # compile / warm up
+        torch.cuda.synchronize()
+        ms = bench_ms(fn, rep)
+        rec.update(ms=ms, tflops=2 * pairs(ql, kl, causal) * H * 320 / ms / 1e9)
+    except Exception as e:  # a provider or config that does not run here is a result too
+        rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+    return rec
+
+
+def fmt(rec):
+    return (f"{rec['ms']:8.3f} ms {rec['tflops']:6.1f} TFLOP/s" if "ms" in rec
+            else str(rec.get("error", rec.get("skipped", ""))))
+
+
+def run_table(args):
+    """Phase 0: our kernel on every shape (always run); 1: cuDNN and flash; 2: flex
+    (slow compiles). Optional phases stop at --budget-s."""
+    scale = 192**-0.5
+    data = Inputs()
+    shapes = [(H, c) for H in args.heads for c in cases()]
+    # (phase, provider, dtype, causal, factory(inputs, cq, ck, ql, kl))
+    provs = [
+        (0, "triton", "bf16", False, lambda x, cq, ck, ql, kl: prov_triton(*x, cq, ck, ql, kl, scale)),
+        (0, "triton", "bf16", True, lambda x, cq, ck, ql, kl: prov_triton(*x, cq, ck, ql, kl, scale, causal=True)),
+        (0, "triton pv_bf16", "fp8", False,
+         lambda x, cq, ck, ql, kl: prov_triton(*x, cq, ck, ql, kl, scale, config=dict(PV_FP8=False))),
+        (0, "triton pv_fp8", "fp8", False,
+         lambda x, cq, ck, ql, kl: prov_triton(*x, cq, ck, ql, kl, scale, config=dict(PV_FP8=True))),
+        (1, "cudnn", "bf16", False, lambda x, cq, ck, ql, kl: prov_cudnn(*x, cq, ck, ql, kl, scale)),
+        (1, "flash v->192", "bf16", False, lambda x, cq, ck, ql, kl: prov_flash(*x, cq, ck, ql, kl, scale)),
+    ]
+    if not args.no_flex:
+        provs += [(2, "flex", "bf16", False, lambda x, cq, ck, ql, kl: prov_flex(*x, cq, ck, ql, kl, scale)),
+                  (2, "flex", "fp8", False, lambda x, cq, ck, ql, kl: prov_flex(*x, cq, ck, ql, kl, scale))]
+    results = []
+    for phase in (0, 1, 2):
+        for H, (name, ql, kl) in shapes:
+            equal = len(set(ql)) == 1 and len(set(kl)) == 1
+            for ph, prov, dt, causal, mk in provs:
+                if ph != phase:
+                    continue
+                label = prov + ("" if equal or prov.startswith(("triton", "flex")) else " loop")
+                rec = dict(H=H, case=name, q_lens=ql, k_lens=kl, provider=label, dtype=dt, causal=causal)
+                if phase > 0 and time.time() - T0 > args.budget_s:
+                    rec["skipped"] = "time budget"
+                else:
+                    x = data.get(H, name, ql, kl)
+                    measure(rec, lambda: mk(x[dt], x["cq"], x["ck"], ql, kl), ql, kl, H, causal, args.rep)
+                results.append(rec)
+                log(f"H={H:<3} {name:<16} {label:<17} {dt:<4} {'causal' if causal else '':<6} {fmt(rec)}")
+            if phase == 1 and name.startswith("1x8192") and time.time() - T0 <= args.budget_s:
+                try:
+                    x = data.get(H, name, ql, kl)
+                    chk = sanity(*x["bf16"], x["cq"], x["ck"], ql, kl, scale)
+                    results.append(dict(H=H, case=name, sanity_vs_cudnn=chk))
+                    log(f"H={H} {name} triton vs cudnn: out rel {chk['out_rel']:.2e}, "
+                        f"lse max abs {chk['lse_max_abs']:.2e}")
+                except Exception as e:
+                    log(f"sanity check failed to run: {type(e).__name__}: {str(e)[:160]}")
+    return results
+
+
+def print_table(results):
+    rows = [r for r in results if "provider" in r]
+    rows.sort(key=lambda r: (r["H"], [c[0] for c in cases()].index(r["case"])))
+    print("\n| H | case | provider | dtype | causal | ms | TFLOP/s |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        val = (f"{r['ms']:.3f} | {r['tflops']:.1f}" if "ms" in r else f"– | {r.get('error', r.get('skipped'))}")
+        print(f"| {r['H']} | {r['case']} | {r['provider']} | {r['dtype']} | {'yes' if r['causal'] else ''} | {val} |")
+
+
+# ---------------------------------------------------------------------------- sweep
+def _c(BM, BN, w, s, tma=True, **kw):
+    return dict(BLOCK_M=BM, BLOCK_N=BN, num_warps=w, num_stages=s, USE_TMA=tma, **kw)
+
+
+# in priority order (the sweep stops at --budget-s); regs/smem from an sm_90 cross-compile
+SWEEP = {
+    "bf16": [_c(128, 64, 8, 3),               # default; 146 regs, 169 KiB
+             _c(128, 64, 8, 3, tma=False),    # pointer loads; 184 regs
+             _c(128, 128, 8, 2),              # 193 regs, 209 KiB
+             _c(128, 64, 8, 2),               # 129 KiB
+             _c(64, 64, 4, 3),                # 144 regs
+             _c(64, 64, 4, 2)],               # ~104 KiB: 2 CTAs/SM by smem
+    "fp8": [_c(128, 64, 8, 3, PV_FP8=False),  # default
+            _c(128, 64, 8, 3, PV_FP8=True),
+            _c(128, 128, 8, 2, PV_FP8=True),
+            _c(128, 128, 8, 3, PV_FP8=True),
+            _c(128, 128, 8, 2, PV_FP8=False),
+            _c(128, 64, 8, 3, tma=False, PV_FP8=False),
+            _c(64, 64, 4, 3, PV_FP8=True)],
+}
+SWEEP_SHAPES = [(16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "ragged4"), (128, "1x1024q/16384k")]
+
+
+def run_sweep(args):
+    scale = 192**-0.5
+    data = Inputs()
+    byname = {c[0]: c for c in cases()}
+    shapes = [(H, byname[n]) for H, n in SWEEP_SHAPES if H in args.heads]
+    results, best = [], {}
+    for rank in range(max(len(v) for v in SWEEP.values())):
+        for dt, cfgs in SWEEP.items():
+            if rank >= len(cfgs):
+                continue
+            cfg = cfgs[rank]
+            for H, (name, ql, kl) in shapes:
+                rec = dict(H=H, case=name, dtype=dt, config=cfg)
+                if time.time() - T0 > args.budget_s:
+                    rec["skipped"] = "time budget"
+                else:
+                    x = data.get(H, name, ql, kl)
+                    measure(rec, lambda: prov_triton(*x[dt], x["cq"], x["ck"], ql, kl, scale, config=cfg),
+                            ql, kl, H, False, args.rep)
+                    key = (H, name, dt)
+                    if "ms" in rec and (key not in best or rec["ms"] < best[key]["ms"]):
+                        best[key] = rec
+                results.append(rec)
+                log(f"H={H:<3} {name:<16} {dt:<4} {cfg} {fmt(rec)}")
+    print("\nbest per shape:")
+    for (H, name, dt), r in sorted(best.items()):
+        print(f"  H={H:<3} {name:<16} {dt:<4} {r['tflops']:6.1f} TFLOP/s  {r['config']}")
+    return results + [dict(best=list(best.values()))]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/attention.json", help="JSON results path")
+    ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    ap.add_argument("--rep", type=int, default=100, help="do_bench time per measurement, ms")
+    ap.add_argument("--budget-s", type=float, default=120.0, help="skip optional work after this many seconds")
+    ap.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles are slow)")
+    ap.add_argument("--sweep", action="store_true", help="sweep Triton block configs instead of the table")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA device")
+    import triton
+
+    from ctxprefill.backends.triton_attention import CONFIGS
+
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
+        f"default configs {({str(k): v for k, v in CONFIGS.items()})}")
+    results = run_sweep(args) if args.sweep else run_table(args)
+    if not args.sweep:
+        print_table(results)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                configs={str(k): v for k, v in CONFIGS.items()}, flops_rule="2*visible_pairs*H*(192+128)",
+                mode="sweep" if args.sweep else "table", wall_s=time.time() - T0)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

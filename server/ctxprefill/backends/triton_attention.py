@@ -1,0 +1,443 @@
+"""Triton flash-attention backend: ragged, non-causal (or bottom-right causal) MLA
+context attention with a natural-log LSE, one launch per call (SPEC §3, §5).
+
+Shapes are fixed by the model: q/k ``[T, H, 192]`` = ``[nope 128 | rope 64]``,
+v ``[T, H, 128]`` (never padded to 192). 192 is not a power of two, so the q·k
+product is two ``tl.dot``s (128 wide + 64 wide) into one fp32 accumulator.
+
+Grid ``(cdiv(max_q, BLOCK_M), B, H)``: program (m, b, h) computes query rows
+``m*BLOCK_M ..`` of segment b, head h, reading the segment bounds from the int32
+cumulative lengths on the device (no host sync); programs past the end of their
+segment exit at once. Online softmax in fp32 with exp2 (log2(e) folded into the
+scale); the returned LSE is converted back to natural log. A row that sees no key
+(k_len 0, or a causal row with nothing visible) gives out = 0 and lse = -inf.
+
+Key blocks that every row of the tile sees entirely are processed without masks;
+only the trailing partial block (and, causal, the diagonal band) runs the masked
+step. Loads go either through device-side TMA tensor descriptors built per
+(segment, head) — their bounds are the segment's, so reads past its end give zeros
+(``USE_TMA``, default) — or through plain pointers with masks. Offsets that can
+exceed 2**31 (segment start × row stride) are built in int64 on the base pointer;
+per-block pointers then advance by ``BLOCK_N * stride``.
+
+fp8 (e4m3fn q/k/v, unscaled, bf16 out). q·k is an fp8 ``tl.dot`` (wgmma on sm_90;
+e4m3 products are exact in fp32, Hopper's fp8 accumulation is of reduced
+precision, Triton's default). For P·V two modes, per config key ``PV_FP8``:
+
+* ``PV_FP8=False`` (default): V is widened to bf16 in registers (exact: e4m3 ⊂
+  bf16) and P rounded to bf16 (relative 2**-9 per element), bf16 wgmma. Error
+  against a float64 computation from the dequantized fp8 inputs is bf16-level:
+  we assert ‖out−ref‖/‖ref‖ ≤ 1e-2, |Δlse| ≤ 1e-2 (measured ~2e-3).
+* ``PV_FP8=True`` (FA3 style): P is quantized to e4m3 and multiplied with the fp8
+  V tile directly. P ∈ [0, 1] is scaled by 2**8 before the cast (exact power of
+  two, undone in the row sum, which is accumulated from the same scaled fp32 P) so
+  that small probabilities stay in e4m3's normal range instead of flushing below
+  2**-9. Each P element then carries a relative rounding error ≤ 2**-4 (3 mantissa
+  bits); for values of random sign these errors do not cancel against the output
+  (which itself averages out), so ‖out−ref‖/‖ref‖ ≈ 2.5e-2 typical on random data;
+  the bound asserted by the tests is 5e-2 (LSE is unaffected: computed from fp32 P).
+  Hopper's fp8 wgmma wants its B operand K-major in shared memory while v has the
+  head dim contiguous: Triton 3.6 transposes the V tile through registers (byte
+  permutes + shared stores; seen in the PTX) and keeps fp8 wgmma for P·V. Whether
+  that beats the bf16 P·V is for ``bench/bench_attention.py --sweep`` to say.
+
+The kernel is also callable on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1`` set before this module is imported), which is how the
+CPU tests run it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .base import AttentionBackend
+
+try:  # the module stays importable (and reports why) where triton is absent
+    import triton
+    import triton.language as tl
+
+    _TRITON_ERR = ""
+except Exception as e:  # pragma: no cover - depends on the machine
+    triton = None
+    tl = None
+    _TRITON_ERR = f"triton is not importable: {e!r}"
+
+D_NOPE, D_ROPE, D_V = 128, 64, 128
+D_QK = D_NOPE + D_ROPE
+_FP8 = torch.float8_e4m3fn
+_LOG2E = 1.4426950408889634
+_P_SHIFT = 8.0  # P·V in fp8: P scaled by 2**8 (≤ 256 < 448) before the e4m3 cast
+
+#: Launch configuration per input dtype; starting points for an H200, to be tuned from
+#: ``bench/bench_attention.py --sweep``. Smem: Q tile once + per stage a K tile
+#: BLOCK_N×192 and a V tile BLOCK_N×128. Cross-compiled for sm_90 with Triton 3.6 (the
+#: wheel's ptxas, no GPU needed), every config of the sweep gives wgmma only, no spills;
+#: bf16 128/64/8 warps/3 stages: 146 regs with TMA (184 with pointer loads), 169 KiB;
+#: fp8 same tiles, P·V in bf16: 174 regs, 93 KiB (at BLOCK_N=128 it nears 255 regs).
+CONFIGS: dict[torch.dtype, dict] = {
+    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, USE_TMA=True),
+    _FP8: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, PV_FP8=False, USE_TMA=True),
+}
+
+if triton is not None:
+    # globals read inside @triton.jit code must be constexpr
+    _C_NOPE = tl.constexpr(D_NOPE)
+    _C_ROPE = tl.constexpr(D_ROPE)
+    _C_V = tl.constexpr(D_V)
+    _C_SHIFT = tl.constexpr(_P_SHIFT)
+
+    @triton.jit
+    def _mm(x, UPCAST: tl.constexpr):
+        # Triton's CPU interpreter multiplies bf16 as raw uint16 bits; it gets fp32
+        # operands instead (values already rounded to the operand dtype, so the numerics
+        # are those of the GPU path). UPCAST is False for compiled kernels.
+        if UPCAST:
+            return x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _rnd(x, dtype: tl.constexpr, DROP: tl.constexpr, UPCAST: tl.constexpr):
+        """fp32 x rounded to nearest even in ``dtype``. Compiled: the hardware cast.
+        Interpreted: the interpreter's own casts truncate (and its RTNE mis-carries), so
+        drop DROP of fp32's 23 mantissa bits with integer rounding (16 → bf16, 20 → e4m3's
+        3) and stay fp32; x is finite and, for e4m3, within its normal range (P·2**8)."""
+        if UPCAST:
+            b = x.to(tl.uint32, bitcast=True)
+            half = (1 << (DROP - 1)) - 1
+            b = b + half + ((b >> DROP) & 1)
+            b = (b >> DROP) << DROP
+            return b.to(tl.float32, bitcast=True)
+        return x.to(dtype)
+
+    @triton.jit
+    def _load_kv(kn_src, kr_src, v_src, k_ptr, v_ptr, start_n, k_len, stride_kt, stride_vt,
+                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr):
+        """K (nope, rope) and V tiles of keys start_n .. start_n+BLOCK_N of the segment.
+        TMA: per-segment descriptors zero-fill past k_len, so no masks are needed."""
+        if USE_TMA:
+            k_nope = kn_src.load([start_n, 0])
+            k_rope = kr_src.load([start_n, _C_NOPE])
+            v = v_src.load([start_n, 0])
+        else:
+            n = tl.arange(0, BLOCK_N)
+            d = tl.arange(0, _C_NOPE)
+            r = tl.arange(0, _C_ROPE)
+            kn_ptr = k_ptr + n[:, None] * stride_kt + d[None, :]
+            kr_ptr = k_ptr + n[:, None] * stride_kt + _C_NOPE + r[None, :]
+            vp = v_ptr + n[:, None] * stride_vt + d[None, :]
+            if MASK:
+                ok = (start_n + n) < k_len
+                k_nope = tl.load(kn_ptr, mask=ok[:, None], other=0.0)
+                k_rope = tl.load(kr_ptr, mask=ok[:, None], other=0.0)
+                v = tl.load(vp, mask=ok[:, None], other=0.0)
+            else:
+                k_nope = tl.load(kn_ptr)
+                k_rope = tl.load(kr_ptr)
+                v = tl.load(vp)
+        return k_nope, k_rope, v
+
+    @triton.jit
+    def _attn_step(acc, l_i, m_i, q_nope, q_pe, k_nope, k_rope, v, offs_n, rows_vis, k_len, qk_scale,
+                   MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                   IS_FP8: tl.constexpr, PV_FP8: tl.constexpr, UPCAST: tl.constexpr):
+        """One key block: s = q·kᵀ (128 + 64 wide), online-softmax update, acc += P·V.
+
+        ``offs_n``: key indices of this block within the segment.
+        ``rows_vis``: per query row, the last visible key index (causal only).
+        """
+        s = tl.dot(_mm(q_nope, UPCAST), _mm(tl.trans(k_nope), UPCAST))
+        s = tl.dot(_mm(q_pe, UPCAST), _mm(tl.trans(k_rope), UPCAST), s)
+        s = s * qk_scale  # log2 units
+        if MASK:
+            ok = (offs_n < k_len)[None, :]
+            if CAUSAL:
+                ok = ok & (offs_n[None, :] <= rows_vis[:, None])
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASK:  # a row with nothing visible so far keeps m = -inf; avoid -inf - -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        alpha = tl.math.exp2(m_i - m_use)
+        if PV_FP8:
+            m_use = m_use - _C_SHIFT  # p ∈ [0, 2**8]; row sum scaled alike, undone in lse
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if PV_FP8:  # FA3 style: P rounded to e4m3, fp8 x fp8 dot
+            acc = tl.dot(_rnd(p, tl.float8e4nv, 20, UPCAST), _mm(v, UPCAST), acc)
+        elif IS_FP8:  # V widened to bf16 (exact), P rounded to bf16
+            acc = tl.dot(_rnd(p, tl.bfloat16, 16, UPCAST), _mm(v.to(tl.bfloat16), UPCAST), acc)
+        else:
+            acc = tl.dot(_rnd(p, tl.bfloat16, 16, UPCAST), _mm(v, UPCAST), acc)
+        return acc, l_i, m_new
+
+    @triton.jit
+    def _mla_ctx_attn_fwd(
+        Q, K, V, O, LSE, cu_q, cu_k, qk_scale, B,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_ot, stride_oh, stride_lh,
+        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        IS_FP8: tl.constexpr, PV_FP8: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        if b >= B:
+            return
+        q_start = tl.load(cu_q + b)
+        q_len = tl.load(cu_q + b + 1) - q_start
+        m0 = pid_m * BLOCK_M
+        if m0 >= q_len:
+            return
+        k_start = tl.load(cu_k + b)
+        k_len = tl.load(cu_k + b + 1) - k_start
+
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < q_len
+        rm = tl.arange(0, BLOCK_M)
+        d = tl.arange(0, _C_NOPE)
+        r = tl.arange(0, _C_ROPE)
+        # int64 bases: segment start × row stride can pass 2**31
+        q_seg = Q + q_start.to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
+        k_ptr = K + k_start.to(tl.int64) * stride_kt + h.to(tl.int64) * stride_kh
+        v_ptr = V + k_start.to(tl.int64) * stride_vt + h.to(tl.int64) * stride_vh
+        if USE_TMA:
+            # descriptors over this (segment, head): [len, dim]; loads past len read zeros
+            q_nope = tl.make_tensor_descriptor(q_seg, [q_len, 192], [stride_qt, 1], [BLOCK_M, _C_NOPE]).load([m0, 0])
+            q_pe = tl.make_tensor_descriptor(q_seg, [q_len, 192], [stride_qt, 1], [BLOCK_M, _C_ROPE]).load(
+                [m0, _C_NOPE])
+            k_rows = tl.maximum(k_len, 1)  # never a 0-sized descriptor (no load happens then)
+            kn_src = tl.make_tensor_descriptor(k_ptr, [k_rows, 192], [stride_kt, 1], [BLOCK_N, _C_NOPE])
+            kr_src = tl.make_tensor_descriptor(k_ptr, [k_rows, 192], [stride_kt, 1], [BLOCK_N, _C_ROPE])
+            v_src = tl.make_tensor_descriptor(v_ptr, [k_rows, _C_V], [stride_vt, 1], [BLOCK_N, _C_V])
+        else:
+            q_blk = q_seg + m0.to(tl.int64) * stride_qt
+            q_nope = tl.load(q_blk + rm[:, None] * stride_qt + d[None, :], mask=row_ok[:, None], other=0.0)
+            q_pe = tl.load(q_blk + rm[:, None] * stride_qt + _C_NOPE + r[None, :], mask=row_ok[:, None], other=0.0)
+            kn_src = k_ptr
+            kr_src = k_ptr
+            v_src = v_ptr
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, _C_V], tl.float32)
+
+        # Key range: [0, n_full) in unmasked full blocks, [n_full, hi) masked.
+        if CAUSAL:
+            # bottom-right aligned: row t sees key j iff j <= t + (k_len - q_len)
+            shift = k_len - q_len
+            rows_vis = offs_m + shift
+            hi = tl.minimum(tl.maximum(m0 + BLOCK_M + shift, 0), k_len)
+            n_full = (tl.maximum(m0 + shift + 1, 0) // BLOCK_N) * BLOCK_N  # seen by every row
+            n_full = tl.minimum(n_full, (k_len // BLOCK_N) * BLOCK_N)
+        else:
+            rows_vis = offs_m
+            hi = k_len
+            n_full = (k_len // BLOCK_N) * BLOCK_N
+
+        offs_n = tl.arange(0, BLOCK_N)
+        # the pointer path advances 64-bit pointers (n × stride could pass 2**31)
+        for start_n in range(0, n_full, BLOCK_N):
+            k_nope, k_rope, v = _load_kv(kn_src, kr_src, v_src, k_ptr, v_ptr, start_n, k_len, stride_kt,
+                                         stride_vt, BLOCK_N, False, USE_TMA)
+            acc, l_i, m_i = _attn_step(acc, l_i, m_i, q_nope, q_pe, k_nope, k_rope, v, start_n + offs_n,
+                                       rows_vis, k_len, qk_scale, False, CAUSAL, IS_FP8, PV_FP8, UPCAST)
+            k_ptr += BLOCK_N * stride_kt
+            v_ptr += BLOCK_N * stride_vt
+        for start_n in range(n_full, hi, BLOCK_N):
+            k_nope, k_rope, v = _load_kv(kn_src, kr_src, v_src, k_ptr, v_ptr, start_n, k_len, stride_kt,
+                                         stride_vt, BLOCK_N, True, USE_TMA)
+            acc, l_i, m_i = _attn_step(acc, l_i, m_i, q_nope, q_pe, k_nope, k_rope, v, start_n + offs_n,
+                                       rows_vis, k_len, qk_scale, True, CAUSAL, IS_FP8, PV_FP8, UPCAST)
+            k_ptr += BLOCK_N * stride_kt
+            v_ptr += BLOCK_N * stride_vt
+
+        # Epilogue. l_i == 0 exactly when the row saw no key: out 0, lse -inf.
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse2 = m_i + tl.math.log2(tl.where(empty, 1.0, l_i))
+        if PV_FP8:
+            lse2 = lse2 - _C_SHIFT
+        lse = tl.where(empty, float("-inf"), lse2 * 0.6931471805599453)  # natural log
+        o_base = O + (q_start + m0).to(tl.int64) * stride_ot + h.to(tl.int64) * stride_oh
+        tl.store(o_base + rm[:, None] * stride_ot + d[None, :], _rnd(out, tl.bfloat16, 16, UPCAST).to(tl.bfloat16),
+                 mask=row_ok[:, None])
+        tl.store(LSE + h.to(tl.int64) * stride_lh + q_start + offs_m, lse, mask=row_ok)
+
+
+def _interpreting() -> bool:
+    """Whether the kernel was built for Triton's interpreter (decided when this module was
+    imported, by TRITON_INTERPRET at that time)."""
+    if triton is not None and "_mla_ctx_attn_fwd" in globals():
+        return type(_mla_ctx_attn_fwd).__name__ == "InterpretedFunction"
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _fix_interpreter_for_numpy2() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with ``int(array([x]))``,
+    which NumPy >= 2.4 refuses ("only 0-dimensional arrays ..."), breaking every loop
+    with a data-dependent bound. Re-patch ``__index__`` with ``.item()``. Only done when
+    interpreting (tests on the CPU); compiled kernels never go through this path."""
+    from triton.runtime import interpreter as _interp
+
+    orig = getattr(_interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_ctxprefill_fix", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patched._ctxprefill_fix = True
+    _interp._patch_lang_tensor = patched
+
+
+if triton is not None and _interpreting():
+    _fix_interpreter_for_numpy2()
+
+
+def mla_context_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    causal: bool = False,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged attention, one launch. Returns ``(out [Tq,H,128] bf16, lse [H,Tq] f32, ln)``.
+
+    ``config`` overrides ``CONFIGS[q.dtype]`` (BLOCK_M, BLOCK_N, num_warps, num_stages,
+    PV_FP8, USE_TMA). ``max_k`` is accepted for the interface; the kernel does not need it.
+    USE_TMA loads q/k/v through per-(segment, head) device-side tensor descriptors (Hopper
+    TMA); inputs whose base or strides are not 16-byte aligned silently use the pointer path.
+    """
+    if triton is None:
+        raise RuntimeError(_TRITON_ERR)
+    Tq, H, dq = q.shape
+    Tk = k.shape[0]
+    if dq != D_QK or k.shape[1:] != (H, D_QK) or v.shape != (Tk, H, D_V):
+        raise ValueError(f"expected q [Tq,H,{D_QK}], k [Tk,H,{D_QK}], v [Tk,H,{D_V}]; "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in CONFIGS or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q/k/v must share one dtype of {list(CONFIGS)}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit last stride, got strides {t.stride()}")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.device != q.device:
+            raise ValueError(f"{name} must be a contiguous 1-D int32 tensor on {q.device}; "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    B = cu_seqlens_q.numel() - 1
+    if B < 0 or cu_seqlens_k.numel() != B + 1 or B > 65535:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have B+1 entries, 0 <= B <= 65535 "
+                         f"(a grid dimension); got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    if out is None:
+        out = torch.empty((Tq, H, D_V), dtype=torch.bfloat16, device=q.device)
+    elif out.shape != (Tq, H, D_V) or out.dtype != torch.bfloat16 or out.stride(-1) != 1:
+        raise ValueError(f"out must be bf16 [{Tq},{H},{D_V}] with unit last stride; "
+                         f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    lse = torch.empty((H, Tq), dtype=torch.float32, device=q.device)
+    # Even with nothing to compute (Tq == 0, B == 0) the kernel is launched (its programs
+    # exit at once), so that a call is always exactly one launch, as the metrics count.
+    if H == 0:
+        return out, lse
+
+    cfg = dict(CONFIGS[q.dtype])
+    cfg.update(config or {})
+    is_fp8 = q.dtype == _FP8
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    pv_fp8 = bool(cfg.get("PV_FP8", False)) and is_fp8
+    if any(x < 16 or x & (x - 1) for x in (BM, BN)) or (pv_fp8 and BN < 32):
+        raise ValueError(f"BLOCK_M/BLOCK_N must be powers of two >= 16 (BLOCK_N >= 32 with PV_FP8: "
+                         f"an fp8 dot needs K >= 32); got {cfg}")
+    grid = (max(1, triton.cdiv(int(max_q), BM)), max(B, 1), H)
+    if q.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("the triton backend runs CPU tensors only under Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before ctxprefill.backends.triton_attention is imported")
+    use_tma = (bool(cfg.get("USE_TMA", False)) and _tma_ok(q, k, v) and _capability(q.device) >= (9, 0)
+               and grid[0] * grid[1] * grid[2] * _TMA_SCRATCH_PER_PROGRAM <= _TMA_SCRATCH_CAP)
+    if use_tma and q.device.type == "cuda":
+        triton.set_allocator(_tma_scratch)  # a ContextVar: set in the calling thread, every call
+    _mla_ctx_attn_fwd[grid](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(scale) * _LOG2E, B,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        CAUSAL=bool(causal), BLOCK_M=BM, BLOCK_N=BN, IS_FP8=is_fp8,
+        PV_FP8=pv_fp8, USE_TMA=use_tma, UPCAST=q.device.type != "cuda",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, lse
+
+
+# Device-side descriptors live in a global scratch of 5 × 128 B per *program* (Triton
+# allocates grid size × that per launch, early-exiting programs included); a huge ragged
+# grid (many sequences × max_q blocks × heads) uses the pointer path instead.
+_TMA_SCRATCH_PER_PROGRAM = 5 * 128
+_TMA_SCRATCH_CAP = 64 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    """CUDA compute capability; CPU (the interpreter) counts as Hopper, to test every path."""
+    if device.type != "cuda":
+        return (9, 0)
+    return torch.cuda.get_device_capability(device)
+
+
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row/head strides; otherwise the pointer path."""
+    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+               for t in ts)
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    # global scratch for the device-side tensor descriptors (128 B each per program);
+    # from torch's caching allocator, so no extra launch
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Our own Triton flash-attention kernel (bf16 and fp8 e4m3 inputs, bf16 out)."""
+
+    name = "triton"
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+        device = torch.device(device)
+        if triton is None:
+            return False, _TRITON_ERR
+        if device.type != "cuda":
+            return False, f"triton backend needs a CUDA device, got {device}"
+        if not torch.cuda.is_available():
+            return False, "torch.cuda.is_available() is False"
+        return True, ""
+
+    @classmethod
+    def supports(cls, device: torch.device, q_dtype: torch.dtype) -> bool:
+        # bf16 tensor cores from sm_80, fp8 (e4m3) ones from sm_89; off CUDA: the dtype only
+        device = torch.device(device)
+        if q_dtype not in CONFIGS:
+            return False
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return True
+        return _capability(device) >= ((8, 9) if q_dtype == _FP8 else (8, 0))
+
+    def supports_out(self) -> bool:
+        return True
+
+    def run_context_chunk(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale,
+                          out=None, causal=False):
+        return mla_context_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale,
+                                     out=out, causal=causal)
+
+    def launches_per_call(self) -> int:
+        return 1

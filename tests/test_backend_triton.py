@@ -1,0 +1,396 @@
+"""The Triton attention backend against a float64 reference.
+
+CPU: runs the kernel in Triton's interpreter (TRITON_INTERPRET=1, set here before
+triton is imported), small ragged shapes. GPU: larger shapes, both dtypes, the `out`
+pointer contract; skipped with a reason where there is no CUDA device.
+
+Bounds: bf16 ‖out−ref‖/‖ref‖ ≤ 1e-2 and |Δlse| ≤ 1e-2. fp8 inputs are compared with a
+reference computed from the same fp8 values dequantized, so input rounding is not
+counted: P·V in bf16 (default) ≤ 1e-2; P·V in fp8 (P rounded to e4m3, relative 2**-4
+per element, errors of random sign that do not average out against the output)
+≤ 5e-2, measured ~2e-2; the LSE comes from fp32 P in both modes, ≤ 1e-2.
+"""
+
+import os
+
+import pytest
+import torch
+
+# Before triton / the backend are imported: interpret on a machine without a GPU;
+# compile on a GPU machine (where the small tests then run on the GPU too).
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+triton = pytest.importorskip("triton", reason="triton is not importable; the Triton backend cannot be tested")
+
+from ctxprefill.backends import triton_attention as ta  # noqa: E402
+from ctxprefill.backends.triton_attention import TritonAttentionBackend, mla_context_attention  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETING = ta._interpreting()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA or INTERPRETING,
+                                reason="no CUDA device (or TRITON_INTERPRET=1): GPU test of the Triton backend skipped")
+# small tests: interpreted on the CPU, compiled on the GPU when there is one
+DEV = "cpu" if INTERPRETING or not HAS_CUDA else "cuda"
+cpu_interp = pytest.mark.skipif(
+    DEV == "cpu" and not INTERPRETING,
+    reason="no GPU and TRITON_INTERPRET was not set before triton was imported: kernel tests skipped",
+)
+SMALL = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, USE_TMA=False)  # many blocks on tiny shapes
+ODD = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1, USE_TMA=False)
+SMALL_TMA = dict(SMALL, USE_TMA=True)  # loads through per-segment tensor descriptors
+
+
+# ----------------------------------------------------------------------------- reference
+def reference(q, k, v, cu_q, cu_k, scale, causal=False):
+    """float64 per-segment attention: (out [Tq,H,128] f64, lse [H,Tq] f64, natural log), on the
+    inputs' device (float64 on the GPU keeps the large GPU tests quick), returned on the CPU."""
+    q, k, v = q.double(), k.double(), v.double()
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    Tq, H, _ = q.shape
+    out = torch.zeros(Tq, H, v.shape[-1], dtype=torch.float64, device=q.device)
+    lse = torch.full((H, Tq), float("-inf"), dtype=torch.float64, device=q.device)
+    for i in range(len(cu_q) - 1):
+        a, b, c, d = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        ql, kl = b - a, d - c
+        if ql == 0 or kl == 0:
+            continue
+        s = torch.einsum("qhd,khd->hqk", q[a:b], k[c:d]) * scale
+        if causal:  # bottom-right aligned
+            ar = lambda n: torch.arange(n, device=q.device)
+            vis = ar(kl)[None, :] <= ar(ql)[:, None] + (kl - ql)
+            s = s.masked_fill(~vis, float("-inf"))
+        l = torch.logsumexp(s, -1)  # [H, ql]
+        p = torch.exp(s - l[..., None]).nan_to_num(0.0)  # rows seeing nothing: l=-inf -> 0
+        out[a:b] = torch.einsum("hqk,khd->qhd", p, v[c:d])
+        lse[:, a:b] = l
+    return out.cpu(), lse.cpu()
+
+
+def make_batch(q_lens, k_lens, H, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Tq, Tk = sum(q_lens), sum(k_lens)
+
+    def rnd(*shape):
+        x = torch.randn(*shape, generator=g)
+        if dtype == FP8:
+            return x.clamp(-448, 448).to(FP8).to(device)  # saturating cast (SPEC §6)
+        return x.to(dtype).to(device)
+
+    q, k, v = rnd(Tq, H, 192), rnd(Tk, H, 192), rnd(Tk, H, 128)
+    cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    return q, k, v, cu(q_lens), cu(k_lens)
+
+
+def check(out, lse, ref_out, ref_lse, out_tol=1e-2, lse_tol=1e-2):
+    out, lse = out.double().cpu(), lse.double().cpu()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "-inf rows differ"
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        assert (lse[fin] - ref_lse[fin]).abs().max().item() <= lse_tol
+    assert (ref_lse[~fin] == float("-inf")).all() and (lse[~fin] == float("-inf")).all()
+    rel = ((out - ref_out).norm() / ref_out.norm().clamp_min(1e-30)).item()
+    assert rel <= out_tol, f"relative error {rel:.3g} > {out_tol}"
+    return rel
+
+
+# ragged: an empty k segment, a q_len 0 segment, one-token segments, lengths off the
+# block sizes, and (causal) q_len > k_len so that leading rows see nothing
+Q_LENS = [5, 0, 1, 37, 3, 20, 1]
+K_LENS = [9, 4, 0, 1, 50, 33, 1]
+
+
+# ----------------------------------------------------------------------------- CPU tests
+@cpu_interp
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("H", [1, 3])
+@pytest.mark.parametrize("cfg", [SMALL, ODD, SMALL_TMA, None], ids=["bm16bn16", "bm32bn16", "bm16bn16tma", "default"])
+def test_bf16_ragged(H, causal, cfg):
+    q, k, v, cu_q, cu_k = make_batch(Q_LENS, K_LENS, H, torch.bfloat16, DEV, seed=H)
+    scale = 192**-0.5
+    out, lse = mla_context_attention(q, k, v, cu_q, cu_k, max(Q_LENS), max(K_LENS), scale, causal=causal, config=cfg)
+    assert out.dtype == torch.bfloat16 and out.shape == (q.shape[0], H, 128)
+    assert lse.dtype == torch.float32 and lse.shape == (H, q.shape[0]) and lse.is_contiguous()
+    ref_out, ref_lse = reference(q, k, v, cu_q, cu_k, scale, causal)
+    check(out, lse, ref_out, ref_lse)
+
+
+@cpu_interp
+@pytest.mark.parametrize("cfg", [SMALL, SMALL_TMA], ids=["ptr", "tma"])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_empty_rows_exact(causal, cfg):
+    # segment 1 has no keys; causal: 30 queries over 3 keys -> the first 27 rows see nothing
+    q_lens, k_lens = [4, 6, 30], [7, 0, 3]
+    q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, 2, torch.bfloat16, DEV, seed=7)
+    out, lse = mla_context_attention(q, k, v, cu_q, cu_k, 30, 7, 0.1, causal=causal, config=cfg)
+    assert (out[4:10] == 0).all() and (lse[:, 4:10] == float("-inf")).all()
+    if causal:
+        assert (out[10:37] == 0).all() and (lse[:, 10:37] == float("-inf")).all()
+        assert torch.isfinite(lse[:, 37:]).all()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    check(out, lse, *reference(q, k, v, cu_q, cu_k, 0.1, causal))
+
+
+@cpu_interp
+def test_all_keys_empty_and_scale():
+    q, k, v, cu_q, cu_k = make_batch([3, 2], [0, 0], 3, torch.bfloat16, DEV)
+    out, lse = mla_context_attention(q, k, v, cu_q, cu_k, 3, 0, 0.5)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    # a large scale makes the softmax peaky; the LSE must still be natural log
+    q, k, v, cu_q, cu_k = make_batch([9], [21], 1, torch.bfloat16, DEV, seed=3)
+    out, lse = mla_context_attention(q, k, v, cu_q, cu_k, 9, 21, 0.9, config=SMALL)
+    check(out, lse, *reference(q, k, v, cu_q, cu_k, 0.9))
+
+
+@cpu_interp
+def test_out_strided_slice_written_in_place():
+    H = 3
+    q, k, v, cu_q, cu_k = make_batch(Q_LENS, K_LENS, H, torch.bfloat16, DEV, seed=11)
+    Tq = q.shape[0]
+    big = torch.full((Tq + 9, H + 1, 160), 7.0, dtype=torch.bfloat16, device=DEV)
+    out = big[4 : 4 + Tq, 1:, 16:144]  # row slice, head slice, column slice: all strided
+    assert not out.is_contiguous() and out.stride(-1) == 1
+    before = big.clone()
+    got, lse = mla_context_attention(q, k, v, cu_q, cu_k, max(Q_LENS), max(K_LENS), 0.07, out=out, config=ODD)
+    assert got is out and got.data_ptr() == out.data_ptr()
+    mask = torch.ones_like(big, dtype=torch.bool)
+    mask[4 : 4 + Tq, 1:, 16:144] = False
+    assert torch.equal(big[mask], before[mask]), "wrote outside the given out view"
+    fresh, lse2 = mla_context_attention(q, k, v, cu_q, cu_k, max(Q_LENS), max(K_LENS), 0.07, config=ODD)
+    assert torch.equal(got, fresh) and torch.equal(lse, lse2)
+
+
+@cpu_interp
+@pytest.mark.parametrize("cfg", [SMALL, SMALL_TMA], ids=["ptr", "tma"])
+def test_strided_inputs_match_contiguous(cfg):
+    H = 2
+    q, k, v, cu_q, cu_k = make_batch([7, 12], [19, 5], H, torch.bfloat16, DEV, seed=5)
+    qb = torch.zeros(q.shape[0], H, 256, dtype=q.dtype, device=DEV)
+    qb[..., 32:224] = q
+    kb = torch.zeros(k.shape[0], H + 2, 192, dtype=k.dtype, device=DEV)
+    kb[:, 1 : 1 + H] = k
+    vb = torch.zeros(v.shape[0], H, 320, dtype=v.dtype, device=DEV)  # v as the tail of a wider row
+    vb[..., 192:] = v
+    qs, ks, vs = qb[..., 32:224], kb[:, 1 : 1 + H], vb[..., 192:]
+    a = mla_context_attention(q, k, v, cu_q, cu_k, 12, 19, 0.07, config=cfg)
+    b = mla_context_attention(qs, ks, vs, cu_q, cu_k, 12, 19, 0.07, config=cfg)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # not 16-byte aligned (q starts 1 element in): TMA is not usable, the pointer path runs
+    qm = torch.zeros(q.numel() + 1, dtype=q.dtype, device=DEV)[1:].view(q.shape)
+    qm.copy_(q)
+    assert not ta._tma_ok(qm)
+    c = mla_context_attention(qm, k, v, cu_q, cu_k, 12, 19, 0.07, config=cfg)
+    assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
+
+
+@cpu_interp
+def test_block_config_changes_only_rounding():
+    q, k, v, cu_q, cu_k = make_batch(Q_LENS, K_LENS, 2, torch.bfloat16, DEV, seed=2)
+    a = mla_context_attention(q, k, v, cu_q, cu_k, 37, 50, 0.07, config=SMALL)
+    b = mla_context_attention(q, k, v, cu_q, cu_k, 37, 50, 0.07)
+    c = mla_context_attention(q, k, v, cu_q, cu_k, 37, 50, 0.07, config=dict(USE_TMA=False))
+    assert torch.equal(b[0], c[0]) and torch.equal(b[1], c[1]), "TMA and pointer loads must agree bit for bit"
+    assert torch.equal(torch.isinf(a[1]), torch.isinf(b[1]))
+    assert (a[0].float() - b[0].float()).abs().max() <= 2e-2
+    fin = torch.isfinite(a[1])
+    assert (a[1][fin] - b[1][fin]).abs().max() <= 1e-4
+
+
+@cpu_interp
+@pytest.mark.parametrize("pv_fp8,out_tol", [(False, 1e-2), (True, 5e-2)], ids=["pv_bf16", "pv_fp8"])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
+def test_fp8(pv_fp8, out_tol, causal, tma):
+    H = 3
+    q, k, v, cu_q, cu_k = make_batch(Q_LENS, K_LENS, H, FP8, DEV, seed=13)
+    cfg = dict(SMALL, BLOCK_N=32, PV_FP8=pv_fp8, USE_TMA=tma)  # an fp8 dot needs K >= 32 on the GPU
+    try:
+        out, lse = mla_context_attention(q, k, v, cu_q, cu_k, 37, 50, 192**-0.5, causal=causal, config=cfg)
+    except Exception as e:  # pragma: no cover - depends on the interpreter build
+        if DEV == "cuda":
+            raise
+        pytest.skip(f"Triton interpreter cannot run fp8 tl.dot here ({e!r}); covered by the GPU tests")
+    assert out.dtype == torch.bfloat16
+    # reference from the dequantized fp8 values: only the kernel's own rounding counts
+    check(out, lse, *reference(q.float(), k.float(), v.float(), cu_q, cu_k, 192**-0.5, causal), out_tol=out_tol)
+
+
+@cpu_interp
+def test_backend_interface():
+    be = TritonAttentionBackend()
+    assert be.name == "triton" and be.supports_out() and be.launches_per_call() == 1
+    ok, why = TritonAttentionBackend.is_available(torch.device("cpu"))
+    assert not ok and "CUDA" in why
+    assert TritonAttentionBackend.supports(torch.device("cuda"), torch.bfloat16)
+    assert TritonAttentionBackend.supports(torch.device("cuda"), FP8)
+    assert not TritonAttentionBackend.supports(torch.device("cuda"), torch.float16)
+    q, k, v, cu_q, cu_k = make_batch([3, 4], [5, 0], 1, torch.bfloat16, DEV)
+    out = torch.empty(7, 1, 128, dtype=torch.bfloat16, device=DEV)
+    got, lse = be.run_context_chunk(q, k, v, cu_q, cu_k, 4, 5, 0.1, out=out)
+    assert got is out
+    check(got, lse, *reference(q, k, v, cu_q, cu_k, 0.1))
+
+
+@cpu_interp
+def test_nothing_to_compute():
+    # still one (empty) launch per call, as launches_per_call() says
+    q, k, v, cu_q, cu_k = make_batch([0, 0], [3, 2], 2, torch.bfloat16, DEV)
+    out, lse = mla_context_attention(q, k, v, cu_q, cu_k, 0, 3, 0.1)
+    assert out.shape == (0, 2, 128) and lse.shape == (2, 0)
+    q, k, v, cu_q, cu_k = make_batch([], [], 3, torch.bfloat16, DEV)  # B = 0
+    out, lse = mla_context_attention(q, k, v, cu_q, cu_k, 0, 0, 0.1)
+    assert out.shape == (0, 3, 128) and lse.shape == (3, 0)
+
+
+def test_validation():
+    q, k, v, cu_q, cu_k = make_batch([2], [3], 2, torch.bfloat16)
+    with pytest.raises(ValueError, match="unit last stride"):
+        mla_context_attention(q.transpose(0, 2).contiguous().transpose(0, 2), k, v, cu_q, cu_k, 2, 3, 0.1)
+    with pytest.raises(ValueError, match="dtype"):
+        mla_context_attention(q.half(), k.half(), v.half(), cu_q, cu_k, 2, 3, 0.1)
+    with pytest.raises(ValueError, match="expected q"):
+        mla_context_attention(q, k, torch.zeros(3, 2, 192, dtype=torch.bfloat16), cu_q, cu_k, 2, 3, 0.1)
+    with pytest.raises(ValueError, match="out must be"):
+        mla_context_attention(q, k, v, cu_q, cu_k, 2, 3, 0.1, out=torch.empty(2, 2, 128))
+    with pytest.raises(ValueError, match="int32"):
+        mla_context_attention(q, k, v, cu_q.long(), cu_k, 2, 3, 0.1)
+    with pytest.raises(ValueError, match="powers of two"):
+        mla_context_attention(q, k, v, cu_q, cu_k, 2, 3, 0.1, config=dict(BLOCK_M=48))
+    with pytest.raises(ValueError, match="PV_FP8"):
+        q8, k8, v8 = (x.float().to(FP8) for x in (q, k, v))
+        mla_context_attention(q8, k8, v8, cu_q, cu_k, 2, 3, 0.1, config=dict(BLOCK_N=16, PV_FP8=True))
+
+
+# ----------------------------------------------------------------------------- GPU tests
+def _gpu_case(q_lens, k_lens, H, dtype, causal, cfg=None, tol=1e-2, seed=0):
+    q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, dtype, device="cuda", seed=seed)
+    out, lse = mla_context_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), 192**-0.5, causal=causal,
+                                     config=cfg)
+    torch.cuda.synchronize()
+    ref = reference(q.float(), k.float(), v.float(), cu_q, cu_k, 192**-0.5, causal)
+    return check(out, lse, *ref, out_tol=tol)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,cfg,tol", [
+    (torch.bfloat16, {}, 1e-2),
+    (FP8, dict(PV_FP8=False), 1e-2),
+    (FP8, dict(PV_FP8=True), 5e-2),
+], ids=["bf16", "fp8_pv_bf16", "fp8_pv_fp8"])
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_gpu_ragged_large(dtype, cfg, tol, tma, causal):
+    _gpu_case([1000, 0, 1, 257, 2048], [4096, 300, 0, 1, 2500], 16, dtype, causal, dict(cfg, USE_TMA=tma), tol)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_gpu_many_heads(dtype):
+    _gpu_case([300, 77], [1100, 129], 128, dtype, False)
+
+
+@needs_cuda
+@pytest.mark.parametrize("cfg", [
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, USE_TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, USE_TMA=False),
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, USE_TMA=True),
+], ids=["bm128bn128tma", "bm128bn128", "bm64bn64tma"])
+def test_gpu_other_configs(cfg):
+    _gpu_case([513, 64, 3], [1000, 65, 127], 4, torch.bfloat16, True, cfg)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_gpu_out_pointer_and_untouched_rows(dtype):
+    H = 16
+    q, k, v, cu_q, cu_k = make_batch([700, 5, 0, 130], [2000, 0, 9, 64], H, dtype, device="cuda", seed=4)
+    Tq = q.shape[0]
+    big = torch.full((Tq + 300, H, 128), 3.0, dtype=torch.bfloat16, device="cuda")
+    out = big[100 : 100 + Tq]
+    ptr = out.data_ptr()
+    be = TritonAttentionBackend()
+    assert TritonAttentionBackend.is_available(torch.device("cuda"))[0]
+    got, lse = be.run_context_chunk(q, k, v, cu_q, cu_k, 700, 2000, 0.07, out=out)
+    torch.cuda.synchronize()
+    assert got is out and got.data_ptr() == ptr
+    assert (big[:100] == 3.0).all() and (big[100 + Tq :] == 3.0).all()
+    assert (out[700:705] == 0).all() and (lse[:, 700:705] == float("-inf")).all()
+    check(got, lse, *reference(q.float(), k.float(), v.float(), cu_q, cu_k, 0.07))
+
+
+@needs_cuda
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
+def test_gpu_one_launch_per_call(tma):
+    q, k, v, cu_q, cu_k = make_batch([300, 0, 40], [500, 7, 0], 16, torch.bfloat16, device="cuda")
+    run = lambda: mla_context_attention(q, k, v, cu_q, cu_k, 300, 500, 0.07, config=dict(USE_TMA=tma))
+    run()  # compile outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == TritonAttentionBackend().launches_per_call() == 1, kernels
+    assert "_mla_ctx_attn_fwd" in kernels[0]
+
+
+# ----------------------------------------------------------------------------- no-GPU compile check
+_XCOMPILE = r'''
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ctxprefill.backends import triton_attention as ta
+
+fn = ta._mla_ctx_attn_fwd
+names = fn.arg_names
+out = []
+for dt, cfg, causal in json.loads(sys.argv[1]):
+    sig = {}
+    for n in names:
+        sig[n] = {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32", "cu_q": "*i32",
+                  "cu_k": "*i32", "qk_scale": "fp32"}.get(n, "i32")
+    const = dict(CAUSAL=causal, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], IS_FP8=dt != "bf16",
+                 PV_FP8=cfg.get("PV_FP8", False), USE_TMA=cfg.get("USE_TMA", False), UPCAST=False)
+    for n in const:
+        sig[n] = "constexpr"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or n in ("stride_qt", "stride_kt", "stride_vt", "stride_ot")}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    ru = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", ru)
+    out.append(dict(dt=dt, causal=causal, wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
+                    mma_sync=len(re.findall(r"\bmma\.sync", k.asm["ptx"])), regs=int(m[1]), stack=int(m[2]),
+                    smem=k.metadata.shared))
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6"), reason="sm_90 cross-compile check written for Triton 3.6")
+def test_default_configs_cross_compile_for_sm90():
+    """Compile the default configs for an H200 (sm_90) without a GPU, with the wheel's ptxas:
+    they must build, use wgmma only, and not spill; shared memory within the 227 KiB limit."""
+    import json
+    import subprocess
+    import sys
+
+    jobs = [("bf16", ta.CONFIGS[torch.bfloat16], c) for c in (False, True)]
+    jobs += [("fp8e4nv", ta.CONFIGS[FP8], False), ("fp8e4nv", dict(ta.CONFIGS[FP8], PV_FP8=True), False)]
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ta.__file__))))  # holds ctxprefill/
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    r = subprocess.run([sys.executable, "-c", _XCOMPILE, json.dumps(jobs)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
+        pytest.skip(f"no ptxas for a cross-compile: {r.stderr[-300:]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for res in json.loads(r.stdout.strip().splitlines()[-1]):
+        assert res["wgmma"] > 0 and res["mma_sync"] == 0, res
+        assert res["stack"] == 0, f"register spills: {res}"
+        assert res["smem"] <= 232448, res
