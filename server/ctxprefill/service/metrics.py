@@ -1,0 +1,155 @@
+"""Prometheus metrics of the service (SPEC §9), in one dedicated registry.
+
+Nothing here touches the global ``prometheus_client.REGISTRY``: a process may hold
+several servers (tests do), each with its own :class:`Metrics`. Base units (seconds,
+tokens), ``_total`` on counters, and no request id in any label.
+
+Engine metrics are fed from ``PrefillStats`` after each request
+(:meth:`Metrics.observe_prefill`) and from WriteCache (:meth:`Metrics.observe_insert`);
+the gRPC metrics (go-grpc-prometheus names) are fed by the server interceptor.
+"""
+
+from __future__ import annotations
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# `_created` series only double the page; they are process-global in prometheus_client.
+prometheus_client.disable_created_metrics()
+
+STAGES = ("gather", "cast", "kv_b_proj", "pack", "attention", "merge", "insert")
+PATHS = ("fused", "generic")
+
+#: 100 µs … 30 s (stage times sit at the short end, whole requests at the long end)
+DURATION_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+
+GRPC_TYPES = ("unary", "client_stream", "server_stream", "bidi_stream")
+
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        # -- engine ---------------------------------------------------------------------
+        self.kernel_launches = Counter(
+            "ctxprefill_kernel_launches_total",
+            "Device kernel launches, by chunk-loop stage and pack path (insert: WriteCache).",
+            ["stage", "path"], registry=r,
+        )
+        self.fp8_path = Counter(
+            "ctxprefill_fp8_path_total",
+            "Context chunks computed, by cache dtype, kv_b_proj weight dtype and prefill dtype.",
+            ["cache_dtype", "kv_b_proj_dtype", "prefill_dtype"], registry=r,
+        )
+        self.chunks = Counter("ctxprefill_chunks_total", "Context chunks computed, by pack path.", ["path"], registry=r)
+        self.context_tokens = Counter(
+            "ctxprefill_context_tokens_total", "Cached context tokens attended to (sum of context_len).", registry=r
+        )
+        self.query_tokens = Counter(
+            "ctxprefill_query_tokens_total", "Query rows of PrefillContext requests (sum of query_len).", registry=r
+        )
+        self.request_duration = Histogram(
+            "ctxprefill_request_duration_seconds",
+            "Time of a PrefillContext request inside the server, queueing included, until its result is ready.",
+            registry=r, buckets=DURATION_BUCKETS,
+        )
+        self.stage_duration = Histogram(
+            "ctxprefill_stage_duration_seconds",
+            "Time of one chunk-loop stage per PrefillContext request, summed over its chunks.",
+            ["stage"], registry=r, buckets=DURATION_BUCKETS,
+        )
+        self.queue_depth = Gauge(
+            "ctxprefill_queue_depth", "Requests admitted and waiting for the device (the running one excluded).",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "ctxprefill_rejected_requests_total",
+            "Requests refused without being run, by reason (queue_full, draining, starting, deadline, out_of_memory).",
+            ["reason"], registry=r,
+        )
+        self.cache_slots_used = Gauge(
+            "ctxprefill_cache_slots_used", "Cache slots written at least once since the start.", registry=r
+        )
+        # A constant, but SPEC §9 names it `_total`, and promtool accepts that suffix only on a
+        # counter: so it is a counter, incremented once by the cache size when the cache exists.
+        self.cache_slots_total = Counter(
+            "ctxprefill_cache_slots_total", "Cache slots (num_blocks * block_size), counted once when allocated.",
+            registry=r,
+        )
+        self.build_info = Gauge(
+            "ctxprefill_build_info", "Constant 1, labelled with the server version, attention backend and device.",
+            ["version", "backend", "device"], registry=r,
+        )
+        self.ready = Gauge("ctxprefill_ready", "1 while the server is ready to serve (weights loaded, kernels warm).",
+                           registry=r)
+        # -- gRPC (go-grpc-prometheus names) ---------------------------------------------
+        labels = ["grpc_type", "grpc_service", "grpc_method"]
+        self.grpc_started = Counter(
+            "grpc_server_started_total", "Total number of RPCs started on the server.", labels, registry=r
+        )
+        self.grpc_handled = Counter(
+            "grpc_server_handled_total",
+            "Total number of RPCs completed on the server, regardless of success or failure.",
+            labels + ["grpc_code"], registry=r,
+        )
+        self.grpc_msg_received = Counter(
+            "grpc_server_msg_received_total", "Total number of RPC stream messages received on the server.",
+            labels, registry=r,
+        )
+        self.grpc_msg_sent = Counter(
+            "grpc_server_msg_sent_total", "Total number of gRPC stream messages sent by the server.", labels, registry=r
+        )
+        self.grpc_handling = Histogram(
+            "grpc_server_handling_seconds",
+            "Histogram of response latency (seconds) of gRPC that had been application-level handled by the server.",
+            labels, registry=r, buckets=DURATION_BUCKETS,
+        )
+
+    # ---------------------------------------------------------------------------------
+    def init_engine(self, *, version: str, backend: str, device: str, num_slots: int, path: str,
+                    fp8_path: dict[str, str]) -> None:
+        """Constant facts of the engine, and zero series for the labels it will use."""
+        self.build_info.labels(version=version, backend=backend, device=device).set(1)
+        self.cache_slots_total.inc(num_slots)
+        for stage in STAGES:
+            self.kernel_launches.labels(stage=stage, path=path)
+        self.chunks.labels(path=path)
+        self.fp8_path.labels(**fp8_path)
+
+    def init_grpc_methods(self, service: str, methods: list[str]) -> None:
+        """Zero series for every method of ``service`` (as go-grpc-prometheus's InitializeMetrics)."""
+        for m in methods:
+            lab = {"grpc_type": "unary", "grpc_service": service, "grpc_method": m}
+            self.grpc_started.labels(**lab)
+            self.grpc_handled.labels(**lab, grpc_code="OK")
+            self.grpc_msg_received.labels(**lab)
+            self.grpc_msg_sent.labels(**lab)
+
+    def observe_prefill(self, stats, total_seconds: float) -> None:
+        """Account one finished PrefillContext request (an engine ``PrefillStats``)."""
+        path = stats.path
+        for stage, n in stats.launches.items():
+            if n:
+                self.kernel_launches.labels(stage=stage, path=path).inc(n)
+        n_chunks = len(stats.chunks)
+        if n_chunks:
+            self.chunks.labels(path=path).inc(n_chunks)
+            self.fp8_path.labels(**stats.fp8_path).inc(n_chunks)
+        self.context_tokens.inc(stats.context_tokens)
+        self.query_tokens.inc(stats.query_tokens)
+        for stage, ns in stats.stage_ns.items():
+            self.stage_duration.labels(stage=stage).observe(ns / 1e9)
+        self.request_duration.observe(total_seconds)
+
+    def observe_insert(self, launches: int, path: str, slots_used: int) -> None:
+        if launches:
+            self.kernel_launches.labels(stage="insert", path=path).inc(launches)
+        self.cache_slots_used.set(slots_used)
+
+    def render(self) -> bytes:
+        """The page served at /metrics (Prometheus text format 0.0.4)."""
+        return prometheus_client.generate_latest(self.registry)

@@ -1,0 +1,313 @@
+"""The RPC handlers of ``ctxprefill.v1.PrefillContextService`` (a ``grpc.aio`` servicer).
+
+A handler: refuses while starting or draining (UNAVAILABLE), checks
+``expected_instance_id`` (FAILED_PRECONDITION), validates the whole request
+(``validate.py``: INVALID_ARGUMENT / OUT_OF_RANGE naming the field), then hands the
+engine call to :class:`EngineWorker` — one thread that owns the device, behind a
+bounded admission count (RESOURCE_EXHAUSTED at once when full, never after waiting).
+A request whose deadline passed while it waited is not run (DEADLINE_EXCEEDED; a
+cancelled one is dropped from the queue); a device out-of-memory error fails only
+that request (RESOURCE_EXHAUSTED), after freeing what it held.
+
+Handlers raise; ``interceptors.py`` turns exceptions into status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import gc
+import logging
+import queue
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+
+import grpc
+import torch
+
+from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+
+from .. import __version__
+from ..engine.engine import Engine
+from ..ops import _cuda, launches
+from . import codec, validate
+from .interceptors import RpcStatusError, request_id_var
+from .metrics import Metrics
+
+log = logging.getLogger("ctxprefill.service")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillContextService"].full_name
+METHODS = [m.name for m in pb.DESCRIPTOR.services_by_name["PrefillContextService"].methods]
+
+_OOM_TYPES = (torch.OutOfMemoryError, MemoryError)
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, _OOM_TYPES) or (isinstance(e, RuntimeError) and "out of memory" in str(e).lower())
+
+
+class EngineWorker:
+    """One daemon thread that runs every engine call, in submission order.
+
+    ``submit`` returns an asyncio future; cancelling it before the call starts drops
+    the call. A call whose ``deadline`` (``time.monotonic()`` seconds) has passed
+    when its turn comes is not run. The thread is a daemon so that a call still
+    running after the drain's grace period cannot keep the process alive.
+    """
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._thread = threading.Thread(target=self._run, name="ctxprefill-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def submit(self, fn, deadline: float | None = None) -> asyncio.Future:
+        cf: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._waiting += 1
+            self.metrics.queue_depth.set(self._waiting)
+        self._q.put((cf, contextvars.copy_context(), fn, deadline))
+        return asyncio.wrap_future(cf)
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            cf, ctx, fn, deadline = item
+            with self._lock:
+                self._waiting -= 1
+                self.metrics.queue_depth.set(self._waiting)
+            if not cf.set_running_or_notify_cancel():
+                continue  # cancelled while queued (client gone, deadline passed)
+            if deadline is not None and time.monotonic() >= deadline:
+                self.metrics.rejected.labels(reason="deadline").inc()
+                cf.set_exception(RpcStatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                "the deadline passed while the request was queued; it was not run",
+                                                "deadline"))
+                continue
+            try:
+                result = ctx.run(_guarded, fn, self.metrics)
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
+                cf.set_exception(e)
+            else:
+                cf.set_result(result)
+            finally:
+                del item, cf, ctx, fn
+
+
+def _guarded(fn, metrics: Metrics):
+    """Run ``fn``; a device (or host) out-of-memory error becomes RESOURCE_EXHAUSTED after
+    the memory the failed request held is freed, so that the server goes on."""
+    oom = None
+    try:
+        return fn()
+    except BaseException as e:  # noqa: BLE001
+        if not _is_oom(e):
+            raise
+        oom = str(e).splitlines()[0] if str(e) else type(e).__name__
+    # outside the except block: the traceback (and the tensors its frames hold) is gone
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    metrics.rejected.labels(reason="out_of_memory").inc()
+    log.warning("request ran out of memory; freed the allocator cache and going on: %s", oom)
+    raise RpcStatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"out of memory for this request ({oom}); retry smaller (fewer tokens, a smaller "
+                         f"workspace_tokens) or later", "out_of_memory")
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{idx} ({torch.cuda.get_device_name(idx)})"
+    return str(device)
+
+
+def versions() -> pb.Versions:
+    cudnn = ""
+    try:
+        if torch.backends.cudnn.is_available():
+            cudnn = str(torch.backends.cudnn.version())
+    except Exception:  # noqa: BLE001
+        cudnn = ""
+    return pb.Versions(server=__version__, torch=torch.__version__, cuda=torch.version.cuda or "", cudnn=cudnn,
+                       python=".".join(map(str, sys.version_info[:3])))
+
+
+class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
+    STARTING, READY, DRAINING = "starting", "ready", "draining"
+
+    def __init__(self, settings, metrics: Metrics, worker: EngineWorker, max_message_bytes: int,
+                 queue_size: int):
+        self.settings = settings
+        self.metrics = metrics
+        self.worker = worker
+        self.max_message_bytes = int(max_message_bytes)
+        self.queue_size = max(1, int(queue_size))
+        self.state = self.STARTING
+        self.engine: Engine | None = None
+        self._info: pb.GetServerInfoResponse | None = None
+        self._admitted = 0  # requests handed to the worker and not finished (event-loop thread only)
+
+    # -- lifecycle (called by server.py) ---------------------------------------------
+    def attach_engine(self, engine: Engine) -> None:
+        self.engine = engine
+        self._info = self._server_info(engine)
+        path = "fused" if engine.config.fused else "generic"
+        self.metrics.init_engine(version=__version__, backend=engine.backend.name, device=self._info.device,
+                                 num_slots=engine.cache.config.num_slots, path=path,
+                                 fp8_path=engine.config.fp8_path_labels)
+        self.metrics.cache_slots_used.set(engine.cache.slots_used)
+
+    def set_ready(self) -> None:
+        self.state = self.READY
+        self.metrics.ready.set(1)
+
+    def start_draining(self) -> None:
+        self.state = self.DRAINING
+        self.metrics.ready.set(0)
+
+    @property
+    def in_flight(self) -> int:
+        return self._admitted
+
+    # -- helpers ---------------------------------------------------------------------
+    def _refuse(self, code: grpc.StatusCode, message: str, reason: str) -> RpcStatusError:
+        self.metrics.rejected.labels(reason=reason).inc()
+        return RpcStatusError(code, message, reason)
+
+    def _gate(self) -> Engine:
+        if self.state == self.DRAINING:
+            raise self._refuse(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another instance",
+                               "draining")
+        if self.state != self.READY or self.engine is None:
+            raise self._refuse(grpc.StatusCode.UNAVAILABLE,
+                               "server is starting (loading weights, warming up kernels); retry shortly", "starting")
+        return self.engine
+
+    async def _run(self, fn, context):
+        """Admit (or refuse at once), queue, await the worker's result."""
+        if self._admitted >= self.queue_size:
+            raise self._refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"queue full ({self._admitted} requests admitted, limit {self.queue_size}); retry later",
+                               "queue_full")
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        self._admitted += 1
+        try:
+            return await self.worker.submit(fn, deadline)
+        finally:
+            self._admitted -= 1
+
+    def _server_info(self, engine: Engine) -> pb.GetServerInfoResponse:
+        cfg, s = engine.config, self.settings
+        shape, cache = cfg.shape, cfg.cache
+        w = engine.weights
+        scale_format = "" if w.scale is None else ("tensor" if w.scale.dim() == 0 or w.scale.numel() == 1 else "block")
+        if engine.fused_kernels_active:
+            reason = ""
+        elif not cfg.fused:
+            reason = "generic path selected (--generic)"
+        elif engine.device.type != "cuda":
+            reason = "no CUDA device: the torch reference ops run on the CPU"
+        else:
+            reason = _cuda.why_not()
+        return pb.GetServerInfoResponse(
+            instance_id=engine.instance_id,
+            num_heads=shape.heads, kv_lora_rank=shape.kv_lora_rank, qk_nope_head_dim=shape.qk_nope_head_dim,
+            qk_rope_head_dim=shape.qk_rope_head_dim, v_head_dim=shape.v_head_dim, softmax_scale=shape.scale,
+            cache_dtype=cache.dtype, block_size=cache.block_size, num_blocks=cache.num_blocks,
+            k_scale=cache.k_scale, bytes_per_slot=cache.bytes_per_slot,
+            kv_b_proj_dtype=w.dtype, kv_b_proj_scale_format=scale_format,
+            weights_source=s.weights if s.weights else f"random(seed={s.seed})",
+            prefill_dtype=cfg.prefill_dtype,
+            attention_backend=engine.backend.name, attention_backend_supports_out=bool(engine.backend.supports_out()),
+            fused_kernels_active=bool(engine.fused_kernels_active), fused_kernels_reason=reason,
+            workspace_tokens=cfg.workspace_tokens, device=describe_device(engine.device), versions=versions(),
+            max_message_bytes=self.max_message_bytes,
+        )
+
+    # -- RPCs ----------------------------------------------------------------------------
+    async def GetServerInfo(self, request, context):
+        self._gate()
+        return self._info
+
+    async def WriteCache(self, request, context):
+        engine = self._gate()
+        validate.check_instance(request, engine.instance_id)
+        args = validate.validate_write(request, engine.config)
+        path = "fused" if engine.config.fused else "generic"
+
+        def work():
+            counts: Counter = Counter()
+            with launches.stage(counts, "insert"):
+                n = engine.write_cache(args.slot_mapping, args.kv_c, args.k_pe)
+            self.metrics.observe_insert(counts["insert"], path, engine.cache.slots_used)
+            return n
+
+        n = await self._run(work, context)
+        return pb.WriteCacheResponse(slots_written=n, instance_id=engine.instance_id)
+
+    async def ReadCache(self, request, context):
+        engine = self._gate()
+        validate.check_instance(request, engine.instance_id)
+        slots = validate.validate_read(request, engine.config, self.max_message_bytes)
+        bps = engine.cache.config.bytes_per_slot
+
+        def work():
+            raw = engine.read_cache(slots)
+            if raw.shape[0] == 0:
+                raw = torch.empty((0, bps), dtype=torch.uint8)
+            return codec.encode(raw)
+
+        t = await self._run(work, context)
+        return pb.ReadCacheResponse(slots=t, instance_id=engine.instance_id)
+
+    async def PrefillContext(self, request, context):
+        t0 = time.perf_counter_ns()
+        request_id = request.request_id or uuid.uuid4().hex
+        request_id_var.set(validate.request_id_for_logs(request_id))
+        engine = self._gate()
+        validate.check_instance(request, engine.instance_id)
+        args = validate.validate_prefill(request, engine.config, self.max_message_bytes)
+
+        def work():
+            r = engine.prefill_context(args.q, args.sequences, workspace_tokens=args.workspace_tokens, plan=args.plan)
+            out, lse = r.out.cpu(), r.lse.cpu()  # synchronizes: the result is ready
+            total_ns = time.perf_counter_ns() - t0
+            self.metrics.observe_prefill(r.stats, total_ns / 1e9)
+            return codec.encode(out), codec.encode(lse), r.stats, total_ns
+
+        out, lse, st, total_ns = await self._run(work, context)
+        stats = pb.Stats(
+            num_chunks=len(st.chunks),
+            chunks=[pb.ContextChunk(first_sequence=c.first_sequence, num_sequences=c.num_sequences,
+                                    context_start=list(c.context_starts), context_len=list(c.context_lens))
+                    for c in st.chunks],
+            kernel_launches={k: int(v) for k, v in st.launches.items()},
+            path=st.path,
+            fp8_path=pb.Fp8Path(**st.fp8_path),
+            stage_nanos={k: int(v) for k, v in st.stage_ns.items()},
+            total_nanos=total_ns,
+            context_tokens=st.context_tokens,
+            query_tokens=st.query_tokens,
+        )
+        log.info("prefill done", extra={"chunks": len(st.chunks), "context_tokens": st.context_tokens,
+                                        "query_tokens": st.query_tokens, "total_ms": round(total_ns / 1e6, 3)})
+        return pb.PrefillContextResponse(output=out, lse=lse, stats=stats, instance_id=engine.instance_id,
+                                         request_id=request_id)

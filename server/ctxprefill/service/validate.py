@@ -1,0 +1,193 @@
+"""Every check of a request, in one place, before any work (SPEC §7).
+
+Each function takes a request message and the engine's configuration and returns
+what the engine takes (CPU tensors viewing the request's bytes, ``SequenceSpec``s,
+``ContextChunk``s), or raises an error naming the field at fault:
+
+- ``InvalidArgument``: dtype, shape, data length, negative lengths, sums that
+  disagree, a block table too short, a malformed plan, a response that would exceed
+  the message size limit;
+- ``OutOfRange``: a slot or block id outside the cache;
+- ``FailedPrecondition``: ``expected_instance_id`` set and not this server's.
+
+The engine and the cache check indices again on their side (a bad index on the GPU
+would kill the process and lose the whole cache), so this layer is about early,
+precise answers; the engine's checks are the last line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+
+from ..config import EngineConfig
+from ..engine.engine import SequenceSpec
+from ..engine.plan import ContextChunk, validate_plan
+from ..errors import FailedPrecondition, InvalidArgument, OutOfRange
+from . import codec
+
+#: room left in a response for everything that is not tensor data (stats, ids, framing)
+RESPONSE_OVERHEAD_BYTES = 1 << 20
+#: request ids are logged; longer ones are cut in logs (never refused)
+MAX_LOGGED_REQUEST_ID = 128
+
+_LATENT_DTYPES = (pb.DATA_TYPE_BF16, pb.DATA_TYPE_FP32)
+
+
+@dataclasses.dataclass
+class WriteArgs:
+    slot_mapping: torch.Tensor  # int64 [T]
+    kv_c: torch.Tensor  # [T, L] bf16 | fp32
+    k_pe: torch.Tensor  # [T, R] bf16 | fp32
+
+    @property
+    def tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+@dataclasses.dataclass
+class PrefillArgs:
+    q: torch.Tensor  # [Tq, H, P+R]
+    sequences: list[SequenceSpec]
+    workspace_tokens: int
+    plan: list[ContextChunk] | None
+
+
+def check_instance(req, instance_id: str) -> None:
+    """FAILED_PRECONDITION when the request expects another server instance."""
+    if req.HasField("expected_instance_id") and req.expected_instance_id != instance_id:
+        raise FailedPrecondition(
+            "expected_instance_id",
+            f"this server is instance {instance_id!r}, not {req.expected_instance_id!r}: it restarted and its "
+            f"cache no longer holds the tokens written before; re-populate the cache",
+        )
+
+
+def _check_slots(slots: torch.Tensor, num_slots: int, allow_skip: bool, field: str = "slot_mapping") -> None:
+    if slots.numel() == 0:
+        return
+    lo = -1 if allow_skip else 0
+    bad = (slots < lo) | (slots >= num_slots)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise OutOfRange(
+            f"{field}[{i}]",
+            f"slot {int(slots[i])} is outside [{lo}, {num_slots})" + (" (-1 skips a token)" if allow_skip else ""),
+        )
+
+
+def _check_response_size(field: str, nbytes: int, max_message_bytes: int) -> None:
+    if nbytes + RESPONSE_OVERHEAD_BYTES > max_message_bytes:
+        raise InvalidArgument(
+            field,
+            f"the response would carry {nbytes} bytes of tensor data, over the server's message size limit "
+            f"({max_message_bytes} bytes); split the request",
+        )
+
+
+def validate_write(req: pb.WriteCacheRequest, cfg: EngineConfig) -> WriteArgs:
+    L, R = cfg.shape.kv_lora_rank, cfg.shape.qk_rope_head_dim
+    slots = codec.decode(req.slot_mapping, "slot_mapping", (pb.DATA_TYPE_INT64,), ndim=1)
+    T = slots.shape[0]
+    tensors = {}
+    for name, width in (("kv_c", L), ("k_pe", R)):
+        msg = getattr(req, name)
+        _, shape = codec.check_tensor(msg, name, _LATENT_DTYPES, ndim=2)
+        if shape != (T, width):
+            raise InvalidArgument(name, f"must have shape [{T}, {width}] (T from slot_mapping), got {list(shape)}")
+        tensors[name] = codec.decode(msg, name, _LATENT_DTYPES, ndim=2)
+    _check_slots(slots, cfg.cache.num_slots, allow_skip=True)
+    return WriteArgs(slots, tensors["kv_c"], tensors["k_pe"])
+
+
+def validate_read(req: pb.ReadCacheRequest, cfg: EngineConfig, max_message_bytes: int) -> torch.Tensor:
+    slots = codec.decode(req.slot_mapping, "slot_mapping", (pb.DATA_TYPE_INT64,), ndim=1)
+    _check_response_size("slot_mapping", slots.shape[0] * cfg.cache.bytes_per_slot, max_message_bytes)
+    _check_slots(slots, cfg.cache.num_slots, allow_skip=False)
+    return slots
+
+
+def _q_wire_dtype(cfg: EngineConfig) -> int:
+    return pb.DATA_TYPE_FP8_E4M3 if cfg.prefill_dtype == "fp8" else pb.DATA_TYPE_BF16
+
+
+def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_message_bytes: int) -> PrefillArgs:
+    shape, cache = cfg.shape, cfg.cache
+    H, D, V = shape.heads, shape.qk_head_dim, shape.v_head_dim
+    bs, num_blocks = cache.block_size, cache.num_blocks
+
+    # -- q: dtype and shape before its bytes are touched
+    want = _q_wire_dtype(cfg)
+    wire, q_shape = codec.check_tensor(req.q, "q")
+    if wire != want:
+        raise InvalidArgument(
+            "q", f"dtype {codec.dtype_name(wire)} does not match the server's prefill dtype {cfg.prefill_dtype} "
+                 f"(send {codec.dtype_name(want)})"
+        )
+    if len(q_shape) != 3 or q_shape[1] != H or q_shape[2] != D:
+        raise InvalidArgument("q", f"shape {list(q_shape)} is not [Tq, {H}, {D}]")
+    Tq = q_shape[0]
+    _check_response_size("q", Tq * H * V * 2 + H * Tq * 4, max_message_bytes)
+
+    # -- workspace
+    W = cfg.workspace_tokens
+    if req.HasField("workspace_tokens"):
+        W = req.workspace_tokens
+        if W < bs:
+            raise InvalidArgument("workspace_tokens", f"{W} is less than one block ({bs})")
+        if W > cfg.workspace_tokens:
+            raise InvalidArgument("workspace_tokens", f"{W} exceeds the server's workspace ({cfg.workspace_tokens})")
+
+    # -- sequences: lengths, sums, block tables (only the used prefix matters)
+    seqs: list[SequenceSpec] = []
+    total_q = 0
+    for i, s in enumerate(req.sequences):
+        ql, cl = s.query_len, s.context_len
+        if ql < 0:
+            raise InvalidArgument(f"sequences[{i}].query_len", f"must be >= 0, got {ql}")
+        if cl < 0:
+            raise InvalidArgument(f"sequences[{i}].context_len", f"must be >= 0, got {cl}")
+        need = -(-cl // bs)
+        bt = s.block_table
+        if len(bt) < need:
+            raise InvalidArgument(
+                f"sequences[{i}].block_table",
+                f"has {len(bt)} blocks; context_len {cl} needs {need} blocks of {bs}",
+            )
+        used = list(bt[:need])
+        if used and (min(used) < 0 or max(used) >= num_blocks):
+            j = next(j for j, b in enumerate(used) if b < 0 or b >= num_blocks)
+            raise OutOfRange(f"sequences[{i}].block_table[{j}]", f"block {used[j]} is outside [0, {num_blocks})")
+        total_q += ql
+        seqs.append(SequenceSpec(ql, cl, used))
+    if total_q != Tq:
+        raise InvalidArgument(
+            "sequences", f"query_len values sum to {total_q} but q has {Tq} rows (q.shape[0] must equal the sum)"
+        )
+
+    # -- an explicit plan: structure here, coverage by the engine's plan validator
+    plan = None
+    if len(req.plan):
+        plan = []
+        for k, c in enumerate(req.plan):
+            where = f"plan[{k}]"
+            if c.num_sequences < 1:
+                raise InvalidArgument(f"{where}.num_sequences", f"must be >= 1, got {c.num_sequences}")
+            for name in ("context_start", "context_len"):
+                got = len(getattr(c, name))
+                if got != c.num_sequences:
+                    raise InvalidArgument(
+                        f"{where}.{name}", f"has {got} entries, num_sequences is {c.num_sequences}"
+                    )
+            plan.append(ContextChunk(c.first_sequence, tuple(c.context_start), tuple(c.context_len)))
+        validate_plan(plan, [s.context_len for s in seqs], W)
+
+    q = codec.decode(req.q, "q")
+    return PrefillArgs(q, seqs, W, plan)
+
+
+def request_id_for_logs(request_id: str) -> str:
+    return request_id if len(request_id) <= MAX_LOGGED_REQUEST_ID else request_id[:MAX_LOGGED_REQUEST_ID] + "…"

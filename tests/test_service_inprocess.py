@@ -1,0 +1,408 @@
+"""The service layer in-process (CPU, a small real Engine): what is hard to provoke in
+a separate process — a full queue, a deadline that passes while queued, a device
+out-of-memory error, starting and draining, an unexpected exception — plus the
+codec, the validators and the HTTP app on their own."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from ctxprefill.errors import InvalidArgument, OutOfRange
+from ctxprefill.ops.fp8 import FP8
+from ctxprefill.service import codec, validate
+from ctxprefill.service.http import HttpApp
+from ctxprefill.service.interceptors import INTERNAL_MESSAGE, RpcStatusError, ServerInterceptor
+from ctxprefill.service.metrics import Metrics
+from ctxprefill.service.servicer import EngineWorker, PrefillContextServicer
+from ctxprefill.settings import ServeSettings, build_engine
+from ctxprefill_client import encode_tensor, float32_to_bf16_bits
+from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+from service_process import parse_metrics, sample_sum
+
+# torch warns (once) that a tensor over an immutable `bytes` is writable; the codec never writes
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+SETTINGS = ServeSettings(device="cpu", heads=1, block_size=16, num_blocks=8, workspace_tokens=64)
+SERVICE = "ctxprefill.v1.PrefillContextService"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return build_engine(SETTINGS)
+
+
+class Harness:
+    def __init__(self, engine, queue_size=4, ready=True):
+        self.metrics = Metrics()
+        self.worker = EngineWorker(self.metrics)
+        self.servicer = PrefillContextServicer(SETTINGS, self.metrics, self.worker, 64 << 20, queue_size)
+        if ready:
+            self.servicer.attach_engine(engine)
+            self.servicer.set_ready()
+
+    async def __aenter__(self):
+        self.server = grpc.aio.server(interceptors=[ServerInterceptor(self.metrics)])
+        pb_grpc.add_PrefillContextServiceServicer_to_server(self.servicer, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = pb_grpc.PrefillContextServiceStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.channel.close()
+        await self.server.stop(0)
+        self.worker.stop()
+
+    def handled(self, method, code) -> float:
+        m = parse_metrics(self.metrics.render().decode())
+        return sample_sum(m["grpc_server_handled_total"], grpc_method=method, grpc_code=code)
+
+
+def read_req(slot=0):
+    return pb.ReadCacheRequest(slot_mapping=encode_tensor(np.array([slot], np.int64)))
+
+
+def prefill_req(rows=2, context=20):
+    q = float32_to_bf16_bits(np.ones((rows, 1, 192), np.float32))
+    return pb.PrefillContextRequest(q=encode_tensor(q, pb.DATA_TYPE_BF16),
+                                    sequences=[pb.Sequence(query_len=rows, context_len=context, block_table=[3, 4])])
+
+
+async def wait_until(cond, timeout=10.0):
+    t_end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < t_end, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def code_of(coro) -> grpc.StatusCode:
+    try:
+        await coro
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+def blocking_read(engine, monkeypatch, gate: threading.Event, ran: list):
+    orig = engine.read_cache
+
+    def read_cache(slots):
+        ran.append(int(slots[0]))
+        if int(slots[0]) == 0:
+            assert gate.wait(20)
+        return orig(slots)
+
+    monkeypatch.setattr(engine, "read_cache", read_cache)
+
+
+def test_queue_full_is_refused_at_once(engine, monkeypatch):
+    gate, ran = threading.Event(), []
+    blocking_read(engine, monkeypatch, gate, ran)
+
+    async def main():
+        async with Harness(engine, queue_size=2) as h:
+            a = asyncio.ensure_future(h.stub.ReadCache(read_req(0), timeout=30))
+            await wait_until(lambda: ran == [0])  # A runs (and blocks) on the engine thread
+            b = asyncio.ensure_future(h.stub.ReadCache(read_req(1), timeout=30))
+            await wait_until(lambda: h.servicer.in_flight == 2)
+            assert h.worker.waiting == 1
+            t = time.monotonic()
+            assert await code_of(h.stub.ReadCache(read_req(2), timeout=30)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.monotonic() - t < 2
+            page = parse_metrics(h.metrics.render().decode())
+            assert sample_sum(page["ctxprefill_queue_depth"]) == 1
+            gate.set()
+            assert (await a).slots.shape == [1, engine.cache.config.bytes_per_slot]
+            await b
+            assert h.handled("ReadCache", "RESOURCE_EXHAUSTED") == 1 and h.handled("ReadCache", "OK") == 2
+            assert ran == [0, 1]
+
+    asyncio.run(main())
+
+
+def test_a_request_whose_deadline_passed_in_the_queue_is_not_run(engine, monkeypatch):
+    gate, ran = threading.Event(), []
+    blocking_read(engine, monkeypatch, gate, ran)
+
+    async def main():
+        async with Harness(engine) as h:
+            a = asyncio.ensure_future(h.stub.ReadCache(read_req(0), timeout=30))
+            await wait_until(lambda: ran == [0])
+            assert await code_of(h.stub.ReadCache(read_req(5), timeout=0.3)) == grpc.StatusCode.DEADLINE_EXCEEDED
+            gate.set()
+            await a
+            await h.stub.ReadCache(read_req(6), timeout=30)
+            assert ran == [0, 6]  # slot 5's read never ran
+            assert h.handled("ReadCache", "DEADLINE_EXCEEDED") == 1
+
+    asyncio.run(main())
+
+
+def test_worker_skips_an_expired_deadline():
+    async def main():
+        w = EngineWorker(Metrics())
+        gate, ran = threading.Event(), []
+        first = w.submit(lambda: gate.wait(20))
+        second = w.submit(lambda: ran.append(1), deadline=time.monotonic() + 0.05)
+        await asyncio.sleep(0.2)
+        gate.set()
+        assert await first
+        with pytest.raises(RpcStatusError) as ei:
+            await second
+        assert ei.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and not ran
+        w.stop()
+
+    asyncio.run(main())
+
+
+def test_out_of_memory_is_resource_exhausted_and_the_server_goes_on(engine, monkeypatch):
+    orig = engine.prefill_context
+    calls = []
+
+    def prefill_context(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(engine, "prefill_context", prefill_context)
+
+    async def main():
+        async with Harness(engine) as h:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await h.stub.PrefillContext(prefill_req(), timeout=30)
+            assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "out of memory" in ei.value.details()
+            r = await h.stub.PrefillContext(prefill_req(), timeout=30)
+            assert list(r.output.shape) == [2, 1, 128] and r.stats.num_chunks == 1
+            page = parse_metrics(h.metrics.render().decode())
+            assert sample_sum(page["ctxprefill_rejected_requests_total"], reason="out_of_memory") == 1
+
+    asyncio.run(main())
+
+
+def test_unexpected_errors_are_internal_with_a_generic_message(engine, monkeypatch, caplog):
+    def boom(slots):
+        raise ValueError("secret detail")
+
+    monkeypatch.setattr(engine, "read_cache", boom)
+
+    async def main():
+        async with Harness(engine) as h:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await h.stub.ReadCache(read_req(0), timeout=30)
+            assert ei.value.code() == grpc.StatusCode.INTERNAL
+            assert ei.value.details() == INTERNAL_MESSAGE
+            assert h.handled("ReadCache", "INTERNAL") == 1
+
+    with caplog.at_level(logging.ERROR, logger="ctxprefill.service"):
+        asyncio.run(main())
+    rec = [r for r in caplog.records if r.exc_info and "secret detail" in str(r.exc_info[1])]
+    assert rec and rec[0].exc_info is not None
+
+
+def test_starting_and_draining_are_unavailable(engine):
+    async def main():
+        async with Harness(engine, ready=False) as h:
+            assert await code_of(h.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)) == \
+                grpc.StatusCode.UNAVAILABLE
+            h.servicer.attach_engine(engine)
+            h.servicer.set_ready()
+            info = await h.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+            assert info.instance_id == engine.instance_id and info.bytes_per_slot == 1152
+            h.servicer.start_draining()
+            for call in (h.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10),
+                         h.stub.PrefillContext(prefill_req(), timeout=10)):
+                assert await code_of(call) == grpc.StatusCode.UNAVAILABLE
+            assert h.handled("GetServerInfo", "UNAVAILABLE") == 2
+
+    asyncio.run(main())
+
+
+def test_instance_and_validation_errors_name_the_field(engine):
+    async def main():
+        async with Harness(engine) as h:
+            req = prefill_req()
+            req.expected_instance_id = "not-this-one"
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await h.stub.PrefillContext(req, timeout=10)
+            assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert ei.value.details().startswith("expected_instance_id:")
+            req.expected_instance_id = engine.instance_id
+            r = await h.stub.PrefillContext(req, timeout=10)
+            assert r.instance_id == engine.instance_id and r.request_id
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------------------- codec
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, FP8, torch.int32, torch.int64,
+                                   torch.uint8])
+def test_codec_round_trip_keeps_the_bits(dtype):
+    x = torch.randn(3, 5, 7) * 100
+    x = x.clamp(-448, 448).to(dtype) if dtype == FP8 else x.to(dtype)
+    msg = codec.encode(x)
+    y = codec.decode(msg, "t")
+    assert y.dtype == dtype and tuple(y.shape) == (3, 5, 7)
+    assert torch.equal(x.view(torch.uint8) if dtype == FP8 else x, y.view(torch.uint8) if dtype == FP8 else y)
+    empty = codec.decode(codec.encode(x[:0]), "t")
+    assert empty.shape == (0, 5, 7) and empty.dtype == dtype
+
+
+def test_codec_views_the_message_bytes_without_copying():
+    data = np.arange(12, dtype=np.float32).tobytes()
+    msg = pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[3, 4], data=data)
+    held = msg.data
+    t = codec.decode(msg, "t", data=held)
+    assert t.data_ptr() == np.frombuffer(held, dtype=np.uint8).ctypes.data
+
+
+@pytest.mark.parametrize("shape,data,needle", [
+    ([2**40, 2**40], b"", "elements"),
+    ([-1, 4], b"", "extent"),
+    ([1] * 9, b"\0\0", "dimensions"),
+    ([3], b"\0" * 5, "data has 5 bytes"),
+])
+def test_codec_refuses_bad_shapes_before_allocating(shape, data, needle):
+    with pytest.raises(InvalidArgument) as ei:
+        codec.decode(pb.Tensor(dtype=pb.DATA_TYPE_BF16, shape=shape, data=data), "kv_c")
+    assert ei.value.field == "kv_c" and needle in ei.value.message
+
+
+def test_codec_refuses_unknown_and_unwanted_dtypes():
+    with pytest.raises(InvalidArgument, match="UNSPECIFIED"):
+        codec.decode(pb.Tensor(dtype=0, shape=[1], data=b"\0"), "q")
+    with pytest.raises(InvalidArgument, match="expected INT64"):
+        codec.decode(pb.Tensor(dtype=pb.DATA_TYPE_INT32, shape=[1], data=b"\0" * 4), "slot_mapping",
+                     (pb.DATA_TYPE_INT64,))
+
+
+# ---------------------------------------------------------------------------- validate
+
+
+def test_validate_prefill_messages(engine):
+    cfg = engine.config
+    ok = prefill_req()
+    args = validate.validate_prefill(ok, cfg, 64 << 20)
+    assert args.q.dtype == torch.bfloat16 and args.sequences[0].block_table == [3, 4] and args.plan is None
+
+    def fails(mutate, exc=InvalidArgument, max_bytes=64 << 20):
+        r = pb.PrefillContextRequest()
+        r.CopyFrom(ok)
+        mutate(r)
+        with pytest.raises(exc) as ei:
+            validate.validate_prefill(r, cfg, max_bytes)
+        return ei.value.field
+
+    assert fails(lambda r: r.sequences[0].block_table.__setitem__(1, 8), OutOfRange) == "sequences[0].block_table[1]"
+    assert fails(lambda r: r.sequences[0].block_table.__setitem__(0, -1), OutOfRange) == "sequences[0].block_table[0]"
+    assert fails(lambda r: setattr(r.sequences[0], "query_len", -2)) == "sequences[0].query_len"
+    assert fails(lambda r: r.sequences.add(query_len=1)) == "sequences"
+    assert fails(lambda r: setattr(r, "workspace_tokens", 65)) == "workspace_tokens"
+    assert fails(lambda r: r.plan.add(first_sequence=0, num_sequences=0)) == "plan[0].num_sequences"
+    assert fails(lambda r: r.plan.add(first_sequence=0, num_sequences=1, context_start=[0],
+                                      context_len=[])) == "plan[0].context_len"
+    assert fails(lambda r: r.plan.add(first_sequence=0, num_sequences=1, context_start=[0],
+                                      context_len=[70])) == "plan[0]"
+    assert fails(lambda r: None, max_bytes=1 << 20) == "q"  # the response would not fit a message
+    # a valid explicit plan comes through as ContextChunks
+    r = pb.PrefillContextRequest()
+    r.CopyFrom(ok)
+    r.plan.add(first_sequence=0, num_sequences=1, context_start=[0], context_len=[16])
+    r.plan.add(first_sequence=0, num_sequences=1, context_start=[16], context_len=[4])
+    plan = validate.validate_prefill(r, cfg, 64 << 20).plan
+    assert [(c.context_starts, c.context_lens) for c in plan] == [((0,), (16,)), ((16,), (4,))]
+
+
+def test_validate_write_and_read(engine):
+    cfg = engine.config
+    n = cfg.cache.num_slots
+    req = pb.WriteCacheRequest(slot_mapping=encode_tensor(np.array([-1, n - 1], np.int64)),
+                               kv_c=encode_tensor(np.zeros((2, 512), np.float32)),
+                               k_pe=encode_tensor(float32_to_bf16_bits(np.zeros((2, 64), np.float32)),
+                                                  pb.DATA_TYPE_BF16))
+    a = validate.validate_write(req, cfg)
+    assert a.tokens == 2 and a.kv_c.dtype == torch.float32 and a.k_pe.dtype == torch.bfloat16
+    req.slot_mapping.CopyFrom(encode_tensor(np.array([0, n], np.int64)))
+    with pytest.raises(OutOfRange) as ei:
+        validate.validate_write(req, cfg)
+    assert ei.value.field == "slot_mapping[1]"
+    req.slot_mapping.CopyFrom(encode_tensor(np.array([0], np.int64)))
+    with pytest.raises(InvalidArgument) as ei:
+        validate.validate_write(req, cfg)
+    assert ei.value.field == "kv_c"
+    with pytest.raises(OutOfRange):
+        validate.validate_read(read_req(-1), cfg, 64 << 20)
+
+
+# -------------------------------------------------------------------------------- http
+
+
+async def _get(app, path, method="GET"):
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(msg):
+        sent.append(msg)
+
+    await app({"type": "http", "path": path, "method": method, "headers": []}, receive, send)
+    return sent[0]["status"], dict(sent[0]["headers"]), sent[1]["body"]
+
+
+def test_http_app_routes():
+    m = Metrics()
+    state = {"ready": False}
+    app = HttpApp(m, is_ready=lambda: state["ready"], state=lambda: "starting")
+
+    async def main():
+        assert (await _get(app, "/healthz"))[0] == 200
+        status, _, body = await _get(app, "/readyz")
+        assert status == 503 and b"starting" in body
+        state["ready"] = True
+        assert (await _get(app, "/readyz"))[0] == 200
+        status, headers, body = await _get(app, "/metrics")
+        assert status == 200 and headers[b"content-type"].startswith(b"text/plain")
+        assert b"ctxprefill_queue_depth" in body
+        assert (await _get(app, "/"))[0] == 404
+        assert (await _get(app, "/metrics/x"))[0] == 404
+        assert (await _get(app, "/metrics", "POST"))[0] == 405
+        assert (await _get(app, "/healthz", "HEAD"))[2] == b""
+
+    asyncio.run(main())
+
+
+def test_empty_requests(engine):
+    async def main():
+        async with Harness(engine) as h:
+            r = await h.stub.WriteCache(pb.WriteCacheRequest(
+                slot_mapping=encode_tensor(np.zeros(0, np.int64)), kv_c=encode_tensor(np.zeros((0, 512), np.float32)),
+                k_pe=encode_tensor(np.zeros((0, 64), np.float32))), timeout=10)
+            assert r.slots_written == 0
+            r = await h.stub.ReadCache(pb.ReadCacheRequest(slot_mapping=encode_tensor(np.zeros(0, np.int64))),
+                                       timeout=10)
+            assert list(r.slots.shape) == [0, 1152] and r.slots.data == b""
+            q = pb.Tensor(dtype=pb.DATA_TYPE_BF16, shape=[0, 1, 192])
+            r = await h.stub.PrefillContext(pb.PrefillContextRequest(q=q), timeout=10)
+            assert list(r.output.shape) == [0, 1, 128] and list(r.lse.shape) == [1, 0]
+            assert r.stats.num_chunks == 0
+            # rows without context only: 0 / -inf
+            r = await h.stub.PrefillContext(prefill_req(context=0), timeout=10)
+            out = np.frombuffer(r.output.data, np.uint16)
+            lse = np.frombuffer(r.lse.data, np.float32)
+            assert not out.any() and np.all(lse == -np.inf) and r.stats.num_chunks == 0
+
+    asyncio.run(main())
