@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""The fused CUDA kernels against their generic / torch forms, on the GPU, in one process.
+
+  python bench/bench_kernels.py --out bench/results/kernels.json
+
+Measured, in this order, in the same process:
+- device-to-device copy bandwidth: a 2 GiB bf16 copy, bytes read + written — the
+  ceiling every other number is a percentage of;
+- pack: fused (one kernel) vs generic (torch.cat of the strided views; for fp8 the
+  saturating casts after it), bf16 and fp8, H in {16, 128}, T in {2048, 8192, 32768},
+  on the strided halves of a real kv_b_proj output and the k_pe view of a workspace;
+- gather, every cache dtype / out dtype: the kernel vs ``gather_reference``;
+- merge (in place, strided out / LSE): the kernel vs ``merge_reference``.
+
+Time: median of CUDA-event timings after warm-up, with the L2 cache flushed (a
+256 MB write) before every repetition, as ``triton.testing.do_bench`` does.
+Effective bandwidth counts every input read once and every output written once.
+Targets (SPEC §6): the fused pack >= 90 % of the copy bandwidth for T·H >= 2**20;
+gather and merge >= 85 %. Results go to stdout as a table and to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _sub in ("server", "client"):
+    if os.path.join(ROOT, _sub) not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, _sub))
+
+import torch  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+BF16 = torch.bfloat16
+_flush = None
+
+
+def do_bench(fn, rep_ms: float = 60.0, warmup_ms: float = 15.0, flush: bool = True) -> float:
+    """Median milliseconds of ``fn`` on the current stream."""
+    global _flush
+    if flush and _flush is None:
+        _flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(3):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    est = max(s.elapsed_time(e) / 3, 1e-3)
+    for _ in range(max(1, int(warmup_ms / est))):
+        fn()
+    n = max(5, min(500, int(rep_ms / est)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        if flush:
+            _flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends))
+
+
+def commit() -> str:
+    if os.environ.get("CTXPREFILL_COMMIT"):
+        return os.environ["CTXPREFILL_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def bits(t):
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "kernels.json"), help="JSON results path")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_kernels: no CUDA device", file=sys.stderr)
+        return 2
+    from ctxprefill.ops import _cuda
+    from ctxprefill.ops.gather import gather_reference
+    from ctxprefill.ops.insert import insert_reference
+    from ctxprefill.ops.merge import merge_reference
+    from ctxprefill.ops.pack import generic_kv_concat, generic_kv_concat_quant_fp8
+    from ctxprefill.ops.slot_format import bytes_per_slot
+
+    ext = _cuda.load()
+    if ext is None:
+        print(f"bench_kernels: the CUDA extension did not load: {_cuda.why_not()}", file=sys.stderr)
+        return 1
+    rep = 25.0 if args.quick else 60.0
+    t_start = time.time()
+    dev = "cuda"
+    results: list[dict] = []
+
+    # ---- the ceiling -------------------------------------------------------------------
+    x = torch.empty(1 << 30, dtype=BF16, device=dev)  # 2 GiB
+    x.fill_(1.0)
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), rep_ms=max(rep, 100), flush=False)
+    copy_tbps = 2 * x.numel() * 2 / ms / 1e9
+    del x, y
+    torch.cuda.empty_cache()
+    print(f"device-to-device copy: {copy_tbps:.3f} TB/s (2 GiB bf16, read + write, {ms:.3f} ms)")
+
+    def add(op, variant, ms, nbytes, equal=None, **shape):
+        tbps = nbytes / ms / 1e9
+        r = dict(op=op, variant=variant, ms=round(ms, 5), bytes=int(nbytes), tbps=round(tbps, 4),
+                 pct_copy=round(100 * tbps / copy_tbps, 1), **shape)
+        if equal is not None:
+            r["bit_equal_to_reference"] = bool(equal)
+        results.append(r)
+        return r
+
+    # ---- pack ------------------------------------------------------------------------
+    for H in (16, 128):
+        w = (torch.randn((H * 256, 512), device=dev) / math.sqrt(512)).to(BF16)
+        for T in (2048, 8192, 32768):
+            c = torch.randn((T, 512), device=dev).to(BF16)
+            kv = (c @ w.t()).view(T, H, 256)
+            k_nope, v = kv[..., :128], kv[..., 128:]
+            ws = torch.randn((T, 576), device=dev).to(BF16)
+            k_pe = ws[:, 512:]
+            rd_bf16 = T * H * 128 * 2 + T * 64 * 2
+            wr_bf16 = T * H * 192 * 2
+            eq = torch.equal(bits(ext.fused_mla_kv_concat(k_nope, k_pe)), bits(generic_kv_concat(k_nope, k_pe)))
+            f = add("pack", "fused bf16", do_bench(lambda: ext.fused_mla_kv_concat(k_nope, k_pe), rep),
+                    rd_bf16 + wr_bf16, eq, H=H, T=T)
+            g = add("pack", "generic bf16", do_bench(lambda: generic_kv_concat(k_nope, k_pe), rep),
+                    rd_bf16 + wr_bf16, H=H, T=T)
+            f["speedup_vs_generic"] = round(g["ms"] / f["ms"], 2)
+            rd_fp8 = T * H * 256 * 2 + T * 64 * 2
+            wr_fp8 = T * H * (192 + 128)
+            a, b = ext.fused_mla_kv_concat_quant_fp8(k_nope, k_pe, v), generic_kv_concat_quant_fp8(k_nope, k_pe, v)
+            eq = torch.equal(bits(a[0]), bits(b[0])) and torch.equal(bits(a[1]), bits(b[1]))
+            f = add("pack", "fused fp8", do_bench(lambda: ext.fused_mla_kv_concat_quant_fp8(k_nope, k_pe, v), rep),
+                    rd_fp8 + wr_fp8, eq, H=H, T=T)
+            g = add("pack", "generic fp8", do_bench(lambda: generic_kv_concat_quant_fp8(k_nope, k_pe, v), rep),
+                    rd_fp8 + wr_fp8, H=H, T=T)
+            f["speedup_vs_generic"] = round(g["ms"] / f["ms"], 2)
+            del c, kv, k_nope, v, ws, k_pe, a, b
+        torch.cuda.empty_cache()
+
+    # ---- gather ----------------------------------------------------------------------
+    bs, rows = 64, 65536  # a full default workspace (W = 65536)
+    lens = [rows - 3 * 4096, 4096, 4096, 4096]
+    nblocks = rows // bs + 16
+    for cd, od in (("auto", BF16), ("fp8", BF16), ("fp8", FP8), ("fp8_ds_mla", BF16)):
+        cache = torch.zeros((nblocks * bs, bytes_per_slot(cd)), dtype=torch.uint8, device=dev)
+        insert_reference(cache, torch.randn((nblocks * bs, 512), device=dev), torch.randn((nblocks * bs, 64), device=dev),
+                         torch.arange(nblocks * bs, device=dev), cd, 1.0)
+        perm = torch.randperm(nblocks, device=dev).to(torch.int32)
+        maxb = max(math.ceil(n / bs) for n in lens)
+        bt = torch.stack([perm[(i * 97) % (nblocks - maxb):][:maxb] for i in range(len(lens))])
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=dev)
+        st = torch.zeros(len(lens), dtype=torch.int32, device=dev)
+        out = torch.empty((rows, 576), dtype=od, device=dev)
+        ref = torch.empty_like(out)
+        ext.gather(cache, bt, cu, st, out, cd, 1.0, bs)
+        gather_reference(cache, bt, cu, st, ref, cd, 1.0, bs)
+        eq = torch.equal(bits(out), bits(ref))
+        nbytes = rows * bytes_per_slot(cd) + rows * 576 * od.itemsize
+        name = f"{cd}->{'fp8' if od == FP8 else 'bf16'}"
+        f = add("gather", f"kernel {name}", do_bench(lambda: ext.gather(cache, bt, cu, st, out, cd, 1.0, bs), rep),
+                nbytes, eq, rows=rows, block_size=bs)
+        g = add("gather", f"torch {name}",
+                do_bench(lambda: gather_reference(cache, bt, cu, st, ref, cd, 1.0, bs), rep), nbytes,
+                rows=rows, block_size=bs)
+        f["speedup_vs_torch"] = round(g["ms"] / f["ms"], 2)
+        del cache, out, ref
+    torch.cuda.empty_cache()
+
+    # ---- merge -----------------------------------------------------------------------
+    T = 8192
+    for H in (16, 128):
+        out = torch.randn((T, H, 128), device=dev).to(BF16)
+        lse = torch.randn((H, T), device=dev)
+        part = torch.randn((T, H, 128), device=dev).to(BF16)
+        plse = torch.randn((H, T), device=dev)
+        o1, l1, o2, l2 = out.clone(), lse.clone(), out.clone(), lse.clone()
+        ext.merge(o1, l1, part, plse)
+        merge_reference(o2, l2, part, plse)
+        eq = torch.equal(bits(o1), bits(o2)) and torch.equal(bits(l1), bits(l2))
+        nbytes = 3 * T * H * 128 * 2 + 3 * T * H * 4
+        f = add("merge", "kernel", do_bench(lambda: ext.merge(out, lse, part, plse), rep), nbytes, eq, H=H, T=T)
+        g = add("merge", "torch", do_bench(lambda: merge_reference(out, lse, part, plse), rep), nbytes, H=H, T=T)
+        f["speedup_vs_torch"] = round(g["ms"] / f["ms"], 2)
+        del out, lse, part, plse, o1, l1, o2, l2
+    torch.cuda.empty_cache()
+
+    # ---- targets and report --------------------------------------------------------------
+    targets = []
+    for r in results:
+        if r["op"] == "pack" and r["variant"].startswith("fused") and r["H"] * r["T"] >= 2**20:
+            targets.append((r, 90.0))
+        elif r["op"] in ("gather", "merge") and r["variant"].startswith("kernel"):
+            targets.append((r, 85.0))
+    for r, goal in targets:
+        r["target_pct"] = goal
+        r["meets_target"] = r["pct_copy"] >= goal
+    hdr = f"{'op':<7} {'variant':<26} {'shape':<16} {'ms':>9} {'TB/s':>7} {'% copy':>7}  note"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        shape = f"H={r['H']} T={r['T']}" if "H" in r else f"rows={r['rows']}"
+        note = []
+        for k in ("speedup_vs_generic", "speedup_vs_torch"):
+            if k in r:
+                note.append(f"x{r[k]}")
+        if "meets_target" in r:
+            note.append(("ok" if r["meets_target"] else "BELOW") + f" {r['target_pct']:.0f}%")
+        if r.get("bit_equal_to_reference") is False:
+            note.append("NOT BIT-EQUAL")
+        print(f"{r['op']:<7} {r['variant']:<26} {shape:<16} {r['ms']:>9.4f} {r['tbps']:>7.3f} {r['pct_copy']:>6.1f}%  "
+              + " ".join(note))
+    doc = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda, commit=commit(),
+        copy_tbps=round(copy_tbps, 4), method="median CUDA-event time, L2 flushed before each repetition",
+        all_bit_equal=all(r.get("bit_equal_to_reference", True) for r in results),
+        targets_met=all(r["meets_target"] for r, _ in targets), seconds=round(time.time() - t_start, 1),
+        results=results,
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    print(f"targets met: {doc['targets_met']}; all bit-equal: {doc['all_bit_equal']}; "
+          f"{doc['seconds']} s; written {args.out}")
+    return 0 if doc["all_bit_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+// The one torch-facing translation unit of the ctxprefill CUDA extension.
+//
+// Thin on purpose (this header set is the slow part of the build): every input is
+// checked up front — device, dtype, shape, unit last stride, contiguity of the
+// outputs — with a message naming the argument, outputs are allocated here, and
+// the plain launchers of csrc/launchers.h run on the current CUDA stream. The
+// Python signatures are the ones server/ctxprefill/ops/*.py call.
+
+#include <cmath>
+#include <string>
+#include <tuple>
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include "launchers.h"
+
+namespace {
+
+using ctxprefill::CacheDtype;
+using ctxprefill::DType;
+
+constexpr auto kFp8 = at::ScalarType::Float8_e4m3fn;
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::ScalarType::BFloat16: return DType::BF16;
+    case at::ScalarType::Half: return DType::FP16;
+    case at::ScalarType::Float: return DType::FP32;
+    case at::ScalarType::Float8_e4m3fn: return DType::FP8E4M3;
+    default: TORCH_CHECK(false, "ctxprefill: unsupported dtype ", t.scalar_type());
+  }
+  return DType::BF16;
+}
+
+CacheDtype parse_cache_dtype(const std::string& s) {
+  if (s == "auto") return CacheDtype::Auto;
+  if (s == "fp8") return CacheDtype::Fp8;
+  if (s == "fp8_ds_mla") return CacheDtype::Fp8DsMla;
+  TORCH_CHECK(false, "ctxprefill: cache_dtype must be one of auto, fp8, fp8_ds_mla; got '", s, "'");
+  return CacheDtype::Auto;
+}
+
+// `t` is a CUDA tensor on `dev` (the device of the op's first tensor)
+void check_device(const at::Tensor& t, const char* op, const char* name, const at::Device& dev) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got one on ", t.device());
+  TORCH_CHECK(t.device() == dev, op, ": ", name, " is on ", t.device(), " but the other inputs are on ", dev);
+}
+
+void check_dim(const at::Tensor& t, const char* op, const char* name, int64_t dim) {
+  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
+}
+
+void check_size(const at::Tensor& t, const char* op, const char* name, int64_t d, int64_t want) {
+  TORCH_CHECK(t.size(d) == want, op, ": ", name, ".shape[", d, "] must be ", want, ", got shape ", t.sizes());
+}
+
+void check_dtype(const at::Tensor& t, const char* op, const char* name, at::ScalarType want) {
+  TORCH_CHECK(t.scalar_type() == want, op, ": ", name, " must be ", want, ", got ", t.scalar_type());
+}
+
+void check_unit_last(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, op, ": ", name,
+              " needs a unit last stride, got strides ", t.strides());
+}
+
+void check_launch(cudaError_t e, const char* op) {
+  TORCH_CHECK(e == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(e));
+}
+
+// k_pe as [T, 64] (accepts [T, 1, 64]); returns its row stride in elements
+int64_t pe_row_stride(const at::Tensor& k_pe, const char* op, int64_t T) {
+  TORCH_CHECK(k_pe.dim() == 2 || (k_pe.dim() == 3 && k_pe.size(1) == 1), op,
+              ": k_pe must be [T, 64] or [T, 1, 64], got shape ", k_pe.sizes());
+  check_size(k_pe, op, "k_pe", 0, T);
+  TORCH_CHECK(k_pe.size(-1) == ctxprefill::kRope, op, ": k_pe's last dim must be ", ctxprefill::kRope,
+              ", got shape ", k_pe.sizes());
+  check_unit_last(k_pe, op, "k_pe");
+  return k_pe.stride(0);
+}
+
+void check_pack_half(const at::Tensor& x, const char* op, const char* name, int64_t last) {
+  check_dim(x, op, name, 3);
+  check_size(x, op, name, 2, last);
+  check_unit_last(x, op, name);
+}
+
+// ---- pack --------------------------------------------------------------------------
+
+at::Tensor fused_mla_kv_concat(const at::Tensor& k_nope, const at::Tensor& k_pe) {
+  const char* op = "fused_mla_kv_concat";
+  TORCH_CHECK(k_nope.is_cuda(), op, ": k_nope must be a CUDA tensor, got one on ", k_nope.device());
+  const auto dev = k_nope.device();
+  check_device(k_pe, op, "k_pe", dev);
+  check_pack_half(k_nope, op, "k_nope", ctxprefill::kNope);
+  const auto st = k_nope.scalar_type();
+  TORCH_CHECK(st == at::ScalarType::BFloat16 || st == at::ScalarType::Half, op,
+              ": k_nope must be bfloat16 or float16, got ", st);
+  check_dtype(k_pe, op, "k_pe", st);
+  const int64_t T = k_nope.size(0), H = k_nope.size(1);
+  const int64_t pe_s0 = pe_row_stride(k_pe, op, T);
+  auto k = at::empty({T, H, ctxprefill::kQK}, k_nope.options());
+  if (T == 0 || H == 0) return k;
+  const c10::cuda::CUDAGuard guard(dev);
+  check_launch(ctxprefill::launch_kv_concat(k_nope.data_ptr(), k_nope.stride(0), k_nope.stride(1), k_pe.data_ptr(),
+                                            pe_s0, k.data_ptr(), T, H, dtype_of(k_nope),
+                                            c10::cuda::getCurrentCUDAStream(dev.index()).stream()),
+               op);
+  return k;
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_mla_kv_concat_quant_fp8(const at::Tensor& k_nope, const at::Tensor& k_pe,
+                                                                 const at::Tensor& v) {
+  const char* op = "fused_mla_kv_concat_quant_fp8";
+  TORCH_CHECK(k_nope.is_cuda(), op, ": k_nope must be a CUDA tensor, got one on ", k_nope.device());
+  const auto dev = k_nope.device();
+  check_device(k_pe, op, "k_pe", dev);
+  check_device(v, op, "v", dev);
+  check_pack_half(k_nope, op, "k_nope", ctxprefill::kNope);
+  check_pack_half(v, op, "v", ctxprefill::kV);
+  const auto st = k_nope.scalar_type();
+  TORCH_CHECK(st == at::ScalarType::BFloat16 || st == at::ScalarType::Half, op,
+              ": k_nope must be bfloat16 or float16, got ", st);
+  check_dtype(v, op, "v", st);
+  TORCH_CHECK(k_pe.scalar_type() == st || k_pe.scalar_type() == kFp8, op, ": k_pe must be ", st,
+              " or float8_e4m3fn, got ", k_pe.scalar_type());
+  const int64_t T = k_nope.size(0), H = k_nope.size(1);
+  TORCH_CHECK(v.size(0) == T && v.size(1) == H, op, ": v ", v.sizes(), " does not match k_nope ", k_nope.sizes());
+  const int64_t pe_s0 = pe_row_stride(k_pe, op, T);
+  const auto o8 = k_nope.options().dtype(kFp8);
+  auto k8 = at::empty({T, H, ctxprefill::kQK}, o8);
+  auto v8 = at::empty({T, H, ctxprefill::kV}, o8);
+  if (T == 0 || H == 0) return {k8, v8};
+  const c10::cuda::CUDAGuard guard(dev);
+  check_launch(ctxprefill::launch_kv_concat_quant_fp8(
+                   k_nope.data_ptr(), k_nope.stride(0), k_nope.stride(1), k_pe.data_ptr(), pe_s0, dtype_of(k_pe),
+                   v.data_ptr(), v.stride(0), v.stride(1), k8.data_ptr(), v8.data_ptr(), T, H, dtype_of(k_nope),
+                   c10::cuda::getCurrentCUDAStream(dev.index()).stream()),
+               op);
+  return {k8, v8};
+}
+
+// ---- cache ops ------------------------------------------------------------------------
+
+void check_cache(const at::Tensor& cache, const char* op, CacheDtype cd) {
+  check_dim(cache, op, "cache", 2);
+  check_dtype(cache, op, "cache", at::ScalarType::Byte);
+  TORCH_CHECK(cache.is_contiguous(), op, ": cache must be contiguous, got strides ", cache.strides());
+  TORCH_CHECK(cache.size(1) == ctxprefill::slot_bytes(cd), op, ": cache rows are ", cache.size(1),
+              " bytes, but this cache dtype has ", ctxprefill::slot_bytes(cd), " bytes per slot");
+}
+
+void insert(at::Tensor cache, const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& slot_mapping,
+            const std::string& cache_dtype, double k_scale) {
+  const char* op = "insert";
+  const CacheDtype cd = parse_cache_dtype(cache_dtype);
+  TORCH_CHECK(cache.is_cuda(), op, ": cache must be a CUDA tensor, got one on ", cache.device());
+  const auto dev = cache.device();
+  check_device(kv_c, op, "kv_c", dev);
+  check_device(k_pe, op, "k_pe", dev);
+  check_device(slot_mapping, op, "slot_mapping", dev);
+  check_cache(cache, op, cd);
+  check_dim(kv_c, op, "kv_c", 2);
+  check_dim(k_pe, op, "k_pe", 2);
+  check_dim(slot_mapping, op, "slot_mapping", 1);
+  check_dtype(slot_mapping, op, "slot_mapping", at::ScalarType::Long);
+  const int64_t T = slot_mapping.size(0);
+  check_size(kv_c, op, "kv_c", 0, T);
+  check_size(kv_c, op, "kv_c", 1, ctxprefill::kLatent);
+  check_size(k_pe, op, "k_pe", 0, T);
+  check_size(k_pe, op, "k_pe", 1, ctxprefill::kRope);
+  for (const auto* p : {&kv_c, &k_pe}) {
+    const auto s = p->scalar_type();
+    TORCH_CHECK(s == at::ScalarType::BFloat16 || s == at::ScalarType::Float, op, ": ",
+                p == &kv_c ? "kv_c" : "k_pe", " must be bfloat16 or float32, got ", s);
+  }
+  check_unit_last(kv_c, op, "kv_c");
+  check_unit_last(k_pe, op, "k_pe");
+  TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0, op, ": k_scale must be finite and > 0, got ", k_scale);
+  if (T == 0) return;
+  const c10::cuda::CUDAGuard guard(dev);
+  check_launch(ctxprefill::launch_insert(cache.data_ptr<uint8_t>(), cache.size(0), cd, kv_c.data_ptr(), kv_c.stride(0),
+                                         dtype_of(kv_c), k_pe.data_ptr(), k_pe.stride(0), dtype_of(k_pe),
+                                         slot_mapping.data_ptr<int64_t>(), slot_mapping.stride(0), T, k_scale,
+                                         c10::cuda::getCurrentCUDAStream(dev.index()).stream()),
+               op);
+}
+
+void gather(const at::Tensor& cache, const at::Tensor& block_table, const at::Tensor& cu_seq_lens,
+            const at::Tensor& seq_starts, at::Tensor out, const std::string& cache_dtype, double k_scale,
+            int64_t block_size) {
+  const char* op = "gather";
+  const CacheDtype cd = parse_cache_dtype(cache_dtype);
+  TORCH_CHECK(cache.is_cuda(), op, ": cache must be a CUDA tensor, got one on ", cache.device());
+  const auto dev = cache.device();
+  check_device(block_table, op, "block_table", dev);
+  check_device(cu_seq_lens, op, "cu_seq_lens", dev);
+  check_device(seq_starts, op, "seq_starts", dev);
+  check_device(out, op, "out", dev);
+  check_cache(cache, op, cd);
+  TORCH_CHECK(block_size > 0, op, ": block_size must be > 0, got ", block_size);
+  check_dim(block_table, op, "block_table", 2);
+  check_dim(cu_seq_lens, op, "cu_seq_lens", 1);
+  check_dim(seq_starts, op, "seq_starts", 1);
+  check_dtype(block_table, op, "block_table", at::ScalarType::Int);
+  check_dtype(cu_seq_lens, op, "cu_seq_lens", at::ScalarType::Int);
+  check_dtype(seq_starts, op, "seq_starts", at::ScalarType::Int);
+  const int64_t n = block_table.size(0);
+  TORCH_CHECK(cu_seq_lens.size(0) == n + 1, op, ": cu_seq_lens must have n+1 = ", n + 1,
+              " entries for a block table of ", n, " rows, got ", cu_seq_lens.size(0));
+  TORCH_CHECK(seq_starts.size(0) == n, op, ": seq_starts must have ", n, " entries, got ", seq_starts.size(0));
+  check_dim(out, op, "out", 2);
+  check_size(out, op, "out", 1, ctxprefill::kLatent + ctxprefill::kRope);
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous, got strides ", out.strides());
+  const auto ot = out.scalar_type();
+  TORCH_CHECK(ot == at::ScalarType::BFloat16 || ot == kFp8, op, ": out must be bfloat16 or float8_e4m3fn, got ", ot);
+  TORCH_CHECK(ot != kFp8 || cd == CacheDtype::Fp8, op,
+              ": an float8_e4m3fn out (raw bytes) needs the 'fp8' cache, got '", cache_dtype, "'");
+  TORCH_CHECK(std::isfinite(k_scale), op, ": k_scale must be finite, got ", k_scale);
+  const int64_t rows = out.size(0);
+  if (rows == 0) return;
+  const c10::cuda::CUDAGuard guard(dev);
+  check_launch(ctxprefill::launch_gather(cache.data_ptr<uint8_t>(), cache.size(0) / block_size, block_size, cd,
+                                         block_table.data_ptr<int32_t>(), block_table.stride(0),
+                                         block_table.stride(1), block_table.size(1), cu_seq_lens.data_ptr<int32_t>(),
+                                         cu_seq_lens.stride(0), seq_starts.data_ptr<int32_t>(), seq_starts.stride(0),
+                                         n, out.data_ptr(), out.stride(0), dtype_of(out), rows, k_scale,
+                                         c10::cuda::getCurrentCUDAStream(dev.index()).stream()),
+               op);
+}
+
+// ---- merge -------------------------------------------------------------------------------
+
+void merge(at::Tensor out, at::Tensor lse, const at::Tensor& part_out, const at::Tensor& part_lse) {
+  const char* op = "merge";
+  TORCH_CHECK(out.is_cuda(), op, ": out must be a CUDA tensor, got one on ", out.device());
+  const auto dev = out.device();
+  check_device(lse, op, "lse", dev);
+  check_device(part_out, op, "part_out", dev);
+  check_device(part_lse, op, "part_lse", dev);
+  check_dim(out, op, "out", 3);
+  check_dim(part_out, op, "part_out", 3);
+  check_dim(lse, op, "lse", 2);
+  check_dim(part_lse, op, "part_lse", 2);
+  check_dtype(out, op, "out", at::ScalarType::BFloat16);
+  check_dtype(part_out, op, "part_out", at::ScalarType::BFloat16);
+  check_dtype(lse, op, "lse", at::ScalarType::Float);
+  check_dtype(part_lse, op, "part_lse", at::ScalarType::Float);
+  const int64_t T = out.size(0), H = out.size(1), V = out.size(2);
+  TORCH_CHECK(part_out.sizes() == out.sizes(), op, ": part_out ", part_out.sizes(), " does not match out ",
+              out.sizes());
+  TORCH_CHECK(lse.size(0) == H && lse.size(1) == T, op, ": lse must be [H, T] = [", H, ", ", T, "], got ",
+              lse.sizes());
+  TORCH_CHECK(part_lse.sizes() == lse.sizes(), op, ": part_lse ", part_lse.sizes(), " does not match lse ",
+              lse.sizes());
+  check_unit_last(out, op, "out");
+  check_unit_last(part_out, op, "part_out");
+  if (T == 0 || H == 0 || V == 0) return;
+  const c10::cuda::CUDAGuard guard(dev);
+  check_launch(ctxprefill::launch_merge(out.data_ptr(), out.stride(0), out.stride(1), lse.data_ptr<float>(),
+                                        lse.stride(0), lse.stride(1), part_out.data_ptr(), part_out.stride(0),
+                                        part_out.stride(1), part_lse.data_ptr<float>(), part_lse.stride(0),
+                                        part_lse.stride(1), T, H, V,
+                                        c10::cuda::getCurrentCUDAStream(dev.index()).stream()),
+               op);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ctxprefill fused CUDA kernels: MLA K/V pack, cache insert/gather, LSE merge";
+  m.def("fused_mla_kv_concat", &fused_mla_kv_concat,
+        "k_nope [T,H,128], k_pe [T,64] (strided, same dtype) -> k [T,H,192] contiguous", py::arg("k_nope"),
+        py::arg("k_pe"));
+  m.def("fused_mla_kv_concat_quant_fp8", &fused_mla_kv_concat_quant_fp8,
+        "k_nope [T,H,128], k_pe [T,64] (k_nope's dtype or fp8), v [T,H,128] -> (k_fp8 [T,H,192], v_fp8 [T,H,128])",
+        py::arg("k_nope"), py::arg("k_pe"), py::arg("v"));
+  m.def("insert", &insert, "write latents into cache slots (slot -1 skipped)", py::arg("cache"), py::arg("kv_c"),
+        py::arg("k_pe"), py::arg("slot_mapping"), py::arg("cache_dtype"), py::arg("k_scale"));
+  m.def("gather", &gather, "gather one chunk's latents from the paged cache into out [rows, 576]",
+        py::arg("cache"), py::arg("block_table"), py::arg("cu_seq_lens"), py::arg("seq_starts"), py::arg("out"),
+        py::arg("cache_dtype"), py::arg("k_scale"), py::arg("block_size"));
+  m.def("merge", &merge, "merge (part_out, part_lse) into (out, lse) by LSE, in place", py::arg("out"),
+        py::arg("lse"), py::arg("part_out"), py::arg("part_lse"));
+}

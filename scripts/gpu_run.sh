@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# The one script to run on the GPU machine (H200), in one call, from the repository root:
+#
+#   bash scripts/gpu_run.sh            # results in $OUT (default ./.out)
+#
+# Steps (each runs even if an earlier one failed; rc per step in $OUT/summary.txt):
+#   0. environment facts (GPU, driver, nvcc, torch, triton)
+#   1. install carried wheels from .whl/ (if present) into /tmp/site
+#   2. build the CUDA extension ahead of time (python3 -m ctxprefill.ops.build_ext)   -> build.log
+#   3. GPU tests: tests/gpu, then tests/test_backend_triton.py                        -> pytest.log, junit.xml
+#   4. bench/bench_kernels.py                                                         -> bench_kernels.json
+#   5. compute-sanitizer memcheck on a small subset of tests/gpu/test_kernels.py      -> sanitizer.log
+#   6. bench/bench_attention.py, if present                                           -> bench_attention.json
+# A time budget (GPU_RUN_BUDGET_S, default 560 s: one device call is capped at 600 s)
+# caps every step; a step that no longer fits is recorded as skipped and counts as a
+# failure. Exit code 0 only when every step passed. Files in $OUT: at most 7.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-./.out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export PYTHONPATH="server:client${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+BUDGET=${GPU_RUN_BUDGET_S:-560}
+T0=$(date +%s)
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+FAILED=0
+
+# GPU_RUN_STEPS selects steps (default: all but the slow or diagnostic extras)
+STEPS=" ${GPU_RUN_STEPS:-build pytest bench_kernels sanitizer bench_attention} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+
+say() { echo "[gpu_run +$(($(date +%s) - T0))s] $*"; }
+note() { echo "$*" >>"$SUMMARY"; }
+
+# run_step NAME CAP_SECONDS RESERVE_SECONDS LOGFILE CMD...
+#   LOGFILE "-": output appended to the summary; "+PATH": appended to PATH; else PATH is overwritten
+run_step() {
+  local name=$1 cap=$2 reserve=$3 logfile=$4
+  shift 4
+  local left=$((BUDGET - ($(date +%s) - T0) - reserve))
+  local limit=$((cap < left ? cap : left))
+  if [ "$limit" -lt 15 ]; then
+    say "SKIP $name: no time left in the ${BUDGET}s budget"
+    note "$name: SKIPPED (time budget) rc=125"
+    FAILED=1
+    return 0
+  fi
+  say "start $name (limit ${limit}s)"
+  local t=$(date +%s) rc=0
+  if [ "$logfile" = "-" ]; then
+    timeout --kill-after=10 "$limit" "$@" >>"$SUMMARY" 2>&1 || rc=$?
+  elif [ "${logfile#+}" != "$logfile" ]; then
+    echo "===== $name: $*" >>"${logfile#+}"
+    timeout --kill-after=10 "$limit" "$@" >>"${logfile#+}" 2>&1 || rc=$?
+  else
+    timeout --kill-after=10 "$limit" "$@" >"$logfile" 2>&1 || rc=$?
+  fi
+  local dt=$(($(date +%s) - t))
+  [ "$rc" -eq 124 ] && note "$name: TIMED OUT after ${limit}s"
+  note "$name: rc=$rc (${dt}s)"
+  say "end $name rc=$rc (${dt}s)"
+  [ "$rc" -eq 0 ] || FAILED=1
+  return 0
+}
+
+# ---- 0. environment ---------------------------------------------------------------------
+note "== ctxprefill gpu_run $(date -u +%Y-%m-%dT%H:%M:%SZ) commit=${CTXPREFILL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+note "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi unavailable')"
+note "nvcc: $( (nvcc --version 2>/dev/null || "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" --version 2>/dev/null) | tail -n 1 || echo 'not found')"
+
+# ---- 1. carried wheels ----------------------------------------------------------------------
+if compgen -G ".whl/*.whl" >/dev/null; then
+  say "installing carried wheels: $(ls .whl/*.whl | xargs -n1 basename | tr '\n' ' ')"
+  rc=0
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >>"$SUMMARY" 2>&1 || rc=$?
+  note "wheels: rc=$rc"
+  [ "$rc" -eq 0 ] || FAILED=1
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+note "python: $(python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -n 1)"
+note "triton: $(python3 -c 'import triton; print(triton.__version__)' 2>&1 | tail -n 1)"
+
+# ---- 2. build the extension once, for every later step ---------------------------------------
+want build && run_step build 300 200 "$OUT/build.log" python3 -m ctxprefill.ops.build_ext
+[ -f "$OUT/build.log" ] && tail -n 2 "$OUT/build.log" | sed 's/^/  build: /' >>"$SUMMARY" || true
+
+# ---- 3. GPU tests (two runs: a hang in one cannot cost the other) -------------------------------
+if want pytest; then
+: >"$OUT/pytest.log"
+run_step pytest_gpu 240 200 "+$OUT/pytest.log" \
+  python3 -m pytest -q -rs -p no:cacheprovider --durations=10 -rfE --tb=short --junitxml=/tmp/junit.xml tests/gpu
+run_step pytest_triton 120 150 "+$OUT/pytest.log" \
+  python3 -m pytest -q -rs -p no:cacheprovider --durations=5 tests/test_backend_triton.py
+grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?) in " "$OUT/pytest.log" | tail -n 25 | sed 's/^/  pytest: /' >>"$SUMMARY" || true
+# launch counts (profiler vs stats) recorded by tests/gpu/test_engine_gpu.py as junit properties
+[ -f /tmp/junit.xml ] && python3 - /tmp/junit.xml >>"$SUMMARY" 2>&1 <<'PY' || true
+import sys, xml.etree.ElementTree as ET
+rows = []
+for tc in ET.parse(sys.argv[1]).iter("testcase"):
+    p = {q.get("name"): q.get("value") for q in tc.iter("property")}
+    if "stats_launches" in p:
+        bad = tc.find("failure") is not None or tc.find("error") is not None
+        rows.append(f"  launches {tc.get('name')}: profiler {p.get('profiler_kernels')} kernels + "
+                    f"{p.get('profiler_dtod_copies')} DtoD, stats {p['stats_launches']}{'  MISMATCH' if bad else ''}")
+print(f"launch-count tests: {len(rows)} recorded, {sum('MISMATCH' in r for r in rows)} mismatched")
+print("\n".join([r for r in rows if "MISMATCH" in r][:10] + [r for r in rows if "MISMATCH" not in r][:4]))
+PY
+fi
+
+# ---- 3b. a native backtrace of a crashing test (GPU_RUN_SEGV_TEST=node id) -------------------
+if want segv; then
+  run_step segv 120 60 "$OUT/gdb.log" cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary" \
+    --args python3 -m pytest -q -x -p no:cacheprovider "${GPU_RUN_SEGV_TEST:-tests/gpu/test_kernels.py::test_pack_empty_and_errors}"
+fi
+
+# ---- 4. kernel benchmark ------------------------------------------------------------------------
+want bench_kernels && run_step bench_kernels 150 80 - python3 bench/bench_kernels.py --out "$OUT/bench_kernels.json"
+
+# ---- 5. memcheck on a subset ----------------------------------------------------------------------
+SAN=$(command -v compute-sanitizer || true)
+[ -z "$SAN" ] && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" ] && SAN="${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer"
+if ! want sanitizer; then
+  :
+elif [ -n "$SAN" ]; then
+  # exact allocations (no caching allocator) so that an out-of-bounds access is caught
+  run_step sanitizer 150 50 "$OUT/sanitizer.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+    "$SAN" --tool memcheck --error-exitcode 99 --print-limit 50 \
+    python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_kernels.py \
+    -k "not 65536 and not 4097 and not 70001 and not 1000 and not long_context and not k_scale_not_power and not random_bytes and not all_bit_patterns and not fp16"
+  grep -E "ERROR SUMMARY|[0-9]+ (passed|failed)" "$OUT/sanitizer.log" | tail -n 3 | sed 's/^/  sanitizer: /' >>"$SUMMARY" || true
+else
+  note "sanitizer: compute-sanitizer not found (not on PATH, not in \$CUDA_HOME/bin): skipped"
+  echo "compute-sanitizer not found" >"$OUT/sanitizer.log"
+fi
+
+# ---- 6. attention benchmark (another engineer's) ----------------------------------------------
+if want bench_attention; then
+  run_step bench_attention 120 5 - python3 bench/bench_attention.py --out "$OUT/bench_attention.json"
+fi
+
+# ---- 7. the whole request: fused vs generic in one process (ctxprefill bench) ------------------
+want bench_engine && run_step bench_engine 240 5 - python3 -m ctxprefill.cli bench --heads 16 128 --new 1024 \
+  --context 65536 --out "$OUT/bench_engine.json"
+
+# ---- 8. attention block-config sweep ------------------------------------------------------------
+want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \
+  --out "$OUT/attention_sweep.json"
+
+note "== total $(($(date +%s) - T0))s; $([ "$FAILED" -eq 0 ] && echo 'ALL PASSED' || echo 'SOME STEPS FAILED')"
+say "done: $(tail -n 1 "$SUMMARY")"
+exit "$FAILED"
