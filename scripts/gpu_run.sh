@@ -22,6 +22,8 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH="server:client${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+# built extension inside the (ignored) tree: a warm machine keeps it between calls
+export CTXPREFILL_BUILD_DIR=${CTXPREFILL_BUILD_DIR:-$PWD/.ext}
 BUDGET=${GPU_RUN_BUDGET_S:-560}
 T0=$(date +%s)
 SUMMARY="$OUT/summary.txt"
@@ -148,6 +150,10 @@ want bench_engine && run_step bench_engine 240 5 - python3 -m ctxprefill.cli ben
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \
   --out "$OUT/attention_sweep.json"
+
+# ---- 9. head-sharded workers, one per GPU (needs 2 GPUs) ----------------------------------------
+want bench_sharded && run_step bench_sharded 280 5 - python3 bench/bench_sharded.py --num-shards 2 --concurrency 4 \
+  --seconds 25 --budget-s 225 --out "$OUT/bench_sharded.json"
 
 note "== total $(($(date +%s) - T0))s; $([ "$FAILED" -eq 0 ] && echo 'ALL PASSED' || echo 'SOME STEPS FAILED')"
 say "done: $(tail -n 1 "$SUMMARY")"
