@@ -9,6 +9,7 @@
 #include <cmath>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -23,13 +24,32 @@ using ctxprefill::DType;
 
 constexpr auto kFp8 = at::ScalarType::Float8_e4m3fn;
 
+// Error messages are built as plain std::string here and never stream numbers or
+// c10::ArrayRef through TORCH_CHECK's ostringstream: on the GPU machine that
+// instantiated libstdc++'s ostream code inside this .so and crashed (SIGSEGV in
+// basic_ostream::_M_insert<long>, called on torch's own stream object).
+std::string txt(const char* s) { return s; }
+std::string txt(const std::string& s) { return s; }
+std::string txt(at::ScalarType t) { return c10::toString(t); }
+std::string txt(const at::Device& d) { return d.str(); }
+std::string txt(c10::IntArrayRef a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  return s + "]";
+}
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+std::string txt(T v) { return std::to_string(v); }
+template <typename... A>
+std::string msg(const A&... a) { return (std::string() + ... + txt(a)); }
+#define ARG_CHECK(cond, ...) TORCH_CHECK(cond, msg(__VA_ARGS__))
+
 DType dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::ScalarType::BFloat16: return DType::BF16;
     case at::ScalarType::Half: return DType::FP16;
     case at::ScalarType::Float: return DType::FP32;
     case at::ScalarType::Float8_e4m3fn: return DType::FP8E4M3;
-    default: TORCH_CHECK(false, "ctxprefill: unsupported dtype ", t.scalar_type());
+    default: ARG_CHECK(false, "ctxprefill: unsupported dtype ", t.scalar_type());
   }
   return DType::BF16;
 }
@@ -38,43 +58,43 @@ CacheDtype parse_cache_dtype(const std::string& s) {
   if (s == "auto") return CacheDtype::Auto;
   if (s == "fp8") return CacheDtype::Fp8;
   if (s == "fp8_ds_mla") return CacheDtype::Fp8DsMla;
-  TORCH_CHECK(false, "ctxprefill: cache_dtype must be one of auto, fp8, fp8_ds_mla; got '", s, "'");
+  ARG_CHECK(false, "ctxprefill: cache_dtype must be one of auto, fp8, fp8_ds_mla; got '", s, "'");
   return CacheDtype::Auto;
 }
 
 // `t` is a CUDA tensor on `dev` (the device of the op's first tensor)
 void check_device(const at::Tensor& t, const char* op, const char* name, const at::Device& dev) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got one on ", t.device());
-  TORCH_CHECK(t.device() == dev, op, ": ", name, " is on ", t.device(), " but the other inputs are on ", dev);
+  ARG_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got one on ", t.device());
+  ARG_CHECK(t.device() == dev, op, ": ", name, " is on ", t.device(), " but the other inputs are on ", dev);
 }
 
 void check_dim(const at::Tensor& t, const char* op, const char* name, int64_t dim) {
-  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
+  ARG_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ", t.sizes());
 }
 
 void check_size(const at::Tensor& t, const char* op, const char* name, int64_t d, int64_t want) {
-  TORCH_CHECK(t.size(d) == want, op, ": ", name, ".shape[", d, "] must be ", want, ", got shape ", t.sizes());
+  ARG_CHECK(t.size(d) == want, op, ": ", name, ".shape[", d, "] must be ", want, ", got shape ", t.sizes());
 }
 
 void check_dtype(const at::Tensor& t, const char* op, const char* name, at::ScalarType want) {
-  TORCH_CHECK(t.scalar_type() == want, op, ": ", name, " must be ", want, ", got ", t.scalar_type());
+  ARG_CHECK(t.scalar_type() == want, op, ": ", name, " must be ", want, ", got ", t.scalar_type());
 }
 
 void check_unit_last(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, op, ": ", name,
+  ARG_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, op, ": ", name,
               " needs a unit last stride, got strides ", t.strides());
 }
 
 void check_launch(cudaError_t e, const char* op) {
-  TORCH_CHECK(e == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(e));
+  ARG_CHECK(e == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(e));
 }
 
 // k_pe as [T, 64] (accepts [T, 1, 64]); returns its row stride in elements
 int64_t pe_row_stride(const at::Tensor& k_pe, const char* op, int64_t T) {
-  TORCH_CHECK(k_pe.dim() == 2 || (k_pe.dim() == 3 && k_pe.size(1) == 1), op,
+  ARG_CHECK(k_pe.dim() == 2 || (k_pe.dim() == 3 && k_pe.size(1) == 1), op,
               ": k_pe must be [T, 64] or [T, 1, 64], got shape ", k_pe.sizes());
   check_size(k_pe, op, "k_pe", 0, T);
-  TORCH_CHECK(k_pe.size(-1) == ctxprefill::kRope, op, ": k_pe's last dim must be ", ctxprefill::kRope,
+  ARG_CHECK(k_pe.size(-1) == ctxprefill::kRope, op, ": k_pe's last dim must be ", ctxprefill::kRope,
               ", got shape ", k_pe.sizes());
   check_unit_last(k_pe, op, "k_pe");
   return k_pe.stride(0);
@@ -90,12 +110,12 @@ void check_pack_half(const at::Tensor& x, const char* op, const char* name, int6
 
 at::Tensor fused_mla_kv_concat(const at::Tensor& k_nope, const at::Tensor& k_pe) {
   const char* op = "fused_mla_kv_concat";
-  TORCH_CHECK(k_nope.is_cuda(), op, ": k_nope must be a CUDA tensor, got one on ", k_nope.device());
+  ARG_CHECK(k_nope.is_cuda(), op, ": k_nope must be a CUDA tensor, got one on ", k_nope.device());
   const auto dev = k_nope.device();
   check_device(k_pe, op, "k_pe", dev);
   check_pack_half(k_nope, op, "k_nope", ctxprefill::kNope);
   const auto st = k_nope.scalar_type();
-  TORCH_CHECK(st == at::ScalarType::BFloat16 || st == at::ScalarType::Half, op,
+  ARG_CHECK(st == at::ScalarType::BFloat16 || st == at::ScalarType::Half, op,
               ": k_nope must be bfloat16 or float16, got ", st);
   check_dtype(k_pe, op, "k_pe", st);
   const int64_t T = k_nope.size(0), H = k_nope.size(1);
@@ -113,20 +133,20 @@ at::Tensor fused_mla_kv_concat(const at::Tensor& k_nope, const at::Tensor& k_pe)
 std::tuple<at::Tensor, at::Tensor> fused_mla_kv_concat_quant_fp8(const at::Tensor& k_nope, const at::Tensor& k_pe,
                                                                  const at::Tensor& v) {
   const char* op = "fused_mla_kv_concat_quant_fp8";
-  TORCH_CHECK(k_nope.is_cuda(), op, ": k_nope must be a CUDA tensor, got one on ", k_nope.device());
+  ARG_CHECK(k_nope.is_cuda(), op, ": k_nope must be a CUDA tensor, got one on ", k_nope.device());
   const auto dev = k_nope.device();
   check_device(k_pe, op, "k_pe", dev);
   check_device(v, op, "v", dev);
   check_pack_half(k_nope, op, "k_nope", ctxprefill::kNope);
   check_pack_half(v, op, "v", ctxprefill::kV);
   const auto st = k_nope.scalar_type();
-  TORCH_CHECK(st == at::ScalarType::BFloat16 || st == at::ScalarType::Half, op,
+  ARG_CHECK(st == at::ScalarType::BFloat16 || st == at::ScalarType::Half, op,
               ": k_nope must be bfloat16 or float16, got ", st);
   check_dtype(v, op, "v", st);
-  TORCH_CHECK(k_pe.scalar_type() == st || k_pe.scalar_type() == kFp8, op, ": k_pe must be ", st,
+  ARG_CHECK(k_pe.scalar_type() == st || k_pe.scalar_type() == kFp8, op, ": k_pe must be ", st,
               " or float8_e4m3fn, got ", k_pe.scalar_type());
   const int64_t T = k_nope.size(0), H = k_nope.size(1);
-  TORCH_CHECK(v.size(0) == T && v.size(1) == H, op, ": v ", v.sizes(), " does not match k_nope ", k_nope.sizes());
+  ARG_CHECK(v.size(0) == T && v.size(1) == H, op, ": v ", v.sizes(), " does not match k_nope ", k_nope.sizes());
   const int64_t pe_s0 = pe_row_stride(k_pe, op, T);
   const auto o8 = k_nope.options().dtype(kFp8);
   auto k8 = at::empty({T, H, ctxprefill::kQK}, o8);
@@ -146,8 +166,8 @@ std::tuple<at::Tensor, at::Tensor> fused_mla_kv_concat_quant_fp8(const at::Tenso
 void check_cache(const at::Tensor& cache, const char* op, CacheDtype cd) {
   check_dim(cache, op, "cache", 2);
   check_dtype(cache, op, "cache", at::ScalarType::Byte);
-  TORCH_CHECK(cache.is_contiguous(), op, ": cache must be contiguous, got strides ", cache.strides());
-  TORCH_CHECK(cache.size(1) == ctxprefill::slot_bytes(cd), op, ": cache rows are ", cache.size(1),
+  ARG_CHECK(cache.is_contiguous(), op, ": cache must be contiguous, got strides ", cache.strides());
+  ARG_CHECK(cache.size(1) == ctxprefill::slot_bytes(cd), op, ": cache rows are ", cache.size(1),
               " bytes, but this cache dtype has ", ctxprefill::slot_bytes(cd), " bytes per slot");
 }
 
@@ -155,7 +175,7 @@ void insert(at::Tensor cache, const at::Tensor& kv_c, const at::Tensor& k_pe, co
             const std::string& cache_dtype, double k_scale) {
   const char* op = "insert";
   const CacheDtype cd = parse_cache_dtype(cache_dtype);
-  TORCH_CHECK(cache.is_cuda(), op, ": cache must be a CUDA tensor, got one on ", cache.device());
+  ARG_CHECK(cache.is_cuda(), op, ": cache must be a CUDA tensor, got one on ", cache.device());
   const auto dev = cache.device();
   check_device(kv_c, op, "kv_c", dev);
   check_device(k_pe, op, "k_pe", dev);
@@ -172,12 +192,12 @@ void insert(at::Tensor cache, const at::Tensor& kv_c, const at::Tensor& k_pe, co
   check_size(k_pe, op, "k_pe", 1, ctxprefill::kRope);
   for (const auto* p : {&kv_c, &k_pe}) {
     const auto s = p->scalar_type();
-    TORCH_CHECK(s == at::ScalarType::BFloat16 || s == at::ScalarType::Float, op, ": ",
+    ARG_CHECK(s == at::ScalarType::BFloat16 || s == at::ScalarType::Float, op, ": ",
                 p == &kv_c ? "kv_c" : "k_pe", " must be bfloat16 or float32, got ", s);
   }
   check_unit_last(kv_c, op, "kv_c");
   check_unit_last(k_pe, op, "k_pe");
-  TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0, op, ": k_scale must be finite and > 0, got ", k_scale);
+  ARG_CHECK(std::isfinite(k_scale) && k_scale > 0, op, ": k_scale must be finite and > 0, got ", k_scale);
   if (T == 0) return;
   const c10::cuda::CUDAGuard guard(dev);
   check_launch(ctxprefill::launch_insert(cache.data_ptr<uint8_t>(), cache.size(0), cd, kv_c.data_ptr(), kv_c.stride(0),
@@ -192,14 +212,14 @@ void gather(const at::Tensor& cache, const at::Tensor& block_table, const at::Te
             int64_t block_size) {
   const char* op = "gather";
   const CacheDtype cd = parse_cache_dtype(cache_dtype);
-  TORCH_CHECK(cache.is_cuda(), op, ": cache must be a CUDA tensor, got one on ", cache.device());
+  ARG_CHECK(cache.is_cuda(), op, ": cache must be a CUDA tensor, got one on ", cache.device());
   const auto dev = cache.device();
   check_device(block_table, op, "block_table", dev);
   check_device(cu_seq_lens, op, "cu_seq_lens", dev);
   check_device(seq_starts, op, "seq_starts", dev);
   check_device(out, op, "out", dev);
   check_cache(cache, op, cd);
-  TORCH_CHECK(block_size > 0, op, ": block_size must be > 0, got ", block_size);
+  ARG_CHECK(block_size > 0, op, ": block_size must be > 0, got ", block_size);
   check_dim(block_table, op, "block_table", 2);
   check_dim(cu_seq_lens, op, "cu_seq_lens", 1);
   check_dim(seq_starts, op, "seq_starts", 1);
@@ -207,17 +227,17 @@ void gather(const at::Tensor& cache, const at::Tensor& block_table, const at::Te
   check_dtype(cu_seq_lens, op, "cu_seq_lens", at::ScalarType::Int);
   check_dtype(seq_starts, op, "seq_starts", at::ScalarType::Int);
   const int64_t n = block_table.size(0);
-  TORCH_CHECK(cu_seq_lens.size(0) == n + 1, op, ": cu_seq_lens must have n+1 = ", n + 1,
+  ARG_CHECK(cu_seq_lens.size(0) == n + 1, op, ": cu_seq_lens must have n+1 = ", n + 1,
               " entries for a block table of ", n, " rows, got ", cu_seq_lens.size(0));
-  TORCH_CHECK(seq_starts.size(0) == n, op, ": seq_starts must have ", n, " entries, got ", seq_starts.size(0));
+  ARG_CHECK(seq_starts.size(0) == n, op, ": seq_starts must have ", n, " entries, got ", seq_starts.size(0));
   check_dim(out, op, "out", 2);
   check_size(out, op, "out", 1, ctxprefill::kLatent + ctxprefill::kRope);
-  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous, got strides ", out.strides());
+  ARG_CHECK(out.is_contiguous(), op, ": out must be contiguous, got strides ", out.strides());
   const auto ot = out.scalar_type();
-  TORCH_CHECK(ot == at::ScalarType::BFloat16 || ot == kFp8, op, ": out must be bfloat16 or float8_e4m3fn, got ", ot);
-  TORCH_CHECK(ot != kFp8 || cd == CacheDtype::Fp8, op,
+  ARG_CHECK(ot == at::ScalarType::BFloat16 || ot == kFp8, op, ": out must be bfloat16 or float8_e4m3fn, got ", ot);
+  ARG_CHECK(ot != kFp8 || cd == CacheDtype::Fp8, op,
               ": an float8_e4m3fn out (raw bytes) needs the 'fp8' cache, got '", cache_dtype, "'");
-  TORCH_CHECK(std::isfinite(k_scale), op, ": k_scale must be finite, got ", k_scale);
+  ARG_CHECK(std::isfinite(k_scale), op, ": k_scale must be finite, got ", k_scale);
   const int64_t rows = out.size(0);
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(dev);
@@ -234,7 +254,7 @@ void gather(const at::Tensor& cache, const at::Tensor& block_table, const at::Te
 
 void merge(at::Tensor out, at::Tensor lse, const at::Tensor& part_out, const at::Tensor& part_lse) {
   const char* op = "merge";
-  TORCH_CHECK(out.is_cuda(), op, ": out must be a CUDA tensor, got one on ", out.device());
+  ARG_CHECK(out.is_cuda(), op, ": out must be a CUDA tensor, got one on ", out.device());
   const auto dev = out.device();
   check_device(lse, op, "lse", dev);
   check_device(part_out, op, "part_out", dev);
@@ -248,11 +268,11 @@ void merge(at::Tensor out, at::Tensor lse, const at::Tensor& part_out, const at:
   check_dtype(lse, op, "lse", at::ScalarType::Float);
   check_dtype(part_lse, op, "part_lse", at::ScalarType::Float);
   const int64_t T = out.size(0), H = out.size(1), V = out.size(2);
-  TORCH_CHECK(part_out.sizes() == out.sizes(), op, ": part_out ", part_out.sizes(), " does not match out ",
+  ARG_CHECK(part_out.sizes() == out.sizes(), op, ": part_out ", part_out.sizes(), " does not match out ",
               out.sizes());
-  TORCH_CHECK(lse.size(0) == H && lse.size(1) == T, op, ": lse must be [H, T] = [", H, ", ", T, "], got ",
+  ARG_CHECK(lse.size(0) == H && lse.size(1) == T, op, ": lse must be [H, T] = [", H, ", ", T, "], got ",
               lse.sizes());
-  TORCH_CHECK(part_lse.sizes() == lse.sizes(), op, ": part_lse ", part_lse.sizes(), " does not match lse ",
+  ARG_CHECK(part_lse.sizes() == lse.sizes(), op, ": part_lse ", part_lse.sizes(), " does not match lse ",
               lse.sizes());
   check_unit_last(out, op, "out");
   check_unit_last(part_out, op, "part_out");

@@ -225,6 +225,16 @@ def test_launch_count_matches_profiler(case, cache_dtype, kvb, prefill, fused, h
     record_property("profiler_kernels", len(kernels))
     record_property("profiler_dtod_copies", len(dtod))
     record_property("stats_launches", noted)
-    if len(kernels) + len(dtod) != noted:
+    seen = len(kernels) + len(dtod)
+    if eng.weights.compute.dtype == torch.float32:
+        # The fp32-GEMM fallback of block-scaled fp8 weights (docs/DESIGN.md): cuBLAS
+        # picks 1 or 2 kernels for one fp32 GEMM depending on the shape (seen: 2 on the
+        # seed case), which the engine cannot know; it notes one. Everything else must
+        # match exactly: the GEMM kernels count as one launch per chunk.
+        gemms = sum("gemm" in n.lower() for n in kernels)
+        n_chunks = len(r.stats.chunks)
+        assert n_chunks <= gemms <= 2 * n_chunks, line
+        seen = seen - gemms + n_chunks
+    if seen != noted:
         top = Counter(n[:90] for n in kernels + dtod).most_common()
         raise AssertionError(f"{line}\nkernels the profiler saw:\n" + "\n".join(f"  {c} x {n}" for n, c in top))

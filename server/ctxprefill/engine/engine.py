@@ -7,6 +7,7 @@ the service's queue decides who goes next.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -26,6 +27,11 @@ from ..ops.fp8 import FP8
 from ..weights import KvBProjWeights
 from .loop import LoopInputs, Observer, run_chunk_loop
 from .plan import ContextChunk, plan_chunks, validate_plan
+
+
+#: entries of the padded block-table matrix built per request (sequences x the longest
+#: used table): 16 Mi int32 = 64 MiB; a larger request must be split by the caller
+MAX_BLOCK_TABLE_ENTRIES = 1 << 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +84,11 @@ class Engine:
         self.instance_id = uuid.uuid4().hex
         self._lock = threading.Lock()
 
+    def _on_device(self):
+        """Make the engine's GPU the current one: Triton launches and CUDA events use the
+        current device, which on a worker serving cuda:1 is not the default cuda:0."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     # -- facts ----------------------------------------------------------------------
     @property
     def fused_kernels_active(self) -> bool:
@@ -86,11 +97,11 @@ class Engine:
 
     # -- cache ------------------------------------------------------------------------
     def write_cache(self, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> int:
-        with self._lock:
+        with self._lock, self._on_device():
             return self.cache.write(slot_mapping, kv_c, k_pe)
 
     def read_cache(self, slot_mapping: torch.Tensor) -> torch.Tensor:
-        with self._lock:
+        with self._lock, self._on_device():
             return self.cache.read(slot_mapping)
 
     # -- validation -------------------------------------------------------------------
@@ -127,6 +138,10 @@ class Engine:
             max_blocks = max(max_blocks, need)
         if total_q != q.shape[0]:
             raise InvalidArgument("sequences", f"query_len values sum to {total_q} but q has {q.shape[0]} rows")
+        if len(seqs) * max_blocks > MAX_BLOCK_TABLE_ENTRIES:
+            raise InvalidArgument(
+                "sequences", f"{len(seqs)} sequences with up to {max_blocks} blocks each exceed "
+                             f"{MAX_BLOCK_TABLE_ENTRIES} block-table entries per request; split the request")
         bt = torch.zeros((len(seqs), max(max_blocks, 1)), dtype=torch.int32)
         for i, s in enumerate(seqs):
             need = math.ceil(s.context_len / cache.block_size)
@@ -177,7 +192,7 @@ class Engine:
             scale=cfg.shape.scale,
             heads=cfg.shape.heads,
         )
-        with self._lock:
+        with self._lock, self._on_device():
             r = run_chunk_loop(inputs, self.backend, fused, observer)
         stats = PrefillStats(
             chunks=list(plan), launches=r.launches, path="fused" if fused else "generic", fp8_path=cfg.fp8_path_labels,
