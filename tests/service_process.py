@@ -44,15 +44,18 @@ def env_with_sources() -> dict[str, str]:
 class ServerProcess:
     """``python -m ctxprefill.cli serve`` with the given flags on free local ports."""
 
-    def __init__(self, flags: dict[str, object], grace_seconds: float = 10.0):
-        self.port, self.metrics_port = free_port(), free_port()
+    def __init__(self, flags: dict[str, object], grace_seconds: float = 10.0, port: int | None = None,
+                 metrics_port: int | None = None, env: dict[str, str] | None = None):
+        self.port = port if port is not None else free_port()
+        self.metrics_port = metrics_port if metrics_port is not None else free_port()
         self.grace_seconds = grace_seconds
         args = [sys.executable, "-m", "ctxprefill.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                 "--metrics-port", str(self.metrics_port), "--device", "cpu", "--grace-seconds", str(grace_seconds)]
         for k, v in flags.items():
             args += ["--" + k.replace("_", "-"), str(v)]
         self._log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(args, env=env_with_sources(), cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, env={**env_with_sources(), **(env or {})}, cwd=ROOT, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
 
     @property
     def target(self) -> str:

@@ -4,6 +4,8 @@ protobuf only; no torch).
 - :class:`PrefillContextClient` / :class:`AsyncPrefillContextClient`: the RPCs, with
   deadlines, retries on UNAVAILABLE and server-restart detection.
 - :func:`merge_partials`: merge two (output, LSE) attention partials.
+- :class:`ShardedPrefillClient` / :class:`AsyncShardedPrefillClient`: one model whose
+  heads are split over several workers (``serve --num-shards``; docs/SHARDING.md).
 - :mod:`ctxprefill_client.tensors`: numpy <-> ``Tensor`` messages and exact bf16/fp8 casts.
 - Generated protobuf/gRPC code lives in ``ctxprefill_client._proto.ctxprefill.v1``
   (``ctxprefill_pb2``, ``ctxprefill_pb2_grpc``), made by ``scripts/gen_proto.sh``.
@@ -22,6 +24,7 @@ from ._common import (
 from .aio import AsyncPrefillContextClient
 from .client import PrefillContextClient
 from .merge import merge_partials
+from .sharded import AsyncShardedPrefillClient, ShardedPrefillClient
 from .tensors import (
     BF16,
     FP8_E4M3,
@@ -51,6 +54,7 @@ __all__ = [
     "INT64",
     "UINT8",
     "AsyncPrefillContextClient",
+    "AsyncShardedPrefillClient",
     "ContextChunk",
     "CtxPrefillError",
     "CtxPrefillRpcError",
@@ -61,6 +65,7 @@ __all__ = [
     "Sequence",
     "ServerInfo",
     "ServerRestartedError",
+    "ShardedPrefillClient",
     "__version__",
     "bf16_bits_to_float32",
     "decode_tensor",

@@ -153,6 +153,20 @@ class ServerInfo:
     device: str
     versions: dict[str, str]
     max_message_bytes: int
+    # head sharding (docs/SHARDING.md): heads [shard_index * num_heads, + num_heads) of total_heads
+    shard_index: int = 0
+    num_shards: int = 1
+    total_heads: int = 0
+
+    @property
+    def head_start(self) -> int:
+        """First model head this worker serves."""
+        return self.shard_index * self.num_heads
+
+    @property
+    def head_end(self) -> int:
+        """One past the last model head this worker serves."""
+        return self.head_start + self.num_heads
 
     @property
     def num_slots(self) -> int:
@@ -190,6 +204,9 @@ class ServerInfo:
             device=m.device,
             versions={"server": v.server, "torch": v.torch, "cuda": v.cuda, "cudnn": v.cudnn, "python": v.python},
             max_message_bytes=m.max_message_bytes,
+            shard_index=m.shard_index,
+            num_shards=m.num_shards or 1,  # 0: a server predating sharding (unsharded)
+            total_heads=m.total_heads or m.num_heads,
         )
 
 
@@ -236,16 +253,43 @@ def call_metadata(token: str | None, extra: Iterable[tuple[str, str]] = ()) -> t
     return tuple(md)
 
 
+def _pem(x: bytes | str | None, name: str) -> bytes | None:
+    """PEM bytes, or the contents of the file a ``str`` names."""
+    if x is None or isinstance(x, bytes):
+        return x
+    if isinstance(x, str):
+        with open(x, "rb") as f:
+            return f.read()
+    raise TypeError(f"{name}: expected PEM bytes or a file path, got {type(x).__name__}")
+
+
 def channel_credentials(
     credentials: grpc.ChannelCredentials | None,
     tls: bool,
-    root_certificates: bytes | None,
+    root_certificates: bytes | str | None,
+    client_certificate: bytes | str | None = None,
+    client_key: bytes | str | None = None,
 ) -> grpc.ChannelCredentials | None:
+    """The channel's credentials: ``credentials`` as given; else TLS when ``tls`` or any
+    PEM is given (``root_certificates``: CA bundle to verify the server, default the
+    system roots; ``client_certificate`` + ``client_key``: the client's certificate for
+    mutual TLS). PEM arguments are bytes or a file path."""
     if credentials is not None:
         return credentials
-    if tls or root_certificates is not None:
-        return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    if (client_certificate is None) != (client_key is None):
+        raise ValueError("client_certificate and client_key go together")
+    if tls or root_certificates is not None or client_certificate is not None:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_pem(root_certificates, "root_certificates"),
+            private_key=_pem(client_key, "client_key"),
+            certificate_chain=_pem(client_certificate, "client_certificate"),
+        )
     return None
+
+
+def tls_channel_options(tls_server_name: str | None) -> list[tuple[str, Any]]:
+    """Check the server's certificate against ``tls_server_name`` instead of the target host."""
+    return [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
 
 
 def _as_sequence(s: Any, i: int) -> pb.Sequence:

@@ -37,6 +37,7 @@ from ._common import (
     map_rpc_error,
     parse_prefill_response,
     parse_read_response,
+    tls_channel_options,
 )
 from ._common import channel_options as _channel_options
 from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
@@ -64,7 +65,10 @@ class AsyncPrefillContextClient:
         backoff_max: float = DEFAULT_BACKOFF_MAX_S,
         credentials: grpc.ChannelCredentials | None = None,
         tls: bool = False,
-        root_certificates: bytes | None = None,
+        root_certificates: bytes | str | None = None,
+        client_certificate: bytes | str | None = None,
+        client_key: bytes | str | None = None,
+        tls_server_name: str | None = None,
         token: str | None = None,
         metadata: Iterable[tuple[str, str]] = (),
         expected_instance_id: str | None = None,
@@ -82,8 +86,8 @@ class AsyncPrefillContextClient:
         self._info: ServerInfo | None = None
         self._owns_channel = channel is None
         if channel is None:
-            opts = _channel_options(max_message_bytes, channel_options)
-            creds = channel_credentials(credentials, tls, root_certificates)
+            opts = _channel_options(max_message_bytes, [*tls_channel_options(tls_server_name), *channel_options])
+            creds = channel_credentials(credentials, tls, root_certificates, client_certificate, client_key)
             channel = (
                 grpc.aio.secure_channel(target, creds, options=opts)
                 if creds is not None

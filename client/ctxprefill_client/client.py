@@ -44,6 +44,7 @@ from ._common import (
     map_rpc_error,
     parse_prefill_response,
     parse_read_response,
+    tls_channel_options,
 )
 from ._common import channel_options as _channel_options
 from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
@@ -66,8 +67,14 @@ class PrefillContextClient:
         backoff_base, backoff_max: the backoff before retry n is uniform in
             ``[0, min(backoff_max, backoff_base * 2**n)]`` seconds.
         credentials: ``grpc.ChannelCredentials`` for a secure channel; or ``tls=True``
-            (optionally with ``root_certificates`` PEM bytes) for default TLS.
-        token: sent as ``authorization: Bearer <token>`` metadata on every call.
+            for TLS verified against the system roots, ``root_certificates`` (PEM bytes
+            or a file path) to verify the server against this CA bundle instead, and
+            ``client_certificate`` + ``client_key`` (PEM bytes or paths) for a server
+            that requires client certificates (``--tls-client-ca``, mutual TLS). Any of
+            these turns TLS on. ``tls_server_name``: the name the server certificate
+            must carry when it differs from the target's host.
+        token: sent as ``authorization: Bearer <token>`` metadata on every call (a
+            server started with ``--auth-token-file`` / ``CTXPREFILL_AUTH_TOKEN``).
         metadata: extra ``(key, value)`` metadata sent on every call.
         expected_instance_id: start out expecting this instance (else the first answer
             sets it); ``track_instance=False`` turns the tracking off.
@@ -86,7 +93,10 @@ class PrefillContextClient:
         backoff_max: float = DEFAULT_BACKOFF_MAX_S,
         credentials: grpc.ChannelCredentials | None = None,
         tls: bool = False,
-        root_certificates: bytes | None = None,
+        root_certificates: bytes | str | None = None,
+        client_certificate: bytes | str | None = None,
+        client_key: bytes | str | None = None,
+        tls_server_name: str | None = None,
         token: str | None = None,
         metadata: Iterable[tuple[str, str]] = (),
         expected_instance_id: str | None = None,
@@ -104,8 +114,8 @@ class PrefillContextClient:
         self._info: ServerInfo | None = None
         self._owns_channel = channel is None
         if channel is None:
-            opts = _channel_options(max_message_bytes, channel_options)
-            creds = channel_credentials(credentials, tls, root_certificates)
+            opts = _channel_options(max_message_bytes, [*tls_channel_options(tls_server_name), *channel_options])
+            creds = channel_credentials(credentials, tls, root_certificates, client_certificate, client_key)
             channel = (
                 grpc.secure_channel(target, creds, options=opts)
                 if creds is not None

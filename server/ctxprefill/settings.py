@@ -16,7 +16,7 @@ import torch
 
 from .config import CacheConfig, EngineConfig, ModelShape
 from .errors import ConfigError
-from .weights import load_kv_b_proj, prepare, random_kv_b_proj
+from .weights import load_kv_b_proj, prepare, random_kv_b_proj, shard_kv_b_proj
 
 log = logging.getLogger("ctxprefill")
 
@@ -28,6 +28,8 @@ class ServeSettings:
     metrics_port: int = 9400
     device: str = "auto"
     heads: int = 16
+    shard_index: int = 0  # this worker's head shard (tensor parallelism over heads)
+    num_shards: int = 1  # head shards of the model; > 1: --heads is the model's total
     block_size: int = 64
     num_blocks: int = 4096
     cache_dtype: str = "auto"
@@ -44,6 +46,10 @@ class ServeSettings:
     grace_seconds: float = 25.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 1 << 30  # gRPC send/receive limit
     queue_size: int = 64  # requests admitted at once (running + waiting); more get RESOURCE_EXHAUSTED
+    tls_cert: str | None = None  # PEM certificate chain of the gRPC port (TLS on when set)
+    tls_key: str | None = None  # PEM private key of tls_cert
+    tls_client_ca: str | None = None  # PEM CA bundle: require and verify client certificates (mutual TLS)
+    auth_token_file: str | None = None  # file holding the bearer token every RPC must carry
 
 
 _HELP = {
@@ -51,7 +57,10 @@ _HELP = {
     "port": "gRPC port",
     "metrics_port": "HTTP port for /metrics, /healthz and /readyz",
     "device": "auto (cuda if present, else cpu), cpu, cuda or cuda:N",
-    "heads": "attention heads on this worker (128 / tensor-parallel size)",
+    "heads": "attention heads on this worker (128 / tensor-parallel size); with --num-shards > 1 the model's "
+             "total heads, of which this worker serves its shard",
+    "shard_index": "which head shard this worker serves: heads [I*H/N, (I+1)*H/N) of --heads H (0 <= I < N)",
+    "num_shards": "head shards N of the model (one worker each, same cache contents); 1: unsharded",
     "block_size": "tokens per cache block",
     "num_blocks": "cache blocks",
     "cache_dtype": "auto (bf16), fp8 or fp8_ds_mla",
@@ -69,6 +78,11 @@ _HELP = {
     "max_message_bytes": "largest gRPC message the server receives or sends, in bytes",
     "queue_size": "requests admitted at once (the running one and those waiting for the device); "
                   "more are refused with RESOURCE_EXHAUSTED",
+    "tls_cert": "PEM certificate (chain) of the gRPC port; with --tls-key, the port speaks TLS only",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM CA bundle: require a client certificate signed by it (mutual TLS; needs --tls-cert)",
+    "auth_token_file": "file holding a bearer token: every RPC but grpc.health.v1 must send "
+                       "'authorization: Bearer <token>' (or set the token itself in CTXPREFILL_AUTH_TOKEN)",
 }
 
 
@@ -111,16 +125,56 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """Which heads of the model a worker serves: ``[head_start, head_end)`` of ``total_heads``."""
+
+    shard_index: int = 0
+    num_shards: int = 1
+    total_heads: int = 16
+
+    @property
+    def heads(self) -> int:
+        return self.total_heads // self.num_shards
+
+    @property
+    def head_start(self) -> int:
+        return self.shard_index * self.heads
+
+    @property
+    def head_end(self) -> int:
+        return self.head_start + self.heads
+
+
+def shard_spec(s: ServeSettings) -> ShardSpec:
+    """The validated shard of ``--shard-index`` / ``--num-shards`` (ConfigError naming the flag)."""
+    n, i, h = s.num_shards, s.shard_index, s.heads
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"--num-shards must be an integer >= 1, got {n!r}")
+    if not isinstance(i, int) or not 0 <= i < n:
+        raise ConfigError(f"--shard-index must be in [0, {n}) for --num-shards {n}, got {i!r}")
+    if not isinstance(h, int) or h < 1:
+        raise ConfigError(f"--heads must be an integer >= 1, got {h!r}")
+    if h % n:
+        raise ConfigError(f"--heads {h} (the model's total heads when sharded) is not divisible by --num-shards {n}")
+    return ShardSpec(i, n, h)
+
+
 def build_engine(s: ServeSettings):
     """Validated config + weights -> Engine (raises ConfigError with the flag at fault)."""
     from .engine.engine import Engine
 
-    shape = ModelShape(heads=s.heads, softmax_scale=s.softmax_scale)
+    shard = shard_spec(s)
+    shape = ModelShape(heads=s.heads, softmax_scale=s.softmax_scale)  # the whole model's heads
     if s.weights:
         weights = load_kv_b_proj(s.weights, shape, s.weights_prefix)
     else:
         t = random_kv_b_proj(shape, s.kv_b_proj_dtype, s.seed)
         weights = prepare(s.kv_b_proj_dtype, t["kv_b_proj.weight"], t.get("kv_b_proj.weight_scale_inv"))
+    if shard.num_shards > 1:  # rows of the full prepared weights: equal to the unsharded worker's, head by head
+        weights = shard_kv_b_proj(weights, shard.total_heads, shard.shard_index, shard.num_shards,
+                                  shape.qk_nope_head_dim + shape.v_head_dim)
+        shape = dataclasses.replace(shape, heads=shard.heads)
     config = EngineConfig(
         shape=shape,
         cache=CacheConfig(s.cache_dtype, s.block_size, s.num_blocks, s.k_scale),
@@ -135,6 +189,7 @@ def build_engine(s: ServeSettings):
         engine = Engine(config, weights, device)
     except ValueError as e:  # backend selection
         raise ConfigError(f"--backend {s.backend}: {e}") from None
+    engine.shard = shard
     log.info(
         "engine ready",
         extra={"device": str(device), "backend": engine.backend.name, "backend_reason": engine.backend_reason,

@@ -125,3 +125,38 @@ def random_kv_b_proj(shape: ModelShape, dtype: str, seed: int, scale_kind: str =
 
 def save_weights(path: str, tensors: dict[str, torch.Tensor], prefix: str = "") -> None:
     save_file({prefix + k: v.contiguous() for k, v in tensors.items()}, path)
+
+
+def shard_kv_b_proj(weights: KvBProjWeights, total_heads: int, shard_index: int, num_shards: int,
+                    head_rows: int = 256) -> KvBProjWeights:
+    """The rows of one head shard of a full ``kv_b_proj`` (tensor parallelism over heads).
+
+    Shard ``i`` of ``n`` owns heads ``[i*H/n, (i+1)*H/n)``, i.e. the contiguous rows
+    ``[i*H/n*(P+V), (i+1)*H/n*(P+V))`` of the ``[H*(P+V), L]`` weight. Everything is sliced
+    from the *full* prepared weights, so ``compute`` is exactly those rows of the full
+    ``compute`` (same dtype too: whether W_deq is exact in bf16 is decided on the whole
+    weight, never per shard). A 128×128 block scale is sliced by row blocks, which is exact
+    because P+V = 256 makes every head exactly two row blocks: ``dequantize(weight, scale)``
+    of the shard equals the rows of the full W_deq.
+    """
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ConfigError(f"--num-shards must be an integer >= 1, got {num_shards!r}")
+    if not isinstance(shard_index, int) or not 0 <= shard_index < num_shards:
+        raise ConfigError(f"--shard-index must be in [0, {num_shards}) for --num-shards {num_shards}, got {shard_index!r}")
+    if total_heads % num_shards:
+        raise ConfigError(
+            f"--heads {total_heads} (the model's heads when sharded) is not divisible by --num-shards {num_shards}"
+        )
+    if weights.weight.shape[0] != total_heads * head_rows:
+        raise ConfigError(f"kv_b_proj has {weights.weight.shape[0]} rows, expected {total_heads} heads × {head_rows}")
+    if num_shards == 1:
+        return weights
+    per = total_heads // num_shards
+    r0, r1 = shard_index * per * head_rows, (shard_index + 1) * per * head_rows
+    scale = weights.scale
+    if scale is not None and scale.dim() == 2:
+        if r0 % BLOCK or (r1 - r0) % BLOCK:  # unreachable at P+V = 256; the scale format cannot say it
+            raise ConfigError(f"kv_b_proj shard rows [{r0}, {r1}) do not align with the {BLOCK}-row scale blocks")
+        scale = scale[r0 // BLOCK : r1 // BLOCK]
+    return KvBProjWeights(weights.dtype, weights.weight[r0:r1].contiguous(),
+                          None if scale is None else scale.contiguous(), weights.compute[r0:r1].contiguous())

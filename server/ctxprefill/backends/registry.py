@@ -10,11 +10,14 @@ from .base import AttentionBackend
 
 # name -> "module:Class"; imported lazily so that a CPU machine never imports triton.
 _BACKENDS: dict[str, str] = {
+    "cudnn": "ctxprefill.backends.cudnn_dense:CudnnDenseBackend",
     "triton": "ctxprefill.backends.triton_attention:TritonAttentionBackend",
     "reference": "ctxprefill.backends.reference:ReferenceBackend",
 }
-# best first; ``auto`` takes the first that is available and handles the dtype
-_AUTO_ORDER = ("triton", "reference")
+# best first; ``auto`` takes the first that is available and handles the dtype. cudnn
+# (dense cuDNN for one-segment chunks, Triton for the rest) supports bf16 only, so fp8
+# prefill gets triton; a CPU device gets reference.
+_AUTO_ORDER = ("cudnn", "triton", "reference")
 
 
 def names() -> list[str]:

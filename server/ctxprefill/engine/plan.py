@@ -105,7 +105,7 @@ def validate_plan(
                 raise InvalidArgument(
                     f"{where}.context_len[{k}]", f"sequence {seq} has context but is listed with none in this chunk"
                 )
-            if n and s != covered[seq]:
+            if s != covered[seq]:  # also when n == 0: a start past 0 would mark a continuation
                 raise InvalidArgument(
                     f"{where}.context_start[{k}]",
                     f"sequence {seq}: expected to continue at {covered[seq]}, got {s} (tokens must be covered once, in order)",

@@ -9,7 +9,15 @@ Handlers raise; this is the only place that turns an exception into a status:
 | ``errors.FailedPrecondition``              | FAILED_PRECONDITION                      |
 | :class:`RpcStatusError` (service states)   | its code (RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, ...) |
 | ``context.abort(...)`` inside a handler    | as given (e.g. the health service's NOT_FOUND) |
+| a request whose bytes do not parse         | INVALID_ARGUMENT, ``"request: ..."`` (the handler never runs) |
 | anything else                              | INTERNAL, generic message; traceback logged |
+
+With a bearer token configured (``--auth-token-file`` or ``CTXPREFILL_AUTH_TOKEN``) it
+also decides who may call: every RPC must carry ``authorization: Bearer <token>``
+metadata — none (or another scheme) is UNAUTHENTICATED, a wrong token
+PERMISSION_DENIED (compared in constant time) — except the ``grpc.health.v1.Health``
+service, which load balancers and orchestrators probe without credentials. A refused
+call's request bytes are not even parsed. Reflection needs the token like any RPC.
 
 It also records, for every RPC of every service on the server (health and reflection
 included), the go-grpc-prometheus metrics: ``grpc_server_started_total``,
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hmac
 import inspect
 import logging
 import time
@@ -37,6 +46,9 @@ log = logging.getLogger("ctxprefill.service")
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("ctxprefill_request_id", default="")
 
 INTERNAL_MESSAGE = "internal error; the server logged the details"
+
+#: services callable without the bearer token (health probes carry no credentials)
+OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})
 
 
 class RpcStatusError(Exception):
@@ -63,6 +75,60 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
             return code, str(exc)
     if isinstance(exc, RpcStatusError):
         return exc.code, exc.message
+    return None
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes did not parse (the handler refuses it)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _safe_deserializer(deserialize):
+    """``deserialize`` that returns :class:`_Undecodable` instead of raising: grpc would
+    answer a parse error with UNKNOWN; the wrapper turns it into INVALID_ARGUMENT."""
+    if deserialize is None:
+        return None
+
+    def safe(raw: bytes):
+        try:
+            return deserialize(raw)
+        except Exception as e:  # noqa: BLE001 - DecodeError, and anything a parser may raise
+            return _Undecodable(e)
+
+    return safe
+
+
+def _check_decoded(request) -> None:
+    if isinstance(request, _Undecodable):
+        msg = str(request.error).splitlines()[0] if str(request.error) else type(request.error).__name__
+        raise InvalidArgument("request", f"the message does not parse ({msg[:200]})")
+
+
+def _discard(raw: bytes) -> None:
+    """Deserializer of a refused call: its bytes are never parsed."""
+    return None
+
+
+def check_bearer(metadata, token: bytes) -> RpcStatusError | None:
+    """None if ``metadata`` carries ``authorization: Bearer <token>``; else the refusal."""
+    values = [v for k, v in (metadata or ()) if k.lower() == "authorization"]
+    if not values:
+        return RpcStatusError(grpc.StatusCode.UNAUTHENTICATED,
+                              "missing credentials: send metadata 'authorization: Bearer <token>'", "unauthenticated")
+    value = values[0]
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    scheme, _, presented = value.strip().partition(" ")
+    if scheme.lower() != "bearer" or not presented.strip():
+        return RpcStatusError(grpc.StatusCode.UNAUTHENTICATED,
+                              "credentials must be 'authorization: Bearer <token>'", "unauthenticated")
+    if len(values) > 1 or not hmac.compare_digest(presented.strip().encode("utf-8", "surrogateescape"), token):
+        return RpcStatusError(grpc.StatusCode.PERMISSION_DENIED, "the bearer token is not accepted",
+                              "permission_denied")
     return None
 
 
@@ -97,14 +163,23 @@ class _Call:
 
 
 class ServerInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, metrics: Metrics):
+    """Status mapping and gRPC metrics for every RPC; the bearer-token check when
+    ``auth_token`` is set."""
+
+    def __init__(self, metrics: Metrics, auth_token: str | None = None):
         self.metrics = metrics
+        self.auth_token = auth_token.encode("utf-8") if auth_token else None
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         service, method = _split(handler_call_details.method)
+        refusal = None
+        if self.auth_token is not None and service not in OPEN_SERVICES:
+            refusal = check_bearer(handler_call_details.invocation_metadata, self.auth_token)
+            if refusal is not None:
+                self.metrics.rejected.labels(reason=refusal.reason).inc()
         if handler.unary_unary is not None:
             kind, behavior, make = "unary", handler.unary_unary, grpc.unary_unary_rpc_method_handler
         elif handler.unary_stream is not None:
@@ -116,9 +191,11 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         else:  # pragma: no cover
             return handler
         labels = {"grpc_type": kind, "grpc_service": service, "grpc_method": method}
+        deserializer = _safe_deserializer(handler.request_deserializer)
+        if refusal is not None:
+            behavior, deserializer = _refuse(refusal, handler.response_streaming), _discard
         wrapped = self._wrap(behavior, labels, handler.request_streaming, handler_call_details.method)
-        return make(wrapped, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+        return make(wrapped, request_deserializer=deserializer, response_serializer=handler.response_serializer)
 
     # ----------------------------------------------------------------------------------
     def _wrap(self, behavior, labels, request_streaming: bool, full_method: str):
@@ -127,11 +204,13 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         def requests_of(call: _Call, request):
             if not request_streaming:
                 call.received()
+                _check_decoded(request)
                 return request
 
             async def counted():
                 async for r in request:
                     call.received()
+                    _check_decoded(r)
                     yield r
 
             return counted()
@@ -167,6 +246,21 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 call.finish()
 
         return wrapper
+
+
+def _refuse(err: RpcStatusError, response_streaming: bool):
+    """A handler that refuses every call with ``err`` (same kind as the one it replaces)."""
+    if response_streaming:
+        async def refuse_stream(request, context):
+            raise err
+            yield  # pragma: no cover - makes this an async generator
+
+        return refuse_stream
+
+    async def refuse(request, context):
+        raise err
+
+    return refuse
 
 
 def _code_from_context(call: _Call, context) -> None:

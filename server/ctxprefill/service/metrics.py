@@ -68,7 +68,8 @@ class Metrics:
         )
         self.rejected = Counter(
             "ctxprefill_rejected_requests_total",
-            "Requests refused without being run, by reason (queue_full, draining, starting, deadline, out_of_memory).",
+            "Requests refused without being run, by reason (queue_full, draining, starting, deadline, cancelled, "
+            "out_of_memory, unauthenticated, permission_denied).",
             ["reason"], registry=r,
         )
         self.cache_slots_used = Gauge(

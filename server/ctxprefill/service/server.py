@@ -14,6 +14,10 @@ requests get UNAVAILABLE, admitted ones (running or queued) get ``--grace-second
 finish (a second signal cuts the grace short), the gRPC server stops, then the HTTP
 server, and ``serve`` returns 0.
 
+Security (``security.py``): ``--tls-cert``/``--tls-key`` make the gRPC port TLS only,
+``--tls-client-ca`` requires client certificates (mutual TLS), and a bearer token
+(``--auth-token-file`` or ``CTXPREFILL_AUTH_TOKEN``) is checked by the interceptor.
+
 Logs are JSON lines on stderr; quiet by default (the CLI's ``--log-level WARNING``)
 except for the lifecycle lines: listening (bound ports), serving (device, backend,
 dtypes, ...), draining, stopped.
@@ -23,10 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import gc
 import json
 import logging
 import os
 import signal
+import sys
 import time
 
 import grpc
@@ -41,10 +47,11 @@ from ..engine.engine import Engine, SequenceSpec
 from ..config import CacheConfig, EngineConfig, ModelShape
 from ..errors import ConfigError
 from ..ops.fp8 import FP8
-from ..settings import ServeSettings, build_engine, resolve_device
+from ..settings import ServeSettings, build_engine, resolve_device, shard_spec
 from .http import HttpApp, bind_socket, make_uvicorn_server
 from .interceptors import ServerInterceptor, request_id_var
 from .metrics import Metrics
+from .security import Security, load_security
 from .servicer import METHODS, SERVICE_NAME, EngineWorker, PrefillContextServicer
 
 log = logging.getLogger("ctxprefill.service")
@@ -153,19 +160,31 @@ def _precheck_engine_settings(s: ServeSettings) -> None:
                  prefill_dtype=s.prefill_dtype, workspace_tokens=s.workspace_tokens, fused=not s.generic,
                  backend=s.backend)
     resolve_device(s.device)
+    shard_spec(s)  # --shard-index / --num-shards against --heads
     if s.weights and not os.path.isfile(s.weights):
         raise ConfigError(f"--weights: no such file {s.weights!r}")
+
+
+#: how long a thread may hold the GIL while another waits (CPython's default is 5 ms).
+#: The event loop (admission, refusals, health) and the engine thread share the GIL; the
+#: engine drops it around every torch op and must win it back each time, so with the
+#: default a loop busy refusing an overload would add up to 5 ms per op to the engine —
+#: and the engine's Python glue as much to every refusal.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def serve(settings: ServeSettings) -> int:
     """Run the server until SIGTERM/SIGINT; 0 after a clean drain. ConfigError propagates."""
     setup_logging()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     _check_settings(settings)
     _precheck_engine_settings(settings)
-    return asyncio.run(_serve(settings))
+    security = load_security(settings)
+    return asyncio.run(_serve(settings, security))
 
 
-async def _serve(s: ServeSettings) -> int:
+async def _serve(s: ServeSettings, security: Security | None = None) -> int:
+    security = security or Security(None, None, "plaintext")
     loop = asyncio.get_running_loop()
     t_start = time.perf_counter()
     metrics = Metrics()
@@ -175,7 +194,7 @@ async def _serve(s: ServeSettings) -> int:
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     server = grpc.aio.server(
-        interceptors=[ServerInterceptor(metrics)],
+        interceptors=[ServerInterceptor(metrics, auth_token=security.token)],
         options=[
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.max_receive_message_length", s.max_message_bytes),
@@ -189,7 +208,10 @@ async def _serve(s: ServeSettings) -> int:
 
     address = _grpc_address(s.host, s.port)
     try:
-        grpc_port = server.add_insecure_port(address)
+        if security.credentials is not None:
+            grpc_port = server.add_secure_port(address, security.credentials)
+        else:
+            grpc_port = server.add_insecure_port(address)
     except RuntimeError as e:
         raise ConfigError(f"--port {s.port}: cannot bind gRPC to {address}: {e}") from None
     try:
@@ -219,7 +241,8 @@ async def _serve(s: ServeSettings) -> int:
 
     await server.start()
     http_task = asyncio.create_task(http.serve(sockets=[sock]), name="uvicorn")
-    lifecycle.info("listening", extra={"grpc_port": grpc_port, "metrics_port": metrics_port, "host": s.host})
+    lifecycle.info("listening", extra={"grpc_port": grpc_port, "metrics_port": metrics_port, "host": s.host,
+                                       "transport": security.transport, "auth_token": security.token is not None})
 
     try:
         # -- build the engine and warm it up, on the engine thread (it owns the device)
@@ -234,6 +257,12 @@ async def _serve(s: ServeSettings) -> int:
         engine, build_s = build.result()  # ConfigError propagates (after the finally below)
 
         servicer.attach_engine(engine)
+        # Everything made so far (modules, the engine, grpc) lives as long as the process:
+        # out of the collector's sight, so that a full collection while serving scans only
+        # what requests made (a gen-2 pass over torch's and grpc's objects stalls the event
+        # loop for tens of milliseconds).
+        gc.collect()
+        gc.freeze()
         servicer.set_ready()
         await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         cfg = engine.config

@@ -35,6 +35,7 @@ from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grp
 from .. import __version__
 from ..engine.engine import Engine
 from ..ops import _cuda, launches
+from ..settings import ShardSpec
 from . import codec, validate
 from .interceptors import RpcStatusError, request_id_var
 from .metrics import Metrics
@@ -45,19 +46,31 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillContextService"].full_name
 METHODS = [m.name for m in pb.DESCRIPTOR.services_by_name["PrefillContextService"].methods]
 
 _OOM_TYPES = (torch.OutOfMemoryError, MemoryError)
+#: how allocators word it: CUDA ("CUDA out of memory"), torch's CPU allocator
+#: ("DefaultCPUAllocator: can't allocate memory: you tried to allocate ..."), cuBLAS
+_OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory", "cublas_status_alloc_failed")
+
+
+#: a call cancelled this close to its deadline counts as expired (rejected{reason="deadline"})
+DEADLINE_SLACK_S = 0.005
 
 
 def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, _OOM_TYPES) or (isinstance(e, RuntimeError) and "out of memory" in str(e).lower())
+    if isinstance(e, _OOM_TYPES):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _OOM_MESSAGES)
 
 
 class EngineWorker:
     """One daemon thread that runs every engine call, in submission order.
 
     ``submit`` returns an asyncio future; cancelling it before the call starts drops
-    the call. A call whose ``deadline`` (``time.monotonic()`` seconds) has passed
-    when its turn comes is not run. The thread is a daemon so that a call still
-    running after the drain's grace period cannot keep the process alive.
+    the call at once: it leaves the queue depth right away (not when its turn would
+    have come) and is counted as ``rejected{reason="deadline"}`` when its deadline had
+    passed, ``rejected{reason="cancelled"}`` otherwise. A call whose ``deadline``
+    (``time.monotonic()`` seconds) has passed when its turn comes is not run either
+    (``reason="deadline"``). The thread is a daemon so that a call still running after
+    the drain's grace period cannot keep the process alive.
     """
 
     def __init__(self, metrics: Metrics):
@@ -72,12 +85,31 @@ class EngineWorker:
     def waiting(self) -> int:
         return self._waiting
 
+    def _leave_queue(self, item: list) -> bool:
+        """Take ``item`` out of the waiting count once; False if it already left."""
+        with self._lock:
+            if item[4]:
+                return False
+            item[4] = True
+            self._waiting -= 1
+            self.metrics.queue_depth.set(self._waiting)
+            return True
+
     def submit(self, fn, deadline: float | None = None) -> asyncio.Future:
         cf: concurrent.futures.Future = concurrent.futures.Future()
+        item = [cf, contextvars.copy_context(), fn, deadline, False]  # [..., left the queue]
         with self._lock:
             self._waiting += 1
             self.metrics.queue_depth.set(self._waiting)
-        self._q.put((cf, contextvars.copy_context(), fn, deadline))
+
+        def on_done(f: concurrent.futures.Future) -> None:
+            if f.cancelled() and self._leave_queue(item):
+                # gRPC cancels a call when its deadline passes; allow for the two clocks
+                expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
+                self.metrics.rejected.labels(reason="deadline" if expired else "cancelled").inc()
+
+        cf.add_done_callback(on_done)
+        self._q.put(item)
         return asyncio.wrap_future(cf)
 
     def stop(self) -> None:
@@ -88,12 +120,10 @@ class EngineWorker:
             item = self._q.get()
             if item is None:
                 return
-            cf, ctx, fn, deadline = item
-            with self._lock:
-                self._waiting -= 1
-                self.metrics.queue_depth.set(self._waiting)
+            cf, ctx, fn, deadline, _ = item
             if not cf.set_running_or_notify_cancel():
-                continue  # cancelled while queued (client gone, deadline passed)
+                continue  # cancelled while queued (client gone, deadline passed): counted by on_done
+            self._leave_queue(item)
             if deadline is not None and time.monotonic() >= deadline:
                 self.metrics.rejected.labels(reason="deadline").inc()
                 cf.set_exception(RpcStatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -191,21 +221,29 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         self.metrics.rejected.labels(reason=reason).inc()
         return RpcStatusError(code, message, reason)
 
-    def _gate(self) -> Engine:
+    def _gate(self, admit: bool = False) -> Engine:
+        """The engine, or a refusal: starting or draining (UNAVAILABLE); with ``admit``, a
+        full queue too (RESOURCE_EXHAUSTED before the request is even validated, so that
+        refusing under overload stays cheap; admission itself is decided in ``_run``)."""
         if self.state == self.DRAINING:
             raise self._refuse(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another instance",
                                "draining")
         if self.state != self.READY or self.engine is None:
             raise self._refuse(grpc.StatusCode.UNAVAILABLE,
                                "server is starting (loading weights, warming up kernels); retry shortly", "starting")
+        if admit:
+            self._check_room()
         return self.engine
 
-    async def _run(self, fn, context):
-        """Admit (or refuse at once), queue, await the worker's result."""
+    def _check_room(self) -> None:
         if self._admitted >= self.queue_size:
             raise self._refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"queue full ({self._admitted} requests admitted, limit {self.queue_size}); retry later",
                                "queue_full")
+
+    async def _run(self, fn, context):
+        """Admit (or refuse at once), queue, await the worker's result."""
+        self._check_room()
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         self._admitted += 1
@@ -216,6 +254,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
 
     def _server_info(self, engine: Engine) -> pb.GetServerInfoResponse:
         cfg, s = engine.config, self.settings
+        shard = getattr(engine, "shard", None) or ShardSpec(0, 1, cfg.shape.heads)  # set by build_engine
         shape, cache = cfg.shape, cfg.cache
         w = engine.weights
         scale_format = "" if w.scale is None else ("tensor" if w.scale.dim() == 0 or w.scale.numel() == 1 else "block")
@@ -234,12 +273,14 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             cache_dtype=cache.dtype, block_size=cache.block_size, num_blocks=cache.num_blocks,
             k_scale=cache.k_scale, bytes_per_slot=cache.bytes_per_slot,
             kv_b_proj_dtype=w.dtype, kv_b_proj_scale_format=scale_format,
-            weights_source=s.weights if s.weights else f"random(seed={s.seed})",
+            weights_source=(s.weights if s.weights else f"random(seed={s.seed})") + (
+                f" [heads {shard.head_start}:{shard.head_end} of {shard.total_heads}]" if shard.num_shards > 1 else ""),
             prefill_dtype=cfg.prefill_dtype,
             attention_backend=engine.backend.name, attention_backend_supports_out=bool(engine.backend.supports_out()),
             fused_kernels_active=bool(engine.fused_kernels_active), fused_kernels_reason=reason,
             workspace_tokens=cfg.workspace_tokens, device=describe_device(engine.device), versions=versions(),
             max_message_bytes=self.max_message_bytes,
+            shard_index=shard.shard_index, num_shards=shard.num_shards, total_heads=shard.total_heads,
         )
 
     # -- RPCs ----------------------------------------------------------------------------
@@ -248,7 +289,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         return self._info
 
     async def WriteCache(self, request, context):
-        engine = self._gate()
+        engine = self._gate(admit=True)
         validate.check_instance(request, engine.instance_id)
         args = validate.validate_write(request, engine.config)
         path = "fused" if engine.config.fused else "generic"
@@ -264,7 +305,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         return pb.WriteCacheResponse(slots_written=n, instance_id=engine.instance_id)
 
     async def ReadCache(self, request, context):
-        engine = self._gate()
+        engine = self._gate(admit=True)
         validate.check_instance(request, engine.instance_id)
         slots = validate.validate_read(request, engine.config, self.max_message_bytes)
         bps = engine.cache.config.bytes_per_slot
@@ -282,7 +323,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         t0 = time.perf_counter_ns()
         request_id = request.request_id or uuid.uuid4().hex
         request_id_var.set(validate.request_id_for_logs(request_id))
-        engine = self._gate()
+        engine = self._gate(admit=True)
         validate.check_instance(request, engine.instance_id)
         args = validate.validate_prefill(request, engine.config, self.max_message_bytes)
 

@@ -24,15 +24,21 @@ import torch
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
 
 from ..config import EngineConfig
-from ..engine.engine import SequenceSpec
+from ..engine.engine import MAX_BLOCK_TABLE_ENTRIES, SequenceSpec
 from ..engine.plan import ContextChunk, validate_plan
 from ..errors import FailedPrecondition, InvalidArgument, OutOfRange
 from . import codec
 
 #: room left in a response for everything that is not tensor data (stats, ids, framing)
 RESPONSE_OVERHEAD_BYTES = 1 << 20
-#: request ids are logged; longer ones are cut in logs (never refused)
+#: request ids are logged; longer ones are cut in logs
 MAX_LOGGED_REQUEST_ID = 128
+#: a request id is echoed in the response; longer ones are refused
+MAX_REQUEST_ID = 1024
+#: sequences of one PrefillContext request (validation walks them on the event loop)
+MAX_SEQUENCES = 1 << 16
+#: chunks of an explicit plan
+MAX_PLAN_CHUNKS = 1 << 16
 
 _LATENT_DTYPES = (pb.DATA_TYPE_BF16, pb.DATA_TYPE_FP32)
 
@@ -119,6 +125,14 @@ def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_messa
     H, D, V = shape.heads, shape.qk_head_dim, shape.v_head_dim
     bs, num_blocks = cache.block_size, cache.num_blocks
 
+    if len(req.request_id) > MAX_REQUEST_ID:
+        raise InvalidArgument("request_id", f"has {len(req.request_id)} characters, at most {MAX_REQUEST_ID}")
+    nseq = len(req.sequences)
+    if nseq > MAX_SEQUENCES:
+        raise InvalidArgument("sequences", f"{nseq} sequences, at most {MAX_SEQUENCES} per request; split the request")
+    if len(req.plan) > MAX_PLAN_CHUNKS:
+        raise InvalidArgument("plan", f"{len(req.plan)} chunks, at most {MAX_PLAN_CHUNKS}")
+
     # -- q: dtype and shape before its bytes are touched
     want = _q_wire_dtype(cfg)
     wire, q_shape = codec.check_tensor(req.q, "q")
@@ -131,6 +145,7 @@ def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_messa
         raise InvalidArgument("q", f"shape {list(q_shape)} is not [Tq, {H}, {D}]")
     Tq = q_shape[0]
     _check_response_size("q", Tq * H * V * 2 + H * Tq * 4, max_message_bytes)
+    q = codec.decode(req.q, "q")  # its data length, before anything is compared with its rows
 
     # -- workspace
     W = cfg.workspace_tokens
@@ -144,6 +159,7 @@ def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_messa
     # -- sequences: lengths, sums, block tables (only the used prefix matters)
     seqs: list[SequenceSpec] = []
     total_q = 0
+    max_need = 0
     for i, s in enumerate(req.sequences):
         ql, cl = s.query_len, s.context_len
         if ql < 0:
@@ -151,6 +167,13 @@ def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_messa
         if cl < 0:
             raise InvalidArgument(f"sequences[{i}].context_len", f"must be >= 0, got {cl}")
         need = -(-cl // bs)
+        max_need = max(max_need, need)
+        if nseq * max_need > MAX_BLOCK_TABLE_ENTRIES:
+            raise InvalidArgument(
+                f"sequences[{i}].context_len",
+                f"{nseq} sequences with up to {max_need} blocks each exceed {MAX_BLOCK_TABLE_ENTRIES} block-table "
+                f"entries per request; split the request",
+            )
         bt = s.block_table
         if len(bt) < need:
             raise InvalidArgument(
@@ -185,7 +208,6 @@ def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_messa
             plan.append(ContextChunk(c.first_sequence, tuple(c.context_start), tuple(c.context_len)))
         validate_plan(plan, [s.context_len for s in seqs], W)
 
-    q = codec.decode(req.q, "q")
     return PrefillArgs(q, seqs, W, plan)
 
 

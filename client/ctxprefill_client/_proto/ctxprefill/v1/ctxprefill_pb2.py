@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63txprefill/v1/ctxprefill.proto\x12\rctxprefill.v1\"M\n\x06Tensor\x12&\n\x05\x64type\x18\x01 \x01(\x0e\x32\x17.ctxprefill.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x16\n\x14GetServerInfoRequest\"V\n\x08Versions\x12\x0e\n\x06server\x18\x01 \x01(\t\x12\r\n\x05torch\x18\x02 \x01(\t\x12\x0c\n\x04\x63uda\x18\x03 \x01(\t\x12\r\n\x05\x63udnn\x18\x04 \x01(\t\x12\x0e\n\x06python\x18\x05 \x01(\t\"\xf1\x04\n\x15GetServerInfoResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnum_heads\x18\x02 \x01(\x05\x12\x14\n\x0ckv_lora_rank\x18\x03 \x01(\x05\x12\x18\n\x10qk_nope_head_dim\x18\x04 \x01(\x05\x12\x18\n\x10qk_rope_head_dim\x18\x05 \x01(\x05\x12\x12\n\nv_head_dim\x18\x06 \x01(\x05\x12\x15\n\rsoftmax_scale\x18\x07 \x01(\x01\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x12\n\nnum_blocks\x18\n \x01(\x03\x12\x0f\n\x07k_scale\x18\x0b \x01(\x01\x12\x16\n\x0e\x62ytes_per_slot\x18\x0c \x01(\x05\x12\x17\n\x0fkv_b_proj_dtype\x18\r \x01(\t\x12\x1e\n\x16kv_b_proj_scale_format\x18\x0e \x01(\t\x12\x16\n\x0eweights_source\x18\x0f \x01(\t\x12\x15\n\rprefill_dtype\x18\x10 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x11 \x01(\t\x12&\n\x1e\x61ttention_backend_supports_out\x18\x12 \x01(\x08\x12\x1c\n\x14\x66used_kernels_active\x18\x13 \x01(\x08\x12\x1c\n\x14\x66used_kernels_reason\x18\x14 \x01(\t\x12\x18\n\x10workspace_tokens\x18\x15 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x16 \x01(\t\x12)\n\x08versions\x18\x17 \x01(\x0b\x32\x17.ctxprefill.v1.Versions\x12\x19\n\x11max_message_bytes\x18\x18 \x01(\x03\"\xc6\x01\n\x11WriteCacheRequest\x12+\n\x0cslot_mapping\x18\x01 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12#\n\x04kv_c\x18\x02 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12#\n\x04k_pe\x18\x03 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12!\n\x14\x65xpected_instance_id\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\x17\n\x15_expected_instance_id\"@\n\x12WriteCacheResponse\x12\x15\n\rslots_written\x18\x01 \x01(\x03\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"{\n\x10ReadCacheRequest\x12+\n\x0cslot_mapping\x18\x01 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12!\n\x14\x65xpected_instance_id\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x17\n\x15_expected_instance_id\"N\n\x11ReadCacheResponse\x12$\n\x05slots\x18\x01 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"G\n\x08Sequence\x12\x11\n\tquery_len\x18\x01 \x01(\x05\x12\x13\n\x0b\x63ontext_len\x18\x02 \x01(\x05\x12\x13\n\x0b\x62lock_table\x18\x03 \x03(\x05\"i\n\x0c\x43ontextChunk\x12\x16\n\x0e\x66irst_sequence\x18\x01 \x01(\x05\x12\x15\n\rnum_sequences\x18\x02 \x01(\x05\x12\x15\n\rcontext_start\x18\x03 \x03(\x05\x12\x13\n\x0b\x63ontext_len\x18\x04 \x03(\x05\"\x94\x02\n\x15PrefillContextRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x01q\x18\x02 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12*\n\tsequences\x18\x03 \x03(\x0b\x32\x17.ctxprefill.v1.Sequence\x12\x1d\n\x10workspace_tokens\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12!\n\x14\x65xpected_instance_id\x18\x05 \x01(\tH\x01\x88\x01\x01\x12)\n\x04plan\x18\x06 \x03(\x0b\x32\x1b.ctxprefill.v1.ContextChunkB\x13\n\x11_workspace_tokensB\x17\n\x15_expected_instance_id\"N\n\x07\x46p8Path\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x01 \x01(\t\x12\x17\n\x0fkv_b_proj_dtype\x18\x02 \x01(\t\x12\x15\n\rprefill_dtype\x18\x03 \x01(\t\"\xab\x03\n\x05Stats\x12\x12\n\nnum_chunks\x18\x01 \x01(\x05\x12+\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x1b.ctxprefill.v1.ContextChunk\x12\x41\n\x0fkernel_launches\x18\x03 \x03(\x0b\x32(.ctxprefill.v1.Stats.KernelLaunchesEntry\x12\x0c\n\x04path\x18\x04 \x01(\t\x12(\n\x08\x66p8_path\x18\x05 \x01(\x0b\x32\x16.ctxprefill.v1.Fp8Path\x12\x39\n\x0bstage_nanos\x18\x06 \x03(\x0b\x32$.ctxprefill.v1.Stats.StageNanosEntry\x12\x13\n\x0btotal_nanos\x18\x07 \x01(\x03\x12\x16\n\x0e\x63ontext_tokens\x18\x08 \x01(\x03\x12\x14\n\x0cquery_tokens\x18\t \x01(\x03\x1a\x35\n\x13KernelLaunchesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x31\n\x0fStageNanosEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb1\x01\n\x16PrefillContextResponse\x12%\n\x06output\x18\x01 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12\"\n\x03lse\x18\x02 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12#\n\x05stats\x18\x03 \x01(\x0b\x32\x14.ctxprefill.v1.Stats\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t*\xb8\x01\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x41TA_TYPE_BF16\x10\x01\x12\x12\n\x0e\x44\x41TA_TYPE_FP16\x10\x02\x12\x12\n\x0e\x44\x41TA_TYPE_FP32\x10\x03\x12\x16\n\x12\x44\x41TA_TYPE_FP8_E4M3\x10\x04\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x05\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x06\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\x07\x32\xf5\x02\n\x15PrefillContextService\x12Z\n\rGetServerInfo\x12#.ctxprefill.v1.GetServerInfoRequest\x1a$.ctxprefill.v1.GetServerInfoResponse\x12Q\n\nWriteCache\x12 .ctxprefill.v1.WriteCacheRequest\x1a!.ctxprefill.v1.WriteCacheResponse\x12N\n\tReadCache\x12\x1f.ctxprefill.v1.ReadCacheRequest\x1a .ctxprefill.v1.ReadCacheResponse\x12]\n\x0ePrefillContext\x12$.ctxprefill.v1.PrefillContextRequest\x1a%.ctxprefill.v1.PrefillContextResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63txprefill/v1/ctxprefill.proto\x12\rctxprefill.v1\"M\n\x06Tensor\x12&\n\x05\x64type\x18\x01 \x01(\x0e\x32\x17.ctxprefill.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x16\n\x14GetServerInfoRequest\"V\n\x08Versions\x12\x0e\n\x06server\x18\x01 \x01(\t\x12\r\n\x05torch\x18\x02 \x01(\t\x12\x0c\n\x04\x63uda\x18\x03 \x01(\t\x12\r\n\x05\x63udnn\x18\x04 \x01(\t\x12\x0e\n\x06python\x18\x05 \x01(\t\"\xaf\x05\n\x15GetServerInfoResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnum_heads\x18\x02 \x01(\x05\x12\x14\n\x0ckv_lora_rank\x18\x03 \x01(\x05\x12\x18\n\x10qk_nope_head_dim\x18\x04 \x01(\x05\x12\x18\n\x10qk_rope_head_dim\x18\x05 \x01(\x05\x12\x12\n\nv_head_dim\x18\x06 \x01(\x05\x12\x15\n\rsoftmax_scale\x18\x07 \x01(\x01\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\x05\x12\x12\n\nnum_blocks\x18\n \x01(\x03\x12\x0f\n\x07k_scale\x18\x0b \x01(\x01\x12\x16\n\x0e\x62ytes_per_slot\x18\x0c \x01(\x05\x12\x17\n\x0fkv_b_proj_dtype\x18\r \x01(\t\x12\x1e\n\x16kv_b_proj_scale_format\x18\x0e \x01(\t\x12\x16\n\x0eweights_source\x18\x0f \x01(\t\x12\x15\n\rprefill_dtype\x18\x10 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x11 \x01(\t\x12&\n\x1e\x61ttention_backend_supports_out\x18\x12 \x01(\x08\x12\x1c\n\x14\x66used_kernels_active\x18\x13 \x01(\x08\x12\x1c\n\x14\x66used_kernels_reason\x18\x14 \x01(\t\x12\x18\n\x10workspace_tokens\x18\x15 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x16 \x01(\t\x12)\n\x08versions\x18\x17 \x01(\x0b\x32\x17.ctxprefill.v1.Versions\x12\x19\n\x11max_message_bytes\x18\x18 \x01(\x03\x12\x13\n\x0bshard_index\x18\x19 \x01(\x05\x12\x12\n\nnum_shards\x18\x1a \x01(\x05\x12\x13\n\x0btotal_heads\x18\x1b \x01(\x05\"\xc6\x01\n\x11WriteCacheRequest\x12+\n\x0cslot_mapping\x18\x01 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12#\n\x04kv_c\x18\x02 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12#\n\x04k_pe\x18\x03 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12!\n\x14\x65xpected_instance_id\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\x17\n\x15_expected_instance_id\"@\n\x12WriteCacheResponse\x12\x15\n\rslots_written\x18\x01 \x01(\x03\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"{\n\x10ReadCacheRequest\x12+\n\x0cslot_mapping\x18\x01 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12!\n\x14\x65xpected_instance_id\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x17\n\x15_expected_instance_id\"N\n\x11ReadCacheResponse\x12$\n\x05slots\x18\x01 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"G\n\x08Sequence\x12\x11\n\tquery_len\x18\x01 \x01(\x05\x12\x13\n\x0b\x63ontext_len\x18\x02 \x01(\x05\x12\x13\n\x0b\x62lock_table\x18\x03 \x03(\x05\"i\n\x0c\x43ontextChunk\x12\x16\n\x0e\x66irst_sequence\x18\x01 \x01(\x05\x12\x15\n\rnum_sequences\x18\x02 \x01(\x05\x12\x15\n\rcontext_start\x18\x03 \x03(\x05\x12\x13\n\x0b\x63ontext_len\x18\x04 \x03(\x05\"\x94\x02\n\x15PrefillContextRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x01q\x18\x02 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12*\n\tsequences\x18\x03 \x03(\x0b\x32\x17.ctxprefill.v1.Sequence\x12\x1d\n\x10workspace_tokens\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12!\n\x14\x65xpected_instance_id\x18\x05 \x01(\tH\x01\x88\x01\x01\x12)\n\x04plan\x18\x06 \x03(\x0b\x32\x1b.ctxprefill.v1.ContextChunkB\x13\n\x11_workspace_tokensB\x17\n\x15_expected_instance_id\"N\n\x07\x46p8Path\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x01 \x01(\t\x12\x17\n\x0fkv_b_proj_dtype\x18\x02 \x01(\t\x12\x15\n\rprefill_dtype\x18\x03 \x01(\t\"\xab\x03\n\x05Stats\x12\x12\n\nnum_chunks\x18\x01 \x01(\x05\x12+\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x1b.ctxprefill.v1.ContextChunk\x12\x41\n\x0fkernel_launches\x18\x03 \x03(\x0b\x32(.ctxprefill.v1.Stats.KernelLaunchesEntry\x12\x0c\n\x04path\x18\x04 \x01(\t\x12(\n\x08\x66p8_path\x18\x05 \x01(\x0b\x32\x16.ctxprefill.v1.Fp8Path\x12\x39\n\x0bstage_nanos\x18\x06 \x03(\x0b\x32$.ctxprefill.v1.Stats.StageNanosEntry\x12\x13\n\x0btotal_nanos\x18\x07 \x01(\x03\x12\x16\n\x0e\x63ontext_tokens\x18\x08 \x01(\x03\x12\x14\n\x0cquery_tokens\x18\t \x01(\x03\x1a\x35\n\x13KernelLaunchesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x31\n\x0fStageNanosEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb1\x01\n\x16PrefillContextResponse\x12%\n\x06output\x18\x01 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12\"\n\x03lse\x18\x02 \x01(\x0b\x32\x15.ctxprefill.v1.Tensor\x12#\n\x05stats\x18\x03 \x01(\x0b\x32\x14.ctxprefill.v1.Stats\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t*\xb8\x01\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x41TA_TYPE_BF16\x10\x01\x12\x12\n\x0e\x44\x41TA_TYPE_FP16\x10\x02\x12\x12\n\x0e\x44\x41TA_TYPE_FP32\x10\x03\x12\x16\n\x12\x44\x41TA_TYPE_FP8_E4M3\x10\x04\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x05\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x06\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\x07\x32\xf5\x02\n\x15PrefillContextService\x12Z\n\rGetServerInfo\x12#.ctxprefill.v1.GetServerInfoRequest\x1a$.ctxprefill.v1.GetServerInfoResponse\x12Q\n\nWriteCache\x12 .ctxprefill.v1.WriteCacheRequest\x1a!.ctxprefill.v1.WriteCacheResponse\x12N\n\tReadCache\x12\x1f.ctxprefill.v1.ReadCacheRequest\x1a .ctxprefill.v1.ReadCacheResponse\x12]\n\x0ePrefillContext\x12$.ctxprefill.v1.PrefillContextRequest\x1a%.ctxprefill.v1.PrefillContextResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATS_KERNELLAUNCHESENTRY']._serialized_options = b'8\001'
   _globals['_STATS_STAGENANOSENTRY']._loaded_options = None
   _globals['_STATS_STAGENANOSENTRY']._serialized_options = b'8\001'
-  _globals['_DATATYPE']._serialized_start=2490
-  _globals['_DATATYPE']._serialized_end=2674
+  _globals['_DATATYPE']._serialized_start=2552
+  _globals['_DATATYPE']._serialized_end=2736
   _globals['_TENSOR']._serialized_start=49
   _globals['_TENSOR']._serialized_end=126
   _globals['_GETSERVERINFOREQUEST']._serialized_start=128
@@ -44,31 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERSIONS']._serialized_start=152
   _globals['_VERSIONS']._serialized_end=238
   _globals['_GETSERVERINFORESPONSE']._serialized_start=241
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=866
-  _globals['_WRITECACHEREQUEST']._serialized_start=869
-  _globals['_WRITECACHEREQUEST']._serialized_end=1067
-  _globals['_WRITECACHERESPONSE']._serialized_start=1069
-  _globals['_WRITECACHERESPONSE']._serialized_end=1133
-  _globals['_READCACHEREQUEST']._serialized_start=1135
-  _globals['_READCACHEREQUEST']._serialized_end=1258
-  _globals['_READCACHERESPONSE']._serialized_start=1260
-  _globals['_READCACHERESPONSE']._serialized_end=1338
-  _globals['_SEQUENCE']._serialized_start=1340
-  _globals['_SEQUENCE']._serialized_end=1411
-  _globals['_CONTEXTCHUNK']._serialized_start=1413
-  _globals['_CONTEXTCHUNK']._serialized_end=1518
-  _globals['_PREFILLCONTEXTREQUEST']._serialized_start=1521
-  _globals['_PREFILLCONTEXTREQUEST']._serialized_end=1797
-  _globals['_FP8PATH']._serialized_start=1799
-  _globals['_FP8PATH']._serialized_end=1877
-  _globals['_STATS']._serialized_start=1880
-  _globals['_STATS']._serialized_end=2307
-  _globals['_STATS_KERNELLAUNCHESENTRY']._serialized_start=2203
-  _globals['_STATS_KERNELLAUNCHESENTRY']._serialized_end=2256
-  _globals['_STATS_STAGENANOSENTRY']._serialized_start=2258
-  _globals['_STATS_STAGENANOSENTRY']._serialized_end=2307
-  _globals['_PREFILLCONTEXTRESPONSE']._serialized_start=2310
-  _globals['_PREFILLCONTEXTRESPONSE']._serialized_end=2487
-  _globals['_PREFILLCONTEXTSERVICE']._serialized_start=2677
-  _globals['_PREFILLCONTEXTSERVICE']._serialized_end=3050
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=928
+  _globals['_WRITECACHEREQUEST']._serialized_start=931
+  _globals['_WRITECACHEREQUEST']._serialized_end=1129
+  _globals['_WRITECACHERESPONSE']._serialized_start=1131
+  _globals['_WRITECACHERESPONSE']._serialized_end=1195
+  _globals['_READCACHEREQUEST']._serialized_start=1197
+  _globals['_READCACHEREQUEST']._serialized_end=1320
+  _globals['_READCACHERESPONSE']._serialized_start=1322
+  _globals['_READCACHERESPONSE']._serialized_end=1400
+  _globals['_SEQUENCE']._serialized_start=1402
+  _globals['_SEQUENCE']._serialized_end=1473
+  _globals['_CONTEXTCHUNK']._serialized_start=1475
+  _globals['_CONTEXTCHUNK']._serialized_end=1580
+  _globals['_PREFILLCONTEXTREQUEST']._serialized_start=1583
+  _globals['_PREFILLCONTEXTREQUEST']._serialized_end=1859
+  _globals['_FP8PATH']._serialized_start=1861
+  _globals['_FP8PATH']._serialized_end=1939
+  _globals['_STATS']._serialized_start=1942
+  _globals['_STATS']._serialized_end=2369
+  _globals['_STATS_KERNELLAUNCHESENTRY']._serialized_start=2265
+  _globals['_STATS_KERNELLAUNCHESENTRY']._serialized_end=2318
+  _globals['_STATS_STAGENANOSENTRY']._serialized_start=2320
+  _globals['_STATS_STAGENANOSENTRY']._serialized_end=2369
+  _globals['_PREFILLCONTEXTRESPONSE']._serialized_start=2372
+  _globals['_PREFILLCONTEXTRESPONSE']._serialized_end=2549
+  _globals['_PREFILLCONTEXTSERVICE']._serialized_start=2739
+  _globals['_PREFILLCONTEXTSERVICE']._serialized_end=3112
 # @@protoc_insertion_point(module_scope)
