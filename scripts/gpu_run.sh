@@ -95,7 +95,8 @@ if want pytest; then
 run_step pytest_gpu 240 200 "+$OUT/pytest.log" \
   python3 -m pytest -q -rs -p no:cacheprovider --durations=10 -rfE --tb=short --junitxml=/tmp/junit.xml tests/gpu
 run_step pytest_triton 120 150 "+$OUT/pytest.log" \
-  python3 -m pytest -q -rs -p no:cacheprovider --durations=5 tests/test_backend_triton.py
+  python3 -m pytest -q -rs -p no:cacheprovider --durations=5 tests/test_backend_triton.py \
+  $(ls tests/test_backend_cudnn.py 2>/dev/null)
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?) in " "$OUT/pytest.log" | tail -n 25 | sed 's/^/  pytest: /' >>"$SUMMARY" || true
 # launch counts (profiler vs stats) recorded by tests/gpu/test_engine_gpu.py as junit properties
 [ -f /tmp/junit.xml ] && python3 - /tmp/junit.xml >>"$SUMMARY" 2>&1 <<'PY' || true
@@ -150,6 +151,10 @@ want bench_engine && run_step bench_engine 240 5 - python3 -m ctxprefill.cli ben
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \
   --out "$OUT/attention_sweep.json"
+
+# ---- 8b. hostile requests against a GPU server under memcheck (reduced set) ----------------------
+want hostile_sanitizer && run_step hostile_sanitizer 200 5 "$OUT/hostile_sanitizer.log" env HOSTILE_COUNT=300 \
+  CONFIGS="auto" READY_TIMEOUT=150 OUT=/tmp/hostile_sanitizer PYTHON=python3 bash scripts/hostile_under_sanitizer.sh
 
 # ---- 9. head-sharded workers, one per GPU (needs 2 GPUs) ----------------------------------------
 # with one GPU both shards share it: the bit-for-bit equality still holds and is checked

@@ -29,7 +29,6 @@ from collections import Counter
 
 import pytest
 import torch
-
 from ctxprefill.backends import registry
 from ctxprefill.backends.cudnn_dense import CUDNN_KERNELS, CudnnDenseBackend
 from ctxprefill.backends.reference import ReferenceBackend
@@ -205,6 +204,20 @@ def test_path_decision_is_shape_only():
     assert be._dense_blocker(*ok, 5, 9, None, False) != ""
 
 
+def test_shape_cap_bounds_new_plans(monkeypatch):
+    """Past _MAX_SHAPES distinct shapes, shapes cuDNN already ran still go to it; new ones do not."""
+    from ctxprefill.backends import cudnn_dense
+
+    monkeypatch.setattr(cudnn_dense, "_MAX_SHAPES", 2)
+    be = CudnnDenseBackend()
+    for Tk in (9, 10, 9):
+        call(be, *_meta([5], [Tk], 2), 5, Tk)
+        assert be.last_path == "cudnn"
+    assert len(be._shapes) == 2
+    assert "shapes" in be._dense_blocker(*_meta([5], [11], 2), 5, 11, None, False)
+    assert be._dense_blocker(*_meta([5], [10], 2), 5, 10, None, False) == ""
+
+
 def test_cpu_tensors_delegate_to_triton_bit_equal():
     """Off CUDA the cuDNN path is never taken: ragged and one-segment batches both go to
     Triton (here in its interpreter), identical to calling the Triton backend."""
@@ -219,6 +232,57 @@ def test_cpu_tensors_delegate_to_triton_bit_equal():
         assert be.last_path == "triton" and n == 1
         o2, lse2 = tri.run_context_chunk(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), 0.1)
         assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+def test_cudnn_refusal_falls_back_to_triton(monkeypatch):
+    """A cuDNN error on a shape: that call runs on Triton (same result), the shape is
+    remembered, the path stays on for other shapes; a result breaking the contract (or
+    too many refused shapes) switches the path off. OOM is not swallowed."""
+    ta = _triton_module()
+    if HAS_CUDA or not ta._interpreting():
+        pytest.skip("needs Triton's CPU interpreter (TRITON_INTERPRET=1, no CUDA)")
+    from ctxprefill.backends import cudnn_dense
+
+    monkeypatch.setattr(CudnnDenseBackend, "_DENSE_DEVICES", ("cpu",))  # CPU tensors reach the (fake) op
+    seen = []
+
+    def refusing(*a, **kw):
+        seen.append(tuple(a[0].shape))
+        raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
+
+    monkeypatch.setattr(cudnn_dense, "_cudnn_op", lambda: refusing)
+    tri = ta.TritonAttentionBackend()
+    be = CudnnDenseBackend()
+    q, k, v, cu_q, cu_k = make_batch([6], [11], 2, seed=4)
+    ref = tri.run_context_chunk(q, k, v, cu_q, cu_k, 6, 11, 0.1)
+    for attempt in range(2):
+        o, lse, n = call(be, q, k, v, cu_q, cu_k, 6, 11, scale=0.1)
+        assert be.last_path == "triton" and n == 1
+        assert torch.equal(o, ref[0]) and torch.equal(lse, ref[1])
+    assert len(seen) == 1, "a refused shape must not be retried"
+    assert len(be._refused) == 1 and be.disabled_reason == ""
+    # another shape is tried again; after _MAX_REFUSED distinct refusals the path is off
+    for i in range(cudnn_dense._MAX_REFUSED - 1):
+        q2, k2, v2, cq2, ck2 = make_batch([1], [2 + i], 1, seed=i)
+        call(be, q2, k2, v2, cq2, ck2, 1, 2 + i, scale=0.1)
+    assert be.disabled_reason and len(seen) == cudnn_dense._MAX_REFUSED
+
+    # a result of the wrong shape: its kernel ran (noted), Triton's result returned, path off
+    be = CudnnDenseBackend()
+    wrong = lambda *a, **kw: (torch.zeros(1, 2, 6, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 6, 1))
+    monkeypatch.setattr(cudnn_dense, "_cudnn_op", lambda: wrong)
+    o, lse, n = call(be, q, k, v, cu_q, cu_k, 6, 11, scale=0.1)
+    assert be.last_path == "triton" and n == cudnn_dense.CUDNN_KERNELS + 1 and be.disabled_reason
+    assert torch.equal(o, ref[0])
+
+    be = CudnnDenseBackend()
+
+    def oom(*a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(cudnn_dense, "_cudnn_op", lambda: oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        be.run_context_chunk(q, k, v, cu_q, cu_k, 6, 11, 0.1)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -369,14 +433,13 @@ def test_gpu_engine_with_cudnn_backend(contexts, queries):
     """The engine with this backend (one sequence: every chunk dense cuDNN; the first
     written into out[token_slice], continuations merged) against the reference backend,
     and its launch metric against the profiler. Auto picks cudnn for bf16, triton for fp8."""
-    from engine_helpers import make_engine
-
     from ctxprefill.workload import make_request
+    from engine_helpers import make_engine
 
     be = gpu_backend()
     assert isinstance(registry.create("auto", torch.device("cuda"), torch.bfloat16)[0], CudnnDenseBackend)
     assert registry.create("auto", torch.device("cuda"), FP8)[0].name == "triton"
-    kw = dict(heads=16, block_size=64, num_blocks=64, workspace_tokens=1024, device="cuda")
+    kw = {"heads": 16, "block_size": 64, "num_blocks": 64, "workspace_tokens": 1024, "device": "cuda"}
     eng = make_engine(backend=be, **kw)
     ref_eng = make_engine(backend=ReferenceBackend(), **kw)
     q, seqs = make_request(eng, contexts, queries, seed=1)
@@ -415,18 +478,22 @@ def _ms(fn, iters=10):
 @needs_cuda
 def test_gpu_new_shape_cost_and_speed(record_property):
     """Informative (a warning, never a failure): the first call of a shape this process
-    has not seen (cuDNN builds a plan per shape), and the speed against Triton in the
-    engine's layout (v inside the kv_b_proj output), 1 × 8192 queries over 16384 keys."""
+    has not seen (cuDNN builds a plan per shape: does changing only Tq or only Tk by one
+    cost a full build?), and the speed against Triton in the engine's layout (v inside
+    the kv_b_proj output), 1 × 8192 queries over 16384 keys."""
     ta = _triton_module()
     be, tri = gpu_backend(), ta.TritonAttentionBackend()
     H = 16
-    q, k, v, cu_q, cu_k = make_batch([1531], [6007], H, device="cuda", seed=8)  # a shape no other test uses
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    be.run_context_chunk(q, k, v, cu_q, cu_k, 1531, 6007, SCALE)
-    torch.cuda.synchronize()
-    cold = (time.perf_counter() - t) * 1e3
-    warm = _ms(lambda: be.run_context_chunk(q, k, v, cu_q, cu_k, 1531, 6007, SCALE))
+    cold = {}
+    for Tq, Tk in ((1531, 6007), (1532, 6007), (1531, 6008)):  # shapes no other test uses; then Tq, Tk + 1
+        q, k, v, cu_q, cu_k = make_batch([Tq], [Tk], H, device="cuda", seed=8)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        be.run_context_chunk(q, k, v, cu_q, cu_k, Tq, Tk, SCALE)
+        torch.cuda.synchronize()
+        cold[f"{Tq}q/{Tk}k"] = (time.perf_counter() - t) * 1e3
+        record_property(f"first_call_ms_{Tq}q_{Tk}k", round(cold[f"{Tq}q/{Tk}k"], 2))
+    warm = _ms(lambda: be.run_context_chunk(q, k, v, cu_q, cu_k, 1531, 6008, SCALE))
     q, k, v, cu_q, cu_k = make_batch([8192], [16384], H, device="cuda", seed=8)
     out = torch.empty(8192, H, 128, dtype=torch.bfloat16, device="cuda")
     flop = 2 * 8192 * 16384 * H * 320
@@ -437,8 +504,8 @@ def test_gpu_new_shape_cost_and_speed(record_property):
         ms = _ms(fn)
         res[name] = (ms, flop / ms / 1e9)
         record_property(f"{name}_ms", round(ms, 4))
-    record_property("new_shape_first_call_ms", round(cold, 2))
-    msg = (f"cudnn backend: first call of a new shape (1531q/6007k, H={H}) {cold:.1f} ms, then {warm:.3f} ms; "
+    msg = (f"cudnn backend: first call of a new shape (H={H}) "
+           + ", ".join(f"{s} {ms:.1f} ms" for s, ms in cold.items()) + f", warm {warm:.3f} ms; "
            f"1x8192q/16384k H={H}: " + ", ".join(f"{n} {ms:.3f} ms {tf:.0f} TFLOP/s" for n, (ms, tf) in res.items())
            + f"; path {be.last_path}")
     print(msg)

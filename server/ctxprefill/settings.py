@@ -66,7 +66,7 @@ _HELP = {
     "cache_dtype": "auto (bf16), fp8 or fp8_ds_mla",
     "k_scale": "per-tensor scale of the fp8 cache",
     "prefill_dtype": "bf16 or fp8 (q arrives in fp8; k, v quantized)",
-    "backend": "attention backend: auto, triton or reference",
+    "backend": "attention backend: auto, cudnn, triton or reference",
     "workspace_tokens": "rows of the gather workspace (the largest chunk)",
     "weights": "safetensors file holding {prefix}kv_b_proj.weight (random weights when absent)",
     "weights_prefix": "key prefix in the weights file, e.g. model.layers.0.self_attn.",

@@ -29,7 +29,9 @@ cuDNN builds (and torch caches, per thread) one execution plan per shape
 (Tq, Tk, H, strides): the first call of a new shape pays the build. If cuDNN refuses
 a shape (raises), the call falls back to Triton, the shape is remembered, and after
 ``_MAX_REFUSED`` distinct refusals the cuDNN path is switched off for this instance;
-both are logged once.
+both are logged once. Past ``_MAX_SHAPES`` distinct shapes, new shapes go to Triton
+(torch never evicts a plan). Which path a shape takes can thus depend on the history
+of the process; the two differ by rounding only.
 """
 
 from __future__ import annotations
@@ -60,12 +62,16 @@ _MAX_EXTENT = 2**31 - 1
 #: distinct refused shapes after which the cuDNN path is switched off
 _MAX_REFUSED = 8
 
+#: distinct shapes sent to cuDNN, after which new shapes go to Triton: torch keeps
+#: every built plan (per thread, no eviction), so this bounds what we add to it
+_MAX_SHAPES = 4096
+
 
 def _cudnn_op():
     """The aten op, or None where this torch build does not have it."""
     try:
         return getattr(torch.ops.aten, _OP_NAME)
-    except Exception:  # AttributeError / RuntimeError depending on the torch version
+    except Exception:  # noqa: BLE001  AttributeError / RuntimeError depending on the torch version
         return None
 
 
@@ -85,6 +91,9 @@ class CudnnDenseBackend(AttentionBackend):
 
     name = "cudnn"
 
+    #: devices whose tensors may take the cuDNN path (meta: the CPU tests of the plumbing)
+    _DENSE_DEVICES = ("cuda", "meta")
+
     def __init__(self):
         self._triton = None
         #: "cudnn" or "triton": the path the last call took (tests read it)
@@ -94,6 +103,7 @@ class CudnnDenseBackend(AttentionBackend):
         #: why the cuDNN path is off for this instance ("" while it is on)
         self.disabled_reason = ""
         self._refused: set = set()
+        self._shapes: set = set()  # shapes cuDNN has run (one cached plan each)
 
     # -- selection ----------------------------------------------------------------------
     @classmethod
@@ -151,7 +161,7 @@ class CudnnDenseBackend(AttentionBackend):
             return "cuDNN path disabled"
         if causal:
             return "causal"
-        if q.device.type not in ("cuda", "meta"):  # meta: the CPU tests of the plumbing
+        if q.device.type not in self._DENSE_DEVICES:
             return f"device {q.device}"
         if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype:
             return f"dtype {q.dtype}"
@@ -173,9 +183,16 @@ class CudnnDenseBackend(AttentionBackend):
             return "out"  # Triton raises the proper error
         if max(_extent(q), _extent(k), _extent(v)) > _MAX_EXTENT:
             return "over 2**31 elements"
-        if (Tq, Tk, H, q.stride(), k.stride(), v.stride()) in self._refused:
+        key = self._key(q, k, v)
+        if key in self._refused:
             return "shape refused before"
+        if key not in self._shapes and len(self._shapes) >= _MAX_SHAPES:
+            return f"over {_MAX_SHAPES} shapes"
         return ""
+
+    @staticmethod
+    def _key(q, k, v):
+        return (q.shape[0], k.shape[0], q.shape[1], q.stride(), k.stride(), v.stride())
 
     def _run_dense(self, q, k, v, scale, out):
         """(out, lse [H, Tq], launches) from one dense cuDNN call with B = 1."""
@@ -212,7 +229,7 @@ class CudnnDenseBackend(AttentionBackend):
                 o, lse, n = self._run_dense(q, k, v, scale, out)
             except torch.OutOfMemoryError:
                 raise
-            except Exception as e:  # noqa: BLE001  cuDNN refused this shape (no plan, unsupported): use Triton
+            except Exception as e:  # cuDNN refused this shape (no plan, unsupported): use Triton
                 if q.device.type == "meta":
                     raise
                 if isinstance(e, _Refused):
@@ -220,6 +237,7 @@ class CudnnDenseBackend(AttentionBackend):
                 self._refuse(q, k, v, e)
             else:
                 launches.note(n)
+                self._shapes.add(self._key(q, k, v))
                 self.last_path = "cudnn"
                 self.paths["cudnn"] += 1
                 return o, lse
@@ -231,7 +249,7 @@ class CudnnDenseBackend(AttentionBackend):
                                      causal=causal)
 
     def _refuse(self, q, k, v, e: Exception) -> None:
-        key = (q.shape[0], k.shape[0], q.shape[1], q.stride(), k.stride(), v.stride())
+        key = self._key(q, k, v)
         self._refused.add(key)
         msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         if isinstance(e, _Refused) or len(self._refused) >= _MAX_REFUSED:
