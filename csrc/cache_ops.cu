@@ -1,5 +1,4 @@
-// Cache insert and gather (SPEC §2, §5): insert one warp per row, gather one warp per 4
-// (bf16 out) or 8 (fp8 out) rows per step; 16-byte accesses.
+// Cache insert and gather (SPEC §2, §5): one warp per row, 16-byte accesses.
 //
 // Insert (mirrors slot_format.encode_slots, byte for byte):
 //   auto       : bf16_rn(x) (fp32 input) or a copy (bf16 input)           1152 B/slot
@@ -179,90 +178,55 @@ __device__ __forceinline__ int64_t row_slot(int64_t row, const int32_t* __restri
   return blk * block_size + (j - bi * block_size);
 }
 
-// A warp step covers R consecutive rows as one flat run of R * U 16-byte output chunks
-// (R * U = 288 = 9 per lane for every cache / out dtype: 4 rows of 72 bf16 chunks or 8
-// rows of 36 fp8 chunks), so every store instruction writes 512 contiguous bytes of
-// `out` and each lane has 9 independent loads in flight before its first store. Lane r
-// < R looks up the slot of row r0 + r (binary search + block table, once per row, not per
-// chunk); the others fetch it by shuffle. The lookup for the warp's next step is issued
-// while this step's loads are in flight. An fp8 -> bf16 chunk reads 8 cache bytes (lanes
-// read 256 contiguous bytes per instruction) so that the 16-byte bf16 stores stay
-// lane-consecutive.
-constexpr int gather_rows_per_step(bool out_fp8) { return out_fp8 ? 8 : 4; }
-
 template <int A, CacheDtype CD, bool OUT_FP8>
-__global__ void __launch_bounds__(dev::kThreads, 3)  // <= 80 registers: 3 blocks per multiprocessor
+__global__ void __launch_bounds__(dev::kThreads)
 gather_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int64_t block_size,
               const int32_t* __restrict__ bt, int64_t bt_s0, int64_t bt_s1, int64_t max_blocks,
               const int32_t* __restrict__ cu, int64_t cu_s, const int32_t* __restrict__ starts, int64_t st_s,
               int n, uint8_t* __restrict__ out, int64_t out_s0_bytes, int64_t rows, float k_scale) {
   constexpr int64_t BPS = slot_bytes(CD);
-  constexpr int U = OUT_FP8 ? 36 : 72;                  // 16-byte output chunks per row
-  constexpr int R = gather_rows_per_step(OUT_FP8);      // rows per warp step
-  constexpr int K = R * U / 32;                         // chunks per lane per step
-  static_assert(R * U == 288 && K == 9, "a step is 9 warp-wide chunks");
+  constexpr int U = OUT_FP8 ? 36 : 72;  // 16-byte output chunks per row
+  constexpr int K = (U + 31) / 32;      // chunks per lane per row
+  constexpr int R = 1;                  // rows per warp step (loads in flight per lane: R * K)
   const int lane = threadIdx.x & 31;
-  const int64_t W = ((int64_t)gridDim.x * blockDim.x) >> 5;  // warps in the grid
-  const int64_t gw = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const uint64_t pol = dev::evict_first_policy();
-  const int64_t stride = W * R;
-  // slot of row r0 + lane for lanes < R (-1 past the end, for bad indices, and for lanes >= R)
-  auto lookup = [&](int64_t r0) -> int64_t {
-    const int64_t row = r0 + lane;
-    if (lane >= R || row >= rows) return -1;
-    return row_slot(row, cu, cu_s, starts, st_s, n, bt, bt_s0, bt_s1, max_blocks, num_blocks, block_size);
-  };
-  int64_t r0 = gw * R;
-  int64_t my_slot = r0 < rows ? lookup(r0) : -1;
-  for (; r0 < rows; r0 += stride) {
-    uint4 raw[K];   // the loaded bytes: 16, or 8 (fp8 values: .x, .y) per chunk
-    float sc[K];    // fp8_ds_mla: the chunk's tile scale
-    bool ok[K];     // the row has a slot (else the chunk is zeros)
+  const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+  for (int64_t r0 = warp * R; r0 < rows; r0 += nwarps * R) {
+    int64_t slot[R];
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int q = lane + 32 * k;
-      const int j = q / U, c = q - j * U;  // row r0 + j, chunk c
-      const int64_t slot = __shfl_sync(0xffffffffu, my_slot, j);
-      ok[k] = slot >= 0;
-      raw[k] = make_uint4(0u, 0u, 0u, 0u);
-      sc[k] = 0.0f;
-      if (!ok[k]) continue;
-      const uint8_t* src = cache + slot * BPS;
-      if constexpr (CD == CacheDtype::Auto || OUT_FP8) {
-        raw[k] = dev::ld16s<A>(src + c * 16, pol);  // bf16 -> bf16, or raw fp8 bytes
-      } else if constexpr (CD == CacheDtype::Fp8) {
-        const uint2 x = dev::ld8s<A>(src + c * 8, pol);
-        raw[k].x = x.x;
-        raw[k].y = x.y;
-      } else {  // fp8_ds_mla: 64 chunks of e4m3 (8 values each) with their tile's scale, 8 of k_pe
-        if (c < 64) {
-          const uint2 x = dev::ld8s<A>(src + c * 8, pol);
-          raw[k].x = x.x;
-          raw[k].y = x.y;
-          sc[k] = ldf<A>(src + kLatent + 4 * (c >> 4));  // shared by 16 chunks: cached load
-        } else {
-          raw[k] = dev::ld16s<A>(src + kLatent + 16 + (c - 64) * 16, pol);
+    for (int r = 0; r < R; ++r)
+      slot[r] = r0 + r < rows ? row_slot(r0 + r, cu, cu_s, starts, st_s, n, bt, bt_s0, bt_s1, max_blocks,
+                                         num_blocks, block_size)
+                              : -1;
+    uint4 v[R][K];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int c = lane + 32 * k;
+        v[r][k] = make_uint4(0u, 0u, 0u, 0u);
+        if (c >= U || slot[r] < 0) continue;
+        const uint8_t* src = cache + slot[r] * BPS;
+        if constexpr (CD == CacheDtype::Auto || OUT_FP8) {
+          v[r][k] = ld16<A>(src + c * 16);  // bf16 -> bf16, or raw fp8 bytes
+        } else if constexpr (CD == CacheDtype::Fp8) {
+          v[r][k] = dev::bf16x8_from_e4m3x8_scaled(ld8<A>(src + c * 8), k_scale);
+        } else {  // fp8_ds_mla
+          if (c < 64) {
+            const float s = ldf<A>(src + kLatent + 4 * (c >> 4));
+            v[r][k] = dev::bf16x8_from_e4m3x8_scaled(ld8<A>(src + c * 8), s);
+          } else {
+            v[r][k] = ld16<A>(src + kLatent + 16 + (c - 64) * 16);
+          }
         }
       }
-    }
-    // the next step's slots, while this step's loads are in flight (all lanes: shuffles
-    // above and below need the whole warp)
-    const int64_t next = r0 + stride;
-    my_slot = next < rows ? lookup(next) : -1;
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int q = lane + 32 * k;
-      const int j = q / U, c = q - j * U;
-      if (r0 + j >= rows) continue;
-      uint4 v = raw[k];
-      if constexpr (CD == CacheDtype::Fp8 && !OUT_FP8) {
-        v = dev::bf16x8_from_e4m3x8_scaled(make_uint2(raw[k].x, raw[k].y), k_scale);
-      } else if constexpr (CD == CacheDtype::Fp8DsMla) {
-        if (c < 64) v = dev::bf16x8_from_e4m3x8_scaled(make_uint2(raw[k].x, raw[k].y), sc[k]);
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int c = lane + 32 * k;
+        if (c < U && r0 + r < rows) st16<A>(out + (r0 + r) * out_s0_bytes + c * 16, v[r][k]);
       }
-      if (!ok[k]) v = make_uint4(0u, 0u, 0u, 0u);  // zeros, not a scaled zero (the scale may be NaN)
-      dev::st16s<A>(out + (r0 + j) * out_s0_bytes + c * 16, v, pol);
-    }
   }
 }
 
@@ -290,13 +254,12 @@ cudaError_t gather_dispatch(const uint8_t* cache, int64_t num_blocks, int64_t bl
                             const int32_t* cu, int64_t cu_s, const int32_t* st, int64_t st_s, int n,
                             uint8_t* out, int64_t out_s0_bytes, bool out_fp8, int64_t rows, float ks,
                             cudaStream_t s) {
-  // one warp step per gather_rows_per_step rows; balanced one-wave grid, grid-stride beyond
-#define CTXP_GAT(CD_, F8_)                                                                               \
-  gather_kernel<A, CD_, F8_><<<grid_balanced<gather_kernel<A, CD_, F8_>>(                               \
-                                   (rows + gather_rows_per_step(F8_) - 1) / gather_rows_per_step(F8_)), \
-                               dev::kThreads, 0, s>>>(cache, num_blocks, block_size, bt, bt_s0, bt_s1,  \
-                                                      max_blocks, cu, cu_s, st, st_s, n, out,           \
-                                                      out_s0_bytes, rows, ks)
+  // one warp per row and step; one resident wave, grid-stride over the rows
+#define CTXP_GAT(CD_, F8_)                                                                                 \
+  gather_kernel<A, CD_, F8_><<<grid_one_wave<gather_kernel<A, CD_, F8_>>(rows, dev::kThreads / 32),       \
+                               dev::kThreads, 0, s>>>(cache, num_blocks, block_size, bt, bt_s0, bt_s1,    \
+                                                      max_blocks, cu, cu_s, st, st_s, n, out, out_s0_bytes, \
+                                                      rows, ks)
   switch (cd) {
     case CacheDtype::Auto: CTXP_GAT(CacheDtype::Auto, false); break;
     case CacheDtype::Fp8:

@@ -92,84 +92,6 @@ __device__ __forceinline__ void stf(void* p, float f) {
   }
 }
 
-// ---- streaming access (read-once inputs, write-once outputs) -------------------------
-// The kernels here move hundreds of MB that nothing in the same kernel reads again, so
-// their bulk accesses carry two cache hints:
-// - L2 evict_first (a createpolicy descriptor; sm_90 has no direct .L2::evict_first
-//   qualifier for 16-byte accesses): streamed lines are the first victims in L2, so a
-//   stream recycles a small part of L2 instead of evicting — and, for dirty lines,
-//   writing back — everything else that L2 holds;
-// - L1::no_allocate: no reuse in L1, so no allocation there either.
-// The loads are weak `ld.global`, not `.nc`, and inline asm volatile, on purpose: the
-// compiler keeps volatile asm in source order, and ptxas never moves a load below a later
-// store that it cannot prove disjoint, so all loads a kernel writes before its stores
-// stay in flight together. (With `.nc` loads ptxas is free to sink each load next to its
-// store to save registers — it did, in the previous bf16 pack: two loads in flight.)
-// Weak loads are coherent, so merge may read `out` this way and then write it in place:
-// a thread's accesses to one address stay in program order.
-
-// an L2 evict_first policy for every access it tags (computed once per thread)
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t p;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-
-// 16 streamed bytes (A = 16: one vector load; A = 1: the byte-wise fallback)
-template <int A>
-__device__ __forceinline__ uint4 ld16s(const void* p, uint64_t pol) {
-  if constexpr (A >= 16) {
-    uint4 v;
-    asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(pol));
-    return v;
-  } else {
-    return ld16<1>(p);
-  }
-}
-
-// 8 streamed bytes
-template <int A>
-__device__ __forceinline__ uint2 ld8s(const void* p, uint64_t pol) {
-  if constexpr (A >= 8) {
-    uint2 v;
-    asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
-                 : "=r"(v.x), "=r"(v.y)
-                 : "l"(p), "l"(pol));
-    return v;
-  } else {
-    return ld8<1>(p);
-  }
-}
-
-// 16 bytes that other warps of the block read too (k_pe, shared by all heads of a
-// token): the default L1-allocating load, kept in source order like the ones above
-template <int A>
-__device__ __forceinline__ uint4 ld16c(const void* p) {
-  if constexpr (A >= 16) {
-    uint4 v;
-    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-  } else {
-    return ld16<1>(p);
-  }
-}
-
-// 16 streamed bytes stored
-template <int A>
-__device__ __forceinline__ void st16s(void* p, uint4 v, uint64_t pol) {
-  if constexpr (A >= 16) {
-    asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;"
-                 :
-                 : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(pol));
-  } else {
-    st16<1>(p, v);
-  }
-}
-
 // ---- conversions -----------------------------------------------------------------
 // Element 0 of a packed pair is in the low half (little endian), as in memory.
 
@@ -272,21 +194,16 @@ inline int resident_blocks_per_sm() {
   return n;
 }
 
-// Grid for a grid-stride kernel whose warps take `units` equal work units (warp steps)
-// in turn. At most one resident wave (so that no block waits for a second wave), and
-// within it the fewest warps that still need no more rounds than a full wave would:
-// every warp then does the same number of rounds, give or take one, instead of a full
-// wave doing `rounds - 1` and a small remainder of the warps doing one more round alone
-// at the end (e.g. 1.3 rounds of work: 2 rounds, each with ~65% of a wave resident,
-// rather than one full round and then a 30% one). Requires kThreads % 32 == 0.
+// Grid for a grid-stride kernel: enough blocks for `work` units of `per_block`, capped
+// at exactly one resident wave, so that no block waits for a second wave and the
+// grid-stride loop balances the work across all resident threads.
 template <auto Kernel>
-inline unsigned grid_balanced(int64_t units) {
-  constexpr int64_t wpb = dev::kThreads / 32;
-  const int64_t cap = (int64_t)num_sms() * resident_blocks_per_sm<Kernel>() * wpb;  // warps in one wave
-  if (units < 1) units = 1;
-  const int64_t rounds = (units + cap - 1) / cap;
-  const int64_t warps = (units + rounds - 1) / rounds;  // <= cap
-  return (unsigned)((warps + wpb - 1) / wpb);
+inline unsigned grid_one_wave(int64_t work, int64_t per_block) {
+  const int64_t cap = (int64_t)num_sms() * resident_blocks_per_sm<Kernel>();
+  int64_t b = (work + per_block - 1) / per_block;
+  if (b > cap) b = cap;
+  if (b < 1) b = 1;
+  return (unsigned)b;
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

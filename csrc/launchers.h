@@ -48,9 +48,8 @@ CTXPREFILL_HD constexpr int64_t slot_bytes(CacheDtype d) {
 // ---- pack (csrc/pack.cu) -------------------------------------------------------
 // k[t, h, :] = [k_nope[t, h, :] | k_pe[t, :]]; k contiguous [T, H, 192] of `dtype`
 // (BF16 or FP16). k_nope [T, H, 128] strides (kn_s0, kn_s1, 1); k_pe [T, 64]
-// stride (pe_s0, 1), same dtype. Each output row reads its k_pe chunks through L1
-// (a token's H rows share them), so DRAM sends each k_pe row about once.
-// H <= 2^30 (else cudaErrorInvalidValue).
+// stride (pe_s0, 1), same dtype. Each k_pe row is read once per token (per group
+// of heads) and broadcast to the heads from registers.
 cudaError_t launch_kv_concat(const void* k_nope, int64_t kn_s0, int64_t kn_s1,
                              const void* k_pe, int64_t pe_s0, void* k, int64_t T,
                              int64_t H, DType dtype, cudaStream_t stream);

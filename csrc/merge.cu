@@ -13,14 +13,11 @@
 // may not contract them into FMAs, and torch runs each as its own kernel), expf and
 // logf are CUDA's full-precision functions (no fast math), as torch's exp/log.
 //
-// Fast path (V == 128, 16-byte aligned rows): a warp step takes 16 (t, h) pairs. Lane i
-// and lane i + 16 both compute the weights of pair i (lane i writes its LSE); the warp
-// moves the 16 output rows two per instruction (16 lanes x 16 bytes = one 256-byte row),
-// fetching each row's offsets and weights from its owner lane by shuffle. The LSE loads
-// and all 16 rows of `out` and `part` (8 + 8 16-byte loads per lane) are issued before
-// the weights are computed, so a step waits for one memory latency, not two. Pairs are
-// ordered along the LSE's smaller stride so that LSE reads and writes coalesce too.
-// Grid: at most one resident wave with every warp doing the same number of steps.
+// Fast path (V == 128, 16-byte aligned rows): a warp takes 32 (t, h) pairs; lane i
+// computes the weights of pair i once and writes its LSE; then the warp streams the
+// 32 output rows, two per step (16 lanes x 16 bytes = one 256-byte row), fetching
+// each pair's weights from its owner lane by shuffle. Pairs are ordered along the
+// LSE's smaller stride so that LSE reads and writes coalesce too.
 
 #include "common.cuh"
 
@@ -66,61 +63,63 @@ __device__ __forceinline__ uint4 merge8(uint4 o, uint4 p, float fa, float fb, bo
   return make_uint4(r[0], r[1], r[2], r[3]);
 }
 
-constexpr int kMergePairs = 16;  // (t, h) pairs per warp step
-
-__global__ void __launch_bounds__(dev::kThreads)  // ~112 registers: 2 blocks (16 warps) per multiprocessor
+__global__ void __launch_bounds__(dev::kThreads)
 merge_v128_kernel(uint16_t* __restrict__ out, int64_t o_s0, int64_t o_s1, float* __restrict__ lse, int64_t l_s0,
                   int64_t l_s1, const uint16_t* __restrict__ part, int64_t p_s0, int64_t p_s1,
                   const float* __restrict__ plse, int64_t pl_s0, int64_t pl_s1, int64_t T, int64_t H,
                   bool h_major) {
-  constexpr int NR = kMergePairs / 2;  // row instructions per step: two rows each
+  constexpr int UNR = 4;  // row pairs (steps) in flight per lane
   const int lane = threadIdx.x & 31;
-  const int half = lane >> 4, c = lane & 15;
-  const int64_t W = ((int64_t)gridDim.x * blockDim.x) >> 5;  // warps in the grid
-  const int64_t gw = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
   const int64_t P = T * H;
-  const uint64_t pol = dev::evict_first_policy();
-  for (int64_t q0 = gw * kMergePairs; q0 < P; q0 += W * kMergePairs) {
-    // this lane's pair q0 + c: its LSEs and the element offsets of its rows
-    const int64_t q = q0 + c;
-    const bool mine = q < P;
-    int64_t t = 0, h = 0;
-    if (mine) {
+  const int64_t batches = (P + 31) / 32;
+  const int half = lane >> 4, c = lane & 15;
+  for (int64_t bidx = warp; bidx < batches; bidx += nwarps) {
+    // this lane's pair: weights, LSE, and the element offsets of its rows
+    const int64_t q = bidx * 32 + lane;
+    float fa = 0.0f, fb = 0.0f;
+    int empty = 1;
+    int64_t ooff = 0, poff = 0;
+    if (q < P) {
+      int64_t t, h;
       if (h_major) { h = q / T; t = q - h * T; }
       else { t = q / H; h = q - t * H; }
+      const Weights w = merge_weights(lse[h * l_s0 + t * l_s1], plse[h * pl_s0 + t * pl_s1]);
+      lse[h * l_s0 + t * l_s1] = w.lse;
+      fa = w.fa;
+      fb = w.fb;
+      empty = w.empty;
+      ooff = t * o_s0 + h * o_s1;
+      poff = t * p_s0 + h * p_s1;
     }
-    const int64_t la = h * l_s0 + t * l_s1;
-    float a = 0.0f, b = 0.0f;
-    if (mine) {
-      a = lse[la];
-      b = plse[h * pl_s0 + t * pl_s1];
-    }
-    const int64_t ooff = t * o_s0 + h * o_s1, poff = t * p_s0 + h * p_s1;
-    // rows 2i + half of the step (pair index = owner lane): chunk c of out and part
-    uint4 o[NR], p[NR];
-    int64_t oo[NR];
+    const int64_t left = P - bidx * 32;
+    const int n_pairs = left < 32 ? (int)left : 32;
+#pragma unroll 1
+    for (int s0 = 0; s0 < 16; s0 += UNR) {
+      uint4 o[UNR], p[UNR];
+      float wa[UNR], wb[UNR];
+      int em[UNR];
+      int64_t oo[UNR];
+      bool ok[UNR];
 #pragma unroll
-    for (int i = 0; i < NR; ++i) {
-      const int src = 2 * i + half;
-      oo[i] = __shfl_sync(0xffffffffu, ooff, src);
-      const int64_t po = __shfl_sync(0xffffffffu, poff, src);
-      o[i] = p[i] = make_uint4(0u, 0u, 0u, 0u);
-      if (q0 + src < P) {
-        o[i] = dev::ld16s<16>(out + oo[i] + c * 8, pol);
-        p[i] = dev::ld16s<16>(part + po + c * 8, pol);
+      for (int u = 0; u < UNR; ++u) {
+        const int src = 2 * (s0 + u) + half;
+        wa[u] = __shfl_sync(0xffffffffu, fa, src);
+        wb[u] = __shfl_sync(0xffffffffu, fb, src);
+        em[u] = __shfl_sync(0xffffffffu, empty, src);
+        oo[u] = __shfl_sync(0xffffffffu, ooff, src);
+        const int64_t po = __shfl_sync(0xffffffffu, poff, src);
+        ok[u] = src < n_pairs;
+        o[u] = p[u] = make_uint4(0u, 0u, 0u, 0u);
+        if (ok[u]) {
+          o[u] = ld16<16>(out + oo[u] + c * 8);
+          p[u] = ld16<16>(part + po + c * 8);
+        }
       }
-    }
-    // the weights, while the rows are in flight
-    const Weights w = merge_weights(a, b);
-    if (mine && half == 0) lse[la] = w.lse;
-    const int empty = w.empty;
 #pragma unroll
-    for (int i = 0; i < NR; ++i) {
-      const int src = 2 * i + half;
-      const float fa = __shfl_sync(0xffffffffu, w.fa, src);
-      const float fb = __shfl_sync(0xffffffffu, w.fb, src);
-      const int em = __shfl_sync(0xffffffffu, empty, src);
-      if (q0 + src < P) dev::st16s<16>(out + oo[i] + c * 8, merge8(o[i], p[i], fa, fb, em != 0), pol);
+      for (int u = 0; u < UNR; ++u)
+        if (ok[u]) st16<16>(out + oo[u] + c * 8, merge8(o[u], p[u], wa[u], wb[u], em[u] != 0));
     }
   }
 }
@@ -163,8 +162,8 @@ cudaError_t launch_merge(void* out, int64_t o_s0, int64_t o_s1, float* lse, int6
   if (fast) {
     const int64_t l0 = l_s0 < 0 ? -l_s0 : l_s0, l1 = l_s1 < 0 ? -l_s1 : l_s1;
     const bool h_major = l1 <= l0;  // consecutive pairs walk t: LSE [H, T] rows coalesce
-    const int64_t steps = (T * H + kMergePairs - 1) / kMergePairs;
-    merge_v128_kernel<<<grid_balanced<merge_v128_kernel>(steps), dev::kThreads, 0, stream>>>(
+    const int64_t batches = (T * H + 31) / 32;
+    merge_v128_kernel<<<grid_one_wave<merge_v128_kernel>(batches, dev::kThreads / 32), dev::kThreads, 0, stream>>>(
         o, o_s0, o_s1, lse, l_s0, l_s1, p, p_s0, p_s1, part_lse, pl_s0, pl_s1, T, H, h_major);
     return cudaGetLastError();
   }

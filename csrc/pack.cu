@@ -6,24 +6,18 @@
 //   fused_mla_kv_concat_quant_fp8:  k8[t,h] = sat_e4m3([k_nope[t,h] | k_pe[t]]),
 //                                   v8[t,h] = sat_e4m3(v[t,h])                 (bytes)
 //
-// Work decomposition. Both outputs are row-major arrays of T*H rows (row r = t*H + h:
-// k [T*H, 192], k8 [T*H, 192 B], v8 [T*H, 128 B]). One work item = 8 consecutive output
-// rows (8 heads of one token when 8 divides H; with any other H an item may span two or
-// more tokens, and every row finds its own (t, h)). A warp owns an item and covers its
-// rows with lane-consecutive 16-byte chunks, so every store instruction writes 512
-// contiguous bytes. A lane's chunk positions in an item are the same for every item.
+// Work decomposition. One work item = (token t, 16-byte output chunk c of one head
+// row). A thread owns an item and walks the heads h = 0..H-1 with HB heads in
+// flight per step: for a k_nope / v chunk it loads and stores per head; for a k_pe
+// chunk it loads (and converts) the k_pe piece ONCE per token and stores it to all
+// H heads from registers (the broadcast). Adjacent lanes own adjacent chunks, so
+// loads and stores are coalesced 16-byte accesses. With few heads (H < HB) a
+// thread takes IB items per step instead, so that IB*HB accesses are always in
+// flight per thread. Grid capped at one resident wave, grid-stride beyond.
 //
-// bf16: 24 chunks of 8 elements per row (16 of k_nope, 8 of k_pe): 8 x 24 = 6 chunks per
-//       lane; a warp step takes IB = 2 items: 12 independent 16-byte loads per lane are
-//       in flight before its first store.
-// fp8 : 16 values per chunk: k8 rows 12 chunks (8 k_nope + 4 k_pe), v8 rows 8 chunks:
-//       3 k8 + 2 v8 chunks per lane, each from two 16-byte loads: 10 loads in flight.
-// k_nope and v are streamed (see common.cuh: L2 evict_first, no L1 allocation); a k_pe
-// chunk is loaded per row through L1 instead: the 128 bytes of a token's k_pe row are
-// shared by its H rows, which are items of neighbouring warps of one block, so DRAM sends
-// each k_pe row about once and L1 serves the repeats.
-// Grid: at most one resident wave with every warp doing the same number of steps
-// (grid_balanced), grid-stride beyond.
+// bf16: 24 chunks per head row (16 of k_nope, 8 of k_pe), 8 elements each.
+// fp8 : 20 chunks per head row, 16 fp8 bytes each: 8 k_nope + 4 k_pe -> k8 row
+//       (192 B), 8 v -> v8 row (128 B). A 16-value chunk reads two 16-byte loads.
 // fp8 cast: __nv_cvt_float2_to_fp8x2 / __nv_cvt_halfraw2_to_fp8x2 with
 // __NV_SATFINITE, __NV_E4M3 (see common.cuh) == x.clamp(-448,448).to(e4m3fn).
 
@@ -32,182 +26,162 @@
 namespace ctxprefill {
 namespace {
 
-constexpr int kRowsPerItem = 8;  // output rows per work item (one warp's unit of work)
-constexpr int64_t kMaxHeads = int64_t(1) << 30;  // head indices (+ 8) fit an int
-
-// (t, h) of output row r0 + j, where t0 = r0 / H and h0 = r0 % H (0 <= j < 8): one compare
-// unless the rows cross a token boundary.
-__device__ __forceinline__ void row_th(int64_t t0, int h0, int j, int H, int64_t& t, int& h) {
-  h = h0 + j;
-  t = t0;
-  if (h >= H) {
-    const int w = (int)((unsigned)h / (unsigned)H);
-    t += w;
-    h -= w * H;
-  }
-}
-
-// One item's rows: r0 = item * 8 and, when `whole`, the 8 rows are heads h0..h0+7 of token
-// t0 (warp-uniform; every item but the last when 8 divides H), so that a row needs no
-// check at all. Otherwise each row is checked against the end and finds its own (t, h).
-struct Item {
-  int64_t r0, t0;
-  int h0;
-  bool whole;
-};
-
-__device__ __forceinline__ Item item_at(int64_t it, int64_t rows, int H) {
-  Item m;
-  m.r0 = it * kRowsPerItem;
-  m.t0 = m.r0 / H;
-  m.h0 = (int)(m.r0 - m.t0 * H);
-  m.whole = m.r0 + kRowsPerItem <= rows && m.h0 + kRowsPerItem <= H;
-  return m;
-}
-
-// (t, h) of row j of item m; false when the row is past the end (then t, h are unset)
-__device__ __forceinline__ bool item_row(const Item& m, int j, int64_t rows, int H, int64_t& t, int& h) {
-  if (m.whole) {
-    t = m.t0;
-    h = m.h0 + j;
-    return true;
-  }
-  if (m.r0 + j >= rows) return false;
-  row_th(m.t0, m.h0, j, H, t, h);
-  return true;
-}
+using dev::ld16;
+using dev::st16;
 
 // ---- bf16 / fp16 concat ------------------------------------------------------------
-template <int A, int IB>
-__global__ void __launch_bounds__(dev::kThreads, 3)
+template <int A, int IB, int HB>
+__global__ void __launch_bounds__(dev::kThreads)
 kv_concat_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn_s1,
                  const uint16_t* __restrict__ pe, int64_t pe_s0, uint16_t* __restrict__ k,
                  int64_t T, int H) {
-  constexpr int U = kQK / 8;                  // 24 chunks of 8 elements per output row
-  constexpr int UN = kNope / 8;               // 16 of them from k_nope
-  constexpr int K = kRowsPerItem * U / 32;    // 6 chunks per lane per item
-  static_assert(kRowsPerItem * U == 32 * K, "an item is a whole number of warp-wide chunks");
-  const int lane = threadIdx.x & 31;
-  const int64_t rows = T * H;
-  const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
-  const int64_t W = ((int64_t)gridDim.x * blockDim.x) >> 5;  // warps in the grid
-  const int64_t gw = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const uint64_t pol = dev::evict_first_policy();
-  // items gw, gw + W, gw + 2W, ... : IB of them per step
-  for (int64_t it0 = gw; it0 < items; it0 += (int64_t)IB * W) {
-    uint4 v[IB][K];
+  constexpr int U = kQK / 8;           // 24 chunks of 8 elements per head row
+  constexpr int UN = kNope / 8;        // 16 of them from k_nope
+  const int64_t NG = (H + HB - 1) / HB;  // head groups
+  const int64_t items = T * NG * U;
+  const int64_t S = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t base = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; base < items; base += IB * S) {
+    int64_t t[IB];
+    int c[IB], h0[IB];
+    bool ok[IB];
+    uint4 pv[IB];
 #pragma unroll
     for (int i = 0; i < IB; ++i) {
-      const Item m = item_at(it0 + i * W, rows, H);  // past the last item: no row is valid
-#pragma unroll
-      for (int kk = 0; kk < K; ++kk) {
-        const int q = lane + 32 * kk;  // chunk of the item: row j, chunk c of the row
-        const int j = q / U, c = q - j * U;
-        int64_t t;
-        int h;
-        v[i][kk] = make_uint4(0u, 0u, 0u, 0u);
-        if (item_row(m, j, rows, H, t, h)) {
-          if (c < UN) v[i][kk] = dev::ld16s<A>(kn + t * kn_s0 + (int64_t)h * kn_s1 + c * 8, pol);
-          else v[i][kk] = dev::ld16c<A>(pe + t * pe_s0 + (c - UN) * 8);
-        }
-      }
+      const int64_t it = base + i * S;
+      ok[i] = it < items;
+      const int64_t r = it / U;
+      c[i] = (int)(it - r * U);
+      t[i] = r / NG;
+      h0[i] = (int)(r - t[i] * NG) * HB;
+      pv[i] = make_uint4(0u, 0u, 0u, 0u);
+      // k_pe chunk: read once for the item's HB heads, stored to each from registers
+      if (ok[i] && c[i] >= UN) pv[i] = ld16<A>(pe + t[i] * pe_s0 + (c[i] - UN) * 8);
     }
+    uint4 v[IB][HB];
 #pragma unroll
-    for (int i = 0; i < IB; ++i) {
-      const int64_t r0 = (it0 + i * W) * kRowsPerItem;
+    for (int i = 0; i < IB; ++i)
 #pragma unroll
-      for (int kk = 0; kk < K; ++kk) {
-        const int q = lane + 32 * kk;
-        if (r0 + q / U < rows) dev::st16s<A>(k + (r0 * U + q) * 8, v[i][kk], pol);
+      for (int j = 0; j < HB; ++j) {
+        const int h = h0[i] + j;
+        v[i][j] = pv[i];
+        if (ok[i] && h < H && c[i] < UN) v[i][j] = ld16<A>(kn + t[i] * kn_s0 + (int64_t)h * kn_s1 + c[i] * 8);
       }
-    }
+#pragma unroll
+    for (int i = 0; i < IB; ++i)
+#pragma unroll
+      for (int j = 0; j < HB; ++j) {
+        const int h = h0[i] + j;
+        if (ok[i] && h < H) st16<16>(k + ((t[i] * H + h) * U + c[i]) * 8, v[i][j]);
+      }
   }
 }
 
 // ---- fp8 quantizing concat -----------------------------------------------------------
-template <int A, bool FP16, bool PE_FP8>
-__global__ void __launch_bounds__(dev::kThreads)
+template <int A, bool FP16, bool PE_FP8, int IB, int HB>
+__global__ void __launch_bounds__(dev::kThreads, 2)
 kv_concat_quant_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn_s1,
                        const void* __restrict__ pe, int64_t pe_s0,
                        const uint16_t* __restrict__ vv, int64_t v_s0, int64_t v_s1,
                        uint8_t* __restrict__ k8, uint8_t* __restrict__ v8, int64_t T, int H) {
-  constexpr int UK = kQK / 16;                 // 12 chunks of 16 values per k8 row (192 B)
-  constexpr int UKN = kNope / 16;              // 8 of them from k_nope, 4 from k_pe
-  constexpr int UV = kV / 16;                  // 8 chunks per v8 row (128 B)
-  constexpr int KK = kRowsPerItem * UK / 32;   // 3 k8 chunks per lane per item
-  constexpr int KV = kRowsPerItem * UV / 32;   // 2 v8 chunks per lane per item
-  static_assert(kRowsPerItem * UK == 32 * KK && kRowsPerItem * UV == 32 * KV, "whole warp-wide chunks");
-  const int lane = threadIdx.x & 31;
-  const int64_t rows = T * H;
-  const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
-  const int64_t W = ((int64_t)gridDim.x * blockDim.x) >> 5;
-  const int64_t gw = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const uint64_t pol = dev::evict_first_policy();
-  for (int64_t it = gw; it < items; it += W) {
-    const Item m = item_at(it, rows, H);
-    // every load first: 16 values per chunk = two 16-byte loads (one for a raw fp8 k_pe chunk)
-    uint4 klo[KK], khi[KK], vlo[KV], vhi[KV];
+  constexpr int UKN = kNope / 16;      // 8 k_nope chunks of 16 values
+  constexpr int UPE = kRope / 16;      // 4 k_pe chunks
+  constexpr int UK = UKN + UPE;        // 12 chunks per k8 row (192 B)
+  constexpr int UV = kV / 16;          // 8 chunks per v8 row (128 B)
+  constexpr int U = UK + UV;           // 20
+  const int64_t NG = (H + HB - 1) / HB;
+  const int64_t items = T * NG * U;
+  const int64_t S = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t base = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; base < items; base += IB * S) {
+    int64_t t[IB];
+    int c[IB], h0[IB];
+    bool ok[IB];
+    uint4 pv[IB];
 #pragma unroll
-    for (int kk = 0; kk < KK; ++kk) {
-      const int q = lane + 32 * kk;
-      const int j = q / UK, c = q - j * UK;
-      int64_t t;
-      int h;
-      klo[kk] = khi[kk] = make_uint4(0u, 0u, 0u, 0u);
-      if (item_row(m, j, rows, H, t, h)) {
-        if (c < UKN) {
-          const uint16_t* p = kn + t * kn_s0 + (int64_t)h * kn_s1 + c * 16;
-          klo[kk] = dev::ld16s<A>(p, pol);
-          khi[kk] = dev::ld16s<A>(p + 8, pol);
-        } else if constexpr (PE_FP8) {
-          klo[kk] = dev::ld16c<A>(static_cast<const uint8_t*>(pe) + t * pe_s0 + (c - UKN) * 16);
+    for (int i = 0; i < IB; ++i) {
+      const int64_t it = base + i * S;
+      ok[i] = it < items;
+      const int64_t r = it / U;
+      c[i] = (int)(it - r * U);
+      t[i] = r / NG;
+      h0[i] = (int)(r - t[i] * NG) * HB;
+      pv[i] = make_uint4(0u, 0u, 0u, 0u);
+      if (ok[i] && c[i] >= UKN && c[i] < UK) {  // k_pe chunk: read and convert once for HB heads
+        const int64_t off = t[i] * pe_s0 + (c[i] - UKN) * 16;
+        if constexpr (PE_FP8) {
+          pv[i] = ld16<A>(static_cast<const uint8_t*>(pe) + off);
         } else {
-          const uint16_t* p = static_cast<const uint16_t*>(pe) + t * pe_s0 + (c - UKN) * 16;
-          klo[kk] = dev::ld16c<A>(p);
-          khi[kk] = dev::ld16c<A>(p + 8);
+          const uint16_t* p = static_cast<const uint16_t*>(pe) + off;
+          pv[i] = dev::e4m3x16_from_16bit<FP16>(ld16<A>(p), ld16<A>(p + 8));
         }
       }
     }
+    uint4 lo[IB][HB], hi[IB][HB];
 #pragma unroll
-    for (int kk = 0; kk < KV; ++kk) {
-      const int q = lane + 32 * kk;
-      const int j = q / UV, c = q - j * UV;
-      int64_t t;
-      int h;
-      vlo[kk] = vhi[kk] = make_uint4(0u, 0u, 0u, 0u);
-      if (item_row(m, j, rows, H, t, h)) {
-        const uint16_t* p = vv + t * v_s0 + (int64_t)h * v_s1 + c * 16;
-        vlo[kk] = dev::ld16s<A>(p, pol);
-        vhi[kk] = dev::ld16s<A>(p + 8, pol);
+    for (int i = 0; i < IB; ++i)
+#pragma unroll
+      for (int j = 0; j < HB; ++j) {
+        const int h = h0[i] + j;
+        lo[i][j] = hi[i][j] = make_uint4(0u, 0u, 0u, 0u);
+        if (ok[i] && h < H && (c[i] < UKN || c[i] >= UK)) {
+          const uint16_t* p = c[i] < UKN ? kn + t[i] * kn_s0 + (int64_t)h * kn_s1 + c[i] * 16
+                                         : vv + t[i] * v_s0 + (int64_t)h * v_s1 + (c[i] - UK) * 16;
+          lo[i][j] = ld16<A>(p);
+          hi[i][j] = ld16<A>(p + 8);
+        }
       }
-    }
-    // then convert and store
 #pragma unroll
-    for (int kk = 0; kk < KK; ++kk) {
-      const int q = lane + 32 * kk;
-      const int j = q / UK, c = q - j * UK;
-      if (m.r0 + j >= rows) continue;
-      const uint4 o = (PE_FP8 && c >= UKN) ? klo[kk] : dev::e4m3x16_from_16bit<FP16>(klo[kk], khi[kk]);
-      dev::st16s<A>(k8 + (m.r0 * UK + q) * 16, o, pol);
-    }
+    for (int i = 0; i < IB; ++i)
 #pragma unroll
-    for (int kk = 0; kk < KV; ++kk) {
-      const int q = lane + 32 * kk;
-      if (m.r0 + q / UV >= rows) continue;
-      dev::st16s<A>(v8 + (m.r0 * UV + q) * 16, dev::e4m3x16_from_16bit<FP16>(vlo[kk], vhi[kk]), pol);
-    }
+      for (int j = 0; j < HB; ++j) {
+        const int h = h0[i] + j;
+        if (!(ok[i] && h < H)) continue;
+        const int64_t row = t[i] * H + h;
+        if (c[i] < UK) {
+          const uint4 o = c[i] < UKN ? dev::e4m3x16_from_16bit<FP16>(lo[i][j], hi[i][j]) : pv[i];
+          st16<16>(k8 + row * kQK + c[i] * 16, o);
+        } else {
+          st16<16>(v8 + row * kV + (c[i] - UK) * 16, dev::e4m3x16_from_16bit<FP16>(lo[i][j], hi[i][j]));
+        }
+      }
   }
+}
+
+// Heads per work item: the smallest power of two >= H, capped at `n` accesses in
+// flight per thread; with fewer heads, a thread takes IB = n / HB items per step.
+inline int heads_per_item(int64_t H, int n) {
+  int hb = 1;
+  while (hb < n && hb < H) hb *= 2;
+  return hb;
+}
+
+template <auto Kernel>
+inline unsigned pack_grid(int64_t T, int64_t H, int U, int IB, int HB) {
+  const int64_t items = T * ((H + HB - 1) / HB) * U;
+  return grid_one_wave<Kernel>(items, (int64_t)dev::kThreads * IB);
 }
 
 template <int A>
 cudaError_t concat_dispatch(const void* kn, int64_t kn_s0, int64_t kn_s1, const void* pe, int64_t pe_s0,
                             void* k, int64_t T, int64_t H, cudaStream_t s) {
-  constexpr int IB = A < 16 ? 1 : 2;  // the unaligned fallback is for correctness only
-  const int64_t items = (T * H + kRowsPerItem - 1) / kRowsPerItem;
-  constexpr auto kernel = kv_concat_kernel<A, IB>;
-  kernel<<<grid_balanced<kernel>((items + IB - 1) / IB), dev::kThreads, 0, s>>>(
-      static_cast<const uint16_t*>(kn), kn_s0, kn_s1, static_cast<const uint16_t*>(pe), pe_s0,
-      static_cast<uint16_t*>(k), T, (int)H);
+  const auto* a = static_cast<const uint16_t*>(kn);
+  const auto* b = static_cast<const uint16_t*>(pe);
+  auto* o = static_cast<uint16_t*>(k);
+  const int h = (int)H;
+  constexpr int U = kQK / 8;
+#define CTXP_CONCAT(IB_, HB_)                                                                         \
+  kv_concat_kernel<A, IB_, HB_><<<pack_grid<kv_concat_kernel<A, IB_, HB_>>(T, H, U, IB_, HB_),       \
+                                  dev::kThreads, 0, s>>>(a, kn_s0, kn_s1, b, pe_s0, o, T, h)
+  if constexpr (A < 16) {  // unaligned fallback: one shape only
+    CTXP_CONCAT(1, 8);
+  } else {
+    switch (heads_per_item(H, 8)) {  // H == 1: 4 items in flight (8 would spill registers)
+      case 1: CTXP_CONCAT(4, 1); break;
+      case 2: CTXP_CONCAT(4, 2); break;
+      case 4: CTXP_CONCAT(2, 4); break;
+      default: CTXP_CONCAT(1, 8); break;
+    }
+  }
+#undef CTXP_CONCAT
   return cudaGetLastError();
 }
 
@@ -215,11 +189,26 @@ template <int A, bool FP16, bool PE_FP8>
 cudaError_t quant_dispatch(const void* kn, int64_t kn_s0, int64_t kn_s1, const void* pe, int64_t pe_s0,
                            const void* v, int64_t v_s0, int64_t v_s1, void* k8, void* v8, int64_t T,
                            int64_t H, cudaStream_t s) {
-  const int64_t items = (T * H + kRowsPerItem - 1) / kRowsPerItem;
-  constexpr auto kernel = kv_concat_quant_kernel<A, FP16, PE_FP8>;
-  kernel<<<grid_balanced<kernel>(items), dev::kThreads, 0, s>>>(
-      static_cast<const uint16_t*>(kn), kn_s0, kn_s1, pe, pe_s0, static_cast<const uint16_t*>(v), v_s0, v_s1,
-      static_cast<uint8_t*>(k8), static_cast<uint8_t*>(v8), T, (int)H);
+  const auto* a = static_cast<const uint16_t*>(kn);
+  const auto* vv = static_cast<const uint16_t*>(v);
+  auto* ko = static_cast<uint8_t*>(k8);
+  auto* vo = static_cast<uint8_t*>(v8);
+  const int h = (int)H;
+  constexpr int U = 20;
+#define CTXP_QUANT(IB_, HB_)                                                                             \
+  kv_concat_quant_kernel<A, FP16, PE_FP8, IB_, HB_>                                                      \
+      <<<pack_grid<kv_concat_quant_kernel<A, FP16, PE_FP8, IB_, HB_>>(T, H, U, IB_, HB_), dev::kThreads, \
+         0, s>>>(a, kn_s0, kn_s1, pe, pe_s0, vv, v_s0, v_s1, ko, vo, T, h)
+  if constexpr (A < 16) {  // unaligned fallback: one shape only
+    CTXP_QUANT(1, 4);
+  } else {
+    switch (heads_per_item(H, 4)) {
+      case 1: CTXP_QUANT(4, 1); break;
+      case 2: CTXP_QUANT(2, 2); break;
+      default: CTXP_QUANT(1, 4); break;
+    }
+  }
+#undef CTXP_QUANT
   return cudaGetLastError();
 }
 
@@ -230,7 +219,6 @@ cudaError_t launch_kv_concat(const void* k_nope, int64_t kn_s0, int64_t kn_s1, c
                              cudaStream_t stream) {
   if (T <= 0 || H <= 0) return cudaSuccess;
   if (dtype != DType::BF16 && dtype != DType::FP16) return cudaErrorInvalidValue;
-  if (H > kMaxHeads) return cudaErrorInvalidValue;
   // 16-bit elements: a row stride that is a multiple of 8 elements keeps 16 B alignment
   const bool vec = aligned16(k_nope) && aligned16(k_pe) && aligned16(k) && kn_s0 % 8 == 0 &&
                    kn_s1 % 8 == 0 && pe_s0 % 8 == 0;
@@ -246,7 +234,6 @@ cudaError_t launch_kv_concat_quant_fp8(const void* k_nope, int64_t kn_s0, int64_
                                        cudaStream_t stream) {
   if (T <= 0 || H <= 0) return cudaSuccess;
   if (dtype != DType::BF16 && dtype != DType::FP16) return cudaErrorInvalidValue;
-  if (H > kMaxHeads) return cudaErrorInvalidValue;
   const bool pe_fp8 = pe_dtype == DType::FP8E4M3;
   if (!pe_fp8 && pe_dtype != dtype) return cudaErrorInvalidValue;
   const int64_t pe_align = pe_fp8 ? 16 : 8;  // elements per 16 bytes
