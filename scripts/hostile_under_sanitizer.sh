@@ -97,6 +97,13 @@ for name in $CONFIGS; do
   summary="(no sanitizer)"
   if [ -n "$SANITIZER" ]; then summary=$(grep -h "ERROR SUMMARY" "$san_log" | tail -1 || true); fi
   log "$name: hostile client exit $rc; server alive at the end: $alive; server exit $src; memcheck: $summary"
+  if [ "$src" != 0 ] && [ -n "$SANITIZER" ] && grep -q "couldn't find exit code" "$san_log"; then
+    # seen on the H200 (2026-11-29): after the SIGTERM to its target, compute-sanitizer
+    # 13.0 says "couldn't find exit code" and exits 1 itself; the drain is tested on
+    # the CPU (tests/test_reliability.py), here the point is memcheck over the requests
+    log "$name: the sanitizer lost the server's exit code after SIGTERM (its own exit 1): not counted"
+    src=0
+  fi
   if [ "$rc" != 0 ] || [ "$alive" != yes ] || [ "$src" != 0 ]; then failed=1; fi
   if [ -n "$SANITIZER" ] && ! grep -q "ERROR SUMMARY: 0 errors" "$san_log"; then
     failed=1; log "$name: memcheck reported errors:"; grep -m 40 -E "=========" "$san_log" >&2 || true
