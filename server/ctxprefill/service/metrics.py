@@ -31,6 +31,10 @@ GRPC_TYPES = ("unary", "client_stream", "server_stream", "bidi_stream")
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
 
+REJECT_REASONS = ("queue_full", "draining", "starting", "deadline", "cancelled", "out_of_memory",
+                  "unauthenticated", "permission_denied")
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -85,6 +89,15 @@ class Metrics:
             "ctxprefill_build_info", "Constant 1, labelled with the server version, attention backend and device.",
             ["version", "backend", "device"], registry=r,
         )
+        self.queue_capacity = Gauge(
+            "ctxprefill_queue_capacity", "Requests that may be admitted at once (--queue-size: running + waiting).",
+            registry=r,
+        )
+        self.fused_kernels_active = Gauge(
+            "ctxprefill_fused_kernels_active",
+            "1 when the fused path runs the compiled CUDA pack kernels, 0 otherwise (generic path, no GPU, or the "
+            "extension failed to load).", registry=r,
+        )
         self.ready = Gauge("ctxprefill_ready", "1 while the server is ready to serve (weights loaded, kernels warm).",
                            registry=r)
         # -- gRPC (go-grpc-prometheus names) ---------------------------------------------
@@ -112,9 +125,13 @@ class Metrics:
 
     # ---------------------------------------------------------------------------------
     def init_engine(self, *, version: str, backend: str, device: str, num_slots: int, path: str,
-                    fp8_path: dict[str, str]) -> None:
+                    fp8_path: dict[str, str], queue_capacity: int = 0, fused_kernels_active: bool = False) -> None:
         """Constant facts of the engine, and zero series for the labels it will use."""
         self.build_info.labels(version=version, backend=backend, device=device).set(1)
+        self.queue_capacity.set(queue_capacity)
+        self.fused_kernels_active.set(1 if fused_kernels_active else 0)
+        for reason in REJECT_REASONS:  # zero series, so that rate() and alerts see them from the start
+            self.rejected.labels(reason=reason)
         self.cache_slots_total.inc(num_slots)
         for stage in STAGES:
             self.kernel_launches.labels(stage=stage, path=path)

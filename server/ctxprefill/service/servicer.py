@@ -201,7 +201,8 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         path = "fused" if engine.config.fused else "generic"
         self.metrics.init_engine(version=__version__, backend=engine.backend.name, device=self._info.device,
                                  num_slots=engine.cache.config.num_slots, path=path,
-                                 fp8_path=engine.config.fp8_path_labels)
+                                 fp8_path=engine.config.fp8_path_labels, queue_capacity=self.queue_size,
+                                 fused_kernels_active=engine.fused_kernels_active)
         self.metrics.cache_slots_used.set(engine.cache.slots_used)
 
     def set_ready(self) -> None:
