@@ -130,6 +130,7 @@ def main(argv=None) -> int:
         try:
             engine = build_engine(s)
             q, seqs = make_request(engine, [ctx], [new], seed=0)
+            q = q.to(dev)  # as the service hands it over: the host-to-device copy of q is not the engine's
             tg, sg, rg = time_request(engine, q, seqs, False, ns.iters, dev)
             tf, sf, rf = time_request(engine, q, seqs, True, ns.iters, dev)
         except Exception as e:  # keep the grid going; record the failure
