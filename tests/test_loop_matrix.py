@@ -132,3 +132,16 @@ def test_fresh_sequence_inside_a_continuation_chunk_starts_from_zero():
     assert r.stats.chunks[1].is_continuation and 2 in r.stats.chunks[1].sequences
     ref_out, ref_lse = prefill_context_float64(eng, q, seqs)
     assert relative_error(r.out[6:], ref_out[6:]) < 1e-2
+
+
+def test_caller_plan_listing_an_empty_sequence_twice_still_initialises_the_rest():
+    """A caller's plan may list a context-less sequence in two chunks; their row slices
+    then overlap, and the rows no chunk reaches (sequence 3) must still be 0 / -inf."""
+    from ctxprefill.engine.plan import ContextChunk
+
+    eng = make_engine(workspace_tokens=64)
+    q, seqs = make_request(eng, [10, 0, 5, 0], [2, 2, 2, 2])
+    plan = [ContextChunk(0, (0, 0), (10, 0)), ContextChunk(1, (0, 0), (0, 5))]
+    r = eng.prefill_context(q, seqs, plan=plan)
+    assert bool((r.out[6:] == 0).all()) and bool((r.lse[:, 6:] == float("-inf")).all())
+    assert bool(torch.isfinite(r.lse[:, :2]).all()) and bool(torch.isfinite(r.lse[:, 4:6]).all())

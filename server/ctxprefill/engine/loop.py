@@ -116,17 +116,19 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
     ws_dtype = FP8 if x.gather_raw_fp8 else torch.bfloat16
     width = x.latent + 64
     direct = [not c.is_continuation for c in x.chunks]
-    written = [False] * Tq  # rows some direct (non-continuation) chunk will write
-    for c, (_, _, _, q0, q1, _), d in zip(x.chunks, meta, direct):
-        if d:
-            written[q0:q1] = [True] * (q1 - q0)
+    # Rows some direct (non-continuation) chunk writes: the union of their row slices
+    # (a caller's plan may list a context-less sequence in two chunks, so they can overlap)
+    written, end = 0, 0
+    for q0, q1 in sorted((m[3], m[4]) for m, d in zip(meta, direct) if d):
+        written += max(0, q1 - max(q0, end))
+        end = max(end, q1)
     single = len(x.chunks) == 1 and direct[0] and meta[0][3] == 0 and meta[0][4] == Tq
 
     out = lse = None
     if not single:
         out = torch.empty((Tq, H, x.v_dim), dtype=torch.bfloat16, device=device)
         lse = torch.empty((H, Tq), dtype=torch.float32, device=device)
-        if not all(written):  # rows without context, or reached only by merges
+        if written < Tq:  # rows without context, or reached only by merges
             with stage("merge"):
                 launches.note(2)
                 out.zero_()
