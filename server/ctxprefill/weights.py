@@ -16,7 +16,7 @@ import math
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import ModelShape
@@ -62,14 +62,17 @@ def load_kv_b_proj(path: str, shape: ModelShape, prefix: str = "") -> KvBProjWei
     n_expected = shape.heads * (shape.qk_nope_head_dim + shape.v_head_dim)
     if not os.path.isfile(path):
         raise ConfigError(f"--weights: no such file {path!r}")
-    with safe_open(path, framework="pt") as f:
-        keys = set(f.keys())
-        if key not in keys:
-            near = sorted(k for k in keys if k.endswith("kv_b_proj.weight"))
-            raise ConfigError(f"--weights: {path} has no tensor {key!r}" + (f" (did you mean prefix for {near[:3]}?)" if near else ""))
-        weight = f.get_tensor(key)
-        scale_inv = f.get_tensor(f"{prefix}kv_b_proj.weight_scale_inv") if f"{prefix}kv_b_proj.weight_scale_inv" in keys else None
-        scale = f.get_tensor(f"{prefix}kv_b_proj.weight_scale") if f"{prefix}kv_b_proj.weight_scale" in keys else None
+    try:
+        with safe_open(path, framework="pt") as f:
+            keys = set(f.keys())
+            if key not in keys:
+                near = sorted(k for k in keys if k.endswith("kv_b_proj.weight"))
+                raise ConfigError(f"--weights: {path} has no tensor {key!r}" + (f" (did you mean prefix for {near[:3]}?)" if near else ""))
+            weight = f.get_tensor(key)
+            scale_inv = f.get_tensor(f"{prefix}kv_b_proj.weight_scale_inv") if f"{prefix}kv_b_proj.weight_scale_inv" in keys else None
+            scale = f.get_tensor(f"{prefix}kv_b_proj.weight_scale") if f"{prefix}kv_b_proj.weight_scale" in keys else None
+    except SafetensorError as e:  # not safetensors (a pickle, say): never fall back to anything else
+        raise ConfigError(f"--weights: {path} is not a readable safetensors file ({e})") from None
     if tuple(weight.shape) != (n_expected, shape.kv_lora_rank):
         raise ConfigError(
             f"--weights: {key} has shape {tuple(weight.shape)}, expected [{n_expected}, {shape.kv_lora_rank}] "
