@@ -41,6 +41,17 @@ def env_with_sources() -> dict[str, str]:
     return env
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout``."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 class ServerProcess:
     """``python -m ctxprefill.cli serve`` with the given flags on free local ports."""
 

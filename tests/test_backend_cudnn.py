@@ -20,15 +20,13 @@ backend against the reference backend, with its launch count; and, as a warning
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 import time
 import warnings
 from collections import Counter
 
 import pytest
 import torch
+from device_profile import device_work
 from ctxprefill.backends import registry
 from ctxprefill.backends.cudnn_dense import CUDNN_KERNELS, CudnnDenseBackend
 from ctxprefill.backends.reference import ReferenceBackend
@@ -367,36 +365,6 @@ def test_gpu_delegates_to_triton_bit_equal(case):
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
 
 
-def _device_work():
-    """``device_work`` of tests/gpu/test_engine_gpu.py (the project's kernel count), or a
-    copy of it where that module does not import."""
-    name = "_ctxprefill_test_engine_gpu_for_cudnn"
-    if name not in sys.modules:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu", "test_engine_gpu.py")
-        try:
-            spec = importlib.util.spec_from_file_location(name, path)
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            sys.modules[name] = mod
-        except Exception as e:  # noqa: BLE001
-            warnings.warn(f"tests/gpu/test_engine_gpu.py does not import ({e!r}); using a copy of device_work")
-            return _device_work_copy
-    return sys.modules[name].device_work
-
-
-def _device_work_copy(fn):
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        r = fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = [n for n in names if not any(s in n.lower() for s in ("memcpy", "memset"))]
-    dtod = [n for n in names if "memcpy dtod" in n.lower()]
-    return r, kernels, dtod
-
-
 @needs_cuda
 @pytest.mark.parametrize("case", ["cudnn", "cudnn_out_rows", "cudnn_out_strided", "triton_ragged"])
 def test_gpu_launches_match_profiler(case, record_property):
@@ -412,7 +380,7 @@ def test_gpu_launches_match_profiler(case, record_property):
         out = torch.empty(Tq, H + 1, 160, dtype=torch.bfloat16, device="cuda")[:, 1:, 16:144]
     run = lambda: call(be, q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), out=out)
     run()  # warm-up: cuDNN plan build, Triton compile, allocator
-    (_, _, noted), kernels, dtod = _device_work()(run)
+    (_, _, noted), kernels, dtod = device_work(run)
     seen = len(kernels) + len(dtod)
     record_property("profiler_kernels", len(kernels))
     record_property("profiler_dtod_copies", len(dtod))
@@ -449,7 +417,7 @@ def test_gpu_engine_with_cudnn_backend(contexts, queries):
     fused = eng.fused_kernels_active
     eng.prefill_context(q, seqs, fused=fused)  # warm-up (plans, kernels)
     calls_before = be.paths["cudnn"]
-    r, kernels, dtod = _device_work()(lambda: eng.prefill_context(q, seqs, fused=fused))
+    r, kernels, dtod = device_work(lambda: eng.prefill_context(q, seqs, fused=fused))
     n_chunks = len(r.stats.chunks)
     assert n_chunks == (1 if contexts == [700] else 3)
     assert be.paths["cudnn"] - calls_before == n_chunks and be.paths["triton"] == 0, (be.paths, be.disabled_reason)

@@ -37,7 +37,7 @@ import pytest
 yaml = pytest.importorskip("yaml", reason="PyYAML not installed (pip install pyyaml)")
 
 from ctxprefill_client import CtxPrefillRpcError, PrefillContextClient
-from service_process import ROOT, ServerProcess, env_with_sources, free_port, http_get
+from service_process import ROOT, ServerProcess, env_with_sources, free_port, http_get, stop_process
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(
@@ -341,12 +341,7 @@ def test_dashboard_and_alert_queries_against_a_live_prometheus(tmp_path):
         data_path.write_text(json.dumps(data))
     finally:
         if prom is not None:
-            prom.terminate()
-            try:
-                prom.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                prom.kill()
-                prom.wait(timeout=10)
+            stop_process(prom)
         if prom_log is not None:
             prom_log.close()
         for s in servers.values():

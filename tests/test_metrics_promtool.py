@@ -27,7 +27,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ctxprefill_client import CtxPrefillRpcError, PrefillContextClient, float32_to_bf16_bits
-from service_process import ServerProcess, free_port, http_get, parse_metrics, sample_sum
+from service_process import ServerProcess, free_port, http_get, parse_metrics, sample_sum, stop_process
 
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")
@@ -148,10 +148,5 @@ def test_prometheus_scrapes_the_launch_counts(server_with_traffic):
             assert value == expected
             assert _query(prom_url, 'sum(ctxprefill_kernel_launches_total{stage!="insert"})') == from_stats
         finally:
-            prom.terminate()
-            try:
-                prom.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                prom.kill()
-                prom.wait(timeout=10)
+            stop_process(prom)
             log.close()

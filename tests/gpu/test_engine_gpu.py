@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import sys
 from collections import Counter
 
 import pytest
@@ -28,6 +30,9 @@ from ctxprefill.backends.reference import ReferenceBackend
 from ctxprefill.config import CacheConfig, EngineConfig, ModelShape
 from ctxprefill.engine.engine import Engine, SequenceSpec
 from ctxprefill.weights import prepare, random_kv_b_proj
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from device_profile import device_work  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="no CUDA device: the GPU engine tests run on the GPU machine")]
@@ -174,24 +179,6 @@ def _triton_backend():
         return None, why
     return TritonAttentionBackend(), ""
 
-
-def device_work(fn):
-    """(fn's result, device kernels it ran, device-to-device copies it ran).
-
-    Host transfers (the request's metadata upload) and memsets are excluded. A
-    device-to-device ``copy_`` of contiguous tensors runs as a DtoD memcpy rather than
-    a kernel; the engine notes it as one launch (it is the copy of the ``out`` contract's
-    non-out mode), so it is counted separately and added."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        r = fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = [n for n in names if not any(s in n.lower() for s in ("memcpy", "memset"))]
-    dtod = [n for n in names if "memcpy dtod" in n.lower()]
-    return r, kernels, dtod
 
 
 LAUNCH_COMBOS = [("auto", "bf16", "bf16"), ("fp8", "bf16", "bf16"), ("fp8", "fp8", "fp8"),
