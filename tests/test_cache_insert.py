@@ -157,3 +157,12 @@ def test_gather_reads_the_right_slots(dtype, out_dtype):
     want_slots = [5 * bs + 3, 2 * bs + 0, 2 * bs + 1, 2 * bs + 2, 2 * bs + 3, 7 * bs + 0, 0, 1]
     want = decode_slots(cache.storage[want_slots], dtype, cache.config.k_scale, out_dtype)
     assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_slots_used_counts_distinct_slots_ever_written():
+    cache = PagedLatentCache(CacheConfig("auto", block_size=4, num_blocks=4), "cpu")
+    c, pe = hostile_latents()
+    cache.write(torch.tensor([5, 0, 5, -1, 7, 3]), c, pe)  # 5 twice, -1 skipped
+    assert cache.slots_used == 4
+    cache.write(torch.tensor([0, 1, 1, -1, -1, 2]), c, pe)
+    assert cache.slots_used == 6

@@ -22,10 +22,7 @@ class PagedLatentCache:
         self.storage = torch.zeros((config.num_slots, config.bytes_per_slot), dtype=torch.uint8, device=self.device)
         # which slots hold a token (host side; for the slots-used gauge)
         self._used = torch.zeros(config.num_slots, dtype=torch.bool)
-
-    @property
-    def slots_used(self) -> int:
-        return int(self._used.sum())
+        self.slots_used = 0  # kept up to date by write(): the gauge reads it after every write
 
     def check_slots(self, slot_mapping: torch.Tensor, field: str = "slot_mapping", allow_skip: bool = True) -> torch.Tensor:
         """Validate an int64 [T] slot list (on the host); returns it on the host."""
@@ -60,7 +57,9 @@ class PagedLatentCache:
             return 0
         dev = self.device
         insert(self.storage, kv_c.to(dev), k_pe.to(dev), slots.to(dev), self.config.dtype, self.config.k_scale)
-        self._used[slots[keep]] = True
+        written = slots[keep].unique()
+        self.slots_used += int((~self._used[written]).sum())
+        self._used[written] = True
         return int(keep.sum())
 
     def read(self, slot_mapping: torch.Tensor) -> torch.Tensor:
