@@ -272,21 +272,21 @@ def _c(BM, BN, w, s, tma=True, **kw):
 
 # in priority order (the sweep stops at --budget-s); regs/smem from an sm_90 cross-compile
 SWEEP = {
-    "bf16": [_c(128, 64, 8, 3),               # default; 146 regs, 169 KiB
-             _c(128, 64, 8, 3, tma=False),    # pointer loads; 184 regs
-             _c(128, 128, 8, 2),              # 193 regs, 209 KiB
-             _c(128, 64, 8, 2),               # 129 KiB
-             _c(64, 64, 4, 3),                # 144 regs
-             _c(64, 64, 4, 2)],               # ~104 KiB: 2 CTAs/SM by smem
-    "fp8": [_c(128, 64, 8, 3, PV_FP8=False),  # default
-            _c(128, 64, 8, 3, PV_FP8=True),
-            _c(128, 128, 8, 2, PV_FP8=True),
-            _c(128, 128, 8, 3, PV_FP8=True),
-            _c(128, 128, 8, 2, PV_FP8=False),
-            _c(128, 64, 8, 3, tma=False, PV_FP8=False),
-            _c(64, 64, 4, 3, PV_FP8=True)],
+# (the first sweep, 2026-11-29: the default beat 128x128, 64x64/4 warps, pointer loads and
+# P·V in fp8; this one tries two 8-warp programs per SM: registers capped at 128 with
+# maxnreg — 2 x 256 threads x 128 = the whole register file — and smem <= 113 KiB each)
+SWEEP = {
+    "bf16": [_c(128, 64, 8, 3),                     # default; 146 regs, 169 KiB: 1 program/SM
+             _c(128, 32, 8, 3, maxnreg=128),        # 128 regs, 109 KiB: 2 programs/SM
+             _c(128, 32, 8, 2, maxnreg=128),        # 127 regs, 88 KiB
+             _c(128, 32, 8, 3)],                    # 147 regs: the tile alone, 1 program/SM
+    "fp8": [_c(128, 64, 8, 3, PV_FP8=False),        # default; 174 regs, 93 KiB
+            _c(128, 64, 8, 3, PV_FP8=False, maxnreg=128),  # 128 regs, no spill: 2 programs/SM
+            _c(128, 64, 8, 2, PV_FP8=False, maxnreg=128),  # 73 KiB
+            _c(128, 32, 8, 3, PV_FP8=False, maxnreg=128)],  # 59 KiB
 }
-SWEEP_SHAPES = [(16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "ragged4"), (128, "1x1024q/16384k")]
+SWEEP_SHAPES = [(16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "4x1024q/16384k"), (16, "ragged4"),
+                (128, "1x1024q/16384k")]
 
 
 def run_sweep(args):

@@ -351,7 +351,8 @@ for dt, cfg, causal in json.loads(sys.argv[1]):
         sig[n] = {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32", "cu_q": "*i32",
                   "cu_k": "*i32", "qk_scale": "fp32"}.get(n, "i32")
     const = dict(CAUSAL=causal, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], IS_FP8=dt != "bf16",
-                 PV_FP8=cfg.get("PV_FP8", False), USE_TMA=cfg.get("USE_TMA", False), UPCAST=False)
+                 PV_FP8=cfg.get("PV_FP8", False), USE_TMA=cfg.get("USE_TMA", False), UPCAST=False,
+                 SORT_B=cfg.get("SORT_B", 0))
     for n in const:
         sig[n] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -382,6 +383,9 @@ def test_default_configs_cross_compile_for_sm90():
 
     jobs = [("bf16", ta.CONFIGS[torch.bfloat16], c) for c in (False, True)]
     jobs += [("fp8e4nv", ta.CONFIGS[FP8], False), ("fp8e4nv", dict(ta.CONFIGS[FP8], PV_FP8=True), False)]
+    # the variant that orders segments longest-first (2 <= B <= 64)
+    jobs += [("bf16", dict(ta.CONFIGS[torch.bfloat16], SORT_B=ta._SORT_MAX), False),
+             ("fp8e4nv", dict(ta.CONFIGS[FP8], SORT_B=ta._SORT_MAX), False)]
     env = dict(os.environ, TRITON_INTERPRET="0")
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ta.__file__))))  # holds ctxprefill/
     env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -391,6 +395,7 @@ def test_default_configs_cross_compile_for_sm90():
         pytest.skip(f"no ptxas for a cross-compile: {r.stderr[-300:]}")
     assert r.returncode == 0, r.stderr[-3000:]
     for res in json.loads(r.stdout.strip().splitlines()[-1]):
+        print(res)
         assert res["wgmma"] > 0 and res["mma_sync"] == 0, res
         assert res["stack"] == 0, f"register spills: {res}"
         assert res["smem"] <= 232448, res

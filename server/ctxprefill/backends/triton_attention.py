@@ -5,10 +5,15 @@ Shapes are fixed by the model: q/k ``[T, H, 192]`` = ``[nope 128 | rope 64]``,
 v ``[T, H, 128]`` (never padded to 192). 192 is not a power of two, so the q·k
 product is two ``tl.dot``s (128 wide + 64 wide) into one fp32 accumulator.
 
-Grid ``(cdiv(max_q, BLOCK_M), B, H)``: program (m, b, h) computes query rows
-``m*BLOCK_M ..`` of segment b, head h, reading the segment bounds from the int32
-cumulative lengths on the device (no host sync); programs past the end of their
-segment exit at once. Online softmax in fp32 with exp2 (log2(e) folded into the
+Grid ``(cdiv(max_q, BLOCK_M), H, B)``: program (m, h, r) computes query rows
+``m*BLOCK_M ..`` of head h of the segment b of rank r, reading the segment bounds
+from the int32 cumulative lengths on the device (no host sync); programs past the end
+of their segment exit at once. A program's time is proportional to its segment's key
+length, and the hardware starts programs in grid order, so with 2..64 segments the
+rank orders them by key length, longest first (LPT scheduling): a ragged batch then
+ends with short programs instead of one long straggler. Measured on the H200 before
+this ordering, a 4-sequence ragged batch ran 21 % below an equal-length batch of the
+same work. Online softmax in fp32 with exp2 (log2(e) folded into the
 scale); the returned LSE is converted back to natural log. A row that sees no key
 (k_len 0, or a causal row with nothing visible) gives out = 0 and lse = -inf.
 
@@ -182,12 +187,26 @@ if triton is not None:
         stride_ot, stride_oh, stride_lh,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         IS_FP8: tl.constexpr, PV_FP8: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+        SORT_B: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
-        b = tl.program_id(1)
-        h = tl.program_id(2)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
         if b >= B:
             return
+        if SORT_B > 0:
+            # Longest segment first. Blocks start in grid order (x fastest, z slowest), so
+            # program z = r takes the segment of rank r by key length, descending (ties by
+            # index): the longest programs start first and short ones fill the tail, the
+            # LPT rule. Ranks from a SORT_B x SORT_B comparison of the lengths, in-kernel:
+            # no extra launch, no host sync.
+            i = tl.arange(0, SORT_B)
+            ok = i < B
+            kl = tl.load(cu_k + i + 1, mask=ok, other=0) - tl.load(cu_k + i, mask=ok, other=0)
+            kl = tl.where(ok, kl, -1)
+            ahead = (kl[None, :] > kl[:, None]) | ((kl[None, :] == kl[:, None]) & (i[None, :] < i[:, None]))
+            rank = tl.sum(ahead.to(tl.int32), 1)
+            b = tl.sum(tl.where(rank == b, i, 0), 0)
         q_start = tl.load(cu_q + b)
         q_len = tl.load(cu_q + b + 1) - q_start
         m0 = pid_m * BLOCK_M
@@ -316,7 +335,8 @@ def mla_context_attention(
     """Ragged attention, one launch. Returns ``(out [Tq,H,128] bf16, lse [H,Tq] f32, ln)``.
 
     ``config`` overrides ``CONFIGS[q.dtype]`` (BLOCK_M, BLOCK_N, num_warps, num_stages,
-    PV_FP8, USE_TMA). ``max_k`` is accepted for the interface; the kernel does not need it.
+    PV_FP8, USE_TMA, and optionally maxnreg: a register cap per thread, e.g. 128 so that
+    two 8-warp programs fit on one SM and one's softmax overlaps the other's MMAs). ``max_k`` is accepted for the interface; the kernel does not need it.
     USE_TMA loads q/k/v through per-(segment, head) device-side tensor descriptors (Hopper
     TMA); inputs whose base or strides are not 16-byte aligned silently use the pointer path.
     """
@@ -359,7 +379,10 @@ def mla_context_attention(
     if any(x < 16 or x & (x - 1) for x in (BM, BN)) or (pv_fp8 and BN < 32):
         raise ValueError(f"BLOCK_M/BLOCK_N must be powers of two >= 16 (BLOCK_N >= 32 with PV_FP8: "
                          f"an fp8 dot needs K >= 32); got {cfg}")
-    grid = (max(1, triton.cdiv(int(max_q), BM)), max(B, 1), H)
+    # (query tile, head, segment): a segment's tiles and heads run together (its K/V stay in
+    # L2 across query tiles); segments longest first when 2 <= B <= _SORT_MAX (SORT_B)
+    grid = (max(1, triton.cdiv(int(max_q), BM)), H, max(B, 1))
+    sort_b = _SORT_MAX if 2 <= B <= _SORT_MAX else 0
     if q.device.type != "cuda" and not _interpreting():
         raise RuntimeError("the triton backend runs CPU tensors only under Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before ctxprefill.backends.triton_attention is imported")
@@ -372,11 +395,16 @@ def mla_context_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         CAUSAL=bool(causal), BLOCK_M=BM, BLOCK_N=BN, IS_FP8=is_fp8,
-        PV_FP8=pv_fp8, USE_TMA=use_tma, UPCAST=q.device.type != "cuda",
+        PV_FP8=pv_fp8, USE_TMA=use_tma, UPCAST=q.device.type != "cuda", SORT_B=sort_b,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
     return out, lse
 
+
+# Segments per call up to which programs are ordered longest-first (one compiled variant
+# for every B in 2.._SORT_MAX; a 64 x 64 comparison per program is noise next to its keys).
+_SORT_MAX = 64
 
 # Device-side descriptors live in a global scratch of 5 × 128 B per *program* (Triton
 # allocates grid size × that per launch, early-exiting programs included); a huge ragged

@@ -118,6 +118,9 @@ def warm_up(engine: Engine) -> None:
     seqs = [SequenceSpec(2, 2 * bs, blocks), SequenceSpec(1, 0, [])]
     engine.prefill_context(q, seqs, workspace_tokens=bs)  # two chunks: continuation + merge
     engine.prefill_context(q[:2], seqs[:1], workspace_tokens=min(2 * bs, cfg.workspace_tokens))
+    # two sequences in one chunk: the attention variant that orders segments by length
+    engine.prefill_context(q[:2], [SequenceSpec(1, 1, blocks[:1]), SequenceSpec(1, 1, blocks[:1])],
+                           workspace_tokens=min(2 * bs, cfg.workspace_tokens))
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
 
