@@ -8,10 +8,10 @@ Measured, in this order, in the same process:
   ceiling every other number is a percentage of;
 - pack: fused (one kernel) vs generic (torch.cat of the strided views; for fp8 the
   saturating casts after it), bf16 and fp8, H=16 T in {2048, 8192, 65536}, H=128 T
-  in {2048, 8192, 32768}, on the strided views of a real kv_b_proj output as the
-  engine lays it out (rows grouped: [k_nope of all heads | v of all heads], see
-  engine.grouped_kv_weight) and the k_pe view of a workspace; the fused kernel also
-  on the file's per-head interleaved layout ([k_nope | v] per head), for comparison;
+  in {2048, 8192, 32768}, on the strided halves of a real kv_b_proj output
+  ([k_nope | v] per head) and the k_pe view of a workspace. (A layout with every
+  head's k_nope rows first, so that a token's k_nope is one dense span, was measured
+  on 2026-11-29: no difference, 84.5 % either way for bf16);
 - gather, every cache dtype / out dtype: the kernel vs ``gather_reference``;
 - merge (in place, strided out / LSE): the kernel vs ``merge_reference``.
 
@@ -128,14 +128,33 @@ def main() -> int:
     y = torch.empty_like(x)
     ms = do_bench(lambda: y.copy_(x), rep_ms=max(rep, 100), flush=False)
     copy_tbps = 2 * x.numel() * 2 / ms / 1e9
-    del x, y
+    # HBM's bus is shared by reads and writes: a kernel that writes more than it reads
+    # (the bf16 pack writes 1.5 bytes per byte read) cannot run at the 50/50 copy's rate
+    # if writes stream slower than reads. Measure both alone; the model t = R/read + W/write
+    # (no overlap of the two) is then checked against the copy and gives each kernel a
+    # roofline for its own read/write mix.
+    write_tbps = x.numel() * 2 / do_bench(lambda: y.fill_(0), rep_ms=max(rep, 100), flush=False) / 1e9
+    xi = x.view(torch.int32)
+    read_tbps = x.numel() * 2 / do_bench(lambda: xi.max(), rep_ms=max(rep, 100), flush=False) / 1e9
+    model_copy = 2 / (1 / read_tbps + 1 / write_tbps)
+    del x, y, xi
     torch.cuda.empty_cache()
-    print(f"device-to-device copy: {copy_tbps:.3f} TB/s (2 GiB bf16, read + write, {ms:.3f} ms)")
+    print(f"device-to-device copy: {copy_tbps:.3f} TB/s (2 GiB bf16, read + write, {ms:.3f} ms); "
+          f"write-only (fill) {write_tbps:.3f} TB/s, read-only (max) {read_tbps:.3f} TB/s; "
+          f"the no-overlap model predicts the copy at {model_copy:.3f} TB/s")
 
-    def add(op, variant, ms, nbytes, equal=None, **shape):
+    def mix_tbps(rd, wr):
+        """The model's rate for a kernel reading rd and writing wr bytes, rescaled so that
+        it gives the measured copy rate for a 50/50 mix."""
+        return (rd + wr) / (rd / read_tbps + wr / write_tbps) * copy_tbps / model_copy
+
+    def add(op, variant, ms, rw, equal=None, **shape):
+        rd, wr = rw
+        nbytes = rd + wr
         tbps = nbytes / ms / 1e9
-        r = dict(op=op, variant=variant, ms=round(ms, 5), bytes=int(nbytes), tbps=round(tbps, 4),
-                 pct_copy=round(100 * tbps / copy_tbps, 1), **shape)
+        r = dict(op=op, variant=variant, ms=round(ms, 5), bytes=int(nbytes), read_bytes=int(rd), write_bytes=int(wr),
+                 tbps=round(tbps, 4), pct_copy=round(100 * tbps / copy_tbps, 1),
+                 pct_mix_roofline=round(100 * tbps / mix_tbps(rd, wr), 1), **shape)
         if equal is not None:
             r["bit_equal_to_reference"] = bool(equal)
         results.append(r)
@@ -146,38 +165,34 @@ def main() -> int:
         w = (torch.randn((H * 256, 512), device=dev) / math.sqrt(512)).to(BF16)
         for T in Ts:
             c = torch.randn((T, 512), device=dev).to(BF16)
-            kv = c @ w.t()
-            k_nope, v = kv[:, : H * 128].view(T, H, 128), kv[:, H * 128 :].view(T, H, 128)  # the engine's
-            kvi = kv.view(T, H, 256)
-            kn_i, v_i = kvi[..., :128], kvi[..., 128:]  # per-head interleaved (the file's layout)
+            kv = (c @ w.t()).view(T, H, 256)
+            k_nope, v = kv[..., :128], kv[..., 128:]
             ws = torch.randn((T, 576), device=dev).to(BF16)
             k_pe = ws[:, 512:]
             rd_bf16 = T * H * 128 * 2 + T * 64 * 2
             wr_bf16 = T * H * 192 * 2
             rd_fp8 = T * H * 256 * 2 + T * 64 * 2
             wr_fp8 = T * H * (192 + 128)
-            eq = torch.equal(bits(ext.fused_mla_kv_concat(kn_i, k_pe)), bits(generic_kv_concat(kn_i, k_pe)))
-            add("pack", "fused bf16 interleaved", do_bench(lambda: ext.fused_mla_kv_concat(kn_i, k_pe), rep),
-                rd_bf16 + wr_bf16, eq, H=H, T=T)
-            a, b = ext.fused_mla_kv_concat_quant_fp8(kn_i, k_pe, v_i), generic_kv_concat_quant_fp8(kn_i, k_pe, v_i)
-            eq = torch.equal(bits(a[0]), bits(b[0])) and torch.equal(bits(a[1]), bits(b[1]))
-            add("pack", "fused fp8 interleaved",
-                do_bench(lambda: ext.fused_mla_kv_concat_quant_fp8(kn_i, k_pe, v_i), rep), rd_fp8 + wr_fp8, eq,
-                H=H, T=T)
             eq = torch.equal(bits(ext.fused_mla_kv_concat(k_nope, k_pe)), bits(generic_kv_concat(k_nope, k_pe)))
             f = add("pack", "fused bf16", do_bench(lambda: ext.fused_mla_kv_concat(k_nope, k_pe), rep),
-                    rd_bf16 + wr_bf16, eq, H=H, T=T)
+                    (rd_bf16, wr_bf16), eq, H=H, T=T)
             g = add("pack", "generic bf16", do_bench(lambda: generic_kv_concat(k_nope, k_pe), rep),
-                    rd_bf16 + wr_bf16, H=H, T=T)
+                    (rd_bf16, wr_bf16), H=H, T=T)
             f["speedup_vs_generic"] = round(g["ms"] / f["ms"], 2)
+            for hint in ("1", "2"):  # EXPERIMENT: cache hints (csrc/pack.cu reads CTXPREFILL_PACK_HINT)
+                os.environ["CTXPREFILL_PACK_HINT"] = hint
+                eq = torch.equal(bits(ext.fused_mla_kv_concat(k_nope, k_pe)), bits(generic_kv_concat(k_nope, k_pe)))
+                add("pack", f"fused bf16 hint{hint}", do_bench(lambda: ext.fused_mla_kv_concat(k_nope, k_pe), rep),
+                    (rd_bf16, wr_bf16), eq, H=H, T=T)
+            os.environ.pop("CTXPREFILL_PACK_HINT")
             a, b = ext.fused_mla_kv_concat_quant_fp8(k_nope, k_pe, v), generic_kv_concat_quant_fp8(k_nope, k_pe, v)
             eq = torch.equal(bits(a[0]), bits(b[0])) and torch.equal(bits(a[1]), bits(b[1]))
             f = add("pack", "fused fp8", do_bench(lambda: ext.fused_mla_kv_concat_quant_fp8(k_nope, k_pe, v), rep),
-                    rd_fp8 + wr_fp8, eq, H=H, T=T)
+                    (rd_fp8, wr_fp8), eq, H=H, T=T)
             g = add("pack", "generic fp8", do_bench(lambda: generic_kv_concat_quant_fp8(k_nope, k_pe, v), rep),
-                    rd_fp8 + wr_fp8, H=H, T=T)
+                    (rd_fp8, wr_fp8), H=H, T=T)
             f["speedup_vs_generic"] = round(g["ms"] / f["ms"], 2)
-            del c, kv, kvi, k_nope, v, kn_i, v_i, ws, k_pe, a, b
+            del c, kv, k_nope, v, ws, k_pe, a, b
         torch.cuda.empty_cache()
 
     # ---- gather ----------------------------------------------------------------------
@@ -199,7 +214,7 @@ def main() -> int:
         ext.gather(cache, bt, cu, st, out, cd, 1.0, bs)
         gather_reference(cache, bt, cu, st, ref, cd, 1.0, bs)
         eq = torch.equal(bits(out), bits(ref))
-        nbytes = rows * bytes_per_slot(cd) + rows * 576 * od.itemsize
+        nbytes = (rows * bytes_per_slot(cd), rows * 576 * od.itemsize)
         name = f"{cd}->{'fp8' if od == FP8 else 'bf16'}"
         f = add("gather", f"kernel {name}", do_bench(lambda: ext.gather(cache, bt, cu, st, out, cd, 1.0, bs), rep),
                 nbytes, eq, rows=rows, block_size=bs)
@@ -220,7 +235,7 @@ def main() -> int:
         ext.merge(o1, l1, part, plse)
         merge_reference(o2, l2, part, plse)
         eq = torch.equal(bits(o1), bits(o2)) and torch.equal(bits(l1), bits(l2))
-        nbytes = 3 * T * H * 128 * 2 + 3 * T * H * 4
+        nbytes = (2 * T * H * 128 * 2 + 2 * T * H * 4, T * H * 128 * 2 + T * H * 4)
         f = add("merge", "kernel", do_bench(lambda: ext.merge(out, lse, part, plse), rep), nbytes, eq, H=H, T=T)
         g = add("merge", "torch", do_bench(lambda: merge_reference(out, lse, part, plse), rep), nbytes, H=H, T=T)
         f["speedup_vs_torch"] = round(g["ms"] / f["ms"], 2)
@@ -243,15 +258,14 @@ def main() -> int:
     # ---- targets and report --------------------------------------------------------------
     targets = []
     for r in results:
-        if (r["op"] == "pack" and r["variant"].startswith("fused") and "interleaved" not in r["variant"]
-                and r["H"] * r["T"] >= 2**20):
+        if r["op"] == "pack" and r["variant"] in ("fused bf16", "fused fp8") and r["H"] * r["T"] >= 2**20:
             targets.append((r, 90.0))
         elif r["op"] in ("gather", "merge") and r["variant"].startswith("kernel"):
             targets.append((r, 85.0))
     for r, goal in targets:
         r["target_pct"] = goal
         r["meets_target"] = r["pct_copy"] >= goal
-    hdr = f"{'op':<7} {'variant':<26} {'shape':<16} {'ms':>9} {'TB/s':>7} {'% copy':>7} {'% same':>7}  note"
+    hdr = f"{'op':<7} {'variant':<26} {'shape':<16} {'ms':>9} {'TB/s':>7} {'% copy':>7} {'% same':>7} {'% mix':>6}  note"
     print(hdr)
     print("-" * len(hdr))
     for r in results:
@@ -265,12 +279,13 @@ def main() -> int:
         if r.get("bit_equal_to_reference") is False:
             note.append("NOT BIT-EQUAL")
         print(f"{r['op']:<7} {r['variant']:<26} {shape:<16} {r['ms']:>9.4f} {r['tbps']:>7.3f} {r['pct_copy']:>6.1f}% "
-              f"{r['pct_same_size_copy']:>6.1f}%  "
+              f"{r['pct_same_size_copy']:>6.1f}% {r['pct_mix_roofline']:>5.1f}%  "
               + " ".join(note))
     doc = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda, commit=commit(),
-        copy_tbps=round(copy_tbps, 4),
+        copy_tbps=round(copy_tbps, 4), write_only_tbps=round(write_tbps, 4), read_only_tbps=round(read_tbps, 4),
+        mix_model="t = read_bytes/read_only + write_bytes/write_only, scaled to the measured copy",
         method="median CUDA-event time, L2 flushed by a 256 MB read before each repetition",
         all_bit_equal=all(r.get("bit_equal_to_reference", True) for r in results),
         targets_met=all(r["meets_target"] for r, _ in targets), seconds=round(time.time() - t_start, 1),

@@ -187,58 +187,52 @@ gather_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int64_t blo
   constexpr int64_t BPS = slot_bytes(CD);
   constexpr int U = OUT_FP8 ? 36 : 72;  // 16-byte output chunks per row
   constexpr int K = (U + 31) / 32;      // chunks per lane per row
-  constexpr int R = OUT_FP8 ? 4 : 3;    // rows per warp step (loads in flight per lane: R * K)
+  constexpr int R = 4;                  // rows per warp step (loads in flight per lane: R * K)
   const int lane = threadIdx.x & 31;
   const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
-  // A warp takes 32 rows at a time. The slot lookups (binary search, start, block
-  // table: a chain of dependent loads) run for all 32 rows at once, one per lane,
-  // instead of one row after another; the rows are then copied R at a time, each
-  // lane fetching a row's slot from its owner lane by shuffle.
-  for (int64_t r0 = warp * 32; r0 < rows; r0 += nwarps * 32) {
-    const int64_t mine = r0 + lane < rows ? row_slot(r0 + lane, cu, cu_s, starts, st_s, n, bt, bt_s0, bt_s1,
-                                                     max_blocks, num_blocks, block_size)
-                                          : -1;
-    const int n_rows = rows - r0 < 32 ? (int)(rows - r0) : 32;
-#pragma unroll 1
-    for (int i0 = 0; i0 < n_rows; i0 += R) {
-      int64_t slot[R];
+  // A warp takes R rows per step. Their slot lookups (binary search, start, block
+  // table: a chain of dependent loads) run side by side, lane r for row r0 + r,
+  // instead of one row after another; every lane then fetches each row's slot by
+  // shuffle and copies its 16-byte chunks of all R rows, R * K loads in flight.
+  // (32 rows per warp was measured slower for small gathers: too few warps.)
+  for (int64_t r0 = warp * R; r0 < rows; r0 += nwarps * R) {
+    const int64_t mine = lane < R && r0 + lane < rows
+                             ? row_slot(r0 + lane, cu, cu_s, starts, st_s, n, bt, bt_s0, bt_s1, max_blocks,
+                                        num_blocks, block_size)
+                             : -1;
+    int64_t slot[R];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int src = (i0 + r) & 31;  // past n_rows: a lane whose slot is -1 or unused
-        slot[r] = __shfl_sync(0xffffffffu, mine, src);
-        if (i0 + r >= n_rows) slot[r] = -1;
-      }
-      uint4 v[R][K];
+    for (int r = 0; r < R; ++r) slot[r] = __shfl_sync(0xffffffffu, mine, r);
+    uint4 v[R][K];
 #pragma unroll
-      for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
-          const int c = lane + 32 * k;
-          v[r][k] = make_uint4(0u, 0u, 0u, 0u);
-          if (c >= U || slot[r] < 0) continue;
-          const uint8_t* src = cache + slot[r] * BPS;
-          if constexpr (CD == CacheDtype::Auto || OUT_FP8) {
-            v[r][k] = ld16<A>(src + c * 16);  // bf16 -> bf16, or raw fp8 bytes
-          } else if constexpr (CD == CacheDtype::Fp8) {
-            v[r][k] = dev::bf16x8_from_e4m3x8_scaled(ld8<A>(src + c * 8), k_scale);
-          } else {  // fp8_ds_mla
-            if (c < 64) {
-              const float s = ldf<A>(src + kLatent + 4 * (c >> 4));
-              v[r][k] = dev::bf16x8_from_e4m3x8_scaled(ld8<A>(src + c * 8), s);
-            } else {
-              v[r][k] = ld16<A>(src + kLatent + 16 + (c - 64) * 16);
-            }
+      for (int k = 0; k < K; ++k) {
+        const int c = lane + 32 * k;
+        v[r][k] = make_uint4(0u, 0u, 0u, 0u);
+        if (c >= U || slot[r] < 0) continue;
+        const uint8_t* src = cache + slot[r] * BPS;
+        if constexpr (CD == CacheDtype::Auto || OUT_FP8) {
+          v[r][k] = ld16<A>(src + c * 16);  // bf16 -> bf16, or raw fp8 bytes
+        } else if constexpr (CD == CacheDtype::Fp8) {
+          v[r][k] = dev::bf16x8_from_e4m3x8_scaled(ld8<A>(src + c * 8), k_scale);
+        } else {  // fp8_ds_mla
+          if (c < 64) {
+            const float s = ldf<A>(src + kLatent + 4 * (c >> 4));
+            v[r][k] = dev::bf16x8_from_e4m3x8_scaled(ld8<A>(src + c * 8), s);
+          } else {
+            v[r][k] = ld16<A>(src + kLatent + 16 + (c - 64) * 16);
           }
         }
+      }
 #pragma unroll
-      for (int r = 0; r < R; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
-          const int c = lane + 32 * k;
-          if (c < U && i0 + r < n_rows) st16<A>(out + (r0 + i0 + r) * out_s0_bytes + c * 16, v[r][k]);
-        }
-    }
+      for (int k = 0; k < K; ++k) {
+        const int c = lane + 32 * k;
+        if (c < U && r0 + r < rows) st16<A>(out + (r0 + r) * out_s0_bytes + c * 16, v[r][k]);
+      }
   }
 }
 
@@ -266,9 +260,9 @@ cudaError_t gather_dispatch(const uint8_t* cache, int64_t num_blocks, int64_t bl
                             const int32_t* cu, int64_t cu_s, const int32_t* st, int64_t st_s, int n,
                             uint8_t* out, int64_t out_s0_bytes, bool out_fp8, int64_t rows, float ks,
                             cudaStream_t s) {
-  // 32 rows per warp and step; one resident wave, grid-stride over the rows
+  // 4 rows per warp and step; one resident wave, grid-stride over the rows
 #define CTXP_GAT(CD_, F8_)                                                                                 \
-  gather_kernel<A, CD_, F8_><<<grid_one_wave<gather_kernel<A, CD_, F8_>>(rows, dev::kThreads),            \
+  gather_kernel<A, CD_, F8_><<<grid_one_wave<gather_kernel<A, CD_, F8_>>(rows, dev::kThreads / 32 * 4),   \
                                dev::kThreads, 0, s>>>(cache, num_blocks, block_size, bt, bt_s0, bt_s1,    \
                                                       max_blocks, cu, cu_s, st, st_s, n, out, out_s0_bytes, \
                                                       rows, ks)

@@ -359,7 +359,8 @@ for dt, cfg, causal in json.loads(sys.argv[1]):
              if sig[n].startswith("*") or n in ("stride_qt", "stride_kt", "stride_vt", "stride_ot")}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                       options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                                    **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {})))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")

@@ -60,13 +60,6 @@ class PrefillResult:
     stats: PrefillStats
 
 
-def grouped_kv_weight(w: torch.Tensor, heads: int, nope: int, v_dim: int) -> torch.Tensor:
-    """``[H*(P+V), L]`` rows per head ``[k_nope | v]`` -> ``[H*P + H*V, L]``: all heads'
-    k_nope rows, then all heads' v rows (the layout ``loop.run_chunks`` reads)."""
-    w3 = w.view(heads, nope + v_dim, w.shape[-1])
-    return torch.cat((w3[:, :nope].reshape(heads * nope, -1), w3[:, nope:].reshape(heads * v_dim, -1))).contiguous()
-
-
 class Engine:
     def __init__(self, config: EngineConfig, weights: KvBProjWeights, device: str | torch.device = "cpu",
                  backend: AttentionBackend | None = None):
@@ -79,14 +72,6 @@ class Engine:
         if tuple(weights.weight.shape) != (n, shape.kv_lora_rank):
             raise ValueError(f"kv_b_proj weight shape {tuple(weights.weight.shape)} != [{n}, {shape.kv_lora_rank}]")
         self.weights = weights.to(self.device)
-        # The GEMM's weight with its rows grouped by kind: every head's k_nope rows, then
-        # every head's v rows. The file's layout (SPEC §1) interleaves them per head, so
-        # that a token's k_nope is 128 of every 256 values and the pack reads half of each
-        # 512-byte span — measured on the H200, that caps a bf16 pack near 83 % of copy
-        # bandwidth. Grouped, a token's k_nope (and v) is one dense span. Each output value
-        # is the same dot product either way: only where it lands changes.
-        self._kv_weight = grouped_kv_weight(self.weights.compute, shape.heads, shape.qk_nope_head_dim,
-                                            shape.v_head_dim)
         self.cache = PagedLatentCache(config.cache, self.device, shape.kv_lora_rank, shape.qk_rope_head_dim)
         self.q_dtype = FP8 if config.prefill_dtype == "fp8" else torch.bfloat16
         if backend is None:
@@ -200,7 +185,7 @@ class Engine:
             k_scale=cfg.cache.k_scale,
             block_size=cfg.cache.block_size,
             workspace=self.workspace,
-            weight=self._kv_weight,
+            weight=self.weights.compute,
             kv_b_proj_bf16=self.weights.dtype == "bf16",
             gather_raw_fp8=cfg.gather_raw_fp8,
             fp8_prefill=cfg.prefill_dtype == "fp8",

@@ -50,7 +50,7 @@ class LoopInputs:
     k_scale: float
     block_size: int
     workspace: torch.Tensor  # uint8, at least rows * 576 * 2 bytes
-    weight: torch.Tensor  # kv_b_proj weight in its compute dtype, rows grouped: [H*P + H*V, L]
+    weight: torch.Tensor  # kv_b_proj weight in its compute dtype [H*(P+V), L]
     kv_b_proj_bf16: bool  # bf16 weight: the latent is cast to bf16 every chunk
     gather_raw_fp8: bool
     fp8_prefill: bool
@@ -145,9 +145,8 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
             if x.kv_b_proj_bf16:
                 latent = cast_latent(latent, torch.bfloat16)
         with stage("kv_b_proj"):
-            kv = kv_b_proj(latent, x.weight)  # [rows, H*P | H*V]: heads grouped (engine.grouped_kv_weight)
-        k_nope = kv[:, : H * x.nope].view(rows, H, x.nope)
-        v = kv[:, H * x.nope :].view(rows, H, x.v_dim)
+            kv = kv_b_proj(latent, x.weight).view(rows, H, x.nope + x.v_dim)
+        k_nope, v = kv[..., : x.nope], kv[..., x.nope :]
         with stage("pack"):
             if x.fp8_prefill:
                 k, v = (fused_mla_kv_concat_quant_fp8 if fused else generic_kv_concat_quant_fp8)(k_nope, k_pe, v)
