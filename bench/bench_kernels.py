@@ -179,12 +179,6 @@ def main() -> int:
             g = add("pack", "generic bf16", do_bench(lambda: generic_kv_concat(k_nope, k_pe), rep),
                     (rd_bf16, wr_bf16), H=H, T=T)
             f["speedup_vs_generic"] = round(g["ms"] / f["ms"], 2)
-            for hint in ("1", "2"):  # EXPERIMENT: cache hints (csrc/pack.cu reads CTXPREFILL_PACK_HINT)
-                os.environ["CTXPREFILL_PACK_HINT"] = hint
-                eq = torch.equal(bits(ext.fused_mla_kv_concat(k_nope, k_pe)), bits(generic_kv_concat(k_nope, k_pe)))
-                add("pack", f"fused bf16 hint{hint}", do_bench(lambda: ext.fused_mla_kv_concat(k_nope, k_pe), rep),
-                    (rd_bf16, wr_bf16), eq, H=H, T=T)
-            os.environ.pop("CTXPREFILL_PACK_HINT")
             a, b = ext.fused_mla_kv_concat_quant_fp8(k_nope, k_pe, v), generic_kv_concat_quant_fp8(k_nope, k_pe, v)
             eq = torch.equal(bits(a[0]), bits(b[0])) and torch.equal(bits(a[1]), bits(b[1]))
             f = add("pack", "fused fp8", do_bench(lambda: ext.fused_mla_kv_concat_quant_fp8(k_nope, k_pe, v), rep),
