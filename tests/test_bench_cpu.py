@@ -1,7 +1,11 @@
-"""``ctxprefill bench`` runs end to end on the CPU and records both paths (tiny grid)."""
+"""``ctxprefill bench`` runs end to end on the CPU and records both paths (tiny grid);
+``--grid``, ``--budget-s`` and the iteration rule."""
 
 import json
 
+import pytest
+
+from ctxprefill import bench
 from ctxprefill.cli import main
 
 
@@ -14,3 +18,90 @@ def test_bench_tiny_grid(tmp_path):
     assert len(rows) == 2 and all(r["bit_identical"] and r["chunks"] == 3 for r in rows)
     fp8 = [r for r in rows if r["prefill_dtype"] == "fp8"][0]
     assert fp8["fused_launches"]["pack"] == 3 and fp8["generic_launches"]["pack"] == 15
+
+
+def test_full_grid_is_the_issue_grid():
+    g = bench.GRIDS["full"]
+    assert g["heads"] == [16, 128] and g["new"] == [512, 1024, 8192] and g["context"] == [8192, 65536, 262144]
+    assert g["cache_dtype"] == ["auto", "fp8", "fp8_ds_mla"] and g["prefill_dtype"] == ["bf16", "fp8"]
+
+
+def test_bench_grid_full_narrowed_by_flags(tmp_path):
+    """An axis flag overrides that axis of --grid full; the others keep the grid's values."""
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--device", "cpu", "--grid", "full", "--heads", "2", "--new", "4", "--context", "200",
+               "--cache-dtype", "auto", "--prefill-dtype", "bf16", "--workspace-tokens", "128", "--iters", "3",
+               "--min-iters", "2", "--target-s", "0", "--out", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert d["meta"]["grid"] == "full" and d["meta"]["axes"]["heads"] == [2] and d["meta"]["rows_planned"] == 1
+    assert d["meta"]["kind"] == "engine" and d["meta"]["rows_done"] == 1 and d["meta"]["torch"]
+    (r,) = d["rows"]
+    # --target-s 0: the minimum of timed calls per path; floor is n/a (null) on the CPU
+    assert r["generic_iters"] == r["fused_iters"] == 2 and r["bit_identical"] and r["floor_s"] is None
+    assert set(r["fused_stage_s"]) >= {"gather", "kv_b_proj", "pack", "attention"}
+    assert r["fused_launches_per_chunk"] == sum(r["fused_launches"].values()) / r["chunks"]
+
+
+def test_bench_budget_zero_skips_everything(tmp_path):
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--device", "cpu", "--heads", "2", "--new", "4", "--context", "300", "600",
+               "--cache-dtype", "auto", "--prefill-dtype", "bf16", "--budget-s", "0", "--out", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert d["meta"]["rows_skipped"] == 2 and d["meta"]["rows_done"] == 0
+    assert all(r["skipped"].startswith("budget") for r in d["rows"])
+
+
+def test_bench_budget_skips_rows_predicted_not_to_fit(tmp_path, monkeypatch):
+    """The first row runs (nothing to predict from); a later row predicted past the deadline
+    is skipped and recorded, and the grid goes on with the rows that fit."""
+    calls = []
+
+    def predict(work, history, *a, **k):
+        calls.append(len(history))
+        if not history:
+            return None  # first row: nothing measured yet, so it runs
+        return 1e9 if len(calls) == 2 else 0.0  # second row: too long; third: fits
+
+    monkeypatch.setattr(bench, "predict_row_s", predict)
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--device", "cpu", "--heads", "2", "--new", "4", "--context", "100", "200", "300",
+               "--cache-dtype", "auto", "--prefill-dtype", "bf16", "--workspace-tokens", "128", "--iters", "1",
+               "--budget-s", "600", "--out", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [("skipped" in r, r["context"]) for r in rows] == [(False, 100), (True, 200), (False, 300)]
+    assert rows[1]["predicted_s"] == 1e9 and "speedup" in rows[2] and calls == [0, 1, 1]
+
+
+def test_predict_row_s_scales_with_work():
+    assert bench.predict_row_s(1e12, [], 0.3, 2, 20) is None
+    hist = [{"work": 1e12, "t_s": 0.01, "setup_s": 0.5}, {"work": 1e14, "t_s": 0.2, "setup_s": 0.7}]
+    # from the 1e14 row: 0.4 s x 1.5 = 0.6 s per call, 1 warm-up + 2 timed, both paths, + median setup
+    assert bench.predict_row_s(2e14, hist, 0.3, 2, 20) == pytest.approx(0.6 + 2 * 3 * 0.6)
+    # below every measured row: the smallest row's time, not scaled down
+    small = bench.predict_row_s(1e9, hist, 0.3, 2, 20)
+    assert small == pytest.approx(0.6 + 2 * (2 + 20) * 0.015)
+
+
+def test_time_request_iterations_scale_with_work():
+    """Cheap calls: two warm-ups, then timed calls until target_s (at most max_iters)."""
+    import types
+
+    import torch
+
+    class FakeEngine:
+        def __init__(self, t):
+            self.t, self.calls = t, 0
+
+        def prefill_context(self, q, seqs, fused):
+            self.calls += 1
+            return types.SimpleNamespace(stats=types.SimpleNamespace(stage_ns={"attention": int(self.t * 1e9)}))
+
+    dev = torch.device("cpu")
+    e = FakeEngine(0.001)
+    r = bench.time_request(e, None, [], True, dev, max_iters=7, min_iters=2, target_s=10.0)
+    assert r["iters"] == 7 and r["warmup"] == 2 and e.calls == 9
+    r = bench.time_request(e, None, [], True, dev, max_iters=1, min_iters=2, target_s=10.0)
+    assert r["iters"] == 1

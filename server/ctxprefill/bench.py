@@ -1,10 +1,20 @@
 """``ctxprefill bench``: the fused and the generic path side by side, in one process.
 
 For each configuration of a grid, one request (one sequence of ``new`` query tokens
-over ``context`` cached tokens, or a ragged batch) runs through the in-process engine
-on both paths; we report the median request time, time per stage, launches per
-chunk, and the floor: kv_b_proj and attention FLOPs at the measured matrix rate plus
-the memory-bound stages' bytes at the measured copy bandwidth.
+over ``context`` cached tokens) runs through the in-process engine on both paths,
+with the same engine and the same inputs (q on the device before timing); we report
+the median request time, time per stage, launches per chunk, whether both paths gave
+bit-identical output and LSE, and the floor: kv_b_proj and attention FLOPs at the
+measured matrix rate plus the memory-bound stages' bytes at the measured copy
+bandwidth.
+
+``--grid full`` is issue 8's grid: H ∈ {16, 128} × new ∈ {512, 1024, 8192} × context ∈
+{8k, 64k, 256k} × cache {auto, fp8, fp8_ds_mla} × prefill {bf16, fp8} (108 rows); an
+axis given explicitly narrows it. Iterations scale with the work: one or two warm-up
+calls, then timed calls until ``--target-s`` of measured time (at least
+``--min-iters``, at most ``--iters``). ``--budget-s`` skips a row that is predicted
+not to fit before the deadline (recorded in the JSON as skipped); the JSON is
+rewritten after every row, so a killed run keeps what it measured.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -23,12 +34,23 @@ import time
 import torch
 
 from .settings import ServeSettings, build_engine
-from .workload import make_request
+
+GRIDS = {
+    # the grid of the previous runs: the issue's headline shape, every dtype combination
+    "default": {"heads": [16, 128], "new": [1024], "context": [65536],
+                "cache_dtype": ["auto", "fp8", "fp8_ds_mla"], "prefill_dtype": ["bf16", "fp8"]},
+    # issue 8's whole grid
+    "full": {"heads": [16, 128], "new": [512, 1024, 8192], "context": [8192, 65536, 262144],
+             "cache_dtype": ["auto", "fp8", "fp8_ds_mla"], "prefill_dtype": ["bf16", "fp8"]},
+}
+STAGES = ("gather", "cast", "kv_b_proj", "pack", "attention", "merge")
+_ABBR = {"gather": "gat", "cast": "cst", "kv_b_proj": "kvb", "pack": "pck", "attention": "att", "merge": "mrg"}
+L, P, R, V = 512, 128, 64, 128  # latent, nope, rope, value dims (SPEC: the only ones supported)
 
 
 def _sync(dev):
     if dev.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(dev)
 
 
 def measure_ceilings(dev) -> dict:
@@ -58,12 +80,19 @@ def measure_ceilings(dev) -> dict:
     return {"copy_bytes_per_s": copy, "matmul_flops_per_s": mm}
 
 
+def request_flops(heads: int, contexts, queries) -> tuple[int, int]:
+    """(kv_b_proj FLOPs, attention FLOPs) of one request."""
+    ctx = sum(contexts)
+    kvb = 2 * ctx * L * heads * (P + V)
+    att = 2 * sum(q * c for q, c in zip(queries, contexts)) * heads * (P + R + V)
+    return kvb, att
+
+
 def floor_seconds(cfg, contexts, queries, ceil) -> dict:
     """Lower bound of one request: FLOPs at the matrix rate + glue bytes at copy bandwidth."""
-    H, L, P, V, R = cfg.shape.heads, 512, 128, 128, 64
-    ctx, nq = sum(contexts), sum(queries)
-    kvb_flops = 2 * ctx * L * H * (P + V)
-    att_flops = 2 * sum(q * c for q, c in zip(queries, contexts)) * H * (P + R + V)
+    H = cfg.shape.heads
+    ctx = sum(contexts)
+    kvb_flops, att_flops = request_flops(H, contexts, queries)
     fp8 = cfg.prefill_dtype == "fp8"
     e = 1 if fp8 else 2
     slot = cfg.cache.bytes_per_slot
@@ -78,95 +107,301 @@ def floor_seconds(cfg, contexts, queries, ceil) -> dict:
         "glue_s": glue / ceil["copy_bytes_per_s"],
         "attention_flops": att_flops,
         "kv_b_proj_flops": kvb_flops,
+        "glue_bytes": glue,
     }
 
 
-def time_request(engine, q, seqs, fused, iters, dev):
-    for _ in range(2):
-        engine.prefill_context(q, seqs, fused=fused)
-    times, stages = [], []
-    for _ in range(iters):
+def make_device_request(engine, context_lens, query_lens, seed: int = 0, piece: int = 65536):
+    """(q, sequences) like ``workload.make_request``, but with the random latents and q
+    drawn on the engine's device (drawing 256k×576 normals on the host takes seconds):
+    contexts written into shuffled cache blocks, q already on the device."""
+    from .engine.engine import SequenceSpec
+    from .ops.fp8 import saturating_cast_fp8
+
+    cfg, dev = engine.config, engine.device
+    bs = cfg.cache.block_size
+    need = [math.ceil(n / bs) for n in context_lens]
+    if sum(need) > cfg.cache.num_blocks:
+        raise ValueError(f"request needs {sum(need)} blocks, the cache has {cfg.cache.num_blocks}")
+    perm = torch.randperm(cfg.cache.num_blocks, generator=torch.Generator().manual_seed(seed))[: sum(need)].tolist()
+    g = torch.Generator(device=dev).manual_seed(seed)
+    seqs, at = [], 0
+    for n, nb, qn in zip(context_lens, need, query_lens):
+        blocks = perm[at : at + nb]
+        at += nb
+        table = torch.as_tensor(blocks, dtype=torch.int64)
+        for j0 in range(0, n, piece):  # bounded temporaries
+            j = torch.arange(j0, min(n, j0 + piece))
+            slots = table[j // bs] * bs + j % bs
+            kv_c = torch.randn((len(j), L), generator=g, device=dev, dtype=torch.float32)
+            k_pe = torch.randn((len(j), R), generator=g, device=dev, dtype=torch.float32)
+            engine.write_cache(slots, kv_c, k_pe)
+        seqs.append(SequenceSpec(qn, n, blocks))
+    q = torch.randn((sum(query_lens), cfg.shape.heads, cfg.shape.qk_head_dim), generator=g, device=dev,
+                    dtype=torch.bfloat16)
+    q = saturating_cast_fp8(q) if cfg.prefill_dtype == "fp8" else q
+    _sync(dev)
+    return q, seqs
+
+
+def time_request(engine, q, seqs, fused, dev, max_iters=5, min_iters=2, target_s=0.3):
+    """Median wall time of a request (device synchronized), median time per stage, the
+    last result, and how many warm-up and timed calls ran. Warm-up: one call, a second
+    one when the first was cheap; then timed calls until ``target_s`` of measured time,
+    at least ``min_iters`` and at most ``max_iters`` of them."""
+    min_iters = max(1, min(min_iters, max_iters))
+
+    def call():
         _sync(dev)
         t = time.perf_counter()
         r = engine.prefill_context(q, seqs, fused=fused)
         _sync(dev)
-        times.append(time.perf_counter() - t)
+        return time.perf_counter() - t, r
+
+    t_first, _ = call()
+    warm = 1
+    if t_first < 0.05:
+        call()
+        warm = 2
+    times, stages = [], []
+    while len(times) < max_iters and (len(times) < min_iters or sum(times) < target_s):
+        t, r = call()
+        times.append(t)
         stages.append(r.stats.stage_ns)
-    stage_med = {k: statistics.median(s.get(k, 0) for s in stages) / 1e9 for k in stages[0]}
-    return statistics.median(times), stage_med, r
+    keys = sorted(set().union(*stages))
+    stage_med = {k: statistics.median(s.get(k, 0) for s in stages) / 1e9 for k in keys}
+    return {"median_s": statistics.median(times), "min_s": min(times), "iters": len(times), "warmup": warm,
+            "stage_s": stage_med, "result": r}
+
+
+def predict_row_s(work: float, history: list[dict], target_s: float, min_iters: int, max_iters: int,
+                  safety: float = 1.5) -> float | None:
+    """Predicted wall time of a grid row of ``work`` FLOPs from the rows measured so far
+    (``history``: dicts with ``work``, ``t_s`` (the slower path's request time) and
+    ``setup_s``): request time scaled linearly from the largest measured row of no more
+    work (or taken from the smallest larger one), times ``safety``; None before any row."""
+    if not history:
+        return None
+    below = [h for h in history if h["work"] <= work]
+    if below:
+        h = max(below, key=lambda h: h["work"])
+        t = h["t_s"] * (work / h["work"] if h["work"] else 1.0)
+    else:
+        t = min(history, key=lambda h: h["work"])["t_s"]
+    t *= safety
+    min_iters = max(1, min(min_iters, max_iters))
+    n = min(max_iters, max(min_iters, math.ceil(target_s / t) if t > 0 else max_iters))
+    warm = 1 if t >= 0.05 else 2
+    setup = statistics.median(h["setup_s"] for h in history)
+    return setup + 2 * (warm + n) * t
+
+
+class _Engines:
+    """Engines of the grid, one per row (built with just enough cache blocks); the
+    random kv_b_proj weights are made once per head count and shared."""
+
+    def __init__(self):
+        self._weights = {}
+
+    def build(self, s: ServeSettings):
+        from .config import CacheConfig
+        from .engine.engine import Engine
+        from .settings import resolve_device
+
+        key = (s.heads, s.kv_b_proj_dtype, s.seed)
+        if key not in self._weights:
+            engine = build_engine(s)
+            self._weights[key] = (engine.config, engine.weights)
+            return engine
+        cfg, weights = self._weights[key]
+        cfg = dataclasses.replace(cfg, cache=CacheConfig(s.cache_dtype, s.block_size, s.num_blocks, s.k_scale),
+                                  prefill_dtype=s.prefill_dtype, workspace_tokens=s.workspace_tokens,
+                                  backend=s.backend, fused=not s.generic)
+        return Engine(cfg, weights, resolve_device(s.device))
+
+
+def _clean(x):
+    """NaN/inf -> None, so that the JSON is strict."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _commit() -> str:
+    if os.environ.get("CTXPREFILL_COMMIT"):
+        return os.environ["CTXPREFILL_COMMIT"]
+    try:
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
+        c = r.stdout.strip()
+        return c + ("+dirty" if c and dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _write_json(path: str, meta: dict, rows: list) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_clean({"meta": meta, "rows": rows}), f, indent=1)
+    os.replace(tmp, path)
+
+
+def _axes(ns) -> dict:
+    grid = GRIDS[ns.grid]
+    return {k: (getattr(ns, k) if getattr(ns, k) is not None else grid[k]) for k in grid}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="ctxprefill bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="ctxprefill bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto")
-    p.add_argument("--heads", type=int, nargs="+", default=[16, 128])
-    p.add_argument("--new", type=int, nargs="+", default=[1024], help="new (query) tokens per request")
-    p.add_argument("--context", type=int, nargs="+", default=[65536], help="cached context tokens per request")
-    p.add_argument("--cache-dtype", nargs="+", default=["auto", "fp8", "fp8_ds_mla"])
-    p.add_argument("--prefill-dtype", nargs="+", default=["bf16", "fp8"])
+    p.add_argument("--grid", choices=sorted(GRIDS), default="default",
+                   help="default: H {16,128}, 1024 new over 64k context, every dtype pair; full: issue 8's "
+                        "2x3x3x3x2 grid. An axis flag below overrides that axis of the grid")
+    p.add_argument("--heads", type=int, nargs="+", default=None)
+    p.add_argument("--new", type=int, nargs="+", default=None, help="new (query) tokens per request")
+    p.add_argument("--context", type=int, nargs="+", default=None, help="cached context tokens per request")
+    p.add_argument("--cache-dtype", nargs="+", default=None)
+    p.add_argument("--prefill-dtype", nargs="+", default=None)
     p.add_argument("--kv-b-proj-dtype", default="bf16")
     p.add_argument("--workspace-tokens", type=int, default=16384)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--backend", default="auto")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--out", default=None, help="write JSON results here")
+    p.add_argument("--iters", type=int, default=5, help="most timed calls per path and row")
+    p.add_argument("--min-iters", type=int, default=2, help="fewest timed calls per path and row")
+    p.add_argument("--target-s", type=float, default=0.3,
+                   help="timed calls per path continue until this much measured time (within the iteration limits)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall-clock budget of the whole run (from start-up): a row predicted not to finish before "
+                        "it is skipped and recorded as skipped")
+    p.add_argument("--out", default=None, help="write JSON results here (rewritten after every row)")
     ns = p.parse_args(argv)
 
     from .settings import resolve_device
 
+    t_start = time.monotonic()
+    deadline = t_start + ns.budget_s if ns.budget_s is not None else None
+    axes = _axes(ns)
     dev = resolve_device(ns.device)
     ceil = measure_ceilings(dev)
-    print(f"device {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}); torch {torch.__version__}; "
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+    print(f"device {dev} ({gpu or 'cpu'}); torch {torch.__version__}; "
           f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s",
           flush=True)
-    rows = []
-    hdr = (f"{'H':>4} {'new':>5} {'ctx':>7} {'cache':>10} {'prefill':>7} {'chunks':>6} {'generic ms':>10} {'fused ms':>9} "
-           f"{'speedup':>7} {'floor ms':>8} {'fused/floor':>11} {'launch/chunk g|f':>16}")
+    ext = {"loaded": None, "why_not": None, "load_s": None}
+    if dev.type == "cuda":  # build or load the fused kernels now, not inside the first row's warm-up
+        from .ops import _cuda
+
+        t = time.monotonic()
+        mod = _cuda.load()
+        ext = {"loaded": mod is not None, "why_not": None if mod is not None else _cuda.why_not(),
+               "load_s": time.monotonic() - t}
+        print(f"CUDA extension: {'loaded' if mod is not None else 'UNAVAILABLE (' + ext['why_not'] + ')'} "
+              f"in {ext['load_s']:.1f} s", flush=True)
+    grid = list(itertools.product(axes["heads"], axes["new"], axes["context"], axes["cache_dtype"],
+                                  axes["prefill_dtype"]))
+    meta = {"kind": "engine", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": str(dev),
+            "gpu": gpu, "torch": torch.__version__, "commit": _commit(), "ceilings": ceil, "args": vars(ns),
+            "grid": ns.grid, "axes": axes, "rows_planned": len(grid), "cuda_extension": ext}
+    rows: list[dict] = []
+    history: list[dict] = []
+    engines = _Engines()
+    print(f"{len(grid)} rows; stage columns: the fused path's median ms per stage "
+          f"({', '.join(f'{v}={k}' for k, v in _ABBR.items())}); the generic path's are in the JSON", flush=True)
+    hdr = (f"{'H':>4} {'new':>5} {'ctx':>7} {'cache':>10} {'prefill':>7} {'chunks':>6} {'generic ms':>10} "
+           f"{'fused ms':>9} {'speedup':>7} {'floor ms':>8} {'fused/floor':>11} {'launch/chunk g|f':>16} "
+           f"{'it g|f':>6}  "
+           + " ".join(f"{_ABBR[s]:>7}" for s in STAGES) + f" {'t s':>6}")
     print(hdr, flush=True)
-    for H, new, ctx, cd, pd in itertools.product(ns.heads, ns.new, ns.context, ns.cache_dtype, ns.prefill_dtype):
+    for i, (H, new, ctx, cd, pd) in enumerate(grid):
+        key = {"heads": H, "new": new, "context": ctx, "cache_dtype": cd, "prefill_dtype": pd}
+        work = sum(request_flops(H, [ctx], [new]))
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            pred = predict_row_s(work, history, ns.target_s, ns.min_iters, ns.iters)
+            if left <= 0 or (pred is not None and pred > left):
+                why = f"budget: {left:.1f} s left" + (f", row predicted {pred:.1f} s" if pred is not None else "")
+                print(f"{H:4d} {new:5d} {ctx:7d} {cd:>10} {pd:>7} skipped ({why})", flush=True)
+                rows.append({**key, "skipped": why, "predicted_s": pred})
+                if ns.out:
+                    _write_json(ns.out, meta, rows)
+                continue
         s = ServeSettings(device=str(dev), heads=H, block_size=ns.block_size,
                           num_blocks=-(-ctx // ns.block_size) + 1, cache_dtype=cd, prefill_dtype=pd,
                           kv_b_proj_dtype=ns.kv_b_proj_dtype, workspace_tokens=ns.workspace_tokens, backend=ns.backend)
+        t_row = time.monotonic()
+        engine = q = seqs = g = f = None
         try:
-            engine = build_engine(s)
-            q, seqs = make_request(engine, [ctx], [new], seed=0)
-            q = q.to(dev)  # as the service hands it over: the host-to-device copy of q is not the engine's
-            tg, sg, rg = time_request(engine, q, seqs, False, ns.iters, dev)
-            tf, sf, rf = time_request(engine, q, seqs, True, ns.iters, dev)
+            engine = engines.build(s)
+            q, seqs = make_device_request(engine, [ctx], [new], seed=i)
+            setup_s = time.monotonic() - t_row
+            it = dict(max_iters=ns.iters, min_iters=ns.min_iters, target_s=ns.target_s)
+            g = time_request(engine, q, seqs, False, dev, **it)
+            f = time_request(engine, q, seqs, True, dev, **it)
+            rg, rf = g["result"], f["result"]
+            same = bool(torch.equal(rf.out.view(torch.int16), rg.out.view(torch.int16))
+                        and torch.equal(rf.lse.view(torch.int32), rg.lse.view(torch.int32)))
         except Exception as e:  # keep the grid going; record the failure
             print(f"{H:4d} {new:5d} {ctx:7d} {cd:>10} {pd:>7} failed: {type(e).__name__}: {e}", flush=True)
-            rows.append({"heads": H, "new": new, "context": ctx, "cache_dtype": cd, "prefill_dtype": pd, "error": str(e)})
+            rows.append({**key, "error": f"{type(e).__name__}: {e}"})
+            engine = q = seqs = g = f = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            if ns.out:
+                _write_json(ns.out, meta, rows)
             continue
+        tg, tf = g["median_s"], f["median_s"]
         fl = floor_seconds(engine.config, [ctx], [new], ceil)
         floor = fl["kv_b_proj_s"] + fl["attention_s"] + fl["glue_s"]
         n = len(rf.stats.chunks)
         lg, lf = sum(rg.stats.launches.values()) / n, sum(rf.stats.launches.values()) / n
-        same = torch.equal(rf.out.view(torch.int16), rg.out.view(torch.int16)) and torch.equal(rf.lse, rg.lse)
+        row_s = time.monotonic() - t_row
+        history.append({"work": work, "t_s": max(tg, tf), "setup_s": setup_s})
+        stage_ms = " ".join(f"{f['stage_s'].get(st, 0.0) * 1e3:7.3f}" for st in STAGES)
         print(f"{H:4d} {new:5d} {ctx:7d} {cd:>10} {pd:>7} {n:6d} {tg * 1e3:10.3f} {tf * 1e3:9.3f} {tg / tf:7.2f} "
-              f"{floor * 1e3:8.3f} {tf / floor:11.2f} {lg:7.1f} | {lf:5.1f}{'' if same else '  MISMATCH'}", flush=True)
+              f"{floor * 1e3:8.3f} {tf / floor:11.2f} {lg:7.1f} | {lf:6.1f} {g['iters']:>2}|{f['iters']:<3} "
+              f"{stage_ms} {row_s:6.2f}{'' if same else '  MISMATCH'}", flush=True)
         rows.append({
-            "heads": H, "new": new, "context": ctx, "cache_dtype": cd, "prefill_dtype": pd,
-            "kv_b_proj_dtype": ns.kv_b_proj_dtype, "workspace_tokens": ns.workspace_tokens, "chunks": n,
+            **key, "kv_b_proj_dtype": ns.kv_b_proj_dtype, "workspace_tokens": ns.workspace_tokens,
+            "block_size": ns.block_size, "chunks": n,
             "backend": engine.backend.name, "fused_kernels_active": engine.fused_kernels_active,
-            "generic_s": tg, "fused_s": tf, "speedup": tg / tf, "floor_s": floor, "floor": fl,
-            "generic_stage_s": sg, "fused_stage_s": sf, "generic_launches": dict(rg.stats.launches),
-            "fused_launches": dict(rf.stats.launches), "bit_identical": same,
+            "generic_s": tg, "fused_s": tf, "speedup": tg / tf, "floor_s": floor, "fused_over_floor": tf / floor,
+            "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],
+            "generic_stage_s": g["stage_s"], "fused_stage_s": f["stage_s"],
+            "generic_launches": dict(rg.stats.launches), "fused_launches": dict(rf.stats.launches),
+            "generic_launches_per_chunk": lg, "fused_launches_per_chunk": lf,
+            "generic_iters": g["iters"], "fused_iters": f["iters"], "warmup": [g["warmup"], f["warmup"]],
+            "setup_s": setup_s, "row_s": row_s, "bit_identical": same,
         })
-        del engine
+        if ns.out:
+            _write_json(ns.out, meta, rows)
+        engine = q = seqs = g = f = rg = rf = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    done = [r for r in rows if "speedup" in r]
+    failed = [r for r in rows if "error" in r]
+    mismatched = [r for r in done if not r["bit_identical"]]
+    skipped = [r for r in rows if "skipped" in r]
+    wall = time.monotonic() - t_start
+    meta.update({"wall_s": wall, "rows_done": len(done), "rows_failed": len(failed), "rows_skipped": len(skipped),
+                 "rows_mismatched": len(mismatched)})
+    print(f"done: {len(done)} of {len(grid)} rows measured, {len(failed)} failed, {len(mismatched)} not bit-identical, "
+          f"{len(skipped)} skipped (budget); {wall:.1f} s", flush=True)
+    for r in done:
+        if r["new"] == 1024 and r["context"] == 65536:
+            print(f"  target H={r['heads']} {r['cache_dtype']}/{r['prefill_dtype']}: speedup {r['speedup']:.2f} "
+                  f"(>= 1.4: {r['speedup'] >= 1.4}), fused/floor "
+                  + (f"{r['fused_over_floor']:.2f} (<= 1.2: {r['fused_over_floor'] <= 1.2})"
+                     if math.isfinite(r["fused_over_floor"]) else "n/a"), flush=True)
     if ns.out:
-        try:
-            commit = os.environ.get("CTXPREFILL_COMMIT") or subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        except OSError:
-            commit = ""
-        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": str(dev),
-                "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "torch": torch.__version__,
-                "commit": commit, "ceilings": ceil, "args": vars(ns)}
-        with open(ns.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    return 0 if all("error" not in r and r["bit_identical"] for r in rows) else 1
+        _write_json(ns.out, meta, rows)
+    return 0 if not failed and not mismatched else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,506 @@
+"""Throughput under concurrency: requests/s and context tokens/s against the number of clients.
+
+Starts a ``ctxprefill serve`` subprocess per (heads, cache dtype, prefill dtype) of the
+shapes asked for (``python -m ctxprefill.cli serve``, ``server/`` and ``client/`` put on
+PYTHONPATH; ``--device`` auto picks cuda when present) — or drives a running server
+(``--target host:port``; its cache blocks are overwritten: not for a server in use).
+Through the client library it writes one random context per shape into the cache
+(WriteCache, shuffled blocks), checks one request, then for every client count of
+``--clients`` runs that many clients (threads by default, each a synchronous
+``PrefillContextClient`` on its own channel; ``--processes``: one process each, away
+from this process's GIL) that issue the same PrefillContext back to back for
+``--warmup-s`` + ``--seconds``. Requests completed inside the timed window count:
+requests/s, context and query tokens/s, client latency p50/p90/p99, the server's time
+per request (``Stats.total_nanos``: queue wait included) and its compute time (the sum
+of ``Stats.stage_nanos``), and errors by gRPC status code. The clients do not retry
+(``retries=0``): an error is counted, not hidden.
+
+    PYTHONPATH=server:client python3 bench/bench_concurrency.py --out bench/results/concurrency.json
+    # also H=128:  --shape 16:1024:65536 128:1024:65536
+
+Only numpy and the client package are imported here (no torch); GPU, torch version and
+device come from the server's GetServerInfo. ``--budget-s`` skips client counts that no
+longer fit (recorded as skipped); the JSON is rewritten after every client count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _sub in ("client", "server"):
+    if os.path.join(ROOT, _sub) not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, _sub))
+
+import numpy as np  # noqa: E402
+
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    heads: int
+    new: int
+    context: int
+    cache_dtype: str = "auto"
+    prefill_dtype: str = "bf16"
+
+    @classmethod
+    def parse(cls, text: str, cache_dtype: str, prefill_dtype: str) -> "Shape":
+        """``H:NEW:CTX`` or ``H:NEW:CTX:CACHE:PREFILL``."""
+        p = text.split(":")
+        if len(p) not in (3, 5):
+            raise argparse.ArgumentTypeError(f"--shape {text!r}: expected H:NEW:CTX or H:NEW:CTX:CACHE:PREFILL")
+        try:
+            h, n, c = (int(x) for x in p[:3])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--shape {text!r}: H, NEW and CTX must be integers") from None
+        return cls(h, n, c, *(p[3:] if len(p) == 5 else (cache_dtype, prefill_dtype)))
+
+    @property
+    def server_key(self) -> tuple:
+        return (self.heads, self.cache_dtype, self.prefill_dtype)
+
+    @property
+    def label(self) -> str:
+        return f"H={self.heads} {self.new}/{self.context} {self.cache_dtype}/{self.prefill_dtype}"
+
+
+# ----------------------------------------------------------------------------- the server
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [os.path.join(ROOT, "server"), os.path.join(ROOT, "client")]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.pop("TRITON_INTERPRET", None)  # compiled kernels on a GPU (the CPU test suite sets it)
+    return env
+
+
+class Server:
+    """``python -m ctxprefill.cli serve`` on free local ports; output to a log file."""
+
+    def __init__(self, flags: dict[str, object], logdir: str, name: str):
+        self.port, self.metrics_port = free_port(), free_port()
+        self.args = [sys.executable, "-m", "ctxprefill.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                     "--metrics-port", str(self.metrics_port)]
+        for k, v in flags.items():
+            self.args += ["--" + k.replace("_", "-"), str(v)]
+        self.log_path = os.path.join(logdir, f"{name}.log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.args, env=server_env(), cwd=ROOT, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def tail(self, n: int = 20) -> str:
+        try:
+            with open(self.log_path) as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> float:
+        t = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=1.0) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t
+            except OSError:
+                pass
+            if time.monotonic() - t > timeout:
+                raise TimeoutError(f"server not ready after {timeout:.0f} s:\n{self.tail()}")
+            time.sleep(0.2)
+
+    def stop(self) -> int | None:
+        """SIGTERM (drain), then SIGKILL after 20 s; the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+        return self.proc.returncode
+
+
+# ----------------------------------------------------------------------------- workload
+
+
+def make_q_bits(tq: int, heads: int, head_dim: int, prefill_dtype: str, seed: int) -> np.ndarray:
+    """q as the wire wants it: bf16 bits (uint16) or fp8 e4m3 bits (uint8)."""
+    from ctxprefill_client import float32_to_bf16_bits, float32_to_fp8_e4m3_bits
+
+    x = np.random.default_rng(seed).standard_normal((tq, heads, head_dim), dtype=np.float32)
+    return float32_to_fp8_e4m3_bits(x) if prefill_dtype == "fp8" else float32_to_bf16_bits(x)
+
+
+def write_context(client, num_tokens: int, blocks: list[int], block_size: int, seed: int,
+                  piece: int = 16384) -> None:
+    """Random latents of tokens 0..num_tokens-1 into the slots of ``blocks``, in pieces."""
+    g = np.random.default_rng(seed)
+    table = np.asarray(blocks, dtype=np.int64)
+    for a in range(0, num_tokens, piece):
+        j = np.arange(a, min(num_tokens, a + piece), dtype=np.int64)
+        slots = table[j // block_size] * block_size + j % block_size
+        kv_c = g.standard_normal((len(j), 512), dtype=np.float32)
+        k_pe = g.standard_normal((len(j), 64), dtype=np.float32)
+        n = client.write_cache(slots, kv_c, k_pe)
+        if n != len(j):
+            raise RuntimeError(f"WriteCache wrote {n} of {len(j)} slots")
+
+
+def _code_of(e: BaseException) -> str:
+    code = getattr(e, "code", None)
+    if code is not None and hasattr(code, "name"):
+        return code.name
+    return type(e).__name__
+
+
+def drive(target: str, q_spec: tuple, seqs: list, start_at: float, end_at: float, timeout: float,
+          client_kwargs: dict) -> dict:
+    """One client: PrefillContext back to back from ``start_at`` until ``end_at`` (time.time()).
+    Returns per request (t_send, t_done, code, server total ns, server compute ns, context
+    tokens, query tokens); code "" on success."""
+    from ctxprefill_client import PrefillContextClient
+
+    q = make_q_bits(*q_spec)
+    recs: list[tuple] = []
+    first_errors: list[str] = []
+    client = PrefillContextClient(target, timeout=timeout, retries=0, **client_kwargs)
+    try:
+        client.server_info()  # connect (and remember the instance) before the clock starts
+        delay = start_at - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        while time.time() < end_at:
+            t = time.time()
+            try:
+                r = client.prefill_context(q, seqs)
+            except Exception as e:  # noqa: BLE001 - counted by code and reported
+                recs.append((t, time.time(), _code_of(e), 0, 0, 0, 0))
+                if len(first_errors) < 3:
+                    first_errors.append(f"{type(e).__name__}: {e}"[:300])
+                time.sleep(0.01)  # do not spin on a refusing server
+                continue
+            st = r.stats
+            recs.append((t, time.time(), "", int(st["total_nanos"]), int(sum(st["stage_nanos"].values())),
+                         int(st["context_tokens"]), int(st["query_tokens"])))
+    finally:
+        client.close()
+    return {"records": recs, "first_errors": first_errors}
+
+
+def percentiles(xs: list[float], ps=(50, 90, 99)) -> dict:
+    """Nearest-rank percentiles (and mean, max) of ``xs``; None when empty."""
+    xs = sorted(xs)
+    n = len(xs)
+    out = {f"p{p}": (xs[min(n - 1, max(0, math.ceil(p / 100 * n) - 1))] if n else None) for p in ps}
+    out["mean"] = sum(xs) / n if n else None
+    out["max"] = xs[-1] if n else None
+    return out
+
+
+def summarize(parts: list[dict], window_start: float, window_end: float) -> dict:
+    """Throughput and latency of the requests completed inside [window_start, window_end]."""
+    recs = [r for p in parts for r in p["records"]]
+    inside = [r for r in recs if window_start <= r[1] <= window_end]
+    ok = [r for r in inside if not r[2]]
+    window = window_end - window_start
+    errors: dict[str, int] = {}
+    for r in recs:
+        if r[2]:
+            errors[r[2]] = errors.get(r[2], 0) + 1
+    rps = len(ok) / window if window > 0 else 0.0
+    ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+    lat = percentiles([r[1] - r[0] for r in ok])
+    srv = percentiles([r[3] / 1e9 for r in ok])
+    cmp_ = percentiles([r[4] / 1e9 for r in ok])
+    return {
+        "requests": len(ok), "window_s": window, "requests_per_s": rps,
+        "context_tokens_per_s": sum(r[5] for r in ok) / window if window > 0 else 0.0,
+        "query_tokens_per_s": sum(r[6] for r in ok) / window if window > 0 else 0.0,
+        "latency_ms": {k: ms(v) for k, v in lat.items()},
+        "server_total_ms": {k: ms(v) for k, v in srv.items()},
+        "server_compute_ms": {k: ms(v) for k, v in cmp_.items()},
+        # the engine's busy fraction: compute time of the completed requests over the window
+        "device_busy_fraction": (sum(r[4] for r in ok) / 1e9 / window) if window > 0 else None,
+        "errors": errors, "errors_in_window": sum(1 for r in inside if r[2]),
+        "requests_all": len(recs), "first_errors": [e for p in parts for e in p["first_errors"]][:5],
+    }
+
+
+def run_level(target: str, q_spec: tuple, seqs: list, clients: int, warmup_s: float, seconds: float,
+              timeout: float, processes: bool, client_kwargs: dict) -> dict:
+    lead = 6.0 if processes else 0.5  # client processes import numpy/grpc and build q meanwhile
+    start_at = time.time() + lead
+    end_at = start_at + warmup_s + seconds
+    args = (target, q_spec, seqs, start_at, end_at, timeout, client_kwargs)
+    if processes:
+        with concurrent.futures.ProcessPoolExecutor(clients, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futs = [pool.submit(drive, *args) for _ in range(clients)]
+            parts = [f.result() for f in futs]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            futs = [pool.submit(drive, *args) for _ in range(clients)]
+            parts = [f.result() for f in futs]
+    return summarize(parts, start_at + warmup_s, end_at)
+
+
+# ----------------------------------------------------------------------------- facts
+
+
+def commit() -> str:
+    c = os.environ.get("CTXPREFILL_COMMIT")
+    if c:
+        return c
+    try:
+        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=10).stdout.strip()
+        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=10).stdout
+        return c + ("+dirty" if c and st.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def gpu_name(device: str) -> str | None:
+    """'cuda:0 (NVIDIA H200)' -> 'NVIDIA H200'; None for a CPU server."""
+    if device.startswith("cuda") and "(" in device:
+        return device[device.index("(") + 1 : device.rindex(")")]
+    return None
+
+
+def write_json(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'shape':36} {'clients':>7} {'requests':>8} {'req/s':>8} {'ctx Mtok/s':>10} {'q ktok/s':>9} "
+          f"{'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'srv p50':>8} {'cmp p50':>8} {'busy':>5}  errors", flush=True)
+    f = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['shape_label']:36} {r['clients']:7d} skipped ({r['skipped']})", flush=True)
+            continue
+        busy = r["device_busy_fraction"]
+        print(f"{r['shape_label']:36} {r['clients']:7d} {r['requests']:8d} {r['requests_per_s']:8.2f} "
+              f"{r['context_tokens_per_s'] / 1e6:10.2f} {r['query_tokens_per_s'] / 1e3:9.1f} "
+              f"{f(r['latency_ms']['p50']):>8} {f(r['latency_ms']['p90']):>8} {f(r['latency_ms']['p99']):>8} "
+              f"{f(r['server_total_ms']['p50']):>8} {f(r['server_compute_ms']['p50']):>8} "
+              f"{'n/a' if busy is None else f'{busy:.2f}':>5}  "
+              f"{', '.join(f'{k}={v}' for k, v in sorted(r['errors'].items())) or '-'}", flush=True)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="host:port of a running server (else one is started per shape "
+                                                   "group); its --heads must match the shapes'")
+    ap.add_argument("--shape", nargs="+", default=["16:1024:65536"],
+                    help="H:NEW:CTX[:CACHE:PREFILL] (default 16:1024:65536; add 128:1024:65536 for H=128)")
+    ap.add_argument("--cache-dtype", default="auto", help="cache dtype of shapes that do not name one")
+    ap.add_argument("--prefill-dtype", default="bf16", help="prefill dtype of shapes that do not name one")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--seconds", type=float, default=8.0, help="timed seconds per client count")
+    ap.add_argument("--warmup-s", type=float, default=1.0, help="untimed seconds before each timed window")
+    ap.add_argument("--processes", action="store_true", help="one client process each (default: threads)")
+    ap.add_argument("--request-timeout", type=float, default=120.0, help="deadline of each PrefillContext, s")
+    ap.add_argument("--device", default="auto", help="started servers: auto, cpu, cuda, cuda:N")
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--workspace-tokens", type=int, default=16384)
+    ap.add_argument("--kv-b-proj-dtype", default="bf16")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--queue-size", type=int, default=None,
+                    help="started servers' --queue-size (running + waiting); default max(64, 2 x most clients), "
+                         "so that a closed loop of clients is never refused")
+    ap.add_argument("--server-flag", action="append", default=[], metavar="FLAG=VALUE",
+                    help="extra flag of the started servers, e.g. --server-flag grace-seconds=5 (repeatable)")
+    ap.add_argument("--start-timeout", type=float, default=180.0, help="seconds for a started server to be ready")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall-clock budget: a client count that no longer fits is skipped (recorded)")
+    ap.add_argument("--out", default=None, help="JSON results path (rewritten after every client count)")
+    ns = ap.parse_args(argv)
+
+    from ctxprefill_client import PrefillContextClient
+
+    shapes = [Shape.parse(s, ns.cache_dtype, ns.prefill_dtype) for s in ns.shape]
+    clients = sorted(set(ns.clients))
+    if not clients or clients[0] < 1:
+        ap.error("--clients must be >= 1")
+    queue_size = ns.queue_size or max(64, 2 * clients[-1])
+    deadline = T0 + ns.budget_s if ns.budget_s is not None else None
+    groups: dict[tuple, list[Shape]] = {}
+    for s in shapes:
+        groups.setdefault(s.server_key if ns.target is None else ("target",), []).append(s)
+
+    result: dict = {"meta": {
+        "kind": "concurrency", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit(), "gpu": None, "torch": None, "device": None, "target": ns.target,
+        "spawned_servers": ns.target is None, "client_mode": "processes" if ns.processes else "threads",
+        "client_host_cpus": os.cpu_count(), "queue_size": queue_size if ns.target is None else None,
+        "args": vars(ns), "servers": [],
+    }, "rows": []}
+    rows = result["rows"]
+    ok = True
+    logdir = tempfile.mkdtemp(prefix="bench_concurrency_")
+    level_s = ns.warmup_s + ns.seconds + (6.0 if ns.processes else 0.5) + 2.0  # one client count, with slack
+    for key, group in groups.items():
+        server = None
+        left = deadline - time.monotonic() if deadline is not None else math.inf
+        if level_s > left:  # not even one client count fits: do not start a server for nothing
+            why = f"budget: {left:.1f} s left, {level_s:.1f} s needed per client count"
+            for s in group:
+                rows += [{"shape_label": s.label, "heads": s.heads, "new": s.new, "context": s.context,
+                          "cache_dtype": s.cache_dtype, "prefill_dtype": s.prefill_dtype, "clients": n,
+                          "skipped": why} for n in clients]
+            log(f"{[s.label for s in group]}: skipped ({why})")
+            continue
+        try:
+            if ns.target is None:
+                H, cd, pd = key
+                need = max(math.ceil(s.context / ns.block_size) for s in group)
+                flags = {"device": ns.device, "heads": H, "cache_dtype": cd, "prefill_dtype": pd,
+                         "block_size": ns.block_size, "num_blocks": need + 1,
+                         "workspace_tokens": ns.workspace_tokens, "kv_b_proj_dtype": ns.kv_b_proj_dtype,
+                         "backend": ns.backend, "queue_size": queue_size, "seed": ns.seed, "grace_seconds": 5}
+                for kv in ns.server_flag:
+                    k, _, v = kv.partition("=")
+                    flags[k.lstrip("-").replace("-", "_")] = v
+                server = Server(flags, logdir, f"H{H}_{cd}_{pd}")
+                log(f"start server: {' '.join(server.args[1:])}")
+                t_ready = server.wait_ready(ns.start_timeout)
+                log(f"server ready in {t_ready:.1f} s (log {server.log_path})")
+                target = server.target
+            else:
+                flags, target, t_ready = None, ns.target, None
+            with PrefillContextClient(target, timeout=max(120.0, ns.request_timeout), retries=2) as c:
+                info = c.server_info()
+                meta = result["meta"]
+                meta["gpu"] = meta["gpu"] or gpu_name(info.device)
+                meta["torch"] = meta["torch"] or info.versions.get("torch")
+                meta["device"] = meta["device"] or info.device
+                meta["servers"].append({
+                    "flags": flags, "target": target, "ready_s": t_ready, "device": info.device,
+                    "versions": info.versions, "heads": info.num_heads, "cache_dtype": info.cache_dtype,
+                    "prefill_dtype": info.prefill_dtype, "kv_b_proj_dtype": info.kv_b_proj_dtype,
+                    "attention_backend": info.attention_backend, "fused_kernels_active": info.fused_kernels_active,
+                    "workspace_tokens": info.workspace_tokens, "num_blocks": info.num_blocks,
+                    "block_size": info.block_size})
+                log(f"{info.device}: backend {info.attention_backend}, fused kernels {info.fused_kernels_active}, "
+                    f"H={info.num_heads} cache={info.cache_dtype} prefill={info.prefill_dtype} "
+                    f"blocks={info.num_blocks}x{info.block_size} workspace={info.workspace_tokens}")
+                for s in group:
+                    if ns.target is not None and (s.heads, s.cache_dtype, s.prefill_dtype) != (
+                            info.num_heads, info.cache_dtype, info.prefill_dtype):
+                        log(f"note: shape {s.label} measured as the target's H={info.num_heads} "
+                            f"{info.cache_dtype}/{info.prefill_dtype}")
+                shapes_here = [dataclasses.replace(s, heads=info.num_heads, cache_dtype=info.cache_dtype,
+                                                   prefill_dtype=info.prefill_dtype) for s in group]
+                bs = info.block_size
+                for si, s in enumerate(shapes_here):
+                    nb = math.ceil(s.context / bs)
+                    if nb > info.num_blocks:
+                        raise RuntimeError(f"{s.label}: needs {nb} blocks, the server has {info.num_blocks}")
+                    blocks = np.random.default_rng(ns.seed + si).permutation(info.num_blocks)[:nb].tolist()
+                    t = time.monotonic()
+                    write_context(c, s.context, blocks, bs, ns.seed + 100 + si)
+                    log(f"{s.label}: wrote {s.context} context tokens in {time.monotonic() - t:.1f} s")
+                    seqs = [(s.new, s.context, blocks)]
+                    q_spec = (s.new, info.num_heads, info.qk_head_dim, s.prefill_dtype, ns.seed + 200 + si)
+                    q = make_q_bits(*q_spec)
+                    for k in range(2):  # first request of a shape may compile; check the answer
+                        t = time.monotonic()
+                        r = c.prefill_context(q, seqs, request_id=f"bench-check-{k}")
+                        log(f"{s.label}: check request {k}: {(time.monotonic() - t) * 1e3:.1f} ms "
+                            f"(server {r.stats['total_nanos'] / 1e6:.1f} ms, {r.stats['num_chunks']} chunks, "
+                            f"path {r.stats['path']})")
+                    if r.output.shape != (s.new, info.num_heads, info.v_head_dim) or not np.isfinite(r.lse).all():
+                        raise RuntimeError(f"{s.label}: unexpected answer: output {r.output.shape}, "
+                                           f"LSE finite {bool(np.isfinite(r.lse).all())}")
+                    base = {"shape_label": s.label, "heads": s.heads, "new": s.new, "context": s.context,
+                            "cache_dtype": s.cache_dtype, "prefill_dtype": s.prefill_dtype,
+                            "chunks": r.stats["num_chunks"], "path": r.stats["path"]}
+                    for n in clients:
+                        left = deadline - time.monotonic() if deadline is not None else math.inf
+                        if level_s > left:
+                            why = f"budget: {left:.1f} s left, {level_s:.1f} s needed"
+                            rows.append({**base, "clients": n, "skipped": why})
+                            log(f"{s.label}: {n} clients skipped ({why})")
+                            continue
+                        log(f"{s.label}: {n} client{'s' if n > 1 else ''} for {ns.warmup_s:g} + {ns.seconds:g} s ...")
+                        rec = run_level(target, q_spec, seqs, n, ns.warmup_s, ns.seconds, ns.request_timeout,
+                                        ns.processes, {})
+                        row = {**base, "clients": n, **rec}
+                        rows.append(row)
+                        ok = ok and not rec["errors"] and rec["requests"] > 0
+                        log(f"{s.label}: {n} clients: {rec['requests']} requests, {rec['requests_per_s']:.2f} req/s, "
+                            f"{rec['context_tokens_per_s'] / 1e6:.2f} M context tokens/s, p50 "
+                            f"{rec['latency_ms']['p50'] or 0:.1f} ms, p99 {rec['latency_ms']['p99'] or 0:.1f} ms, "
+                            f"server p50 {rec['server_total_ms']['p50'] or 0:.1f} ms (compute "
+                            f"{rec['server_compute_ms']['p50'] or 0:.1f}), errors {rec['errors'] or 0}"
+                            + (f" {rec['first_errors'][:1]}" if rec["first_errors"] else ""))
+                        if ns.out:
+                            write_json(ns.out, result)
+        except Exception as e:  # noqa: BLE001 - recorded; the other groups go on
+            ok = False
+            log(f"FAILED {key}: {type(e).__name__}: {e}")
+            if server is not None:
+                log(f"--- server log tail\n{server.tail(15)}")
+            result.setdefault("errors", []).append({"group": list(key), "error": f"{type(e).__name__}: {e}"[:2000]})
+        finally:
+            if server is not None:
+                rc = server.stop()
+                log(f"server stopped (exit code {rc})")
+    result["meta"]["wall_s"] = round(time.monotonic() - T0, 1)
+    print_table(rows)
+    if ns.out:
+        write_json(ns.out, result)
+        log(f"wrote {ns.out}")
+    return 0 if ok and rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""bench/bench_concurrency.py against a CPU server (tiny shape, ~2 s of clients), and the
+tables and plots of bench/make_tables.py and bench/plot_engine.py on small JSON files."""
+
+import itertools
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def bench_mods(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import bench_concurrency
+    import make_tables
+    import plot_engine
+
+    return bench_concurrency, make_tables, plot_engine
+
+
+def _engine_json(path):
+    """A small synthetic ``ctxprefill bench`` JSON: 2 H x 2 contexts x 2 dtype pairs, one skipped row."""
+    rows = []
+    for i, (h, ctx, cd, pd) in enumerate(itertools.product([16, 128], [8192, 65536], ["auto", "fp8"], ["bf16", "fp8"])):
+        if i == 5:
+            rows.append({"heads": h, "new": 1024, "context": ctx, "cache_dtype": cd, "prefill_dtype": pd,
+                         "skipped": "budget: 1.0 s left, row predicted 3.0 s", "predicted_s": 3.0})
+            continue
+        tf = 1e-3 * (1 + i)
+        st = {"gather": 0.1 * tf, "kv_b_proj": 0.3 * tf, "pack": 0.1 * tf, "attention": 0.45 * tf, "merge": 0.05 * tf}
+        rows.append({"heads": h, "new": 1024, "context": ctx, "cache_dtype": cd, "prefill_dtype": pd,
+                     "chunks": ctx // 16384 or 1, "generic_s": 1.5 * tf, "fused_s": tf, "speedup": 1.5,
+                     "floor_s": tf / 2, "fused_over_floor": 2.0, "generic_stage_s": {k: 1.5 * v for k, v in st.items()},
+                     "fused_stage_s": st, "generic_launches": {"pack": 5, "gather": 1},
+                     "fused_launches": {"pack": 1, "gather": 1}, "generic_launches_per_chunk": 9.0,
+                     "fused_launches_per_chunk": 5.0, "bit_identical": i != 3})
+    meta = {"kind": "engine", "date": "2026-11-30T12:00:00+00:00", "gpu": "NVIDIA H200", "torch": "2.11.0+cu130",
+            "commit": "abc1234", "ceilings": {"copy_bytes_per_s": 4.2e12, "matmul_flops_per_s": 8e14}}
+    path.write_text(json.dumps({"meta": meta, "rows": rows}))
+    return path
+
+
+def test_concurrency_smoke_cpu(tmp_path, bench_mods, capsys):
+    bc, mt, _ = bench_mods
+    out = tmp_path / "conc.json"
+    rc = bc.main(["--device", "cpu", "--shape", "2:4:200", "--clients", "1", "2", "--seconds", "0.8",
+                  "--warmup-s", "0.2", "--workspace-tokens", "128", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    d = json.loads(out.read_text())
+    m = d["meta"]
+    assert m["kind"] == "concurrency" and m["spawned_servers"] and m["queue_size"] == 64 and m["torch"]
+    assert m["device"] == "cpu" and m["client_mode"] == "threads" and m["date"] and "commit" in m
+    (srv,) = m["servers"]
+    assert srv["flags"]["queue_size"] == 64 and srv["heads"] == 2 and srv["num_blocks"] >= 4
+    assert [r["clients"] for r in d["rows"]] == [1, 2]
+    for r in d["rows"]:
+        assert r["requests"] > 0 and r["errors"] == {} and r["requests_per_s"] > 0
+        assert r["context_tokens_per_s"] == pytest.approx(r["requests_per_s"] * 200)
+        assert r["query_tokens_per_s"] == pytest.approx(r["requests_per_s"] * 4)
+        assert r["chunks"] == 2 and r["path"] in ("fused", "generic")
+        for k in ("latency_ms", "server_total_ms", "server_compute_ms"):
+            assert 0 < r[k]["p50"] <= r[k]["p90"] <= r[k]["p99"] <= r[k]["max"]
+        assert r["server_compute_ms"]["p50"] <= r["server_total_ms"]["p50"] <= r["latency_ms"]["max"]
+    assert "req/s" in printed and "H=2 4/200 auto/bf16" in printed
+    table = mt.table(d)
+    assert "| H=2 4/200 auto/bf16 | 2 |" in table and "cpu" in table.splitlines()[0]
+
+
+def test_concurrency_budget_skips_levels(tmp_path, bench_mods):
+    bc, _, _ = bench_mods
+    out = tmp_path / "conc.json"
+    rc = bc.main(["--device", "cpu", "--shape", "2:4:64", "--clients", "1", "4", "--seconds", "30",
+                  "--workspace-tokens", "128", "--budget-s", "25", "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert rc == 0  # skipped is not failed; no server was started for nothing
+    assert [r.get("skipped", "")[:7] for r in d["rows"]] == ["budget:", "budget:"] and d["meta"]["servers"] == []
+
+
+def test_summarize_window_and_errors(bench_mods):
+    bc, _, _ = bench_mods
+    recs = [(0.0, 0.5, "", 4e8, 3e8, 100, 4),  # before the window: not counted
+            (0.5, 1.5, "", 9e8, 5e8, 100, 4), (1.5, 2.0, "", 4e8, 3e8, 100, 4),
+            (2.0, 2.1, "RESOURCE_EXHAUSTED", 0, 0, 0, 0), (2.1, 3.5, "", 4e8, 3e8, 100, 4)]  # last: after the end
+    s = bc.summarize([{"records": recs, "first_errors": ["x"]}], 1.0, 3.0)
+    assert s["requests"] == 2 and s["requests_per_s"] == 1.0 and s["context_tokens_per_s"] == 100.0
+    assert s["errors"] == {"RESOURCE_EXHAUSTED": 1} and s["errors_in_window"] == 1
+    assert s["latency_ms"]["p50"] == pytest.approx(500.0) and s["latency_ms"]["p99"] == pytest.approx(1000.0)
+    assert s["device_busy_fraction"] == pytest.approx(0.4)
+
+
+def test_engine_table(tmp_path, bench_mods):
+    _, mt, _ = bench_mods
+    d = json.loads(_engine_json(tmp_path / "engine.json").read_text())
+    t = mt.engine_table(d)
+    lines = t.splitlines()
+    assert lines[0] == "_2026-11-30 · NVIDIA H200 · torch 2.11.0+cu130 · commit abc1234_"
+    assert "800 TFLOP/s" in t and "4.20 TB/s" in t
+    rows = [x for x in lines if x.startswith("| 16") or x.startswith("| 128")]
+    assert len(rows) == 15
+    assert rows[0] == "| 16 | 1024 | 8k | auto | bf16 | 1 | 1.50 | 1.00 | **1.50** | 0.50 | 2.00 | 9 → 5 | yes |"
+    assert "**NO**" in rows[3]
+    assert any("H=16, 1024 new over 64k, auto/fp8: skipped (budget" in x for x in lines)
+
+
+def test_engine_table_of_the_recorded_run(bench_mods):
+    """The first recorded JSON (no launches per chunk, no kind) still makes a table."""
+    _, mt, _ = bench_mods
+    path = os.path.join(ROOT, "bench", "results", "2026-11-29-h200", "engine.json")
+    if not os.path.exists(path):
+        pytest.skip("no recorded engine.json")
+    t = mt.table(json.load(open(path)))
+    assert "| 128 | 1024 | 64k | fp8 | fp8 | 4 | 32.43 | 21.61 | **1.50** |" in t
+
+
+def test_plots(tmp_path, bench_mods):
+    pytest.importorskip("matplotlib")
+    bc, _, pe = bench_mods
+    eng = _engine_json(tmp_path / "engine.json")
+    written = pe.plot_file(str(eng), str(tmp_path / "png"))
+    names = sorted(os.path.basename(p) for p in written)
+    assert names == ["engine_latency.png", "engine_speedup.png", "engine_stages.png", "engine_stages_grid.png"]
+    conc = {"meta": {"kind": "concurrency", "date": "2026-11-30", "gpu": None, "device": "cpu", "torch": "2.13",
+                     "commit": "abc", "client_mode": "threads", "queue_size": 64},
+            "rows": [{"shape_label": "H=16 1024/65536 auto/bf16", "clients": c, "requests_per_s": 10.0 * c,
+                      "context_tokens_per_s": 6.5e5 * c, "latency_ms": {"p50": 5.0 * c, "p99": 9.0 * c},
+                      "server_compute_ms": {"p50": 3.0}} for c in (1, 2, 4)]}
+    (tmp_path / "conc.json").write_text(json.dumps(conc))
+    written = pe.plot_file(str(tmp_path / "conc.json"), str(tmp_path / "png"))
+    assert [os.path.basename(p) for p in written] == ["concurrency.png"]
+    for p in os.listdir(tmp_path / "png"):
+        assert os.path.getsize(tmp_path / "png" / p) > 10_000
+    assert pe.run_line(conc["meta"]) == "2026-11-30 · cpu · torch 2.13 · commit abc"
+
+
+def test_plot_without_matplotlib_skips(tmp_path, bench_mods, monkeypatch, capsys):
+    _, _, pe = bench_mods
+    eng = _engine_json(tmp_path / "engine.json")
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert pe.main([str(eng), "--out-dir", str(tmp_path / "png")]) == 0
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "png").exists()
