@@ -11,6 +11,10 @@
 #   4. bench/bench_kernels.py                                                         -> bench_kernels.json
 #   5. compute-sanitizer memcheck on a small subset of tests/gpu/test_kernels.py      -> sanitizer.log
 #   6. bench/bench_attention.py, if present                                           -> bench_attention.json
+# and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_full
+# (issue 8's 108-row grid), bench_concurrency, bench_transport, attention_sweep,
+# hostile_sanitizer, bench_sharded, segv (a native backtrace of one test).
+# The device tool brings back at most 8 files from $OUT: choose steps accordingly.
 # A time budget (GPU_RUN_BUDGET_S, default 560 s: one device call is capped at 600 s)
 # caps every step; a step that no longer fits is recorded as skipped and counts as a
 # failure. Exit code 0 only when every step passed. Files in $OUT: at most 7.
@@ -147,6 +151,15 @@ fi
 # ---- 7. the whole request: fused vs generic in one process (ctxprefill bench) ------------------
 want bench_engine && run_step bench_engine 240 5 - python3 -m ctxprefill.cli bench --heads 16 128 --new 1024 \
   --context 65536 --out "$OUT/bench_engine.json"
+
+# ---- 7b. issue 8's whole grid (108 rows), the concurrency sweep, the transports -------------------
+want bench_engine_full && run_step bench_engine_full 240 5 - python3 -m ctxprefill.cli bench --grid full \
+  --iters 20 --target-s 0.3 --budget-s 215 --out "$OUT/engine_full.json"
+want bench_concurrency && run_step bench_concurrency 240 5 - python3 bench/bench_concurrency.py \
+  --shape 16:1024:65536 128:1024:65536 --clients 1 2 4 8 16 --seconds 8 --warmup-s 1 --budget-s 225 \
+  --out "$OUT/concurrency.json"
+want bench_transport && run_step bench_transport 180 5 - python3 bench/bench_transport.py --device cuda \
+  --out "$OUT/transport.json"
 
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \
