@@ -8,6 +8,9 @@ Per head count H and batch shape, side by side in one process:
   triton bf16 | triton bf16 causal | triton fp8 (P·V bf16) | triton fp8 (P·V fp8)
   cudnn bf16    aten._scaled_dot_product_cudnn_attention, dense [B,H,S,D] for equal
                 lengths; ragged: one call per sequence ("loop")
+  cudnn-frontend bf16  our cudnn-frontend backend (a ragged cuDNN SDPA graph per shape
+                bucket, equal-length and ragged alike, into a given out); its graph build
+                happens in the untimed first call and is reported separately (graph_build_s)
   flash bf16    F.scaled_dot_product_attention, flash backend, v padded to 192
   flex bf16/fp8 flex_attention compiled (document mask for ragged), if it works
 The ragged batch does (within ~1 %) the same work as the equal-length one.
@@ -116,6 +119,20 @@ def prov_cudnn(q, k, v, cq, ck, ql, kl, scale):
     return lambda: [op(a, b, c, None, True, 0.0, False, False, scale=scale) for a, b, c in segs]
 
 
+def prov_cudnn_frontend(q, k, v, cq, ck, ql, kl, scale, stats_layout=None):
+    from ctxprefill.backends.cudnn_frontend import CudnnFrontendBackend
+
+    ok, why = CudnnFrontendBackend.is_available(q.device)
+    if not ok:
+        raise RuntimeError(f"unavailable: {why}")
+    be = CudnnFrontendBackend(stats_layout=stats_layout)
+    out = torch.empty(q.shape[0], q.shape[1], 128, device="cuda", dtype=torch.bfloat16)
+    mq, mk = max(ql), max(kl)
+    fn = lambda: be.run_context_chunk(q, k, v, cq, ck, mq, mk, scale, out=out)
+    fn.backend = be  # measure() reports its graph build time
+    return fn
+
+
 def prov_flash(q, k, v, cq, ck, ql, kl, scale):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -190,8 +207,15 @@ class Inputs:
 def measure(rec, mk, ql, kl, H, causal, rep):
     try:
         fn = mk()
-        fn()  # compile / warm up
+        t0 = time.perf_counter()
+        fn()  # compile / warm up (a cuDNN graph build included): not timed
         torch.cuda.synchronize()
+        rec["first_call_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
+        be = getattr(fn, "backend", None)
+        if be is not None and getattr(be, "build_seconds", None):
+            rec["graph_build_s"] = round(sum(be.build_seconds), 3)
+            if getattr(be, "last_graph", None) is not None:
+                rec["served_by"] = be.last_graph.engine
         ms = bench_ms(fn, rep)
         rec.update(ms=ms, tflops=2 * pairs(ql, kl, causal) * H * 320 / ms / 1e9)
     except Exception as e:  # a provider or config that does not run here is a result too
@@ -204,7 +228,10 @@ def measure(rec, mk, ql, kl, H, causal, rep):
 
 
 def fmt(rec):
-    return (f"{rec['ms']:8.3f} ms {rec['tflops']:6.1f} TFLOP/s" if "ms" in rec
+    build = ""
+    if "graph_build_s" in rec:
+        build = f" (graph build {rec['graph_build_s']:.2f} s, {rec.get('served_by', '?')})"
+    return (f"{rec['ms']:8.3f} ms {rec['tflops']:6.1f} TFLOP/s{build}" if "ms" in rec
             else str(rec.get("error", rec.get("skipped", ""))))
 
 
@@ -223,6 +250,11 @@ def run_table(args):
         (0, "triton pv_fp8", "fp8", False,
          lambda x, cq, ck, ql, kl: prov_triton(*x, cq, ck, ql, kl, scale, config=dict(PV_FP8=True))),
         (1, "cudnn", "bf16", False, lambda x, cq, ck, ql, kl: prov_cudnn(*x, cq, ck, ql, kl, scale)),
+    ]
+    for lay in (["packed", "padded"] if args.cudnn_frontend_stats == "both" else [args.cudnn_frontend_stats]):
+        provs.append((1, "cudnn-frontend" + ("" if lay == "packed" else f" {lay}-stats"), "bf16", False,
+                      lambda x, cq, ck, ql, kl, lay=lay: prov_cudnn_frontend(*x, cq, ck, ql, kl, scale, lay)))
+    provs += [
         (1, "flash v->192", "bf16", False, lambda x, cq, ck, ql, kl: prov_flash(*x, cq, ck, ql, kl, scale)),
     ]
     if not args.no_flex:
@@ -235,7 +267,7 @@ def run_table(args):
             for ph, prov, dt, causal, mk in provs:
                 if ph != phase:
                     continue
-                label = prov + ("" if equal or prov.startswith(("triton", "flex")) else " loop")
+                label = prov + ("" if equal or prov.startswith(("triton", "flex", "cudnn-frontend")) else " loop")
                 rec = dict(H=H, case=name, q_lens=ql, k_lens=kl, provider=label, dtype=dt, causal=causal)
                 if phase > 0 and time.time() - T0 > args.budget_s:
                     rec["skipped"] = "time budget"
@@ -259,10 +291,15 @@ def run_table(args):
 def print_table(results):
     rows = [r for r in results if "provider" in r]
     rows.sort(key=lambda r: (r["H"], [c[0] for c in cases()].index(r["case"])))
-    print("\n| H | case | provider | dtype | causal | ms | TFLOP/s |\n|---|---|---|---|---|---|---|")
+    print("\n| H | case | provider | dtype | causal | ms | TFLOP/s | first call (graph build) |\n"
+          "|---|---|---|---|---|---|---|---|")
     for r in rows:
         val = (f"{r['ms']:.3f} | {r['tflops']:.1f}" if "ms" in r else f"– | {r.get('error', r.get('skipped'))}")
-        print(f"| {r['H']} | {r['case']} | {r['provider']} | {r['dtype']} | {'yes' if r['causal'] else ''} | {val} |")
+        first = f"{r['first_call_ms']:.1f} ms" if "first_call_ms" in r else ""
+        if "graph_build_s" in r:
+            first += f" ({r['graph_build_s']:.2f} s)"
+        print(f"| {r['H']} | {r['case']} | {r['provider']} | {r['dtype']} | {'yes' if r['causal'] else ''} | {val} "
+              f"| {first} |")
 
 
 # ---------------------------------------------------------------------------- sweep
@@ -325,6 +362,8 @@ def main():
     ap.add_argument("--rep", type=int, default=100, help="do_bench time per measurement, ms")
     ap.add_argument("--budget-s", type=float, default=120.0, help="skip optional work after this many seconds")
     ap.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles are slow)")
+    ap.add_argument("--cudnn-frontend-stats", choices=["packed", "padded", "both"], default="packed",
+                    help="stats layout(s) of the cudnn-frontend column(s)")
     ap.add_argument("--sweep", action="store_true", help="sweep Triton block configs instead of the table")
     args = ap.parse_args()
     if not torch.cuda.is_available():

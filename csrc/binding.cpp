@@ -6,13 +6,21 @@
 // the plain launchers of csrc/launchers.h run on the current CUDA stream. The
 // Python signatures are the ones server/ctxprefill/ops/*.py call.
 
+#include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <type_traits>
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#include <cuda_runtime_api.h>
 #include <torch/extension.h>
 
 #include "launchers.h"
@@ -286,10 +294,137 @@ void merge(at::Tensor out, at::Tensor lse, const at::Tensor& part_out, const at:
                op);
 }
 
+// ---- CUDA IPC (the shared-memory transport, docs/TRANSPORT.md) ----------------------------
+//
+// ipc_open maps another process's device memory, given its cudaIpcMemHandle_t, and returns
+// a uint8 CUDA tensor of [base + offset, base + offset + byte_size) whose deleter calls
+// cudaIpcCloseMemHandle. Errors are raised as std exceptions that pybind11 turns into
+// Python types the registry maps to status codes: std::invalid_argument -> ValueError
+// (bad handle, device, sizes; a handle that does not open here), std::out_of_range ->
+// IndexError (the range is past the end of the allocation), std::runtime_error ->
+// RuntimeError (a CUDA call that should not fail did). The handle is closed on every
+// error path after it opened. (CUDA reference-counts a handle opened twice in one
+// context, so several regions of one allocation each open and close it.)
+
+using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+// The driver's cuMemGetAddressRange (the allocation's true extent, so that a region past
+// its end is refused before a kernel reads it), fetched through the runtime: no libcuda
+// link needed. nullptr when the driver does not provide it.
+MemGetAddressRangeFn mem_get_address_range() {
+  static const MemGetAddressRangeFn fn = []() -> MemGetAddressRangeFn {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault,
+                                                           &found);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuMemGetAddressRange", &p, cudaEnableDefault, &found);
+#endif
+    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<MemGetAddressRangeFn>(p);
+  }();
+  return fn;
+}
+
+// Close an opened handle (on its device); errors are reported on stderr, never thrown
+// (this runs in a tensor deleter).
+void ipc_close(void* base, int device) {
+  int prev = -1;
+  const cudaError_t g = cudaGetDevice(&prev);
+  if (g != cudaSuccess) {
+    (void)cudaGetLastError();
+    prev = -1;
+  }
+  cudaError_t e = cudaSetDevice(device);
+  if (e == cudaSuccess) e = cudaIpcCloseMemHandle(base);
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "[ctxprefill] ipc_close: cudaIpcCloseMemHandle on cuda:%d failed: %s\n", device,
+                 cudaGetErrorString(e));
+    (void)cudaGetLastError();
+  }
+  if (prev >= 0 && prev != device) {
+    const cudaError_t r = cudaSetDevice(prev);
+    if (r != cudaSuccess) {
+      std::fprintf(stderr, "[ctxprefill] ipc_close: restoring cuda:%d failed: %s\n", prev, cudaGetErrorString(r));
+      (void)cudaGetLastError();
+    }
+  }
+}
+
+at::Tensor ipc_open(const std::string& handle, int64_t device, int64_t byte_size, int64_t offset) {
+  const char* op = "ipc_open";
+  if (handle.size() != sizeof(cudaIpcMemHandle_t))
+    throw std::invalid_argument(msg(op, ": the handle has ", handle.size(), " bytes; a cudaIpcMemHandle_t has ",
+                                    sizeof(cudaIpcMemHandle_t)));
+  if (byte_size < 1) throw std::invalid_argument(msg(op, ": byte_size must be >= 1, got ", byte_size));
+  if (offset < 0) throw std::invalid_argument(msg(op, ": offset must be >= 0, got ", offset));
+  if (offset > INT64_MAX - byte_size)
+    throw std::out_of_range(msg(op, ": offset ", offset, " + byte_size ", byte_size, " overflows"));
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw std::runtime_error(msg(op, ": cudaGetDeviceCount failed: ", cudaGetErrorString(e)));
+  }
+  if (device < 0 || device >= count)
+    throw std::invalid_argument(msg(op, ": device ", device, " is not one of this process's ", count, " devices"));
+  const int dev = static_cast<int>(device);
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  void* base = nullptr;
+  e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw std::invalid_argument(msg(op, ": cudaIpcOpenMemHandle failed: ", cudaGetErrorString(e),
+                                    " (a handle opens only in another process on the same host, while the owner "
+                                    "keeps the memory allocated)"));
+  }
+  auto closed = std::make_shared<std::atomic<bool>>(false);
+  auto close_once = [base, dev, closed]() {
+    if (!closed->exchange(true)) ipc_close(base, dev);
+  };
+  try {
+    cudaPointerAttributes attr;
+    e = cudaPointerGetAttributes(&attr, base);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw std::runtime_error(msg(op, ": cudaPointerGetAttributes failed: ", cudaGetErrorString(e)));
+    }
+    if (attr.device != dev)
+      throw std::invalid_argument(msg(op, ": the memory is on cuda:", attr.device, " of this process, not on cuda:",
+                                      dev));
+    const MemGetAddressRangeFn range = mem_get_address_range();
+    if (range == nullptr)
+      throw std::runtime_error(msg(op, ": the driver does not provide cuMemGetAddressRange; cannot check the range"));
+    CUdeviceptr alloc_base = 0;
+    size_t alloc_size = 0;
+    const CUdeviceptr ptr = static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(base));
+    const CUresult r = range(&alloc_base, &alloc_size, ptr);
+    if (r != CUDA_SUCCESS)
+      throw std::runtime_error(msg(op, ": cuMemGetAddressRange failed with CUresult ", static_cast<int>(r)));
+    const uint64_t avail = static_cast<uint64_t>(alloc_size) - static_cast<uint64_t>(ptr - alloc_base);
+    if (static_cast<uint64_t>(offset) + static_cast<uint64_t>(byte_size) > avail)
+      throw std::out_of_range(msg(op, ": offset ", offset, " + byte_size ", byte_size, " = ", offset + byte_size,
+                                  " is past the end of the allocation (", avail, " bytes)"));
+    return torch::from_blob(static_cast<char*>(base) + offset, {byte_size},
+                            [close_once](void*) { close_once(); },
+                            at::TensorOptions().dtype(at::kByte).device(at::Device(at::kCUDA, dev)));
+  } catch (...) {
+    close_once();
+    throw;
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "ctxprefill fused CUDA kernels: MLA K/V pack, cache insert/gather, LSE merge";
+  m.doc() = "ctxprefill fused CUDA kernels: MLA K/V pack, cache insert/gather, LSE merge; CUDA IPC open";
   m.def("fused_mla_kv_concat", &fused_mla_kv_concat,
         "k_nope [T,H,128], k_pe [T,64] (strided, same dtype) -> k [T,H,192] contiguous", py::arg("k_nope"),
         py::arg("k_pe"));
@@ -303,4 +438,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cache_dtype"), py::arg("k_scale"), py::arg("block_size"));
   m.def("merge", &merge, "merge (part_out, part_lse) into (out, lse) by LSE, in place", py::arg("out"),
         py::arg("lse"), py::arg("part_out"), py::arg("part_lse"));
+  m.def("ipc_open", &ipc_open,
+        "open another process's CUDA memory by its 64-byte cudaIpcMemHandle_t: a uint8 CUDA tensor of "
+        "byte_size bytes at offset of the allocation; closed (cudaIpcCloseMemHandle) when the tensor is freed",
+        py::arg("handle"), py::arg("device"), py::arg("byte_size"), py::arg("offset"));
 }

@@ -107,7 +107,9 @@ def test_grpc_module_imports_as_a_package():
     assert pb.DESCRIPTOR.package == "ctxprefill.v1"
     svc = pb.DESCRIPTOR.services_by_name["PrefillContextService"]
     assert svc.full_name == "ctxprefill.v1.PrefillContextService"
-    assert [m.name for m in svc.methods] == ["GetServerInfo", "WriteCache", "ReadCache", "PrefillContext"]
+    assert [m.name for m in svc.methods] == ["GetServerInfo", "WriteCache", "ReadCache", "PrefillContext",
+                                             "RegisterSystemSharedMemory", "RegisterCudaSharedMemory",
+                                             "UnregisterSharedMemory", "GetSharedMemoryStatus"]
     for m in svc.methods:
         assert m.input_type.name == f"{m.name}Request" and m.output_type.name == f"{m.name}Response"
     assert hasattr(pb_grpc, "PrefillContextServiceStub")
@@ -123,6 +125,13 @@ def test_grpc_module_imports_as_a_package():
         "DATA_TYPE_INT64": 6,
         "DATA_TYPE_UINT8": 7,
     }
+    # the shared-memory transport (issue 8): extensions only, with new field numbers
+    assert pb.Tensor.DESCRIPTOR.fields_by_name["shared_memory"].number == 4
+    assert [f.name for f in pb.SharedMemoryRef.DESCRIPTOR.fields] == ["region", "offset", "byte_size"]
+    req = pb.PrefillContextRequest.DESCRIPTOR.fields_by_name
+    assert (req["output_region"].number, req["lse_region"].number) == (7, 8)
+    assert dict(pb.SharedMemoryKind.items()) == {
+        "SHARED_MEMORY_KIND_UNSPECIFIED": 0, "SHARED_MEMORY_KIND_SYSTEM": 1, "SHARED_MEMORY_KIND_CUDA": 2}
 
 
 def _all_messages(msgs):

@@ -7,6 +7,11 @@ protobuf only; no torch).
 - :class:`ShardedPrefillClient` / :class:`AsyncShardedPrefillClient`: one model whose
   heads are split over several workers (``serve --num-shards``; docs/SHARDING.md).
 - :mod:`ctxprefill_client.tensors`: numpy <-> ``Tensor`` messages and exact bf16/fp8 casts.
+- :mod:`ctxprefill_client.shared_memory`: same-host transport (``serve --shared-memory``):
+  :class:`SystemSharedMemoryRegion` (POSIX shared memory, numpy views) and
+  :class:`CudaSharedMemoryRegion` (a torch CUDA tensor by its IPC handle; torch imported
+  lazily), registered with ``register_system_shared_memory`` /
+  ``register_cuda_shared_memory`` (docs/TRANSPORT.md).
 - Generated protobuf/gRPC code lives in ``ctxprefill_client._proto.ctxprefill.v1``
   (``ctxprefill_pb2``, ``ctxprefill_pb2_grpc``), made by ``scripts/gen_proto.sh``.
 """
@@ -25,6 +30,14 @@ from .aio import AsyncPrefillContextClient
 from .client import PrefillContextClient
 from .merge import merge_partials
 from .sharded import AsyncShardedPrefillClient, ShardedPrefillClient
+from .shared_memory import (
+    CudaSharedMemoryRegion,
+    SharedMemoryRef,
+    SharedMemoryRegionStatus,
+    SharedMemoryTensor,
+    SystemSharedMemoryRegion,
+    cuda_ipc_handle,
+)
 from .tensors import (
     BF16,
     FP8_E4M3,
@@ -57,6 +70,7 @@ __all__ = [
     "AsyncShardedPrefillClient",
     "ContextChunk",
     "CtxPrefillError",
+    "CudaSharedMemoryRegion",
     "CtxPrefillRpcError",
     "PrefillContextClient",
     "PrefillResult",
@@ -66,8 +80,13 @@ __all__ = [
     "ServerInfo",
     "ServerRestartedError",
     "ShardedPrefillClient",
+    "SharedMemoryRef",
+    "SharedMemoryRegionStatus",
+    "SharedMemoryTensor",
+    "SystemSharedMemoryRegion",
     "__version__",
     "bf16_bits_to_float32",
+    "cuda_ipc_handle",
     "decode_tensor",
     "encode_tensor",
     "float32_to_bf16_bits",

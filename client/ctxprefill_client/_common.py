@@ -12,6 +12,13 @@ import grpc
 import numpy as np
 
 from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from .shared_memory import (
+    CudaSharedMemoryRegion,
+    SharedMemoryRef,
+    SharedMemoryTensor,
+    SystemSharedMemoryRegion,
+    kind_names,
+)
 from .tensors import (
     BF16,
     FP8_E4M3,
@@ -19,8 +26,10 @@ from .tensors import (
     INT64,
     UINT8,
     RawTensor,
+    bf16_bits_to_float32,
     decode_tensor,
     encode_tensor,
+    storage_dtype,
 )
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -157,6 +166,10 @@ class ServerInfo:
     shard_index: int = 0
     num_shards: int = 1
     total_heads: int = 0
+    # shared memory (serve --shared-memory; docs/TRANSPORT.md): "system" and/or "cuda", () when off
+    shared_memory_kinds: tuple[str, ...] = ()
+    shared_memory_max_regions: int = 0
+    shared_memory_max_bytes: int = 0
 
     @property
     def head_start(self) -> int:
@@ -207,6 +220,9 @@ class ServerInfo:
             shard_index=m.shard_index,
             num_shards=m.num_shards or 1,  # 0: a server predating sharding (unsharded)
             total_heads=m.total_heads or m.num_heads,
+            shared_memory_kinds=kind_names(m.shared_memory_kinds),
+            shared_memory_max_regions=m.shared_memory_max_regions,
+            shared_memory_max_bytes=m.shared_memory_max_bytes,
         )
 
 
@@ -222,15 +238,27 @@ class PrefillResult:
       ``kernel_launches`` and ``stage_nanos`` (dicts by stage), ``path``, ``fp8_path``
       (dict: cache_dtype, kv_b_proj_dtype, prefill_dtype), ``total_nanos``,
       ``context_tokens``, ``query_tokens``.
+
+    With ``output_region`` / ``lse_region`` (shared memory), the result was written
+    there and ``output_ref`` / ``lse_ref`` say where (a :class:`SharedMemoryRef`). In a
+    :class:`SystemSharedMemoryRegion`, ``output_bits`` and ``lse`` are numpy views of
+    the segment (``output`` their float32 copy, unless ``float_output=False``); in a
+    :class:`CudaSharedMemoryRegion`, ``output_tensor`` / ``lse_tensor`` are torch views
+    of the caller's own CUDA tensor and ``output`` / ``output_bits`` / ``lse`` are None.
+    ``float_output=False`` leaves ``output`` None in every case (``output_bits`` holds it).
     """
 
-    output: np.ndarray
+    output: np.ndarray | None
     output_bits: np.ndarray | None
-    lse: np.ndarray
+    lse: np.ndarray | None
     stats: dict[str, Any]
     instance_id: str
     request_id: str = ""
     raw: Any = field(default=None, repr=False)
+    output_ref: SharedMemoryRef | None = None
+    lse_ref: SharedMemoryRef | None = None
+    output_tensor: Any = field(default=None, repr=False)
+    lse_tensor: Any = field(default=None, repr=False)
 
 
 # --------------------------------------------------------------------------- requests
@@ -320,7 +348,12 @@ def _as_chunk(c: Any, i: int) -> pb.ContextChunk:
 
 
 def _latent_tensor(x: Any, name: str) -> pb.Tensor:
-    """kv_c / k_pe: RawTensor (BF16/FP32) as is; uint16 -> BF16 bits; floats -> FP32 (exact)."""
+    """kv_c / k_pe: RawTensor (BF16/FP32) as is; uint16 -> BF16 bits; floats -> FP32 (exact);
+    a SharedMemoryTensor (BF16/FP32) by reference."""
+    if isinstance(x, SharedMemoryTensor):
+        if x.dtype not in (BF16, FP32):
+            raise ValueError(f"{name}: must be BF16 or FP32")
+        return x.to_proto()
     if isinstance(x, RawTensor):
         if x.dtype not in (BF16, FP32):
             raise ValueError(f"{name}: must be BF16 or FP32, got {x.dtype_name}")
@@ -334,6 +367,12 @@ def _latent_tensor(x: Any, name: str) -> pb.Tensor:
 
 
 def _slot_tensor(slot_mapping: Any) -> pb.Tensor:
+    if isinstance(slot_mapping, SharedMemoryTensor):
+        if slot_mapping.dtype != INT64 or len(slot_mapping.shape) != 1:
+            raise ValueError("slot_mapping: a shared-memory slot_mapping must be INT64 [T]")
+        if isinstance(slot_mapping.ref.local, CudaSharedMemoryRegion):
+            raise ValueError("slot_mapping: must be inline or in system shared memory (the server checks it on the host)")
+        return slot_mapping.to_proto()
     arr = np.asarray(slot_mapping)
     if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
         raise ValueError(f"slot_mapping: expected a 1-D integer array, got {arr.dtype} {list(arr.shape)}")
@@ -359,6 +398,10 @@ def build_read_request(slot_mapping: Any, expected: str | None) -> pb.ReadCacheR
 
 
 def _q_tensor(q: Any, q_dtype: int | None, server_prefill_dtype: str | None) -> pb.Tensor:
+    if isinstance(q, SharedMemoryTensor):
+        if q_dtype is not None and q_dtype != q.dtype:
+            raise ValueError(f"q: the shared-memory tensor is {q.dtype}, q_dtype asks for {q_dtype}")
+        return q.to_proto()
     if isinstance(q, RawTensor):
         return encode_tensor(q, q_dtype, name="q")
     arr = np.asarray(q)
@@ -384,6 +427,8 @@ def build_prefill_request(
     expected: str | None,
     q_dtype: int | None,
     server_prefill_dtype: str | None,
+    output_region: SharedMemoryRef | None = None,
+    lse_region: SharedMemoryRef | None = None,
 ) -> pb.PrefillContextRequest:
     req = pb.PrefillContextRequest(
         request_id=request_id or "",
@@ -396,6 +441,10 @@ def build_prefill_request(
         req.expected_instance_id = expected
     if plan is not None:
         req.plan.extend(_as_chunk(c, i) for i, c in enumerate(plan))
+    if output_region is not None:
+        req.output_region.CopyFrom(output_region.to_proto())
+    if lse_region is not None:
+        req.lse_region.CopyFrom(lse_region.to_proto())
     return req
 
 
@@ -427,23 +476,64 @@ def stats_to_dict(s: pb.Stats) -> dict[str, Any]:
     }
 
 
-def parse_prefill_response(resp: pb.PrefillContextResponse, num_query_rows: int) -> PrefillResult:
-    out = _decode(resp.output, "output", dtypes=(BF16, FP32), ndim=3)
-    lse = _decode(resp.lse, "lse", dtypes=(FP32,), ndim=2)
-    tq, h, _ = out.shape
+class _Placed:
+    """A response tensor the server wrote into shared memory."""
+
+    def __init__(self, msg: pb.Tensor, name: str, dtypes: tuple[int, ...], ndim: int, asked: SharedMemoryRef | None):
+        sm = msg.shared_memory
+        if asked is None:
+            raise ResponseDecodeError(f"{name}: the server placed it in shared memory, the request did not ask for that")
+        if sm.region != asked.region or sm.offset != asked.offset:
+            raise ResponseDecodeError(f"{name}: written to {sm.region!r} at {sm.offset}, asked for "
+                                      f"{asked.region!r} at {asked.offset}")
+        if msg.dtype not in dtypes or len(msg.shape) != ndim or any(d < 0 for d in msg.shape):
+            raise ResponseDecodeError(f"{name}: unexpected dtype {msg.dtype} or shape {list(msg.shape)}")
+        self.dtype, self.shape = msg.dtype, tuple(int(d) for d in msg.shape)
+        nbytes = int(np.prod(self.shape, dtype=np.int64)) * storage_dtype(self.dtype).itemsize
+        if sm.byte_size != nbytes or nbytes > asked.byte_size:
+            raise ResponseDecodeError(f"{name}: {sm.byte_size} bytes written, shape {list(self.shape)} makes {nbytes} "
+                                      f"and {asked.byte_size} were offered")
+        self.ref = SharedMemoryRef(sm.region, sm.offset, sm.byte_size, asked.local)
+
+    def system_view(self) -> np.ndarray | None:
+        local = self.ref.local
+        return local.view(self.dtype, self.shape, self.ref.offset) if isinstance(local, SystemSharedMemoryRegion) else None
+
+    def cuda_view(self) -> Any:
+        local = self.ref.local
+        return local.view(self.dtype, self.shape, self.ref.offset) if isinstance(local, CudaSharedMemoryRegion) else None
+
+
+def parse_prefill_response(resp: pb.PrefillContextResponse, num_query_rows: int,
+                           output_region: SharedMemoryRef | None = None, lse_region: SharedMemoryRef | None = None,
+                           float_output: bool = True) -> PrefillResult:
+    res = PrefillResult(output=None, output_bits=None, lse=None, stats=stats_to_dict(resp.stats),
+                        instance_id=resp.instance_id, request_id=resp.request_id, raw=resp)
+    if resp.output.HasField("shared_memory"):
+        p = _Placed(resp.output, "output", (BF16,), 3, output_region)
+        out_shape, res.output_ref = p.shape, p.ref
+        res.output_bits, res.output_tensor = p.system_view(), p.cuda_view()
+        if float_output and res.output_bits is not None:
+            res.output = bf16_bits_to_float32(res.output_bits)
+    else:
+        out = _decode(resp.output, "output", dtypes=(BF16, FP32), ndim=3)
+        out_shape = out.shape
+        res.output_bits = out.bits if out.dtype == BF16 else None
+        if float_output or out.dtype != BF16:
+            res.output = out.to_numpy().astype(np.float32, copy=False)
+    if resp.lse.HasField("shared_memory"):
+        p = _Placed(resp.lse, "lse", (FP32,), 2, lse_region)
+        lse_shape, res.lse_ref = p.shape, p.ref
+        res.lse, res.lse_tensor = p.system_view(), p.cuda_view()
+    else:
+        lse = _decode(resp.lse, "lse", dtypes=(FP32,), ndim=2)
+        lse_shape, res.lse = lse.shape, lse.bits
+    tq, h, _ = out_shape
     if tq != num_query_rows:
         raise ResponseDecodeError(f"output: {tq} rows, the request had {num_query_rows}")
-    if lse.shape != (h, tq):
-        raise ResponseDecodeError(f"lse: shape {list(lse.shape)}, expected [H, Tq] = {[h, tq]}")
-    return PrefillResult(
-        output=out.to_numpy().astype(np.float32, copy=False),
-        output_bits=out.bits if out.dtype == BF16 else None,
-        lse=lse.bits,
-        stats=stats_to_dict(resp.stats),
-        instance_id=resp.instance_id,
-        request_id=resp.request_id,
-        raw=resp,
-    )
+    if tuple(lse_shape) != (h, tq):
+        raise ResponseDecodeError(f"lse: shape {list(lse_shape)}, expected [H, Tq] = {[h, tq]}")
+    return res
 
 
 def parse_read_response(resp: pb.ReadCacheResponse, num_slots: int) -> np.ndarray:

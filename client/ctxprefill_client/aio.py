@@ -42,6 +42,12 @@ from ._common import (
 from ._common import channel_options as _channel_options
 from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
 from ._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+from .shared_memory import (
+    SharedMemoryRef,
+    SharedMemoryRegionStatus,
+    register_cuda_request,
+    register_system_request,
+)
 
 __all__ = ["AsyncPrefillContextClient"]
 
@@ -174,6 +180,9 @@ class AsyncPrefillContextClient:
         workspace_tokens: int | None = None,
         plan: Iterable[Any] | None = None,
         q_dtype: int | None = None,
+        output_region: SharedMemoryRef | None = None,
+        lse_region: SharedMemoryRef | None = None,
+        float_output: bool = True,
         timeout: float | None = None,
     ) -> PrefillResult:
         """PrefillContext; see ``PrefillContextClient.prefill_context``."""
@@ -187,8 +196,47 @@ class AsyncPrefillContextClient:
             expected=expected,
             q_dtype=q_dtype,
             server_prefill_dtype=self._info.prefill_dtype if self._info else None,
+            output_region=output_region,
+            lse_region=lse_region,
         )
         resp = await self._call("PrefillContext", self._stub.PrefillContext, req, timeout, expected)
         self._tracker.observe("PrefillContext", resp.instance_id)
         rows = int(req.q.shape[0]) if len(req.q.shape) else 0
-        return parse_prefill_response(resp, rows)
+        return parse_prefill_response(resp, rows, output_region, lse_region, float_output)
+
+    # ------------------------------------------------------------------ shared memory
+
+    async def register_system_shared_memory(
+        self, region: Any, key: str | None = None, byte_size: int | None = None, *, offset: int = 0,
+        timeout: float | None = None,
+    ) -> SharedMemoryRegionStatus:
+        """RegisterSystemSharedMemory: ``region`` is a :class:`SystemSharedMemoryRegion`, or
+        a region name with the POSIX shm ``key`` and ``byte_size`` (``offset``: where the
+        region starts in the object). Needs a server with ``--shared-memory system|all``."""
+        req = register_system_request(region, key, byte_size, offset)
+        resp = await self._call("RegisterSystemSharedMemory", self._stub.RegisterSystemSharedMemory, req, timeout, None)
+        return SharedMemoryRegionStatus.from_proto(resp.region)
+
+    async def register_cuda_shared_memory(
+        self, region: Any, raw_handle: bytes | None = None, device_id: int | None = None,
+        byte_size: int | None = None, *, offset: int = 0, timeout: float | None = None,
+    ) -> SharedMemoryRegionStatus:
+        """RegisterCudaSharedMemory: ``region`` is a :class:`CudaSharedMemoryRegion` (a torch
+        CUDA tensor of this process), or a region name with the 64-byte ``raw_handle``, the
+        server's ``device_id``, ``byte_size`` and ``offset`` in the allocation. Needs a server
+        on the same host and GPU with ``--shared-memory cuda|all``."""
+        req = register_cuda_request(region, raw_handle, device_id, byte_size, offset)
+        resp = await self._call("RegisterCudaSharedMemory", self._stub.RegisterCudaSharedMemory, req, timeout, None)
+        return SharedMemoryRegionStatus.from_proto(resp.region)
+
+    async def unregister_shared_memory(self, name: str = "", *, timeout: float | None = None) -> list[str]:
+        """UnregisterSharedMemory of region ``name`` ("": all); returns the names unregistered."""
+        req = pb.UnregisterSharedMemoryRequest(name=name)
+        resp = await self._call("UnregisterSharedMemory", self._stub.UnregisterSharedMemory, req, timeout, None)
+        return list(resp.names)
+
+    async def shared_memory_status(self, name: str = "", *, timeout: float | None = None) -> list[SharedMemoryRegionStatus]:
+        """GetSharedMemoryStatus of region ``name`` ("": all)."""
+        req = pb.GetSharedMemoryStatusRequest(name=name)
+        resp = await self._call("GetSharedMemoryStatus", self._stub.GetSharedMemoryStatus, req, timeout, None)
+        return [SharedMemoryRegionStatus.from_proto(r) for r in resp.regions]

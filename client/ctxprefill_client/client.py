@@ -49,6 +49,12 @@ from ._common import (
 from ._common import channel_options as _channel_options
 from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
 from ._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+from .shared_memory import (
+    SharedMemoryRef,
+    SharedMemoryRegionStatus,
+    register_cuda_request,
+    register_system_request,
+)
 
 __all__ = ["PrefillContextClient"]
 
@@ -199,6 +205,9 @@ class PrefillContextClient:
         workspace_tokens: int | None = None,
         plan: Iterable[Any] | None = None,
         q_dtype: int | None = None,
+        output_region: SharedMemoryRef | None = None,
+        lse_region: SharedMemoryRef | None = None,
+        float_output: bool = True,
         timeout: float | None = None,
     ) -> PrefillResult:
         """PrefillContext: attention of ``q`` ``[Tq, H, P+R]`` over the cached context.
@@ -208,6 +217,13 @@ class PrefillContextClient:
         last known prefill dtype is fp8), ``uint16`` bf16 bits, ``uint8`` fp8 bits, or a
         ``RawTensor``; ``q_dtype`` forces the wire dtype. ``plan``: an explicit chunk plan
         (:class:`ContextChunk` objects or 4-tuples); None lets the server plan.
+
+        Shared memory (``serve --shared-memory``; :mod:`ctxprefill_client.shared_memory`):
+        ``q`` may be a :class:`SharedMemoryTensor` (from a registered region's ``write`` or
+        ``input``); ``output_region`` / ``lse_region`` (a region's ``ref(...)``) make the
+        server write the results there instead of sending them (see :class:`PrefillResult`).
+        ``float_output=False`` skips the float32 copy of the output (``output`` is None; the
+        bf16 bits are in ``output_bits``).
         """
         expected = self._tracker.expected()
         req = build_prefill_request(
@@ -219,9 +235,48 @@ class PrefillContextClient:
             expected=expected,
             q_dtype=q_dtype,
             server_prefill_dtype=self._info.prefill_dtype if self._info else None,
+            output_region=output_region,
+            lse_region=lse_region,
         )
         resp = self._call("PrefillContext", self._stub.PrefillContext, req, timeout, expected)
         self._tracker.observe("PrefillContext", resp.instance_id)
         rows = int(req.q.shape[0]) if len(req.q.shape) else 0
-        return parse_prefill_response(resp, rows)
+        return parse_prefill_response(resp, rows, output_region, lse_region, float_output)
+
+    # ------------------------------------------------------------------ shared memory
+
+    def register_system_shared_memory(
+        self, region: Any, key: str | None = None, byte_size: int | None = None, *, offset: int = 0,
+        timeout: float | None = None,
+    ) -> SharedMemoryRegionStatus:
+        """RegisterSystemSharedMemory: ``region`` is a :class:`SystemSharedMemoryRegion`, or
+        a region name with the POSIX shm ``key`` and ``byte_size`` (``offset``: where the
+        region starts in the object). Needs a server with ``--shared-memory system|all``."""
+        req = register_system_request(region, key, byte_size, offset)
+        resp = self._call("RegisterSystemSharedMemory", self._stub.RegisterSystemSharedMemory, req, timeout, None)
+        return SharedMemoryRegionStatus.from_proto(resp.region)
+
+    def register_cuda_shared_memory(
+        self, region: Any, raw_handle: bytes | None = None, device_id: int | None = None,
+        byte_size: int | None = None, *, offset: int = 0, timeout: float | None = None,
+    ) -> SharedMemoryRegionStatus:
+        """RegisterCudaSharedMemory: ``region`` is a :class:`CudaSharedMemoryRegion` (a torch
+        CUDA tensor of this process), or a region name with the 64-byte ``raw_handle``, the
+        server's ``device_id``, ``byte_size`` and ``offset`` in the allocation. Needs a server
+        on the same host and GPU with ``--shared-memory cuda|all``."""
+        req = register_cuda_request(region, raw_handle, device_id, byte_size, offset)
+        resp = self._call("RegisterCudaSharedMemory", self._stub.RegisterCudaSharedMemory, req, timeout, None)
+        return SharedMemoryRegionStatus.from_proto(resp.region)
+
+    def unregister_shared_memory(self, name: str = "", *, timeout: float | None = None) -> list[str]:
+        """UnregisterSharedMemory of region ``name`` ("": all); returns the names unregistered."""
+        req = pb.UnregisterSharedMemoryRequest(name=name)
+        resp = self._call("UnregisterSharedMemory", self._stub.UnregisterSharedMemory, req, timeout, None)
+        return list(resp.names)
+
+    def shared_memory_status(self, name: str = "", *, timeout: float | None = None) -> list[SharedMemoryRegionStatus]:
+        """GetSharedMemoryStatus of region ``name`` ("": all)."""
+        req = pb.GetSharedMemoryStatusRequest(name=name)
+        resp = self._call("GetSharedMemoryStatus", self._stub.GetSharedMemoryStatus, req, timeout, None)
+        return [SharedMemoryRegionStatus.from_proto(r) for r in resp.regions]
 

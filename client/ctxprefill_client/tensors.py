@@ -42,6 +42,7 @@ __all__ = [
     "float32_to_fp8_e4m3_bits",
     "fp8_e4m3_bits_to_float32",
     "storage_dtype",
+    "tensor_bits",
     "tensor_to_numpy",
 ]
 
@@ -243,7 +244,16 @@ def _check_int_range(arr: np.ndarray, target: np.dtype, name: str) -> None:
 
 
 def encode_tensor(x: Any, dtype: int | None = None, *, name: str = "tensor") -> pb.Tensor:
-    """A ``Tensor`` message holding ``x``.
+    """A ``Tensor`` message holding ``x`` (see :func:`tensor_bits` for ``x`` and ``dtype``)."""
+    wire, bits = tensor_bits(x, dtype, name=name)
+    storage = storage_dtype(wire)
+    data = np.ascontiguousarray(bits, dtype=storage).tobytes()
+    return pb.Tensor(dtype=wire, shape=[int(s) for s in np.shape(bits)], data=data)
+
+
+def tensor_bits(x: Any, dtype: int | None = None, *, name: str = "tensor") -> tuple[int, np.ndarray]:
+    """``(wire dtype, bits)``: what :func:`encode_tensor` sends, as a numpy array in the
+    wire dtype's storage dtype (not copied when ``x`` already is one).
 
     ``x`` is a :class:`RawTensor` (sent as is; ``dtype`` must be None or match) or an
     array-like. For an array, ``dtype`` picks the wire type:
@@ -293,9 +303,7 @@ def encode_tensor(x: Any, dtype: int | None = None, *, name: str = "tensor") -> 
             bits = arr
         else:
             raise ValueError(f"{name}: unsupported dtype {dtype_name(wire)}")
-    storage = storage_dtype(wire)
-    data = np.ascontiguousarray(bits, dtype=storage).tobytes()
-    return pb.Tensor(dtype=wire, shape=[int(s) for s in np.shape(bits)], data=data)
+    return wire, np.asarray(bits, dtype=storage_dtype(wire))
 
 
 def decode_tensor(

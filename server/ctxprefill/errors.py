@@ -28,5 +28,21 @@ class FailedPrecondition(CtxPrefillError):
     """The request is well formed but the server is not in the state it assumes."""
 
 
+class NotFound(CtxPrefillError):
+    """A named entity (a shared-memory region, a shared-memory object) does not exist."""
+
+
+class AlreadyExists(CtxPrefillError):
+    """A name to register is already in use."""
+
+
+class ResourceExhausted(CtxPrefillError):
+    """A configured limit (e.g. shared-memory regions or bytes) would be exceeded."""
+
+
+class Unimplemented(CtxPrefillError):
+    """A feature this server was not started with (e.g. --shared-memory off)."""
+
+
 class ConfigError(ValueError):
     """A server configuration that must refuse to start."""

@@ -50,6 +50,9 @@ class ServeSettings:
     tls_key: str | None = None  # PEM private key of tls_cert
     tls_client_ca: str | None = None  # PEM CA bundle: require and verify client certificates (mutual TLS)
     auth_token_file: str | None = None  # file holding the bearer token every RPC must carry
+    shared_memory: str = "off"  # same-host transport (docs/TRANSPORT.md): off, system, cuda or all
+    shared_memory_max_regions: int = 64  # shared-memory regions registered at once
+    shared_memory_max_bytes: int = 64 << 30  # bytes in all registered regions together
 
 
 _HELP = {
@@ -66,7 +69,8 @@ _HELP = {
     "cache_dtype": "auto (bf16), fp8 or fp8_ds_mla",
     "k_scale": "per-tensor scale of the fp8 cache",
     "prefill_dtype": "bf16 or fp8 (q arrives in fp8; k, v quantized)",
-    "backend": "attention backend: auto, cudnn, triton or reference",
+    "backend": "attention backend: auto (on a GPU: the faster of triton and cudnn-frontend, timed at start-up "
+               "on a workspace-sized chunk), triton, cudnn-frontend, cudnn or reference",
     "workspace_tokens": "rows of the gather workspace (the largest chunk)",
     "weights": "safetensors file holding {prefix}kv_b_proj.weight (random weights when absent)",
     "weights_prefix": "key prefix in the weights file, e.g. model.layers.0.self_attn.",
@@ -83,7 +87,15 @@ _HELP = {
     "tls_client_ca": "PEM CA bundle: require a client certificate signed by it (mutual TLS; needs --tls-cert)",
     "auth_token_file": "file holding a bearer token: every RPC but grpc.health.v1 must send "
                        "'authorization: Bearer <token>' (or set the token itself in CTXPREFILL_AUTH_TOKEN)",
+    "shared_memory": "same-host tensor transport (docs/TRANSPORT.md): off, system (POSIX shared memory), cuda "
+                     "(CUDA IPC handles; needs a CUDA device) or all (system, and cuda on a CUDA device); any local "
+                     "process that can open a registered segment can read and change what flows through it",
+    "shared_memory_max_regions": "shared-memory regions registered at once (more: RESOURCE_EXHAUSTED)",
+    "shared_memory_max_bytes": "bytes of all registered shared-memory regions together (more: RESOURCE_EXHAUSTED)",
 }
+
+#: --shared-memory value -> the region kinds it enables (``all``: cuda only on a CUDA device)
+SHARED_MEMORY_MODES = {"off": (), "system": ("system",), "cuda": ("cuda",), "all": ("system", "cuda")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,6 +135,25 @@ def resolve_device(name: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {name}: no CUDA device is available")
     return dev
+
+
+def shared_memory_kinds(s: ServeSettings) -> tuple[str, ...]:
+    """The shared-memory region kinds ``--shared-memory`` enables on this server's device,
+    its limits checked (ConfigError naming the flag). ``cuda`` needs a CUDA device; ``all``
+    enables cuda only on one."""
+    mode = s.shared_memory
+    if mode not in SHARED_MEMORY_MODES:
+        raise ConfigError(f"--shared-memory must be one of {', '.join(SHARED_MEMORY_MODES)}, got {mode!r}")
+    if not isinstance(s.shared_memory_max_regions, int) or s.shared_memory_max_regions < 1:
+        raise ConfigError(f"--shared-memory-max-regions must be an integer >= 1, got {s.shared_memory_max_regions!r}")
+    if not isinstance(s.shared_memory_max_bytes, int) or s.shared_memory_max_bytes < 1:
+        raise ConfigError(f"--shared-memory-max-bytes must be an integer >= 1, got {s.shared_memory_max_bytes!r}")
+    kinds = SHARED_MEMORY_MODES[mode]
+    if "cuda" in kinds and resolve_device(s.device).type != "cuda":
+        if mode == "cuda":
+            raise ConfigError(f"--shared-memory cuda needs a CUDA device (--device {s.device} is not one)")
+        kinds = tuple(k for k in kinds if k != "cuda")
+    return kinds
 
 
 @dataclasses.dataclass(frozen=True)

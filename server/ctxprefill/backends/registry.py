@@ -1,8 +1,19 @@
-"""Attention backends by name, and ``auto``: the best one this device supports."""
+"""Attention backends by name, and ``auto``: the best one this device supports.
+
+``auto`` without a probe shape takes the first usable backend of ``_AUTO_ORDER`` (static).
+With a :class:`ProbeShape` (the chunk shape the caller will run, e.g. ``workspace_tokens``
+keys under a query count, its head count) and a CUDA device, it times every usable
+candidate of ``_PROBE_ORDER`` on that chunk after a warm-up (which also pays one-time
+costs: Triton compiles, cuDNN graph builds) and keeps the fastest; a candidate whose
+probe raises is skipped with the reason. A CPU device always gets ``reference``, unprobed.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import logging
+import time
 
 import torch
 
@@ -11,6 +22,7 @@ from .base import AttentionBackend
 # name -> "module:Class"; imported lazily so that a CPU machine never imports triton.
 _BACKENDS: dict[str, str] = {
     "cudnn": "ctxprefill.backends.cudnn_dense:CudnnDenseBackend",
+    "cudnn-frontend": "ctxprefill.backends.cudnn_frontend:CudnnFrontendBackend",
     "triton": "ctxprefill.backends.triton_attention:TritonAttentionBackend",
     "reference": "ctxprefill.backends.reference:ReferenceBackend",
 }
@@ -19,7 +31,33 @@ _BACKENDS: dict[str, str] = {
 # bf16 chunks at 672 TFLOP/s against Triton's 552, but every new (q, k) length pair
 # costs a 60-75 ms cuDNN plan build, and a serving workload's lengths rarely repeat.
 # Ask for it with --backend cudnn where chunk shapes do repeat (docs/DESIGN.md).
+# cudnn-frontend is not in it either (a ~1.3 s graph build per new shape bucket); ``auto``
+# with a probe shape measures it against triton (``_PROBE_ORDER``).
 _AUTO_ORDER = ("triton", "reference")
+# candidates ``auto`` times on a CUDA device when given a probe shape (ties: the first)
+_PROBE_ORDER = ("triton", "cudnn-frontend")
+
+log = logging.getLogger("ctxprefill.backends")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeShape:
+    """A representative chunk for ``auto``'s start-up probe: ``segments`` sequences of
+    equal length sharing ``q_tokens`` queries and ``k_tokens`` keys, ``heads`` heads."""
+
+    heads: int
+    q_tokens: int
+    k_tokens: int
+    segments: int = 1
+    warmup: int = 2
+    iters: int = 5
+    scale: float = 192**-0.5
+
+    def __post_init__(self):
+        if min(self.heads, self.q_tokens, self.k_tokens, self.segments, self.iters) < 1 or self.warmup < 0:
+            raise ValueError(f"probe shape needs positive sizes: {self}")
+        if self.segments > min(self.q_tokens, self.k_tokens):
+            raise ValueError(f"probe shape: {self.segments} segments need at least as many q and k tokens")
 
 
 def names() -> list[str]:
@@ -33,8 +71,10 @@ def backend_class(name: str) -> type[AttentionBackend]:
     return getattr(importlib.import_module(mod), cls)
 
 
-def create(name: str, device: torch.device, q_dtype: torch.dtype) -> tuple[AttentionBackend, str]:
-    """(backend, why it was chosen). ``name="auto"`` picks the first usable one."""
+def create(name: str, device: torch.device, q_dtype: torch.dtype,
+           probe: ProbeShape | None = None) -> tuple[AttentionBackend, str]:
+    """(backend, why it was chosen). ``name="auto"`` picks the first usable one, or, given
+    a ``probe`` shape on a CUDA device, the fastest usable one on that shape."""
     device = torch.device(device)
     if name != "auto":
         cls = backend_class(name)
@@ -44,6 +84,8 @@ def create(name: str, device: torch.device, q_dtype: torch.dtype) -> tuple[Atten
         if not cls.supports(device, q_dtype):
             raise ValueError(f"attention backend {name!r} does not support {q_dtype} on {device}")
         return cls(), "requested"
+    if probe is not None and device.type == "cuda":
+        return _auto_by_probe(device, q_dtype, probe)
     skipped = []
     for candidate in _AUTO_ORDER:
         try:
@@ -56,3 +98,86 @@ def create(name: str, device: torch.device, q_dtype: torch.dtype) -> tuple[Atten
             return cls(), "auto" + (f" (skipped {'; '.join(skipped)})" if skipped else "")
         skipped.append(f"{candidate}: {why or 'dtype not supported'}")
     raise ValueError(f"no attention backend for {q_dtype} on {device}: {'; '.join(skipped)}")
+
+
+def _usable(candidates, device, q_dtype) -> tuple[list[tuple[str, type[AttentionBackend]]], list[str]]:
+    """([(name, class)] usable here for q_dtype, [why each other one is not])."""
+    usable, skipped = [], []
+    for candidate in candidates:
+        try:
+            cls = backend_class(candidate)
+        except ImportError as e:
+            skipped.append(f"{candidate}: {e}")
+            continue
+        ok, why = cls.is_available(device)
+        if ok and cls.supports(device, q_dtype):
+            usable.append((candidate, cls))
+        else:
+            skipped.append(f"{candidate}: {why or 'dtype not supported'}")
+    return usable, skipped
+
+
+def _auto_by_probe(device: torch.device, q_dtype: torch.dtype, probe: ProbeShape,
+                   measure=None) -> tuple[AttentionBackend, str]:
+    """``auto`` with a probe: the fastest usable candidate of ``_PROBE_ORDER`` on ``probe``.
+    ``measure(backend, device, q_dtype, probe) -> ms`` (tests pass a stand-in)."""
+    measure = measure or _measure
+    usable, skipped = _usable(_PROBE_ORDER, device, q_dtype)
+    if len(usable) == 1:  # nothing to compare: no probe
+        name, cls = usable[0]
+        return cls(), f"auto: {name}, the only candidate" + (f" (skipped {'; '.join(skipped)})" if skipped else "")
+    timed = []  # (ms, order, name, instance)
+    for i, (name, cls) in enumerate(usable):
+        try:
+            be = cls()
+            ms = float(measure(be, device, q_dtype, probe))
+        except Exception as e:  # noqa: BLE001  a candidate that cannot run the probe is not chosen
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            skipped.append(f"{name}: probe failed ({msg})")
+            log.warning("attention backend auto: %s failed its probe: %s", name, msg)
+            continue
+        timed.append((ms, i, name, be))
+    if not timed:
+        raise ValueError(f"no attention backend for {q_dtype} on {device}: {'; '.join(skipped)}")
+    best = min(timed, key=lambda r: (r[0], r[1]))
+    per_q, per_k = probe.q_tokens // probe.segments, probe.k_tokens // probe.segments
+    shape = f"H={probe.heads} {probe.segments}x({per_q}q/{per_k}k)"
+    why = (f"auto: {', '.join(f'{n} {ms:.3f} ms' for ms, _, n, _ in timed)} -> {best[2]} ({shape})"
+           + (f" (skipped {'; '.join(skipped)})" if skipped else ""))
+    log.info("attention backend %s", why)
+    return best[3], why
+
+
+def _measure(be: AttentionBackend, device: torch.device, q_dtype: torch.dtype, probe: ProbeShape) -> float:
+    """Milliseconds per ``run_context_chunk`` on random data of the probe shape (CUDA events,
+    after ``probe.warmup`` calls), writing into a caller-given ``out`` when supported."""
+    H, S = probe.heads, probe.segments
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def split(total):
+        per = [total // S] * S
+        per[-1] += total - sum(per)
+        return torch.tensor([0] + torch.tensor(per).cumsum(0).tolist(), dtype=torch.int32, device=device), max(per)
+
+    def rnd(*shape):
+        x = torch.randn(*shape, device=device, dtype=torch.float32, generator=gen)
+        return x.clamp(-448, 448).to(q_dtype)
+
+    with torch.cuda.device(device):
+        q, k, v = rnd(probe.q_tokens, H, 192), rnd(probe.k_tokens, H, 192), rnd(probe.k_tokens, H, 128)
+        (cu_q, max_q), (cu_k, max_k) = split(probe.q_tokens), split(probe.k_tokens)
+        out = torch.empty(probe.q_tokens, H, 128, dtype=torch.bfloat16, device=device) if be.supports_out() else None
+        run = lambda: be.run_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, probe.scale, out=out)
+        for _ in range(probe.warmup):
+            run()
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(probe.iters):
+            run()
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end) / probe.iters
+    log.debug("probe of %s: %.3f ms (%.1f s wall)", be.name, ms, time.perf_counter() - t0)
+    return ms

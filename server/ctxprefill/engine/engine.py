@@ -75,7 +75,16 @@ class Engine:
         self.cache = PagedLatentCache(config.cache, self.device, shape.kv_lora_rank, shape.qk_rope_head_dim)
         self.q_dtype = FP8 if config.prefill_dtype == "fp8" else torch.bfloat16
         if backend is None:
-            backend, self.backend_reason = registry.create(config.backend, self.device, self.q_dtype)
+            # auto on a GPU: time the candidates on a chunk like the ones this engine will run
+            # (its workspace of keys, capped at 16k to bound the probe's memory, under 1,024
+            # queries); on a CPU, or with a named backend, no probe
+            probe = None
+            if config.backend == "auto" and self.device.type == "cuda":
+                probe = registry.ProbeShape(heads=shape.heads, q_tokens=min(1024, config.workspace_tokens),
+                                            k_tokens=min(16384, config.workspace_tokens))
+            with self._on_device():
+                backend, self.backend_reason = registry.create(config.backend, self.device, self.q_dtype,
+                                                               probe=probe)
         else:
             self.backend_reason = "given"
         self.backend = backend

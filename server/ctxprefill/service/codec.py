@@ -11,6 +11,15 @@ Shapes are checked before anything is allocated: a dtype we know, at most
 :data:`MAX_DIMS` dimensions, no negative or absurd extent, at most
 :data:`MAX_ELEMENTS` elements, and ``len(data) == prod(shape) * itemsize`` — each
 failure an ``InvalidArgument`` naming the field.
+
+Shared memory (``--shared-memory``, ``shared_memory.py``): a Tensor with
+``shared_memory`` set is decoded, given the request's :class:`Lease`, into a view of
+the region's bytes after the reference is checked (``<field>.shared_memory...``);
+nothing is read then. ``from_shared`` makes what the engine uses of it on the engine
+thread (system memory: one copy to the device; CUDA memory: used in place), and
+``write_shared`` / ``encode_shared`` put a result into a region and describe it.
+An index tensor (``index=True``) is copied out of shared memory at once, so that the
+values checked are the values used.
 """
 
 from __future__ import annotations
@@ -84,11 +93,17 @@ def check_tensor(msg: pb.Tensor, field: str, dtypes: tuple[int, ...] | None = No
 
 
 def decode(msg: pb.Tensor, field: str, dtypes: tuple[int, ...] | None = None, ndim: int | None = None,
-           data: bytes | None = None) -> torch.Tensor:
+           data: bytes | None = None, shm=None, index: bool = False) -> torch.Tensor:
     """A CPU tensor viewing ``msg.data`` (read-only; do not write into it).
 
     ``data`` may pass ``msg.data`` when the caller already holds it (each access of a
     protobuf bytes field may build a new ``bytes`` object).
+
+    With ``shared_memory`` set: a view of the region's bytes (CPU for system memory,
+    the device for CUDA memory), the reference checked and its region held by ``shm``
+    (the request's ``shared_memory.Lease``; None: shared memory is off, the field is
+    INVALID_ARGUMENT). ``index``: the tensor holds indices; it must be in system memory
+    and is copied (checks then read what the engine will use).
     """
     wire, shape = check_tensor(msg, field, dtypes, ndim)
     value_dtype, storage_dtype, name = _WIRE[wire]
@@ -96,6 +111,8 @@ def decode(msg: pb.Tensor, field: str, dtypes: tuple[int, ...] | None = None, nd
         data = msg.data
     n = math.prod(shape)
     need = n * storage_dtype.itemsize
+    if msg.HasField("shared_memory"):
+        return _decode_shared(msg, field, shape, value_dtype, storage_dtype, need, len(data), shm, index)
     if len(data) != need:
         raise InvalidArgument(field, f"data has {len(data)} bytes, shape {list(shape)} of {name} needs {need}")
     if n == 0:
@@ -115,3 +132,55 @@ def encode(t: torch.Tensor) -> pb.Tensor:
     t = t.contiguous()
     raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
     return pb.Tensor(dtype=wire, shape=list(t.shape), data=raw.numpy().tobytes())
+
+
+# ---------------------------------------------------------------------------- shared memory
+
+
+def _decode_shared(msg, field, shape, value_dtype, storage_dtype, need, data_len, shm, index) -> torch.Tensor:
+    from .shared_memory import off_message
+
+    where = f"{field}.shared_memory"
+    if shm is None:
+        raise InvalidArgument(where, off_message() + f"; or send the elements inline in {field}.data")
+    if data_len:
+        raise InvalidArgument(f"{field}.data", f"has {data_len} bytes; it must be empty when {where} is set")
+    region, raw = shm.resolve(msg.shared_memory, where, need, storage_dtype.itemsize, allow_cuda=not index)
+    shm.count(region.kind, "in", need)
+    if index:
+        raw = raw.clone()  # the values checked are the values used, whatever the caller writes meanwhile
+    if need == 0:
+        return torch.empty(shape, dtype=value_dtype, device=raw.device)
+    t = raw.view(storage_dtype).view(shape)
+    return t.view(value_dtype) if storage_dtype != value_dtype else t
+
+
+def from_shared(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """What the engine uses of a tensor that views shared memory (call on the engine
+    thread): system memory is copied once (to the device, or to private host memory on
+    a CPU server, so that the caller cannot change it under the computation); CUDA
+    memory is used in place, unless its address is not 16-byte aligned (then copied
+    on the device)."""
+    from .shared_memory import DEVICE_ALIGNMENT
+
+    if t.is_cuda:
+        return t if t.numel() == 0 or t.data_ptr() % DEVICE_ALIGNMENT == 0 else t.clone()
+    if device.type == "cpu":
+        return t.clone()
+    return t.to(device)
+
+
+def write_shared(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src``'s bytes (row-major) into ``dst``, a uint8 view of a region of the same
+    byte size: a device copy into CUDA memory, one device-to-host copy (or a memcpy on a
+    CPU server) into system memory. The caller synchronizes the device afterwards."""
+    src = src.detach().contiguous()
+    if src.numel() == 0:
+        return
+    dst.copy_(src.reshape(-1).view(torch.uint8))
+
+
+def encode_shared(dtype: torch.dtype, shape, region: str, offset: int, nbytes: int) -> pb.Tensor:
+    """A Tensor message that describes a result written into a region (no data)."""
+    return pb.Tensor(dtype=_FROM_TORCH[dtype], shape=list(shape),
+                     shared_memory=pb.SharedMemoryRef(region=region, offset=offset, byte_size=nbytes))

@@ -7,6 +7,9 @@ Handlers raise; this is the only place that turns an exception into a status:
 | ``errors.InvalidArgument``                 | INVALID_ARGUMENT, ``"<field>: <message>"`` |
 | ``errors.OutOfRange``                      | OUT_OF_RANGE                             |
 | ``errors.FailedPrecondition``              | FAILED_PRECONDITION                      |
+| ``errors.NotFound`` / ``AlreadyExists``    | NOT_FOUND / ALREADY_EXISTS               |
+| ``errors.ResourceExhausted``               | RESOURCE_EXHAUSTED                       |
+| ``errors.Unimplemented``                   | UNIMPLEMENTED                            |
 | :class:`RpcStatusError` (service states)   | its code (RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, ...) |
 | ``context.abort(...)`` inside a handler    | as given (e.g. the health service's NOT_FOUND) |
 | a request whose bytes do not parse         | INVALID_ARGUMENT, ``"request: ..."`` (the handler never runs) |
@@ -37,7 +40,15 @@ import time
 
 import grpc
 
-from ..errors import FailedPrecondition, InvalidArgument, OutOfRange
+from ..errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    Unimplemented,
+)
 from .metrics import Metrics
 
 log = logging.getLogger("ctxprefill.service")
@@ -65,6 +76,10 @@ _CODES = (
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (OutOfRange, grpc.StatusCode.OUT_OF_RANGE),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
 )
 
 

@@ -100,6 +100,21 @@ class Metrics:
         )
         self.ready = Gauge("ctxprefill_ready", "1 while the server is ready to serve (weights loaded, kernels warm).",
                            registry=r)
+        # -- shared memory (--shared-memory; docs/TRANSPORT.md) -------------------------------
+        self.shm_regions = Gauge(
+            "ctxprefill_shared_memory_regions", "Shared-memory regions registered, by kind (system, cuda).",
+            ["kind"], registry=r,
+        )
+        self.shm_region_bytes = Gauge(
+            "ctxprefill_shared_memory_region_bytes", "Bytes in the registered shared-memory regions, by kind.",
+            ["kind"], registry=r,
+        )
+        self.shm_transfer = Counter(
+            "ctxprefill_shared_memory_transfer_bytes_total",
+            "Tensor bytes that requests read from (direction=in) or wrote to (direction=out) shared-memory regions "
+            "instead of carrying them inline, by region kind.",
+            ["kind", "direction"], registry=r,
+        )
         # -- gRPC (go-grpc-prometheus names) ---------------------------------------------
         labels = ["grpc_type", "grpc_service", "grpc_method"]
         self.grpc_started = Counter(
@@ -137,6 +152,26 @@ class Metrics:
             self.kernel_launches.labels(stage=stage, path=path)
         self.chunks.labels(path=path)
         self.fp8_path.labels(**fp8_path)
+
+    def init_shared_memory(self, kinds) -> None:
+        """Zero series for the shared-memory kinds the server accepts."""
+        for kind in kinds:
+            self.shm_regions.labels(kind=kind).set(0)
+            self.shm_region_bytes.labels(kind=kind).set(0)
+            for direction in ("in", "out"):
+                self.shm_transfer.labels(kind=kind, direction=direction)
+
+    def set_shared_memory_regions(self, by_kind: dict) -> None:
+        """``{kind: (regions, bytes)}`` after a region was registered or unregistered."""
+        for kind, (n, nbytes) in by_kind.items():
+            self.shm_regions.labels(kind=kind).set(n)
+            self.shm_region_bytes.labels(kind=kind).set(nbytes)
+
+    def observe_shared_memory(self, transferred: dict) -> None:
+        """``{(kind, direction): bytes}`` of one finished request."""
+        for (kind, direction), n in transferred.items():
+            if n:
+                self.shm_transfer.labels(kind=kind, direction=direction).inc(n)
 
     def init_grpc_methods(self, service: str, methods: list[str]) -> None:
         """Zero series for every method of ``service`` (as go-grpc-prometheus's InitializeMetrics)."""

@@ -9,6 +9,12 @@ A request whose deadline passed while it waited is not run (DEADLINE_EXCEEDED; a
 cancelled one is dropped from the queue); a device out-of-memory error fails only
 that request (RESOURCE_EXHAUSTED), after freeing what it held.
 
+Shared memory (``--shared-memory``; ``shared_memory.py``, docs/TRANSPORT.md): the
+four region RPCs, and tensors and outputs placed in registered regions. A request
+holds a lease on the regions it uses from validation until its work on the engine
+thread is done (device synchronized), so that unregistering never pulls memory from
+under a running request.
+
 Handlers raise; ``interceptors.py`` turns exceptions into status codes.
 """
 
@@ -35,10 +41,11 @@ from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grp
 from .. import __version__
 from ..engine.engine import Engine
 from ..ops import _cuda, launches
-from ..settings import ShardSpec
+from ..settings import ShardSpec, shared_memory_kinds
 from . import codec, validate
 from .interceptors import RpcStatusError, request_id_var
 from .metrics import Metrics
+from .shared_memory import CUDA, SYSTEM, SharedMemoryRegistry
 
 log = logging.getLogger("ctxprefill.service")
 
@@ -193,10 +200,16 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         self.engine: Engine | None = None
         self._info: pb.GetServerInfoResponse | None = None
         self._admitted = 0  # requests handed to the worker and not finished (event-loop thread only)
+        kinds = shared_memory_kinds(settings) if hasattr(settings, "shared_memory") else ()  # ConfigError
+        self.shm = SharedMemoryRegistry(kinds, getattr(settings, "shared_memory_max_regions", 64),
+                                        getattr(settings, "shared_memory_max_bytes", 64 << 30),
+                                        on_change=metrics.set_shared_memory_regions)
 
     # -- lifecycle (called by server.py) ---------------------------------------------
     def attach_engine(self, engine: Engine) -> None:
         self.engine = engine
+        self.shm.attach(engine.device)
+        self.metrics.init_shared_memory(self.shm.kinds)
         self._info = self._server_info(engine)
         path = "fused" if engine.config.fused else "generic"
         self.metrics.init_engine(version=__version__, backend=engine.backend.name, device=self._info.device,
@@ -282,7 +295,27 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             workspace_tokens=cfg.workspace_tokens, device=describe_device(engine.device), versions=versions(),
             max_message_bytes=self.max_message_bytes,
             shard_index=shard.shard_index, num_shards=shard.num_shards, total_heads=shard.total_heads,
+            shared_memory_kinds=[_KIND_PB[k] for k in self.shm.kinds],
+            shared_memory_max_regions=self.shm.max_regions if self.shm.enabled else 0,
+            shared_memory_max_bytes=self.shm.max_bytes if self.shm.enabled else 0,
         )
+
+    def _lease(self):
+        """A lease on shared-memory regions for one request (None when shared memory is off)."""
+        return self.shm.lease() if self.shm.enabled else None
+
+    def _end_shared(self, lease, device: torch.device) -> None:
+        """On the engine thread, after a request's work (done or failed): wait for the
+        device work that may still touch CUDA regions, then release the regions."""
+        if lease is None:
+            return
+        try:
+            if lease.uses_cuda and device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception:  # noqa: BLE001 - a failed device; the regions are released anyway
+            log.exception("device synchronize before releasing shared-memory regions failed")
+        finally:
+            lease.finish()
 
     # -- RPCs ----------------------------------------------------------------------------
     async def GetServerInfo(self, request, context):
@@ -292,23 +325,47 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
     async def WriteCache(self, request, context):
         engine = self._gate(admit=True)
         validate.check_instance(request, engine.instance_id)
-        args = validate.validate_write(request, engine.config)
-        path = "fused" if engine.config.fused else "generic"
+        lease = self._lease()
+        try:
+            args = validate.validate_write(request, engine.config, lease)
+            path = "fused" if engine.config.fused else "generic"
 
-        def work():
-            counts: Counter = Counter()
-            with launches.stage(counts, "insert"):
-                n = engine.write_cache(args.slot_mapping, args.kv_c, args.k_pe)
-            self.metrics.observe_insert(counts["insert"], path, engine.cache.slots_used)
-            return n
+            def work():
+                if lease is not None and not lease.begin():
+                    return 0  # the handler gave up on this request
+                try:
+                    kv_c, k_pe = args.kv_c, args.k_pe
+                    if "kv_c" in args.shared:
+                        kv_c = codec.from_shared(kv_c, engine.device)
+                    if "k_pe" in args.shared:
+                        k_pe = codec.from_shared(k_pe, engine.device)
+                    counts: Counter = Counter()
+                    with launches.stage(counts, "insert"):
+                        n = engine.write_cache(args.slot_mapping, kv_c, k_pe)
+                    self.metrics.observe_insert(counts["insert"], path, engine.cache.slots_used)
+                    if lease is not None:
+                        self.metrics.observe_shared_memory(lease.transferred)
+                    return n
+                finally:
+                    self._end_shared(lease, engine.device)
 
-        n = await self._run(work, context)
+            n = await self._run(work, context)
+        finally:
+            if lease is not None:
+                lease.abandon()
         return pb.WriteCacheResponse(slots_written=n, instance_id=engine.instance_id)
 
     async def ReadCache(self, request, context):
         engine = self._gate(admit=True)
         validate.check_instance(request, engine.instance_id)
-        slots = validate.validate_read(request, engine.config, self.max_message_bytes)
+        lease = self._lease()
+        try:
+            slots = validate.validate_read(request, engine.config, self.max_message_bytes, lease)
+            if lease is not None:
+                self.metrics.observe_shared_memory(lease.transferred)
+        finally:
+            if lease is not None:  # slot_mapping was copied out of shared memory: nothing more to hold
+                lease.abandon()
         bps = engine.cache.config.bytes_per_slot
 
         def work():
@@ -326,16 +383,42 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         request_id_var.set(validate.request_id_for_logs(request_id))
         engine = self._gate(admit=True)
         validate.check_instance(request, engine.instance_id)
-        args = validate.validate_prefill(request, engine.config, self.max_message_bytes)
+        lease = self._lease()
+        try:
+            args = validate.validate_prefill(request, engine.config, self.max_message_bytes, lease)
 
-        def work():
-            r = engine.prefill_context(args.q, args.sequences, workspace_tokens=args.workspace_tokens, plan=args.plan)
-            out, lse = r.out.cpu(), r.lse.cpu()  # synchronizes: the result is ready
-            total_ns = time.perf_counter_ns() - t0
-            self.metrics.observe_prefill(r.stats, total_ns / 1e9)
-            return codec.encode(out), codec.encode(lse), r.stats, total_ns
+            def work():
+                if lease is not None and not lease.begin():
+                    return None  # the handler gave up on this request
+                try:
+                    q = codec.from_shared(args.q, engine.device) if args.q_shared else args.q
+                    r = engine.prefill_context(q, args.sequences, workspace_tokens=args.workspace_tokens,
+                                               plan=args.plan)
+                    msgs = []
+                    for t, to in ((r.out, args.output_to), (r.lse, args.lse_to)):
+                        if to is None:
+                            msgs.append(None)
+                            continue
+                        nbytes = t.numel() * t.element_size()
+                        codec.write_shared(to.view, t)
+                        lease.count(to.kind, "out", nbytes)
+                        msgs.append(codec.encode_shared(t.dtype, t.shape, to.region, to.offset, nbytes))
+                    if engine.device.type == "cuda":
+                        torch.cuda.synchronize(engine.device)  # the result is in place (and ready to copy)
+                    out = msgs[0] if msgs[0] is not None else codec.encode(r.out.cpu())
+                    lse = msgs[1] if msgs[1] is not None else codec.encode(r.lse.cpu())
+                    total_ns = time.perf_counter_ns() - t0
+                    self.metrics.observe_prefill(r.stats, total_ns / 1e9)
+                    if lease is not None:
+                        self.metrics.observe_shared_memory(lease.transferred)
+                    return out, lse, r.stats, total_ns
+                finally:
+                    self._end_shared(lease, engine.device)
 
-        out, lse, st, total_ns = await self._run(work, context)
+            out, lse, st, total_ns = await self._run(work, context)
+        finally:
+            if lease is not None:
+                lease.abandon()
         stats = pb.Stats(
             num_chunks=len(st.chunks),
             chunks=[pb.ContextChunk(first_sequence=c.first_sequence, num_sequences=c.num_sequences,
@@ -353,3 +436,33 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                                         "query_tokens": st.query_tokens, "total_ms": round(total_ns / 1e6, 3)})
         return pb.PrefillContextResponse(output=out, lse=lse, stats=stats, instance_id=engine.instance_id,
                                          request_id=request_id)
+
+    # -- shared memory -------------------------------------------------------------------
+    async def RegisterSystemSharedMemory(self, request, context):
+        self._gate()
+        r = self.shm.register_system(request.name, request.key, request.offset, request.byte_size)
+        return pb.RegisterSystemSharedMemoryResponse(region=_region_pb(r.status()))
+
+    async def RegisterCudaSharedMemory(self, request, context):
+        self._gate()
+        self.shm.require(CUDA)  # refuse cheaply on the event loop; opening the handle is a driver call
+        r = await asyncio.to_thread(self.shm.register_cuda, request.name, request.raw_handle, request.device_id,
+                                    request.offset, request.byte_size)
+        return pb.RegisterCudaSharedMemoryResponse(region=_region_pb(r.status()))
+
+    async def UnregisterSharedMemory(self, request, context):
+        self._gate()
+        return pb.UnregisterSharedMemoryResponse(names=self.shm.unregister(request.name))
+
+    async def GetSharedMemoryStatus(self, request, context):
+        self._gate()
+        return pb.GetSharedMemoryStatusResponse(regions=[_region_pb(d) for d in self.shm.status(request.name)])
+
+
+_KIND_PB = {SYSTEM: pb.SHARED_MEMORY_KIND_SYSTEM, CUDA: pb.SHARED_MEMORY_KIND_CUDA}
+
+
+def _region_pb(d: dict) -> pb.SharedMemoryRegion:
+    return pb.SharedMemoryRegion(name=d["name"], kind=_KIND_PB[d["kind"]], key=d["key"], offset=d["offset"],
+                                 byte_size=d["byte_size"], device=d["device"],
+                                 requests_in_flight=d["requests_in_flight"])

@@ -13,6 +13,11 @@ what the engine takes (CPU tensors viewing the request's bytes, ``SequenceSpec``
 The engine and the cache check indices again on their side (a bad index on the GPU
 would kill the process and lose the whole cache), so this layer is about early,
 precise answers; the engine's checks are the last line.
+
+Shared memory: each function takes the request's ``shared_memory.Lease`` (None when
+``--shared-memory`` is off). Tensors placed in regions are checked and held through
+it (NOT_FOUND, OUT_OF_RANGE, INVALID_ARGUMENT naming ``<field>.shared_memory...``),
+and so are PrefillContext's output placements (``output_region``, ``lse_region``).
 """
 
 from __future__ import annotations
@@ -48,10 +53,21 @@ class WriteArgs:
     slot_mapping: torch.Tensor  # int64 [T]
     kv_c: torch.Tensor  # [T, L] bf16 | fp32
     k_pe: torch.Tensor  # [T, R] bf16 | fp32
+    shared: frozenset = frozenset()  # names of the tensors that view shared memory (codec.from_shared them)
 
     @property
     def tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where a result goes in shared memory: ``view`` is its bytes (uint8) in ``region``."""
+
+    region: str
+    kind: str
+    offset: int
+    view: torch.Tensor
 
 
 @dataclasses.dataclass
@@ -60,6 +76,9 @@ class PrefillArgs:
     sequences: list[SequenceSpec]
     workspace_tokens: int
     plan: list[ContextChunk] | None
+    q_shared: bool = False  # q views shared memory (codec.from_shared it on the engine thread)
+    output_to: Placement | None = None  # output_region, when set
+    lse_to: Placement | None = None  # lse_region, when set
 
 
 def check_instance(req, instance_id: str) -> None:
@@ -94,9 +113,9 @@ def _check_response_size(field: str, nbytes: int, max_message_bytes: int) -> Non
         )
 
 
-def validate_write(req: pb.WriteCacheRequest, cfg: EngineConfig) -> WriteArgs:
+def validate_write(req: pb.WriteCacheRequest, cfg: EngineConfig, shm=None) -> WriteArgs:
     L, R = cfg.shape.kv_lora_rank, cfg.shape.qk_rope_head_dim
-    slots = codec.decode(req.slot_mapping, "slot_mapping", (pb.DATA_TYPE_INT64,), ndim=1)
+    slots = codec.decode(req.slot_mapping, "slot_mapping", (pb.DATA_TYPE_INT64,), ndim=1, shm=shm, index=True)
     T = slots.shape[0]
     tensors = {}
     for name, width in (("kv_c", L), ("k_pe", R)):
@@ -104,13 +123,14 @@ def validate_write(req: pb.WriteCacheRequest, cfg: EngineConfig) -> WriteArgs:
         _, shape = codec.check_tensor(msg, name, _LATENT_DTYPES, ndim=2)
         if shape != (T, width):
             raise InvalidArgument(name, f"must have shape [{T}, {width}] (T from slot_mapping), got {list(shape)}")
-        tensors[name] = codec.decode(msg, name, _LATENT_DTYPES, ndim=2)
+        tensors[name] = codec.decode(msg, name, _LATENT_DTYPES, ndim=2, shm=shm)
     _check_slots(slots, cfg.cache.num_slots, allow_skip=True)
-    return WriteArgs(slots, tensors["kv_c"], tensors["k_pe"])
+    shared = frozenset(n for n in ("kv_c", "k_pe") if getattr(req, n).HasField("shared_memory"))
+    return WriteArgs(slots, tensors["kv_c"], tensors["k_pe"], shared)
 
 
-def validate_read(req: pb.ReadCacheRequest, cfg: EngineConfig, max_message_bytes: int) -> torch.Tensor:
-    slots = codec.decode(req.slot_mapping, "slot_mapping", (pb.DATA_TYPE_INT64,), ndim=1)
+def validate_read(req: pb.ReadCacheRequest, cfg: EngineConfig, max_message_bytes: int, shm=None) -> torch.Tensor:
+    slots = codec.decode(req.slot_mapping, "slot_mapping", (pb.DATA_TYPE_INT64,), ndim=1, shm=shm, index=True)
     _check_response_size("slot_mapping", slots.shape[0] * cfg.cache.bytes_per_slot, max_message_bytes)
     _check_slots(slots, cfg.cache.num_slots, allow_skip=False)
     return slots
@@ -120,7 +140,31 @@ def _q_wire_dtype(cfg: EngineConfig) -> int:
     return pb.DATA_TYPE_FP8_E4M3 if cfg.prefill_dtype == "fp8" else pb.DATA_TYPE_BF16
 
 
-def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_message_bytes: int) -> PrefillArgs:
+def _placements(req: pb.PrefillContextRequest, out_bytes: int, lse_bytes: int, shm):
+    """output_region / lse_region of a request: checked and held, or None each."""
+    from .shared_memory import off_message
+
+    got = []
+    for field, nbytes, itemsize in (("output_region", out_bytes, 2), ("lse_region", lse_bytes, 4)):
+        if not req.HasField(field):
+            got.append(None)
+            continue
+        if shm is None:
+            raise InvalidArgument(field, off_message() + "; leave it unset to get the result inline")
+        ref = getattr(req, field)
+        region, view = shm.resolve(ref, field, nbytes, itemsize, exact=False)
+        got.append(Placement(region.name, region.kind, int(ref.offset), view))
+    out_to, lse_to = got
+    if out_to is not None and lse_to is not None and out_to.region == lse_to.region and out_bytes and lse_bytes:
+        a, b = out_to.offset, lse_to.offset
+        if a < b + lse_bytes and b < a + out_bytes:
+            raise InvalidArgument("lse_region", f"bytes [{b}, {b + lse_bytes}) of region {lse_to.region!r} overlap the "
+                                                f"output's [{a}, {a + out_bytes})")
+    return out_to, lse_to
+
+
+def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_message_bytes: int,
+                     shm=None) -> PrefillArgs:
     shape, cache = cfg.shape, cfg.cache
     H, D, V = shape.heads, shape.qk_head_dim, shape.v_head_dim
     bs, num_blocks = cache.block_size, cache.num_blocks
@@ -144,8 +188,9 @@ def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_messa
     if len(q_shape) != 3 or q_shape[1] != H or q_shape[2] != D:
         raise InvalidArgument("q", f"shape {list(q_shape)} is not [Tq, {H}, {D}]")
     Tq = q_shape[0]
-    _check_response_size("q", Tq * H * V * 2 + H * Tq * 4, max_message_bytes)
-    q = codec.decode(req.q, "q")  # its data length, before anything is compared with its rows
+    out_to, lse_to = _placements(req, Tq * H * V * 2, H * Tq * 4, shm)
+    _check_response_size("q", (0 if out_to else Tq * H * V * 2) + (0 if lse_to else H * Tq * 4), max_message_bytes)
+    q = codec.decode(req.q, "q", shm=shm)  # its data length, before anything is compared with its rows
 
     # -- workspace
     W = cfg.workspace_tokens
@@ -208,7 +253,7 @@ def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_messa
             plan.append(ContextChunk(c.first_sequence, tuple(c.context_start), tuple(c.context_len)))
         validate_plan(plan, [s.context_len for s in seqs], W)
 
-    return PrefillArgs(q, seqs, W, plan)
+    return PrefillArgs(q, seqs, W, plan, req.q.HasField("shared_memory"), out_to, lse_to)
 
 
 def request_id_for_logs(request_id: str) -> str:

@@ -17,6 +17,12 @@ class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DATA_TYPE_INT32: _ClassVar[DataType]
     DATA_TYPE_INT64: _ClassVar[DataType]
     DATA_TYPE_UINT8: _ClassVar[DataType]
+
+class SharedMemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SHARED_MEMORY_KIND_UNSPECIFIED: _ClassVar[SharedMemoryKind]
+    SHARED_MEMORY_KIND_SYSTEM: _ClassVar[SharedMemoryKind]
+    SHARED_MEMORY_KIND_CUDA: _ClassVar[SharedMemoryKind]
 DATA_TYPE_UNSPECIFIED: DataType
 DATA_TYPE_BF16: DataType
 DATA_TYPE_FP16: DataType
@@ -25,16 +31,111 @@ DATA_TYPE_FP8_E4M3: DataType
 DATA_TYPE_INT32: DataType
 DATA_TYPE_INT64: DataType
 DATA_TYPE_UINT8: DataType
+SHARED_MEMORY_KIND_UNSPECIFIED: SharedMemoryKind
+SHARED_MEMORY_KIND_SYSTEM: SharedMemoryKind
+SHARED_MEMORY_KIND_CUDA: SharedMemoryKind
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "shared_memory")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     dtype: DataType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shared_memory: SharedMemoryRef
+    def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shared_memory: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryRef(_message.Message):
+    __slots__ = ("region", "offset", "byte_size")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    byte_size: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class SharedMemoryRegion(_message.Message):
+    __slots__ = ("name", "kind", "key", "offset", "byte_size", "device", "requests_in_flight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: SharedMemoryKind
+    key: str
+    offset: int
+    byte_size: int
+    device: str
+    requests_in_flight: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[SharedMemoryKind, str]] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ..., device: _Optional[str] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...
+
+class RegisterSystemSharedMemoryRequest(_message.Message):
+    __slots__ = ("name", "key", "offset", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class RegisterSystemSharedMemoryResponse(_message.Message):
+    __slots__ = ("region",)
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    region: SharedMemoryRegion
+    def __init__(self, region: _Optional[_Union[SharedMemoryRegion, _Mapping]] = ...) -> None: ...
+
+class RegisterCudaSharedMemoryRequest(_message.Message):
+    __slots__ = ("name", "raw_handle", "device_id", "offset", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RAW_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    raw_handle: bytes
+    device_id: int
+    offset: int
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., raw_handle: _Optional[bytes] = ..., device_id: _Optional[int] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class RegisterCudaSharedMemoryResponse(_message.Message):
+    __slots__ = ("region",)
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    region: SharedMemoryRegion
+    def __init__(self, region: _Optional[_Union[SharedMemoryRegion, _Mapping]] = ...) -> None: ...
+
+class UnregisterSharedMemoryRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnregisterSharedMemoryResponse(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetSharedMemoryStatusRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GetSharedMemoryStatusResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[SharedMemoryRegion]
+    def __init__(self, regions: _Optional[_Iterable[_Union[SharedMemoryRegion, _Mapping]]] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
@@ -55,7 +156,7 @@ class Versions(_message.Message):
     def __init__(self, server: _Optional[str] = ..., torch: _Optional[str] = ..., cuda: _Optional[str] = ..., cudnn: _Optional[str] = ..., python: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("instance_id", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "softmax_scale", "cache_dtype", "block_size", "num_blocks", "k_scale", "bytes_per_slot", "kv_b_proj_dtype", "kv_b_proj_scale_format", "weights_source", "prefill_dtype", "attention_backend", "attention_backend_supports_out", "fused_kernels_active", "fused_kernels_reason", "workspace_tokens", "device", "versions", "max_message_bytes", "shard_index", "num_shards", "total_heads")
+    __slots__ = ("instance_id", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "softmax_scale", "cache_dtype", "block_size", "num_blocks", "k_scale", "bytes_per_slot", "kv_b_proj_dtype", "kv_b_proj_scale_format", "weights_source", "prefill_dtype", "attention_backend", "attention_backend_supports_out", "fused_kernels_active", "fused_kernels_reason", "workspace_tokens", "device", "versions", "max_message_bytes", "shard_index", "num_shards", "total_heads", "shared_memory_kinds", "shared_memory_max_regions", "shared_memory_max_bytes")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     KV_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +184,9 @@ class GetServerInfoResponse(_message.Message):
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_HEADS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_KINDS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_MAX_REGIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_heads: int
     kv_lora_rank: int
@@ -110,7 +214,10 @@ class GetServerInfoResponse(_message.Message):
     shard_index: int
     num_shards: int
     total_heads: int
-    def __init__(self, instance_id: _Optional[str] = ..., num_heads: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_nope_head_dim: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., softmax_scale: _Optional[float] = ..., cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., k_scale: _Optional[float] = ..., bytes_per_slot: _Optional[int] = ..., kv_b_proj_dtype: _Optional[str] = ..., kv_b_proj_scale_format: _Optional[str] = ..., weights_source: _Optional[str] = ..., prefill_dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., attention_backend_supports_out: _Optional[bool] = ..., fused_kernels_active: _Optional[bool] = ..., fused_kernels_reason: _Optional[str] = ..., workspace_tokens: _Optional[int] = ..., device: _Optional[str] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_heads: _Optional[int] = ...) -> None: ...
+    shared_memory_kinds: _containers.RepeatedScalarFieldContainer[SharedMemoryKind]
+    shared_memory_max_regions: int
+    shared_memory_max_bytes: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_heads: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_nope_head_dim: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., softmax_scale: _Optional[float] = ..., cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., k_scale: _Optional[float] = ..., bytes_per_slot: _Optional[int] = ..., kv_b_proj_dtype: _Optional[str] = ..., kv_b_proj_scale_format: _Optional[str] = ..., weights_source: _Optional[str] = ..., prefill_dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., attention_backend_supports_out: _Optional[bool] = ..., fused_kernels_active: _Optional[bool] = ..., fused_kernels_reason: _Optional[str] = ..., workspace_tokens: _Optional[int] = ..., device: _Optional[str] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_heads: _Optional[int] = ..., shared_memory_kinds: _Optional[_Iterable[_Union[SharedMemoryKind, str]]] = ..., shared_memory_max_regions: _Optional[int] = ..., shared_memory_max_bytes: _Optional[int] = ...) -> None: ...
 
 class WriteCacheRequest(_message.Message):
     __slots__ = ("slot_mapping", "kv_c", "k_pe", "expected_instance_id")
@@ -171,20 +278,24 @@ class ContextChunk(_message.Message):
     def __init__(self, first_sequence: _Optional[int] = ..., num_sequences: _Optional[int] = ..., context_start: _Optional[_Iterable[int]] = ..., context_len: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillContextRequest(_message.Message):
-    __slots__ = ("request_id", "q", "sequences", "workspace_tokens", "expected_instance_id", "plan")
+    __slots__ = ("request_id", "q", "sequences", "workspace_tokens", "expected_instance_id", "plan", "output_region", "lse_region")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     WORKSPACE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_REGION_FIELD_NUMBER: _ClassVar[int]
+    LSE_REGION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     q: Tensor
     sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
     workspace_tokens: int
     expected_instance_id: str
     plan: _containers.RepeatedCompositeFieldContainer[ContextChunk]
-    def __init__(self, request_id: _Optional[str] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., workspace_tokens: _Optional[int] = ..., expected_instance_id: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[ContextChunk, _Mapping]]] = ...) -> None: ...
+    output_region: SharedMemoryRef
+    lse_region: SharedMemoryRef
+    def __init__(self, request_id: _Optional[str] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., workspace_tokens: _Optional[int] = ..., expected_instance_id: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[ContextChunk, _Mapping]]] = ..., output_region: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., lse_region: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class Fp8Path(_message.Message):
     __slots__ = ("cache_dtype", "kv_b_proj_dtype", "prefill_dtype")

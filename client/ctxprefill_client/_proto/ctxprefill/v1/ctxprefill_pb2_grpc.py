@@ -57,6 +57,26 @@ class PrefillContextServiceStub:
                 request_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextRequest.SerializeToString,
                 response_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextResponse.FromString,
                 _registered_method=True)
+        self.RegisterSystemSharedMemory = channel.unary_unary(
+                '/ctxprefill.v1.PrefillContextService/RegisterSystemSharedMemory',
+                request_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.RegisterSystemSharedMemoryRequest.SerializeToString,
+                response_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.RegisterSystemSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.RegisterCudaSharedMemory = channel.unary_unary(
+                '/ctxprefill.v1.PrefillContextService/RegisterCudaSharedMemory',
+                request_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.RegisterCudaSharedMemoryRequest.SerializeToString,
+                response_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.RegisterCudaSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.UnregisterSharedMemory = channel.unary_unary(
+                '/ctxprefill.v1.PrefillContextService/UnregisterSharedMemory',
+                request_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.UnregisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.GetSharedMemoryStatus = channel.unary_unary(
+                '/ctxprefill.v1.PrefillContextService/GetSharedMemoryStatus',
+                request_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.GetSharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.GetSharedMemoryStatusResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillContextServiceServicer:
@@ -96,6 +116,56 @@ class PrefillContextServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterSystemSharedMemory(self, request, context):
+        """Registers a POSIX shared-memory object of this host (/dev/shm/<key>) as a
+        named region that tensors of later requests may live in (modelled on Triton
+        Inference Server's system shared-memory extension). Errors: UNIMPLEMENTED
+        unless the server runs with --shared-memory system or all; name or key
+        malformed, byte_size < 1 -> INVALID_ARGUMENT; name in use -> ALREADY_EXISTS;
+        no such object -> NOT_FOUND; offset + byte_size past the object's end ->
+        OUT_OF_RANGE; not a regular file, a symbolic link, or not readable and
+        writable by the server -> FAILED_PRECONDITION; over
+        --shared-memory-max-regions or --shared-memory-max-bytes ->
+        RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterCudaSharedMemory(self, request, context):
+        """Registers CUDA device memory of another process on this host, given its
+        cudaIpcMemHandle_t, as a named region (Triton's CUDA shared-memory
+        extension). Tensors in it are used in place on the server's GPU. Errors:
+        UNIMPLEMENTED unless the server runs with --shared-memory cuda or all on a
+        CUDA device; the CUDA extension not loaded -> FAILED_PRECONDITION; handle
+        not 64 bytes, device_id not the server's device, byte_size < 1 ->
+        INVALID_ARGUMENT; the handle does not open (e.g. it was made in the server's
+        own process, or on another host) -> INVALID_ARGUMENT with the CUDA error;
+        offset + byte_size past the allocation -> OUT_OF_RANGE; name in use ->
+        ALREADY_EXISTS; over the region limits -> RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterSharedMemory(self, request, context):
+        """Unregisters one region, or all of them. A region in use by a request in
+        flight is unregistered at once (later references get NOT_FOUND) and its
+        mapping released when that request ends. Errors: UNIMPLEMENTED when shared
+        memory is off; a name that is not registered -> NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSharedMemoryStatus(self, request, context):
+        """The registered regions. Errors: UNIMPLEMENTED when shared memory is off; a
+        name that is not registered -> NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillContextServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -118,6 +188,26 @@ def add_PrefillContextServiceServicer_to_server(servicer, server):
                     servicer.PrefillContext,
                     request_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextRequest.FromString,
                     response_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextResponse.SerializeToString,
+            ),
+            'RegisterSystemSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSystemSharedMemory,
+                    request_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.RegisterSystemSharedMemoryRequest.FromString,
+                    response_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.RegisterSystemSharedMemoryResponse.SerializeToString,
+            ),
+            'RegisterCudaSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterCudaSharedMemory,
+                    request_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.RegisterCudaSharedMemoryRequest.FromString,
+                    response_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.RegisterCudaSharedMemoryResponse.SerializeToString,
+            ),
+            'UnregisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterSharedMemory,
+                    request_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.UnregisterSharedMemoryRequest.FromString,
+                    response_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.UnregisterSharedMemoryResponse.SerializeToString,
+            ),
+            'GetSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSharedMemoryStatus,
+                    request_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.GetSharedMemoryStatusRequest.FromString,
+                    response_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.GetSharedMemoryStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -231,6 +321,114 @@ class PrefillContextService:
             '/ctxprefill.v1.PrefillContextService/PrefillContext',
             ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextRequest.SerializeToString,
             ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterSystemSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ctxprefill.v1.PrefillContextService/RegisterSystemSharedMemory',
+            ctxprefill_dot_v1_dot_ctxprefill__pb2.RegisterSystemSharedMemoryRequest.SerializeToString,
+            ctxprefill_dot_v1_dot_ctxprefill__pb2.RegisterSystemSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterCudaSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ctxprefill.v1.PrefillContextService/RegisterCudaSharedMemory',
+            ctxprefill_dot_v1_dot_ctxprefill__pb2.RegisterCudaSharedMemoryRequest.SerializeToString,
+            ctxprefill_dot_v1_dot_ctxprefill__pb2.RegisterCudaSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ctxprefill.v1.PrefillContextService/UnregisterSharedMemory',
+            ctxprefill_dot_v1_dot_ctxprefill__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+            ctxprefill_dot_v1_dot_ctxprefill__pb2.UnregisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ctxprefill.v1.PrefillContextService/GetSharedMemoryStatus',
+            ctxprefill_dot_v1_dot_ctxprefill__pb2.GetSharedMemoryStatusRequest.SerializeToString,
+            ctxprefill_dot_v1_dot_ctxprefill__pb2.GetSharedMemoryStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

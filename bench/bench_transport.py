@@ -1,0 +1,424 @@
+"""Benchmark: what the transport costs on top of the engine (issue 8, docs/TRANSPORT.md).
+
+One request shape (default: one sequence of 4,096 new tokens over 65,536 cached tokens,
+16 heads, ``auto`` (bf16) cache, bf16 prefill), measured in ONE run four ways:
+
+1. ``engine``: the in-process engine (``build_engine`` + ``prefill_context`` on a q
+   already on the device, device synchronized), as ``ctxprefill bench`` times it;
+2. ``inline``: end to end through gRPC with q, output and LSE inline as protobuf bytes;
+3. ``system``: q, output and LSE in a POSIX shared-memory segment (``--shared-memory``);
+4. ``cuda``: q, output and LSE as CUDA tensors of this process registered by their IPC
+   handles (only when the device is CUDA): q used in place, results written into them.
+
+For each gRPC mode: the median end-to-end time and its ratio to the engine's, split
+into client encode (building the request: for inline the q bytes copy, for system the
+write into the segment), the RPC (serialization, transport, the server's handling) and
+client decode (turning the response into arrays: views, no float32 copy); the server's
+own time (Stats.total_nanos); payload bytes through gRPC and their rate. Every mode's
+output and LSE must equal the inline ones bit for bit (and inline the in-process
+engine's); the exit code says so. Target: cuda ≤ 1.1× the engine.
+
+The server is started here as a subprocess on the chosen device (``python -m
+ctxprefill.cli serve``, same seed and settings as the in-process engine, ``--shared-memory
+all``). On a CPU it runs with small shapes too (tests/test_bench_transport.py):
+
+  PYTHONPATH=server:client python3 bench/bench_transport.py --out bench/results/transport.json
+  PYTHONPATH=server:client python3 bench/bench_transport.py --device cpu --heads 2 --new 8 --context 256 \\
+      --block-size 16 --workspace-tokens 128 --iters 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _sub in ("client", "server"):
+    if os.path.join(ROOT, _sub) not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, _sub))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+T0 = time.time()
+ALIGN = 4096
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+# ----------------------------------------------------------------------------- the workload
+
+
+class Workload:
+    """One sequence: ``new`` query rows over ``context`` cached tokens in shuffled blocks."""
+
+    def __init__(self, ns: argparse.Namespace):
+        from ctxprefill_client import float32_to_bf16_bits, float32_to_fp8_e4m3_bits
+
+        bs = ns.block_size
+        self.num_blocks = -(-ns.context // bs) + 1
+        rng = np.random.default_rng(ns.seed)
+        self.table = rng.permutation(self.num_blocks)[: -(-ns.context // bs)].tolist()
+        j = np.arange(ns.context)
+        self.slots = (np.asarray(self.table, dtype=np.int64)[j // bs] * bs + j % bs).astype(np.int64)
+        self.kv_c = float32_to_bf16_bits(rng.standard_normal((ns.context, 512), dtype=np.float32))
+        self.k_pe = float32_to_bf16_bits(rng.standard_normal((ns.context, 64), dtype=np.float32))
+        q = rng.standard_normal((ns.new, ns.heads, 192), dtype=np.float32)
+        self.fp8 = ns.prefill_dtype == "fp8"
+        self.q_bits = float32_to_fp8_e4m3_bits(q) if self.fp8 else float32_to_bf16_bits(q)
+        self.seqs = [(ns.new, ns.context, self.table)]
+        self.q_bytes = self.q_bits.nbytes
+        self.out_bytes = ns.new * ns.heads * 128 * 2
+        self.lse_bytes = ns.heads * ns.new * 4
+
+    @property
+    def q_wire(self) -> int:
+        from ctxprefill_client import BF16, FP8_E4M3
+
+        return FP8_E4M3 if self.fp8 else BF16
+
+    def q_torch(self) -> torch.Tensor:
+        if self.fp8:
+            return torch.from_numpy(self.q_bits.copy()).view(torch.float8_e4m3fn)
+        return torch.from_numpy(self.q_bits.view(np.int16).copy()).view(torch.bfloat16)
+
+    def chunks(self, n: int = 8192):
+        for a in range(0, len(self.slots), n):
+            yield self.slots[a : a + n], self.kv_c[a : a + n], self.k_pe[a : a + n]
+
+
+def settings_kw(ns, w: Workload) -> dict:
+    return dict(heads=ns.heads, block_size=ns.block_size, num_blocks=w.num_blocks, cache_dtype=ns.cache_dtype,
+                prefill_dtype=ns.prefill_dtype, kv_b_proj_dtype=ns.kv_b_proj_dtype,
+                workspace_tokens=ns.workspace_tokens, backend=ns.backend, seed=ns.seed)
+
+
+def run_engine(ns, w: Workload, dev: torch.device) -> dict:
+    from ctxprefill.engine.engine import SequenceSpec
+    from ctxprefill.settings import ServeSettings, build_engine
+
+    log("in-process engine: building, writing the context")
+    engine = build_engine(ServeSettings(device=str(dev), **settings_kw(ns, w)))
+    for s, c, p in w.chunks():
+        engine.write_cache(torch.from_numpy(s), torch.from_numpy(c.view(np.int16).copy()).view(torch.bfloat16),
+                           torch.from_numpy(p.view(np.int16).copy()).view(torch.bfloat16))
+    q = w.q_torch().to(dev)  # as the service hands it over: q already on the device
+    seqs = [SequenceSpec(*s) for s in w.seqs]
+    for _ in range(ns.warmup):
+        engine.prefill_context(q, seqs)
+    times = []
+    for _ in range(ns.iters):
+        _sync(dev)
+        t = time.perf_counter()
+        r = engine.prefill_context(q, seqs)
+        _sync(dev)
+        times.append(time.perf_counter() - t)
+    out = r.out.view(torch.int16).cpu().numpy().view(np.uint16)
+    lse = r.lse.cpu().numpy()
+    res = {"median_s": statistics.median(times), "times_s": times, "chunks": len(r.stats.chunks),
+           "backend": engine.backend.name, "fused_kernels_active": engine.fused_kernels_active}
+    log(f"in-process engine: {res['median_s'] * 1e3:.3f} ms median of {ns.iters} ({res['chunks']} chunks, "
+        f"backend {res['backend']})")
+    del engine, q, r
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return res, out, lse
+
+
+# ----------------------------------------------------------------------------- the server
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, ns, w: Workload, dev: torch.device, logdir: str):
+        self.port, self.metrics_port = _free_port(), _free_port()
+        args = [sys.executable, "-m", "ctxprefill.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                "--metrics-port", str(self.metrics_port), "--device", str(dev), "--grace-seconds", "5",
+                "--shared-memory", "all"]
+        for k, v in settings_kw(ns, w).items():
+            args += ["--" + k.replace("_", "-"), str(v)]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "server"), os.path.join(ROOT, "client")]
+                                            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        if dev.type == "cuda":
+            env.pop("TRITON_INTERPRET", None)
+        self.cmd = " ".join(args[1:])
+        self.log_path = os.path.join(logdir, "server.log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path) as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> None:
+        t_end = time.monotonic() + timeout
+        while time.monotonic() < t_end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=1.0) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout:.0f} s:\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+# ----------------------------------------------------------------------------- the modes
+
+
+def timed(ns, encode, rpc, decode) -> tuple[dict, object]:
+    """Medians of encode / rpc / decode / total over ``ns.iters`` runs (after warm-up)."""
+    for _ in range(ns.warmup):
+        res = decode(rpc(encode()))
+    rows = []
+    for _ in range(ns.iters):
+        t0 = time.perf_counter()
+        req = encode()
+        t1 = time.perf_counter()
+        resp = rpc(req)
+        t2 = time.perf_counter()
+        res = decode(resp)
+        t3 = time.perf_counter()
+        rows.append({"encode_s": t1 - t0, "rpc_s": t2 - t1, "decode_s": t3 - t2, "total_s": t3 - t0,
+                     "server_s": resp.stats.total_nanos / 1e9, "request_bytes": req.ByteSize(),
+                     "response_bytes": resp.ByteSize()})
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    med["payload_bytes"] = med["request_bytes"] + med["response_bytes"]
+    med["payload_bytes_per_s"] = med["payload_bytes"] / med["rpc_s"] if med["rpc_s"] else float("nan")
+    med["totals_s"] = [r["total_s"] for r in rows]
+    return med, res
+
+
+def run_inline(ns, client, w: Workload):
+    from ctxprefill_client._common import build_prefill_request, parse_prefill_response
+
+    def encode():
+        return build_prefill_request(w.q_bits, w.seqs, request_id=None, workspace_tokens=None, plan=None,
+                                     expected=None, q_dtype=w.q_wire, server_prefill_dtype=None)
+
+    med, res = timed(ns, encode, lambda r: client._stub.PrefillContext(r, timeout=ns.timeout),
+                     lambda resp: parse_prefill_response(resp, ns.new, float_output=False))
+    return med, np.array(res.output_bits), np.array(res.lse)
+
+
+def run_system(ns, client, w: Workload):
+    from ctxprefill_client import SystemSharedMemoryRegion
+    from ctxprefill_client._common import build_prefill_request, parse_prefill_response
+
+    o_at = _align(w.q_bytes)
+    l_at = o_at + _align(w.out_bytes)
+    shm = SystemSharedMemoryRegion("bench-system", l_at + _align(w.lse_bytes))
+    try:
+        client.register_system_shared_memory(shm)
+        out_ref, lse_ref = shm.ref(o_at, w.out_bytes), shm.ref(l_at, w.lse_bytes)
+
+        def encode():
+            q_in = shm.write(w.q_bits, 0, w.q_wire)  # the caller's copy of q into the segment
+            return build_prefill_request(q_in, w.seqs, request_id=None, workspace_tokens=None, plan=None,
+                                         expected=None, q_dtype=None, server_prefill_dtype=None,
+                                         output_region=out_ref, lse_region=lse_ref)
+
+        med, res = timed(ns, encode, lambda r: client._stub.PrefillContext(r, timeout=ns.timeout),
+                         lambda resp: parse_prefill_response(resp, ns.new, out_ref, lse_ref, float_output=False))
+        out, lse = np.array(res.output_bits), np.array(res.lse)
+        del res
+        client.unregister_shared_memory("bench-system")
+    finally:
+        shm.close()
+        shm.unlink()
+    return med, out, lse
+
+
+def run_cuda(ns, client, w: Workload, dev: torch.device):
+    from ctxprefill_client import CudaSharedMemoryRegion
+    from ctxprefill_client._common import build_prefill_request, parse_prefill_response
+
+    q = w.q_torch().to(dev)
+    out = torch.empty((ns.new, ns.heads, 128), dtype=torch.bfloat16, device=dev)
+    lse = torch.empty((ns.heads, ns.new), dtype=torch.float32, device=dev)
+    regions = [CudaSharedMemoryRegion(f"bench-cuda-{n}", t) for n, t in (("q", q), ("out", out), ("lse", lse))]
+    for r in regions:
+        client.register_cuda_shared_memory(r)
+    torch.cuda.current_stream(dev).synchronize()  # q is written before the server reads it
+    q_in, out_ref, lse_ref = regions[0].input(), regions[1].ref(), regions[2].ref()
+
+    def encode():
+        return build_prefill_request(q_in, w.seqs, request_id=None, workspace_tokens=None, plan=None, expected=None,
+                                     q_dtype=None, server_prefill_dtype=None, output_region=out_ref,
+                                     lse_region=lse_ref)
+
+    med, _ = timed(ns, encode, lambda r: client._stub.PrefillContext(r, timeout=ns.timeout),
+                   lambda resp: parse_prefill_response(resp, ns.new, out_ref, lse_ref, float_output=False))
+    out_bits = out.view(torch.int16).cpu().numpy().view(np.uint16)
+    lse_np = lse.cpu().numpy()
+    client.unregister_shared_memory("")
+    return med, out_bits, lse_np
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:N")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--new", type=int, default=4096, help="new (query) tokens")
+    p.add_argument("--context", type=int, default=65536, help="cached context tokens")
+    p.add_argument("--cache-dtype", default="auto")
+    p.add_argument("--prefill-dtype", default="bf16")
+    p.add_argument("--kv-b-proj-dtype", default="bf16")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--workspace-tokens", type=int, default=16384)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--modes", nargs="+", default=["inline", "system", "cuda"], choices=["inline", "system", "cuda"])
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline of each RPC, seconds")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds the server may take to start")
+    p.add_argument("--out", default=None, help="write JSON results here")
+    ns = p.parse_args(argv)
+
+    from ctxprefill.settings import resolve_device
+    from ctxprefill_client import PrefillContextClient
+
+    dev = resolve_device(ns.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+    log(f"device {dev} ({gpu or 'cpu'}); torch {torch.__version__}; request: {ns.new} new tokens over {ns.context} "
+        f"context, H={ns.heads}, cache {ns.cache_dtype}, prefill {ns.prefill_dtype}, W={ns.workspace_tokens}")
+    w = Workload(ns)
+    engine, ref_out, ref_lse = run_engine(ns, w, dev)
+
+    rows: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
+    identical: dict[str, bool] = {}
+    with tempfile.TemporaryDirectory() as logdir:
+        log("starting the server: " + " ".join(["serve", "--device", str(dev), "--shared-memory", "all"]))
+        server = Server(ns, w, dev, logdir)
+        try:
+            server.wait_ready(ns.ready_timeout)
+            with PrefillContextClient(server.target, timeout=ns.timeout, retries=0,
+                                      max_message_bytes=1 << 30) as client:
+                info = client.server_info()
+                log(f"server ready: {info.device}, backend {info.attention_backend}, shared memory "
+                    f"{', '.join(info.shared_memory_kinds) or 'off'}; writing the context")
+                for s, c, q in w.chunks():
+                    client.write_cache(s, c, q)
+                results = {}
+                for mode in ns.modes:
+                    if mode == "cuda" and "cuda" not in info.shared_memory_kinds:
+                        skipped[mode] = ("not a CUDA device" if dev.type != "cuda"
+                                         else "the server does not offer CUDA shared memory")
+                        log(f"{mode}: skipped ({skipped[mode]})")
+                        continue
+                    if mode == "system" and "system" not in info.shared_memory_kinds:
+                        skipped[mode] = "the server does not offer system shared memory"
+                        continue
+                    log(f"{mode}: {ns.warmup} warm-up + {ns.iters} timed requests")
+                    if mode == "inline":
+                        med, out, lse = run_inline(ns, client, w)
+                    elif mode == "system":
+                        med, out, lse = run_system(ns, client, w)
+                    else:
+                        med, out, lse = run_cuda(ns, client, w, dev)
+                    med["ratio_to_engine"] = med["total_s"] / engine["median_s"]
+                    rows[mode] = med
+                    results[mode] = (out, lse)
+                    log(f"{mode}: {med['total_s'] * 1e3:.3f} ms end to end ({med['ratio_to_engine']:.2f}x engine)")
+        finally:
+            server.stop()
+            server_log = server.tail(60)
+
+    def same(a, b):
+        return a[0].shape == b[0].shape and np.array_equal(a[0], b[0]) and np.array_equal(
+            a[1].view(np.uint32), b[1].view(np.uint32))
+
+    for mode, r in results.items():
+        identical[mode] = same(r, results["inline"]) if "inline" in results else same(r, (ref_out, ref_lse))
+    engine_vs_inline = same(results["inline"], (ref_out, ref_lse)) if "inline" in results else None
+
+    print()
+    print(f"{'mode':>8} {'total ms':>9} {'x engine':>8} {'encode ms':>9} {'rpc ms':>8} {'decode ms':>9} "
+          f"{'server ms':>9} {'payload MB':>10} {'MB/s':>8} {'bit-identical':>13}")
+    print(f"{'engine':>8} {engine['median_s'] * 1e3:9.3f} {1.0:8.2f}")
+    for mode, m in rows.items():
+        print(f"{mode:>8} {m['total_s'] * 1e3:9.3f} {m['ratio_to_engine']:8.2f} {m['encode_s'] * 1e3:9.3f} "
+              f"{m['rpc_s'] * 1e3:8.3f} {m['decode_s'] * 1e3:9.3f} {m['server_s'] * 1e3:9.3f} "
+              f"{m['payload_bytes'] / 1e6:10.3f} {m['payload_bytes_per_s'] / 1e6:8.0f} {str(identical[mode]):>13}")
+    for mode, why in skipped.items():
+        print(f"{mode:>8} skipped: {why}")
+    if engine_vs_inline is not None:
+        print(f"inline vs in-process engine: {'bit-identical' if engine_vs_inline else 'DIFFERENT'}")
+    if "cuda" in rows:
+        print(f"target cuda <= 1.1x engine: {'met' if rows['cuda']['ratio_to_engine'] <= 1.1 else 'NOT met'} "
+              f"({rows['cuda']['ratio_to_engine']:.3f}x)")
+
+    if ns.out:
+        try:
+            commit = os.environ.get("CTXPREFILL_COMMIT") or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        except OSError:
+            commit = ""
+        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": str(dev), "gpu": gpu,
+                "torch": torch.__version__, "commit": commit, "args": vars(ns),
+                "request": {"q_bytes": w.q_bytes, "output_bytes": w.out_bytes, "lse_bytes": w.lse_bytes}}
+        with open(ns.out, "w") as f:
+            json.dump({"meta": meta, "engine": engine, "modes": rows, "skipped": skipped, "bit_identical": identical,
+                       "inline_vs_engine_bit_identical": engine_vs_inline, "server_log_tail": server_log}, f,
+                      indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
+        log(f"wrote {ns.out}")
+    ok = all(identical.values()) and engine_vs_inline is not False
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""Shared-memory regions of the same-host transport (docs/TRANSPORT.md; issue 8).
+
+Modelled on Triton Inference Server's shared-memory extension: a caller on the same
+host registers a region once — a POSIX shared-memory object (``/dev/shm/<key>``) or
+CUDA device memory of its own process (a ``cudaIpcMemHandle_t``) — and then places
+request tensors in it (``Tensor.shared_memory``) and asks for the outputs to be
+written into it (``PrefillContextRequest.output_region`` / ``lse_region``), instead
+of sending megabytes inline through protobuf. Off unless ``--shared-memory``.
+
+:class:`SharedMemoryRegistry` is the thread-safe table of regions (the event loop
+registers and resolves; the engine thread releases). Everything a request names is
+checked here before any kernel sees it: the region exists, the range lies inside it,
+the byte size equals the tensor's, the start is aligned to the element size, and a
+system object still covers the region (a caller that shrank it would otherwise turn a
+read into SIGBUS). A failed check raises an error naming the field; nothing changes.
+
+Lifetimes. A region's bytes are a ``uint8`` tensor: for a system region a view of an
+``mmap`` of the object (``os.open`` with ``O_NOFOLLOW`` + ``mmap``; never
+``multiprocessing.shared_memory``, whose resource tracker on Python <= 3.12 would
+unlink the caller's segment when the server exits); for a CUDA region the tensor
+``ipc_open`` of the CUDA extension returns, whose deleter calls
+``cudaIpcCloseMemHandle``. Views of it keep the mapping alive, so memory is released
+when the last view is gone, never under a reader. A request holds a :class:`Lease`
+on the regions it uses; unregistering removes a region from the table at once (later
+references get NOT_FOUND) and drops the table's reference when no lease holds it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import re
+import stat
+import threading
+from collections import Counter
+
+import torch
+
+from ..errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    Unimplemented,
+)
+
+log = logging.getLogger("ctxprefill.service")
+
+SYSTEM, CUDA = "system", "cuda"
+KINDS = (SYSTEM, CUDA)
+SHM_DIR = "/dev/shm"
+CUDA_IPC_HANDLE_SIZE = 64
+#: region names: what Triton clients use, and safe in logs
+_NAME_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}\Z")
+#: a POSIX shm name (NAME_MAX 255) that can only ever be one file directly under /dev/shm
+_KEY_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}\Z")
+#: a device tensor used in place whose address is not a multiple of this is copied first
+#: (vectorized kernels load 16 bytes at a time)
+DEVICE_ALIGNMENT = 16
+FLAG_HINT = "start the server with --shared-memory system, cuda or all (CTXPREFILL_SHARED_MEMORY)"
+
+
+def off_message(what: str = "shared memory") -> str:
+    return f"{what} is off on this server; {FLAG_HINT}"
+
+
+def _check_name(name: str, field: str = "name") -> None:
+    if not _NAME_RE.match(name or ""):
+        raise InvalidArgument(field, f"{name[:140]!r} is not a region name: 1 to 128 characters of [A-Za-z0-9._:-]")
+
+
+def check_key(key: str) -> str:
+    """The key without its optional leading "/" (InvalidArgument naming ``key`` if it
+    could name anything but one file directly under /dev/shm)."""
+    k = key[1:] if key.startswith("/") else key
+    if not _KEY_RE.match(k):
+        raise InvalidArgument(
+            "key", f"{key[:300]!r} is not a shared-memory key: 1 to 255 characters of [A-Za-z0-9._-] after an optional "
+                   f"leading '/', not starting with '.' and with no other '/'")
+    return k
+
+
+def _check_extent(offset: int, byte_size: int) -> None:
+    if offset < 0:
+        raise InvalidArgument("offset", f"must be >= 0, got {offset}")
+    if byte_size < 1:
+        raise InvalidArgument("byte_size", f"must be >= 1, got {byte_size}")
+
+
+class Region:
+    """One registered region; ``tensor`` is its bytes (uint8 ``[byte_size]``)."""
+
+    def __init__(self, name: str, kind: str, key: str, offset: int, byte_size: int, device: str,
+                 tensor: torch.Tensor, mm: mmap.mmap | None = None):
+        self.name, self.kind, self.key = name, kind, key
+        self.offset, self.byte_size, self.device = offset, byte_size, device
+        self.tensor: torch.Tensor | None = tensor
+        self._mm = mm
+        self.in_flight = 0  # leases holding it (guarded by the registry's lock)
+        self.registered = True
+
+    def check_backing(self, field: str) -> None:
+        """System regions: the object must still cover the region (a caller that
+        truncated it would turn our next read or write into SIGBUS)."""
+        if self._mm is None:
+            return
+        try:
+            size = self._mm.size()
+        except (OSError, ValueError) as e:
+            raise FailedPrecondition(f"{field}.region", f"region {self.name!r}: cannot stat its object: {e}") from None
+        if size < self.offset + self.byte_size:
+            raise FailedPrecondition(
+                f"{field}.region", f"region {self.name!r}: shared-memory object {self.key!r} shrank to {size} bytes, "
+                                   f"below the registered range [{self.offset}, {self.offset + self.byte_size}); "
+                                   f"unregister it and register it again")
+
+    def drop(self) -> None:
+        """Let go of the memory: the mapping (or IPC handle) is released when the last
+        view of it is gone."""
+        self.tensor = None
+        self._mm = None
+
+    def status(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "key": self.key, "offset": self.offset,
+                "byte_size": self.byte_size, "device": self.device, "requests_in_flight": self.in_flight}
+
+
+class SharedMemoryRegistry:
+    """The registered regions of one server, and the limits on them.
+
+    ``kinds``: the kinds ``--shared-memory`` enables on this device (empty: off).
+    ``device``: the engine's device (CUDA regions must be on it); ``attach`` sets it.
+    ``on_change(by_kind)``: called with ``{kind: (regions, bytes)}`` after every change
+    (the metrics gauges).
+    """
+
+    def __init__(self, kinds: tuple[str, ...] = (), max_regions: int = 64, max_bytes: int = 64 << 30,
+                 on_change=None):
+        self.configured = tuple(kinds)
+        self.max_regions, self.max_bytes = int(max_regions), int(max_bytes)
+        self.device: torch.device | None = None
+        self.cuda_unusable = "" if CUDA not in self.configured else "no CUDA device attached yet"
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self._regions: dict[str, Region] = {}
+
+    # -- configuration ------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return bool(self.configured)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds a caller can register now (CUDA only with the extension loaded)."""
+        return tuple(k for k in self.configured if k != CUDA or not self.cuda_unusable)
+
+    def attach(self, device: torch.device) -> None:
+        """Bind to the engine's device; find out whether CUDA regions can be opened."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        if CUDA not in self.configured:
+            return
+        if device.type != "cuda":
+            self.cuda_unusable = f"the server computes on {device}, not on a CUDA device"
+            return
+        from ..ops import _cuda
+
+        ext = _cuda.load()
+        if ext is None:
+            self.cuda_unusable = f"the ctxprefill CUDA extension is not loaded: {_cuda.why_not()}"
+        elif not hasattr(ext, "ipc_open"):
+            self.cuda_unusable = "the loaded ctxprefill CUDA extension predates ipc_open (a stale build)"
+        else:
+            self.cuda_unusable = ""
+
+    def require(self, kind: str) -> None:
+        """UNIMPLEMENTED when ``kind`` is off; FAILED_PRECONDITION when it is on but
+        cannot work here (no CUDA extension)."""
+        if kind not in self.configured:
+            what = "shared memory" if not self.configured else f"{kind} shared memory"
+            raise Unimplemented("", off_message(what))
+        if kind == CUDA and self.cuda_unusable:
+            raise FailedPrecondition("", f"CUDA shared memory cannot be used on this server: {self.cuda_unusable}")
+
+    # -- the table ------------------------------------------------------------------------
+    def _check_room(self, name: str, byte_size: int) -> None:
+        """Under the lock: the name is free and the region fits the limits."""
+        if name in self._regions:
+            raise AlreadyExists("name", f"a shared-memory region {name!r} is already registered; unregister it first")
+        if len(self._regions) >= self.max_regions:
+            raise ResourceExhausted(
+                "name", f"{len(self._regions)} regions are registered, the limit (--shared-memory-max-regions) is "
+                        f"{self.max_regions}; unregister some")
+        used = sum(r.byte_size for r in self._regions.values())
+        if used + byte_size > self.max_bytes:
+            raise ResourceExhausted(
+                "byte_size", f"{byte_size} more bytes would make {used + byte_size} registered, over the limit "
+                             f"(--shared-memory-max-bytes) of {self.max_bytes}; unregister some")
+
+    def _add(self, region: Region) -> Region:
+        with self._lock:
+            self._check_room(region.name, region.byte_size)  # again: another call may have won meanwhile
+            self._regions[region.name] = region
+            self._changed()
+        log.info("shared-memory region registered", extra={"region": region.name, "kind": region.kind,
+                                                            "byte_size": region.byte_size})
+        return region
+
+    def _changed(self) -> None:
+        if self._on_change is None:
+            return
+        by_kind = {k: [0, 0] for k in self.configured}
+        for r in self._regions.values():
+            by_kind.setdefault(r.kind, [0, 0])
+            by_kind[r.kind][0] += 1
+            by_kind[r.kind][1] += r.byte_size
+        self._on_change({k: tuple(v) for k, v in by_kind.items()})
+
+    def register_system(self, name: str, key: str, offset: int, byte_size: int) -> Region:
+        self.require(SYSTEM)
+        _check_name(name)
+        k = check_key(key)
+        _check_extent(offset, byte_size)
+        with self._lock:
+            self._check_room(name, byte_size)
+        path = os.path.join(SHM_DIR, k)
+        try:
+            # O_NOFOLLOW: a symbolic link planted in the world-writable /dev/shm must not
+            # make the server map (and write outputs into) some other file
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFound("key", f"no shared-memory object {k!r} ({path}); create it (shm_open) first") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise FailedPrecondition("key", f"{path} is a symbolic link; refusing to follow it") from None
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise FailedPrecondition("key", f"the server may not open {path} read-write: {e.strerror}") from None
+            raise FailedPrecondition("key", f"cannot open {path}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FailedPrecondition("key", f"{path} is not a regular file")
+            if offset + byte_size > st.st_size:
+                raise OutOfRange("byte_size", f"offset {offset} + byte_size {byte_size} = {offset + byte_size} is past "
+                                              f"the end of shared-memory object {k!r} ({st.st_size} bytes)")
+            try:
+                mm = mmap.mmap(fd, offset + byte_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except (OSError, ValueError) as e:
+                raise FailedPrecondition("key", f"cannot map {path}: {e}") from None
+        finally:
+            os.close(fd)  # the mmap holds its own descriptor
+        tensor = torch.frombuffer(mm, dtype=torch.uint8, count=byte_size, offset=offset)
+        return self._add(Region(name, SYSTEM, k, offset, byte_size, "host", tensor, mm))
+
+    def register_cuda(self, name: str, raw_handle: bytes, device_id: int, offset: int, byte_size: int) -> Region:
+        """Opens the handle (cudaIpcOpenMemHandle through the CUDA extension; a blocking
+        driver call: the servicer runs this off the event loop)."""
+        self.require(CUDA)
+        _check_name(name)
+        if len(raw_handle) != CUDA_IPC_HANDLE_SIZE:
+            raise InvalidArgument("raw_handle", f"has {len(raw_handle)} bytes; a cudaIpcMemHandle_t has "
+                                                f"{CUDA_IPC_HANDLE_SIZE} (send the raw handle, without torch's "
+                                                f"version and type prefix)")
+        dev = self.device
+        if dev is None or dev.type != "cuda" or device_id != dev.index:
+            raise InvalidArgument("device_id", f"{device_id}: this server computes on {dev} and opens CUDA memory of "
+                                               f"that device only (in the server's device numbering)")
+        _check_extent(offset, byte_size)
+        with self._lock:
+            self._check_room(name, byte_size)
+        from ..ops import _cuda
+
+        ext = _cuda.load()
+        try:
+            tensor = ext.ipc_open(bytes(raw_handle), int(device_id), int(byte_size), int(offset))
+        except (IndexError, ValueError, RuntimeError) as e:
+            first = (str(e).splitlines() or [type(e).__name__])[0][:500]
+            # std::out_of_range (IndexError): the range is past the end of the allocation
+            if isinstance(e, IndexError) or "past the end of the allocation" in first or "overflows" in first:
+                raise OutOfRange("byte_size", first) from None
+            raise InvalidArgument("raw_handle", first) from None  # does not open here, wrong device, ...
+        return self._add(Region(name, CUDA, "", offset, byte_size, f"cuda:{device_id}", tensor))
+
+    def unregister(self, name: str) -> list[str]:
+        self.require_any()
+        with self._lock:
+            if name:
+                region = self._regions.pop(name, None)
+                if region is None:
+                    raise NotFound("name", f"no shared-memory region {name[:140]!r} is registered")
+                gone = [region]
+            else:
+                gone = sorted(self._regions.values(), key=lambda r: r.name)
+                self._regions.clear()
+            for r in gone:
+                r.registered = False
+                if r.in_flight == 0:
+                    r.drop()
+            self._changed()
+        for r in gone:
+            log.info("shared-memory region unregistered", extra={"region": r.name, "in_flight": r.in_flight})
+        return [r.name for r in gone]
+
+    def status(self, name: str = "") -> list[dict]:
+        self.require_any()
+        with self._lock:
+            if name:
+                r = self._regions.get(name)
+                if r is None:
+                    raise NotFound("name", f"no shared-memory region {name[:140]!r} is registered")
+                return [r.status()]
+            return [r.status() for _, r in sorted(self._regions.items())]
+
+    def require_any(self) -> None:
+        if not self.configured:
+            raise Unimplemented("", off_message())
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def lease(self) -> "Lease":
+        return Lease(self)
+
+
+class Lease:
+    """The regions one request uses, from validation until its work is done.
+
+    ``resolve`` (on the event loop, while validating) checks a reference and returns a
+    view of its bytes, holding the region. The work on the engine thread calls
+    ``begin`` first (False: the handler gave up on the request; do nothing) and
+    ``finish`` when done; the handler calls ``abandon`` when it ends, which releases
+    only if the work never started. So the regions are released exactly once, after
+    the last access.
+    """
+
+    IDLE, RUNNING, DONE = 0, 1, 2
+
+    def __init__(self, registry: SharedMemoryRegistry):
+        self._registry = registry
+        self._regions: list[Region] = []
+        self._lock = threading.Lock()
+        self._state = self.IDLE
+        self.transferred: Counter = Counter()  # (kind, "in" | "out") -> bytes
+
+    @property
+    def uses_cuda(self) -> bool:
+        return any(r.kind == CUDA for r in self._regions)
+
+    def resolve(self, ref, field: str, nbytes: int, itemsize: int = 1, *, exact: bool = True,
+                allow_cuda: bool = True) -> tuple[Region, torch.Tensor]:
+        """Check ``ref`` (a ``SharedMemoryRef``) for ``nbytes`` bytes of elements of
+        ``itemsize`` bytes; returns the region and a uint8 view of those bytes.
+        ``exact``: ref.byte_size must equal nbytes (inputs), else be at least nbytes
+        (output placements)."""
+        name, off, size = ref.region, int(ref.offset), int(ref.byte_size)
+        if not name:
+            raise InvalidArgument(f"{field}.region", "is empty: name a registered shared-memory region")
+        if off < 0:
+            raise InvalidArgument(f"{field}.offset", f"must be >= 0, got {off}")
+        if size < 0:
+            raise InvalidArgument(f"{field}.byte_size", f"must be >= 0, got {size}")
+        if exact and size != nbytes:
+            raise InvalidArgument(f"{field}.byte_size", f"is {size}, but the tensor's shape and dtype make {nbytes} bytes")
+        if not exact and size < nbytes:
+            raise InvalidArgument(f"{field}.byte_size", f"is {size} bytes, too small: the result takes {nbytes} bytes")
+        if off % itemsize:
+            raise InvalidArgument(f"{field}.offset", f"{off} is not a multiple of the element size {itemsize}")
+        with self._registry._lock:
+            region = self._registry._regions.get(name)
+            if region is None or region.tensor is None:
+                raise NotFound(f"{field}.region", f"no shared-memory region {name[:140]!r} is registered")
+            if off + size > region.byte_size:
+                raise OutOfRange(field, f"bytes [{off}, {off + size}) are outside region {name!r} "
+                                        f"({region.byte_size} bytes)")
+            if region.kind == CUDA and not allow_cuda:
+                raise InvalidArgument(f"{field}.region", f"region {name!r} is CUDA memory; this tensor holds indices that "
+                                                         f"are checked on the host: send it inline or in system memory")
+            region.check_backing(field)
+            view = region.tensor[off : off + nbytes]
+            if view.data_ptr() % itemsize:
+                raise InvalidArgument(f"{field}.offset", f"{off} puts the tensor at an address that is not a multiple of "
+                                                         f"its element size {itemsize} (region {name!r} starts at "
+                                                         f"offset {region.offset} of its memory)")
+            if region not in self._regions:
+                region.in_flight += 1
+                self._regions.append(region)
+        return region, view
+
+    def count(self, kind: str, direction: str, nbytes: int) -> None:
+        self.transferred[(kind, direction)] += int(nbytes)
+
+    # -- release -----------------------------------------------------------------------
+    def begin(self) -> bool:
+        with self._lock:
+            if self._state == self.DONE:
+                return False
+            self._state = self.RUNNING
+            return True
+
+    def finish(self) -> None:
+        with self._lock:
+            if self._state == self.DONE:
+                return
+            self._state = self.DONE
+        self._release()
+
+    def abandon(self) -> None:
+        with self._lock:
+            if self._state != self.IDLE:
+                return  # running: its work releases; done: released
+            self._state = self.DONE
+        self._release()
+
+    def _release(self) -> None:
+        with self._registry._lock:
+            for r in self._regions:
+                r.in_flight -= 1
+                if not r.registered and r.in_flight == 0:
+                    r.drop()
+            self._regions = []

@@ -1,0 +1,188 @@
+"""The shared-memory transport on the GPU (issue 8, docs/TRANSPORT.md): CUDA IPC.
+
+A ``ctxprefill serve --device cuda --shared-memory all`` subprocess; this test process
+is the client (``cudaIpcOpenMemHandle`` refuses a handle made in its own process, so
+client and server must be two processes). The client allocates q, out and lse as torch
+CUDA tensors, registers them by their IPC handles (``CudaSharedMemoryRegion``), and the
+server reads q in place and writes out and lse straight into them: bit-identical to the
+inline path, for separate tensors (which the caching allocator puts in one segment: one
+handle opened three times), for views at offsets inside one buffer, for WriteCache
+latents in CUDA memory, and for system shared memory on the same server. Refusals: a
+range past the allocation (OUT_OF_RANGE), another device id, a garbage handle, a CUDA
+slot_mapping (INVALID_ARGUMENT); afterwards the server still serves.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: service_process
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="no CUDA device: the GPU transport tests run on the GPU machine")]
+
+BS, NB, H, D, V, L, R = 16, 64, 4, 192, 128, 512, 64
+CONTEXTS, QUERIES = [100, 0, 37, 64], [5, 3, 7, 1]
+TQ = sum(QUERIES)
+CONFIGS = {"bf16": {"cache_dtype": "auto", "prefill_dtype": "bf16"},
+           "fp8": {"cache_dtype": "fp8_ds_mla", "prefill_dtype": "fp8"}}
+
+
+def _workload():
+    tables, at = [], 0
+    for n in CONTEXTS:
+        k = -(-n // BS)
+        tables.append(list(range(at, at + k)))
+        at += k
+    slots = np.concatenate([np.asarray(bt)[np.arange(n) // BS] * BS + np.arange(n) % BS
+                            for n, bt in zip(CONTEXTS, tables) if n]).astype(np.int64)
+    return tables, slots
+
+
+TABLES, SLOTS = _workload()
+SEQS = list(zip(QUERIES, CONTEXTS, TABLES))
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def served(request, cuda_ext):  # cuda_ext: the extension is built (and cached) before the server needs it
+    from service_process import ServerProcess
+
+    from ctxprefill_client import PrefillContextClient
+
+    flags = {"device": f"cuda:{torch.cuda.current_device()}", "heads": H, "block_size": BS, "num_blocks": NB,
+             "workspace_tokens": 64, "seed": 9, "shared_memory": "all", **CONFIGS[request.param]}
+    proc = ServerProcess(flags)
+    try:
+        proc.wait_ready(timeout=600)
+        with PrefillContextClient(proc.target, retries=0, timeout=120) as c:
+            yield request.param, proc, c
+    finally:
+        proc.terminate(30)
+        proc.kill()
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    return t.view({2: torch.int16, 4: torch.int32, 1: torch.uint8}[t.element_size()]).numpy()
+
+
+def test_cuda_ipc_bit_identical_to_inline(served):
+    import ctxprefill_client as cc
+
+    name, proc, c = served
+    info = c.server_info()
+    assert info.shared_memory_kinds == ("system", "cuda"), info
+    rng = np.random.default_rng(1)
+    T = len(SLOTS)
+    kv_c = rng.standard_normal((T, L), dtype=np.float32)
+    k_pe = rng.standard_normal((T, R), dtype=np.float32)
+    c.write_cache(SLOTS, kv_c, k_pe)
+    cache_bytes = c.read_cache(SLOTS)
+    qf = rng.standard_normal((TQ, H, D), dtype=np.float32)
+    fp8 = CONFIGS[name]["prefill_dtype"] == "fp8"
+    q_bits = cc.float32_to_fp8_e4m3_bits(qf) if fp8 else cc.float32_to_bf16_bits(qf)
+    q_wire = cc.FP8_E4M3 if fp8 else cc.BF16
+    ref = c.prefill_context(q_bits, SEQS, q_dtype=q_wire)
+    ref_out, ref_lse = ref.output_bits.view(np.int16), ref.lse.view(np.int32)
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    q_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    q_src = torch.from_numpy(q_bits.view(np.uint8 if fp8 else np.int16).copy()).view(q_dtype).to(dev)
+
+    # 1. three separate tensors (one caching-allocator segment: the same handle, three regions)
+    q = q_src.clone()
+    out = torch.full((TQ, H, V), float("nan"), dtype=torch.bfloat16, device=dev)
+    lse = torch.full((H, TQ), float("nan"), dtype=torch.float32, device=dev)
+    regions = [cc.CudaSharedMemoryRegion(n, t) for n, t in (("q", q), ("out", out), ("lse", lse))]
+    for r in regions:
+        st = c.register_cuda_shared_memory(r)
+        assert st.kind == "cuda" and st.device == f"cuda:{dev.index}" and st.byte_size == r.byte_size
+    torch.cuda.current_stream().synchronize()  # q written before the server reads it
+    for _ in range(2):
+        res = c.prefill_context(regions[0].input(), SEQS, output_region=regions[1].ref(),
+                                lse_region=regions[2].ref())
+        assert res.output is None and res.output_bits is None and res.lse is None
+        assert res.output_tensor.data_ptr() == out.data_ptr() and res.lse_tensor.data_ptr() == lse.data_ptr()
+        assert np.array_equal(_bits(out), ref_out) and np.array_equal(_bits(lse), ref_lse)
+        assert res.stats["kernel_launches"] == ref.stats["kernel_launches"]
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        torch.cuda.synchronize()
+
+    # 2. one buffer, q / out / lse at offsets, registered as one region and as a view with a storage offset
+    q_b, o_b, l_b = q.numel() * q.element_size(), out.numel() * 2, lse.numel() * 4
+    buf = torch.zeros(8192 + q_b + o_b + l_b, dtype=torch.uint8, device=dev)
+    buf[4096 : 4096 + q_b].view(q_dtype).copy_(q_src.reshape(-1))
+    whole = cc.CudaSharedMemoryRegion("buf", buf)
+    tail = cc.CudaSharedMemoryRegion("tail", buf[4096:])
+    assert tail.offset == whole.offset + 4096
+    c.register_cuda_shared_memory(whole)
+    c.register_cuda_shared_memory(tail)
+    torch.cuda.synchronize()
+    o_at, l_at = 4096 + q_b + 256, 4096 + q_b + 256 + o_b + 256
+    res = c.prefill_context(whole.input(q_wire, (TQ, H, D), 4096), SEQS, output_region=whole.ref(o_at, o_b),
+                            lse_region=tail.ref(l_at - 4096, l_b))
+    assert np.array_equal(_bits(res.output_tensor), ref_out) and np.array_equal(_bits(res.lse_tensor), ref_lse)
+    assert res.output_tensor.data_ptr() == buf.data_ptr() + o_at
+    res = c.prefill_context(tail.input(q_wire, (TQ, H, D), 0), SEQS)  # q in place, results inline
+    assert np.array_equal(res.output_bits.view(np.int16), ref_out)
+    assert np.array_equal(res.lse.view(np.int32), ref_lse)
+
+    # 3. WriteCache latents in CUDA memory (slot_mapping stays inline): the same bytes
+    kv_t = torch.from_numpy(kv_c).to(dev)
+    pe_t = torch.from_numpy(k_pe).to(dev)
+    rk, rp = cc.CudaSharedMemoryRegion("kv_c", kv_t), cc.CudaSharedMemoryRegion("k_pe", pe_t)
+    c.register_cuda_shared_memory(rk)
+    c.register_cuda_shared_memory(rp)
+    torch.cuda.synchronize()
+    assert c.write_cache(SLOTS, rk.input(), rp.input()) == T
+    assert np.array_equal(c.read_cache(SLOTS), cache_bytes)
+
+    # 4. system shared memory on the same (CUDA) server: q copied to the device once, results D2H
+    with cc.SystemSharedMemoryRegion("sys", 8192 + q_b + o_b + l_b) as shm:
+        c.register_system_shared_memory(shm)
+        r = c.prefill_context(shm.write(q_bits, 0, q_wire), SEQS, output_region=shm.ref(q_b + 64, o_b),
+                              lse_region=shm.ref(q_b + 128 + o_b, l_b))
+        assert np.array_equal(r.output_bits.view(np.int16), ref_out) and np.array_equal(r.lse.view(np.int32), ref_lse)
+        del r
+        c.unregister_shared_memory("sys")
+
+    # refusals; the server goes on
+    C = grpc.StatusCode
+    with pytest.raises(cc.CtxPrefillRpcError) as e:
+        c.register_cuda_shared_memory("huge", whole.raw_handle, whole.device_id, 1 << 40, offset=whole.offset)
+    assert e.value.code == C.OUT_OF_RANGE and "byte_size" in e.value.details
+    with pytest.raises(cc.CtxPrefillRpcError) as e:
+        c.register_cuda_shared_memory("dev", whole.raw_handle, whole.device_id + 1, 16)
+    assert e.value.code == C.INVALID_ARGUMENT and "device_id" in e.value.details
+    with pytest.raises(cc.CtxPrefillRpcError) as e:
+        c.register_cuda_shared_memory("junk", b"\x01" * 64, whole.device_id, 16)
+    assert e.value.code == C.INVALID_ARGUMENT and "raw_handle" in e.value.details
+    with pytest.raises(cc.CtxPrefillRpcError) as e:
+        c.register_cuda_shared_memory("short", b"\x01" * 66, whole.device_id, 16)
+    assert e.value.code == C.INVALID_ARGUMENT and "raw_handle" in e.value.details
+    slots_t = torch.from_numpy(SLOTS).to(dev)
+    rs = cc.CudaSharedMemoryRegion("slots", slots_t)
+    c.register_cuda_shared_memory(rs)
+    from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+
+    req = pb.WriteCacheRequest(slot_mapping=rs.input().to_proto(), kv_c=rk.input().to_proto(),
+                               k_pe=rp.input().to_proto())
+    with pytest.raises(grpc.RpcError) as ge:
+        c._stub.WriteCache(req, timeout=60)
+    assert ge.value.code() == C.INVALID_ARGUMENT and "slot_mapping.shared_memory.region" in ge.value.details()
+
+    assert sorted(s.name for s in c.shared_memory_status()) == ["buf", "k_pe", "kv_c", "lse", "out", "q", "slots",
+                                                                 "tail"]
+    assert all(s.requests_in_flight == 0 for s in c.shared_memory_status())
+    assert len(c.unregister_shared_memory("")) == 8
+    again = c.prefill_context(q_bits, SEQS, q_dtype=q_wire)
+    assert np.array_equal(again.output_bits.view(np.int16), ref_out)
+    assert proc.proc.poll() is None
+    assert "ipc_close" not in proc.log(), proc.log()[-4000:]  # every cudaIpcCloseMemHandle succeeded

@@ -1,0 +1,34 @@
+"""bench/bench_transport.py runs end to end on the CPU with tiny shapes: the in-process
+engine, then a server subprocess driven inline and through system shared memory (CUDA IPC
+skipped with its reason), every mode bit-identical, JSON written."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm: POSIX shared memory is Linux-only here")
+def test_bench_transport_tiny(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_transport", os.path.join(ROOT, "bench", "bench_transport.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "t.json"
+    rc = mod.main(["--device", "cpu", "--heads", "2", "--new", "8", "--context", "300", "--block-size", "16",
+                   "--workspace-tokens", "128", "--iters", "2", "--warmup", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    d = json.loads(out.read_text())
+    assert d["engine"]["chunks"] == 3 and d["engine"]["median_s"] > 0
+    assert set(d["modes"]) == {"inline", "system"} and d["skipped"] == {"cuda": "not a CUDA device"}
+    assert d["bit_identical"] == {"inline": True, "system": True} and d["inline_vs_engine_bit_identical"]
+    inline, system = d["modes"]["inline"], d["modes"]["system"]
+    for m in (inline, system):
+        assert m["total_s"] >= m["rpc_s"] > 0 and m["ratio_to_engine"] > 0 and m["server_s"] > 0
+    q, o, l = d["meta"]["request"]["q_bytes"], d["meta"]["request"]["output_bytes"], d["meta"]["request"]["lse_bytes"]
+    assert inline["payload_bytes"] > q + o + l  # the tensors travel inline
+    assert system["payload_bytes"] < 2000  # only references travel
+    assert "x engine" in printed and "skipped: not a CUDA device" in printed
