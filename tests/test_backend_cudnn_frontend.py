@@ -429,6 +429,15 @@ def test_probe_picks_the_fastest(monkeypatch):
     assert registry.create("auto", torch.device("cuda"), torch.bfloat16, probe=PROBE)[0].name == "triton"
 
 
+def test_probe_keeps_the_first_unless_another_is_faster_by_the_margin(monkeypatch):
+    # 5 % faster: not enough to replace triton (graph builds per shape bucket are not in the probe)
+    _fakes(monkeypatch, triton=(1.0, True, BF16), **{"cudnn-frontend": (0.95, True, BF16)})
+    be, why = registry.create("auto", torch.device("cuda"), torch.bfloat16, probe=PROBE)
+    assert be.name == "triton" and "10% faster to replace triton" in why, why
+    _fakes(monkeypatch, triton=(1.0, True, BF16), **{"cudnn-frontend": (0.85, True, BF16)})
+    assert registry.create("auto", torch.device("cuda"), torch.bfloat16, probe=PROBE)[0].name == "cudnn-frontend"
+
+
 def test_probe_ties_go_to_the_first(monkeypatch):
     _fakes(monkeypatch, triton=(1.0, True, BF16), **{"cudnn-frontend": (1.0, True, BF16)})
     assert registry.create("auto", torch.device("cuda"), torch.bfloat16, probe=PROBE)[0].name == "triton"

@@ -156,7 +156,9 @@ def test_cuda_ipc_bit_identical_to_inline(served):
     # refusals; the server goes on
     C = grpc.StatusCode
     with pytest.raises(cc.CtxPrefillRpcError) as e:
-        c.register_cuda_shared_memory("huge", whole.raw_handle, whole.device_id, 1 << 40, offset=whole.offset)
+        # past the end of the allocation, but within --shared-memory-max-bytes (a region over
+        # that limit is RESOURCE_EXHAUSTED before the handle is even opened)
+        c.register_cuda_shared_memory("huge", whole.raw_handle, whole.device_id, 1 << 34, offset=whole.offset)
     assert e.value.code == C.OUT_OF_RANGE and "byte_size" in e.value.details
     with pytest.raises(cc.CtxPrefillRpcError) as e:
         c.register_cuda_shared_memory("dev", whole.raw_handle, whole.device_id + 1, 16)

@@ -30,8 +30,9 @@ Per call, with no host synchronisation (max_q / max_k are given as ints):
 
 1. ``_prep`` (Triton): seq_len_q/kv and the five ragged-offset columns
    (q, k, v, o, stats) from ``cu_seqlens``, padded to the B bucket, in int64;
-2. the cuDNN graph (``CUDNN_KERNELS`` device kernels; assumed 1, checked against the
-   profiler by the GPU test);
+2. the cuDNN graph (``CUDNN_KERNELS`` device kernels: 2 measured on the H200 with cuDNN
+   9.19, a ``qkv_tma_setup`` kernel and the SDPA kernel; checked against the profiler by
+   the GPU test);
 3. ``_finish`` (Triton, grid ``(cdiv(max_q, 64), B, H)``): lse from the stats, the
    empty-row fix-ups.
 
@@ -98,9 +99,10 @@ log = logging.getLogger("ctxprefill.backends")
 D_QK, D_V = 192, 128
 
 #: Device kernels one execution of the cuDNN SDPA graph launches (memsets not counted, as
-#: everywhere in the launch metric). Assumed 1 (the fused SDPA kernel); the GPU test
-#: ``test_gpu_launches_match_profiler`` measures it and prints the kernel names if not.
-CUDNN_KERNELS = 1
+#: everywhere in the launch metric). Measured on the H200 (cuDNN 9.19, frontend 1.32):
+#: ``cudnn::fusion::qkv_tma_setup`` then ``cudnn_generated_fort_native_sdpa_sm90_flash_
+#: fprop_wgmma_f16_knob_7_64x128x192``; ``test_gpu_launches_match_profiler`` checks it.
+CUDNN_KERNELS = 2
 
 #: default stats layout ("packed" or "padded"), see the module docstring
 STATS_LAYOUT = "packed"

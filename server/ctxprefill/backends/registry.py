@@ -36,6 +36,11 @@ _BACKENDS: dict[str, str] = {
 _AUTO_ORDER = ("triton", "reference")
 # candidates ``auto`` times on a CUDA device when given a probe shape (ties: the first)
 _PROBE_ORDER = ("triton", "cudnn-frontend")
+# A later candidate replaces the first only when the probe finds it this much faster: the
+# probe does not see what a cuDNN graph costs on each new shape bucket in service (50 ms
+# to 0.4 s, on the request that meets it). Measured on the H200 (bench_attention.py,
+# 2026-11-29) cudnn-frontend ran bf16 chunks 1-7 % faster than triton: not worth that.
+_PROBE_MARGIN = 0.10
 
 log = logging.getLogger("ctxprefill.backends")
 
@@ -140,9 +145,14 @@ def _auto_by_probe(device: torch.device, q_dtype: torch.dtype, probe: ProbeShape
     if not timed:
         raise ValueError(f"no attention backend for {q_dtype} on {device}: {'; '.join(skipped)}")
     best = min(timed, key=lambda r: (r[0], r[1]))
+    first = min(timed, key=lambda r: r[1])
+    kept = best is not first and best[0] > first[0] * (1 - _PROBE_MARGIN)
+    if kept:  # not faster by the margin: keep the first candidate
+        best = first
     per_q, per_k = probe.q_tokens // probe.segments, probe.k_tokens // probe.segments
     shape = f"H={probe.heads} {probe.segments}x({per_q}q/{per_k}k)"
-    why = (f"auto: {', '.join(f'{n} {ms:.3f} ms' for ms, _, n, _ in timed)} -> {best[2]} ({shape})"
+    why = (f"auto: {', '.join(f'{n} {ms:.3f} ms' for ms, _, n, _ in timed)} -> {best[2]} ({shape}"
+           + (f"; others must be {_PROBE_MARGIN:.0%} faster to replace {first[2]})" if kept else ")")
            + (f" (skipped {'; '.join(skipped)})" if skipped else ""))
     log.info("attention backend %s", why)
     return best[3], why
