@@ -121,6 +121,17 @@ def warm_up(engine: Engine) -> None:
     # two sequences in one chunk: the attention variant that orders segments by length
     engine.prefill_context(q[:2], [SequenceSpec(1, 1, blocks[:1]), SequenceSpec(1, 1, blocks[:1])],
                            workspace_tokens=min(2 * bs, cfg.workspace_tokens))
+    if engine.device.type == "cuda" and engine.backend.name == "triton":
+        # grids large enough for the Triton kernel's register-capped variant (fp8: two
+        # programs per SM), one and two segments: 128-row query tiles x heads x segments
+        from ..backends.triton_attention import uncapped_below
+
+        rows = 128 * -(-uncapped_below(engine.device) // H)
+        qb = torch.zeros((2 * rows, H, D), dtype=torch.uint8 if engine.q_dtype == FP8 else torch.bfloat16)
+        qb = qb.view(FP8) if engine.q_dtype == FP8 else qb
+        one = SequenceSpec(rows, 1, blocks[:1])
+        engine.prefill_context(qb[:rows], [one], workspace_tokens=min(2 * bs, cfg.workspace_tokens))
+        engine.prefill_context(qb, [one, one], workspace_tokens=min(2 * bs, cfg.workspace_tokens))
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
 
