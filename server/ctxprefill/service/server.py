@@ -122,18 +122,25 @@ def warm_up(engine: Engine) -> None:
     engine.prefill_context(q[:2], [SequenceSpec(1, 1, blocks[:1]), SequenceSpec(1, 1, blocks[:1])],
                            workspace_tokens=min(2 * bs, cfg.workspace_tokens))
     if engine.device.type == "cuda" and engine.backend.name == "triton":
-        # grids large enough for the Triton kernel's register-capped variant (fp8: two
-        # programs per SM), one and two segments: 128-row query tiles x heads x segments
         from ..backends.triton_attention import uncapped_below
 
-        rows = 128 * -(-uncapped_below(engine.device) // H)
-        qb = torch.zeros((2 * rows, H, D), dtype=torch.uint8 if engine.q_dtype == FP8 else torch.bfloat16)
-        qb = qb.view(FP8) if engine.q_dtype == FP8 else qb
-        one = SequenceSpec(rows, 1, blocks[:1])
-        engine.prefill_context(qb[:rows], [one], workspace_tokens=min(2 * bs, cfg.workspace_tokens))
-        engine.prefill_context(qb, [one, one], workspace_tokens=min(2 * bs, cfg.workspace_tokens))
+        warm_up_large_grids(engine, uncapped_below(engine.device))
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
+
+
+def warm_up_large_grids(engine: Engine, programs: int) -> None:
+    """Requests whose attention grid has at least ``programs`` programs (128-row query tiles
+    x heads x segments), with one and with two segments: the Triton kernel's
+    register-capped variants (fp8: two programs per SM), which smaller grids do not use."""
+    cfg = engine.config
+    bs, H, D = cfg.cache.block_size, cfg.shape.heads, cfg.shape.qk_head_dim
+    rows = 128 * -(-programs // H)
+    q = torch.zeros((2 * rows, H, D), dtype=torch.uint8 if engine.q_dtype == FP8 else torch.bfloat16)
+    q = q.view(FP8) if engine.q_dtype == FP8 else q
+    one = SequenceSpec(rows, 1, [0])
+    engine.prefill_context(q[:rows], [one], workspace_tokens=min(2 * bs, cfg.workspace_tokens))
+    engine.prefill_context(q, [one, one], workspace_tokens=min(2 * bs, cfg.workspace_tokens))
 
 
 def _build_and_warm(settings: ServeSettings) -> tuple[Engine, float]:
