@@ -117,6 +117,20 @@ def test_bf16_ragged(H, causal, cfg):
 
 
 @cpu_interp
+@pytest.mark.parametrize("B", [ta._SORT_MAX, ta._SORT_MAX + 1], ids=["sorted", "unsorted"])
+def test_many_segments_longest_first_and_past_the_sort_limit(B):
+    """Up to _SORT_MAX segments the programs take segments by rank of key length (ties by
+    index, empty segments last); past it, in index order. Either way every segment is
+    computed exactly once: lengths with many ties, zeros and one long segment."""
+    q_lens = [1 + i % 3 for i in range(B)]
+    k_lens = [(0, 5, 5, 17, 1)[i % 5] for i in range(B)]
+    k_lens[B // 2] = 40
+    q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, 1, torch.bfloat16, DEV, seed=B)
+    out, lse = mla_context_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), 0.2, config=SMALL)
+    check(out, lse, *reference(q, k, v, cu_q, cu_k, 0.2))
+
+
+@cpu_interp
 @pytest.mark.parametrize("cfg", [SMALL, SMALL_TMA], ids=["ptr", "tma"])
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_empty_rows_exact(causal, cfg):
