@@ -4,7 +4,8 @@
   chunks, generic ms, fused ms, speed-up, floor ms, fused/floor, launches per chunk
   (generic → fused), bit-identical; rows that failed or were skipped (time budget)
   listed below the table;
-- a ``bench/bench_concurrency.py`` JSON: one row per shape and client count.
+- a ``bench/bench_concurrency.py`` JSON: one row per shape, transport (inline, system,
+  cuda; files from before ``--transport`` are inline) and client count.
 
 Each table starts with a line naming the run (date, GPU, torch, commit).
 
@@ -78,18 +79,23 @@ def concurrency_table(d: dict) -> str:
     qs = meta.get("queue_size")
     lines = [f"_{run_line(meta)}_; clients: {meta.get('client_mode', 'threads')}"
              + (f"; server --queue-size {qs}" if qs else ""), "",
-             "| shape | clients | requests | req/s | context Mtok/s | query ktok/s | p50 ms | p90 ms | p99 ms "
-             "| server p50 ms | compute p50 ms | device busy | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| shape | transport | clients | requests | req/s | context Mtok/s | query ktok/s | p50 ms | p90 ms "
+             "| p99 ms | server p50 ms | compute p50 ms | device busy | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d.get("rows", []):
+        tr = r.get("transport", "inline")
         if "requests_per_s" not in r:
-            lines.append(f"| {r['shape_label']} | {r['clients']} | skipped ({r.get('skipped', '?')}) "
+            lines.append(f"| {r['shape_label']} | {tr} | {r['clients']} | skipped ({r.get('skipped', '?')}) "
                          "| | | | | | | | | | |")
             continue
         lat, srv, cmp_ = r["latency_ms"], r["server_total_ms"], r["server_compute_ms"]
         errs = ", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items())) or "0"
+        if r.get("setup_errors"):
+            errs += f"; set-up failed in {r['setup_errors']} clients"
+        if r.get("check_matches_inline") is False:
+            errs += "; check request **differs from inline**"
         lines.append(
-            f"| {r['shape_label']} | {r['clients']} | {r['requests']} | {r['requests_per_s']:.2f} "
+            f"| {r['shape_label']} | {tr} | {r['clients']} | {r['requests']} | {r['requests_per_s']:.2f} "
             f"| {r['context_tokens_per_s'] / 1e6:.2f} | {r['query_tokens_per_s'] / 1e3:.1f} "
             f"| {_num(lat['p50'], '.1f')} | {_num(lat['p90'], '.1f')} | {_num(lat['p99'], '.1f')} "
             f"| {_num(srv['p50'], '.1f')} | {_num(cmp_['p50'], '.1f')} | {_num(r.get('device_busy_fraction'), '.2f')} "

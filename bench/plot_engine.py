@@ -11,7 +11,8 @@ From a ``ctxprefill bench`` JSON (``meta.kind == "engine"``, or rows with ``spee
   one panel per dtype pair.
 
 From a ``bench/bench_concurrency.py`` JSON (``meta.kind == "concurrency"``):
-- ``concurrency.png``: requests/s, context tokens/s and latency p50/p99 against clients.
+- ``concurrency.png``: requests/s, context tokens/s and latency p50/p99 against clients,
+  one line per shape and transport (inline, system, cuda; inline when the file has none).
 
 Every title carries the run's date, GPU, torch version and commit (from the JSON's meta).
 Without matplotlib the script says so and exits 0 (``pip install matplotlib``).
@@ -243,10 +244,12 @@ def plot_latency(d: dict, out_dir: str) -> str | None:
 def plot_concurrency(d: dict, out_dir: str) -> str:
     plt = _plt()
     rows = [r for r in d.get("rows", []) if "requests_per_s" in r]
-    labels = list(dict.fromkeys(r["shape_label"] for r in rows))
+    keys = list(dict.fromkeys((r["shape_label"], r.get("transport", "inline")) for r in rows))
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for k, lab in enumerate(labels):
-        line = sorted((r for r in rows if r["shape_label"] == lab), key=lambda r: r["clients"])
+    for k, key in enumerate(keys):
+        lab = f"{key[0]} · {key[1]}"
+        line = sorted((r for r in rows if (r["shape_label"], r.get("transport", "inline")) == key),
+                      key=lambda r: r["clients"])
         xs = [r["clients"] for r in line]
         axes[0].plot(xs, [r["requests_per_s"] for r in line], "-o", color=f"C{k}", label=lab)
         axes[1].plot(xs, [r["context_tokens_per_s"] / 1e6 for r in line], "-o", color=f"C{k}", label=lab)

@@ -156,8 +156,8 @@ want bench_engine && run_step bench_engine 240 5 - python3 -m ctxprefill.cli ben
 want bench_engine_full && run_step bench_engine_full 240 5 - python3 -m ctxprefill.cli bench --grid full \
   --iters 20 --target-s 0.3 --budget-s 215 --out "$OUT/engine_full.json"
 want bench_concurrency && run_step bench_concurrency 240 5 - python3 bench/bench_concurrency.py \
-  --shape 16:1024:65536 128:1024:65536 --clients 1 2 4 8 16 --seconds 8 --warmup-s 1 --budget-s 225 \
-  --out "$OUT/concurrency.json"
+  --shape 16:1024:65536 128:1024:65536 --clients 1 2 4 8 16 --transport inline cuda --seconds 5 --warmup-s 1 \
+  --budget-s 225 --out "$OUT/concurrency.json"
 want bench_transport && run_step bench_transport 180 5 - python3 bench/bench_transport.py --device cuda \
   --out "$OUT/transport.json"
 

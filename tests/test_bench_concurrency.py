@@ -66,8 +66,75 @@ def test_concurrency_smoke_cpu(tmp_path, bench_mods, capsys):
             assert 0 < r[k]["p50"] <= r[k]["p90"] <= r[k]["p99"] <= r[k]["max"]
         assert r["server_compute_ms"]["p50"] <= r["server_total_ms"]["p50"] <= r["latency_ms"]["max"]
     assert "req/s" in printed and "H=2 4/200 auto/bf16" in printed
+    assert m["transports"] == ["inline"] and "shared_memory" not in srv["flags"]
+    assert all(r["transport"] == "inline" for r in d["rows"])
     table = mt.table(d)
-    assert "| H=2 4/200 auto/bf16 | 2 |" in table and "cpu" in table.splitlines()[0]
+    assert "| H=2 4/200 auto/bf16 | inline | 2 |" in table and "cpu" in table.splitlines()[0]
+
+
+def _shm_files() -> set:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def test_concurrency_transports_inline_and_system_cpu(tmp_path, bench_mods, capsys):
+    """--transport inline system: the server gets --shared-memory system; every client
+    registers its own segment, q goes in by reference and output/LSE come back in it;
+    each row names its transport; the segments are gone afterwards."""
+    bc, mt, _ = bench_mods
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    before = _shm_files()
+    out = tmp_path / "conc.json"
+    rc = bc.main(["--device", "cpu", "--shape", "2:4:200", "--clients", "1", "2", "--seconds", "0.7",
+                  "--warmup-s", "0.2", "--workspace-tokens", "128", "--transport", "inline", "system",
+                  "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    d = json.loads(out.read_text())
+    m = d["meta"]
+    assert m["transports"] == ["inline", "system"] and m["transport_skipped"] == {} and m["shared_memory"] == "system"
+    (srv,) = m["servers"]
+    assert srv["flags"]["shared_memory"] == "system" and srv["shared_memory_kinds"] == ["system"]
+    by = {(r["transport"], r["clients"]): r for r in d["rows"]}
+    assert sorted(by) == [("inline", 1), ("inline", 2), ("system", 1), ("system", 2)] and len(d["rows"]) == 4
+    for (tr, n), r in by.items():
+        assert "skipped" not in r, r
+        assert r["requests"] > 0 and r["requests_per_s"] > 0 and r["errors"] == {} and r["setup_errors"] == 0
+        assert r["context_tokens_per_s"] == pytest.approx(r["requests_per_s"] * 200)
+        assert r["server_compute_ms"]["p50"] > 0 and r["chunks"] == 2
+        assert r["float_output"] is (tr == "inline")
+        assert r["client_setup_s_max"] is not None
+    assert all(by[("system", n)]["check_matches_inline"] is True for n in (1, 2))
+    assert "check_matches_inline" not in by[("inline", 1)]
+    lines = printed.splitlines()
+    assert any("H=2 4/200 auto/bf16" in x and " system " in x for x in lines)
+    assert any("H=2 4/200 auto/bf16" in x and " inline " in x for x in lines)
+    table = mt.table(d)
+    assert "| H=2 4/200 auto/bf16 | system | 2 |" in table and "| H=2 4/200 auto/bf16 | inline | 1 |" in table
+    assert _shm_files() <= before  # every client's segment unlinked
+
+
+def test_concurrency_cuda_transport_skipped_without_cuda(tmp_path, bench_mods):
+    """cuda cannot run against a CPU server: skipped with the reason, no server started."""
+    bc, mt, _ = bench_mods
+    out = tmp_path / "conc.json"
+    rc = bc.main(["--device", "cpu", "--shape", "2:4:64", "--clients", "1", "2", "--seconds", "0.5",
+                  "--workspace-tokens", "128", "--transport", "cuda", "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert rc == 0 and d["meta"]["servers"] == [] and d["meta"]["shared_memory"] is None
+    assert d["meta"]["transport_skipped"] == {"cuda": "started servers run on --device cpu"}
+    assert [(r["transport"], r["clients"], r["skipped"]) for r in d["rows"]] == [
+        ("cuda", 1, "started servers run on --device cpu"), ("cuda", 2, "started servers run on --device cpu")]
+    assert "| H=2 4/64 auto/bf16 | cuda | 1 | skipped (started servers run on --device cpu) |" in mt.table(d)
+
+
+def test_cuda_index(bench_mods):
+    bc, _, _ = bench_mods
+    assert bc.cuda_index("cuda:1 (NVIDIA H200)") == 1 and bc.cuda_index("cuda (NVIDIA H200)") == 0
+    assert bc.cuda_index("cpu") is None
 
 
 def test_concurrency_budget_skips_levels(tmp_path, bench_mods):
@@ -127,7 +194,10 @@ def test_plots(tmp_path, bench_mods):
                      "commit": "abc", "client_mode": "threads", "queue_size": 64},
             "rows": [{"shape_label": "H=16 1024/65536 auto/bf16", "clients": c, "requests_per_s": 10.0 * c,
                       "context_tokens_per_s": 6.5e5 * c, "latency_ms": {"p50": 5.0 * c, "p99": 9.0 * c},
-                      "server_compute_ms": {"p50": 3.0}} for c in (1, 2, 4)]}
+                      "server_compute_ms": {"p50": 3.0}} for c in (1, 2, 4)]
+            + [{"shape_label": "H=16 1024/65536 auto/bf16", "transport": "cuda", "clients": c,
+                "requests_per_s": 40.0 * c, "context_tokens_per_s": 2.6e6 * c,
+                "latency_ms": {"p50": 2.0 * c, "p99": 3.0 * c}, "server_compute_ms": {"p50": 3.0}} for c in (1, 2, 4)]}
     (tmp_path / "conc.json").write_text(json.dumps(conc))
     written = pe.plot_file(str(tmp_path / "conc.json"), str(tmp_path / "png"))
     assert [os.path.basename(p) for p in written] == ["concurrency.png"]
