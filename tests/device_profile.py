@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 
@@ -22,3 +24,11 @@ def device_work(fn):
     kernels = [n for n in names if not any(s in n.lower() for s in ("memcpy", "memset"))]
     dtod = [n for n in names if "memcpy dtod" in n.lower()]
     return r, kernels, dtod
+
+
+def fail_unless_counts_match(line: str, seen: int, noted: int, names: list[str]) -> None:
+    """Raise with ``line`` and the kernel names the profiler saw (most frequent first)
+    when the profiler's count ``seen`` differs from the engine's ``noted`` one."""
+    if seen != noted:
+        top = Counter(n[:120] for n in names).most_common()
+        raise AssertionError(f"{line}\nkernels the profiler saw:\n" + "\n".join(f"  {c} x {n}" for n, c in top))

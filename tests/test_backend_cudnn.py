@@ -26,7 +26,7 @@ from collections import Counter
 
 import pytest
 import torch
-from device_profile import device_work
+from device_profile import device_work, fail_unless_counts_match
 from ctxprefill.backends import registry
 from ctxprefill.backends.cudnn_dense import CUDNN_KERNELS, CudnnDenseBackend
 from ctxprefill.backends.reference import ReferenceBackend
@@ -388,9 +388,7 @@ def test_gpu_launches_match_profiler(case, record_property):
     line = (f"[launches] cudnn backend, {case}: path {be.last_path}, profiler {len(kernels)} kernels + "
             f"{len(dtod)} DtoD copies, noted {noted} (CUDNN_KERNELS = {CUDNN_KERNELS})")
     print(line)
-    if seen != noted:
-        top = Counter(n[:120] for n in kernels + dtod).most_common()
-        raise AssertionError(f"{line}\nkernels the profiler saw:\n" + "\n".join(f"  {c} x {n}" for n, c in top))
+    fail_unless_counts_match(line, seen, noted, kernels + dtod)
     if case.startswith("cudnn"):
         assert_cudnn_path(be, case)
 
@@ -427,9 +425,7 @@ def test_gpu_engine_with_cudnn_backend(contexts, queries):
     line = (f"[launches] engine + cudnn backend, {n_chunks} chunk(s): profiler {len(kernels)} kernels + "
             f"{len(dtod)} DtoD copies, stats {noted} ({dict(r.stats.launches)})")
     print(line)
-    if len(kernels) + len(dtod) != noted:
-        top = Counter(n[:120] for n in kernels + dtod).most_common()
-        raise AssertionError(f"{line}\nkernels the profiler saw:\n" + "\n".join(f"  {c} x {n}" for n, c in top))
+    fail_unless_counts_match(line, len(kernels) + len(dtod), noted, kernels + dtod)
 
 
 def _ms(fn, iters=10):

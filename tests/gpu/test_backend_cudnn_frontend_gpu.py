@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 
 import pytest
 import torch
@@ -35,7 +34,7 @@ if not _OK:
     pytest.skip(f"cudnn-frontend backend unavailable: {_WHY} (install .whl/nvidia_cudnn_frontend-*.whl)",
                 allow_module_level=True)
 
-from device_profile import device_work  # noqa: E402
+from device_profile import device_work, fail_unless_counts_match  # noqa: E402
 from test_backend_cudnn import check, make_batch, reference  # noqa: E402  (the shared float64 helpers)
 from test_backend_cudnn_frontend import call  # noqa: E402
 
@@ -204,9 +203,7 @@ def test_gpu_launches_match_profiler(case, record_property):
     line = (f"[launches] cudnn-frontend, {case}: profiler {len(kernels)} kernels + {len(dtod)} DtoD copies, "
             f"noted {noted} (CUDNN_KERNELS = {cf.CUDNN_KERNELS})")
     print(line)
-    if seen != noted:
-        top = Counter(n[:120] for n in kernels + dtod).most_common()
-        raise AssertionError(f"{line}\nkernels the profiler saw:\n" + "\n".join(f"  {c} x {n}" for n, c in top))
+    fail_unless_counts_match(line, seen, noted, kernels + dtod)
 
 
 @pytest.mark.parametrize("contexts,queries", [([700], [29]), ([3000, 500], [37, 5])],
@@ -234,9 +231,7 @@ def test_gpu_engine_with_cudnn_frontend(contexts, queries):
     line = (f"[launches] engine + cudnn-frontend, {len(r.stats.chunks)} chunk(s): profiler {len(kernels)} kernels + "
             f"{len(dtod)} DtoD copies, stats {noted} ({dict(r.stats.launches)}); graphs built {be.builds}")
     print(line)
-    if len(kernels) + len(dtod) != noted:
-        top = Counter(n[:120] for n in kernels + dtod).most_common()
-        raise AssertionError(f"{line}\nkernels the profiler saw:\n" + "\n".join(f"  {c} x {n}" for n, c in top))
+    fail_unless_counts_match(line, len(kernels) + len(dtod), noted, kernels + dtod)
 
 
 def test_gpu_auto_probe(record_property):

@@ -20,7 +20,6 @@ import itertools
 import math
 import os
 import sys
-from collections import Counter
 
 import pytest
 import torch
@@ -32,7 +31,7 @@ from ctxprefill.engine.engine import Engine, SequenceSpec
 from ctxprefill.weights import prepare, random_kv_b_proj
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-from device_profile import device_work  # noqa: E402
+from device_profile import device_work, fail_unless_counts_match  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="no CUDA device: the GPU engine tests run on the GPU machine")]
@@ -222,6 +221,4 @@ def test_launch_count_matches_profiler(case, cache_dtype, kvb, prefill, fused, h
         n_chunks = len(r.stats.chunks)
         assert n_chunks <= gemms <= 2 * n_chunks, line
         seen = seen - gemms + n_chunks
-    if seen != noted:
-        top = Counter(n[:90] for n in kernels + dtod).most_common()
-        raise AssertionError(f"{line}\nkernels the profiler saw:\n" + "\n".join(f"  {c} x {n}" for n, c in top))
+    fail_unless_counts_match(line, seen, noted, kernels + dtod)
