@@ -55,22 +55,20 @@ import json
 import math
 import multiprocessing
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _sub in ("client", "server"):
+for _sub in ("client", "server", "bench"):
     if os.path.join(ROOT, _sub) not in sys.path:
         sys.path.insert(0, os.path.join(ROOT, _sub))
 
 import numpy as np  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
 
 T0 = time.monotonic()
 
@@ -109,78 +107,6 @@ class Shape:
     @property
     def label(self) -> str:
         return f"H={self.heads} {self.new}/{self.context} {self.cache_dtype}/{self.prefill_dtype}"
-
-
-# ----------------------------------------------------------------------------- the server
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server_env() -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [os.path.join(ROOT, "server"), os.path.join(ROOT, "client")]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.pop("TRITON_INTERPRET", None)  # compiled kernels on a GPU (the CPU test suite sets it)
-    return env
-
-
-class Server:
-    """``python -m ctxprefill.cli serve`` on free local ports; output to a log file."""
-
-    def __init__(self, flags: dict[str, object], logdir: str, name: str):
-        self.port, self.metrics_port = free_port(), free_port()
-        self.args = [sys.executable, "-m", "ctxprefill.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--metrics-port", str(self.metrics_port)]
-        for k, v in flags.items():
-            self.args += ["--" + k.replace("_", "-"), str(v)]
-        self.log_path = os.path.join(logdir, f"{name}.log")
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.args, env=server_env(), cwd=ROOT, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def tail(self, n: int = 20) -> str:
-        try:
-            with open(self.log_path) as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout: float) -> float:
-        t = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=1.0) as r:
-                    if r.status == 200:
-                        return time.monotonic() - t
-            except OSError:
-                pass
-            if time.monotonic() - t > timeout:
-                raise TimeoutError(f"server not ready after {timeout:.0f} s:\n{self.tail()}")
-            time.sleep(0.2)
-
-    def stop(self) -> int | None:
-        """SIGTERM (drain), then SIGKILL after 20 s; the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
-        return self.proc.returncode
 
 
 # ----------------------------------------------------------------------------- workload
@@ -651,8 +577,8 @@ def main(argv: list[str] | None = None) -> int:
                 for kv in ns.server_flag:
                     k, _, v = kv.partition("=")
                     flags[k.lstrip("-").replace("-", "_")] = v
-                server = Server(flags, logdir, f"H{H}_{cd}_{pd}")
-                log(f"start server: {' '.join(server.args[1:])}")
+                server = ServerProcess(f"H{H}_{cd}_{pd}", flags, logdir)
+                log(f"start server: {server.cmd}")
                 t_ready = server.wait_ready(ns.start_timeout)
                 log(f"server ready in {t_ready:.1f} s (log {server.log_path})")
                 target = server.target

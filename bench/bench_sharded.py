@@ -31,102 +31,24 @@ import json
 import math
 import multiprocessing
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _sub in ("client", "server"):
+for _sub in ("client", "server", "bench"):
     if os.path.join(ROOT, _sub) not in sys.path:
         sys.path.insert(0, os.path.join(ROOT, _sub))
 
 import numpy as np  # noqa: E402
+from server_process import ServerProcess, wait_all_ready  # noqa: E402
 
 T0 = time.time()
 
 
 def log(msg: str) -> None:
     print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
-
-
-# ----------------------------------------------------------------------------- servers
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server_env() -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [os.path.join(ROOT, "server"), os.path.join(ROOT, "client")]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.pop("TRITON_INTERPRET", None)  # compiled kernels on the GPU
-    return env
-
-
-class Server:
-    def __init__(self, name: str, device: str, flags: dict[str, object], logdir: str):
-        self.name, self.device = name, device
-        self.port, self.metrics_port = free_port(), free_port()
-        args = [sys.executable, "-m", "ctxprefill.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                "--metrics-port", str(self.metrics_port), "--device", device, "--grace-seconds", "5"]
-        for k, v in flags.items():
-            args += ["--" + k.replace("_", "-"), str(v)]
-        self.cmd = " ".join(args[1:])
-        self.log_path = os.path.join(logdir, f"{name}.log")
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, env=server_env(), cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            with open(self.log_path) as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"server {self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=1.0) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
-
-
-def wait_ready(servers: list[Server], timeout: float) -> None:
-    t_end = time.monotonic() + timeout
-    pending = list(servers)
-    while pending:
-        pending = [s for s in pending if not s.ready()]
-        if not pending:
-            return
-        if time.monotonic() > t_end:
-            raise TimeoutError("not ready after %.0f s: %s\n%s" % (
-                timeout, [s.name for s in pending], "\n".join(f"--- {s.name}\n{s.tail()}" for s in pending)))
-        time.sleep(0.5)
 
 
 # ----------------------------------------------------------------------------- workload
@@ -293,17 +215,17 @@ def main() -> int:
     logdir = tempfile.mkdtemp(prefix="bench_sharded_")
     log(f"GPUs: {[g['name'] for g in gpu_list]}; {N} shards {'on cuda:0' if args.shared_gpu else 'one per GPU'}; "
         f"server logs in {logdir}")
-    servers: list[Server] = []
+    servers: list[ServerProcess] = []
     result: dict = {}
     try:
         dev = (lambda i: "cpu") if args.cpu else (lambda i: "cuda:0" if args.shared_gpu else f"cuda:{i}")
-        whole = Server("whole", dev(0), common, logdir)
-        shards = [Server(f"shard{i}", dev(i),
-                         {**common, "num_shards": N, "shard_index": i}, logdir) for i in range(N)]
+        whole = ServerProcess("whole", {"device": dev(0), "grace_seconds": 5, **common}, logdir)
+        shards = [ServerProcess(f"shard{i}", {"device": dev(i), "grace_seconds": 5, **common, "num_shards": N,
+                                              "shard_index": i}, logdir) for i in range(N)]
         servers = [whole, *shards]
         for s in servers:
             log(f"start {s.name}: {s.cmd}")
-        wait_ready(servers, args.start_timeout)
+        wait_all_ready(servers, args.start_timeout)
         log("all servers ready")
 
         single = PrefillContextClient(whole.target, timeout=300.0, retries=2)
@@ -385,7 +307,7 @@ def main() -> int:
         ok = False
     finally:
         for s in servers:
-            s.stop()
+            s.stop(timeout=10)
     result.setdefault("meta", {})["wall_s"] = round(time.time() - T0, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -34,22 +34,20 @@ import datetime
 import json
 import math
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _sub in ("client", "server"):
+for _sub in ("client", "server", "bench"):
     if os.path.join(ROOT, _sub) not in sys.path:
         sys.path.insert(0, os.path.join(ROOT, _sub))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
 
 T0 = time.time()
 ALIGN = 4096
@@ -145,69 +143,6 @@ def run_engine(ns, w: Workload, dev: torch.device) -> dict:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return res, out, lse
-
-
-# ----------------------------------------------------------------------------- the server
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, ns, w: Workload, dev: torch.device, logdir: str):
-        self.port, self.metrics_port = _free_port(), _free_port()
-        args = [sys.executable, "-m", "ctxprefill.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                "--metrics-port", str(self.metrics_port), "--device", str(dev), "--grace-seconds", "5",
-                "--shared-memory", "all"]
-        for k, v in settings_kw(ns, w).items():
-            args += ["--" + k.replace("_", "-"), str(v)]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "server"), os.path.join(ROOT, "client")]
-                                            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        if dev.type == "cuda":
-            env.pop("TRITON_INTERPRET", None)
-        self.cmd = " ".join(args[1:])
-        self.log_path = os.path.join(logdir, "server.log")
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def tail(self, n: int = 40) -> str:
-        try:
-            with open(self.log_path) as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout: float) -> None:
-        t_end = time.monotonic() + timeout
-        while time.monotonic() < t_end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=1.0) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout:.0f} s:\n{self.tail()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
 
 
 # ----------------------------------------------------------------------------- the modes
@@ -343,7 +278,8 @@ def main(argv=None) -> int:
     identical: dict[str, bool] = {}
     with tempfile.TemporaryDirectory() as logdir:
         log("starting the server: " + " ".join(["serve", "--device", str(dev), "--shared-memory", "all"]))
-        server = Server(ns, w, dev, logdir)
+        server = ServerProcess("server", {"device": str(dev), "grace_seconds": 5, "shared_memory": "all",
+                                          **settings_kw(ns, w)}, logdir)
         try:
             server.wait_ready(ns.ready_timeout)
             with PrefillContextClient(server.target, timeout=ns.timeout, retries=0,
@@ -375,7 +311,7 @@ def main(argv=None) -> int:
                     results[mode] = (out, lse)
                     log(f"{mode}: {med['total_s'] * 1e3:.3f} ms end to end ({med['ratio_to_engine']:.2f}x engine)")
         finally:
-            server.stop()
+            server.stop(timeout=15)
             server_log = server.tail(60)
 
     def same(a, b):
