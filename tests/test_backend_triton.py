@@ -131,6 +131,25 @@ def test_many_segments_longest_first_and_past_the_sort_limit(B):
 
 
 @cpu_interp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_warm_up_runs_every_variant(dtype, monkeypatch):
+    """The backend's warm-up runs the kernel with 1 and 2 segments (program order by
+    length or not), on grids below and at least ``programs`` programs (the register
+    cap applies or not), with the default config — here in the interpreter."""
+    calls = []
+    real = ta.mla_context_attention
+
+    def spy(q, k, v, cu_q, cu_k, max_q, max_k, scale, **kw):
+        calls.append((cu_q.diff().tolist(), -(-max_q // ta.BLOCK_M_MAX) * q.shape[1] * (cu_q.numel() - 1)))
+        return real(q, k, v, cu_q, cu_k, max_q, max_k, scale, **kw)
+
+    monkeypatch.setattr(ta, "mla_context_attention", spy)
+    TritonAttentionBackend().warm_up(torch.device(DEV), heads=2, q_dtype=dtype, programs=5)
+    assert [c[0] for c in calls] == [[1], [1, 1], [384], [384, 384]]  # 3 tiles of 128 rows x 2 heads >= 5
+    assert all(p < 5 for _, p in calls[:2]) and all(p >= 5 for _, p in calls[2:])
+
+
+@cpu_interp
 @pytest.mark.parametrize("cfg", [SMALL, SMALL_TMA], ids=["ptr", "tma"])
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_empty_rows_exact(causal, cfg):

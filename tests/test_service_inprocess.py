@@ -407,25 +407,3 @@ def test_empty_requests(engine):
 
     asyncio.run(main())
 
-
-@pytest.mark.parametrize("prefill", ["bf16", "fp8"])
-def test_warm_up_of_large_grids_runs_requests_of_that_many_programs(prefill):
-    """The GPU warm-up's large-grid requests (the Triton kernel's register-capped variants),
-    run here on the CPU: valid requests whose grid (128-row tiles x heads x segments) reaches
-    the given program count, with one and with two segments."""
-    from ctxprefill.service.server import warm_up_large_grids
-
-    eng = build_engine(ServeSettings(device="cpu", heads=2, block_size=16, num_blocks=8, workspace_tokens=64,
-                                     prefill_dtype=prefill))
-    seen = []
-    real = eng.prefill_context
-
-    def spy(q, seqs, **kw):
-        seen.append((q.shape[0], [s.query_len for s in seqs]))
-        return real(q, seqs, **kw)
-
-    eng.prefill_context = spy
-    warm_up_large_grids(eng, programs=5)  # 2 heads: 3 tiles of 128 rows per segment
-    assert seen == [(384, [384]), (768, [384, 384])]
-    for rows, lens in seen:
-        assert -(-lens[0] // 128) * 2 * len(lens) >= 5

@@ -61,3 +61,8 @@ class AttentionBackend(abc.ABC):
     def launches_per_call(self) -> int:
         """Kernel launches one ``run_context_chunk`` makes on a GPU (for the launch metric)."""
         return 1
+
+    def warm_up(self, device: torch.device, heads: int, q_dtype: torch.dtype) -> None:
+        """Build or compile, before the server is ready, the kernel variants that chunks
+        of ``heads`` heads may need beyond those the engine's warm-up requests reach.
+        Nothing by default."""

@@ -147,6 +147,11 @@ class CudnnDenseBackend(AttentionBackend):
         # path-dependent: run_context_chunk notes its own launches
         return 0
 
+    def warm_up(self, device, heads, q_dtype) -> None:
+        # ragged, causal and fp8 chunks go to Triton: its variants, not cuDNN plans
+        # (those are per length pair and cannot be built ahead)
+        self._delegate().warm_up(device, heads, q_dtype)
+
     # -- the call -------------------------------------------------------------------------
     def _delegate(self):
         if self._triton is None:

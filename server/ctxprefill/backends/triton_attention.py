@@ -54,6 +54,7 @@ CPU tests run it.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import torch
@@ -418,6 +419,8 @@ def mla_context_attention(
 # Segments per call up to which programs are ordered longest-first (one compiled variant
 # for every B in 2.._SORT_MAX; a 64 x 64 comparison per program is noise next to its keys).
 _SORT_MAX = 64
+# the largest BLOCK_M of the default configs: query rows per program
+BLOCK_M_MAX = max(c["BLOCK_M"] for c in CONFIGS.values())
 
 # Device-side descriptors live in a global scratch of 5 × 128 B per *program* (Triton
 # allocates grid size × that per launch, early-exiting programs included); a huge ragged
@@ -489,3 +492,22 @@ class TritonAttentionBackend(AttentionBackend):
 
     def launches_per_call(self) -> int:
         return 1
+
+    def warm_up(self, device: torch.device, heads: int, q_dtype: torch.dtype, programs: int | None = None) -> None:
+        """Compile every variant of the kernel a chunk can pick: program order by segment
+        length or not (1 or 2 segments), and for configs with a register cap, grids below
+        and above ``programs`` (default: two programs per SM) — a variant compiled on a
+        request's path costs that request seconds. Keys of length 1, zero inputs."""
+        device = torch.device(device)
+        if programs is None:
+            if device.type != "cuda":
+                return
+            programs = uncapped_below(device)
+        big = BLOCK_M_MAX * -(-programs // heads)  # query rows whose tiles x heads reach `programs`
+        for q_lens in ([1], [1, 1], [big], [big, big]):
+            n = len(q_lens)
+            q = torch.zeros(sum(q_lens), heads, D_QK, dtype=q_dtype, device=device)
+            k = torch.zeros(n, heads, D_QK, dtype=q_dtype, device=device)
+            v = torch.zeros(n, heads, D_V, dtype=q_dtype, device=device)
+            cu = lambda ls: torch.tensor([0] + list(itertools.accumulate(ls)), dtype=torch.int32, device=device)
+            mla_context_attention(q, k, v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0)

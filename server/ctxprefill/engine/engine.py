@@ -109,6 +109,11 @@ class Engine:
         with self._lock, self._on_device():
             return self.cache.write(slot_mapping, kv_c, k_pe)
 
+    def warm_up_backend(self) -> None:
+        """The attention backend's own warm-up (kernel variants no warm-up request reaches)."""
+        with self._lock, self._on_device():
+            self.backend.warm_up(self.device, self.config.shape.heads, self.q_dtype)
+
     def read_cache(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         with self._lock, self._on_device():
             return self.cache.read(slot_mapping)

@@ -118,29 +118,9 @@ def warm_up(engine: Engine) -> None:
     seqs = [SequenceSpec(2, 2 * bs, blocks), SequenceSpec(1, 0, [])]
     engine.prefill_context(q, seqs, workspace_tokens=bs)  # two chunks: continuation + merge
     engine.prefill_context(q[:2], seqs[:1], workspace_tokens=min(2 * bs, cfg.workspace_tokens))
-    # two sequences in one chunk: the attention variant that orders segments by length
-    engine.prefill_context(q[:2], [SequenceSpec(1, 1, blocks[:1]), SequenceSpec(1, 1, blocks[:1])],
-                           workspace_tokens=min(2 * bs, cfg.workspace_tokens))
-    if engine.device.type == "cuda" and engine.backend.name == "triton":
-        from ..backends.triton_attention import uncapped_below
-
-        warm_up_large_grids(engine, uncapped_below(engine.device))
+    engine.warm_up_backend()  # kernel variants of other chunk shapes (Triton: segment order, grid size)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
-
-
-def warm_up_large_grids(engine: Engine, programs: int) -> None:
-    """Requests whose attention grid has at least ``programs`` programs (128-row query tiles
-    x heads x segments), with one and with two segments: the Triton kernel's
-    register-capped variants (fp8: two programs per SM), which smaller grids do not use."""
-    cfg = engine.config
-    bs, H, D = cfg.cache.block_size, cfg.shape.heads, cfg.shape.qk_head_dim
-    rows = 128 * -(-programs // H)
-    q = torch.zeros((2 * rows, H, D), dtype=torch.uint8 if engine.q_dtype == FP8 else torch.bfloat16)
-    q = q.view(FP8) if engine.q_dtype == FP8 else q
-    one = SequenceSpec(rows, 1, [0])
-    engine.prefill_context(q[:rows], [one], workspace_tokens=min(2 * bs, cfg.workspace_tokens))
-    engine.prefill_context(q, [one, one], workspace_tokens=min(2 * bs, cfg.workspace_tokens))
 
 
 def _build_and_warm(settings: ServeSettings) -> tuple[Engine, float]:
