@@ -4,8 +4,8 @@
 With a :class:`ProbeShape` (the chunk shape the caller will run, e.g. ``workspace_tokens``
 keys under a query count, its head count) and a CUDA device, it times every usable
 candidate of ``_PROBE_ORDER`` on that chunk after a warm-up (which also pays one-time
-costs: Triton compiles, cuDNN graph builds) and keeps the fastest; a candidate whose
-probe raises is skipped with the reason. A CPU device always gets ``reference``, unprobed.
+costs: Triton compiles, cuDNN graph builds) and keeps the first candidate unless another
+is ``_PROBE_MARGIN`` faster; a candidate whose probe raises is skipped with the reason. A CPU device always gets ``reference``, unprobed.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _AUTO_ORDER = ("triton", "reference")
 _PROBE_ORDER = ("triton", "cudnn-frontend")
 # A later candidate replaces the first only when the probe finds it this much faster: the
 # probe does not see what a cuDNN graph costs on each new shape bucket in service (50 ms
-# to 0.4 s, on the request that meets it). Measured on the H200 (bench_attention.py,
+# to 1.8 s measured, on the request that meets it). Measured on the H200 (bench_attention.py,
 # 2026-11-29) cudnn-frontend ran bf16 chunks 1-7 % faster than triton: not worth that.
 _PROBE_MARGIN = 0.10
 
@@ -79,7 +79,8 @@ def backend_class(name: str) -> type[AttentionBackend]:
 def create(name: str, device: torch.device, q_dtype: torch.dtype,
            probe: ProbeShape | None = None) -> tuple[AttentionBackend, str]:
     """(backend, why it was chosen). ``name="auto"`` picks the first usable one, or, given
-    a ``probe`` shape on a CUDA device, the fastest usable one on that shape."""
+    a ``probe`` shape on a CUDA device, the one the probe finds fastest on that shape (by
+    the margin ``_PROBE_MARGIN`` over the first)."""
     device = torch.device(device)
     if name != "auto":
         cls = backend_class(name)
@@ -124,7 +125,8 @@ def _usable(candidates, device, q_dtype) -> tuple[list[tuple[str, type[Attention
 
 def _auto_by_probe(device: torch.device, q_dtype: torch.dtype, probe: ProbeShape,
                    measure=None) -> tuple[AttentionBackend, str]:
-    """``auto`` with a probe: the fastest usable candidate of ``_PROBE_ORDER`` on ``probe``.
+    """``auto`` with a probe: the usable candidate of ``_PROBE_ORDER`` fastest on ``probe``
+    (a later one must beat the first by ``_PROBE_MARGIN``).
     ``measure(backend, device, q_dtype, probe) -> ms`` (tests pass a stand-in)."""
     measure = measure or _measure
     usable, skipped = _usable(_PROBE_ORDER, device, q_dtype)
