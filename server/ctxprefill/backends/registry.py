@@ -5,7 +5,8 @@ With a :class:`ProbeShape` (the chunk shape the caller will run, e.g. ``workspac
 keys under a query count, its head count) and a CUDA device, it times every usable
 candidate of ``_PROBE_ORDER`` on that chunk after a warm-up (which also pays one-time
 costs: Triton compiles, cuDNN graph builds) and keeps the first candidate unless another
-is ``_PROBE_MARGIN`` faster; a candidate whose probe raises is skipped with the reason. A CPU device always gets ``reference``, unprobed.
+is ``_PROBE_MARGIN`` faster; a candidate whose probe raises is skipped with the reason.
+A CPU device always gets ``reference``, unprobed.
 """
 
 from __future__ import annotations
