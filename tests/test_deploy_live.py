@@ -37,6 +37,7 @@ import pytest
 yaml = pytest.importorskip("yaml", reason="PyYAML not installed (pip install pyyaml)")
 
 from ctxprefill_client import CtxPrefillRpcError, PrefillContextClient
+from context_layout import tables_and_slots
 from service_process import ROOT, ServerProcess, env_with_sources, free_port, http_get, stop_process
 
 PROMETHEUS = shutil.which("prometheus")
@@ -145,13 +146,7 @@ class Traffic:
             info = c.server_info()
             nb = info.num_blocks
             perm = rng.permutation(nb).tolist()
-            tables, at = [], 0
-            for n in CONTEXTS:
-                k = -(-n // BS)
-                tables.append(perm[at:at + k])
-                at += k
-            slots = np.concatenate([np.asarray(bt, dtype=np.int64)[np.arange(n) // BS] * BS + np.arange(n) % BS
-                                    for n, bt in zip(CONTEXTS, tables) if n])
+            tables, slots = tables_and_slots(CONTEXTS, BS, perm)
             c.write_cache(slots, rng.standard_normal((len(slots), info.kv_lora_rank), dtype=np.float32),
                           rng.standard_normal((len(slots), info.qk_rope_head_dim), dtype=np.float32))
             q = rng.standard_normal((sum(QUERIES), info.num_heads, info.qk_head_dim), dtype=np.float32)

@@ -27,6 +27,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ctxprefill_client import CtxPrefillRpcError, PrefillContextClient, float32_to_bf16_bits
+from context_layout import tables_and_slots
 from service_process import ServerProcess, free_port, http_get, parse_metrics, sample_sum, stop_process
 
 PROMTOOL = shutil.which("promtool")
@@ -45,13 +46,7 @@ def server_with_traffic():
         with PrefillContextClient(proc.target, retries=0, timeout=60) as c:
             info = c.server_info()
             contexts, queries = [100, 0, 37], [3, 2, 4]
-            tables, at = [], 0
-            for n in contexts:
-                k = -(-n // BS)
-                tables.append(list(range(at, at + k)))
-                at += k
-            slots = np.concatenate([np.asarray(bt)[np.arange(n) // BS] * BS + np.arange(n) % BS
-                                    for n, bt in zip(contexts, tables) if n])
+            tables, slots = tables_and_slots(contexts, BS)
             c.write_cache(slots, rng.standard_normal((len(slots), 512), dtype=np.float32),
                           rng.standard_normal((len(slots), 64), dtype=np.float32))
             inserts += 1

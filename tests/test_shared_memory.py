@@ -33,7 +33,6 @@ from ctxprefill.service.shared_memory import SharedMemoryRegistry
 from ctxprefill.settings import ServeSettings, build_engine
 from ctxprefill_client import (
     BF16,
-    FP32,
     INT64,
     AsyncPrefillContextClient,
     CtxPrefillRpcError,
@@ -44,6 +43,7 @@ from ctxprefill_client import (
     float32_to_bf16_bits,
 )
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from context_layout import tables_and_slots
 from service_process import ServerProcess, http_get, parse_metrics, sample_sum
 
 pytestmark = [
@@ -64,14 +64,7 @@ REGION_BYTES = LSE_AT + LSE_BYTES + 1024
 
 
 def _tables():
-    tables, at = [], 0
-    for n in CONTEXTS:
-        k = -(-n // BS)
-        tables.append(list(range(at, at + k)))
-        at += k
-    slots = np.concatenate([np.asarray(bt)[np.arange(n) // BS] * BS + np.arange(n) % BS
-                            for n, bt in zip(CONTEXTS, tables) if n]).astype(np.int64)
-    return tables, slots
+    return tables_and_slots(CONTEXTS, BS)
 
 
 TABLES, SLOTS = _tables()

@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: service_process
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: service_process, context_layout
+
+from context_layout import tables_and_slots  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="no CUDA device: the GPU transport tests run on the GPU machine")]
@@ -35,14 +37,7 @@ CONFIGS = {"bf16": {"cache_dtype": "auto", "prefill_dtype": "bf16"},
 
 
 def _workload():
-    tables, at = [], 0
-    for n in CONTEXTS:
-        k = -(-n // BS)
-        tables.append(list(range(at, at + k)))
-        at += k
-    slots = np.concatenate([np.asarray(bt)[np.arange(n) // BS] * BS + np.arange(n) % BS
-                            for n, bt in zip(CONTEXTS, tables) if n]).astype(np.int64)
-    return tables, slots
+    return tables_and_slots(CONTEXTS, BS)
 
 
 TABLES, SLOTS = _workload()
