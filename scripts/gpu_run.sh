@@ -172,7 +172,7 @@ want hostile_sanitizer && run_step hostile_sanitizer 200 5 "$OUT/hostile_sanitiz
 # ---- 9. head-sharded workers, one per GPU (needs 2 GPUs) ----------------------------------------
 # with one GPU both shards share it: the bit-for-bit equality still holds and is checked
 SHARED=$([ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] || echo --shared-gpu)
-want bench_sharded && run_step bench_sharded 200 5 - python3 bench/bench_sharded.py --num-shards 2 --concurrency 4 \
+want bench_sharded && run_step bench_sharded 200 5 - python3 bench/bench_sharded.py --num-shards 2 --concurrency "${SHARDED_CONCURRENCY:-8}" \
   $SHARED --seconds 15 --budget-s 150 --out "$OUT/bench_sharded.json"
 
 note "== total $(($(date +%s) - T0))s; $([ "$FAILED" -eq 0 ] && echo 'ALL PASSED' || echo 'SOME STEPS FAILED')"
