@@ -204,28 +204,48 @@ gather_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int64_t blo
     int64_t slot[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) slot[r] = __shfl_sync(0xffffffffu, mine, r);
+    // Three phases: every load of the R rows first, then the conversions, then the
+    // stores. A conversion right after its load (one block per chunk) made the compiler
+    // wait for each load before issuing the next: one load in flight per lane, and the
+    // dequantizing gathers ran at 61-69 % of copy bandwidth.
     uint4 v[R][K];
+    float sc[R][K];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         const int c = lane + 32 * k;
         v[r][k] = make_uint4(0u, 0u, 0u, 0u);
+        sc[r][k] = k_scale;
         if (c >= U || slot[r] < 0) continue;
         const uint8_t* src = cache + slot[r] * BPS;
         if constexpr (CD == CacheDtype::Auto || OUT_FP8) {
           v[r][k] = ld16<A>(src + c * 16);  // bf16 -> bf16, or raw fp8 bytes
         } else if constexpr (CD == CacheDtype::Fp8) {
-          v[r][k] = dev::bf16x8_from_e4m3x8_scaled(ld8<A>(src + c * 8), k_scale);
-        } else {  // fp8_ds_mla
+          const uint2 q = ld8<A>(src + c * 8);
+          v[r][k].x = q.x;
+          v[r][k].y = q.y;
+        } else {  // fp8_ds_mla: 64 chunks of 8 e4m3 (a scale per 128), then 8 of bf16 k_pe
           if (c < 64) {
-            const float s = ldf<A>(src + kLatent + 4 * (c >> 4));
-            v[r][k] = dev::bf16x8_from_e4m3x8_scaled(ld8<A>(src + c * 8), s);
+            const uint2 q = ld8<A>(src + c * 8);
+            v[r][k].x = q.x;
+            v[r][k].y = q.y;
+            sc[r][k] = ldf<A>(src + kLatent + 4 * (c >> 4));
           } else {
             v[r][k] = ld16<A>(src + kLatent + 16 + (c - 64) * 16);
           }
         }
       }
+    if constexpr (CD != CacheDtype::Auto && !OUT_FP8) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const int c = lane + 32 * k;
+          const bool dq = CD == CacheDtype::Fp8 ? c < U : c < 64;
+          if (dq && slot[r] >= 0) v[r][k] = dev::bf16x8_from_e4m3x8_scaled(make_uint2(v[r][k].x, v[r][k].y), sc[r][k]);
+        }
+    }
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
