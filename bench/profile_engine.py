@@ -1,0 +1,100 @@
+"""Where the host time of one request goes: the engine's Python, by function.
+
+When a request's kernels are short (16 heads, 1,024 new tokens), the device can wait on
+the host between them: ``ctxprefill bench`` shows it as request time above the sum of
+the stages. This runs one request shape in-process (``ctxprefill bench``'s engine and
+random context), reports wall time, the sum of the device stages, and their gap, then
+profiles ``--iters`` requests with cProfile and prints the functions with the most own
+time (``torch.cuda.synchronize`` there is the host waiting for the device: the rest is
+host work that the device may wait on).
+
+  PYTHONPATH=server:client python3 bench/profile_engine.py --heads 16 --new 1024 --context 65536
+  PYTHONPATH=server:client python3 bench/profile_engine.py --device cpu --heads 2 --new 8 --context 512 \\
+      --block-size 16 --workspace-tokens 128 --iters 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _sub in ("client", "server"):
+    if os.path.join(ROOT, _sub) not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, _sub))
+
+import math  # noqa: E402
+
+import torch  # noqa: E402
+
+from ctxprefill.bench import make_device_request  # noqa: E402
+from ctxprefill.settings import ServeSettings, build_engine  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--new", type=int, default=1024)
+    p.add_argument("--context", type=int, default=65536)
+    p.add_argument("--cache-dtype", default="auto")
+    p.add_argument("--prefill-dtype", default="bf16")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--workspace-tokens", type=int, default=16384)
+    p.add_argument("--generic", action="store_true", help="profile the generic path instead of the fused one")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--top", type=int, default=30)
+    a = p.parse_args(argv)
+
+    blocks = math.ceil(a.context / a.block_size) + 8
+    s = ServeSettings(device=a.device, heads=a.heads, cache_dtype=a.cache_dtype, prefill_dtype=a.prefill_dtype,
+                      block_size=a.block_size, num_blocks=blocks, workspace_tokens=a.workspace_tokens)
+    engine = build_engine(s)
+    dev = engine.device
+    q, seqs = make_device_request(engine, [a.context], [a.new])
+    fused = not a.generic
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    for _ in range(3):  # compile and warm up
+        engine.prefill_context(q, seqs, fused=fused)
+    sync()
+    walls, stage_sums = [], []
+    for _ in range(a.iters):
+        t = time.perf_counter()
+        r = engine.prefill_context(q, seqs, fused=fused)
+        sync()
+        walls.append(time.perf_counter() - t)
+        stage_sums.append(sum(r.stats.stage_ns.values()) / 1e9)
+    wall, stages = statistics.median(walls), statistics.median(stage_sums)
+    print(f"device {dev}; H={a.heads} new={a.new} context={a.context} cache={a.cache_dtype} "
+          f"prefill={a.prefill_dtype} path={'fused' if fused else 'generic'}; {len(r.stats.chunks)} chunks")
+    print(f"request {wall * 1e3:.3f} ms (median of {a.iters}); device stages {stages * 1e3:.3f} ms; "
+          f"gap {(wall - stages) * 1e3:.3f} ms ({(wall - stages) / wall:.0%})")
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(a.iters):
+        engine.prefill_context(q, seqs, fused=fused)
+    sync()
+    prof.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(a.top)
+    print(f"cProfile over {a.iters} requests (per request: divide by {a.iters}), by own time:")
+    lines = buf.getvalue().splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.strip().startswith("ncalls")), 0)
+    print("\n".join(lines[start : start + a.top + 1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
