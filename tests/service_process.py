@@ -57,16 +57,24 @@ class ServerProcess:
 
     def __init__(self, flags: dict[str, object], grace_seconds: float = 10.0, port: int | None = None,
                  metrics_port: int | None = None, env: dict[str, str] | None = None):
+        # ports picked here can be taken by another process before the server binds them
+        # (free_port releases its socket): wait_ready then starts again on new ones
+        self._auto_ports = port is None and metrics_port is None
         self.port = port if port is not None else free_port()
         self.metrics_port = metrics_port if metrics_port is not None else free_port()
         self.grace_seconds = grace_seconds
+        self._flags, self._env = flags, env
+        self._start()
+
+    def _start(self) -> None:
         args = [sys.executable, "-m", "ctxprefill.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                "--metrics-port", str(self.metrics_port), "--device", "cpu", "--grace-seconds", str(grace_seconds)]
-        for k, v in flags.items():
+                "--metrics-port", str(self.metrics_port), "--device", "cpu", "--grace-seconds",
+                str(self.grace_seconds)]
+        for k, v in self._flags.items():
             args += ["--" + k.replace("_", "-"), str(v)]
         self._log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(args, env={**env_with_sources(), **(env or {})}, cwd=ROOT, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, env={**env_with_sources(), **(self._env or {})}, cwd=ROOT,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
 
     @property
     def target(self) -> str:
@@ -82,8 +90,14 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float = 90.0) -> None:
         t_end = time.monotonic() + timeout
+        restarts = 0
         while time.monotonic() < t_end:
             if self.proc.poll() is not None:
+                if self._auto_ports and restarts < 3 and "cannot bind" in self.log():
+                    restarts += 1
+                    self.port, self.metrics_port = free_port(), free_port()
+                    self._start()
+                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if http_get(self.metrics_url + "/readyz", timeout=1.0)[0] == 200:
