@@ -296,7 +296,7 @@ def test_validate_prefill_messages(engine):
     cfg = engine.config
     ok = prefill_req()
     args = validate.validate_prefill(ok, cfg, 64 << 20)
-    assert args.q.dtype == torch.bfloat16 and args.sequences[0].block_table == [3, 4] and args.plan is None
+    assert args.q.dtype == torch.bfloat16 and list(args.sequences[0].block_table) == [3, 4] and args.plan is None
 
     def fails(mutate, exc=InvalidArgument, max_bytes=64 << 20):
         r = pb.PrefillContextRequest()

@@ -166,6 +166,8 @@ class Engine:
                 table = s.block_table
                 if isinstance(table, torch.Tensor):
                     row = table[:need].to("cpu", torch.int64).numpy()
+                elif isinstance(table, np.ndarray):
+                    row = table[:need].astype(np.int64, copy=False)
                 else:
                     row = np.asarray(table[:need] if isinstance(table, (list, tuple)) else list(table)[:need],
                                      dtype=np.int64)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
@@ -225,10 +226,10 @@ def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_messa
                 f"sequences[{i}].block_table",
                 f"has {len(bt)} blocks; context_len {cl} needs {need} blocks of {bs}",
             )
-        used = list(bt[:need])
-        if used and (min(used) < 0 or max(used) >= num_blocks):
-            j = next(j for j, b in enumerate(used) if b < 0 or b >= num_blocks)
-            raise OutOfRange(f"sequences[{i}].block_table[{j}]", f"block {used[j]} is outside [0, {num_blocks})")
+        used = np.asarray(bt[:need], dtype=np.int64)  # the engine takes the array as it is
+        if need and (used.min() < 0 or used.max() >= num_blocks):
+            j = int(np.flatnonzero((used < 0) | (used >= num_blocks))[0])
+            raise OutOfRange(f"sequences[{i}].block_table[{j}]", f"block {int(used[j])} is outside [0, {num_blocks})")
         total_q += ql
         seqs.append(SequenceSpec(ql, cl, used))
     if total_q != Tq:
