@@ -451,6 +451,46 @@ def test_compose_file_matches_the_compose_spec():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+COMPOSE_SHM = os.path.join(DEPLOY, "compose.shared-memory.yaml")
+
+
+def test_compose_shared_memory_overlay():
+    """The shared-memory overlay: the server's settings exist, the orchestrator joins the
+    server's IPC namespace, and every flag it passes exists in the example's parser."""
+    from ctxprefill.settings import ServeSettings
+    from ctxprefill_client.examples import orchestrator
+
+    with open(COMPOSE_SHM) as f:
+        c = yaml.safe_load(f)
+    base = _compose()
+    srv, orch, writer = c["services"]["ctxprefill"], c["services"]["orchestrator"], c["services"]["weights"]
+    fields = {f.name for f in dataclasses.fields(ServeSettings)}
+    for key in srv["environment"]:
+        assert key.startswith("CTXPREFILL_") and key[len("CTXPREFILL_"):].lower() in fields, key
+    assert srv["environment"]["CTXPREFILL_SHARED_MEMORY"] in ("system", "all")
+    assert srv["ipc"] == "shareable" and orch["ipc"] == "service:ctxprefill"
+    assert orch["depends_on"]["ctxprefill"]["condition"] == "service_healthy"
+    assert srv["depends_on"]["weights"]["condition"] == "service_completed_successfully"
+    # one file: written by `weights`, loaded by the server and by the orchestrator
+    path = srv["environment"]["CTXPREFILL_WEIGHTS"]
+    assert writer["command"][writer["command"].index("--write-weights") + 1] == path
+    assert orch["command"][orch["command"].index("--weights") + 1] == path
+    heads = int(base["services"]["ctxprefill"]["environment"]["CTXPREFILL_HEADS"])
+    assert int(writer["command"][writer["command"].index("--heads") + 1]) == heads
+    for svc in (orch, writer):
+        assert svc["image"] == base["services"]["ctxprefill"]["image"]
+        assert svc["entrypoint"] == ["python", "-m", "ctxprefill_client.examples.orchestrator"]
+        orchestrator.build_parser().parse_args(svc["command"])  # an unknown flag exits with 2
+    assert {"weights"} <= set(c["volumes"])
+
+
+@pytest.mark.skipif(CHECK_JSONSCHEMA is None, reason="check-jsonschema not on PATH (pip install check-jsonschema)")
+def test_compose_shared_memory_overlay_matches_the_compose_spec():
+    r = subprocess.run([CHECK_JSONSCHEMA, "--builtin-schema", "vendor.compose-spec", COMPOSE_SHM],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def _docker_compose_available() -> bool:
     if shutil.which("docker") is None:
         return False
@@ -462,6 +502,9 @@ def _docker_compose_available() -> bool:
 def test_docker_compose_config():
     r = subprocess.run(["docker", "compose", "-f", COMPOSE, "config", "-q"], capture_output=True, text=True,
                        timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run(["docker", "compose", "-f", COMPOSE, "-f", COMPOSE_SHM, "config", "-q"], capture_output=True,
+                       text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -561,3 +561,29 @@ def test_settings_validate_the_flag():
         shared_memory_kinds(ServeSettings(device="cpu", shared_memory="yes"))
     with pytest.raises(ConfigError, match="--shared-memory-max-regions"):
         shared_memory_kinds(ServeSettings(device="cpu", shared_memory="system", shared_memory_max_regions=0))
+
+
+def test_orchestrator_example_through_shared_memory(tmp_path):
+    """The example orchestrator's ``--shared-memory system`` (the deployment's fast path,
+    docs/DEPLOY.md): q, output and LSE through a region; result checked against float64."""
+    from ctxprefill_client.examples import orchestrator
+
+    weights = str(tmp_path / "w.safetensors")
+    orchestrator.make_random_weights(weights, 4, seed=3)
+    proc = ServerProcess({"heads": 4, "block_size": 16, "num_blocks": 64, "workspace_tokens": 128,
+                          "weights": weights, "shared_memory": "system"})
+    try:
+        proc.wait_ready()
+        lines: list[str] = []
+        with PrefillContextClient(proc.target, timeout=60) as c:
+            report = orchestrator.run(c, orchestrator.load_kv_b_proj(weights), context_lens=[100, 0, 37],
+                                      query_lens=[5, 3, 2], seed=1, shared_memory=True, log=lines.append)
+            assert c.shared_memory_status() == []  # the example removed its region
+        assert report["ok"], lines
+        assert any("through region" in ln for ln in lines), lines
+        served = parse_metrics(http_get(proc.metrics_url + "/metrics")[1])
+        assert sample_sum(served["ctxprefill_shared_memory_transfer_bytes_total"]) > 0
+        assert orchestrator.main(["--target", proc.target, "--weights", weights, "--context-lens", "30",
+                                  "--query-lens", "4", "--shared-memory", "system"]) == 0
+    finally:
+        proc.kill()

@@ -230,9 +230,14 @@ def run(
     seed: int = 0,
     workspace_tokens: int | None = None,
     rtol: float | None = None,
+    shared_memory: bool = False,
     log=print,
 ) -> dict[str, Any]:
-    """Run the whole example against ``client``; returns a report dict (``ok`` is the verdict)."""
+    """Run the whole example against ``client``; returns a report dict (``ok`` is the verdict).
+
+    ``shared_memory``: q, the output and the LSE go through a POSIX shared-memory region
+    registered with the server (``serve --shared-memory system|all``, same host or same
+    IPC namespace) instead of inside the gRPC messages."""
     if len(context_lens) != len(query_lens):
         raise ValueError("context_lens and query_lens need the same length")
     info = client.server_info()
@@ -299,7 +304,10 @@ def run(
 
     # -- the context part, on the server
     seqs = [Sequence(ql, cl, tuple(bt)) for ql, cl, bt in zip(query_lens, context_lens, tables)]
-    res = client.prefill_context(q_raw, seqs, workspace_tokens=workspace_tokens, request_id=f"orchestrator-{seed}")
+    if shared_memory:
+        res = _prefill_through_shared_memory(client, q_raw, seqs, workspace_tokens, f"orchestrator-{seed}", H, V, log)
+    else:
+        res = client.prefill_context(q_raw, seqs, workspace_tokens=workspace_tokens, request_id=f"orchestrator-{seed}")
     st = res.stats
     log(
         f"prefill_context: {st['num_chunks']} chunk(s), path={st['path']}, fp8_path={st['fp8_path']}, "
@@ -350,11 +358,45 @@ def run(
     }
 
 
+def _prefill_through_shared_memory(client: PrefillContextClient, q_raw: RawTensor, seqs, workspace_tokens, request_id,
+                                   H: int, V: int, log):
+    """prefill_context with q, output and LSE in one POSIX shared-memory region: q at 0,
+    the output and the LSE after it (64-byte aligned); the region is registered for the
+    call and removed after. The result's arrays are copied out of the region first."""
+    import os
+
+    from ctxprefill_client.shared_memory import SystemSharedMemoryRegion
+
+    def up(n: int) -> int:
+        return (n + 63) // 64 * 64
+
+    tq = q_raw.shape[0]
+    q_bytes, out_bytes, lse_bytes = q_raw.bits.nbytes, tq * H * V * 2, H * tq * 4
+    out_at = up(q_bytes)
+    lse_at = out_at + up(out_bytes)
+    name = f"orchestrator-{os.getpid()}"
+    with SystemSharedMemoryRegion(name, max(lse_at + lse_bytes, 1)) as region:
+        client.register_system_shared_memory(region)
+        try:
+            q_in = region.write(q_raw, 0)
+            res = client.prefill_context(q_in, seqs, workspace_tokens=workspace_tokens, request_id=request_id,
+                                         output_region=region.ref(out_at, out_bytes),
+                                         lse_region=region.ref(lse_at, lse_bytes))
+            # copies, so that the region can be unmapped with the views gone
+            res.output = None if res.output is None else np.array(res.output)
+            res.output_bits = None if res.output_bits is None else np.array(res.output_bits)
+            res.lse = None if res.lse is None else np.array(res.lse)
+        finally:
+            client.unregister_shared_memory(name)
+    log(f"shared memory: q ({q_bytes} B), output ({out_bytes} B) and LSE ({lse_bytes} B) through region {name!r}")
+    return res
+
+
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m ctxprefill_client.examples.orchestrator",
         description="Full prefill attention = server context part + local new-token part, merged by LSE, "
@@ -373,6 +415,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tls", action="store_true", help="use TLS with the default roots")
     ap.add_argument("--write-weights", metavar="PATH", help="write a random bf16 kv_b_proj file and exit")
     ap.add_argument("--heads", type=int, default=16, help="heads for --write-weights")
+    ap.add_argument("--shared-memory", choices=["off", "system"], default="off",
+                    help="system: q, output and LSE through POSIX shared memory (serve --shared-memory system|all; "
+                         "same host or IPC namespace)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
 
     if args.write_weights:
@@ -391,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             workspace_tokens=args.workspace_tokens,
             rtol=args.rtol,
+            shared_memory=args.shared_memory == "system",
         )
     return 0 if report["ok"] else 1
 
