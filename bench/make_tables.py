@@ -47,8 +47,8 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
                   f"GEMM) + gather/pack bytes at {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s (copy), both measured "
                   f"in the run.", ""]
     lines += ["| H | new | ctx | cache | prefill | chunks | generic ms | fused ms | speed-up | floor ms "
-              "| fused / floor | launches/chunk generic→fused | bit-identical |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| fused / floor | fused gap ms | launches/chunk generic→fused | bit-identical |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for r in d.get("rows", []):
         if "speedup" not in r:
@@ -64,11 +64,14 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
         if r["speedup"] >= bold_speedup:
             sp = f"**{sp}**"
         lg, lf = _per_chunk(r, "generic"), _per_chunk(r, "fused")
+        gap = r.get("fused_host_gap_s")
+        if gap is None and r.get("fused_stage_s") is not None:  # runs before the field existed
+            gap = r["fused_s"] - sum(r["fused_stage_s"].values())
         lines.append(
             f"| {r['heads']} | {r['new']} | {ctx_label(r['context'])} | {r['cache_dtype']} | {r['prefill_dtype']} "
             f"| {r['chunks']} | {r['generic_s'] * 1e3:.2f} | {r['fused_s'] * 1e3:.2f} | {sp} "
             f"| {_num(floor * 1e3 if floor else None, '.2f')} | {_num(ratio, '.2f')} "
-            f"| {_num(lg, '.0f')} → {_num(lf, '.0f')} | {'yes' if r.get('bit_identical') else '**NO**'} |")
+            f"| {_num(gap * 1e3 if gap is not None else None, '.2f')} | {_num(lg, '.0f')} → {_num(lf, '.0f')} | {'yes' if r.get('bit_identical') else '**NO**'} |")
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"

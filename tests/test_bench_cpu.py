@@ -41,6 +41,11 @@ def test_bench_grid_full_narrowed_by_flags(tmp_path):
     assert r["generic_iters"] == r["fused_iters"] == 2 and r["bit_identical"] and r["floor_s"] is None
     assert set(r["fused_stage_s"]) >= {"gather", "kv_b_proj", "pack", "attention"}
     assert r["fused_launches_per_chunk"] == sum(r["fused_launches"].values()) / r["chunks"]
+    # the time outside the stages: request time minus the stages' (medians: may dip below 0)
+    for path in ("generic", "fused"):
+        gap = r[f"{path}_host_gap_s"]
+        assert gap == pytest.approx(r[f"{path}_s"] - sum(r[f"{path}_stage_s"].values()))
+        assert -0.5 * r[f"{path}_s"] < gap < r[f"{path}_s"]
 
 
 def test_bench_budget_zero_skips_everything(tmp_path):

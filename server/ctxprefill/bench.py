@@ -313,11 +313,12 @@ def main(argv=None) -> int:
     history: list[dict] = []
     engines = _Engines()
     print(f"{len(grid)} rows; stage columns: the fused path's median ms per stage "
-          f"({', '.join(f'{v}={k}' for k, v in _ABBR.items())}); the generic path's are in the JSON", flush=True)
+          f"({', '.join(f'{v}={k}' for k, v in _ABBR.items())}); the generic path's are in the JSON; gap: the "
+          f"fused request's time outside its stages (on a GPU, mostly the device waiting on the host)", flush=True)
     hdr = (f"{'H':>4} {'new':>5} {'ctx':>7} {'cache':>10} {'prefill':>7} {'chunks':>6} {'generic ms':>10} "
            f"{'fused ms':>9} {'speedup':>7} {'floor ms':>8} {'fused/floor':>11} {'launch/chunk g|f':>16} "
            f"{'it g|f':>6}  "
-           + " ".join(f"{_ABBR[s]:>7}" for s in STAGES) + f" {'t s':>6}")
+           + " ".join(f"{_ABBR[s]:>7}" for s in STAGES) + f" {'gap':>7} {'t s':>6}")
     print(hdr, flush=True)
     for i, (H, new, ctx, cd, pd) in enumerate(grid):
         key = {"heads": H, "new": new, "context": ctx, "cache_dtype": cd, "prefill_dtype": pd}
@@ -364,9 +365,10 @@ def main(argv=None) -> int:
         row_s = time.monotonic() - t_row
         history.append({"work": work, "t_s": max(tg, tf), "setup_s": setup_s})
         stage_ms = " ".join(f"{f['stage_s'].get(st, 0.0) * 1e3:7.3f}" for st in STAGES)
+        gap_g, gap_f = tg - sum(g["stage_s"].values()), tf - sum(f["stage_s"].values())
         print(f"{H:4d} {new:5d} {ctx:7d} {cd:>10} {pd:>7} {n:6d} {tg * 1e3:10.3f} {tf * 1e3:9.3f} {tg / tf:7.2f} "
               f"{floor * 1e3:8.3f} {tf / floor:11.2f} {lg:7.1f} | {lf:6.1f} {g['iters']:>2}|{f['iters']:<3} "
-              f"{stage_ms} {row_s:6.2f}{'' if same else '  MISMATCH'}", flush=True)
+              f"{stage_ms} {gap_f * 1e3:7.3f} {row_s:6.2f}{'' if same else '  MISMATCH'}", flush=True)
         rows.append({
             **key, "kv_b_proj_dtype": ns.kv_b_proj_dtype, "workspace_tokens": ns.workspace_tokens,
             "block_size": ns.block_size, "chunks": n,
@@ -374,6 +376,7 @@ def main(argv=None) -> int:
             "generic_s": tg, "fused_s": tf, "speedup": tg / tf, "floor_s": floor, "fused_over_floor": tf / floor,
             "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],
             "generic_stage_s": g["stage_s"], "fused_stage_s": f["stage_s"],
+            "generic_host_gap_s": gap_g, "fused_host_gap_s": gap_f,
             "generic_launches": dict(rg.stats.launches), "fused_launches": dict(rf.stats.launches),
             "generic_launches_per_chunk": lg, "fused_launches_per_chunk": lf,
             "generic_iters": g["iters"], "fused_iters": f["iters"], "warmup": [g["warmup"], f["warmup"]],
