@@ -1,8 +1,9 @@
 """The monitoring set-up of deploy/ against real processes: a Prometheus started from
 deploy/prometheus/prometheus.yml (scrape interval 1 s, our alert rules loaded)
 scraping three real ``ctxprefill serve`` processes on the CPU, one per dtype
-configuration (one of them on the generic path, one with a queue of 1), while they
-serve requests, bad requests and refused ones.
+configuration (one of them on the generic path and accepting shared memory, one with a
+queue of 1), while they serve requests (one in three through shared memory where it is
+accepted), bad requests and refused ones.
 
 Then every PromQL expression of the Grafana dashboard (deploy/grafana/ctxprefill.json,
 with ``$__rate_interval`` -> 30s and ``$instance`` -> ``.*``) and of the alert rules
@@ -36,7 +37,8 @@ import pytest
 
 yaml = pytest.importorskip("yaml", reason="PyYAML not installed (pip install pyyaml)")
 
-from ctxprefill_client import CtxPrefillRpcError, PrefillContextClient
+from ctxprefill_client import BF16, CtxPrefillRpcError, PrefillContextClient
+from ctxprefill_client.shared_memory import SystemSharedMemoryRegion
 from context_layout import tables_and_slots
 from service_process import ROOT, ServerProcess, env_with_sources, free_port, http_get, stop_process
 
@@ -61,8 +63,9 @@ COMMON = {"heads": 2, "block_size": BS, "num_blocks": 64, "workspace_tokens": 12
 SERVERS = {
     "bf16": ({**COMMON, "cache_dtype": "auto", "kv_b_proj_dtype": "bf16", "prefill_dtype": "bf16",
               "queue_size": 1}, {}),
+    # shared memory accepted (the dashboard's transport panels need its series)
     "fp8-generic": ({**COMMON, "cache_dtype": "fp8", "kv_b_proj_dtype": "bf16", "prefill_dtype": "bf16",
-                     "k_scale": 0.5}, {"CTXPREFILL_GENERIC": "1"}),
+                     "k_scale": 0.5, "shared_memory": "system"}, {"CTXPREFILL_GENERIC": "1"}),
     "fp8_ds_mla-fp8": ({**COMMON, "cache_dtype": "fp8_ds_mla", "kv_b_proj_dtype": "fp8", "prefill_dtype": "fp8"},
                        {}),
 }
@@ -151,22 +154,36 @@ class Traffic:
                           rng.standard_normal((len(slots), info.qk_rope_head_dim), dtype=np.float32))
             q = rng.standard_normal((sum(QUERIES), info.num_heads, info.qk_head_dim), dtype=np.float32)
             seqs = list(zip(QUERIES, CONTEXTS, tables))
-            i = 0
-            while time.monotonic() < until:
-                for w in (16, 64, 128):
+            with contextlib.ExitStack() as stack:
+                shm = None
+                if "system" in info.shared_memory_kinds:  # one request in three through shared memory
+                    shm = stack.enter_context(SystemSharedMemoryRegion(f"live-{self.name}", 1 << 20))
+                    c.register_system_shared_memory(shm)
+                self._loop(c, q, seqs, nb, shm, until)
+
+    def _loop(self, c: PrefillContextClient, q, seqs, nb: int, shm, until: float) -> None:
+        tq, h = q.shape[0], q.shape[1]
+        i = 0
+        while time.monotonic() < until:
+            for w in (16, 64, 128):
+                if shm is not None and w == 64:
+                    c.prefill_context(shm.write(q, 0, BF16), seqs, workspace_tokens=w,
+                                      output_region=shm.ref(1 << 19, tq * h * 128 * 2),
+                                      lse_region=shm.ref(3 << 18, h * tq * 4))
+                else:
                     c.prefill_context(q, seqs, workspace_tokens=w)
-                    self.ok += 1
-                if i % 3 == 0:
-                    for bad in (lambda: c.prefill_context(q[:1], seqs),  # rows != sum(query_len)
-                                lambda: c.read_cache([nb * BS])):  # slot out of range
-                        try:
-                            bad()
-                        except CtxPrefillRpcError as e:
-                            self._count(e)
-                if self.burst and i % 4 == 0:
-                    self._burst(c, q, seqs)
-                i += 1
-                time.sleep(0.15)
+                self.ok += 1
+            if i % 3 == 0:
+                for bad in (lambda: c.prefill_context(q[:1], seqs),  # rows != sum(query_len)
+                            lambda: c.read_cache([nb * BS])):  # slot out of range
+                    try:
+                        bad()
+                    except CtxPrefillRpcError as e:
+                        self._count(e)
+            if self.burst and i % 4 == 0:
+                self._burst(c, q, seqs)
+            i += 1
+            time.sleep(0.15)
 
     def _burst(self, c: PrefillContextClient, q, seqs, n: int = 6) -> None:
         barrier = threading.Barrier(n)
