@@ -388,19 +388,24 @@ def _slot_tensor(slot_mapping: Any) -> pb.Tensor:
     return encode_tensor(arr.astype(np.int64, copy=False), INT64, name="slot_mapping")
 
 
+# Tensor submessages are put in place with CopyFrom, never passed to a message's
+# constructor: upb's constructor merges a submessage field by field (protobuf 7.36: 56 ms
+# for a 25 MB q, against 3 ms for CopyFrom, one memcpy).
+
+
 def build_write_request(slot_mapping: Any, kv_c: Any, k_pe: Any, expected: str | None) -> pb.WriteCacheRequest:
-    req = pb.WriteCacheRequest(
-        slot_mapping=_slot_tensor(slot_mapping),
-        kv_c=_latent_tensor(kv_c, "kv_c"),
-        k_pe=_latent_tensor(k_pe, "k_pe"),
-    )
+    req = pb.WriteCacheRequest()
+    req.slot_mapping.CopyFrom(_slot_tensor(slot_mapping))
+    req.kv_c.CopyFrom(_latent_tensor(kv_c, "kv_c"))
+    req.k_pe.CopyFrom(_latent_tensor(k_pe, "k_pe"))
     if expected is not None:
         req.expected_instance_id = expected
     return req
 
 
 def build_read_request(slot_mapping: Any, expected: str | None) -> pb.ReadCacheRequest:
-    req = pb.ReadCacheRequest(slot_mapping=_slot_tensor(slot_mapping))
+    req = pb.ReadCacheRequest()
+    req.slot_mapping.CopyFrom(_slot_tensor(slot_mapping))
     if expected is not None:
         req.expected_instance_id = expected
     return req
@@ -441,9 +446,9 @@ def build_prefill_request(
 ) -> pb.PrefillContextRequest:
     req = pb.PrefillContextRequest(
         request_id=request_id or "",
-        q=_q_tensor(q, q_dtype, server_prefill_dtype),
         sequences=[_as_sequence(s, i) for i, s in enumerate(sequences)],
     )
+    req.q.CopyFrom(_q_tensor(q, q_dtype, server_prefill_dtype))
     if workspace_tokens is not None:
         req.workspace_tokens = int(workspace_tokens)
     if expected is not None:

@@ -122,7 +122,11 @@ def decode(msg: pb.Tensor, field: str, dtypes: tuple[int, ...] | None = None, nd
 
 
 def encode(t: torch.Tensor) -> pb.Tensor:
-    """A Tensor message holding ``t`` (moved to the host, made contiguous; one copy into bytes)."""
+    """A Tensor message holding ``t`` (moved to the host, made contiguous; one copy into bytes).
+
+    Put it into a response with ``CopyFrom`` (one memcpy), not as a constructor argument:
+    upb's constructor merges a submessage field by field (protobuf 7.36: 17 ms for a
+    17 MB output, against 2 ms)."""
     wire = _FROM_TORCH.get(t.dtype)
     if wire is None:
         raise TypeError(f"no wire dtype for {t.dtype}")

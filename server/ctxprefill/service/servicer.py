@@ -375,7 +375,9 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             return codec.encode(raw)
 
         t = await self._run(work, context)
-        return pb.ReadCacheResponse(slots=t, instance_id=engine.instance_id)
+        resp = pb.ReadCacheResponse(instance_id=engine.instance_id)
+        resp.slots.CopyFrom(t)
+        return resp
 
     async def PrefillContext(self, request, context):
         t0 = time.perf_counter_ns()
@@ -434,8 +436,10 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         )
         log.info("prefill done", extra={"chunks": len(st.chunks), "context_tokens": st.context_tokens,
                                         "query_tokens": st.query_tokens, "total_ms": round(total_ns / 1e6, 3)})
-        return pb.PrefillContextResponse(output=out, lse=lse, stats=stats, instance_id=engine.instance_id,
-                                         request_id=request_id)
+        resp = pb.PrefillContextResponse(stats=stats, instance_id=engine.instance_id, request_id=request_id)
+        resp.output.CopyFrom(out)  # not through the constructor: it merges field by field (codec.py)
+        resp.lse.CopyFrom(lse)
+        return resp
 
     # -- shared memory -------------------------------------------------------------------
     async def RegisterSystemSharedMemory(self, request, context):
