@@ -24,6 +24,10 @@ Without one at hand, the example can write a random bf16 file first:
     ctxprefill serve --weights /tmp/w.safetensors --heads 16 &
     python -m ctxprefill_client.examples.orchestrator --target localhost:50051 --weights /tmp/w.safetensors
 
+With ``--shared-memory system`` (a server started with ``--shared-memory system|all`` on
+the same host, or in the same IPC namespace: ``deploy/compose.shared-memory.yaml``), q,
+the output and the LSE go through a POSIX shared-memory region instead of the messages.
+
 It overwrites the blocks it picks: point it at a server no one else is using.
 Tolerance: max |error| / max |reference| and max |LSE error| (natural log) both at
 most 2e-2 for bf16 prefill, 1e-1 for fp8 prefill (k and v are quantized to e4m3
