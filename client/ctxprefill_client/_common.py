@@ -30,7 +30,9 @@ from .tensors import (
     decode_tensor,
     encode_tensor,
     storage_dtype,
+    tensor_bits,
 )
+from .wire import finish, place_tensor
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
@@ -356,9 +358,10 @@ def _as_chunk(c: Any, i: int) -> pb.ContextChunk:
     raise TypeError(f"plan[{i}]: expected ContextChunk, (first, num, starts, lens) or dict")
 
 
-def _latent_tensor(x: Any, name: str) -> pb.Tensor:
+def _latent_tensor(x: Any, name: str) -> Any:
     """kv_c / k_pe: RawTensor (BF16/FP32) as is; uint16 -> BF16 bits; floats -> FP32 (exact);
-    a SharedMemoryTensor (BF16/FP32) by reference."""
+    a SharedMemoryTensor (BF16/FP32) by reference. A Tensor message (a reference) or
+    ``(wire dtype, bits)`` for :func:`~ctxprefill_client.wire.place_tensor`."""
     if isinstance(x, SharedMemoryTensor):
         if x.dtype not in (BF16, FP32):
             raise ValueError(f"{name}: must be BF16 or FP32")
@@ -366,12 +369,12 @@ def _latent_tensor(x: Any, name: str) -> pb.Tensor:
     if isinstance(x, RawTensor):
         if x.dtype not in (BF16, FP32):
             raise ValueError(f"{name}: must be BF16 or FP32, got {x.dtype_name}")
-        return encode_tensor(x, name=name)
+        return tensor_bits(x, name=name)
     arr = np.asarray(x)
     if arr.dtype == np.uint16:
-        return encode_tensor(arr, BF16, name=name)
+        return tensor_bits(arr, BF16, name=name)
     if np.issubdtype(arr.dtype, np.floating):
-        return encode_tensor(arr.astype(np.float32, copy=False), FP32, name=name)
+        return tensor_bits(arr.astype(np.float32, copy=False), FP32, name=name)
     raise ValueError(f"{name}: expected a float array, uint16 bf16 bits or a RawTensor, got {arr.dtype}")
 
 
@@ -390,17 +393,22 @@ def _slot_tensor(slot_mapping: Any) -> pb.Tensor:
 
 # Tensor submessages are put in place with CopyFrom, never passed to a message's
 # constructor: upb's constructor merges a submessage field by field (protobuf 7.36: 56 ms
-# for a 25 MB q, against 3 ms for CopyFrom, one memcpy).
+# for a 25 MB q, against 3 ms for CopyFrom, one memcpy). The big inline tensors (q, the
+# latents) do not enter the message at all: wire.OutgoingRequest appends their bytes
+# when gRPC serializes the request.
 
 
-def build_write_request(slot_mapping: Any, kv_c: Any, k_pe: Any, expected: str | None) -> pb.WriteCacheRequest:
+def build_write_request(slot_mapping: Any, kv_c: Any, k_pe: Any, expected: str | None) -> Any:
+    """A WriteCacheRequest (an :class:`~ctxprefill_client.wire.OutgoingRequest` when the
+    latents are inline)."""
     req = pb.WriteCacheRequest()
     req.slot_mapping.CopyFrom(_slot_tensor(slot_mapping))
-    req.kv_c.CopyFrom(_latent_tensor(kv_c, "kv_c"))
-    req.k_pe.CopyFrom(_latent_tensor(k_pe, "k_pe"))
+    payloads: list = []
+    place_tensor(req, "kv_c", _latent_tensor(kv_c, "kv_c"), payloads)
+    place_tensor(req, "k_pe", _latent_tensor(k_pe, "k_pe"), payloads)
     if expected is not None:
         req.expected_instance_id = expected
-    return req
+    return finish(req, payloads)
 
 
 def build_read_request(slot_mapping: Any, expected: str | None) -> pb.ReadCacheRequest:
@@ -411,13 +419,14 @@ def build_read_request(slot_mapping: Any, expected: str | None) -> pb.ReadCacheR
     return req
 
 
-def _q_tensor(q: Any, q_dtype: int | None, server_prefill_dtype: str | None) -> pb.Tensor:
+def _q_tensor(q: Any, q_dtype: int | None, server_prefill_dtype: str | None) -> Any:
+    """A Tensor message (shared memory) or ``(wire dtype, bits)`` (inline)."""
     if isinstance(q, SharedMemoryTensor):
         if q_dtype is not None and q_dtype != q.dtype:
             raise ValueError(f"q: the shared-memory tensor is {q.dtype}, q_dtype asks for {q_dtype}")
         return q.to_proto()
     if isinstance(q, RawTensor):
-        return encode_tensor(q, q_dtype, name="q")
+        return tensor_bits(q, q_dtype, name="q")
     arr = np.asarray(q)
     if q_dtype is None:
         if arr.dtype == np.uint16:
@@ -428,7 +437,7 @@ def _q_tensor(q: Any, q_dtype: int | None, server_prefill_dtype: str | None) -> 
             q_dtype = FP8_E4M3
         else:
             q_dtype = BF16
-    return encode_tensor(arr, q_dtype, name="q")
+    return tensor_bits(arr, q_dtype, name="q")
 
 
 def build_prefill_request(
@@ -443,12 +452,15 @@ def build_prefill_request(
     server_prefill_dtype: str | None,
     output_region: SharedMemoryRef | None = None,
     lse_region: SharedMemoryRef | None = None,
-) -> pb.PrefillContextRequest:
+) -> Any:
+    """A PrefillContextRequest (an :class:`~ctxprefill_client.wire.OutgoingRequest` when q is
+    inline: its bytes are appended at serialization, not copied into the message)."""
     req = pb.PrefillContextRequest(
         request_id=request_id or "",
         sequences=[_as_sequence(s, i) for i, s in enumerate(sequences)],
     )
-    req.q.CopyFrom(_q_tensor(q, q_dtype, server_prefill_dtype))
+    payloads: list = []
+    place_tensor(req, "q", _q_tensor(q, q_dtype, server_prefill_dtype), payloads)
     if workspace_tokens is not None:
         req.workspace_tokens = int(workspace_tokens)
     if expected is not None:
@@ -459,7 +471,7 @@ def build_prefill_request(
         req.output_region.CopyFrom(output_region.to_proto())
     if lse_region is not None:
         req.lse_region.CopyFrom(lse_region.to_proto())
-    return req
+    return finish(req, payloads)
 
 
 # --------------------------------------------------------------------------- responses

@@ -48,6 +48,7 @@ from .shared_memory import (
     register_cuda_request,
     register_system_request,
 )
+from .wire import use_outgoing_requests
 
 __all__ = ["AsyncPrefillContextClient"]
 
@@ -101,6 +102,7 @@ class AsyncPrefillContextClient:
             )
         self._channel = channel
         self._stub = pb_grpc.PrefillContextServiceStub(channel)
+        use_outgoing_requests(self._stub, channel)
 
     # ------------------------------------------------------------------ plumbing
 

@@ -55,6 +55,7 @@ from .shared_memory import (
     register_cuda_request,
     register_system_request,
 )
+from .wire import use_outgoing_requests
 
 __all__ = ["PrefillContextClient"]
 
@@ -129,6 +130,7 @@ class PrefillContextClient:
             )
         self._channel = channel
         self._stub = pb_grpc.PrefillContextServiceStub(channel)
+        use_outgoing_requests(self._stub, channel)
 
     # ------------------------------------------------------------------ plumbing
 

@@ -1,0 +1,69 @@
+"""Requests whose tensor bytes are appended at serialization (ctxprefill_client/wire.py)
+parse, on the server's side, to the same message as one built the plain protobuf way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ctxprefill_client import BF16, FP8_E4M3, FP32, RawTensor
+from ctxprefill_client._common import build_prefill_request, build_write_request
+from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_client.wire import OutgoingRequest, serialize_request
+
+SEQS = [(3, 40, [2, 7, 1]), (2, 0, [])]
+
+
+def _prefill(q, **kw):
+    args = dict(request_id="r1", workspace_tokens=64, plan=None, expected="inst", q_dtype=None,
+                server_prefill_dtype=None)
+    args.update(kw)
+    return build_prefill_request(q, SEQS, **args)
+
+
+@pytest.mark.parametrize("make", [
+    lambda rng: rng.integers(0, 1 << 16, size=(5, 4, 192), dtype=np.uint16),  # bf16 bits
+    lambda rng: rng.integers(0, 256, size=(5, 4, 192), dtype=np.uint8),  # fp8 bits
+    lambda rng: rng.standard_normal((5, 4, 192), dtype=np.float32),  # rounded to bf16
+    lambda rng: RawTensor(FP8_E4M3, rng.integers(0, 256, size=(5, 4, 192), dtype=np.uint8)),
+    lambda rng: np.asfortranarray(rng.integers(0, 1 << 16, size=(5, 4, 192), dtype=np.uint16)),  # not C-contiguous
+], ids=["bf16-bits", "fp8-bits", "float32", "raw-fp8", "fortran"])
+def test_prefill_request_parses_to_the_plain_message(make):
+    q = make(np.random.default_rng(1))
+    req = _prefill(q)
+    assert isinstance(req, OutgoingRequest)
+    assert req.q.data == b"" and list(req.q.shape) == [5, 4, 192]  # the message holds no tensor bytes
+    got = pb.PrefillContextRequest.FromString(serialize_request(req))
+    bits = np.asarray(q.bits if isinstance(q, RawTensor) else q)
+    if bits.dtype == np.float32:
+        from ctxprefill_client import float32_to_bf16_bits
+
+        bits = float32_to_bf16_bits(bits)
+    want = pb.PrefillContextRequest(request_id="r1", workspace_tokens=64, expected_instance_id="inst")
+    want.q.dtype = FP8_E4M3 if bits.dtype == np.uint8 else BF16
+    want.q.shape.extend([5, 4, 192])
+    want.q.data = np.ascontiguousarray(bits).tobytes()
+    for ql, cl, bt in SEQS:
+        want.sequences.add(query_len=ql, context_len=cl, block_table=bt)
+    assert got == want
+    assert req.full_message() == want
+    # on the wire: the same bytes plus one more tag and length for the second "q"
+    assert req.ByteSize() == len(serialize_request(req)) and 0 < req.ByteSize() - want.ByteSize() <= 12
+
+
+def test_write_request_parses_to_the_plain_message():
+    rng = np.random.default_rng(2)
+    kv = rng.standard_normal((7, 512), dtype=np.float32)
+    pe = rng.integers(0, 1 << 16, size=(7, 64), dtype=np.uint16)
+    req = build_write_request(np.arange(7), kv, pe, "inst")
+    got = pb.WriteCacheRequest.FromString(serialize_request(req))
+    assert got.kv_c.dtype == FP32 and got.kv_c.data == kv.tobytes() and list(got.kv_c.shape) == [7, 512]
+    assert got.k_pe.dtype == BF16 and got.k_pe.data == pe.tobytes() and list(got.k_pe.shape) == [7, 64]
+    assert np.frombuffer(got.slot_mapping.data, np.int64).tolist() == list(range(7))
+    assert got.expected_instance_id == "inst"
+
+
+def test_empty_tensors_and_plain_messages_pass_through():
+    req = _prefill(np.zeros((0, 4, 192), np.uint16), request_id="", expected=None)
+    assert isinstance(req, pb.PrefillContextRequest)  # nothing to append: the message itself
+    assert list(req.q.shape) == [0, 4, 192] and serialize_request(req) == req.SerializeToString()
