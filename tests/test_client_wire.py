@@ -9,7 +9,7 @@ import pytest
 from ctxprefill_client import BF16, FP8_E4M3, FP32, RawTensor
 from ctxprefill_client._common import build_prefill_request, build_write_request
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-from ctxprefill_client.wire import OutgoingRequest, serialize_request
+from ctxprefill_client.wire import OutgoingMessage, serialize_request
 
 SEQS = [(3, 40, [2, 7, 1]), (2, 0, [])]
 
@@ -31,7 +31,7 @@ def _prefill(q, **kw):
 def test_prefill_request_parses_to_the_plain_message(make):
     q = make(np.random.default_rng(1))
     req = _prefill(q)
-    assert isinstance(req, OutgoingRequest)
+    assert isinstance(req, OutgoingMessage)
     assert req.q.data == b"" and list(req.q.shape) == [5, 4, 192]  # the message holds no tensor bytes
     got = pb.PrefillContextRequest.FromString(serialize_request(req))
     bits = np.asarray(q.bits if isinstance(q, RawTensor) else q)

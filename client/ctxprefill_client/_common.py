@@ -394,12 +394,12 @@ def _slot_tensor(slot_mapping: Any) -> pb.Tensor:
 # Tensor submessages are put in place with CopyFrom, never passed to a message's
 # constructor: upb's constructor merges a submessage field by field (protobuf 7.36: 56 ms
 # for a 25 MB q, against 3 ms for CopyFrom, one memcpy). The big inline tensors (q, the
-# latents) do not enter the message at all: wire.OutgoingRequest appends their bytes
+# latents) do not enter the message at all: wire.OutgoingMessage appends their bytes
 # when gRPC serializes the request.
 
 
 def build_write_request(slot_mapping: Any, kv_c: Any, k_pe: Any, expected: str | None) -> Any:
-    """A WriteCacheRequest (an :class:`~ctxprefill_client.wire.OutgoingRequest` when the
+    """A WriteCacheRequest (an :class:`~ctxprefill_client.wire.OutgoingMessage` when the
     latents are inline)."""
     req = pb.WriteCacheRequest()
     req.slot_mapping.CopyFrom(_slot_tensor(slot_mapping))
@@ -453,7 +453,7 @@ def build_prefill_request(
     output_region: SharedMemoryRef | None = None,
     lse_region: SharedMemoryRef | None = None,
 ) -> Any:
-    """A PrefillContextRequest (an :class:`~ctxprefill_client.wire.OutgoingRequest` when q is
+    """A PrefillContextRequest (an :class:`~ctxprefill_client.wire.OutgoingMessage` when q is
     inline: its bytes are appended at serialization, not copied into the message)."""
     req = pb.PrefillContextRequest(
         request_id=request_id or "",

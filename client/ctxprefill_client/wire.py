@@ -1,15 +1,16 @@
-"""Requests whose tensor bytes are not copied into the protobuf message.
+"""Messages whose tensor bytes are not copied into the protobuf message.
 
 A request's big inline tensors (PrefillContext's q, WriteCache's latents) would go
 numpy → ``bytes`` → the ``Tensor`` message → ``SerializeToString`` (upb: 21 ms for 25 MB
 on the CPU machine, 7× a memcpy) → gRPC: four copies of every byte before gRPC's own. An
-:class:`OutgoingRequest` keeps the message without those bytes and appends each
+:class:`OutgoingMessage` keeps the message without those bytes and appends each
 tensor's ``data`` field at serialization, from the numpy buffer, in one ``bytes.join``:
 protobuf merges a submessage field that occurs twice, so ``q {dtype shape}`` followed
 by ``q {data}`` parses as one ``q`` (the server sees the same message).
 
 The client's stubs for WriteCache and PrefillContext serialize with
-:func:`serialize_request`, which takes a plain message too. The tensor's memory is read
+:func:`serialize_request`, which takes a plain message too; the server sends its
+inline results (PrefillContext's output and LSE, ReadCache's slots) the same way. The tensor's memory is read
 when the request is sent (again on a retry): leave it unchanged until the call returns.
 """
 
@@ -44,8 +45,8 @@ def _data_field(field_number: int, bits: np.ndarray) -> list:
     return [_varint((field_number << 3) | _LEN) + _varint(len(inner) + buf.nbytes) + inner, buf]
 
 
-class OutgoingRequest:
-    """A request message plus tensor bytes that travel beside it until serialization.
+class OutgoingMessage:
+    """A message plus tensor bytes that travel beside it until serialization.
 
     Attribute access reads the message (``req.q.shape``); the message's tensors have
     their dtype and shape but no ``data`` (:meth:`full_message` makes the whole one).
@@ -89,12 +90,12 @@ def place_tensor(msg: Any, field: str, value: Any, payloads: list[tuple[int, np.
 
 
 def finish(msg: Any, payloads: list[tuple[int, np.ndarray]]) -> Any:
-    """``msg`` itself when it carries no inline tensor bytes, else an :class:`OutgoingRequest`."""
-    return OutgoingRequest(msg, payloads) if payloads else msg
+    """``msg`` itself when it carries no inline tensor bytes, else an :class:`OutgoingMessage`."""
+    return OutgoingMessage(msg, payloads) if payloads else msg
 
 
 def serialize_request(request: Any) -> bytes:
-    """The stubs' request serializer: a protobuf message or an :class:`OutgoingRequest`."""
+    """The stubs' request serializer: a protobuf message or an :class:`OutgoingMessage`."""
     return request.SerializeToString()
 
 

@@ -40,6 +40,8 @@ import time
 
 import grpc
 
+from ctxprefill_client.wire import OutgoingMessage
+
 from ..errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -115,6 +117,20 @@ def _safe_deserializer(deserialize):
             return _Undecodable(e)
 
     return safe
+
+
+def _outgoing_aware(serialize):
+    """``serialize`` that also takes a ``ctxprefill_client.wire.OutgoingMessage`` (a response
+    whose tensor bytes are appended at serialization instead of copied into it)."""
+    if serialize is None:
+        return None
+
+    def serialize_response(response) -> bytes:
+        if isinstance(response, OutgoingMessage):
+            return response.SerializeToString()
+        return serialize(response)
+
+    return serialize_response
 
 
 def _check_decoded(request) -> None:
@@ -232,7 +248,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         if refusal is not None:
             behavior, deserializer = _refuse(refusal, handler.response_streaming), _discard
         wrapped = self._wrap(behavior, labels, handler.request_streaming, handler_call_details.method)
-        return make(wrapped, request_deserializer=deserializer, response_serializer=handler.response_serializer)
+        return make(wrapped, request_deserializer=deserializer,
+                    response_serializer=_outgoing_aware(handler.response_serializer))
 
     # ----------------------------------------------------------------------------------
     def _wrap(self, behavior, labels, request_streaming: bool, full_method: str):

@@ -37,6 +37,7 @@ import torch
 
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+from ctxprefill_client.wire import finish, place_tensor
 
 from .. import __version__
 from ..engine.engine import Engine
@@ -372,12 +373,12 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             raw = engine.read_cache(slots)
             if raw.shape[0] == 0:
                 raw = torch.empty((0, bps), dtype=torch.uint8)
-            return codec.encode(raw)
+            return codec.encode_parts(raw)
 
-        t = await self._run(work, context)
-        resp = pb.ReadCacheResponse(instance_id=engine.instance_id)
-        resp.slots.CopyFrom(t)
-        return resp
+        parts = await self._run(work, context)
+        resp, payloads = pb.ReadCacheResponse(instance_id=engine.instance_id), []
+        place_tensor(resp, "slots", parts, payloads)
+        return finish(resp, payloads)  # the slot bytes go out at serialization (ctxprefill_client/wire.py)
 
     async def PrefillContext(self, request, context):
         t0 = time.perf_counter_ns()
@@ -407,8 +408,8 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                         msgs.append(codec.encode_shared(t.dtype, t.shape, to.region, to.offset, nbytes))
                     if engine.device.type == "cuda":
                         torch.cuda.synchronize(engine.device)  # the result is in place (and ready to copy)
-                    out = msgs[0] if msgs[0] is not None else codec.encode(r.out.cpu())
-                    lse = msgs[1] if msgs[1] is not None else codec.encode(r.lse.cpu())
+                    out = msgs[0] if msgs[0] is not None else codec.encode_parts(r.out)
+                    lse = msgs[1] if msgs[1] is not None else codec.encode_parts(r.lse)
                     total_ns = time.perf_counter_ns() - t0
                     self.metrics.observe_prefill(r.stats, total_ns / 1e9)
                     if lease is not None:
@@ -437,9 +438,10 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         log.info("prefill done", extra={"chunks": len(st.chunks), "context_tokens": st.context_tokens,
                                         "query_tokens": st.query_tokens, "total_ms": round(total_ns / 1e6, 3)})
         resp = pb.PrefillContextResponse(stats=stats, instance_id=engine.instance_id, request_id=request_id)
-        resp.output.CopyFrom(out)  # not through the constructor: it merges field by field (codec.py)
-        resp.lse.CopyFrom(lse)
-        return resp
+        payloads: list = []
+        place_tensor(resp, "output", out, payloads)  # shared-memory references, or bytes sent at serialization
+        place_tensor(resp, "lse", lse, payloads)
+        return finish(resp, payloads)
 
     # -- shared memory -------------------------------------------------------------------
     async def RegisterSystemSharedMemory(self, request, context):
