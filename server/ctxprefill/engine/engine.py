@@ -163,14 +163,11 @@ class Engine:
         for i, s in enumerate(seqs):
             need = math.ceil(s.context_len / cache.block_size)
             if need:
-                table = s.block_table
+                table = s.block_table[:need]  # a list, tuple, numpy array (from validation) or tensor
                 if isinstance(table, torch.Tensor):
-                    row = table[:need].to("cpu", torch.int64).numpy()
-                elif isinstance(table, np.ndarray):
-                    row = table[:need].astype(np.int64, copy=False)
+                    row = table.to("cpu", torch.int64).numpy()
                 else:
-                    row = np.asarray(table[:need] if isinstance(table, (list, tuple)) else list(table)[:need],
-                                     dtype=np.int64)
+                    row = np.asarray(table, dtype=np.int64)
                 bad = (row < 0) | (row >= cache.num_blocks)
                 if bad.any():
                     j = int(np.flatnonzero(bad)[0])
