@@ -188,6 +188,11 @@ def versions() -> pb.Versions:
 
 
 class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
+    """The service; owns the engine. PrefillContext and ReadCache may answer with a
+    ``ctxprefill_client.wire.OutgoingMessage`` (inline tensor bytes appended at
+    serialization): serve it behind :class:`~.interceptors.ServerInterceptor`, whose
+    response serializer takes those."""
+
     STARTING, READY, DRAINING = "starting", "ready", "draining"
 
     def __init__(self, settings, metrics: Metrics, worker: EngineWorker, max_message_bytes: int,
