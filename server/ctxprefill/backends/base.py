@@ -66,3 +66,16 @@ class AttentionBackend(abc.ABC):
         """Build or compile, before the server is ready, the kernel variants that chunks
         of ``heads`` heads may need beyond those the engine's warm-up requests reach.
         Nothing by default."""
+
+
+def bf16_on_hopper(device: torch.device, q_dtype: torch.dtype) -> bool:
+    """The cuDNN backends' ``supports``: bf16 only (on Hopper cuDNN's fp8 SDPA builds only
+    with an fp8 output, GPU-NOTES, so ``auto`` leaves fp8 prefill to Triton), on sm_90
+    or later (d_qk 192 and ragged THD SDPA were measured there only); off CUDA, True, so
+    that the selection logic is testable on the CPU."""
+    device = torch.device(device)
+    if q_dtype != torch.bfloat16:
+        return False
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_capability(device) >= (9, 0)

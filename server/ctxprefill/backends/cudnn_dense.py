@@ -42,7 +42,7 @@ from collections import Counter
 import torch
 
 from ..ops import launches
-from .base import AttentionBackend
+from .base import AttentionBackend, bf16_on_hopper
 
 log = logging.getLogger("ctxprefill.backends")
 
@@ -130,15 +130,7 @@ class CudnnDenseBackend(AttentionBackend):
 
     @classmethod
     def supports(cls, device: torch.device, q_dtype: torch.dtype) -> bool:
-        # bf16 only: cuDNN's fp8 SDPA needs an fp8 output on Hopper (GPU-NOTES), so
-        # fp8 prefill is left to the Triton backend by ``auto``
-        device = torch.device(device)
-        if q_dtype != torch.bfloat16:
-            return False
-        if device.type != "cuda" or not torch.cuda.is_available():
-            return True
-        # d_qk 192 is measured on Hopper only; elsewhere auto picks Triton
-        return torch.cuda.get_device_capability(device) >= (9, 0)
+        return bf16_on_hopper(device, q_dtype)
 
     def supports_out(self) -> bool:
         return True

@@ -82,17 +82,9 @@ import time
 import torch
 
 from ..ops import launches
-from .base import AttentionBackend
-
-try:  # the module stays importable (and reports why) where triton is absent
-    import triton
-    import triton.language as tl
-
-    _TRITON_ERR = ""
-except Exception as e:  # pragma: no cover - depends on the machine
-    triton = None
-    tl = None
-    _TRITON_ERR = f"triton is not importable: {e!r}"
+from ._triton import TRITON_ERR as _TRITON_ERR
+from ._triton import tl, triton
+from .base import AttentionBackend, bf16_on_hopper
 
 log = logging.getLogger("ctxprefill.backends")
 
@@ -375,13 +367,7 @@ class CudnnFrontendBackend(AttentionBackend):
 
     @classmethod
     def supports(cls, device: torch.device, q_dtype: torch.dtype) -> bool:
-        # bf16 only: on Hopper cuDNN's fp8 SDPA builds only with an fp8 output (GPU-NOTES)
-        device = torch.device(device)
-        if q_dtype != torch.bfloat16:
-            return False
-        if device.type != "cuda" or not torch.cuda.is_available():
-            return True
-        return torch.cuda.get_device_capability(device) >= (9, 0)  # ragged (THD) SDPA: Hopper and later
+        return bf16_on_hopper(device, q_dtype)
 
     def supports_out(self) -> bool:
         return True

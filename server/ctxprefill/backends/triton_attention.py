@@ -59,17 +59,9 @@ import os
 
 import torch
 
+from ._triton import TRITON_ERR as _TRITON_ERR
+from ._triton import tl, triton
 from .base import AttentionBackend
-
-try:  # the module stays importable (and reports why) where triton is absent
-    import triton
-    import triton.language as tl
-
-    _TRITON_ERR = ""
-except Exception as e:  # pragma: no cover - depends on the machine
-    triton = None
-    tl = None
-    _TRITON_ERR = f"triton is not importable: {e!r}"
 
 D_NOPE, D_ROPE, D_V = 128, 64, 128
 D_QK = D_NOPE + D_ROPE
