@@ -38,11 +38,16 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+def _header(field_number: int, nbytes: int) -> bytes:
+    """The bytes before an ``nbytes`` buffer in ``field_number { data: ... }`` on the wire."""
+    inner = _varint((_DATA_FIELD << 3) | _LEN) + _varint(nbytes)
+    return _varint((field_number << 3) | _LEN) + _varint(len(inner) + nbytes) + inner
+
+
 def _data_field(field_number: int, bits: np.ndarray) -> list:
-    """``field_number { data: bits }`` on the wire: a small header, then the buffer itself."""
+    """``field_number { data: bits }`` on the wire: the header, then the buffer itself."""
     buf = memoryview(np.ascontiguousarray(bits)).cast("B")
-    inner = _varint((_DATA_FIELD << 3) | _LEN) + _varint(buf.nbytes)
-    return [_varint((field_number << 3) | _LEN) + _varint(len(inner) + buf.nbytes) + inner, buf]
+    return [_header(field_number, buf.nbytes), buf]
 
 
 class OutgoingMessage:
@@ -68,7 +73,9 @@ class OutgoingMessage:
         return b"".join(parts)
 
     def ByteSize(self) -> int:  # noqa: N802
-        return len(self.SerializeToString()) if self._payloads else self.msg.ByteSize()
+        """The serialized size, computed (nothing is copied)."""
+        return self.msg.ByteSize() + sum(len(_header(number, bits.nbytes)) + bits.nbytes
+                                         for number, bits in self._payloads)
 
     def full_message(self) -> Any:
         """The same request as one protobuf message (copies the bytes in: for tests)."""
