@@ -18,22 +18,17 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import math
 import os
 import pstats
-import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _sub in ("client", "server"):
     if os.path.join(ROOT, _sub) not in sys.path:
         sys.path.insert(0, os.path.join(ROOT, _sub))
 
-import math  # noqa: E402
-
-import torch  # noqa: E402
-
-from ctxprefill.bench import make_device_request  # noqa: E402
+from ctxprefill.bench import make_device_request, time_request  # noqa: E402
 from ctxprefill.settings import ServeSettings, build_engine  # noqa: E402
 
 
@@ -60,31 +55,18 @@ def main(argv=None) -> int:
     q, seqs = make_device_request(engine, [a.context], [a.new])
     fused = not a.generic
 
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    for _ in range(3):  # compile and warm up
-        engine.prefill_context(q, seqs, fused=fused)
-    sync()
-    walls, stage_sums = [], []
-    for _ in range(a.iters):
-        t = time.perf_counter()
-        r = engine.prefill_context(q, seqs, fused=fused)
-        sync()
-        walls.append(time.perf_counter() - t)
-        stage_sums.append(sum(r.stats.stage_ns.values()) / 1e9)
-    wall, stages = statistics.median(walls), statistics.median(stage_sums)
+    # the same timing as ``ctxprefill bench`` (its gap column): median request, median stages
+    t = time_request(engine, q, seqs, fused, dev, max_iters=a.iters, min_iters=a.iters, target_s=0.0)
+    wall, stages, r = t["median_s"], sum(t["stage_s"].values()), t["result"]
     print(f"device {dev}; H={a.heads} new={a.new} context={a.context} cache={a.cache_dtype} "
           f"prefill={a.prefill_dtype} path={'fused' if fused else 'generic'}; {len(r.stats.chunks)} chunks")
-    print(f"request {wall * 1e3:.3f} ms (median of {a.iters}); device stages {stages * 1e3:.3f} ms; "
+    print(f"request {wall * 1e3:.3f} ms (median of {t['iters']}); device stages {stages * 1e3:.3f} ms; "
           f"gap {(wall - stages) * 1e3:.3f} ms ({(wall - stages) / wall:.0%})")
 
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.iters):
-        engine.prefill_context(q, seqs, fused=fused)
-    sync()
+        engine.prefill_context(q, seqs, fused=fused)  # each call synchronizes once, at its end
     prof.disable()
     buf = io.StringIO()
     st = pstats.Stats(prof, stream=buf)

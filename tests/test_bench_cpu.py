@@ -110,3 +110,23 @@ def test_time_request_iterations_scale_with_work():
     assert r["iters"] == 7 and r["warmup"] == 2 and e.calls == 9
     r = bench.time_request(e, None, [], True, dev, max_iters=1, min_iters=2, target_s=10.0)
     assert r["iters"] == 1
+
+
+def test_profile_engine_on_the_cpu(capsys):
+    """bench/profile_engine.py: request time, stages and gap, then the profile's table."""
+    import importlib.util
+    import os
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "profile_engine.py")
+    spec = importlib.util.spec_from_file_location("profile_engine", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--device", "cpu", "--heads", "2", "--new", "8", "--context", "512", "--block-size", "16",
+                     "--workspace-tokens", "128", "--iters", "3", "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"request ([\d.]+) ms \(median of 3\); device stages ([\d.]+) ms; gap (-?[\d.]+) ms", out)
+    assert m, out
+    req, stages, gap = map(float, m.groups())
+    assert 0 < stages and abs(req - stages - gap) < 0.002  # printed to 3 decimals
+    assert "4 chunks" in out and "ncalls" in out and "run_chunk_loop" in out
