@@ -33,13 +33,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from progress import elapsed, log  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-T0 = time.time()
-
-
-def log(msg):
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
 def ragged_like(q_total, work, weights_q, weights_k, align=64):
@@ -269,14 +265,14 @@ def run_table(args):
                     continue
                 label = prov + ("" if equal or prov.startswith(("triton", "flex", "cudnn-frontend")) else " loop")
                 rec = dict(H=H, case=name, q_lens=ql, k_lens=kl, provider=label, dtype=dt, causal=causal)
-                if phase > 0 and time.time() - T0 > args.budget_s:
+                if phase > 0 and elapsed() > args.budget_s:
                     rec["skipped"] = "time budget"
                 else:
                     x = data.get(H, name, ql, kl)
                     measure(rec, lambda: mk(x[dt], x["cq"], x["ck"], ql, kl), ql, kl, H, causal, args.rep)
                 results.append(rec)
                 log(f"H={H:<3} {name:<16} {label:<17} {dt:<4} {'causal' if causal else '':<6} {fmt(rec)}")
-            if phase == 1 and name.startswith("1x8192") and time.time() - T0 <= args.budget_s:
+            if phase == 1 and name.startswith("1x8192") and elapsed() <= args.budget_s:
                 try:
                     x = data.get(H, name, ql, kl)
                     chk = sanity(*x["bf16"], x["cq"], x["ck"], ql, kl, scale)
@@ -338,7 +334,7 @@ def run_sweep(args):
             cfg = cfgs[rank]
             for H, (name, ql, kl) in shapes:
                 rec = dict(H=H, case=name, dtype=dt, config=cfg)
-                if time.time() - T0 > args.budget_s:
+                if elapsed() > args.budget_s:
                     rec["skipped"] = "time budget"
                 else:
                     x = data.get(H, name, ql, kl)
@@ -379,7 +375,7 @@ def main():
         print_table(results)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 configs={str(k): v for k, v in CONFIGS.items()}, flops_rule="2*visible_pairs*H*(192+128)",
-                mode="sweep" if args.sweep else "table", wall_s=time.time() - T0)
+                mode="sweep" if args.sweep else "table", wall_s=elapsed())
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)

@@ -68,13 +68,8 @@ for _sub in ("client", "server", "bench"):
         sys.path.insert(0, os.path.join(ROOT, _sub))
 
 import numpy as np  # noqa: E402
+from progress import T0, elapsed, log  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
-
-T0 = time.monotonic()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -703,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
             if server is not None:
                 rc = server.stop()
                 log(f"server stopped (exit code {rc})")
-    result["meta"]["wall_s"] = round(time.monotonic() - T0, 1)
+    result["meta"]["wall_s"] = round(elapsed(), 1)
     print_table(rows)
     if ns.out:
         write_json(ns.out, result)

@@ -42,13 +42,8 @@ for _sub in ("client", "server", "bench"):
         sys.path.insert(0, os.path.join(ROOT, _sub))
 
 import numpy as np  # noqa: E402
+from progress import elapsed, log  # noqa: E402
 from server_process import ServerProcess, wait_all_ready  # noqa: E402
-
-T0 = time.time()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
 # ----------------------------------------------------------------------------- workload
@@ -272,10 +267,10 @@ def main() -> int:
         single.close()
         sharded.close()
 
-        left = args.budget_s - (time.time() - T0) - 2 * 12.0  # per phase: client start-up and the tail
+        left = args.budget_s - elapsed() - 2 * 12.0  # per phase: client start-up and the tail
         seconds = max(5.0, min(args.seconds, left / 2))
         if seconds < args.seconds:
-            log(f"start-up took {time.time() - T0:.0f} s: timed phases shortened to {seconds:.0f} s each")
+            log(f"start-up took {elapsed():.0f} s: timed phases shortened to {seconds:.0f} s each")
         phases = [
             run_phase("whole", [whole.target], q_spec, seqs, args.concurrency, seconds, args.context,
                       args.new_tokens, 300.0),
@@ -308,7 +303,7 @@ def main() -> int:
     finally:
         for s in servers:
             s.stop(timeout=10)
-    result.setdefault("meta", {})["wall_s"] = round(time.time() - T0, 1)
+    result.setdefault("meta", {})["wall_s"] = round(elapsed(), 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

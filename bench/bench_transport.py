@@ -47,14 +47,10 @@ for _sub in ("client", "server", "bench"):
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from progress import log  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
-T0 = time.time()
 ALIGN = 4096
-
-
-def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
 def _align(n: int) -> int:

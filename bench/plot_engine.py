@@ -40,9 +40,13 @@ def _plt():
     return plt
 
 
-def _tight(fig) -> None:
-    """tight_layout leaving room for the two-line suptitle."""
+def _save(fig, out_dir: str, name: str, dpi: int) -> str:
+    """Lay out (leaving room for the two-line suptitle), write ``out_dir/name``, close."""
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=dpi)
+    _plt().close(fig)
+    return path
 
 
 def load(path: str) -> dict:
@@ -124,11 +128,7 @@ def plot_speedup(d: dict, out_dir: str) -> str:
         ax.set_title(f"H={h}", fontsize=9)
         ax.legend(fontsize=7, ncol=min(4 if len(shapes) > 2 else 2, len(pairs) + 1), loc="upper left")
     fig.suptitle(f"Fused over generic path by shape\n{run_line(d['meta'])}", fontsize=9)
-    _tight(fig)
-    path = os.path.join(out_dir, "engine_speedup.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir, "engine_speedup.png", 110)
 
 
 def _stage_panel(ax, sub: list[dict], title: str, legend: bool) -> None:
@@ -168,10 +168,7 @@ def plot_stages(d: dict, out_dir: str) -> list[str]:
         _stage_panel(ax, sub, f"H={h}: generic (left), fused (middle), floor (right)", True)
     fig.suptitle(f"Time per stage, {new} new tokens over {ctx_label(ctx)} context\n{run_line(d['meta'])}",
                  fontsize=9)
-    _tight(fig)
-    paths.append(os.path.join(out_dir, "engine_stages.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, out_dir, "engine_stages.png", 110))
     if len(set(nc)) > 1:  # more shapes than the headline one: every shape, one panel each
         hn = sorted({(h, n) for h, n, _ in shapes})
         ctxs = sorted({c for _, _, c in shapes})
@@ -185,10 +182,7 @@ def plot_stages(d: dict, out_dir: str) -> list[str]:
                 else:
                     axes[i, j].set_axis_off()
         fig.suptitle(f"Time per stage, every shape\n{run_line(d['meta'])}", fontsize=10)
-        _tight(fig)
-        paths.append(os.path.join(out_dir, "engine_stages_grid.png"))
-        fig.savefig(paths[-1], dpi=80)
-        plt.close(fig)
+        paths.append(_save(fig, out_dir, "engine_stages_grid.png", 80))
     return paths
 
 
@@ -231,11 +225,7 @@ def plot_latency(d: dict, out_dir: str) -> str | None:
             ax.grid(True, which="both", lw=0.3, alpha=0.5)
             ax.legend(fontsize=6)
     fig.suptitle(f"Latency against context length\n{run_line(d['meta'])}", fontsize=9)
-    _tight(fig)
-    path = os.path.join(out_dir, "engine_latency.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir, "engine_latency.png", 100)
 
 
 # ----------------------------------------------------------------------------- concurrency
@@ -274,11 +264,7 @@ def plot_concurrency(d: dict, out_dir: str) -> str:
     qs = d["meta"].get("queue_size")
     fig.suptitle(f"Throughput under concurrency (one server per shape{f', --queue-size {qs}' if qs else ''})\n"
                  f"{run_line(d['meta'])}", fontsize=9)
-    _tight(fig)
-    path = os.path.join(out_dir, "concurrency.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir, "concurrency.png", 110)
 
 
 def plot_file(path: str, out_dir: str | None = None) -> list[str]:
