@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import struct
 import sys
 from collections.abc import Sequence as _Seq
@@ -53,6 +54,7 @@ from ctxprefill_client import (
     PrefillContextClient,
     RawTensor,
     Sequence,
+    SystemSharedMemoryRegion,
     bf16_bits_to_float32,
     float32_to_bf16_bits,
     float32_to_fp8_e4m3_bits,
@@ -367,9 +369,6 @@ def _prefill_through_shared_memory(client: PrefillContextClient, q_raw: RawTenso
     """prefill_context with q, output and LSE in one POSIX shared-memory region: q at 0,
     the output and the LSE after it (64-byte aligned); the region is registered for the
     call and removed after. The result's arrays are copied out of the region first."""
-    import os
-
-    from ctxprefill_client.shared_memory import SystemSharedMemoryRegion
 
     def up(n: int) -> int:
         return (n + 63) // 64 * 64
@@ -386,10 +385,9 @@ def _prefill_through_shared_memory(client: PrefillContextClient, q_raw: RawTenso
             res = client.prefill_context(q_in, seqs, workspace_tokens=workspace_tokens, request_id=request_id,
                                          output_region=region.ref(out_at, out_bytes),
                                          lse_region=region.ref(lse_at, lse_bytes))
-            # copies, so that the region can be unmapped with the views gone
-            res.output = None if res.output is None else np.array(res.output)
-            res.output_bits = None if res.output_bits is None else np.array(res.output_bits)
-            res.lse = None if res.lse is None else np.array(res.lse)
+            # copies of the views into the region (output is already a float32 copy), so
+            # that the region can be unmapped
+            res.output_bits, res.lse = np.array(res.output_bits), np.array(res.lse)
         finally:
             client.unregister_shared_memory(name)
     log(f"shared memory: q ({q_bytes} B), output ({out_bytes} B) and LSE ({lse_bytes} B) through region {name!r}")
