@@ -407,3 +407,15 @@ def test_empty_requests(engine):
 
     asyncio.run(main())
 
+
+
+def test_cancel_code_counts_a_call_cancelled_at_its_deadline_as_expired():
+    """gRPC cancels a call when its C-core deadline passes; Python may still see a sliver
+    of time left. Within the slack the call is DEADLINE_EXCEEDED (as the engine queue
+    counts it, rejected{reason="deadline"}), else CANCELLED."""
+    from ctxprefill.service.interceptors import DEADLINE_SLACK_S, cancel_code
+
+    assert cancel_code(None) == "CANCELLED" and cancel_code(0.5) == "CANCELLED"
+    assert cancel_code(2 * DEADLINE_SLACK_S) == "CANCELLED"
+    for remaining in (-1.0, 0.0, DEADLINE_SLACK_S / 2, DEADLINE_SLACK_S):
+        assert cancel_code(remaining) == "DEADLINE_EXCEEDED", remaining

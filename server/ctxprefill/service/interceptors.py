@@ -326,11 +326,21 @@ def _code_from_context(call: _Call, context) -> None:
         call.code = code.name
 
 
+#: a call cancelled this close to its deadline counts as expired: gRPC cancels it when
+#: its C-core deadline passes, and Python's clock may still see a sliver of time left
+DEADLINE_SLACK_S = 0.005
+
+
+def cancel_code(remaining: float | None) -> str:
+    """The status of a cancelled call with ``remaining`` seconds to its deadline (None:
+    no deadline): DEADLINE_EXCEEDED when the deadline is (about) past, else CANCELLED."""
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_S else "CANCELLED"
+
+
 async def _handle(call: _Call, context, exc: BaseException, full_method: str) -> None:
     """Record the status of a failed RPC and end it with that status (always raises)."""
     if isinstance(exc, asyncio.CancelledError):
-        remaining = context.time_remaining()
-        call.code = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+        call.code = cancel_code(context.time_remaining())
         raise exc
     if isinstance(exc, grpc.aio.AbortError):  # context.abort() inside the handler
         code = context.code()

@@ -44,7 +44,7 @@ from ..engine.engine import Engine
 from ..ops import _cuda, launches
 from ..settings import ShardSpec, shared_memory_kinds
 from . import codec, validate
-from .interceptors import RpcStatusError, request_id_var
+from .interceptors import DEADLINE_SLACK_S, RpcStatusError, request_id_var
 from .metrics import Metrics
 from .shared_memory import CUDA, SYSTEM, SharedMemoryRegistry
 
@@ -57,10 +57,6 @@ _OOM_TYPES = (torch.OutOfMemoryError, MemoryError)
 #: how allocators word it: CUDA ("CUDA out of memory"), torch's CPU allocator
 #: ("DefaultCPUAllocator: can't allocate memory: you tried to allocate ..."), cuBLAS
 _OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory", "cublas_status_alloc_failed")
-
-
-#: a call cancelled this close to its deadline counts as expired (rejected{reason="deadline"})
-DEADLINE_SLACK_S = 0.005
 
 
 def _is_oom(e: BaseException) -> bool:
