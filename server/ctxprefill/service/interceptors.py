@@ -195,12 +195,13 @@ class _MethodMetrics:
 class _Call:
     """Bookkeeping of one RPC for the metrics."""
 
-    __slots__ = ("mm", "t0", "code")
+    __slots__ = ("mm", "t0", "code", "done")
 
     def __init__(self, mm: _MethodMetrics):
         self.mm = mm
         self.t0 = time.perf_counter()
         self.code = "OK"
+        self.done = False
         mm.started.inc()
 
     def received(self) -> None:
@@ -210,6 +211,10 @@ class _Call:
         self.mm.sent.inc()
 
     def finish(self) -> None:
+        """Count the call as handled, once (a refusal is counted before its status goes out)."""
+        if self.done:
+            return
+        self.done = True
         self.mm.handled(self.code).inc()
         self.mm.handling.observe(time.perf_counter() - self.t0)
 
@@ -359,4 +364,7 @@ async def _handle(call: _Call, context, exc: BaseException, full_method: str) ->
                  extra={"method": full_method, "code": mapped[0].name})
     code, details = mapped
     call.code = code.name
+    # counted before the status leaves: a client that reads the metrics as soon as it has
+    # the error finds it there (the wrapper's own finish() is then a no-op)
+    call.finish()
     await context.abort(code, details)
