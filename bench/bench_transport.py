@@ -144,6 +144,22 @@ def run_engine(ns, w: Workload, dev: torch.device) -> dict:
 # ----------------------------------------------------------------------------- the modes
 
 
+PHASES = ("validate", "queue", "input", "compute", "output")
+
+
+def rpc_floor(client, n: int = 300) -> float:
+    """Median round trip of the cheapest RPC this server answers (GetServerInfo, a
+    cached message): what gRPC, the interceptor and the two processes cost per call."""
+    for _ in range(20):
+        client.server_info()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        client.server_info()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
 def timed(ns, encode, rpc, decode) -> tuple[dict, object]:
     """Medians of encode / rpc / decode / total over ``ns.iters`` runs (after warm-up)."""
     for _ in range(ns.warmup):
@@ -157,9 +173,13 @@ def timed(ns, encode, rpc, decode) -> tuple[dict, object]:
         t2 = time.perf_counter()
         res = decode(resp)
         t3 = time.perf_counter()
+        st = resp.stats
         rows.append({"encode_s": t1 - t0, "rpc_s": t2 - t1, "decode_s": t3 - t2, "total_s": t3 - t0,
-                     "server_s": resp.stats.total_nanos / 1e9, "request_bytes": req.ByteSize(),
-                     "response_bytes": resp.ByteSize()})
+                     "server_s": st.total_nanos / 1e9, "request_bytes": req.ByteSize(),
+                     "response_bytes": resp.ByteSize(),
+                     # the server's parts (Stats), and the RPC's time outside the handler
+                     **{f"server_{k}_s": getattr(st, f"{k}_nanos") / 1e9 for k in PHASES},
+                     "outside_handler_s": (t2 - t1) - st.total_nanos / 1e9})
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     med["payload_bytes"] = med["request_bytes"] + med["response_bytes"]
     med["payload_bytes_per_s"] = med["payload_bytes"] / med["rpc_s"] if med["rpc_s"] else float("nan")
@@ -270,6 +290,7 @@ def main(argv=None) -> int:
     engine, ref_out, ref_lse = run_engine(ns, w, dev)
 
     rows: dict[str, dict] = {}
+    floor_s = float("nan")
     skipped: dict[str, str] = {}
     identical: dict[str, bool] = {}
     with tempfile.TemporaryDirectory() as logdir:
@@ -285,6 +306,8 @@ def main(argv=None) -> int:
                     f"{', '.join(info.shared_memory_kinds) or 'off'}; writing the context")
                 for s, c, q in w.chunks():
                     client.write_cache(s, c, q)
+                floor_s = rpc_floor(client)
+                log(f"GetServerInfo round trip (the RPC floor): {floor_s * 1e6:.0f} us")
                 results = {}
                 for mode in ns.modes:
                     if mode == "cuda" and "cuda" not in info.shared_memory_kinds:
@@ -328,6 +351,13 @@ def main(argv=None) -> int:
               f"{m['payload_bytes'] / 1e6:10.3f} {m['payload_bytes_per_s'] / 1e6:8.0f} {str(identical[mode]):>13}")
     for mode, why in skipped.items():
         print(f"{mode:>8} skipped: {why}")
+    print()
+    print("where the time goes (ms, medians): client encode | outside the handler (gRPC both ways, the hand-back, "
+          "Stats) | server: " + " / ".join(PHASES) + f" | client decode; GetServerInfo round trip {floor_s * 1e3:.3f}")
+    for mode, m in rows.items():
+        parts = " / ".join(f"{m[f'server_{k}_s'] * 1e3:.3f}" for k in PHASES)
+        print(f"{mode:>8} {m['encode_s'] * 1e3:.3f} | {m['outside_handler_s'] * 1e3:.3f} | {parts} | "
+              f"{m['decode_s'] * 1e3:.3f}   (non-engine: {(m['total_s'] - m['server_compute_s']) * 1e3:.3f} ms)")
     if engine_vs_inline is not None:
         print(f"inline vs in-process engine: {'bit-identical' if engine_vs_inline else 'DIFFERENT'}")
     if "cuda" in rows:
@@ -344,7 +374,8 @@ def main(argv=None) -> int:
                 "torch": torch.__version__, "commit": commit, "args": vars(ns),
                 "request": {"q_bytes": w.q_bytes, "output_bytes": w.out_bytes, "lse_bytes": w.lse_bytes}}
         with open(ns.out, "w") as f:
-            json.dump({"meta": meta, "engine": engine, "modes": rows, "skipped": skipped, "bit_identical": identical,
+            json.dump({"meta": meta, "engine": engine, "rpc_floor_s": floor_s, "modes": rows, "skipped": skipped,
+                       "bit_identical": identical,
                        "inline_vs_engine_bit_identical": engine_vs_inline, "server_log_tail": server_log}, f,
                       indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
         log(f"wrote {ns.out}")

@@ -203,6 +203,12 @@ def _check_equal(served, res, r):
     assert st["context_tokens"] == sum(CONTEXTS) and st["query_tokens"] == sum(QUERIES)
     assert st["total_nanos"] > 0 and set(st["stage_nanos"]) <= {"gather", "cast", "kv_b_proj", "pack", "attention",
                                                                 "merge"}
+    # the server's time in parts that add up: nothing counted twice or left out
+    ph = st["phase_nanos"]
+    assert set(ph) == {"validate", "queue", "input", "compute", "output"}
+    assert sum(ph.values()) == st["total_nanos"] and min(ph.values()) >= 0
+    assert ph["compute"] > 0 and ph["input"] < 1_000_000  # q inline: nothing to bring in
+    assert ph["compute"] >= max(st["stage_nanos"].values())
     # rows of the sequence without context: exactly 0 / -inf
     q0 = sum(QUERIES[:3])
     assert np.all(res.output[q0:] == 0) and np.all(res.lse[:, q0:] == -np.inf)

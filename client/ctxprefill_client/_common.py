@@ -248,7 +248,8 @@ class PrefillResult:
     - ``stats``: a dict — ``num_chunks``, ``chunks`` (list of :class:`ContextChunk`),
       ``kernel_launches`` and ``stage_nanos`` (dicts by stage), ``path``, ``fp8_path``
       (dict: cache_dtype, kv_b_proj_dtype, prefill_dtype), ``total_nanos``,
-      ``context_tokens``, ``query_tokens``.
+      ``phase_nanos`` (its parts: ``validate``, ``queue``, ``input``, ``compute``,
+      ``output``), ``context_tokens``, ``query_tokens``.
 
     With ``output_region`` / ``lse_region`` (shared memory), the result was written
     there and ``output_ref`` / ``lse_ref`` say where (a :class:`SharedMemoryRef`). In a
@@ -497,6 +498,8 @@ def stats_to_dict(s: pb.Stats) -> dict[str, Any]:
         },
         "stage_nanos": dict(s.stage_nanos),
         "total_nanos": s.total_nanos,
+        "phase_nanos": {"validate": s.validate_nanos, "queue": s.queue_nanos, "input": s.input_nanos,
+                        "compute": s.compute_nanos, "output": s.output_nanos},
         "context_tokens": s.context_tokens,
         "query_tokens": s.query_tokens,
     }

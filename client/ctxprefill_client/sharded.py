@@ -97,7 +97,8 @@ class ShardedPrefillResult(PrefillResult):
     ``output`` ``[Tq, H_total, V]`` and ``lse`` ``[H_total, Tq]`` are the shards'
     concatenated along heads. ``stats`` merges theirs: ``kernel_launches`` summed over
     shards (every launch on every GPU), ``stage_nanos`` and ``total_nanos`` the maximum
-    over shards (they run in parallel: the slowest decides), the plan, path and token
+    over shards (they run in parallel: the slowest decides; ``phase_nanos`` that shard's
+    parts of it), the plan, path and token
     counts from shard 0 (checked equal on all), and ``stats["shards"]``: each shard's
     stats dict (``target``, ``shard_index``, ``heads`` [start, end) added).
     ``instance_id`` joins the shards' ids with ``,``; ``instance_ids`` lists them.
@@ -217,6 +218,8 @@ def concat_results(results: list[PrefillResult], targets: list[str], infos: list
         "kernel_launches": launches,
         "stage_nanos": stage,
         "total_nanos": max(int(r.stats["total_nanos"]) for r in results),
+        # the slowest shard's, so that the parts add up to total_nanos
+        "phase_nanos": max(results, key=lambda r: int(r.stats["total_nanos"])).stats["phase_nanos"],
         "shards": shards,
     }
     ids = [r.instance_id for r in results]

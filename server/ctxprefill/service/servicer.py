@@ -390,14 +390,20 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         lease = self._lease()
         try:
             args = validate.validate_prefill(request, engine.config, self.max_message_bytes, lease)
+            t_valid = time.perf_counter_ns()
 
             def work():
+                t_start = time.perf_counter_ns()
                 if lease is not None and not lease.begin():
                     return None  # the handler gave up on this request
                 try:
                     q = codec.from_shared(args.q, engine.device) if args.q_shared else args.q
+                    if args.q_shared and not args.q.is_cuda and engine.device.type == "cuda":
+                        torch.cuda.current_stream(engine.device).synchronize()  # input_nanos: the copy itself
+                    t_in = time.perf_counter_ns()
                     r = engine.prefill_context(q, args.sequences, workspace_tokens=args.workspace_tokens,
                                                plan=args.plan)
+                    t_done = time.perf_counter_ns()
                     msgs = []
                     for t, to in ((r.out, args.output_to), (r.lse, args.lse_to)):
                         if to is None:
@@ -411,15 +417,17 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                         torch.cuda.synchronize(engine.device)  # the result is in place (and ready to copy)
                     out = msgs[0] if msgs[0] is not None else codec.encode_parts(r.out)
                     lse = msgs[1] if msgs[1] is not None else codec.encode_parts(r.lse)
-                    total_ns = time.perf_counter_ns() - t0
-                    self.metrics.observe_prefill(r.stats, total_ns / 1e9)
+                    t_end = time.perf_counter_ns()
+                    # the five parts of total_nanos (Stats.validate_nanos ... output_nanos)
+                    phases = (t_valid - t0, t_start - t_valid, t_in - t_start, t_done - t_in, t_end - t_done)
+                    self.metrics.observe_prefill(r.stats, (t_end - t0) / 1e9)
                     if lease is not None:
                         self.metrics.observe_shared_memory(lease.transferred)
-                    return out, lse, r.stats, total_ns
+                    return out, lse, r.stats, t_end - t0, phases
                 finally:
                     self._end_shared(lease, engine.device)
 
-            out, lse, st, total_ns = await self._run(work, context)
+            out, lse, st, total_ns, phases = await self._run(work, context)
         finally:
             if lease is not None:
                 lease.abandon()
@@ -435,6 +443,8 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             total_nanos=total_ns,
             context_tokens=st.context_tokens,
             query_tokens=st.query_tokens,
+            validate_nanos=phases[0], queue_nanos=phases[1], input_nanos=phases[2], compute_nanos=phases[3],
+            output_nanos=phases[4],
         )
         log.info("prefill done", extra={"chunks": len(st.chunks), "context_tokens": st.context_tokens,
                                         "query_tokens": st.query_tokens, "total_ms": round(total_ns / 1e6, 3)})

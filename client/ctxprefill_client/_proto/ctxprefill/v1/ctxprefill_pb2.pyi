@@ -308,7 +308,7 @@ class Fp8Path(_message.Message):
     def __init__(self, cache_dtype: _Optional[str] = ..., kv_b_proj_dtype: _Optional[str] = ..., prefill_dtype: _Optional[str] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("num_chunks", "chunks", "kernel_launches", "path", "fp8_path", "stage_nanos", "total_nanos", "context_tokens", "query_tokens")
+    __slots__ = ("num_chunks", "chunks", "kernel_launches", "path", "fp8_path", "stage_nanos", "total_nanos", "context_tokens", "query_tokens", "validate_nanos", "queue_nanos", "input_nanos", "compute_nanos", "output_nanos")
     class KernelLaunchesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +332,11 @@ class Stats(_message.Message):
     TOTAL_NANOS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VALIDATE_NANOS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_NANOS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_NANOS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_NANOS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_NANOS_FIELD_NUMBER: _ClassVar[int]
     num_chunks: int
     chunks: _containers.RepeatedCompositeFieldContainer[ContextChunk]
     kernel_launches: _containers.ScalarMap[str, int]
@@ -341,7 +346,12 @@ class Stats(_message.Message):
     total_nanos: int
     context_tokens: int
     query_tokens: int
-    def __init__(self, num_chunks: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ContextChunk, _Mapping]]] = ..., kernel_launches: _Optional[_Mapping[str, int]] = ..., path: _Optional[str] = ..., fp8_path: _Optional[_Union[Fp8Path, _Mapping]] = ..., stage_nanos: _Optional[_Mapping[str, int]] = ..., total_nanos: _Optional[int] = ..., context_tokens: _Optional[int] = ..., query_tokens: _Optional[int] = ...) -> None: ...
+    validate_nanos: int
+    queue_nanos: int
+    input_nanos: int
+    compute_nanos: int
+    output_nanos: int
+    def __init__(self, num_chunks: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ContextChunk, _Mapping]]] = ..., kernel_launches: _Optional[_Mapping[str, int]] = ..., path: _Optional[str] = ..., fp8_path: _Optional[_Union[Fp8Path, _Mapping]] = ..., stage_nanos: _Optional[_Mapping[str, int]] = ..., total_nanos: _Optional[int] = ..., context_tokens: _Optional[int] = ..., query_tokens: _Optional[int] = ..., validate_nanos: _Optional[int] = ..., queue_nanos: _Optional[int] = ..., input_nanos: _Optional[int] = ..., compute_nanos: _Optional[int] = ..., output_nanos: _Optional[int] = ...) -> None: ...
 
 class PrefillContextResponse(_message.Message):
     __slots__ = ("output", "lse", "stats", "instance_id", "request_id")

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Fetch, into .whl/ (git-ignored), the wheels the GPU machine lacks: it has torch,
+# triton, grpcio 1.84, protobuf, prometheus-client and pytest, but not these, and it
+# cannot download. scripts/gpu_run.sh installs whatever is in .whl/ into /tmp/site;
+# name ".whl" in the device call's carry.
+#
+#   bash scripts/fetch_gpu_wheels.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# the GPU machine: CPython 3.12, x86-64, glibc >= 2.28
+python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 -d .whl \
+  grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 \
+  uvicorn==0.54.0 h11==0.16.0 \
+  nvidia-cudnn-frontend==1.32.0
+ls -l .whl
