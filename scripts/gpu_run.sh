@@ -12,7 +12,7 @@
 #   5. compute-sanitizer memcheck on a small subset of tests/gpu/test_kernels.py      -> sanitizer.log
 #   6. bench/bench_attention.py, if present                                           -> bench_attention.json
 # and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_full
-# (issue 8's 108-row grid), bench_concurrency, bench_transport, attention_sweep,
+# (issue 8's 108-row grid), bench_concurrency, bench_transport, bench_rpc_floor, attention_sweep,
 # hostile_sanitizer, bench_sharded, segv (a native backtrace of one test).
 # The device tool brings back at most 8 files from $OUT: choose steps accordingly.
 # A time budget (GPU_RUN_BUDGET_S, default 560 s: one device call is capped at 600 s)
@@ -162,6 +162,7 @@ want bench_concurrency && run_step bench_concurrency 240 5 - python3 bench/bench
   --budget-s 225 --out "$OUT/concurrency.json"
 want bench_transport && run_step bench_transport 180 5 - python3 bench/bench_transport.py --device cuda \
   --out "$OUT/transport.json"
+want bench_rpc_floor && run_step bench_rpc_floor 60 5 - python3 bench/bench_rpc_floor.py --out "$OUT/rpc_floor.json"
 
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \

@@ -3,6 +3,8 @@ protobuf only; no torch).
 
 - :class:`PrefillContextClient` / :class:`AsyncPrefillContextClient`: the RPCs, with
   deadlines, retries on UNAVAILABLE and server-restart detection.
+- :class:`PrefillStream` / :class:`AsyncPrefillStream` (``client.prefill_stream()``):
+  PrefillContext requests over one open call, for callers that send many.
 - :func:`merge_partials`: merge two (output, LSE) attention partials.
 - :class:`ShardedPrefillClient` / :class:`AsyncShardedPrefillClient`: one model whose
   heads are split over several workers (``serve --num-shards``; docs/SHARDING.md).
@@ -30,6 +32,7 @@ from .aio import AsyncPrefillContextClient
 from .client import PrefillContextClient
 from .merge import merge_partials
 from .sharded import AsyncShardedPrefillClient, ShardedPrefillClient
+from .stream import AsyncPrefillStream, PrefillStream
 from .shared_memory import (
     CudaSharedMemoryRegion,
     SharedMemoryRef,
@@ -67,6 +70,7 @@ __all__ = [
     "INT64",
     "UINT8",
     "AsyncPrefillContextClient",
+    "AsyncPrefillStream",
     "AsyncShardedPrefillClient",
     "ContextChunk",
     "CtxPrefillError",
@@ -74,6 +78,7 @@ __all__ = [
     "CtxPrefillRpcError",
     "PrefillContextClient",
     "PrefillResult",
+    "PrefillStream",
     "RawTensor",
     "ResponseDecodeError",
     "Sequence",

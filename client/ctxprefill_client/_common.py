@@ -603,6 +603,18 @@ class InstanceTracker:
         self.instance_id = instance_id
 
 
+_STATUS_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def in_band_error(method: str, err: pb.RequestError, expected_sent: str | None) -> CtxPrefillError:
+    """The exception for a stream request's in-band error: what :func:`map_rpc_error`
+    gives for the same status on a unary call."""
+    code = _STATUS_BY_NUMBER.get(err.code, grpc.StatusCode.UNKNOWN)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and expected_sent is not None:
+        return ServerRestartedError(method, expected_sent, None, err.message)
+    return CtxPrefillRpcError(method, code, err.message)
+
+
 def map_rpc_error(method: str, err: grpc.RpcError, expected_sent: str | None) -> CtxPrefillError:
     code = err.code() if hasattr(err, "code") else None
     details = (err.details() if hasattr(err, "details") else str(err)) or ""

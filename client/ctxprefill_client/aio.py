@@ -48,6 +48,7 @@ from .shared_memory import (
     register_cuda_request,
     register_system_request,
 )
+from .stream import AsyncPrefillStream
 from .wire import use_outgoing_requests
 
 __all__ = ["AsyncPrefillContextClient"]
@@ -205,6 +206,13 @@ class AsyncPrefillContextClient:
         self._tracker.observe("PrefillContext", resp.instance_id)
         rows = int(req.q.shape[0]) if len(req.q.shape) else 0
         return parse_prefill_response(resp, rows, output_region, lse_region, float_output)
+
+    def prefill_stream(self, *, timeout: float | None = None) -> AsyncPrefillStream:
+        """A :class:`~ctxprefill_client.stream.AsyncPrefillStream`: PrefillContext requests one after
+        another (or several in flight) over one open ``PrefillContextStream`` call, which
+        costs less per request than a call each. ``timeout`` bounds the whole stream
+        (default: the client's). Use it as a async context manager."""
+        return AsyncPrefillStream(self, timeout)
 
     # ------------------------------------------------------------------ shared memory
 

@@ -55,6 +55,7 @@ from .shared_memory import (
     register_cuda_request,
     register_system_request,
 )
+from .stream import PrefillStream
 from .wire import use_outgoing_requests
 
 __all__ = ["PrefillContextClient"]
@@ -244,6 +245,13 @@ class PrefillContextClient:
         self._tracker.observe("PrefillContext", resp.instance_id)
         rows = int(req.q.shape[0]) if len(req.q.shape) else 0
         return parse_prefill_response(resp, rows, output_region, lse_region, float_output)
+
+    def prefill_stream(self, *, timeout: float | None = None) -> PrefillStream:
+        """A :class:`~ctxprefill_client.stream.PrefillStream`: PrefillContext requests one after
+        another (or several in flight) over one open ``PrefillContextStream`` call, which
+        costs less per request than a call each. ``timeout`` bounds the whole stream
+        (default: the client's). Use it as a context manager."""
+        return PrefillStream(self, timeout)
 
     # ------------------------------------------------------------------ shared memory
 

@@ -66,11 +66,15 @@ class OutgoingMessage:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.msg, name)
 
-    def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf message method's name
+    def parts(self) -> list:
+        """The serialized message as buffers to join: the message, then each tensor's bytes."""
         parts = [self.msg.SerializeToString()]
         for number, bits in self._payloads:
             parts += _data_field(number, bits)
-        return b"".join(parts)
+        return parts
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf message method's name
+        return b"".join(self.parts())
 
     def ByteSize(self) -> int:  # noqa: N802
         """The serialized size, computed (nothing is copied)."""
@@ -80,6 +84,39 @@ class OutgoingMessage:
     def full_message(self) -> Any:
         """The same request as one protobuf message (copies the bytes in: for tests)."""
         return type(self.msg).FromString(self.SerializeToString())
+
+
+class NestedMessage:
+    """``outer`` with ``inner`` (a message or an :class:`OutgoingMessage`) as its
+    submessage field ``number``, serialized in one join: the stream RPC's wrappers
+    (``PrefillContextStreamRequest.request``, ``...StreamResponse.response``) carry
+    inline tensors without copying their bytes into messages."""
+
+    __slots__ = ("outer", "number", "inner")
+
+    def __init__(self, outer: Any, number: int, inner: Any):
+        self.outer, self.number, self.inner = outer, number, inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.outer, name)
+
+    def SerializeToString(self) -> bytes:  # noqa: N802
+        inner = self.inner.parts() if isinstance(self.inner, OutgoingMessage) else [self.inner.SerializeToString()]
+        size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in inner)
+        return b"".join([self.outer.SerializeToString(), _varint((self.number << 3) | _LEN), _varint(size), *inner])
+
+    def ByteSize(self) -> int:  # noqa: N802
+        n = self.inner.ByteSize()
+        return self.outer.ByteSize() + len(_varint((self.number << 3) | _LEN)) + len(_varint(n)) + n
+
+
+def nest(outer: Any, field: str, inner: Any) -> Any:
+    """``outer`` with ``inner`` in its submessage ``field``: a :class:`NestedMessage` when
+    ``inner`` is an :class:`OutgoingMessage`, else ``outer`` itself with ``inner`` copied in."""
+    if isinstance(inner, OutgoingMessage):
+        return NestedMessage(outer, outer.DESCRIPTOR.fields_by_name[field].number, inner)
+    getattr(outer, field).CopyFrom(inner)
+    return outer
 
 
 def place_tensor(msg: Any, field: str, value: Any, payloads: list[tuple[int, np.ndarray]]) -> None:
@@ -110,9 +147,13 @@ _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["PrefillContextService"].full_na
 
 
 def use_outgoing_requests(stub: Any, channel: Any) -> None:
-    """Give ``stub`` (a generated ``PrefillContextServiceStub``, sync or aio) WriteCache and
-    PrefillContext callables that serialize with :func:`serialize_request`."""
+    """Give ``stub`` (a generated ``PrefillContextServiceStub``, sync or aio) WriteCache,
+    PrefillContext and PrefillContextStream callables that serialize with
+    :func:`serialize_request`."""
     stub.WriteCache = channel.unary_unary(_SERVICE + "WriteCache", request_serializer=serialize_request,
                                           response_deserializer=pb.WriteCacheResponse.FromString)
     stub.PrefillContext = channel.unary_unary(_SERVICE + "PrefillContext", request_serializer=serialize_request,
                                               response_deserializer=pb.PrefillContextResponse.FromString)
+    stub.PrefillContextStream = channel.stream_stream(
+        _SERVICE + "PrefillContextStream", request_serializer=serialize_request,
+        response_deserializer=pb.PrefillContextStreamResponse.FromString)

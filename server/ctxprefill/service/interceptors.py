@@ -40,7 +40,7 @@ import time
 
 import grpc
 
-from ctxprefill_client.wire import OutgoingMessage
+from ctxprefill_client.wire import NestedMessage, OutgoingMessage
 
 from ..errors import (
     AlreadyExists,
@@ -126,7 +126,7 @@ def _outgoing_aware(serialize):
         return None
 
     def serialize_response(response) -> bytes:
-        if isinstance(response, OutgoingMessage):
+        if isinstance(response, (OutgoingMessage, NestedMessage)):
             return response.SerializeToString()
         return serialize(response)
 

@@ -115,6 +115,13 @@ class Metrics:
             "instead of carrying them inline, by region kind.",
             ["kind", "direction"], registry=r,
         )
+        # -- PrefillContextStream: each request's status travels in-band ------------------------
+        self.stream_requests = Counter(
+            "ctxprefill_stream_requests_total",
+            "Requests answered on PrefillContextStream calls, by the status each got (a failed request does not "
+            "end its stream; grpc_server_handled_total counts the streams).",
+            ["grpc_code"], registry=r,
+        )
         # -- gRPC (go-grpc-prometheus names) ---------------------------------------------
         labels = ["grpc_type", "grpc_service", "grpc_method"]
         self.grpc_started = Counter(

@@ -37,14 +37,14 @@ import torch
 
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
-from ctxprefill_client.wire import finish, place_tensor
+from ctxprefill_client.wire import finish, nest, place_tensor
 
 from .. import __version__
 from ..engine.engine import Engine
 from ..ops import _cuda, launches
 from ..settings import ShardSpec, shared_memory_kinds
 from . import codec, validate
-from .interceptors import DEADLINE_SLACK_S, RpcStatusError, request_id_var
+from .interceptors import INTERNAL_MESSAGE, DEADLINE_SLACK_S, RpcStatusError, request_id_var, status_of
 from .metrics import Metrics
 from .shared_memory import CUDA, SYSTEM, SharedMemoryRegistry
 
@@ -382,8 +382,65 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         return finish(resp, payloads)  # the slot bytes go out at serialization (ctxprefill_client/wire.py)
 
     async def PrefillContext(self, request, context):
-        t0 = time.perf_counter_ns()
+        return await self._prefill(request, context, request.request_id or uuid.uuid4().hex)
+
+    async def PrefillContextStream(self, request_iterator, context):
+        """Requests of one call, each run as by PrefillContext, answered in order; a failed
+        request is answered in-band (``error``) and the stream goes on. Requests are read
+        (and validated, queued) as they arrive, while earlier ones run."""
+        self._gate()
+        pending: asyncio.Queue = asyncio.Queue()
+        end = object()
+        # at most queue_size requests of a stream read and not yet answered: a client that
+        # sends without reading is held back by gRPC flow control, not by our memory
+        room = asyncio.Semaphore(self.queue_size)
+
+        async def read():
+            try:
+                while True:
+                    await room.acquire()
+                    msg = await anext(requests, None)
+                    if msg is None:
+                        break
+                    pending.put_nowait(asyncio.ensure_future(self._stream_one(msg.request, context)))
+            finally:
+                pending.put_nowait(end)
+
+        requests = request_iterator.__aiter__()
+        reader = asyncio.ensure_future(read())
+        try:
+            while (task := await pending.get()) is not end:
+                response = await task
+                room.release()
+                yield response
+            await reader  # a message that did not parse ends the stream (INVALID_ARGUMENT)
+        finally:
+            reader.cancel()
+            while not pending.empty():
+                task = pending.get_nowait()
+                if task is not end:
+                    task.cancel()
+
+    async def _stream_one(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
+        try:
+            resp = await self._prefill(request, context, request_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - answered in-band, as the interceptor would map it
+            mapped = status_of(e)
+            if mapped is None:
+                log.error("unhandled error in a PrefillContextStream request: %r", e, exc_info=e)
+                mapped = (grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+            code, message = mapped
+            self.metrics.stream_requests.labels(grpc_code=code.name).inc()
+            return pb.PrefillContextStreamResponse(error=pb.RequestError(code=code.value[0], message=message),
+                                                   request_id=request_id)
+        self.metrics.stream_requests.labels(grpc_code="OK").inc()
+        return nest(pb.PrefillContextStreamResponse(request_id=request_id), "response", resp)
+
+    async def _prefill(self, request, context, request_id: str):
+        t0 = time.perf_counter_ns()
         request_id_var.set(validate.request_id_for_logs(request_id))
         engine = self._gate(admit=True)
         validate.check_instance(request, engine.instance_id)

@@ -366,3 +366,27 @@ class PrefillContextResponse(_message.Message):
     instance_id: str
     request_id: str
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Union[Tensor, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., instance_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class PrefillContextStreamRequest(_message.Message):
+    __slots__ = ("request",)
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request: PrefillContextRequest
+    def __init__(self, request: _Optional[_Union[PrefillContextRequest, _Mapping]] = ...) -> None: ...
+
+class PrefillContextStreamResponse(_message.Message):
+    __slots__ = ("response", "error", "request_id")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    response: PrefillContextResponse
+    error: RequestError
+    request_id: str
+    def __init__(self, response: _Optional[_Union[PrefillContextResponse, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

@@ -57,6 +57,11 @@ class PrefillContextServiceStub:
                 request_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextRequest.SerializeToString,
                 response_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextResponse.FromString,
                 _registered_method=True)
+        self.PrefillContextStream = channel.stream_stream(
+                '/ctxprefill.v1.PrefillContextService/PrefillContextStream',
+                request_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextStreamRequest.SerializeToString,
+                response_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextStreamResponse.FromString,
+                _registered_method=True)
         self.RegisterSystemSharedMemory = channel.unary_unary(
                 '/ctxprefill.v1.PrefillContextService/RegisterSystemSharedMemory',
                 request_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.RegisterSystemSharedMemoryRequest.SerializeToString,
@@ -111,6 +116,24 @@ class PrefillContextServiceServicer:
     def PrefillContext(self, request, context):
         """The attention of a batch of new prefill tokens over their cached context,
         chunk by chunk, with the natural-log LSE (SPEC §3, §4, §5).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillContextStream(self, request_iterator, context):
+        """PrefillContext for many requests over one long-lived call: for a same-host
+        orchestrator that sends request after request (with shared memory, where a
+        call's own cost is most of the overhead), a message on an open stream costs
+        about half of a new call. Every request is checked and run exactly as by
+        PrefillContext, and gets one response, in request order; requests may be
+        sent before earlier responses arrive (they queue as separate calls would).
+        A request that fails does not end the stream: its response has `error` set
+        (the status PrefillContext would have returned) instead of `response`.
+        The stream's deadline bounds every request on it. The stream itself
+        ends with an error status only when it cannot go on: a message that does
+        not parse (INVALID_ARGUMENT), missing credentials, the server draining or
+        stopping.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -188,6 +211,11 @@ def add_PrefillContextServiceServicer_to_server(servicer, server):
                     servicer.PrefillContext,
                     request_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextRequest.FromString,
                     response_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextResponse.SerializeToString,
+            ),
+            'PrefillContextStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PrefillContextStream,
+                    request_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextStreamRequest.FromString,
+                    response_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextStreamResponse.SerializeToString,
             ),
             'RegisterSystemSharedMemory': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterSystemSharedMemory,
@@ -321,6 +349,33 @@ class PrefillContextService:
             '/ctxprefill.v1.PrefillContextService/PrefillContext',
             ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextRequest.SerializeToString,
             ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillContextStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ctxprefill.v1.PrefillContextService/PrefillContextStream',
+            ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextStreamRequest.SerializeToString,
+            ctxprefill_dot_v1_dot_ctxprefill__pb2.PrefillContextStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
