@@ -11,7 +11,7 @@ host: 0.75 ms for our cheapest RPC). This measures, in one run, against a bare
 - the same Python work (a fixed small workload) run back to back and after a 5 ms sleep
   each time: how much a thread that wakes from idle loses (CPU frequency, C-states).
 
-  python3 bench/bench_rpc_floor.py [--out floor.json]
+  python3 bench/bench_rpc_floor.py [--out floor.json] [--cpu-latency-us 0]
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ import sys
 import time
 
 import grpc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pm_qos  # noqa: E402
 
 
 def _ident(b):
@@ -103,8 +106,23 @@ def _work() -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=2000, help="round trips per measurement")
+    p.add_argument("--cpu-latency-us", type=int, default=None,
+                   help="hold /dev/cpu_dma_latency at this value while measuring (bench/pm_qos.py; root only)")
     p.add_argument("--out", default=None)
     ns = p.parse_args(argv)
+    with pm_qos.cpu_latency(ns.cpu_latency_us) as qos:
+        print(f"CPU wake-up latency: {qos}")
+        res = _measure(ns)
+    res["cpu_latency"] = qos
+    for k, v in res.items():
+        print(f"{k:>30}: {v:.0f}" if isinstance(v, float) else f"{k:>30}: {v}")
+    if ns.out:
+        with open(ns.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+    return 0
+
+
+def _measure(ns) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -142,12 +160,7 @@ def main(argv=None) -> int:
         ch.close()
     finally:
         server.kill()
-    for k, v in res.items():
-        print(f"{k:>30}: {v:.0f}" if isinstance(v, float) else f"{k:>30}: {v}")
-    if ns.out:
-        with open(ns.out, "w") as fh:
-            json.dump(res, fh, indent=1)
-    return 0
+    return res
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ for _sub in ("client", "server", "bench"):
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import pm_qos  # noqa: E402
 from progress import log  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
@@ -299,11 +300,13 @@ def main(argv=None) -> int:
                    help="cuda-stream: CUDA IPC with the requests on one PrefillContextStream call")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of each RPC, seconds")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds the server may take to start")
+    p.add_argument("--cpu-latency-us", type=int, default=None,
+                   help="hold /dev/cpu_dma_latency at this many microseconds while measuring (bench/pm_qos.py; "
+                        "root only): idle CPUs then wake fast")
     p.add_argument("--out", default=None, help="write JSON results here")
     ns = p.parse_args(argv)
 
     from ctxprefill.settings import resolve_device
-    from ctxprefill_client import PrefillContextClient
 
     dev = resolve_device(ns.device)
     if dev.type == "cuda" and dev.index is None:
@@ -312,6 +315,14 @@ def main(argv=None) -> int:
     log(f"device {dev} ({gpu or 'cpu'}); torch {torch.__version__}; request: {ns.new} new tokens over {ns.context} "
         f"context, H={ns.heads}, cache {ns.cache_dtype}, prefill {ns.prefill_dtype}, W={ns.workspace_tokens}")
     w = Workload(ns)
+    with pm_qos.cpu_latency(ns.cpu_latency_us) as qos:
+        log(f"CPU wake-up latency: {qos}")
+        return _measure(ns, w, dev, gpu, qos)
+
+
+def _measure(ns, w: Workload, dev: torch.device, gpu: str | None, qos: str) -> int:
+    from ctxprefill_client import PrefillContextClient
+
     engine, ref_out, ref_lse = run_engine(ns, w, dev)
 
     rows: dict[str, dict] = {}
@@ -397,6 +408,7 @@ def main(argv=None) -> int:
         except OSError:
             commit = ""
         meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": str(dev), "gpu": gpu,
+                "cpu_latency": qos,
                 "torch": torch.__version__, "commit": commit, "args": vars(ns),
                 "request": {"q_bytes": w.q_bytes, "output_bytes": w.out_bytes, "lse_bytes": w.lse_bytes}}
         with open(ns.out, "w") as f:

@@ -163,6 +163,11 @@ want bench_concurrency && run_step bench_concurrency 240 5 - python3 bench/bench
 want bench_transport && run_step bench_transport 180 5 - python3 bench/bench_transport.py --device cuda \
   --out "$OUT/transport.json"
 want bench_rpc_floor && run_step bench_rpc_floor 60 5 - python3 bench/bench_rpc_floor.py --out "$OUT/rpc_floor.json"
+# the same two with idle CPUs held awake (/dev/cpu_dma_latency = 0, bench/pm_qos.py)
+want bench_transport_awake && run_step bench_transport_awake 180 5 - python3 bench/bench_transport.py --device cuda \
+  --cpu-latency-us 0 --modes cuda cuda-stream system --out "$OUT/transport_awake.json"
+want bench_rpc_floor_awake && run_step bench_rpc_floor_awake 60 5 - python3 bench/bench_rpc_floor.py --cpu-latency-us 0 \
+  --out "$OUT/rpc_floor_awake.json"
 
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \

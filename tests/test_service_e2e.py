@@ -341,6 +341,42 @@ def test_health_and_reflection(served):
     assert http_get(served.proc.metrics_url + "/nothing-here")[0] == 404
 
 
+def test_prefill_stream_equals_unary_calls(served):
+    """PrefillContextStream through the sync client's PrefillStream: the same answers as
+    PrefillContext, in order with several in flight, an in-band error that leaves the
+    stream going, and the stream's metrics."""
+    q_bits, _ = served.make_q(sum(QUERIES), seed=9)
+    want = served.prefill(q_bits, request_id="u-1")
+    want_128 = served.prefill(q_bits, workspace_tokens=128)  # another plan: other merges, other bits
+    bad = [(QUERIES[0], CONTEXTS[0], [10_000] * len(served.tables[0]))] + served.seqs()[1:]
+    got = []
+    with served.client.prefill_stream() as s:
+        got.append(s.prefill_context(q_bits, served.seqs(), request_id="s-1"))
+        s.submit(q_bits, served.seqs(), request_id="s-2")
+        s.submit(q_bits, bad, request_id="s-bad")
+        s.submit(q_bits, served.seqs(), workspace_tokens=128, request_id="s-3")
+        got.append(s.result())
+        with pytest.raises(CtxPrefillRpcError) as e:
+            s.result()
+        assert e.value.code == grpc.StatusCode.OUT_OF_RANGE and "sequences[0].block_table[0]" in e.value.details
+        got.append(s.result())
+        assert s.in_flight == 0
+    assert [r.request_id for r in got] == ["s-1", "s-2", "s-3"]
+    for r, w in zip(got, (want, want, want_128)):
+        np.testing.assert_array_equal(r.output_bits, w.output_bits)
+        np.testing.assert_array_equal(r.lse.view(np.uint32), w.lse.view(np.uint32))
+        served.launches.update(r.stats["kernel_launches"])
+        served.prefill_stats.append(r.stats)
+    assert got[2].stats["num_chunks"] > want.stats["num_chunks"]  # W=128: more chunks, same result
+    served.handled[("PrefillContextStream", "OK")] += 1
+    m = parse_metrics(http_get(served.proc.metrics_url + "/metrics")[1])
+    assert sample_sum(m["ctxprefill_stream_requests_total"], grpc_code="OK") == 3
+    assert sample_sum(m["ctxprefill_stream_requests_total"], grpc_code="OUT_OF_RANGE") == 1
+    lab = {"grpc_service": SERVICE, "grpc_method": "PrefillContextStream", "grpc_type": "bidi_stream"}
+    assert sample_sum(m["grpc_server_msg_received_total"], **lab) == 4
+    assert sample_sum(m["grpc_server_msg_sent_total"], **lab) == 4
+
+
 def test_metrics_agree_with_the_requests(served):
     status, text = http_get(served.proc.metrics_url + "/metrics")
     assert status == 200

@@ -1,0 +1,146 @@
+"""PrefillContextStream (in-process server on the CPU): requests over one call give what
+PrefillContext gives, in request order, several in flight; a failed request is answered
+in-band and the stream goes on; a message that does not parse ends the stream; the
+client's AsyncPrefillStream maps in-band errors to the unary call's exceptions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from ctxprefill_client import AsyncPrefillContextClient, CtxPrefillError, CtxPrefillRpcError, ServerRestartedError
+from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from service_process import parse_metrics, sample_sum
+from test_service_inprocess import Harness, engine, prefill_req  # noqa: F401 - engine: the module's fixture
+
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+TIMINGS = {"stage_nanos", "total_nanos", "validate_nanos", "queue_nanos", "input_nanos", "compute_nanos",
+           "output_nanos"}
+
+
+def _stats_without_timings(st: pb.Stats) -> dict:
+    return {f.name: v for f, v in st.ListFields() if f.name not in TIMINGS}
+
+
+def _stream_count(h: Harness, code: str) -> float:
+    return sample_sum(parse_metrics(h.metrics.render().decode())["ctxprefill_stream_requests_total"],
+                      grpc_code=code)
+
+
+def test_stream_answers_equal_unary_calls_in_request_order(engine):  # noqa: F811
+    async def main():
+        async with Harness(engine, queue_size=8) as h:
+            reqs = []
+            for i, (rows, ctx) in enumerate(((1, 20), (3, 32), (2, 0), (4, 17))):
+                r = prefill_req(rows=rows, context=ctx)
+                r.request_id = f"r{i}"
+                reqs.append(r)
+            unary = [await h.stub.PrefillContext(r, timeout=30) for r in reqs]
+            call = h.stub.PrefillContextStream(timeout=30)
+            for r in reqs:  # all sent before any answer is read
+                await call.write(pb.PrefillContextStreamRequest(request=r))
+            got = [await call.read() for _ in reqs]
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+            for r, u, g in zip(reqs, unary, got):
+                assert g.request_id == r.request_id and not g.HasField("error")
+                resp = g.response
+                assert resp.request_id == r.request_id and resp.instance_id == u.instance_id
+                assert resp.output.data == u.output.data and list(resp.output.shape) == list(u.output.shape)
+                assert resp.lse.data == u.lse.data
+                assert _stats_without_timings(resp.stats) == _stats_without_timings(u.stats)
+                assert resp.stats.total_nanos > 0
+            assert _stream_count(h, "OK") == len(reqs)
+            assert h.handled("PrefillContextStream", "OK") == 1  # the stream, once
+
+    asyncio.run(main())
+
+
+def test_a_failed_request_is_answered_in_band_and_the_stream_goes_on(engine):  # noqa: F811
+    async def main():
+        async with Harness(engine) as h:
+            good = prefill_req(rows=2, context=20)
+            bad_block = prefill_req(rows=2, context=20)
+            bad_block.sequences[0].block_table[1] = 99  # outside [0, 8)
+            bad_block.request_id = "bad-1"
+            bad_rows = prefill_req(rows=2, context=20)
+            bad_rows.sequences[0].query_len = 3
+            call = h.stub.PrefillContextStream(timeout=30)
+            answers = []
+            for r in (bad_block, good, bad_rows, good):
+                await call.write(pb.PrefillContextStreamRequest(request=r))
+                answers.append(await call.read())
+            await call.done_writing()
+            assert await call.code() == grpc.StatusCode.OK
+            a, b, c, d = answers
+            assert a.error.code == grpc.StatusCode.OUT_OF_RANGE.value[0] and not a.HasField("response")
+            assert "sequences[0].block_table[1]" in a.error.message and a.request_id == "bad-1"
+            assert c.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "query_len" in c.error.message
+            assert c.request_id  # made up by the server, as for a unary call
+            assert b.response.output.data == d.response.output.data and not b.HasField("error")
+            assert _stream_count(h, "OUT_OF_RANGE") == 1 and _stream_count(h, "INVALID_ARGUMENT") == 1
+            assert _stream_count(h, "OK") == 2
+            assert h.handled("PrefillContextStream", "OK") == 1
+
+    asyncio.run(main())
+
+
+def test_a_message_that_does_not_parse_ends_the_stream(engine):  # noqa: F811
+    async def main():
+        async with Harness(engine) as h:
+            raw = h.channel.stream_stream(f"/{pb.DESCRIPTOR.services_by_name['PrefillContextService'].full_name}"
+                                          f"/PrefillContextStream", request_serializer=lambda b: b,
+                                          response_deserializer=pb.PrefillContextStreamResponse.FromString)
+            call = raw(timeout=30)
+            await call.write(pb.PrefillContextStreamRequest(request=prefill_req()).SerializeToString())
+            first = await call.read()
+            assert not first.HasField("error")
+            await call.write(b"\x0a\xff\xff\xff")  # field 1, a length past the end
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call.read()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "request" in e.value.details()
+            assert h.handled("PrefillContextStream", "INVALID_ARGUMENT") == 1
+            # the server goes on
+            assert (await h.stub.PrefillContext(prefill_req(), timeout=30)).output.data == first.response.output.data
+
+    asyncio.run(main())
+
+
+def test_async_client_stream(engine):  # noqa: F811
+    async def main():
+        async with Harness(engine, queue_size=8) as h:
+            async with AsyncPrefillContextClient("in-process", channel=h.channel, timeout=30, retries=0) as c:
+                q = np.random.default_rng(1).standard_normal((3, 1, 192), dtype=np.float32)
+                seqs = [(3, 20, [3, 4])]
+                want = await c.prefill_context(q, seqs)
+                async with c.prefill_stream() as s:
+                    got = await s.prefill_context(q, seqs, request_id="a")
+                    assert got.request_id == "a"
+                    np.testing.assert_array_equal(got.output_bits, want.output_bits)
+                    np.testing.assert_array_equal(got.lse.view(np.uint32), want.lse.view(np.uint32))
+                    assert got.stats["phase_nanos"]["compute"] > 0
+                    with pytest.raises(CtxPrefillRpcError) as e:
+                        await s.prefill_context(q, [(3, 20, [3, 99])])
+                    assert e.value.code == grpc.StatusCode.OUT_OF_RANGE and e.value.method == "PrefillContextStream"
+                    await s.submit(q, seqs, request_id="b")
+                    await s.submit(q, seqs, request_id="c")
+                    assert s.in_flight == 2
+                    with pytest.raises(CtxPrefillError, match="in flight"):  # prefill_context: one at a time
+                        await s.prefill_context(q, seqs)
+                    assert [(await s.result()).request_id for _ in range(2)] == ["b", "c"]
+                    assert s.in_flight == 0
+            # a client that expects another instance: the in-band FAILED_PRECONDITION is a restart
+            async with AsyncPrefillContextClient("in-process", channel=h.channel, timeout=30, retries=0,
+                                                 expected_instance_id="gone") as c:
+                async with c.prefill_stream() as s:
+                    with pytest.raises(ServerRestartedError):
+                        await s.prefill_context(q, seqs)
+            assert h.handled("PrefillContextStream", "OK") == 2
+
+    asyncio.run(main())
