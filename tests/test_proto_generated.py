@@ -108,10 +108,13 @@ def test_grpc_module_imports_as_a_package():
     svc = pb.DESCRIPTOR.services_by_name["PrefillContextService"]
     assert svc.full_name == "ctxprefill.v1.PrefillContextService"
     assert [m.name for m in svc.methods] == ["GetServerInfo", "WriteCache", "ReadCache", "PrefillContext",
-                                             "RegisterSystemSharedMemory", "RegisterCudaSharedMemory",
-                                             "UnregisterSharedMemory", "GetSharedMemoryStatus"]
+                                             "PrefillContextStream", "RegisterSystemSharedMemory",
+                                             "RegisterCudaSharedMemory", "UnregisterSharedMemory",
+                                             "GetSharedMemoryStatus"]
     for m in svc.methods:
         assert m.input_type.name == f"{m.name}Request" and m.output_type.name == f"{m.name}Response"
+        streaming = m.name == "PrefillContextStream"
+        assert m.client_streaming == streaming and m.server_streaming == streaming
     assert hasattr(pb_grpc, "PrefillContextServiceStub")
     assert hasattr(pb_grpc, "PrefillContextServiceServicer")
     assert hasattr(pb_grpc, "add_PrefillContextServiceServicer_to_server")
