@@ -159,10 +159,12 @@ class Traffic:
                 if "system" in info.shared_memory_kinds:  # one request in three through shared memory
                     shm = stack.enter_context(SystemSharedMemoryRegion(f"live-{self.name}", 1 << 20))
                     c.register_system_shared_memory(shm)
-                self._loop(c, q, seqs, nb, shm, until)
+                stream = stack.enter_context(c.prefill_stream())  # one request in three on a stream
+                self._loop(c, q, seqs, nb, shm, stream, until)
 
-    def _loop(self, c: PrefillContextClient, q, seqs, nb: int, shm, until: float) -> None:
+    def _loop(self, c: PrefillContextClient, q, seqs, nb: int, shm, stream, until: float) -> None:
         tq, h = q.shape[0], q.shape[1]
+        bad_table = [(n, ctx, [nb] * len(t)) if ctx else (n, ctx, t) for n, ctx, t in seqs]
         i = 0
         while time.monotonic() < until:
             for w in (16, 64, 128):
@@ -170,12 +172,15 @@ class Traffic:
                     c.prefill_context(shm.write(q, 0, BF16), seqs, workspace_tokens=w,
                                       output_region=shm.ref(1 << 19, tq * h * 128 * 2),
                                       lse_region=shm.ref(3 << 18, h * tq * 4))
+                elif w == 128:
+                    stream.prefill_context(q, seqs, workspace_tokens=w)
                 else:
                     c.prefill_context(q, seqs, workspace_tokens=w)
                 self.ok += 1
             if i % 3 == 0:
                 for bad in (lambda: c.prefill_context(q[:1], seqs),  # rows != sum(query_len)
-                            lambda: c.read_cache([nb * BS])):  # slot out of range
+                            lambda: c.read_cache([nb * BS]),  # slot out of range
+                            lambda: stream.prefill_context(q, bad_table)):  # in-band OUT_OF_RANGE
                     try:
                         bad()
                     except CtxPrefillRpcError as e:
