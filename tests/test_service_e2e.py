@@ -440,6 +440,8 @@ def test_sigterm_drains_in_flight_and_exits_zero(served):
         m = parse_metrics(http_get(served.proc.metrics_url + "/metrics")[1])
         return sample_sum(m["grpc_server_started_total"], grpc_method="PrefillContext")
 
+    stream = served.client.prefill_stream()  # an open stream ends with UNAVAILABLE on the drain
+    stream.prefill_context(q_bits, served.seqs())
     before = started()
     t = threading.Thread(target=slow_request)
     t.start()
@@ -459,5 +461,9 @@ def test_sigterm_drains_in_flight_and_exits_zero(served):
         with pytest.raises(CtxPrefillRpcError) as ei:
             c.server_info()
         assert ei.value.code == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(CtxPrefillRpcError) as es:
+        stream.prefill_context(q_bits, served.seqs())
+    assert es.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in es.value.details, es.value
+    stream.close()
     log = served.proc.log()
     assert '"msg": "draining"' in log and '"msg": "stopped"' in log

@@ -6,6 +6,8 @@ client's AsyncPrefillStream maps in-band errors to the unary call's exceptions."
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -144,3 +146,43 @@ def test_async_client_stream(engine):  # noqa: F811
             assert h.handled("PrefillContextStream", "OK") == 2
 
     asyncio.run(main())
+
+
+def test_a_stream_ends_with_unavailable_when_the_server_drains(engine, monkeypatch):  # noqa: F811
+    """Draining: a request running on the stream is answered, then the stream ends at once
+    with UNAVAILABLE (not when the grace period runs out); an idle stream ends at once."""
+    gate, started = threading.Event(), threading.Event()
+    orig = engine.prefill_context
+
+    def slow(*a, **kw):
+        started.set()
+        assert gate.wait(20)
+        return orig(*a, **kw)
+
+    async def main():
+        async with Harness(engine) as h:
+            idle = h.stub.PrefillContextStream(timeout=30)
+            await idle.write(pb.PrefillContextStreamRequest(request=prefill_req()))
+            assert not (await idle.read()).HasField("error")
+            busy = h.stub.PrefillContextStream(timeout=30)
+            monkeypatch.setattr(engine, "prefill_context", slow)
+            await busy.write(pb.PrefillContextStreamRequest(request=prefill_req(rows=3)))
+            await asyncio.get_running_loop().run_in_executor(None, started.wait, 20)
+            t = time.monotonic()
+            h.servicer.start_draining()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await idle.read()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+            assert time.monotonic() - t < 2
+            gate.set()  # the running request completes and is answered before the stream ends
+            answer = await busy.read()
+            assert not answer.HasField("error") and list(answer.response.output.shape)[0] == 3
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await busy.read()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert h.handled("PrefillContextStream", "UNAVAILABLE") == 2
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()

@@ -202,6 +202,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         self.engine: Engine | None = None
         self._info: pb.GetServerInfoResponse | None = None
         self._admitted = 0  # requests handed to the worker and not finished (event-loop thread only)
+        self._draining = asyncio.Event()  # set with the state: open streams end (PrefillContextStream)
         kinds = shared_memory_kinds(settings) if hasattr(settings, "shared_memory") else ()  # ConfigError
         self.shm = SharedMemoryRegistry(kinds, getattr(settings, "shared_memory_max_regions", 64),
                                         getattr(settings, "shared_memory_max_bytes", 64 << 30),
@@ -225,8 +226,11 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         self.metrics.ready.set(1)
 
     def start_draining(self) -> None:
+        """Refuse new requests (UNAVAILABLE); open streams end once their requests are
+        answered. Call on the event loop."""
         self.state = self.DRAINING
         self.metrics.ready.set(0)
+        self._draining.set()
 
     @property
     def in_flight(self) -> int:
@@ -387,7 +391,9 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
     async def PrefillContextStream(self, request_iterator, context):
         """Requests of one call, each run as by PrefillContext, answered in order; a failed
         request is answered in-band (``error``) and the stream goes on. Requests are read
-        (and validated, queued) as they arrive, while earlier ones run."""
+        (and validated, queued) as they arrive, while earlier ones run. When the server
+        starts draining, the stream ends with UNAVAILABLE as soon as every request read
+        so far has its answer."""
         self._gate()
         pending: asyncio.Queue = asyncio.Queue()
         end = object()
@@ -408,13 +414,35 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
 
         requests = request_iterator.__aiter__()
         reader = asyncio.ensure_future(read())
+        drained = asyncio.ensure_future(self._draining.wait())
+        get = None
         try:
-            while (task := await pending.get()) is not end:
+            while True:
+                if drained.done():
+                    if pending.empty():
+                        # every request read has its answer: end the stream now, not when the
+                        # grace period runs out, so that the caller reconnects elsewhere at once
+                        raise RpcStatusError(grpc.StatusCode.UNAVAILABLE,
+                                             "the server is draining: this stream ends after answering every "
+                                             "request it read; open a new one (to another instance)", "draining")
+                    task = pending.get_nowait()
+                else:
+                    get = asyncio.ensure_future(pending.get())
+                    await asyncio.wait((get, drained), return_when=asyncio.FIRST_COMPLETED)
+                    if not get.done():
+                        get.cancel()  # an item it was about to take stays in the queue
+                        continue
+                    task = get.result()
+                if task is end:
+                    break
                 response = await task
                 room.release()
                 yield response
             await reader  # a message that did not parse ends the stream (INVALID_ARGUMENT)
         finally:
+            drained.cancel()
+            if get is not None:
+                get.cancel()
             reader.cancel()
             while not pending.empty():
                 task = pending.get_nowait()
