@@ -37,6 +37,7 @@ REJECT_REASONS = ("queue_full", "draining", "starting", "deadline", "cancelled",
 
 class Metrics:
     def __init__(self) -> None:
+        self._children: dict = {}
         r = self.registry = CollectorRegistry(auto_describe=True)
         # -- engine ---------------------------------------------------------------------
         self.kernel_launches = Counter(
@@ -189,20 +190,30 @@ class Metrics:
             self.grpc_msg_received.labels(**lab)
             self.grpc_msg_sent.labels(**lab)
 
+    def _child(self, metric, *labels):
+        """``metric.labels(*labels)``, looked up once: ``labels()`` validates and locks on
+        every call, a dozen times per request otherwise (the request's own host time)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def observe_prefill(self, stats, total_seconds: float) -> None:
         """Account one finished PrefillContext request (an engine ``PrefillStats``)."""
         path = stats.path
         for stage, n in stats.launches.items():
             if n:
-                self.kernel_launches.labels(stage=stage, path=path).inc(n)
+                self._child(self.kernel_launches, stage, path).inc(n)
         n_chunks = len(stats.chunks)
         if n_chunks:
-            self.chunks.labels(path=path).inc(n_chunks)
-            self.fp8_path.labels(**stats.fp8_path).inc(n_chunks)
+            self._child(self.chunks, path).inc(n_chunks)
+            fp = stats.fp8_path
+            self._child(self.fp8_path, fp["cache_dtype"], fp["kv_b_proj_dtype"], fp["prefill_dtype"]).inc(n_chunks)
         self.context_tokens.inc(stats.context_tokens)
         self.query_tokens.inc(stats.query_tokens)
         for stage, ns in stats.stage_ns.items():
-            self.stage_duration.labels(stage=stage).observe(ns / 1e9)
+            self._child(self.stage_duration, stage).observe(ns / 1e9)
         self.request_duration.observe(total_seconds)
 
     def observe_insert(self, launches: int, path: str, slots_used: int) -> None:
