@@ -19,63 +19,20 @@ from ctxprefill.errors import InvalidArgument, OutOfRange
 from ctxprefill.ops.fp8 import FP8
 from ctxprefill.service import codec, validate
 from ctxprefill.service.http import HttpApp
-from ctxprefill.service.interceptors import INTERNAL_MESSAGE, RpcStatusError, ServerInterceptor
+from ctxprefill.service.interceptors import INTERNAL_MESSAGE, RpcStatusError
 from ctxprefill.service.metrics import Metrics
-from ctxprefill.service.servicer import EngineWorker, PrefillContextServicer
-from ctxprefill.settings import ServeSettings, build_engine
+from ctxprefill.service.servicer import EngineWorker
 from ctxprefill_client import encode_tensor, float32_to_bf16_bits
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+from inprocess_service import Harness, prefill_req, read_req, small_engine
 from service_process import parse_metrics, sample_sum
 
 # torch warns (once) that a tensor over an immutable `bytes` is writable; the codec never writes
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
-SETTINGS = ServeSettings(device="cpu", heads=1, block_size=16, num_blocks=8, workspace_tokens=64)
-SERVICE = "ctxprefill.v1.PrefillContextService"
-
-
 @pytest.fixture(scope="module")
 def engine():
-    return build_engine(SETTINGS)
-
-
-class Harness:
-    def __init__(self, engine, queue_size=4, ready=True):
-        self.metrics = Metrics()
-        self.worker = EngineWorker(self.metrics)
-        self.servicer = PrefillContextServicer(SETTINGS, self.metrics, self.worker, 64 << 20, queue_size)
-        if ready:
-            self.servicer.attach_engine(engine)
-            self.servicer.set_ready()
-
-    async def __aenter__(self):
-        self.server = grpc.aio.server(interceptors=[ServerInterceptor(self.metrics)])
-        pb_grpc.add_PrefillContextServiceServicer_to_server(self.servicer, self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        await self.server.start()
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        self.stub = pb_grpc.PrefillContextServiceStub(self.channel)
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.channel.close()
-        await self.server.stop(0)
-        self.worker.stop()
-
-    def handled(self, method, code) -> float:
-        m = parse_metrics(self.metrics.render().decode())
-        return sample_sum(m["grpc_server_handled_total"], grpc_method=method, grpc_code=code)
-
-
-def read_req(slot=0):
-    return pb.ReadCacheRequest(slot_mapping=encode_tensor(np.array([slot], np.int64)))
-
-
-def prefill_req(rows=2, context=20):
-    q = float32_to_bf16_bits(np.ones((rows, 1, 192), np.float32))
-    return pb.PrefillContextRequest(q=encode_tensor(q, pb.DATA_TYPE_BF16),
-                                    sequences=[pb.Sequence(query_len=rows, context_len=context, block_table=[3, 4])])
+    return small_engine()
 
 
 async def wait_until(cond, timeout=10.0):

@@ -16,9 +16,14 @@ import pytest
 from ctxprefill_client import AsyncPrefillContextClient, CtxPrefillError, CtxPrefillRpcError, ServerRestartedError
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
 from service_process import parse_metrics, sample_sum
-from test_service_inprocess import Harness, engine, prefill_req  # noqa: F401 - engine: the module's fixture
+from inprocess_service import Harness, prefill_req, small_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+@pytest.fixture(scope="module")
+def engine():
+    return small_engine()
+
 
 TIMINGS = {"stage_nanos", "total_nanos", "validate_nanos", "queue_nanos", "input_nanos", "compute_nanos",
            "output_nanos"}
@@ -33,7 +38,7 @@ def _stream_count(h: Harness, code: str) -> float:
                       grpc_code=code)
 
 
-def test_stream_answers_equal_unary_calls_in_request_order(engine):  # noqa: F811
+def test_stream_answers_equal_unary_calls_in_request_order(engine):
     async def main():
         async with Harness(engine, queue_size=8) as h:
             reqs = []
@@ -63,7 +68,7 @@ def test_stream_answers_equal_unary_calls_in_request_order(engine):  # noqa: F81
     asyncio.run(main())
 
 
-def test_a_failed_request_is_answered_in_band_and_the_stream_goes_on(engine):  # noqa: F811
+def test_a_failed_request_is_answered_in_band_and_the_stream_goes_on(engine):
     async def main():
         async with Harness(engine) as h:
             good = prefill_req(rows=2, context=20)
@@ -92,7 +97,7 @@ def test_a_failed_request_is_answered_in_band_and_the_stream_goes_on(engine):  #
     asyncio.run(main())
 
 
-def test_a_message_that_does_not_parse_ends_the_stream(engine):  # noqa: F811
+def test_a_message_that_does_not_parse_ends_the_stream(engine):
     async def main():
         async with Harness(engine) as h:
             raw = h.channel.stream_stream(f"/{pb.DESCRIPTOR.services_by_name['PrefillContextService'].full_name}"
@@ -114,7 +119,7 @@ def test_a_message_that_does_not_parse_ends_the_stream(engine):  # noqa: F811
     asyncio.run(main())
 
 
-def test_async_client_stream(engine):  # noqa: F811
+def test_async_client_stream(engine):
     async def main():
         async with Harness(engine, queue_size=8) as h:
             async with AsyncPrefillContextClient("in-process", channel=h.channel, timeout=30, retries=0) as c:
@@ -148,7 +153,7 @@ def test_async_client_stream(engine):  # noqa: F811
     asyncio.run(main())
 
 
-def test_a_stream_ends_with_unavailable_when_the_server_drains(engine, monkeypatch):  # noqa: F811
+def test_a_stream_ends_with_unavailable_when_the_server_drains(engine, monkeypatch):
     """Draining: a request running on the stream is answered, then the stream ends at once
     with UNAVAILABLE (not when the grace period runs out); an idle stream ends at once."""
     gate, started = threading.Event(), threading.Event()
