@@ -117,36 +117,53 @@ if triton is not None:
 
     @triton.jit
     def _load_kv(kn_src, kr_src, v_src, k_ptr, v_ptr, start_n, k_len, stride_kt, stride_vt,
-                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr):
+                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr, V_T: tl.constexpr):
         """K (nope, rope) and V tiles of keys start_n .. start_n+BLOCK_N of the segment.
-        TMA: per-segment descriptors zero-fill past k_len, so no masks are needed."""
+        TMA: per-segment descriptors zero-fill past k_len, so no masks are needed.
+        V_T: V is stored keys-last ([H, 128, Tv]); its tile is [128, BLOCK_N]: through the
+        segment's descriptor (zero-filled past k_len), or pointers (``v_ptr`` at key
+        ``start_n``, ``stride_vt`` between its 128 rows)."""
+        if V_T:
+            if USE_TMA:
+                v = v_src.load([0, start_n])
+            else:
+                n = tl.arange(0, BLOCK_N)
+                e = tl.arange(0, _C_V)
+                vp = v_ptr + e[:, None] * stride_vt + n[None, :]
+                if MASK:
+                    v = tl.load(vp, mask=((start_n + n) < k_len)[None, :], other=0.0)
+                else:
+                    v = tl.load(vp)
         if USE_TMA:
             k_nope = kn_src.load([start_n, 0])
             k_rope = kr_src.load([start_n, _C_NOPE])
-            v = v_src.load([start_n, 0])
+            if not V_T:
+                v = v_src.load([start_n, 0])
         else:
             n = tl.arange(0, BLOCK_N)
             d = tl.arange(0, _C_NOPE)
             r = tl.arange(0, _C_ROPE)
             kn_ptr = k_ptr + n[:, None] * stride_kt + d[None, :]
             kr_ptr = k_ptr + n[:, None] * stride_kt + _C_NOPE + r[None, :]
-            vp = v_ptr + n[:, None] * stride_vt + d[None, :]
             if MASK:
                 ok = (start_n + n) < k_len
                 k_nope = tl.load(kn_ptr, mask=ok[:, None], other=0.0)
                 k_rope = tl.load(kr_ptr, mask=ok[:, None], other=0.0)
-                v = tl.load(vp, mask=ok[:, None], other=0.0)
+                if not V_T:
+                    v = tl.load(v_ptr + n[:, None] * stride_vt + d[None, :], mask=ok[:, None], other=0.0)
             else:
                 k_nope = tl.load(kn_ptr)
                 k_rope = tl.load(kr_ptr)
-                v = tl.load(vp)
+                if not V_T:
+                    v = tl.load(v_ptr + n[:, None] * stride_vt + d[None, :])
         return k_nope, k_rope, v
 
     @triton.jit
     def _attn_step(acc, l_i, m_i, q_nope, q_pe, k_nope, k_rope, v, offs_n, rows_vis, k_len, qk_scale,
                    MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                   IS_FP8: tl.constexpr, PV_FP8: tl.constexpr, UPCAST: tl.constexpr):
-        """One key block: s = q·kᵀ (128 + 64 wide), online-softmax update, acc += P·V.
+                   IS_FP8: tl.constexpr, PV_FP8: tl.constexpr, UPCAST: tl.constexpr, V_T: tl.constexpr):
+        """One key block: s = q·kᵀ (128 + 64 wide), online-softmax update, acc += P·V
+        (``v``: [BLOCK_N, 128], or with V_T its transpose [128, BLOCK_N]).
 
         ``offs_n``: key indices of this block within the segment.
         ``rows_vis``: per query row, the last visible key index (causal only).
@@ -170,6 +187,8 @@ if triton is not None:
         p = tl.math.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if V_T:  # keys-last V: the B operand arrives keys-major (K-major), as fp8 wgmma wants it
+            v = tl.trans(v)
         if PV_FP8:  # FA3 style: P rounded to e4m3, fp8 x fp8 dot
             acc = tl.dot(_rnd(p, tl.float8e4nv, 20, UPCAST), _mm(v, UPCAST), acc)
         elif IS_FP8:  # V widened to bf16 (exact), P rounded to bf16
@@ -180,12 +199,12 @@ if triton is not None:
 
     @triton.jit
     def _mla_ctx_attn_fwd(
-        Q, K, V, O, LSE, cu_q, cu_k, qk_scale, B,
+        Q, K, V, O, LSE, cu_q, cu_k, cu_v, qk_scale, B,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         IS_FP8: tl.constexpr, PV_FP8: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-        SORT_B: tl.constexpr,
+        SORT_B: tl.constexpr, V_T: tl.constexpr = False,
     ):
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
@@ -221,7 +240,10 @@ if triton is not None:
         # int64 bases: segment start × row stride can pass 2**31
         q_seg = Q + q_start.to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
         k_ptr = K + k_start.to(tl.int64) * stride_kt + h.to(tl.int64) * stride_kh
-        v_ptr = V + k_start.to(tl.int64) * stride_vt + h.to(tl.int64) * stride_vh
+        if V_T:  # V [H, 128, Tv]: keys contiguous from column cu_v[b], stride_vt between rows
+            v_ptr = V + tl.load(cu_v + b).to(tl.int64) + h.to(tl.int64) * stride_vh
+        else:
+            v_ptr = V + k_start.to(tl.int64) * stride_vt + h.to(tl.int64) * stride_vh
         if USE_TMA:
             # descriptors over this (segment, head): [len, dim]; loads past len read zeros
             q_nope = tl.make_tensor_descriptor(q_seg, [q_len, 192], [stride_qt, 1], [BLOCK_M, _C_NOPE]).load([m0, 0])
@@ -230,7 +252,10 @@ if triton is not None:
             k_rows = tl.maximum(k_len, 1)  # never a 0-sized descriptor (no load happens then)
             kn_src = tl.make_tensor_descriptor(k_ptr, [k_rows, 192], [stride_kt, 1], [BLOCK_N, _C_NOPE])
             kr_src = tl.make_tensor_descriptor(k_ptr, [k_rows, 192], [stride_kt, 1], [BLOCK_N, _C_ROPE])
-            v_src = tl.make_tensor_descriptor(v_ptr, [k_rows, _C_V], [stride_vt, 1], [BLOCK_N, _C_V])
+            if V_T:  # the caller puts every segment's keys on a 16-byte boundary (cu_v)
+                v_src = tl.make_tensor_descriptor(v_ptr, [_C_V, k_rows], [stride_vt, 1], [_C_V, BLOCK_N])
+            else:
+                v_src = tl.make_tensor_descriptor(v_ptr, [k_rows, _C_V], [stride_vt, 1], [BLOCK_N, _C_V])
         else:
             q_blk = q_seg + m0.to(tl.int64) * stride_qt
             q_nope = tl.load(q_blk + rm[:, None] * stride_qt + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -260,18 +285,18 @@ if triton is not None:
         # the pointer path advances 64-bit pointers (n × stride could pass 2**31)
         for start_n in range(0, n_full, BLOCK_N):
             k_nope, k_rope, v = _load_kv(kn_src, kr_src, v_src, k_ptr, v_ptr, start_n, k_len, stride_kt,
-                                         stride_vt, BLOCK_N, False, USE_TMA)
+                                         stride_vt, BLOCK_N, False, USE_TMA, V_T)
             acc, l_i, m_i = _attn_step(acc, l_i, m_i, q_nope, q_pe, k_nope, k_rope, v, start_n + offs_n,
-                                       rows_vis, k_len, qk_scale, False, CAUSAL, IS_FP8, PV_FP8, UPCAST)
+                                       rows_vis, k_len, qk_scale, False, CAUSAL, IS_FP8, PV_FP8, UPCAST, V_T)
             k_ptr += BLOCK_N * stride_kt
-            v_ptr += BLOCK_N * stride_vt
+            v_ptr += BLOCK_N * (1 if V_T else stride_vt)
         for start_n in range(n_full, hi, BLOCK_N):
             k_nope, k_rope, v = _load_kv(kn_src, kr_src, v_src, k_ptr, v_ptr, start_n, k_len, stride_kt,
-                                         stride_vt, BLOCK_N, True, USE_TMA)
+                                         stride_vt, BLOCK_N, True, USE_TMA, V_T)
             acc, l_i, m_i = _attn_step(acc, l_i, m_i, q_nope, q_pe, k_nope, k_rope, v, start_n + offs_n,
-                                       rows_vis, k_len, qk_scale, True, CAUSAL, IS_FP8, PV_FP8, UPCAST)
+                                       rows_vis, k_len, qk_scale, True, CAUSAL, IS_FP8, PV_FP8, UPCAST, V_T)
             k_ptr += BLOCK_N * stride_kt
-            v_ptr += BLOCK_N * stride_vt
+            v_ptr += BLOCK_N * (1 if V_T else stride_vt)
 
         # Epilogue. l_i == 0 exactly when the row saw no key: out 0, lse -inf.
         empty = l_i == 0.0
@@ -329,8 +354,21 @@ def mla_context_attention(
     out: torch.Tensor | None = None,
     causal: bool = False,
     config: dict | None = None,
+    v_layout: str = "thd",
+    cu_seqlens_v: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention, one launch. Returns ``(out [Tq,H,128] bf16, lse [H,Tq] f32, ln)``.
+
+    ``v_layout``: ``"thd"`` — v is ``[Tk, H, 128]`` (what the pack writes today); ``"hdt"``
+    — v is ``[H, 128, Tk]`` with the keys contiguous (unit last stride). Hopper's fp8 MMA
+    takes its B operand K-major only, and for P·V the K dimension is the keys: with
+    ``"thd"`` Triton transposes every fp8 V tile through registers, with ``"hdt"`` the
+    tile is already in that order (bench_attention.py measures the difference; the pack
+    would then write this layout). ``cu_seqlens_v`` (int32 ``[B+1]``, default
+    ``cu_seqlens_k``): the column of v where each segment's keys start. Hopper's tensor
+    descriptors need a 16-byte aligned start, so only with ``cu_seqlens_v`` given (the
+    caller vouches that every start is a multiple of 16 bytes, as is v's row stride) do
+    keys-last tiles come through TMA; otherwise through pointer loads.
 
     ``config`` overrides ``CONFIGS[q.dtype]`` (BLOCK_M, BLOCK_N, num_warps, num_stages,
     PV_FP8, USE_TMA, and optionally maxnreg: a register cap per thread, e.g. 128 so that
@@ -342,21 +380,33 @@ def mla_context_attention(
         raise RuntimeError(_TRITON_ERR)
     Tq, H, dq = q.shape
     Tk = k.shape[0]
-    if dq != D_QK or k.shape[1:] != (H, D_QK) or v.shape != (Tk, H, D_V):
-        raise ValueError(f"expected q [Tq,H,{D_QK}], k [Tk,H,{D_QK}], v [Tk,H,{D_V}]; "
+    if v_layout not in ("thd", "hdt"):
+        raise ValueError(f"v_layout must be 'thd' ([Tk,H,{D_V}]) or 'hdt' ([H,{D_V},Tk]); got {v_layout!r}")
+    v_t = v_layout == "hdt"
+    # keys-last v: [H, 128, Tv], Tv = Tk (segments where k has them) or, with cu_seqlens_v,
+    # wherever those columns say (the caller's, like cu_seqlens_k: not read on the host)
+    v_ok = (v.dim() == 3 and v.shape[:2] == (H, D_V) and (cu_seqlens_v is not None or v.shape[2] == Tk)) if v_t \
+        else v.shape == (Tk, H, D_V)
+    if dq != D_QK or k.shape[1:] != (H, D_QK) or not v_ok:
+        want = f"[H,{D_V},Tk]" if v_t else f"[Tk,H,{D_V}]"
+        raise ValueError(f"expected q [Tq,H,{D_QK}], k [Tk,H,{D_QK}], v {want} ({v_layout}); "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.dtype not in CONFIGS or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q/k/v must share one dtype of {list(CONFIGS)}; got {q.dtype}, {k.dtype}, {v.dtype}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit last stride, got strides {t.stride()}")
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+    if cu_seqlens_v is not None and not v_t:
+        raise ValueError("cu_seqlens_v is for v_layout='hdt' only")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("cu_seqlens_v", cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v)):
         if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.device != q.device:
             raise ValueError(f"{name} must be a contiguous 1-D int32 tensor on {q.device}; "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     B = cu_seqlens_q.numel() - 1
-    if B < 0 or cu_seqlens_k.numel() != B + 1 or B > 65535:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have B+1 entries, 0 <= B <= 65535 "
+    if B < 0 or cu_seqlens_k.numel() != B + 1 or B > 65535 or (cu_seqlens_v is not None
+                                                                 and cu_seqlens_v.numel() != B + 1):
+        raise ValueError(f"cu_seqlens_q, cu_seqlens_k (and cu_seqlens_v) must have B+1 entries, 0 <= B <= 65535 "
                          f"(a grid dimension); got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
     if out is None:
         out = torch.empty((Tq, H, D_V), dtype=torch.bfloat16, device=q.device)
@@ -392,16 +442,19 @@ def mla_context_attention(
     if q.device.type != "cuda" and not _interpreting():
         raise RuntimeError("the triton backend runs CPU tensors only under Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before ctxprefill.backends.triton_attention is imported")
-    use_tma = (bool(cfg.get("USE_TMA", False)) and _tma_ok(q, k, v) and _capability(q.device) >= (9, 0)
+    use_tma = (bool(cfg.get("USE_TMA", False)) and _tma_ok(q, k, v) and (not v_t or cu_seqlens_v is not None)
+               and _capability(q.device) >= (9, 0)
                and grid[0] * grid[1] * grid[2] * _TMA_SCRATCH_PER_PROGRAM <= _TMA_SCRATCH_CAP)
     if use_tma and q.device.type == "cuda":
         triton.set_allocator(_tma_scratch)  # a ContextVar: set in the calling thread, every call
     _mla_ctx_attn_fwd[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, float(scale) * _LOG2E, B,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v,
+        float(scale) * _LOG2E, B,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(1) if v_t else v.stride(0), v.stride(0) if v_t else v.stride(1),  # stride_vt, stride_vh
         out.stride(0), out.stride(1), lse.stride(0),
         CAUSAL=bool(causal), BLOCK_M=BM, BLOCK_N=BN, IS_FP8=is_fp8,
-        PV_FP8=pv_fp8, USE_TMA=use_tma, UPCAST=q.device.type != "cuda", SORT_B=sort_b,
+        PV_FP8=pv_fp8, USE_TMA=use_tma, UPCAST=q.device.type != "cuda", SORT_B=sort_b, V_T=v_t,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
