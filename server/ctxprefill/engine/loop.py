@@ -11,7 +11,6 @@ have written into the buffer it was given.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -100,17 +99,38 @@ def _chunk_metadata(x: LoopInputs, device) -> list[tuple[torch.Tensor, torch.Ten
     return meta
 
 
+class _Stage:
+    """``with stage("gather"):`` — the launches noted inside count under that stage and its
+    device time is recorded. A plain class rather than two generator-based context
+    managers: a request of 4 chunks enters 24 stages, and short requests are bound by
+    this host time (63 -> 19 us per request on the CPU machine)."""
+
+    __slots__ = ("counts", "timer", "name", "token", "started")
+
+    def __init__(self, counts: Counter, timer: StageTimer):
+        self.counts, self.timer = counts, timer
+
+    def __call__(self, name: str) -> "_Stage":
+        self.name = name
+        return self
+
+    def __enter__(self) -> None:
+        self.token = launches.enter(self.counts, self.name)
+        self.started = self.timer.begin(self.name)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.timer.end(self.started)
+        launches.leave(self.token)
+
+
 def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observer: Observer | None = None) -> LoopResult:
     q = x.q
     device = q.device
     Tq, H = q.shape[0], x.heads
     counts: Counter = Counter()
     timer = StageTimer(device)
-
-    @contextlib.contextmanager
-    def stage(name):
-        with launches.stage(counts, name), timer.stage(name):
-            yield
+    stage = _Stage(counts, timer)  # stages do not nest
 
     meta = _chunk_metadata(x, device)
     ws_dtype = FP8 if x.gather_raw_fp8 else torch.bfloat16

@@ -41,19 +41,29 @@ class StageTimer:
         except IndexError:
             return torch.cuda.Event(enable_timing=True)
 
-    @contextlib.contextmanager
-    def stage(self, name: str):
+    def begin(self, name: str):
+        """Start timing stage ``name``; returns what :meth:`end` takes. A stage that raises
+        is never ended: its start event is dropped, not returned to the pool."""
         if self.cuda:
             a = self._event()
             a.record(self._stream)
-            yield
+            return name, a
+        return name, time.perf_counter_ns()
+
+    def end(self, started) -> None:
+        name, a = started
+        if self.cuda:
             b = self._event()
             b.record(self._stream)
             self._events.append((name, a, b))
         else:
-            t = time.perf_counter_ns()
-            yield
-            self._ns[name] += time.perf_counter_ns() - t
+            self._ns[name] += time.perf_counter_ns() - a
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        started = self.begin(name)
+        yield
+        self.end(started)
 
     def finish(self) -> tuple[dict[str, int], int]:
         """(nanoseconds per stage, total nanoseconds); synchronizes on a GPU."""

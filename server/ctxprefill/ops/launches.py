@@ -23,11 +23,21 @@ def note(n: int = 1) -> None:
         cur[0][cur[1]] += n
 
 
+def enter(counts: Counter, name: str):
+    """Start attributing launches to ``counts[name]``; returns the token for :func:`leave`
+    (the chunk loop's stages, without a generator-based context manager per stage)."""
+    return _stage.set((counts, name))
+
+
+def leave(token) -> None:
+    _stage.reset(token)
+
+
 @contextlib.contextmanager
 def stage(counts: Counter, name: str):
     """Attribute the launches noted inside this block to ``counts[name]``."""
-    token = _stage.set((counts, name))
+    token = enter(counts, name)
     try:
         yield
     finally:
-        _stage.reset(token)
+        leave(token)
