@@ -98,7 +98,7 @@ if want pytest; then
 : >"$OUT/pytest.log"
 # GPU_RUN_PYTEST narrows the first run to some test files / node ids (and skips the second)
 run_step pytest_gpu 240 200 "+$OUT/pytest.log" \
-  python3 -m pytest -q -rs -p no:cacheprovider --durations=10 -rfE --tb=short --junitxml=/tmp/junit.xml \
+  python3 -m pytest -q -rsfE -p no:cacheprovider --durations=10 --tb=short --junitxml=/tmp/junit.xml \
   ${GPU_RUN_PYTEST:-tests/gpu}
 [ -n "${GPU_RUN_PYTEST:-}" ] || run_step pytest_triton 120 150 "+$OUT/pytest.log" \
   python3 -m pytest -q -rs -p no:cacheprovider --durations=5 tests/test_backend_triton.py \
