@@ -191,3 +191,45 @@ def test_a_stream_ends_with_unavailable_when_the_server_drains(engine, monkeypat
         asyncio.run(main())
     finally:
         gate.set()
+
+
+def test_a_stream_reads_no_more_than_the_queue_holds(engine, monkeypatch):
+    """A client that sends without reading answers: the server reads at most queue_size
+    requests of the stream ahead (the rest wait in gRPC flow control, not in our memory),
+    none is refused for a full queue, and all are answered in order once the engine runs."""
+    gate = threading.Event()
+    orig = engine.prefill_context
+
+    def slow(*a, **kw):
+        assert gate.wait(20)
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(engine, "prefill_context", slow)
+
+    def received(h) -> float:
+        return sample_sum(parse_metrics(h.metrics.render().decode())["grpc_server_msg_received_total"],
+                          grpc_method="PrefillContextStream")
+
+    async def main():
+        async with Harness(engine, queue_size=4) as h:
+            call = h.stub.PrefillContextStream(timeout=60)
+            reqs = []
+            for i in range(12):
+                r = prefill_req(rows=1 + i % 3)
+                r.request_id = f"n{i}"
+                reqs.append(r)
+                await call.write(pb.PrefillContextStreamRequest(request=r))
+            await asyncio.sleep(0.5)
+            assert received(h) == 4  # the reader waits for room before reading a fifth
+            gate.set()
+            got = [await call.read() for _ in reqs]
+            assert [g.request_id for g in got] == [r.request_id for r in reqs]
+            assert not any(g.HasField("error") for g in got)
+            assert received(h) == 12
+            await call.done_writing()
+            assert await call.code() == grpc.StatusCode.OK
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()
