@@ -31,6 +31,10 @@ client count is measured for each transport in turn, and every row names its tra
   with CUDA in this process and a server on the same GPU of this host; otherwise the
   transport is skipped (the reason recorded).
 
+``--stream-depth N`` (N > 0): each client sends its requests on one PrefillContextStream
+call with N of them in flight (the server reads, validates and queues the next while
+one runs), instead of one PrefillContext call each; rows say ``stream_depth``.
+
 Started servers get ``--shared-memory system|cuda|all`` as the transports need (none for
 inline alone). Before the timed runs, one request per shared-memory transport is checked
 bit for bit against the inline answer (``check_matches_inline`` in its rows).
@@ -48,6 +52,7 @@ rewritten after every client count.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import datetime
@@ -273,11 +278,45 @@ def _code_of(e: BaseException) -> str:
     return type(e).__name__
 
 
+def _drive_stream(client, session, seqs: list, end_at: float, depth: int, recs: list, first_errors: list) -> None:
+    """Requests on one PrefillContextStream, ``depth`` in flight, until ``end_at``; a
+    failure is recorded and the stream reopened (answers still owed on it are lost)."""
+    sent: collections.deque = collections.deque()
+    stream = client.prefill_stream()
+    try:
+        while True:
+            while len(sent) < depth and time.time() < end_at:
+                sent.append(time.time())
+                stream.submit(session.q, seqs, **session.kwargs)
+            if not sent:
+                return
+            t = sent.popleft()
+            try:
+                r = stream.result()
+            except Exception as e:  # noqa: BLE001 - counted by code and reported
+                recs.append((t, time.time(), _code_of(e), 0, 0, 0, 0))
+                if len(first_errors) < 3:
+                    first_errors.append(f"{type(e).__name__}: {e}"[:300])
+                stream.close()
+                sent.clear()
+                time.sleep(0.01)
+                stream = client.prefill_stream()
+                continue
+            st = r.stats
+            del r
+            recs.append((t, time.time(), "", int(st["total_nanos"]), int(sum(st["stage_nanos"].values())),
+                         int(st["context_tokens"]), int(st["query_tokens"])))
+    finally:
+        stream.close()
+
+
 def drive(target: str, q_spec: tuple, seqs: list, start_at: float, end_at: float, timeout: float,
-          client_kwargs: dict, transport: str = "inline", transport_opts: dict | None = None) -> dict:
+          client_kwargs: dict, transport: str = "inline", transport_opts: dict | None = None,
+          stream_depth: int = 0) -> dict:
     """One client: PrefillContext back to back from ``start_at`` until ``end_at`` (time.time()),
     through ``transport`` (its regions registered once, before ``start_at``, and unregistered
-    at the end). Returns per request (t_send, t_done, code, server total ns, server compute
+    at the end); with ``stream_depth`` > 0 on one PrefillContextStream with that many
+    requests in flight instead of a call each. Returns per request (t_send, t_done, code, server total ns, server compute
     ns, context tokens, query tokens); code "" on success; and the set-up time."""
     from ctxprefill_client import PrefillContextClient
 
@@ -299,7 +338,9 @@ def drive(target: str, q_spec: tuple, seqs: list, start_at: float, end_at: float
         delay = start_at - time.time()
         if session is not None and delay > 0:
             time.sleep(delay)
-        while session is not None and time.time() < end_at:
+        if session is not None and stream_depth:
+            _drive_stream(client, session, seqs, end_at, stream_depth, recs, first_errors)
+        while session is not None and not stream_depth and time.time() < end_at:
             t = time.time()
             try:
                 r = client.prefill_context(session.q, seqs, **session.kwargs)
@@ -380,10 +421,11 @@ def lead_s(processes: bool, transport: str) -> float:
 
 def run_level(target: str, q_spec: tuple, seqs: list, clients: int, warmup_s: float, seconds: float,
               timeout: float, processes: bool, client_kwargs: dict, transport: str = "inline",
-              transport_opts: dict | None = None) -> dict:
+              transport_opts: dict | None = None, stream_depth: int = 0) -> dict:
     start_at = time.time() + lead_s(processes, transport)
     end_at = start_at + warmup_s + seconds
-    args = (target, q_spec, seqs, start_at, end_at, timeout, client_kwargs, transport, transport_opts)
+    args = (target, q_spec, seqs, start_at, end_at, timeout, client_kwargs, transport, transport_opts,
+            stream_depth)
     if processes:
         with concurrent.futures.ProcessPoolExecutor(clients, mp_context=multiprocessing.get_context("spawn")) as pool:
             futs = [pool.submit(drive, *args) for _ in range(clients)]
@@ -457,7 +499,7 @@ def print_table(rows: list[dict]) -> None:
           "errors", flush=True)
     f = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
     for r in rows:
-        tr = r.get("transport", "inline")
+        tr = r.get("transport", "inline") + (f"/s{r['stream_depth']}" if r.get("stream_depth") else "")
         if "skipped" in r:
             print(f"{r['shape_label']:36} {tr:9} {r['clients']:7d} skipped ({r['skipped']})", flush=True)
             continue
@@ -490,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="how q, output and LSE travel (docs/TRANSPORT.md): inline protobuf bytes, system (POSIX "
                          "shared memory) and/or cuda (CUDA IPC; torch with CUDA here, server on this host's GPU); "
                          "several: each measured at every client count (default: inline)")
+    ap.add_argument("--stream-depth", type=int, default=0,
+                    help="each client sends on one PrefillContextStream with this many requests in flight "
+                         "(0: a PrefillContext call per request)")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="deadline of each PrefillContext, s")
     ap.add_argument("--device", default="auto", help="started servers: auto, cpu, cuda, cuda:N")
     ap.add_argument("--block-size", type=int, default=64)
@@ -644,7 +689,8 @@ def main(argv: list[str] | None = None) -> int:
                     shape_skipped = dict(group_skipped)
                     bases = {}
                     for tr in transports:
-                        bases[tr] = {**base, "transport": tr, "float_output": tr == "inline"}
+                        bases[tr] = {**base, "transport": tr, "float_output": tr == "inline",
+                                     "stream_depth": ns.stream_depth}
                         if tr == "inline" or tr in shape_skipped:
                             continue
                         try:  # one request through the transport, against the inline answer
@@ -672,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
                             log(f"{s.label}: {tr}: {n} client{'s' if n > 1 else ''} for {ns.warmup_s:g} + "
                                 f"{ns.seconds:g} s ...")
                             rec = run_level(target, q_spec, seqs, n, ns.warmup_s, ns.seconds, ns.request_timeout,
-                                            ns.processes, {}, tr, transport_opts)
+                                            ns.processes, {}, tr, transport_opts, ns.stream_depth)
                             row = {**bases[tr], "clients": n, **rec}
                             rows.append(row)
                             ok = ok and not rec["errors"] and rec["requests"] > 0 and not rec["setup_errors"]

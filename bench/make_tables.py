@@ -5,7 +5,8 @@
   (generic → fused), bit-identical; rows that failed or were skipped (time budget)
   listed below the table;
 - a ``bench/bench_concurrency.py`` JSON: one row per shape, transport (inline, system,
-  cuda; files from before ``--transport`` are inline) and client count.
+  cuda; files from before ``--transport`` are inline; "(stream, N in flight)" with
+  ``--stream-depth``) and client count.
 
 Each table starts with a line naming the run (date, GPU, torch, commit).
 
@@ -86,7 +87,7 @@ def concurrency_table(d: dict) -> str:
              "| p99 ms | server p50 ms | compute p50 ms | device busy | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d.get("rows", []):
-        tr = r.get("transport", "inline")
+        tr = r.get("transport", "inline") + (f" (stream, {r['stream_depth']} in flight)" if r.get("stream_depth") else "")
         if "requests_per_s" not in r:
             lines.append(f"| {r['shape_label']} | {tr} | {r['clients']} | skipped ({r.get('skipped', '?')}) "
                          "| | | | | | | | | | |")

@@ -12,7 +12,8 @@
 #   5. compute-sanitizer memcheck on a small subset of tests/gpu/test_kernels.py      -> sanitizer.log
 #   6. bench/bench_attention.py, if present                                           -> bench_attention.json
 # and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_full
-# (issue 8's 108-row grid), bench_concurrency, bench_transport, bench_rpc_floor, attention_sweep,
+# (issue 8's 108-row grid), bench_concurrency, bench_concurrency_stream, bench_transport, bench_rpc_floor,
+# attention_sweep,
 # hostile_sanitizer, bench_sharded, segv (a native backtrace of one test).
 # The device tool brings back at most 8 files from $OUT: choose steps accordingly.
 # A time budget (GPU_RUN_BUDGET_S, default 560 s: one device call is capped at 600 s)
@@ -160,6 +161,10 @@ want bench_engine_full && run_step bench_engine_full 240 5 - python3 -m ctxprefi
 want bench_concurrency && run_step bench_concurrency 240 5 - python3 bench/bench_concurrency.py \
   --shape 16:1024:65536 128:1024:65536 --clients 1 2 4 8 16 --transport inline cuda --seconds 5 --warmup-s 1 \
   --budget-s 225 --out "$OUT/concurrency.json"
+# requests on one PrefillContextStream per client, 2 in flight (does pipelining beat a call each?)
+want bench_concurrency_stream && run_step bench_concurrency_stream 200 5 - python3 bench/bench_concurrency.py \
+  --shape 16:1024:65536 128:1024:65536 --clients 1 2 4 --transport cuda --stream-depth 2 --seconds 5 --warmup-s 1 \
+  --budget-s 190 --out "$OUT/concurrency_stream.json"
 want bench_transport && run_step bench_transport 180 5 - python3 bench/bench_transport.py --device cuda \
   --out "$OUT/transport.json"
 want bench_rpc_floor && run_step bench_rpc_floor 60 5 - python3 bench/bench_rpc_floor.py --out "$OUT/rpc_floor.json"

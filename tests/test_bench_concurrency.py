@@ -117,6 +117,25 @@ def test_concurrency_transports_inline_and_system_cpu(tmp_path, bench_mods, caps
     assert _shm_files() <= before  # every client's segment unlinked
 
 
+def test_concurrency_over_a_stream_cpu(tmp_path, bench_mods, capsys):
+    """--stream-depth 2: every client keeps two requests in flight on one
+    PrefillContextStream; the rows say so and count answers, not calls."""
+    bc, _, _ = bench_mods
+    out = tmp_path / "conc.json"
+    rc = bc.main(["--device", "cpu", "--shape", "2:4:200", "--clients", "1", "2", "--seconds", "0.7",
+                  "--warmup-s", "0.2", "--workspace-tokens", "128", "--transport", "inline", "system",
+                  "--stream-depth", "2", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4
+    for r in rows:
+        assert "skipped" not in r, r
+        assert r["stream_depth"] == 2 and r["requests"] > 0 and r["errors"] == {} and r["setup_errors"] == 0
+        assert r["server_compute_ms"]["p50"] > 0
+    assert any(" system/s2 " in x for x in printed.splitlines())
+
+
 def test_concurrency_cuda_transport_skipped_without_cuda(tmp_path, bench_mods):
     """cuda cannot run against a CPU server: skipped with the reason, no server started."""
     bc, mt, _ = bench_mods
