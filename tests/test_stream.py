@@ -6,6 +6,7 @@ client's AsyncPrefillStream maps in-band errors to the unary call's exceptions."
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -16,6 +17,7 @@ import pytest
 from ctxprefill_client import AsyncPrefillContextClient, CtxPrefillError, CtxPrefillRpcError, ServerRestartedError
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
 from service_process import parse_metrics, sample_sum
+from ctxprefill.service.interceptors import INTERNAL_MESSAGE
 from inprocess_service import Harness, prefill_req, small_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -233,3 +235,36 @@ def test_a_stream_reads_no_more_than_the_queue_holds(engine, monkeypatch):
         asyncio.run(main())
     finally:
         gate.set()
+
+
+def test_an_unexpected_error_is_internal_in_band_and_the_stream_goes_on(engine, monkeypatch, caplog):
+    """As for a unary call (test_service_inprocess): INTERNAL with a generic message, the
+    details only in the server log; the next request on the stream is answered."""
+    orig = engine.prefill_context
+    calls = []
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("secret detail")
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(engine, "prefill_context", flaky)
+
+    async def main():
+        async with Harness(engine) as h:
+            call = h.stub.PrefillContextStream(timeout=30)
+            answers = []
+            for _ in range(2):
+                await call.write(pb.PrefillContextStreamRequest(request=prefill_req()))
+                answers.append(await call.read())
+            await call.done_writing()
+            assert await call.code() == grpc.StatusCode.OK
+            bad, good = answers
+            assert bad.error.code == grpc.StatusCode.INTERNAL.value[0] and bad.error.message == INTERNAL_MESSAGE
+            assert not good.HasField("error") and good.response.output.data
+            assert _stream_count(h, "INTERNAL") == 1 and _stream_count(h, "OK") == 1
+
+    with caplog.at_level(logging.ERROR, logger="ctxprefill.service"):
+        asyncio.run(main())
+    assert any("secret detail" in r.getMessage() and "PrefillContextStream" in r.getMessage() for r in caplog.records)

@@ -95,6 +95,18 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     return None
 
 
+def status_for(exc: Exception, where: str) -> tuple[grpc.StatusCode, str]:
+    """(code, details) a call (or a stream's request, answered in-band) ends with for
+    ``exc``, logged: an unexpected exception is INTERNAL with a generic message, its
+    traceback in the log."""
+    mapped = status_of(exc)
+    if mapped is None:
+        log.error("unhandled error in %s: %r", where, exc, exc_info=exc, extra={"method": where})
+        return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
+    log.info("%s -> %s: %s", where, mapped[0].name, mapped[1], extra={"method": where, "code": mapped[0].name})
+    return mapped
+
+
 class _Undecodable:
     """Stands in for a request whose bytes did not parse (the handler refuses it)."""
 
@@ -351,18 +363,10 @@ async def _handle(call: _Call, context, exc: BaseException, full_method: str) ->
         code = context.code()
         call.code = code.name if code is not None else "UNKNOWN"
         raise exc
-    mapped = status_of(exc)
-    if mapped is None:
-        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit, ...
-            call.code = "INTERNAL"
-            raise exc
-        log.error("unhandled error in %s: %r", full_method, exc, exc_info=exc,
-                  extra={"method": full_method})
-        mapped = (grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
-    else:
-        log.info("%s -> %s: %s", full_method, mapped[0].name, mapped[1],
-                 extra={"method": full_method, "code": mapped[0].name})
-    code, details = mapped
+    if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit, ...
+        call.code = "INTERNAL"
+        raise exc
+    code, details = status_for(exc, full_method)
     call.code = code.name
     # counted before the status leaves: a client that reads the metrics as soon as it has
     # the error finds it there (the wrapper's own finish() is then a no-op)

@@ -44,7 +44,7 @@ from ..engine.engine import Engine
 from ..ops import _cuda, launches
 from ..settings import ShardSpec, shared_memory_kinds
 from . import codec, validate
-from .interceptors import INTERNAL_MESSAGE, DEADLINE_SLACK_S, RpcStatusError, request_id_var, status_of
+from .interceptors import DEADLINE_SLACK_S, RpcStatusError, request_id_var, status_for
 from .metrics import Metrics
 from .shared_memory import CUDA, SYSTEM, SharedMemoryRegistry
 
@@ -52,6 +52,7 @@ log = logging.getLogger("ctxprefill.service")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillContextService"].full_name
 METHODS = [m.name for m in pb.DESCRIPTOR.services_by_name["PrefillContextService"].methods]
+STREAM_METHOD = f"/{SERVICE_NAME}/PrefillContextStream"  # what an in-band error's log line names
 
 _OOM_TYPES = (torch.OutOfMemoryError, MemoryError)
 #: how allocators word it: CUDA ("CUDA out of memory"), torch's CPU allocator
@@ -455,12 +456,8 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             resp = await self._prefill(request, context, request_id)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - answered in-band, as the interceptor would map it
-            mapped = status_of(e)
-            if mapped is None:
-                log.error("unhandled error in a PrefillContextStream request: %r", e, exc_info=e)
-                mapped = (grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
-            code, message = mapped
+        except Exception as e:  # noqa: BLE001 - answered in-band, with the status a unary call would get
+            code, message = status_for(e, STREAM_METHOD)
             self.metrics.stream_requests.labels(grpc_code=code.name).inc()
             return pb.PrefillContextStreamResponse(error=pb.RequestError(code=code.value[0], message=message),
                                                    request_id=request_id)
