@@ -9,7 +9,7 @@ import pytest
 from ctxprefill_client import BF16, FP8_E4M3, FP32, RawTensor
 from ctxprefill_client._common import build_prefill_request, build_write_request
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-from ctxprefill_client.wire import OutgoingMessage, serialize_request
+from ctxprefill_client.wire import NestedMessage, OutgoingMessage, nest, serialize_request
 
 SEQS = [(3, 40, [2, 7, 1]), (2, 0, [])]
 
@@ -67,3 +67,19 @@ def test_empty_tensors_and_plain_messages_pass_through():
     req = _prefill(np.zeros((0, 4, 192), np.uint16), request_id="", expected=None)
     assert isinstance(req, pb.PrefillContextRequest)  # nothing to append: the message itself
     assert list(req.q.shape) == [0, 4, 192] and serialize_request(req) == req.SerializeToString()
+
+
+def test_a_nested_request_parses_to_the_plain_wrapper():
+    """The stream's wrapper around an outgoing request (wire.nest): the same message as the
+    wrapper built the plain way, its size computed without serializing; a plain request
+    is copied in."""
+    q = np.random.default_rng(3).integers(0, 1 << 16, size=(5, 4, 192), dtype=np.uint16)
+    req = _prefill(q)
+    msg = nest(pb.PrefillContextStreamRequest(), "request", req)
+    assert isinstance(msg, NestedMessage)
+    raw = serialize_request(msg)
+    assert pb.PrefillContextStreamRequest.FromString(raw) == pb.PrefillContextStreamRequest(request=req.full_message())
+    assert msg.ByteSize() == len(raw)
+    plain = pb.PrefillContextRequest(request_id="p")
+    wrapped = nest(pb.PrefillContextStreamRequest(), "request", plain)
+    assert isinstance(wrapped, pb.PrefillContextStreamRequest) and wrapped.request == plain

@@ -87,27 +87,24 @@ class OutgoingMessage:
 
 
 class NestedMessage:
-    """``outer`` with ``inner`` (a message or an :class:`OutgoingMessage`) as its
-    submessage field ``number``, serialized in one join: the stream RPC's wrappers
+    """``outer`` with ``inner`` (an :class:`OutgoingMessage`) as its submessage field
+    ``number``, serialized in one join: the stream RPC's wrappers
     (``PrefillContextStreamRequest.request``, ``...StreamResponse.response``) carry
     inline tensors without copying their bytes into messages."""
 
     __slots__ = ("outer", "number", "inner")
 
-    def __init__(self, outer: Any, number: int, inner: Any):
+    def __init__(self, outer: Any, number: int, inner: OutgoingMessage):
         self.outer, self.number, self.inner = outer, number, inner
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.outer, name)
+    def _head(self) -> bytes:
+        return _varint((self.number << 3) | _LEN) + _varint(self.inner.ByteSize())
 
     def SerializeToString(self) -> bytes:  # noqa: N802
-        inner = self.inner.parts() if isinstance(self.inner, OutgoingMessage) else [self.inner.SerializeToString()]
-        size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in inner)
-        return b"".join([self.outer.SerializeToString(), _varint((self.number << 3) | _LEN), _varint(size), *inner])
+        return b"".join([self.outer.SerializeToString(), self._head(), *self.inner.parts()])
 
     def ByteSize(self) -> int:  # noqa: N802
-        n = self.inner.ByteSize()
-        return self.outer.ByteSize() + len(_varint((self.number << 3) | _LEN)) + len(_varint(n)) + n
+        return self.outer.ByteSize() + len(self._head()) + self.inner.ByteSize()
 
 
 def nest(outer: Any, field: str, inner: Any) -> Any:

@@ -398,8 +398,8 @@ def mla_context_attention(
             raise ValueError(f"{name} must have unit last stride, got strides {t.stride()}")
     if cu_seqlens_v is not None and not v_t:
         raise ValueError("cu_seqlens_v is for v_layout='hdt' only")
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                    ("cu_seqlens_v", cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v)):
+    cu = [("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)]
+    for name, t in cu + ([("cu_seqlens_v", cu_seqlens_v)] if cu_seqlens_v is not None else []):
         if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.device != q.device:
             raise ValueError(f"{name} must be a contiguous 1-D int32 tensor on {q.device}; "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
