@@ -278,9 +278,37 @@ def _code_of(e: BaseException) -> str:
     return type(e).__name__
 
 
+def _record(recs: list, first_errors: list, t: float, result) -> None:
+    """One request's record: (t_send, t_done, code, server total ns, server compute ns,
+    context tokens, query tokens); ``result`` is the PrefillResult or the exception."""
+    if isinstance(result, BaseException):
+        recs.append((t, time.time(), _code_of(result), 0, 0, 0, 0))
+        if len(first_errors) < 3:
+            first_errors.append(f"{type(result).__name__}: {result}"[:300])
+        return
+    st = result.stats
+    recs.append((t, time.time(), "", int(st["total_nanos"]), int(sum(st["stage_nanos"].values())),
+                 int(st["context_tokens"]), int(st["query_tokens"])))
+
+
+def _drive_calls(client, session, seqs: list, end_at: float, recs: list, first_errors: list) -> None:
+    """A PrefillContext call per request, back to back, until ``end_at``."""
+    while time.time() < end_at:
+        t = time.time()
+        try:
+            r = client.prefill_context(session.q, seqs, **session.kwargs)
+        except Exception as e:  # noqa: BLE001 - counted by code and reported
+            _record(recs, first_errors, t, e)
+            time.sleep(0.01)  # do not spin on a refusing server
+            continue
+        _record(recs, first_errors, t, r)
+        del r  # results placed in shared memory are views of it: none may outlive the session
+
+
 def _drive_stream(client, session, seqs: list, end_at: float, depth: int, recs: list, first_errors: list) -> None:
-    """Requests on one PrefillContextStream, ``depth`` in flight, until ``end_at``; a
-    failure is recorded and the stream reopened (answers still owed on it are lost)."""
+    """Requests on one PrefillContextStream, ``depth`` in flight, until ``end_at``. A
+    request that fails in-band is recorded and the stream goes on; a stream that broke
+    is reopened (answers still owed on it are lost)."""
     sent: collections.deque = collections.deque()
     stream = client.prefill_stream()
     try:
@@ -294,18 +322,15 @@ def _drive_stream(client, session, seqs: list, end_at: float, depth: int, recs: 
             try:
                 r = stream.result()
             except Exception as e:  # noqa: BLE001 - counted by code and reported
-                recs.append((t, time.time(), _code_of(e), 0, 0, 0, 0))
-                if len(first_errors) < 3:
-                    first_errors.append(f"{type(e).__name__}: {e}"[:300])
-                stream.close()
-                sent.clear()
-                time.sleep(0.01)
-                stream = client.prefill_stream()
+                _record(recs, first_errors, t, e)
+                if not stream.is_open:
+                    stream.close()
+                    sent.clear()
+                    time.sleep(0.01)
+                    stream = client.prefill_stream()
                 continue
-            st = r.stats
+            _record(recs, first_errors, t, r)
             del r
-            recs.append((t, time.time(), "", int(st["total_nanos"]), int(sum(st["stage_nanos"].values())),
-                         int(st["context_tokens"]), int(st["query_tokens"])))
     finally:
         stream.close()
 
@@ -316,8 +341,9 @@ def drive(target: str, q_spec: tuple, seqs: list, start_at: float, end_at: float
     """One client: PrefillContext back to back from ``start_at`` until ``end_at`` (time.time()),
     through ``transport`` (its regions registered once, before ``start_at``, and unregistered
     at the end); with ``stream_depth`` > 0 on one PrefillContextStream with that many
-    requests in flight instead of a call each. Returns per request (t_send, t_done, code, server total ns, server compute
-    ns, context tokens, query tokens); code "" on success; and the set-up time."""
+    requests in flight instead of a call each. Returns per request (t_send, t_done, code,
+    server total ns, server compute ns, context tokens, query tokens); code "" on success;
+    and the set-up time."""
     from ctxprefill_client import PrefillContextClient
 
     recs: list[tuple] = []
@@ -340,20 +366,8 @@ def drive(target: str, q_spec: tuple, seqs: list, start_at: float, end_at: float
             time.sleep(delay)
         if session is not None and stream_depth:
             _drive_stream(client, session, seqs, end_at, stream_depth, recs, first_errors)
-        while session is not None and not stream_depth and time.time() < end_at:
-            t = time.time()
-            try:
-                r = client.prefill_context(session.q, seqs, **session.kwargs)
-            except Exception as e:  # noqa: BLE001 - counted by code and reported
-                recs.append((t, time.time(), _code_of(e), 0, 0, 0, 0))
-                if len(first_errors) < 3:
-                    first_errors.append(f"{type(e).__name__}: {e}"[:300])
-                time.sleep(0.01)  # do not spin on a refusing server
-                continue
-            st = r.stats
-            del r  # results placed in shared memory are views of it: none may outlive the session
-            recs.append((t, time.time(), "", int(st["total_nanos"]), int(sum(st["stage_nanos"].values())),
-                         int(st["context_tokens"]), int(st["query_tokens"])))
+        elif session is not None:
+            _drive_calls(client, session, seqs, end_at, recs, first_errors)
     finally:
         try:
             if session is not None:

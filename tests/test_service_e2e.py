@@ -442,6 +442,7 @@ def test_sigterm_drains_in_flight_and_exits_zero(served):
 
     stream = served.client.prefill_stream()  # an open stream ends with UNAVAILABLE on the drain
     stream.prefill_context(q_bits, served.seqs())
+    assert stream.is_open
     before = started()
     t = threading.Thread(target=slow_request)
     t.start()
@@ -464,6 +465,7 @@ def test_sigterm_drains_in_flight_and_exits_zero(served):
     with pytest.raises(CtxPrefillRpcError) as es:
         stream.prefill_context(q_bits, served.seqs())
     assert es.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in es.value.details, es.value
+    assert not stream.is_open  # ended by the server: a caller opens a new one
     stream.close()
     log = served.proc.log()
     assert '"msg": "draining"' in log and '"msg": "stopped"' in log

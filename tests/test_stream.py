@@ -137,6 +137,7 @@ def test_async_client_stream(engine):
                     with pytest.raises(CtxPrefillRpcError) as e:
                         await s.prefill_context(q, [(3, 20, [3, 99])])
                     assert e.value.code == grpc.StatusCode.OUT_OF_RANGE and e.value.method == "PrefillContextStream"
+                    assert s.is_open  # an in-band error leaves the stream usable
                     await s.submit(q, seqs, request_id="b")
                     await s.submit(q, seqs, request_id="c")
                     assert s.in_flight == 2
@@ -144,6 +145,7 @@ def test_async_client_stream(engine):
                         await s.prefill_context(q, seqs)
                     assert [(await s.result()).request_id for _ in range(2)] == ["b", "c"]
                     assert s.in_flight == 0
+                assert not s.is_open
             # a client that expects another instance: the in-band FAILED_PRECONDITION is a restart
             async with AsyncPrefillContextClient("in-process", channel=h.channel, timeout=30, retries=0,
                                                  expected_instance_id="gone") as c:

@@ -133,6 +133,11 @@ class PrefillStream:
     def in_flight(self) -> int:
         return len(self._pending)
 
+    @property
+    def is_open(self) -> bool:
+        """False once closed or ended by the server (then open a new one)."""
+        return not self._closed and not self._call.done()
+
     def close(self) -> None:
         """End the stream: half-close, and cancel it if answers are still outstanding."""
         if self._closed:
@@ -203,6 +208,10 @@ class AsyncPrefillStream:
     @property
     def in_flight(self) -> int:
         return len(self._pending)
+
+    @property
+    def is_open(self) -> bool:
+        return not self._closed and not self._call.done()
 
     async def close(self) -> None:
         if self._closed:
