@@ -68,29 +68,30 @@ def _median_us(f, n: int, warmup: int = 200) -> float:
     return statistics.median(ts) * 1e6
 
 
-async def _aio(target: str, payload: bytes, n: int) -> dict:
-    out = {}
-    async with grpc.aio.insecure_channel(target) as ch:
-        f = ch.unary_unary("/floor.Echo/Echo", request_serializer=_ident, response_deserializer=_ident)
-        s = ch.stream_stream("/floor.Echo/Stream", request_serializer=_ident, response_deserializer=_ident)
-        for name, once in (("aio_unary_us", lambda: f(payload)), ("aio_stream_us", None)):
-            call = None
-            if once is None:
-                call = s()
+async def _amedian_us(f, n: int, warmup: int = 200) -> float:
+    """:func:`_median_us` of a coroutine function."""
+    for _ in range(warmup):
+        await f()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await f()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e6
 
-                async def once():
-                    await call.write(payload)
-                    return await call.read()
-            for _ in range(200):
-                await once()
-            ts = []
-            for _ in range(n):
-                t = time.perf_counter()
-                await once()
-                ts.append(time.perf_counter() - t)
-            out[name] = statistics.median(ts) * 1e6
-            if call is not None:
-                await call.done_writing()
+
+async def _aio(target: str, payload: bytes, n: int) -> dict:
+    async with grpc.aio.insecure_channel(target) as ch:
+        unary = ch.unary_unary("/floor.Echo/Echo", request_serializer=_ident, response_deserializer=_ident)
+        call = ch.stream_stream("/floor.Echo/Stream", request_serializer=_ident, response_deserializer=_ident)()
+
+        async def ping():
+            await call.write(payload)
+            return await call.read()
+
+        out = {"aio_unary_us": await _amedian_us(lambda: unary(payload), n),
+               "aio_stream_us": await _amedian_us(ping, n)}
+        await call.done_writing()
     return out
 
 
@@ -126,7 +127,8 @@ def _measure(ns) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-c", f"import asyncio, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+    here = os.path.dirname(os.path.abspath(__file__))
+    server = subprocess.Popen([sys.executable, "-c", f"import asyncio, sys; sys.path.insert(0, {here!r}); "
                                f"import bench_rpc_floor as m; asyncio.run(m._serve({port}))"])
     try:
         target = f"127.0.0.1:{port}"
