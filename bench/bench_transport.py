@@ -1,7 +1,7 @@
 """Benchmark: what the transport costs on top of the engine (issue 8, docs/TRANSPORT.md).
 
 One request shape (default: one sequence of 4,096 new tokens over 65,536 cached tokens,
-16 heads, ``auto`` (bf16) cache, bf16 prefill), measured in ONE run five ways:
+16 heads, ``auto`` (bf16) cache, bf16 prefill), measured in ONE run seven ways:
 
 1. ``engine``: the in-process engine (``build_engine`` + ``prefill_context`` on a q
    already on the device, device synchronized), as ``ctxprefill bench`` times it;
@@ -9,7 +9,9 @@ One request shape (default: one sequence of 4,096 new tokens over 65,536 cached 
 3. ``system``: q, output and LSE in a POSIX shared-memory segment (``--shared-memory``);
 4. ``cuda``: q, output and LSE as CUDA tensors of this process registered by their IPC
    handles (only when the device is CUDA): q used in place, results written into them;
-5. ``cuda-stream``: the same, with every request on one open PrefillContextStream call.
+5. ``cuda-stream``: the same, with every request on one open PrefillContextStream call;
+6. ``system-ring``, ``cuda-ring``: 3. and 4. with the requests through a request ring
+   (``serve --request-ring``): no gRPC call per request; "RPC" is then the ring's round trip.
 
 For each gRPC mode: the median end-to-end time and its ratio to the engine's, split
 into client encode (building the request: for inline the q bytes copy, for system the
@@ -201,7 +203,7 @@ def run_inline(ns, client, w: Workload):
     return med, np.array(res.output_bits), np.array(res.lse)
 
 
-def run_system(ns, client, w: Workload):
+def run_system(ns, client, w: Workload, over_ring: bool = False):
     from ctxprefill_client import SystemSharedMemoryRegion
     from ctxprefill_client._common import build_prefill_request, parse_prefill_response
 
@@ -218,11 +220,15 @@ def run_system(ns, client, w: Workload):
                                          expected=None, q_dtype=None, server_prefill_dtype=None,
                                          output_region=out_ref, lse_region=lse_ref)
 
-        med, res = timed(ns, encode, lambda r: client._stub.PrefillContext(r, timeout=ns.timeout),
+        ring = ring_rpc(client) if over_ring else None
+        rpc = ring or (lambda r: client._stub.PrefillContext(r, timeout=ns.timeout))
+        med, res = timed(ns, encode, rpc,
                          lambda resp: parse_prefill_response(resp, ns.new, out_ref, lse_ref, float_output=False))
         out, lse = np.array(res.output_bits), np.array(res.lse)
         del res
-        client.unregister_shared_memory("bench-system")
+        if ring is not None:
+            ring.close()
+        client.unregister_shared_memory("")
     finally:
         shm.close()
         shm.unlink()
@@ -247,7 +253,31 @@ def stream_rpc(client, timeout: float):
     return stream, rpc
 
 
-def run_cuda(ns, client, w: Workload, dev: torch.device, over_stream: bool = False):
+class ring_rpc:
+    """An rpc(request) -> response for :func:`timed` through a request ring (in its own
+    small system shared-memory region; the request message is the same one)."""
+
+    def __init__(self, client):
+        from ctxprefill_client import SystemSharedMemoryRegion
+
+        self.region = SystemSharedMemoryRegion("bench-ring", 2 * (1 << 16))
+        client.register_system_shared_memory(self.region)
+        self.ring = client.attach_request_ring(self.region, num_slots=2, slot_bytes=1 << 16)
+
+    def __call__(self, req):
+        self.ring.send(req)
+        msg = self.ring.receive()
+        if msg.HasField("error"):
+            raise RuntimeError(f"ring request failed: {msg.error.code} {msg.error.message}")
+        return msg.response
+
+    def close(self):
+        self.ring.close()
+        self.region.close()
+        self.region.unlink()
+
+
+def run_cuda(ns, client, w: Workload, dev: torch.device, over_stream: bool = False, over_ring: bool = False):
     from ctxprefill_client import CudaSharedMemoryRegion
     from ctxprefill_client._common import build_prefill_request, parse_prefill_response
 
@@ -265,8 +295,12 @@ def run_cuda(ns, client, w: Workload, dev: torch.device, over_stream: bool = Fal
                                      q_dtype=None, server_prefill_dtype=None, output_region=out_ref,
                                      lse_region=lse_ref)
 
-    stream, rpc = stream_rpc(client, ns.timeout) if over_stream else (
-        None, lambda r: client._stub.PrefillContext(r, timeout=ns.timeout))
+    if over_ring:
+        stream = rpc = ring_rpc(client)
+    elif over_stream:
+        stream, rpc = stream_rpc(client, ns.timeout)
+    else:
+        stream, rpc = None, lambda r: client._stub.PrefillContext(r, timeout=ns.timeout)
     med, _ = timed(ns, encode, rpc, lambda resp: parse_prefill_response(resp, ns.new, out_ref, lse_ref,
                                                                         float_output=False))
     if stream is not None:
@@ -295,9 +329,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--iters", type=int, default=40, help="timed requests per mode (10 varied by ~1 ms on the H200 host)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--modes", nargs="+", default=["inline", "system", "cuda", "cuda-stream"],
-                   choices=["inline", "system", "cuda", "cuda-stream"],
-                   help="cuda-stream: CUDA IPC with the requests on one PrefillContextStream call")
+    p.add_argument("--modes", nargs="+", default=["inline", "system", "system-ring", "cuda", "cuda-stream",
+                                                    "cuda-ring"],
+                   choices=["inline", "system", "system-ring", "cuda", "cuda-stream", "cuda-ring"],
+                   help="cuda-stream: CUDA IPC with the requests on one PrefillContextStream call; *-ring: the "
+                        "requests through a request ring (serve --request-ring)")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of each RPC, seconds")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds the server may take to start")
     p.add_argument("--cpu-latency-us", type=int, default=None,
@@ -330,9 +366,10 @@ def _measure(ns, w: Workload, dev: torch.device, gpu: str | None, qos: str) -> i
     skipped: dict[str, str] = {}
     identical: dict[str, bool] = {}
     with tempfile.TemporaryDirectory() as logdir:
-        log("starting the server: " + " ".join(["serve", "--device", str(dev), "--shared-memory", "all"]))
+        log("starting the server: " + " ".join(["serve", "--device", str(dev), "--shared-memory", "all",
+                                                 "--request-ring"]))
         server = ServerProcess("server", {"device": str(dev), "grace_seconds": 5, "shared_memory": "all",
-                                          **settings_kw(ns, w)}, logdir)
+                                          "request_ring": True, **settings_kw(ns, w)}, logdir)
         try:
             server.wait_ready(ns.ready_timeout)
             with PrefillContextClient(server.target, timeout=ns.timeout, retries=0,
@@ -351,16 +388,17 @@ def _measure(ns, w: Workload, dev: torch.device, gpu: str | None, qos: str) -> i
                                          else "the server does not offer CUDA shared memory")
                         log(f"{mode}: skipped ({skipped[mode]})")
                         continue
-                    if mode == "system" and "system" not in info.shared_memory_kinds:
+                    if mode.startswith("system") and "system" not in info.shared_memory_kinds:
                         skipped[mode] = "the server does not offer system shared memory"
                         continue
                     log(f"{mode}: {ns.warmup} warm-up + {ns.iters} timed requests")
                     if mode == "inline":
                         med, out, lse = run_inline(ns, client, w)
-                    elif mode == "system":
-                        med, out, lse = run_system(ns, client, w)
+                    elif mode.startswith("system"):
+                        med, out, lse = run_system(ns, client, w, over_ring=mode == "system-ring")
                     else:
-                        med, out, lse = run_cuda(ns, client, w, dev, over_stream=mode == "cuda-stream")
+                        med, out, lse = run_cuda(ns, client, w, dev, over_stream=mode == "cuda-stream",
+                                                 over_ring=mode == "cuda-ring")
                     med["ratio_to_engine"] = med["total_s"] / engine["median_s"]
                     rows[mode] = med
                     results[mode] = (out, lse)
@@ -378,25 +416,25 @@ def _measure(ns, w: Workload, dev: torch.device, gpu: str | None, qos: str) -> i
     engine_vs_inline = same(results["inline"], (ref_out, ref_lse)) if "inline" in results else None
 
     print()
-    print(f"{'mode':>8} {'total ms':>9} {'x engine':>8} {'encode ms':>9} {'rpc ms':>8} {'decode ms':>9} "
+    print(f"{'mode':>11} {'total ms':>9} {'x engine':>8} {'encode ms':>9} {'rpc ms':>8} {'decode ms':>9} "
           f"{'server ms':>9} {'payload MB':>10} {'MB/s':>8} {'bit-identical':>13}")
-    print(f"{'engine':>8} {engine['median_s'] * 1e3:9.3f} {1.0:8.2f}")
+    print(f"{'engine':>11} {engine['median_s'] * 1e3:9.3f} {1.0:8.2f}")
     for mode, m in rows.items():
-        print(f"{mode:>8} {m['total_s'] * 1e3:9.3f} {m['ratio_to_engine']:8.2f} {m['encode_s'] * 1e3:9.3f} "
+        print(f"{mode:>11} {m['total_s'] * 1e3:9.3f} {m['ratio_to_engine']:8.2f} {m['encode_s'] * 1e3:9.3f} "
               f"{m['rpc_s'] * 1e3:8.3f} {m['decode_s'] * 1e3:9.3f} {m['server_s'] * 1e3:9.3f} "
               f"{m['payload_bytes'] / 1e6:10.3f} {m['payload_bytes_per_s'] / 1e6:8.0f} {str(identical[mode]):>13}")
     for mode, why in skipped.items():
-        print(f"{mode:>8} skipped: {why}")
+        print(f"{mode:>11} skipped: {why}")
     print()
     print("where the time goes (ms, medians): client encode | outside the handler (gRPC both ways, the hand-back, "
           "Stats) | server: " + " / ".join(PHASES) + f" | client decode; GetServerInfo round trip {floor_s * 1e3:.3f}")
     for mode, m in rows.items():
         parts = " / ".join(f"{m[f'server_{k}_s'] * 1e3:.3f}" for k in PHASES)
-        print(f"{mode:>8} {m['encode_s'] * 1e3:.3f} | {m['outside_handler_s'] * 1e3:.3f} | {parts} | "
+        print(f"{mode:>11} {m['encode_s'] * 1e3:.3f} | {m['outside_handler_s'] * 1e3:.3f} | {parts} | "
               f"{m['decode_s'] * 1e3:.3f}   (non-engine: {(m['total_s'] - m['server_compute_s']) * 1e3:.3f} ms)")
     if engine_vs_inline is not None:
         print(f"inline vs in-process engine: {'bit-identical' if engine_vs_inline else 'DIFFERENT'}")
-    for mode in ("cuda", "cuda-stream"):
+    for mode in ("cuda", "cuda-stream", "cuda-ring"):
         if mode in rows:
             r = rows[mode]["ratio_to_engine"]
             print(f"target {mode} <= 1.1x engine: {'met' if r <= 1.1 else 'NOT met'} ({r:.3f}x)")

@@ -43,7 +43,8 @@ class ServerProcess:
         self.args = [sys.executable, "-m", "ctxprefill.cli", "serve", "--host", "127.0.0.1", "--port",
                      str(self.port), "--metrics-port", str(self.metrics_port)]
         for k, v in flags.items():
-            self.args += ["--" + k.replace("_", "-"), str(v)]
+            flag = "--" + k.replace("_", "-")
+            self.args += ([flag] if v else []) if isinstance(v, bool) else [flag, str(v)]  # --x / nothing
         self.cmd = " ".join(self.args[1:])
         self.log_path = os.path.join(logdir, f"{name}.log")
         self._log = open(self.log_path, "w")

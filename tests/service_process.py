@@ -71,7 +71,8 @@ class ServerProcess:
                 "--metrics-port", str(self.metrics_port), "--device", "cpu", "--grace-seconds",
                 str(self.grace_seconds)]
         for k, v in self._flags.items():
-            args += ["--" + k.replace("_", "-"), str(v)]
+            flag = "--" + k.replace("_", "-")
+            args += ([flag] if v else []) if isinstance(v, bool) else [flag, str(v)]  # --x / nothing
         self._log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(args, env={**env_with_sources(), **(self._env or {})}, cwd=ROOT,
                                      stdout=self._log, stderr=subprocess.STDOUT)

@@ -1,6 +1,6 @@
 """bench/bench_transport.py runs end to end on the CPU with tiny shapes: the in-process
-engine, then a server subprocess driven inline and through system shared memory (CUDA IPC
-skipped with its reason), every mode bit-identical, JSON written."""
+engine, then a server subprocess driven inline , through system shared memory and through a
+request ring (CUDA IPC skipped with its reason), every mode bit-identical, JSON written."""
 
 import importlib.util
 import json
@@ -23,13 +23,14 @@ def test_bench_transport_tiny(tmp_path, capsys):
     assert rc == 0, printed
     d = json.loads(out.read_text())
     assert d["engine"]["chunks"] == 3 and d["engine"]["median_s"] > 0
-    assert set(d["modes"]) == {"inline", "system"}
-    assert d["skipped"] == {"cuda": "not a CUDA device", "cuda-stream": "not a CUDA device"}
-    assert d["bit_identical"] == {"inline": True, "system": True} and d["inline_vs_engine_bit_identical"]
-    inline, system = d["modes"]["inline"], d["modes"]["system"]
-    for m in (inline, system):
+    assert set(d["modes"]) == {"inline", "system", "system-ring"}
+    assert d["skipped"] == {m: "not a CUDA device" for m in ("cuda", "cuda-stream", "cuda-ring")}
+    assert d["bit_identical"] == {"inline": True, "system": True, "system-ring": True}
+    assert d["inline_vs_engine_bit_identical"]
+    inline, system, ring = d["modes"]["inline"], d["modes"]["system"], d["modes"]["system-ring"]
+    for m in (inline, system, ring):
         assert m["total_s"] >= m["rpc_s"] > 0 and m["ratio_to_engine"] > 0 and m["server_s"] > 0
     q, o, l = d["meta"]["request"]["q_bytes"], d["meta"]["request"]["output_bytes"], d["meta"]["request"]["lse_bytes"]
     assert inline["payload_bytes"] > q + o + l  # the tensors travel inline
-    assert system["payload_bytes"] < 2000  # only references travel
+    assert system["payload_bytes"] < 2000 and ring["payload_bytes"] < 2000  # only references travel
     assert "x engine" in printed and "skipped: not a CUDA device" in printed

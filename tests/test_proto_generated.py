@@ -110,11 +110,11 @@ def test_grpc_module_imports_as_a_package():
     assert [m.name for m in svc.methods] == ["GetServerInfo", "WriteCache", "ReadCache", "PrefillContext",
                                              "PrefillContextStream", "RegisterSystemSharedMemory",
                                              "RegisterCudaSharedMemory", "UnregisterSharedMemory",
-                                             "GetSharedMemoryStatus"]
+                                             "GetSharedMemoryStatus", "AttachRequestRing"]
     for m in svc.methods:
         assert m.input_type.name == f"{m.name}Request" and m.output_type.name == f"{m.name}Response"
-        streaming = m.name == "PrefillContextStream"
-        assert m.client_streaming == streaming and m.server_streaming == streaming
+        assert m.client_streaming == (m.name == "PrefillContextStream")
+        assert m.server_streaming == (m.name in ("PrefillContextStream", "AttachRequestRing"))
     assert hasattr(pb_grpc, "PrefillContextServiceStub")
     assert hasattr(pb_grpc, "PrefillContextServiceServicer")
     assert hasattr(pb_grpc, "add_PrefillContextServiceServicer_to_server")

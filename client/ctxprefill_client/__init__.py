@@ -5,6 +5,9 @@ protobuf only; no torch).
   deadlines, retries on UNAVAILABLE and server-restart detection.
 - :class:`PrefillStream` / :class:`AsyncPrefillStream` (``client.prefill_stream()``):
   PrefillContext requests over one open call, for callers that send many.
+- :class:`RequestRing` (``client.attach_request_ring()``; server ``--request-ring``):
+  PrefillContext through shared-memory slots polled by the server's engine thread, no
+  gRPC call per request (the same-host fast path, docs/TRANSPORT.md).
 - :func:`merge_partials`: merge two (output, LSE) attention partials.
 - :class:`ShardedPrefillClient` / :class:`AsyncShardedPrefillClient`: one model whose
   heads are split over several workers (``serve --num-shards``; docs/SHARDING.md).
@@ -32,6 +35,7 @@ from .aio import AsyncPrefillContextClient
 from .client import PrefillContextClient
 from .merge import merge_partials
 from .sharded import AsyncShardedPrefillClient, ShardedPrefillClient
+from .request_ring import RequestRing
 from .stream import AsyncPrefillStream, PrefillStream
 from .shared_memory import (
     CudaSharedMemoryRegion,
@@ -79,6 +83,7 @@ __all__ = [
     "PrefillContextClient",
     "PrefillResult",
     "PrefillStream",
+    "RequestRing",
     "RawTensor",
     "ResponseDecodeError",
     "Sequence",

@@ -55,6 +55,7 @@ from .shared_memory import (
     register_cuda_request,
     register_system_request,
 )
+from .request_ring import RequestRing
 from .stream import PrefillStream
 from .wire import use_outgoing_requests
 
@@ -252,6 +253,16 @@ class PrefillContextClient:
         costs less per request than a call each. ``timeout`` bounds the whole stream
         (default: the client's). Use it as a context manager."""
         return PrefillStream(self, timeout)
+
+    def attach_request_ring(self, region: Any, *, num_slots: int = 4, slot_bytes: int = 1 << 16, offset: int = 0,
+                            timeout: float | None = None, spin_s: float = 0.25) -> RequestRing:
+        """A :class:`~ctxprefill_client.request_ring.RequestRing` in ``region`` (a registered
+        :class:`SystemSharedMemoryRegion`; server ``--request-ring``): PrefillContext requests
+        through shared-memory slots, taken by the server's engine thread without a gRPC
+        call each. ``timeout``: the ring's whole life (default: none). Use it as a context
+        manager; leave the region registered while the ring is attached."""
+        return RequestRing(self, region, num_slots=num_slots, slot_bytes=slot_bytes, offset=offset, timeout=timeout,
+                           spin_s=spin_s)
 
     # ------------------------------------------------------------------ shared memory
 

@@ -72,12 +72,20 @@ def _request(client: Any, q: Any, sequences: Iterable[Any], request_id: str | No
                                                                            float_output, expected)
 
 
-def _answer(client: Any, msg: pb.PrefillContextStreamResponse, p: _Pending) -> PrefillResult:
+def answer_to_result(client: Any, msg: pb.PrefillContextStreamResponse, rows: int,
+                     output_region: SharedMemoryRef | None, lse_region: SharedMemoryRef | None, float_output: bool,
+                     expected: str | None, method: str = METHOD) -> PrefillResult:
+    """An answer in the stream format (also a request ring's): the result, or the
+    exception a unary call would have raised for its in-band error."""
     if msg.HasField("error"):
-        raise in_band_error(METHOD, msg.error, p.expected)
+        raise in_band_error(method, msg.error, expected)
     resp = msg.response
-    client._tracker.observe(METHOD, resp.instance_id)
-    return parse_prefill_response(resp, p.rows, p.output_region, p.lse_region, p.float_output)
+    client._tracker.observe(method, resp.instance_id)
+    return parse_prefill_response(resp, rows, output_region, lse_region, float_output)
+
+
+def _answer(client: Any, msg: pb.PrefillContextStreamResponse, p: _Pending) -> PrefillResult:
+    return answer_to_result(client, msg, p.rows, p.output_region, p.lse_region, p.float_output, p.expected)
 
 
 class PrefillStream:

@@ -53,6 +53,10 @@ class ServeSettings:
     shared_memory: str = "off"  # same-host transport (docs/TRANSPORT.md): off, system, cuda or all
     shared_memory_max_regions: int = 64  # shared-memory regions registered at once
     shared_memory_max_bytes: int = 64 << 30  # bytes in all registered regions together
+    request_ring: bool = False  # same-host request rings (docs/TRANSPORT.md); needs system shared memory
+    request_ring_max: int = 16  # request rings attached at once
+    request_ring_spin_us: int = 20000  # after a ring request, the engine thread polls without sleeping this long
+    request_ring_poll_us: int = 100  # then it checks the rings this often
 
 
 _HELP = {
@@ -92,6 +96,13 @@ _HELP = {
                      "process that can open a registered segment can read and change what flows through it",
     "shared_memory_max_regions": "shared-memory regions registered at once (more: RESOURCE_EXHAUSTED)",
     "shared_memory_max_bytes": "bytes of all registered shared-memory regions together (more: RESOURCE_EXHAUSTED)",
+    "request_ring": "allow request rings (AttachRequestRing): PrefillContext requests through shared-memory slots "
+                    "that the engine thread polls, no gRPC call per request; needs --shared-memory system or all. The "
+                    "engine thread then spins for --request-ring-spin-us after each ring request (one CPU busy)",
+    "request_ring_max": "request rings attached at once (more: RESOURCE_EXHAUSTED)",
+    "request_ring_spin_us": "after a ring request, how long the engine thread polls the rings without sleeping "
+                            "(microseconds); a request arriving within it is taken at once",
+    "request_ring_poll_us": "otherwise, how often the engine thread checks the rings (microseconds)",
 }
 
 #: --shared-memory value -> the region kinds it enables (``all``: cuda only on a CUDA device)
@@ -153,7 +164,22 @@ def shared_memory_kinds(s: ServeSettings) -> tuple[str, ...]:
         if mode == "cuda":
             raise ConfigError(f"--shared-memory cuda needs a CUDA device (--device {s.device} is not one)")
         kinds = tuple(k for k in kinds if k != "cuda")
+    check_request_ring(s, kinds)
     return kinds
+
+
+def check_request_ring(s: ServeSettings, kinds: tuple[str, ...]) -> None:
+    """``--request-ring`` and its limits (ConfigError naming the flag)."""
+    if not s.request_ring:
+        return
+    if "system" not in kinds:
+        raise ConfigError("--request-ring needs --shared-memory system or all (a ring lives in a registered system "
+                          "shared-memory region)")
+    for name, lo, hi in (("request_ring_max", 1, 1024), ("request_ring_spin_us", 0, 10_000_000),
+                         ("request_ring_poll_us", 1, 1_000_000)):
+        v = getattr(s, name)
+        if not isinstance(v, int) or not lo <= v <= hi:
+            raise ConfigError(f"--{name.replace('_', '-')} must be an integer in [{lo}, {hi}], got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -123,6 +123,13 @@ class Metrics:
             "end its stream; grpc_server_handled_total counts the streams).",
             ["grpc_code"], registry=r,
         )
+        # -- request rings (--request-ring): requests that never were gRPC calls --------------
+        self.ring_requests = Counter(
+            "ctxprefill_ring_requests_total",
+            "Requests answered through request rings (AttachRequestRing), by the status each got.",
+            ["grpc_code"], registry=r,
+        )
+        self.request_rings = Gauge("ctxprefill_request_rings", "Request rings attached.", registry=r)
         # -- gRPC (go-grpc-prometheus names) ---------------------------------------------
         labels = ["grpc_type", "grpc_service", "grpc_method"]
         self.grpc_started = Counter(

@@ -25,6 +25,7 @@ import concurrent.futures
 import contextvars
 import gc
 import logging
+import os
 import queue
 import sys
 import threading
@@ -46,6 +47,7 @@ from ..settings import ShardSpec, shared_memory_kinds
 from . import codec, validate
 from .interceptors import DEADLINE_SLACK_S, RpcStatusError, request_id_var, status_for
 from .metrics import Metrics
+from .request_ring import RingTable
 from .shared_memory import CUDA, SYSTEM, SharedMemoryRegistry
 
 log = logging.getLogger("ctxprefill.service")
@@ -53,6 +55,7 @@ log = logging.getLogger("ctxprefill.service")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillContextService"].full_name
 METHODS = [m.name for m in pb.DESCRIPTOR.services_by_name["PrefillContextService"].methods]
 STREAM_METHOD = f"/{SERVICE_NAME}/PrefillContextStream"  # what an in-band error's log line names
+RING_METHOD = f"/{SERVICE_NAME}/AttachRequestRing"
 
 _OOM_TYPES = (torch.OutOfMemoryError, MemoryError)
 #: how allocators word it: CUDA ("CUDA out of memory"), torch's CPU allocator
@@ -78,11 +81,15 @@ class EngineWorker:
     the drain's grace period cannot keep the process alive.
     """
 
-    def __init__(self, metrics: Metrics):
+    def __init__(self, metrics: Metrics, ring_spin_s: float = 0.02, ring_poll_s: float = 100e-6):
         self.metrics = metrics
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._waiting = 0
+        # request rings (request_ring.py): polled by this thread between queued calls
+        self._rings: tuple = ()
+        self.ring_handler = None  # (ring, payload or None) -> answer bytes; set by the servicer
+        self.ring_spin_s, self.ring_poll_s = float(ring_spin_s), float(ring_poll_s)
         self._thread = threading.Thread(target=self._run, name="ctxprefill-engine", daemon=True)
         self._thread.start()
 
@@ -120,29 +127,77 @@ class EngineWorker:
     def stop(self) -> None:
         self._q.put(None)
 
+    def add_ring(self, ring) -> None:
+        """Poll ``ring`` from now on (until it reports itself stopped)."""
+        with self._lock:
+            self._rings = (*self._rings, ring)
+        self._q.put(_WAKE)  # the thread may be blocked on an empty queue
+
     def _run(self) -> None:
+        hot_until = 0.0  # spin (no sleeping) until then: a ring had a request lately
         while True:
-            item = self._q.get()
+            rings = self._rings
+            if not rings:
+                item = self._q.get()
+            elif time.monotonic() < hot_until:
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    item = _WAKE
+                    os.sched_yield()  # releases the GIL between polls
+            else:
+                try:
+                    item = self._q.get(timeout=self.ring_poll_s)
+                except queue.Empty:
+                    item = _WAKE
             if item is None:
                 return
-            cf, ctx, fn, deadline, _ = item
-            if not cf.set_running_or_notify_cancel():
-                continue  # cancelled while queued (client gone, deadline passed): counted by on_done
-            self._leave_queue(item)
-            if deadline is not None and time.monotonic() >= deadline:
-                self.metrics.rejected.labels(reason="deadline").inc()
-                cf.set_exception(RpcStatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                                "the deadline passed while the request was queued; it was not run",
-                                                "deadline"))
+            if item is not _WAKE:
+                self._call(item)
+            if rings and self._poll_rings(rings):
+                hot_until = time.monotonic() + self.ring_spin_s
+
+    def _poll_rings(self, rings) -> bool:
+        """Serve at most one request of each ring; True when one was served."""
+        served, keep = False, []
+        for ring in rings:
+            if not ring.usable():
                 continue
-            try:
-                result = ctx.run(_guarded, fn, self.metrics)
-            except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
-                cf.set_exception(e)
-            else:
-                cf.set_result(result)
-            finally:
-                del item, cf, ctx, fn
+            keep.append(ring)
+            got = ring.take()
+            if got is None:
+                continue
+            slot, seq, payload = got
+            ring.answer(slot, seq, self.ring_handler(ring, payload))
+            served = True
+        if len(keep) != len(rings):
+            with self._lock:  # add_ring runs on the event loop
+                self._rings = tuple(r for r in self._rings if r not in rings or r in keep)
+        return served
+
+    def _call(self, item: list) -> None:
+        """Run one queued call (unless it was cancelled or its deadline passed)."""
+        cf, ctx, fn, deadline, _ = item
+        if not cf.set_running_or_notify_cancel():
+            return  # cancelled while queued (client gone, deadline passed): counted by on_done
+        self._leave_queue(item)
+        if deadline is not None and time.monotonic() >= deadline:
+            self.metrics.rejected.labels(reason="deadline").inc()
+            cf.set_exception(RpcStatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                            "the deadline passed while the request was queued; it was not run",
+                                            "deadline"))
+            return
+        try:
+            result = ctx.run(_guarded, fn, self.metrics)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
+            cf.set_exception(e)
+        else:
+            cf.set_result(result)
+        finally:
+            del item, cf, ctx, fn
+
+
+_WAKE = object()  # a queue item that only wakes the engine thread (a ring was attached)
 
 
 def _guarded(fn, metrics: Metrics):
@@ -208,6 +263,9 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         self.shm = SharedMemoryRegistry(kinds, getattr(settings, "shared_memory_max_regions", 64),
                                         getattr(settings, "shared_memory_max_bytes", 64 << 30),
                                         on_change=metrics.set_shared_memory_regions)
+        self.rings = (RingTable(self.shm, settings.request_ring_max)
+                      if getattr(settings, "request_ring", False) else None)
+        worker.ring_handler = self._ring_request
 
     # -- lifecycle (called by server.py) ---------------------------------------------
     def attach_engine(self, engine: Engine) -> None:
@@ -467,52 +525,66 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
     async def _prefill(self, request, context, request_id: str):
         t0 = time.perf_counter_ns()
         request_id_var.set(validate.request_id_for_logs(request_id))
-        engine = self._gate(admit=True)
+        engine, lease, args, t_valid = self._prefill_checked(request, t0, admit=True)
+        try:
+            done = await self._run(lambda: self._prefill_work(engine, lease, args, t0, t_valid), context)
+        finally:
+            if lease is not None:
+                lease.abandon()
+        return self._prefill_response(engine, done, request_id)
+
+    def _prefill_checked(self, request, t0: int, admit: bool):
+        """Gate, instance check, validation (and the lease on the shared-memory regions
+        it names): ``(engine, lease, args, t_valid)``. On failure nothing is held."""
+        engine = self._gate(admit=admit)
         validate.check_instance(request, engine.instance_id)
         lease = self._lease()
         try:
             args = validate.validate_prefill(request, engine.config, self.max_message_bytes, lease)
-            t_valid = time.perf_counter_ns()
-
-            def work():
-                t_start = time.perf_counter_ns()
-                if lease is not None and not lease.begin():
-                    return None  # the handler gave up on this request
-                try:
-                    q = codec.from_shared(args.q, engine.device) if args.q_shared else args.q
-                    if args.q_shared and not args.q.is_cuda and engine.device.type == "cuda":
-                        torch.cuda.current_stream(engine.device).synchronize()  # input_nanos: the copy itself
-                    t_in = time.perf_counter_ns()
-                    r = engine.prefill_context(q, args.sequences, workspace_tokens=args.workspace_tokens,
-                                               plan=args.plan)
-                    t_done = time.perf_counter_ns()
-                    msgs = []
-                    for t, to in ((r.out, args.output_to), (r.lse, args.lse_to)):
-                        if to is None:
-                            msgs.append(None)
-                            continue
-                        nbytes = t.numel() * t.element_size()
-                        codec.write_shared(to.view, t)
-                        lease.count(to.kind, "out", nbytes)
-                        msgs.append(codec.encode_shared(t.dtype, t.shape, to.region, to.offset, nbytes))
-                    if engine.device.type == "cuda":
-                        torch.cuda.synchronize(engine.device)  # the result is in place (and ready to copy)
-                    out = msgs[0] if msgs[0] is not None else codec.encode_parts(r.out)
-                    lse = msgs[1] if msgs[1] is not None else codec.encode_parts(r.lse)
-                    t_end = time.perf_counter_ns()
-                    # the five parts of total_nanos (Stats.validate_nanos ... output_nanos)
-                    phases = (t_valid - t0, t_start - t_valid, t_in - t_start, t_done - t_in, t_end - t_done)
-                    self.metrics.observe_prefill(r.stats, (t_end - t0) / 1e9)
-                    if lease is not None:
-                        self.metrics.observe_shared_memory(lease.transferred)
-                    return out, lse, r.stats, t_end - t0, phases
-                finally:
-                    self._end_shared(lease, engine.device)
-
-            out, lse, st, total_ns, phases = await self._run(work, context)
-        finally:
+        except BaseException:
             if lease is not None:
                 lease.abandon()
+            raise
+        return engine, lease, args, time.perf_counter_ns()
+
+    def _prefill_work(self, engine: Engine, lease, args, t0: int, t_valid: int):
+        """On the engine thread: run the request and put its results in place.
+        ``(out, lse, stats, total_ns, phases)``; None when the handler gave up first."""
+        t_start = time.perf_counter_ns()
+        if lease is not None and not lease.begin():
+            return None  # the handler gave up on this request
+        try:
+            q = codec.from_shared(args.q, engine.device) if args.q_shared else args.q
+            if args.q_shared and not args.q.is_cuda and engine.device.type == "cuda":
+                torch.cuda.current_stream(engine.device).synchronize()  # input_nanos: the copy itself
+            t_in = time.perf_counter_ns()
+            r = engine.prefill_context(q, args.sequences, workspace_tokens=args.workspace_tokens, plan=args.plan)
+            t_done = time.perf_counter_ns()
+            msgs = []
+            for t, to in ((r.out, args.output_to), (r.lse, args.lse_to)):
+                if to is None:
+                    msgs.append(None)
+                    continue
+                nbytes = t.numel() * t.element_size()
+                codec.write_shared(to.view, t)
+                lease.count(to.kind, "out", nbytes)
+                msgs.append(codec.encode_shared(t.dtype, t.shape, to.region, to.offset, nbytes))
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)  # the result is in place (and ready to copy)
+            out = msgs[0] if msgs[0] is not None else codec.encode_parts(r.out)
+            lse = msgs[1] if msgs[1] is not None else codec.encode_parts(r.lse)
+            t_end = time.perf_counter_ns()
+            # the five parts of total_nanos (Stats.validate_nanos ... output_nanos)
+            phases = (t_valid - t0, t_start - t_valid, t_in - t_start, t_done - t_in, t_end - t_done)
+            self.metrics.observe_prefill(r.stats, (t_end - t0) / 1e9)
+            if lease is not None:
+                self.metrics.observe_shared_memory(lease.transferred)
+            return out, lse, r.stats, t_end - t0, phases
+        finally:
+            self._end_shared(lease, engine.device)
+
+    def _prefill_response(self, engine: Engine, done, request_id: str):
+        out, lse, st, total_ns, phases = done
         stats = pb.Stats(
             num_chunks=len(st.chunks),
             chunks=[pb.ContextChunk(first_sequence=c.first_sequence, num_sequences=c.num_sequences,
@@ -535,6 +607,81 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         place_tensor(resp, "output", out, payloads)  # shared-memory references, or bytes sent at serialization
         place_tensor(resp, "lse", lse, payloads)
         return finish(resp, payloads)
+
+    # -- request rings (--request-ring; request_ring.py) ----------------------------------
+    async def AttachRequestRing(self, request, context):
+        """Attach, answer once, then hold the call open until the caller ends it, the
+        ring stops (region unregistered or shrunk) or the server drains."""
+        engine = self._gate()
+        if self.rings is None:
+            raise self._refuse(grpc.StatusCode.UNIMPLEMENTED,
+                               "request rings are off: start the server with --request-ring (and --shared-memory "
+                               "system or all)", "request_ring_off")
+        validate.check_instance(request, engine.instance_id)
+        ring = self.rings.attach(request.region, int(request.offset), int(request.num_slots),
+                                 int(request.slot_bytes))
+        self.worker.add_ring(ring)
+        self.metrics.request_rings.set(len(self.rings.rings))
+        log.info("request ring attached", extra={"ring": ring.ring_id, "region": request.region,
+                                                 "num_slots": ring.num_slots, "slot_bytes": ring.slot_bytes})
+        stopped = asyncio.wrap_future(ring.stopped)
+        drained = asyncio.ensure_future(self._draining.wait())
+        try:
+            yield pb.AttachRequestRingResponse(instance_id=engine.instance_id, ring_id=ring.ring_id)
+            await asyncio.wait((stopped, drained), return_when=asyncio.FIRST_COMPLETED)
+            if not stopped.done():
+                raise RpcStatusError(grpc.StatusCode.UNAVAILABLE,
+                                     "the server is draining: the request ring is detached; attach one to another "
+                                     "instance", "draining")
+            stopped.result()  # the reason it stopped (region unregistered or shrunk) ends the call
+        finally:
+            # ours to end when the caller went (cancelled) or the server drains: the engine
+            # thread lets go at its next poll, and the memory outlives it either way
+            ring.detach()
+            drained.cancel()
+            self.rings.forget(ring)
+            self.metrics.request_rings.set(len(self.rings.rings))
+            log.info("request ring detached", extra={"ring": ring.ring_id, "served": ring.served})
+
+    def _ring_request(self, ring, payload: bytes | None) -> bytes:
+        """On the engine thread: one ring request, run as PrefillContext; the answer's
+        bytes (a PrefillContextStreamResponse: the response, or the error in-band)."""
+        t0 = time.perf_counter_ns()
+        request_id = ""
+        try:
+            if payload is None:
+                raise RpcStatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"length: the request's length is more than a slot's {ring.payload_bytes} "
+                                     f"payload bytes", "invalid")
+            try:
+                request = pb.PrefillContextRequest.FromString(payload)
+            except Exception:  # noqa: BLE001 - protobuf's DecodeError
+                raise RpcStatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     "the slot does not hold a serialized PrefillContextRequest", "invalid") from None
+            request_id = request.request_id or uuid.uuid4().hex
+            request_id_var.set(validate.request_id_for_logs(request_id))
+            engine, lease, args, t_valid = self._prefill_checked(request, t0, admit=False)
+            try:
+                done = _guarded(lambda: self._prefill_work(engine, lease, args, t0, t_valid), self.metrics)
+            finally:
+                if lease is not None:
+                    lease.abandon()
+            answer = nest(pb.PrefillContextStreamResponse(request_id=request_id), "response",
+                          self._prefill_response(engine, done, request_id))
+            data = answer.SerializeToString()
+            if len(data) > ring.payload_bytes:
+                raise RpcStatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"the answer takes {len(data)} bytes, a slot holds {ring.payload_bytes}: ask for "
+                                     f"output_region and lse_region, or attach a ring with larger slots",
+                                     "answer_too_large")
+            self.metrics.ring_requests.labels(grpc_code="OK").inc()
+            return data
+        except Exception as e:  # noqa: BLE001 - answered in-band, with the status a unary call would get
+            code, message = status_for(e, RING_METHOD)
+            self.metrics.ring_requests.labels(grpc_code=code.name).inc()
+            err = pb.PrefillContextStreamResponse(error=pb.RequestError(code=code.value[0], message=message[:2000]),
+                                                  request_id=request_id[:256])
+            return err.SerializeToString()
 
     # -- shared memory -------------------------------------------------------------------
     async def RegisterSystemSharedMemory(self, request, context):

@@ -390,3 +390,25 @@ class RequestError(_message.Message):
     code: int
     message: str
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class AttachRequestRingRequest(_message.Message):
+    __slots__ = ("region", "offset", "num_slots", "slot_bytes", "expected_instance_id")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    num_slots: int
+    slot_bytes: int
+    expected_instance_id: str
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., expected_instance_id: _Optional[str] = ...) -> None: ...
+
+class AttachRequestRingResponse(_message.Message):
+    __slots__ = ("instance_id", "ring_id")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    RING_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    ring_id: str
+    def __init__(self, instance_id: _Optional[str] = ..., ring_id: _Optional[str] = ...) -> None: ...

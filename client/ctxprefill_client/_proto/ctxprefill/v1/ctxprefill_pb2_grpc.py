@@ -82,6 +82,11 @@ class PrefillContextServiceStub:
                 request_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.GetSharedMemoryStatusRequest.SerializeToString,
                 response_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.GetSharedMemoryStatusResponse.FromString,
                 _registered_method=True)
+        self.AttachRequestRing = channel.unary_stream(
+                '/ctxprefill.v1.PrefillContextService/AttachRequestRing',
+                request_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.AttachRequestRingRequest.SerializeToString,
+                response_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.AttachRequestRingResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillContextServiceServicer:
@@ -189,6 +194,28 @@ class PrefillContextServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachRequestRing(self, request, context):
+        """Attaches a request ring: PrefillContext requests and their answers passed
+        through the slots of a registered system shared-memory region, taken by the
+        server's engine thread itself, without a gRPC call or a thread hand-off per
+        request (a same-host fast path, modelled on vLLM's shared-memory message
+        queue; slot layout in docs/TRANSPORT.md). A slot's request is a serialized
+        PrefillContextRequest, checked and run exactly as by PrefillContext; its
+        answer a serialized PrefillContextStreamResponse (failures in-band). The
+        server answers with one message once the ring is attached and keeps the
+        call open: the ring is used until the call ends (the client cancels it or
+        goes away; the server drains: UNAVAILABLE). Errors: UNIMPLEMENTED unless the
+        server runs with --request-ring (which needs --shared-memory system or all);
+        region not registered -> NOT_FOUND; a CUDA region, bad num_slots, slot_bytes
+        or alignment -> INVALID_ARGUMENT; the ring past the region's end ->
+        OUT_OF_RANGE; the range already holds a ring, or over
+        --request-ring-max -> RESOURCE_EXHAUSTED / ALREADY_EXISTS;
+        expected_instance_id not this server's -> FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillContextServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -236,6 +263,11 @@ def add_PrefillContextServiceServicer_to_server(servicer, server):
                     servicer.GetSharedMemoryStatus,
                     request_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.GetSharedMemoryStatusRequest.FromString,
                     response_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.GetSharedMemoryStatusResponse.SerializeToString,
+            ),
+            'AttachRequestRing': grpc.unary_stream_rpc_method_handler(
+                    servicer.AttachRequestRing,
+                    request_deserializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.AttachRequestRingRequest.FromString,
+                    response_serializer=ctxprefill_dot_v1_dot_ctxprefill__pb2.AttachRequestRingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -484,6 +516,33 @@ class PrefillContextService:
             '/ctxprefill.v1.PrefillContextService/GetSharedMemoryStatus',
             ctxprefill_dot_v1_dot_ctxprefill__pb2.GetSharedMemoryStatusRequest.SerializeToString,
             ctxprefill_dot_v1_dot_ctxprefill__pb2.GetSharedMemoryStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachRequestRing(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ctxprefill.v1.PrefillContextService/AttachRequestRing',
+            ctxprefill_dot_v1_dot_ctxprefill__pb2.AttachRequestRingRequest.SerializeToString,
+            ctxprefill_dot_v1_dot_ctxprefill__pb2.AttachRequestRingResponse.FromString,
             options,
             channel_credentials,
             insecure,

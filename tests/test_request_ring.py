@@ -1,0 +1,362 @@
+"""Request rings (``serve --request-ring``; docs/TRANSPORT.md) against real server
+processes on the CPU, through the client package:
+
+- answers through a ring are bit-identical to PrefillContext calls, inline or with q,
+  output and LSE in shared memory, several requests in flight, answered in order; the
+  metrics count them and the attached rings;
+- a failed request is answered in-band with the unary call's status (naming the field)
+  and the ring goes on: bad block ids, a wrong instance, bytes that are not a request,
+  a length past the slot, an answer too big for the slot;
+- attaching is refused with the right code and field: rings off, unknown region, bad
+  geometry, past the region, overlapping rings, the limit;
+- lifetime: closing detaches (the server goes on), unregistering the region or
+  shrinking its object ends the ring's call, and draining ends it with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from ctxprefill.errors import ConfigError
+from ctxprefill.settings import ServeSettings, shared_memory_kinds
+from ctxprefill_client import (
+    BF16,
+    CtxPrefillError,
+    CtxPrefillRpcError,
+    PrefillContextClient,
+    ServerRestartedError,
+    SystemSharedMemoryRegion,
+    float32_to_bf16_bits,
+)
+from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_client.request_ring import HEADER_BYTES, REQUEST, slot_fields
+from context_layout import tables_and_slots
+from service_process import ServerProcess, http_get, parse_metrics, sample_sum
+
+pytestmark = [
+    pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm: POSIX shared memory is Linux-only here"),
+    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
+]
+
+BS, NB, H, D, V, L, R = 16, 64, 2, 192, 128, 512, 64
+COMMON = {"heads": H, "block_size": BS, "num_blocks": NB, "workspace_tokens": 64, "seed": 7,
+          "shared_memory": "system"}
+CONTEXTS, QUERIES = [100, 0, 37], [3, 2, 4]
+TQ = sum(QUERIES)
+TABLES, SLOTS = tables_and_slots(CONTEXTS, BS)
+SEQS = list(zip(QUERIES, CONTEXTS, TABLES))
+RNG = np.random.default_rng(11)
+KV_C = RNG.standard_normal((len(SLOTS), L), dtype=np.float32)
+K_PE = RNG.standard_normal((len(SLOTS), R), dtype=np.float32)
+Q = float32_to_bf16_bits(RNG.standard_normal((TQ, H, D), dtype=np.float32))
+SLOT_BYTES = 1 << 16
+MAX_RINGS = 3
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess({**COMMON, "request_ring": True, "request_ring_max": MAX_RINGS})
+    try:
+        proc.wait_ready()
+        with PrefillContextClient(proc.target, retries=0, timeout=60) as c:
+            c.write_cache(np.array(SLOTS), KV_C, K_PE)
+        yield proc
+    finally:
+        proc.terminate(15)
+        proc.kill()
+
+
+@pytest.fixture()
+def client(server):
+    with PrefillContextClient(server.target, retries=0, timeout=60) as c:
+        c.unregister_shared_memory("")
+        yield c
+        c.unregister_shared_memory("")
+
+
+@pytest.fixture()
+def region():
+    r = SystemSharedMemoryRegion("ring", 4 * SLOT_BYTES + (1 << 16))
+    try:
+        yield r
+    finally:
+        r.close()
+        r.unlink()
+
+
+@pytest.fixture()
+def reference(client):
+    return client.prefill_context(Q, SEQS)
+
+
+def metric(server, name, **labels) -> float:
+    return sample_sum(parse_metrics(http_get(server.metrics_url + "/metrics")[1])[name], **labels)
+
+
+def same(a, b) -> bool:
+    return (np.array_equal(a.output_bits, b.output_bits)
+            and np.array_equal(a.lse.view(np.uint32), b.lse.view(np.uint32)))  # -inf rows, bit for bit
+
+
+def expect(code, *fields):
+    class _Check:
+        def __enter__(self):
+            self.ctx = pytest.raises(CtxPrefillRpcError)
+            self.info = self.ctx.__enter__()
+            return self.info
+
+        def __exit__(self, *exc):
+            handled = self.ctx.__exit__(*exc)
+            e = self.info.value
+            assert e.code == code, f"expected {code.name}, got {e}"
+            for f in fields:
+                assert f in e.details, f"{f!r} not named in {e.details!r}"
+            return handled
+
+    return _Check()
+
+
+def wait_for(pred, timeout=10.0) -> bool:
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# ----------------------------------------------------------------------------- answers
+
+
+def test_ring_answers_equal_prefill_calls(server, client, region, reference):
+    client.register_system_shared_memory(region)
+    ok_before = metric(server, "ctxprefill_ring_requests_total", grpc_code="OK")
+    with client.attach_request_ring(region, num_slots=4, slot_bytes=SLOT_BYTES) as ring:
+        assert ring.ring_id and ring.is_open
+        assert metric(server, "ctxprefill_request_rings") == 1
+        res = ring.prefill_context(Q, SEQS, request_id="ring-1")
+        assert same(res, reference) and res.request_id == "ring-1"
+        assert res.stats["query_tokens"] == TQ and res.stats["total_nanos"] > 0
+        # several in flight, answered in order (different shapes tell them apart)
+        ring.submit(Q, SEQS)
+        ring.submit(Q[:3], SEQS[:1])
+        ring.submit(Q[3:], SEQS[1:])
+        a, b, c = ring.result(), ring.result(), ring.result()
+        assert same(a, reference)  # a batch's plan depends on the whole batch: compare like with like
+        assert same(b, client.prefill_context(Q[:3], SEQS[:1]))
+        assert same(c, client.prefill_context(Q[3:], SEQS[1:]))
+        with pytest.raises(CtxPrefillError):
+            ring.result()  # nothing in flight
+    assert metric(server, "ctxprefill_ring_requests_total", grpc_code="OK") == ok_before + 4
+    assert wait_for(lambda: metric(server, "ctxprefill_request_rings") == 0)
+
+
+def test_ring_with_tensors_in_shared_memory(client, reference):
+    q_bytes, out_bytes, lse_bytes = Q.nbytes, TQ * H * V * 2, H * TQ * 4
+    data = SystemSharedMemoryRegion("data", q_bytes + out_bytes + lse_bytes + 4096)
+    ring_region = SystemSharedMemoryRegion("ring", 2 * 4096)
+    try:
+        client.register_system_shared_memory(data)
+        client.register_system_shared_memory(ring_region)
+        q_in = data.write(Q, 0, BF16)
+        out_ref = data.ref(q_bytes, out_bytes)
+        lse_ref = data.ref(q_bytes + out_bytes, lse_bytes)
+        with client.attach_request_ring(ring_region, num_slots=2, slot_bytes=4096) as ring:
+            for _ in range(3):
+                res = ring.prefill_context(q_in, SEQS, output_region=out_ref, lse_region=lse_ref)
+                assert same(res, reference)
+                assert res.output_ref.offset == q_bytes
+            del res
+    finally:
+        client.unregister_shared_memory("")
+        for r in (data, ring_region):
+            r.close()
+            r.unlink()
+
+
+# ----------------------------------------------------------------------------- in-band failures
+
+
+def _raw_request(ring_region, slot: int, slot_bytes: int, payload: bytes, length: int | None = None,
+                 seq: int = 77) -> None:
+    """Write a slot by hand, as a client that does not use this package might."""
+    buf = ring_region.ndarray(np.uint8, (slot_bytes * (slot + 1),), 0)
+    states, seqs, lengths = slot_fields(buf, slot + 1, slot_bytes)
+    base = slot * slot_bytes + HEADER_BYTES
+    buf[base : base + len(payload)] = np.frombuffer(payload, np.uint8)
+    seqs[slot] = seq
+    lengths[slot] = len(payload) if length is None else length
+    states[slot] = REQUEST
+    del buf, states, seqs, lengths
+
+
+def test_failures_are_answered_in_band_and_the_ring_goes_on(server, client, region, reference):
+    client.register_system_shared_memory(region)
+    with client.attach_request_ring(region, num_slots=4, slot_bytes=SLOT_BYTES) as ring:
+        bad = [(QUERIES[0], CONTEXTS[0], [99, *TABLES[0][1:]]), *SEQS[1:]]
+        with expect(grpc.StatusCode.OUT_OF_RANGE, "sequences[0].block_table"):
+            ring.prefill_context(Q, bad)
+        with expect(grpc.StatusCode.INVALID_ARGUMENT, "q"):
+            ring.prefill_context(Q[:5], SEQS)
+        assert same(ring.prefill_context(Q, SEQS), reference)
+        # a wrong instance: the client's restart detection, as for a unary call
+        client.reset_instance("not-this-server")
+        with pytest.raises(ServerRestartedError):
+            ring.prefill_context(Q, SEQS)
+        client.reset_instance(None)
+        assert same(ring.prefill_context(Q, SEQS), reference)
+    # bytes by hand: not a request, and a length past the slot
+    with client.attach_request_ring(region, num_slots=2, slot_bytes=8192) as ring:
+        for slot, payload, length, field in ((0, b"\xff\xff\xff\xff garbage", None, "PrefillContextRequest"),
+                                             (1, b"", 9000, "length")):
+            ring._next = (slot + 1) % 2  # the client's bookkeeping skips the slot written by hand
+            _raw_request(region, slot, 8192, payload, length)
+            ring._pending.append((slot, 77, None))
+            msg = ring.receive()
+            assert msg.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and field in msg.error.message
+        ring._next = 0
+        assert same(ring.prefill_context(Q, SEQS), reference)
+    assert metric(server, "ctxprefill_ring_requests_total", grpc_code="INVALID_ARGUMENT") >= 3
+    client.server_info()  # the server goes on
+
+
+def test_an_answer_too_big_for_the_slot_is_refused_in_band(client, region, reference):
+    client.register_system_shared_memory(region)
+    q_in = region.write(Q, 3 * 4096, BF16)  # after the ring: the request is small, its inline answer is not
+    with client.attach_request_ring(region, num_slots=2, slot_bytes=4096) as ring:
+        with expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "output_region"):
+            ring.prefill_context(q_in, SEQS)  # a 4.6 KB output inline does not fit a 4 KB slot
+        with pytest.raises(ValueError, match="slot holds"):
+            ring.prefill_context(Q, SEQS)  # the request itself does not fit: refused before it is written
+        assert ring.is_open
+        assert same(ring.prefill_context(q_in, SEQS, output_region=region.ref(8 * 4096, TQ * H * V * 2),
+                                         lse_region=region.ref(12 * 4096, H * TQ * 4)), reference)
+
+
+# ----------------------------------------------------------------------------- attaching
+
+
+def test_attach_refusals(server, client, region):
+    stub = client._stub
+
+    def attach(**kw):
+        req = pb.AttachRequestRingRequest(**{"region": "ring", "offset": 0, "num_slots": 2, "slot_bytes": 4096, **kw})
+        call = stub.AttachRequestRing(req, timeout=10)
+        try:
+            next(call)
+        except grpc.RpcError as e:
+            return e.code(), e.details()
+        call.cancel()
+        return grpc.StatusCode.OK, ""
+
+    code, details = attach()
+    assert code == grpc.StatusCode.NOT_FOUND and "region" in details
+    client.register_system_shared_memory(region)
+    for kw, want, field in (({"num_slots": 0}, grpc.StatusCode.INVALID_ARGUMENT, "num_slots"),
+                            ({"num_slots": 5000}, grpc.StatusCode.INVALID_ARGUMENT, "num_slots"),
+                            ({"slot_bytes": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "slot_bytes"),
+                            ({"slot_bytes": 4096 + 8}, grpc.StatusCode.INVALID_ARGUMENT, "slot_bytes"),
+                            ({"offset": 8}, grpc.StatusCode.INVALID_ARGUMENT, "offset"),
+                            ({"num_slots": 1024, "slot_bytes": 1 << 16}, grpc.StatusCode.OUT_OF_RANGE, "slot_bytes"),
+                            ({"expected_instance_id": "nope"}, grpc.StatusCode.FAILED_PRECONDITION, "instance")):
+        code, details = attach(**kw)
+        assert code == want and field in details, (kw, code, details)
+    # overlapping rings, and the limit
+    rings = [client.attach_request_ring(region, num_slots=2, slot_bytes=4096, offset=0)]
+    try:
+        code, details = attach(offset=4096)
+        assert code == grpc.StatusCode.ALREADY_EXISTS and "overlap" in details
+        for i in range(1, MAX_RINGS):
+            rings.append(client.attach_request_ring(region, num_slots=2, slot_bytes=4096, offset=i * 8192))
+        code, details = attach(offset=MAX_RINGS * 8192)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--request-ring-max" in details
+    finally:
+        for r in rings:
+            r.close()
+    assert wait_for(lambda: metric(server, "ctxprefill_request_rings") == 0)
+    assert wait_for(lambda: attach(offset=4096)[0] == grpc.StatusCode.OK)  # detached: the range is free again
+
+
+def test_rings_off_by_default():
+    proc = ServerProcess({**COMMON})
+    r = SystemSharedMemoryRegion("ring", 8192)
+    try:
+        proc.wait_ready()
+        with PrefillContextClient(proc.target, retries=0, timeout=30) as c:
+            c.register_system_shared_memory(r)
+            with expect(grpc.StatusCode.UNIMPLEMENTED, "--request-ring"):
+                c.attach_request_ring(r, num_slots=2, slot_bytes=4096)
+            c.unregister_shared_memory("")
+    finally:
+        proc.terminate(15)
+        proc.kill()
+        r.close()
+        r.unlink()
+
+
+def test_settings_need_system_shared_memory():
+    with pytest.raises(ConfigError, match="--request-ring needs --shared-memory"):
+        shared_memory_kinds(ServeSettings(device="cpu", request_ring=True))
+    with pytest.raises(ConfigError, match="--request-ring-poll-us"):
+        shared_memory_kinds(ServeSettings(device="cpu", shared_memory="system", request_ring=True,
+                                          request_ring_poll_us=0))
+    assert shared_memory_kinds(ServeSettings(device="cpu", shared_memory="system", request_ring=True)) == ("system",)
+
+
+# ----------------------------------------------------------------------------- lifetime
+
+
+def test_unregistering_the_region_ends_the_ring(server, client, region, reference):
+    client.register_system_shared_memory(region)
+    ring = client.attach_request_ring(region, num_slots=2, slot_bytes=4096 * 4)
+    assert same(ring.prefill_context(Q, SEQS), reference)
+    client.unregister_shared_memory("ring")
+    assert wait_for(lambda: not ring.is_open)
+    with expect(grpc.StatusCode.FAILED_PRECONDITION, "unregistered"):
+        ring.prefill_context(Q, SEQS)
+    ring.close()
+    assert same(client.prefill_context(Q, SEQS), reference)
+
+
+def test_a_shrunk_object_ends_the_ring_not_the_server(client, reference):
+    r = SystemSharedMemoryRegion("ring", 4 * 8192)
+    try:
+        client.register_system_shared_memory(r)
+        ring = client.attach_request_ring(r, num_slots=4, slot_bytes=8192)
+        assert same(ring.prefill_context(Q, SEQS), reference)
+        os.truncate(os.path.join("/dev/shm", r.key), 4096)  # under the ring: reading it would be SIGBUS
+        assert wait_for(lambda: not ring.is_open)
+        with expect(grpc.StatusCode.FAILED_PRECONDITION, "shrank"):
+            ring.prefill_context(Q, SEQS)
+        ring.close()
+        assert same(client.prefill_context(Q, SEQS), reference)  # the server is alive
+    finally:
+        client.unregister_shared_memory("")
+        r.close()
+        r.unlink()
+
+
+def test_draining_ends_the_ring_with_unavailable():
+    proc = ServerProcess({**COMMON, "request_ring": True}, grace_seconds=5)
+    r = SystemSharedMemoryRegion("ring", 2 * 4096 * 4)
+    try:
+        proc.wait_ready()
+        with PrefillContextClient(proc.target, retries=0, timeout=30) as c:
+            c.register_system_shared_memory(r)
+            ring = c.attach_request_ring(r, num_slots=2, slot_bytes=4096 * 4)
+            ring.prefill_context(Q[:3], SEQS[:1])
+            proc.terminate(15)
+            assert wait_for(lambda: not ring.is_open)
+            with expect(grpc.StatusCode.UNAVAILABLE, "draining"):
+                ring.prefill_context(Q[:3], SEQS[:1])
+            ring.close()
+        assert proc.proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        r.close()
+        r.unlink()
