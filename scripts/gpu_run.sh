@@ -100,7 +100,7 @@ if want pytest; then
 run_step pytest_gpu 240 200 "+$OUT/pytest.log" \
   python3 -m pytest -q -rsfE -p no:cacheprovider --durations=10 --tb=short --junitxml=/tmp/junit.xml \
   ${GPU_RUN_PYTEST:-tests/gpu}
-[ -n "${GPU_RUN_PYTEST:-}" ] || run_step pytest_triton 120 150 "+$OUT/pytest.log" \
+[ -n "${GPU_RUN_PYTEST:-}" ] || run_step pytest_triton 240 150 "+$OUT/pytest.log" \
   python3 -m pytest -q -rs -p no:cacheprovider --durations=5 tests/test_backend_triton.py \
   $(ls tests/test_backend_cudnn.py 2>/dev/null)
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?) in " "$OUT/pytest.log" | tail -n 25 | sed 's/^/  pytest: /' >>"$SUMMARY" || true
@@ -164,7 +164,7 @@ want bench_concurrency && run_step bench_concurrency 240 5 - python3 bench/bench
 want bench_concurrency_stream && run_step bench_concurrency_stream 200 5 - python3 bench/bench_concurrency.py \
   --shape 16:1024:65536 128:1024:65536 --clients 1 2 4 --transport cuda --stream-depth 2 --seconds 5 --warmup-s 1 \
   --budget-s 190 --out "$OUT/concurrency_stream.json"
-want bench_transport && run_step bench_transport 180 5 - python3 bench/bench_transport.py --device cuda \
+want bench_transport && run_step bench_transport 240 5 - python3 bench/bench_transport.py --device cuda --iters 60 \
   --out "$OUT/transport.json"
 want bench_rpc_floor && run_step bench_rpc_floor 60 5 - python3 bench/bench_rpc_floor.py --out "$OUT/rpc_floor.json"
 # the same two with idle CPUs held awake (/dev/cpu_dma_latency = 0, bench/pm_qos.py)
