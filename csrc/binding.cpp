@@ -169,6 +169,52 @@ std::tuple<at::Tensor, at::Tensor> fused_mla_kv_concat_quant_fp8(const at::Tenso
   return {k8, v8};
 }
 
+// V keys-last: v8t [H, 128, v_cols], segment s from column cu_seqlens_v[s] (launchers.h).
+std::tuple<at::Tensor, at::Tensor> fused_mla_kv_concat_quant_fp8_vt(const at::Tensor& k_nope,
+                                                                    const at::Tensor& k_pe, const at::Tensor& v,
+                                                                    const at::Tensor& cu_seqlens_k,
+                                                                    const at::Tensor& cu_seqlens_v, int64_t v_cols) {
+  const char* op = "fused_mla_kv_concat_quant_fp8_vt";
+  ARG_CHECK(k_nope.is_cuda(), op, ": k_nope must be a CUDA tensor, got one on ", k_nope.device());
+  const auto dev = k_nope.device();
+  check_device(k_pe, op, "k_pe", dev);
+  check_device(v, op, "v", dev);
+  check_device(cu_seqlens_k, op, "cu_seqlens_k", dev);
+  check_device(cu_seqlens_v, op, "cu_seqlens_v", dev);
+  check_pack_half(k_nope, op, "k_nope", ctxprefill::kNope);
+  check_pack_half(v, op, "v", ctxprefill::kV);
+  const auto st = k_nope.scalar_type();
+  ARG_CHECK(st == at::ScalarType::BFloat16 || st == at::ScalarType::Half, op,
+              ": k_nope must be bfloat16 or float16, got ", st);
+  check_dtype(v, op, "v", st);
+  ARG_CHECK(k_pe.scalar_type() == st || k_pe.scalar_type() == kFp8, op, ": k_pe must be ", st,
+              " or float8_e4m3fn, got ", k_pe.scalar_type());
+  for (const auto* cu : {&cu_seqlens_k, &cu_seqlens_v}) {
+    check_dtype(*cu, op, "cu_seqlens", at::ScalarType::Int);
+    check_dim(*cu, op, "cu_seqlens", 1);
+    ARG_CHECK(cu->is_contiguous(), op, ": cu_seqlens_k / cu_seqlens_v must be contiguous");
+  }
+  const int64_t B = cu_seqlens_k.size(0) - 1;
+  ARG_CHECK(B >= 1 && cu_seqlens_v.size(0) == B + 1, op, ": cu_seqlens_k and cu_seqlens_v need B + 1 >= 2 entries each, got ",
+              cu_seqlens_k.size(0), " and ", cu_seqlens_v.size(0));
+  const int64_t T = k_nope.size(0), H = k_nope.size(1);
+  ARG_CHECK(v.size(0) == T && v.size(1) == H, op, ": v ", v.sizes(), " does not match k_nope ", k_nope.sizes());
+  ARG_CHECK(v_cols >= T && v_cols % 16 == 0, op, ": v_cols must be a multiple of 16 and >= T = ", T, ", got ", v_cols);
+  const int64_t pe_s0 = pe_row_stride(k_pe, op, T);
+  const auto o8 = k_nope.options().dtype(kFp8);
+  auto k8 = at::empty({T, H, ctxprefill::kQK}, o8);
+  auto v8t = at::empty({H, ctxprefill::kV, v_cols}, o8);
+  if (T == 0 || H == 0) return {k8, v8t};
+  const c10::cuda::CUDAGuard guard(dev);
+  check_launch(ctxprefill::launch_kv_concat_quant_fp8_vt(
+                   k_nope.data_ptr(), k_nope.stride(0), k_nope.stride(1), k_pe.data_ptr(), pe_s0, dtype_of(k_pe),
+                   v.data_ptr(), v.stride(0), v.stride(1), cu_seqlens_k.data_ptr<int32_t>(),
+                   cu_seqlens_v.data_ptr<int32_t>(), B, k8.data_ptr(), v8t.data_ptr(), v_cols, T, H,
+                   dtype_of(k_nope), c10::cuda::getCurrentCUDAStream(dev.index()).stream()),
+               op);
+  return {k8, v8t};
+}
+
 // ---- cache ops ------------------------------------------------------------------------
 
 void check_cache(const at::Tensor& cache, const char* op, CacheDtype cd) {
@@ -431,6 +477,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_mla_kv_concat_quant_fp8", &fused_mla_kv_concat_quant_fp8,
         "k_nope [T,H,128], k_pe [T,64] (k_nope's dtype or fp8), v [T,H,128] -> (k_fp8 [T,H,192], v_fp8 [T,H,128])",
         py::arg("k_nope"), py::arg("k_pe"), py::arg("v"));
+  m.def("fused_mla_kv_concat_quant_fp8_vt", &fused_mla_kv_concat_quant_fp8_vt,
+        "fused_mla_kv_concat_quant_fp8 with V written keys-last, segment s from column cu_seqlens_v[s]: "
+        "(k_fp8 [T,H,192], v_fp8_t [H,128,v_cols])",
+        py::arg("k_nope"), py::arg("k_pe"), py::arg("v"), py::arg("cu_seqlens_k"), py::arg("cu_seqlens_v"),
+        py::arg("v_cols"));
   m.def("insert", &insert, "write latents into cache slots (slot -1 skipped)", py::arg("cache"), py::arg("kv_c"),
         py::arg("k_pe"), py::arg("slot_mapping"), py::arg("cache_dtype"), py::arg("k_scale"));
   m.def("gather", &gather, "gather one chunk's latents from the paged cache into out [rows, 576]",

@@ -64,6 +64,19 @@ cudaError_t launch_kv_concat_quant_fp8(const void* k_nope, int64_t kn_s0, int64_
                                        void* k_fp8, void* v_fp8, int64_t T, int64_t H,
                                        DType dtype, cudaStream_t stream);
 
+// As launch_kv_concat_quant_fp8, with V written keys-last, one segment after another:
+// v_fp8_t [H, 128, v_cols] contiguous (16-byte aligned base, v_cols a multiple of 16),
+// segment s (tokens cu_seqlens_k[s] .. cu_seqlens_k[s+1]) from column cu_seqlens_v[s]
+// (a multiple of 16, increasing, with room for the segment before the next start or
+// v_cols): v_fp8_t[h, d, cu_seqlens_v[s] + j] = sat_e4m3(v[cu_seqlens_k[s] + j, h, d]);
+// every other column 0. cu_seqlens_* are int32 device arrays of B + 1 entries, trusted
+// (the engine builds them from a checked plan). One launch.
+cudaError_t launch_kv_concat_quant_fp8_vt(const void* k_nope, int64_t kn_s0, int64_t kn_s1,
+                                          const void* k_pe, int64_t pe_s0, DType pe_dtype,
+                                          const void* v, int64_t v_s0, int64_t v_s1, const int32_t* cu_seqlens_k,
+                                          const int32_t* cu_seqlens_v, int64_t B, void* k_fp8, void* v_fp8_t,
+                                          int64_t v_cols, int64_t T, int64_t H, DType dtype, cudaStream_t stream);
+
 // ---- cache ops (csrc/cache_ops.cu) ---------------------------------------------
 // Insert T tokens: kv_c [T, 512] (BF16 or FP32, row stride kv_s0), k_pe [T, 64]
 // (BF16 or FP32, row stride pe_s0) into cache rows slot_mapping[t] (int64, stride

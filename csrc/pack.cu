@@ -21,6 +21,8 @@
 // fp8 cast: __nv_cvt_float2_to_fp8x2 / __nv_cvt_halfraw2_to_fp8x2 with
 // __NV_SATFINITE, __NV_E4M3 (see common.cuh) == x.clamp(-448,448).to(e4m3fn).
 
+#include <algorithm>
+
 #include "common.cuh"
 
 namespace ctxprefill {
@@ -80,21 +82,23 @@ kv_concat_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn_s1,
 }
 
 // ---- fp8 quantizing concat -----------------------------------------------------------
-template <int A, bool FP16, bool PE_FP8, int IB, int HB>
-__global__ void __launch_bounds__(dev::kThreads, 2)
-kv_concat_quant_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn_s1,
-                       const void* __restrict__ pe, int64_t pe_s0,
-                       const uint16_t* __restrict__ vv, int64_t v_s0, int64_t v_s1,
-                       uint8_t* __restrict__ k8, uint8_t* __restrict__ v8, int64_t T, int H) {
+// The work items of one thread, `first` and every `S`-th after it. WITH_V: the v8 row
+// chunks are items too (20 per head row); without, only k8's 12 (the keys-last kernel
+// below writes v8 its own way).
+template <int A, bool FP16, bool PE_FP8, int IB, int HB, bool WITH_V>
+__device__ __forceinline__ void quant_items(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn_s1,
+                                            const void* __restrict__ pe, int64_t pe_s0,
+                                            const uint16_t* __restrict__ vv, int64_t v_s0, int64_t v_s1,
+                                            uint8_t* __restrict__ k8, uint8_t* __restrict__ v8, int64_t T, int H,
+                                            int64_t first, int64_t S) {
   constexpr int UKN = kNope / 16;      // 8 k_nope chunks of 16 values
   constexpr int UPE = kRope / 16;      // 4 k_pe chunks
   constexpr int UK = UKN + UPE;        // 12 chunks per k8 row (192 B)
   constexpr int UV = kV / 16;          // 8 chunks per v8 row (128 B)
-  constexpr int U = UK + UV;           // 20
+  constexpr int U = WITH_V ? UK + UV : UK;  // 20 (or 12)
   const int64_t NG = (H + HB - 1) / HB;
   const int64_t items = T * NG * U;
-  const int64_t S = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t base = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; base < items; base += IB * S) {
+  for (int64_t base = first; base < items; base += IB * S) {
     int64_t t[IB];
     int c[IB], h0[IB];
     bool ok[IB];
@@ -142,10 +146,116 @@ kv_concat_quant_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t k
         if (c[i] < UK) {
           const uint4 o = c[i] < UKN ? dev::e4m3x16_from_16bit<FP16>(lo[i][j], hi[i][j]) : pv[i];
           st16<16>(k8 + row * kQK + c[i] * 16, o);
-        } else {
+        } else if constexpr (WITH_V) {
           st16<16>(v8 + row * kV + (c[i] - UK) * 16, dev::e4m3x16_from_16bit<FP16>(lo[i][j], hi[i][j]));
         }
       }
+  }
+}
+
+template <int A, bool FP16, bool PE_FP8, int IB, int HB>
+__global__ void __launch_bounds__(dev::kThreads, 2)
+kv_concat_quant_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn_s1,
+                       const void* __restrict__ pe, int64_t pe_s0,
+                       const uint16_t* __restrict__ vv, int64_t v_s0, int64_t v_s1,
+                       uint8_t* __restrict__ k8, uint8_t* __restrict__ v8, int64_t T, int H) {
+  quant_items<A, FP16, PE_FP8, IB, HB, true>(kn, kn_s0, kn_s1, pe, pe_s0, vv, v_s0, v_s1, k8, v8, T, H,
+                                             (int64_t)blockIdx.x * blockDim.x + threadIdx.x,
+                                             (int64_t)gridDim.x * blockDim.x);
+}
+
+// ---- fp8 quantizing concat, V keys-last --------------------------------------------------
+// v8t [H, 128, v_cols]: segment s (tokens cu_k[s] .. cu_k[s+1]) from column cu_v[s], a
+// multiple of 16, v8t[h, d, cu_v[s] + j] = sat_e4m3(v[cu_k[s] + j, h, d]); the columns
+// between one segment's last key and the next segment's start are zero. Why: Hopper's
+// fp8 MMA takes its B operand K-major only, and for P·V the K dimension is the keys, so
+// the attention reads V keys-last without transposing tiles — through per-segment TMA
+// descriptors, whose base must be 16-byte aligned (hence the segment starts).
+// A transpose in 16-byte accesses goes through shared memory: a block takes a tile of
+// kVtCols columns x 128 values of one head; each thread takes 4 columns (one segment's,
+// 16-column aligned starts never split a quad) x 16 values: loads 4 token rows of 32
+// bytes (8 lanes cover a 256-byte v row: coalesced), converts, and packs each value's 4
+// bytes into one word of the tile [128][columns] (+1 word per row: a 4-way bank
+// conflict at worst); then every thread stores 16-byte pieces of tile rows (8 lanes =
+// 128 contiguous bytes of one v8t row). Blocks below `kb` do k8 as the row-major kernel
+// does; the others do V tiles: one launch.
+constexpr int kVtCols = 128;              // columns per V tile (32 quads x 8 value chunks = 256 threads)
+constexpr int kVtWords = kVtCols / 4 + 1;  // shared words per tile row
+
+template <int A, bool FP16>
+__device__ __forceinline__ void v_keys_last_tiles(const uint16_t* __restrict__ vv, int64_t v_s0, int64_t v_s1,
+                                                  const int32_t* __restrict__ cu_k,
+                                                  const int32_t* __restrict__ cu_v, int B,
+                                                  uint8_t* __restrict__ v8t, int64_t v_cols, int H,
+                                                  int64_t first, int64_t S, uint32_t* sm) {
+  const int64_t tiles = (v_cols + kVtCols - 1) / kVtCols * H;
+  const int tid = threadIdx.x;
+  const int cq = tid >> 3, dc = tid & 7;  // load: column quad, 16-value chunk
+  for (int64_t tile = first; tile < tiles; tile += S) {
+    const int h = (int)(tile % H);
+    const int64_t c0 = tile / H * kVtCols;
+    const int64_t c = c0 + cq * 4;
+    // the quad's segment: the last s with cu_v[s] <= c (binary search, B small)
+    int64_t t_first = 0;  // token of column c
+    int n_ok = 0;         // of the quad's 4 columns, how many hold keys
+    if (c < v_cols) {
+      int lo = 0, hi = B - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (cu_v[mid] <= c) lo = mid; else hi = mid - 1;
+      }
+      const int64_t off = c - cu_v[lo];
+      const int64_t len = cu_k[lo + 1] - cu_k[lo];
+      t_first = cu_k[lo] + off;
+      n_ok = (int)max((int64_t)0, min((int64_t)4, len - off));
+    }
+    uint32_t w[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) w[j] = 0u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+      if (i < n_ok) {
+        const uint16_t* p = vv + (t_first + i) * v_s0 + (int64_t)h * v_s1 + dc * 16;
+        lo = ld16<A>(p);
+        hi = ld16<A>(p + 8);
+      }
+      const uint4 q = dev::e4m3x16_from_16bit<FP16>(lo, hi);  // byte j: value dc*16 + j (zeros -> 0)
+      const uint32_t qs[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int j = 0; j < 16; ++j) w[j] |= ((qs[j >> 2] >> (8 * (j & 3))) & 0xffu) << (8 * i);
+    }
+    __syncthreads();  // the previous tile's stores have read the shared tile
+#pragma unroll
+    for (int j = 0; j < 16; ++j) sm[(dc * 16 + j) * kVtWords + cq] = w[j];
+    __syncthreads();
+#pragma unroll
+    for (int p = 0; p < kV / 32; ++p) {  // 128 rows x 8 pieces of 16 bytes, 4 per thread
+      const int d = p * 32 + (tid >> 3), piece = tid & 7;
+      const int64_t col = c0 + piece * 16;
+      if (col < v_cols) {
+        const uint32_t* src = sm + d * kVtWords + piece * 4;
+        st16<16>(v8t + ((int64_t)h * kV + d) * v_cols + col, make_uint4(src[0], src[1], src[2], src[3]));
+      }
+    }
+  }
+}
+
+template <int A, bool FP16, bool PE_FP8, int IB, int HB>
+__global__ void __launch_bounds__(dev::kThreads, 2)
+kv_concat_quant_vt_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn_s1,
+                          const void* __restrict__ pe, int64_t pe_s0,
+                          const uint16_t* __restrict__ vv, int64_t v_s0, int64_t v_s1,
+                          const int32_t* __restrict__ cu_k, const int32_t* __restrict__ cu_v, int B,
+                          uint8_t* __restrict__ k8, uint8_t* __restrict__ v8t, int64_t v_cols, int64_t T, int H,
+                          unsigned kb) {
+  __shared__ uint32_t sm[kV * kVtWords];
+  if (blockIdx.x < kb) {
+    quant_items<A, FP16, PE_FP8, IB, HB, false>(kn, kn_s0, kn_s1, pe, pe_s0, vv, v_s0, v_s1, k8, nullptr, T, H,
+                                                (int64_t)blockIdx.x * blockDim.x + threadIdx.x,
+                                                (int64_t)kb * blockDim.x);
+  } else {
+    v_keys_last_tiles<A, FP16>(vv, v_s0, v_s1, cu_k, cu_v, B, v8t, v_cols, H, blockIdx.x - kb, gridDim.x - kb, sm);
   }
 }
 
@@ -215,6 +325,43 @@ cudaError_t quant_dispatch(const void* kn, int64_t kn_s0, int64_t kn_s1, const v
   return cudaGetLastError();
 }
 
+template <int A, bool FP16, bool PE_FP8>
+cudaError_t quant_vt_dispatch(const void* kn, int64_t kn_s0, int64_t kn_s1, const void* pe, int64_t pe_s0,
+                              const void* v, int64_t v_s0, int64_t v_s1, const int32_t* cu_k, const int32_t* cu_v,
+                              int B, void* k8, void* v8t, int64_t v_cols, int64_t T, int64_t H, cudaStream_t s) {
+  const auto* a = static_cast<const uint16_t*>(kn);
+  const auto* vv = static_cast<const uint16_t*>(v);
+  auto* ko = static_cast<uint8_t*>(k8);
+  auto* vo = static_cast<uint8_t*>(v8t);
+  const int h = (int)H;
+  // One resident wave split by bytes moved (per head row: k8 reads 256 B and writes 192,
+  // v8t reads 256 and writes 128): 3/5 of the blocks to k8. Each part grid-strides over
+  // its own work; both get at least one block.
+#define CTXP_QUANT_VT(IB_, HB_)                                                                           \
+  do {                                                                                                    \
+    constexpr auto kern = kv_concat_quant_vt_kernel<A, FP16, PE_FP8, IB_, HB_>;                          \
+    const int64_t per = (int64_t)dev::kThreads * IB_;                                                     \
+    const int64_t k_items = T * ((H + HB_ - 1) / HB_) * 12;                                               \
+    const int64_t v_tiles = (v_cols + kVtCols - 1) / kVtCols * H;                                         \
+    const int64_t wave = (int64_t)num_sms() * resident_blocks_per_sm<kern>();                             \
+    const int64_t kb = std::min<int64_t>((k_items + per - 1) / per, std::max<int64_t>(1, wave * 3 / 5));  \
+    const int64_t vb = std::min<int64_t>(v_tiles, std::max<int64_t>(1, wave - kb));                      \
+    kern<<<(unsigned)(kb + vb), dev::kThreads, 0, s>>>(a, kn_s0, kn_s1, pe, pe_s0, vv, v_s0, v_s1, cu_k,   \
+                                                       cu_v, B, ko, vo, v_cols, T, h, (unsigned)kb);       \
+  } while (0)
+  if constexpr (A < 16) {  // unaligned fallback: one shape only
+    CTXP_QUANT_VT(1, 4);
+  } else {
+    switch (heads_per_item(H, 4)) {
+      case 1: CTXP_QUANT_VT(4, 1); break;
+      case 2: CTXP_QUANT_VT(2, 2); break;
+      default: CTXP_QUANT_VT(1, 4); break;
+    }
+  }
+#undef CTXP_QUANT_VT
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t launch_kv_concat(const void* k_nope, int64_t kn_s0, int64_t kn_s1, const void* k_pe,
@@ -253,6 +400,34 @@ cudaError_t launch_kv_concat_quant_fp8(const void* k_nope, int64_t kn_s0, int64_
   if (f16) return pe_fp8 ? CTXP_Q(1, true, true) : CTXP_Q(1, true, false);
   return pe_fp8 ? CTXP_Q(1, false, true) : CTXP_Q(1, false, false);
 #undef CTXP_Q
+}
+
+cudaError_t launch_kv_concat_quant_fp8_vt(const void* k_nope, int64_t kn_s0, int64_t kn_s1,
+                                          const void* k_pe, int64_t pe_s0, DType pe_dtype,
+                                          const void* v, int64_t v_s0, int64_t v_s1, const int32_t* cu_seqlens_k,
+                                          const int32_t* cu_seqlens_v, int64_t B, void* k_fp8, void* v_fp8_t,
+                                          int64_t v_cols, int64_t T, int64_t H, DType dtype, cudaStream_t stream) {
+  if (T <= 0 || H <= 0) return cudaSuccess;
+  if (dtype != DType::BF16 && dtype != DType::FP16) return cudaErrorInvalidValue;
+  if (B < 1 || B > (int64_t)1 << 30 || v_cols < T || v_cols % 16 != 0 || !aligned16(v_fp8_t))
+    return cudaErrorInvalidValue;
+  const bool pe_fp8 = pe_dtype == DType::FP8E4M3;
+  if (!pe_fp8 && pe_dtype != dtype) return cudaErrorInvalidValue;
+  const int64_t pe_align = pe_fp8 ? 16 : 8;  // elements per 16 bytes
+  const bool vec = aligned16(k_nope) && aligned16(k_pe) && aligned16(v) && aligned16(k_fp8) &&
+                   kn_s0 % 8 == 0 && kn_s1 % 8 == 0 && v_s0 % 8 == 0 && v_s1 % 8 == 0 && pe_s0 % pe_align == 0;
+  const bool f16 = dtype == DType::FP16;
+  const int b = (int)B;
+#define CTXP_QT(A_, F_, P_)                                                                                  \
+  quant_vt_dispatch<A_, F_, P_>(k_nope, kn_s0, kn_s1, k_pe, pe_s0, v, v_s0, v_s1, cu_seqlens_k, cu_seqlens_v, b, \
+                                k_fp8, v_fp8_t, v_cols, T, H, stream)
+  if (vec) {
+    if (f16) return pe_fp8 ? CTXP_QT(16, true, true) : CTXP_QT(16, true, false);
+    return pe_fp8 ? CTXP_QT(16, false, true) : CTXP_QT(16, false, false);
+  }
+  if (f16) return pe_fp8 ? CTXP_QT(1, true, true) : CTXP_QT(1, true, false);
+  return pe_fp8 ? CTXP_QT(1, false, true) : CTXP_QT(1, false, false);
+#undef CTXP_QT
 }
 
 }  // namespace ctxprefill

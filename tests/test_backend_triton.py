@@ -140,13 +140,18 @@ def test_warm_up_runs_every_variant(dtype, monkeypatch):
     real = ta.mla_context_attention
 
     def spy(q, k, v, cu_q, cu_k, max_q, max_k, scale, **kw):
-        calls.append((cu_q.diff().tolist(), -(-max_q // ta.BLOCK_M_MAX) * q.shape[1] * (cu_q.numel() - 1)))
+        calls.append((cu_q.diff().tolist(), -(-max_q // ta.BLOCK_M_MAX) * q.shape[1] * (cu_q.numel() - 1),
+                      kw.get("v_layout", "thd")))
         return real(q, k, v, cu_q, cu_k, max_q, max_k, scale, **kw)
 
     monkeypatch.setattr(ta, "mla_context_attention", spy)
     TritonAttentionBackend().warm_up(torch.device(DEV), heads=2, q_dtype=dtype, programs=5)
-    assert [c[0] for c in calls] == [[1], [1, 1], [384], [384, 384]]  # 3 tiles of 128 rows x 2 heads >= 5
-    assert all(p < 5 for _, p in calls[:2]) and all(p >= 5 for _, p in calls[2:])
+    # fp8: every variant also with V keys-last (what the engine's fp8 pack gives)
+    layouts = ["thd", "hdt"] if dtype == FP8 else ["thd"]
+    want = [(ql, lay) for ql in ([1], [1, 1], [384], [384, 384]) for lay in layouts]  # 3 x 128 rows x 2 heads >= 5
+    assert [(c[0], c[2]) for c in calls] == want
+    n = 2 * len(layouts)
+    assert all(p < 5 for _, p, _ in calls[:n]) and all(p >= 5 for _, p, _ in calls[n:])
 
 
 @cpu_interp

@@ -3,6 +3,7 @@ decoding, retry policy and instance-id tracking. No I/O here."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable, Mapping, Sequence as _SeqABC
 from dataclasses import dataclass, field
@@ -345,6 +346,19 @@ def _as_sequence(s: Any, i: int) -> pb.Sequence:
     raise TypeError(f"sequences[{i}]: expected Sequence, (query_len, context_len, block_table) or dict")
 
 
+def _add_sequence(field: Any, s: Any, i: int) -> None:
+    """Append sequence ``s`` to a repeated Sequence field, built in place: a Sequence
+    message built apart and then handed to the request is copied field by field (a
+    1,024-block table: ~16 µs more)."""
+    if isinstance(s, _SeqABC) and not isinstance(s, (Sequence, pb.Sequence)) and len(s) in (2, 3):
+        m = field.add()
+        m.query_len, m.context_len = int(s[0]), int(s[1])
+        if len(s) == 3:
+            m.block_table.extend(_int_list(np.asarray(s[2]).ravel()))
+        return
+    field.append(_as_sequence(s, i))
+
+
 def _as_chunk(c: Any, i: int) -> pb.ContextChunk:
     if isinstance(c, ContextChunk):
         return c.to_proto()
@@ -456,10 +470,9 @@ def build_prefill_request(
 ) -> Any:
     """A PrefillContextRequest (an :class:`~ctxprefill_client.wire.OutgoingMessage` when q is
     inline: its bytes are appended at serialization, not copied into the message)."""
-    req = pb.PrefillContextRequest(
-        request_id=request_id or "",
-        sequences=[_as_sequence(s, i) for i, s in enumerate(sequences)],
-    )
+    req = pb.PrefillContextRequest(request_id=request_id or "")
+    for i, s in enumerate(sequences):
+        _add_sequence(req.sequences, s, i)
     payloads: list = []
     place_tensor(req, "q", _q_tensor(q, q_dtype, server_prefill_dtype), payloads)
     if workspace_tokens is not None:
@@ -518,7 +531,7 @@ class _Placed:
         if msg.dtype not in dtypes or len(msg.shape) != ndim or any(d < 0 for d in msg.shape):
             raise ResponseDecodeError(f"{name}: unexpected dtype {msg.dtype} or shape {list(msg.shape)}")
         self.dtype, self.shape = msg.dtype, tuple(int(d) for d in msg.shape)
-        nbytes = int(np.prod(self.shape, dtype=np.int64)) * storage_dtype(self.dtype).itemsize
+        nbytes = math.prod(self.shape) * storage_dtype(self.dtype).itemsize  # exact ints (np.prod: 5 µs)
         if sm.byte_size != nbytes or nbytes > asked.byte_size:
             raise ResponseDecodeError(f"{name}: {sm.byte_size} bytes written, shape {list(self.shape)} makes {nbytes} "
                                       f"and {asked.byte_size} were offered")

@@ -172,6 +172,68 @@ def test_kv_concat_quant_fp8(cuda_ext, T, H, dtype, pe):
     assert_bits_equal(pv, v8, "public op v")
 
 
+def _segments(T: int, kind: str) -> list[int]:
+    """cu_seqlens over T tokens: one segment, or ragged ones (empty, 1 token, unaligned)."""
+    if kind == "one" or T == 0:
+        return [0, T]
+    cuts = sorted({0, T, min(T, 1), min(T, 17), T // 3, T // 3, T // 2 + 5 if T > 10 else T})
+    return [c for c in cuts if 0 <= c <= T] if T > 1 else [0, 0, T]
+
+
+@pytest.mark.parametrize("segs", ["one", "ragged"])
+@pytest.mark.parametrize("pe", ["same", "fp8"])
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("H", HS)
+@pytest.mark.parametrize("T", [1, 3, 4097, 65536])
+def test_kv_concat_quant_fp8_keys_last(cuda_ext, T, H, dtype, pe, segs):
+    """V keys-last ([H, 128, v_cols], each segment from a 16-aligned column, zeros
+    between): byte-identical to the reference and the generic path; k as row-major."""
+    _skip_huge(T, H)
+    k_nope, k_pe, v = pack_inputs(T, H, dtype, pe_fp8=pe == "fp8")
+    cu = _segments(T, segs)
+    layout = pack_op.keys_last_layout(cu, torch.tensor(cu, dtype=torch.int32, device=DEV))
+    k8, vt = cuda_ext.fused_mla_kv_concat_quant_fp8_vt(k_nope, k_pe, v, layout.cu_k_dev, layout.cu_v_dev,
+                                                       layout.v_cols)
+    assert k8.shape == (T, H, 192) and vt.shape == (H, 128, layout.v_cols) and vt.is_contiguous()
+    rk, rv = fused_mla_kv_concat_quant_fp8_reference(k_nope, k_pe, v, layout)
+    assert_same(k8, rk, "k fused vs reference")
+    assert_same(vt, rv, "v keys-last fused vs reference")
+    assert_same(k8, cuda_ext.fused_mla_kv_concat_quant_fp8(k_nope, k_pe, v)[0], "k as the row-major kernel")
+    gk, gv = generic_kv_concat_quant_fp8(k_nope, k_pe, v, v_keys_last=layout)
+    assert_same(vt, gv, "v keys-last fused vs generic")
+    # the layout itself: segment s's keys at columns cu_v[s].., zeros elsewhere
+    v8 = sat_fp8(v)
+    for a, b, c in zip(layout.cu_k, layout.cu_k[1:], layout.cu_v):
+        assert_same(vt[:, :, c : c + b - a], v8[a:b].permute(1, 2, 0), f"segment at column {c}")
+    pk, pv = pack_op.fused_mla_kv_concat_quant_fp8(k_nope, k_pe, v, v_keys_last=layout)
+    assert_bits_equal(pk, k8, "public op k")
+    assert_bits_equal(pv, vt, "public op v")
+
+
+def test_pack_keys_last_unaligned_and_errors(cuda_ext):
+    T, H = 37, 3
+    base = torch.randn((T, H, 261), device=DEV).mul(100).to(BF16)  # head stride 261: unaligned
+    k_nope, v = base[..., 1:129], base[..., 133:261]
+    k_pe = torch.randn((T, 579), device=DEV).mul(100).to(BF16)[:, 515:]
+    cu = [0, 5, 5, 22, 37]
+    layout = pack_op.keys_last_layout(cu, torch.tensor(cu, dtype=torch.int32, device=DEV))
+    k8, vt = cuda_ext.fused_mla_kv_concat_quant_fp8_vt(k_nope, k_pe, v, layout.cu_k_dev, layout.cu_v_dev,
+                                                       layout.v_cols)
+    rk, rv = fused_mla_kv_concat_quant_fp8_reference(k_nope, k_pe, v, layout)
+    assert_same(k8, rk, "unaligned k")
+    assert_same(vt, rv, "unaligned v keys-last")
+    with pytest.raises(RuntimeError, match="v_cols"):
+        cuda_ext.fused_mla_kv_concat_quant_fp8_vt(k_nope, k_pe, v, layout.cu_k_dev, layout.cu_v_dev, 40)
+    with pytest.raises(RuntimeError, match="cu_seqlens"):
+        cuda_ext.fused_mla_kv_concat_quant_fp8_vt(k_nope, k_pe, v, layout.cu_k_dev, layout.cu_v_dev[:2],
+                                                  layout.v_cols)
+    with pytest.raises(RuntimeError, match="cu_seqlens"):
+        cuda_ext.fused_mla_kv_concat_quant_fp8_vt(k_nope, k_pe, v, layout.cu_k_dev.long(), layout.cu_v_dev,
+                                                  layout.v_cols)
+    with pytest.raises(ValueError, match="covers tokens"):
+        pack_op.fused_mla_kv_concat_quant_fp8(k_nope[:30], k_pe[:30], v[:30], v_keys_last=layout)
+
+
 def test_pack_unaligned_fallback(cuda_ext):
     """Row strides that break 16-byte alignment take the byte-wise kernels: same bytes."""
     T, H = 37, 3

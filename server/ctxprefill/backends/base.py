@@ -58,6 +58,13 @@ class AttentionBackend(abc.ABC):
         non-causal.
         """
 
+    def v_keys_last(self, q_dtype: torch.dtype) -> bool:
+        """True when, for ``q_dtype``, ``run_context_chunk`` takes ``v_layout="hdt"``: V as
+        ``[H, Dv, Tk]`` with the keys contiguous (a unit-stride view of a buffer whose row
+        stride is a multiple of 16 bytes), which the engine then gives it (the pack writes
+        it). False by default: V ``[Tk, H, Dv]`` and no ``v_layout`` argument."""
+        return False
+
     def launches_per_call(self) -> int:
         """Kernel launches one ``run_context_chunk`` makes on a GPU (for the launch metric)."""
         return 1

@@ -43,8 +43,11 @@ precision, Triton's default). For P·V two modes, per config key ``PV_FP8``:
   the bound asserted by the tests is 5e-2 (LSE is unaffected: computed from fp32 P).
   Hopper's fp8 wgmma wants its B operand K-major in shared memory while v has the
   head dim contiguous: Triton 3.6 transposes the V tile through registers (byte
-  permutes + shared stores; seen in the PTX) and keeps fp8 wgmma for P·V. Whether
-  that beats the bf16 P·V is for ``bench/bench_attention.py --sweep`` to say.
+  permutes + shared stores; seen in the PTX) and keeps fp8 wgmma for P·V — slower
+  than P·V in bf16 (274-354 vs 466-608 TFLOP/s on the H200). With V keys-last
+  (``v_layout="hdt"``) no transpose is needed and P·V in fp8 wins (639-792): that is
+  the default for keys-last fp8 (``KEYS_LAST_FP8``), the layout the engine's fp8 pack
+  writes for this backend.
 
 The kernel is also callable on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1`` set before this module is imported), which is how the
@@ -84,6 +87,13 @@ CONFIGS: dict[torch.dtype, dict] = {
     torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, USE_TMA=True),
     _FP8: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, PV_FP8=False, USE_TMA=True, maxnreg=128),
 }
+
+#: fp8 with V keys-last (``v_layout="hdt"``, what the engine's fp8 pack writes): P·V in fp8
+#: too, FA3's way — measured on the H200 (2026-12-01, bench_attention.py, segments on
+#: 16-byte boundaries), 639-792 TFLOP/s against 466-608 for P·V in bf16 over V [Tk, H, 128]
+#: (the default above), whose fp8 P·V must transpose every V tile (274-354). Error
+#: bound: PV_FP8 above (5e-2 relative).
+KEYS_LAST_FP8 = dict(PV_FP8=True)
 
 if triton is not None:
     # globals read inside @triton.jit code must be constexpr
@@ -363,8 +373,9 @@ def mla_context_attention(
     — v is ``[H, 128, Tk]`` with the keys contiguous (unit last stride). Hopper's fp8 MMA
     takes its B operand K-major only, and for P·V the K dimension is the keys: with
     ``"thd"`` Triton transposes every fp8 V tile through registers, with ``"hdt"`` the
-    tile is already in that order (bench_attention.py measures the difference; the pack
-    would then write this layout). ``cu_seqlens_v`` (int32 ``[B+1]``, default
+    tile is already in that order (measured on the H200: 639-792 TFLOP/s with P·V in fp8,
+    against 466-608 with P·V in bf16; the engine's fp8 pack writes this layout, each
+    segment from a column that is a multiple of 16: ``ops.pack``). ``cu_seqlens_v`` (int32 ``[B+1]``, default
     ``cu_seqlens_k``): the column of v where each segment's keys start. Hopper's tensor
     descriptors need a 16-byte aligned start, so only with ``cu_seqlens_v`` given (the
     caller vouches that every start is a multiple of 16 bytes, as is v's row stride) do
@@ -420,6 +431,8 @@ def mla_context_attention(
         return out, lse
 
     cfg = dict(CONFIGS[q.dtype])
+    if v_t and q.dtype == _FP8:
+        cfg.update(KEYS_LAST_FP8)
     cfg.update(config or {})
     is_fp8 = q.dtype == _FP8
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -531,9 +544,13 @@ class TritonAttentionBackend(AttentionBackend):
         return True
 
     def run_context_chunk(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale,
-                          out=None, causal=False):
+                          out=None, causal=False, v_layout="thd", cu_seqlens_v=None):
         return mla_context_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale,
-                                     out=out, causal=causal)
+                                     out=out, causal=causal, v_layout=v_layout, cu_seqlens_v=cu_seqlens_v)
+
+    def v_keys_last(self, q_dtype: torch.dtype) -> bool:
+        # fp8: P·V in fp8 wants V keys-last (no tile transposes); bf16 gains nothing from it
+        return q_dtype == _FP8
 
     def launches_per_call(self) -> int:
         return 1
@@ -542,7 +559,8 @@ class TritonAttentionBackend(AttentionBackend):
         """Compile every variant of the kernel a chunk can pick: program order by segment
         length or not (1 or 2 segments), and for configs with a register cap, grids below
         and above ``programs`` (default: two programs per SM) — a variant compiled on a
-        request's path costs that request seconds. Keys of length 1, zero inputs."""
+        request's path costs that request seconds; for fp8 both V layouts. Keys of length 1,
+        zero inputs."""
         device = torch.device(device)
         if programs is None:
             if device.type != "cuda":
@@ -556,3 +574,7 @@ class TritonAttentionBackend(AttentionBackend):
             v = torch.zeros(n, heads, D_V, dtype=q_dtype, device=device)
             cu = lambda ls: torch.tensor([0] + list(itertools.accumulate(ls)), dtype=torch.int32, device=device)
             mla_context_attention(q, k, v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0)
+            if self.v_keys_last(q_dtype):  # as the engine's pack gives it: segments 16 columns apart
+                vt = torch.zeros(heads, D_V, 16 * n, dtype=q_dtype, device=device)
+                mla_context_attention(q, k, vt, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, v_layout="hdt",
+                                      cu_seqlens_v=cu([16] * n))

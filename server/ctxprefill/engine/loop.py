@@ -29,6 +29,8 @@ from ..ops.pack import (
     fused_mla_kv_concat_quant_fp8,
     generic_kv_concat,
     generic_kv_concat_quant_fp8,
+    keys_last_layout,
+    keys_last_starts,
 )
 from .plan import ContextChunk
 from .timing import StageTimer
@@ -73,9 +75,9 @@ class LoopResult:
 Observer = Callable[[int, ContextChunk, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def _chunk_metadata(x: LoopInputs, device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]]:
-    """Per chunk: (cu_seq_lens, seq_starts, cu_seqlens_q, q0, q1, max_q), built on the
-    host and moved to the device in one copy for the whole request."""
+def _chunk_metadata(x: LoopInputs, device, keys_last: bool = False) -> list[tuple]:
+    """Per chunk: (cu_seq_lens, seq_starts, cu_seqlens_q, q0, q1, max_q, V keys-last layout
+    or None), built on the host and moved to the device in one copy for the whole request."""
     q_offsets = [0]
     for n in x.query_lens:
         q_offsets.append(q_offsets[-1] + n)
@@ -87,15 +89,20 @@ def _chunk_metadata(x: LoopInputs, device) -> list[tuple[torch.Tensor, torch.Ten
             cu_q.append(cu_q[-1] + x.query_lens[s])
         base = len(host)
         host += cu_k + list(c.context_starts) + cu_q
+        if keys_last:
+            host += keys_last_starts(cu_k)
         spans.append((base, c.num_sequences, q_offsets[c.first_sequence], q_offsets[c.first_sequence + c.num_sequences],
-                      max((x.query_lens[s] for s in c.sequences), default=0)))
+                      max((x.query_lens[s] for s in c.sequences), default=0), cu_k))
     dev = torch.tensor(host, dtype=torch.int32).to(device, non_blocking=False)
     meta = []
-    for base, n, q0, q1, max_q in spans:
+    for base, n, q0, q1, max_q, cu_k_host in spans:
         cu_k = dev[base : base + n + 1]
         starts = dev[base + n + 1 : base + 2 * n + 1]
         cu_q = dev[base + 2 * n + 1 : base + 3 * n + 2]
-        meta.append((cu_k, starts, cu_q, q0, q1, max_q))
+        layout = None
+        if keys_last:
+            layout = keys_last_layout(cu_k_host, cu_k, dev[base + 3 * n + 2 : base + 4 * n + 3])
+        meta.append((cu_k, starts, cu_q, q0, q1, max_q, layout))
     return meta
 
 
@@ -132,7 +139,10 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
     timer = StageTimer(device)
     stage = _Stage(counts, timer)  # stages do not nest
 
-    meta = _chunk_metadata(x, device)
+    # fp8 P·V reads V keys-last ([H, 128, columns]) when the backend takes it: the pack
+    # writes it so, each segment from a 16-aligned column (KeysLast)
+    keys_last = x.fp8_prefill and backend.v_keys_last(q.dtype)
+    meta = _chunk_metadata(x, device, keys_last)
     ws_dtype = FP8 if x.gather_raw_fp8 else torch.bfloat16
     width = x.latent + 64
     direct = [not c.is_continuation for c in x.chunks]
@@ -154,7 +164,8 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
                 out.zero_()
                 lse.fill_(float("-inf"))
 
-    for i, (c, (cu_k, starts, cu_q, q0, q1, max_q)) in enumerate(zip(x.chunks, meta)):
+    for i, (c, (cu_k, starts, cu_q, q0, q1, max_q, layout)) in enumerate(zip(x.chunks, meta)):
+        v_kw = {} if layout is None else {"v_layout": "hdt", "cu_seqlens_v": layout.cu_v_dev}
         rows = c.rows
         with stage("gather"):
             ws = x.workspace[: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
@@ -169,7 +180,8 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
         k_nope, v = kv[..., : x.nope], kv[..., x.nope :]
         with stage("pack"):
             if x.fp8_prefill:
-                k, v = (fused_mla_kv_concat_quant_fp8 if fused else generic_kv_concat_quant_fp8)(k_nope, k_pe, v)
+                k, v = (fused_mla_kv_concat_quant_fp8 if fused else generic_kv_concat_quant_fp8)(
+                    k_nope, k_pe, v, v_keys_last=layout)
             else:
                 k = (fused_mla_kv_concat if fused else generic_kv_concat)(k_nope, k_pe)
         q_c = q[q0:q1]
@@ -177,18 +189,19 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
         with stage("attention"):
             launches.note(backend.launches_per_call())
             if single:
-                out, lse = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale)
+                out, lse = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, **v_kw)
                 o_c, l_c = out, lse
             elif direct[i] and backend.supports_out():
                 target = out[q0:q1]
-                o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, out=target)
+                o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, out=target,
+                                                     **v_kw)
                 if o_c.data_ptr() != target.data_ptr():
                     raise RuntimeError(
                         f"attention backend {backend.name!r} claims supports_out() but did not write into the "
                         f"out buffer it was given (chunk {i})"
                     )
             else:
-                o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale)
+                o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, **v_kw)
         if not single:
             with stage("merge"):
                 if direct[i]:

@@ -5,11 +5,16 @@ Two forms with the same results, byte for byte:
   generic MLA impl does it — several kernels and intermediate copies;
 - fused: ``fused_mla_kv_concat`` / ``fused_mla_kv_concat_quant_fp8``, one kernel that
   reads the strided ``kv_b_proj`` halves and the strided ``k_pe`` view directly.
+For fp8 prefill V may be written keys-last (``v_keys_last``: ``[H, 128, v_cols]``,
+each segment from a 16-aligned column), the layout the Triton attention's fp8 P·V
+reads without transposing tiles.
 On the CPU (or without the extension) the fused calls run a torch reference that
 writes the output once, and note one launch, as the kernel would.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -43,7 +48,59 @@ def fused_mla_kv_concat_reference(k_nope: torch.Tensor, k_pe: torch.Tensor) -> t
     return k
 
 
-def fused_mla_kv_concat_quant_fp8_reference(k_nope, k_pe, v):
+@dataclasses.dataclass(frozen=True)
+class KeysLast:
+    """Where V goes keys-last (``[H, 128, v_cols]``): segment s's keys (tokens
+    ``cu_k[s] .. cu_k[s+1]``) from column ``cu_v[s]``, a multiple of 16, so that each
+    segment's first key is 16-byte aligned for the attention's TMA loads. Host lists and
+    the same as int32 device tensors (the kernel's), built by :func:`keys_last_layout`."""
+
+    cu_k: list[int]
+    cu_v: list[int]
+    cu_k_dev: torch.Tensor
+    cu_v_dev: torch.Tensor
+
+    @property
+    def v_cols(self) -> int:
+        return self.cu_v[-1]
+
+
+def keys_last_starts(cu_k: list[int]) -> list[int]:
+    """Each segment's first column: the previous one's plus its length rounded up to 16."""
+    cu_v = [0]
+    for a, b in zip(cu_k, cu_k[1:]):
+        cu_v.append(cu_v[-1] + -(-(b - a) // 16) * 16)
+    return cu_v
+
+
+def keys_last_layout(cu_k: list[int], cu_k_dev: torch.Tensor | None = None,
+                     cu_v_dev: torch.Tensor | None = None) -> KeysLast:
+    """The layout for segments ``cu_k`` (device copies made here unless given)."""
+    cu_v = keys_last_starts(cu_k)
+    dev = cu_k_dev.device if cu_k_dev is not None else torch.device("cpu")
+    if cu_k_dev is None:
+        cu_k_dev = torch.tensor(cu_k, dtype=torch.int32, device=dev)
+    if cu_v_dev is None:
+        cu_v_dev = torch.tensor(cu_v, dtype=torch.int32, device=dev)
+    return KeysLast(list(cu_k), cu_v, cu_k_dev, cu_v_dev)
+
+
+def _keys_last_copy(v8: torch.Tensor, layout: KeysLast, count: bool) -> torch.Tensor:
+    """v8 [T, H, D] -> [H, D, v_cols], zero between segments: a fill and a copy per segment."""
+    T, H, D = v8.shape
+    vt = torch.zeros((H, D, layout.v_cols), dtype=FP8, device=v8.device)
+    if count:
+        launches.note(1 if vt.numel() else 0)
+    for a, b, c in zip(layout.cu_k, layout.cu_k[1:], layout.cu_v):
+        if b > a:
+            if count:
+                launches.note(1)
+            vt[:, :, c : c + b - a].copy_(v8[a:b].permute(1, 2, 0))
+    return vt
+
+
+def fused_mla_kv_concat_quant_fp8_reference(k_nope, k_pe, v, v_keys_last: KeysLast | None = None):
+    """With ``v_keys_last`` the second result is V keys-last, ``[H, 128, v_cols]``."""
     k_pe = _flat_pe(k_pe)
     T, H, P = k_nope.shape
 
@@ -53,7 +110,9 @@ def fused_mla_kv_concat_quant_fp8_reference(k_nope, k_pe, v):
     k = torch.empty((T, H, P + k_pe.shape[-1]), dtype=FP8, device=k_nope.device)
     k[..., :P] = sat(k_nope)
     k[..., P:] = (k_pe if k_pe.dtype == FP8 else sat(k_pe))[:, None, :]
-    return k, sat(v)
+    if v_keys_last is None:
+        return k, sat(v)
+    return k, _keys_last_copy(sat(v), v_keys_last, count=False)
 
 
 # --- fused: one launch per chunk ---------------------------------------------------
@@ -72,22 +131,36 @@ def fused_mla_kv_concat(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tenso
     return fused_mla_kv_concat_reference(k_nope, k_pe)
 
 
-def fused_mla_kv_concat_quant_fp8(k_nope, k_pe, v):
+def fused_mla_kv_concat_quant_fp8(k_nope, k_pe, v, *, v_keys_last: KeysLast | None = None):
     """As ``fused_mla_kv_concat`` plus the saturating fp8 cast of k and v -> (k_fp8, v_fp8).
 
     ``k_pe`` may already be fp8 (raw gather of an fp8 cache): its bytes are copied.
+    ``v_keys_last`` (a :class:`KeysLast` of the chunk's segments): v_fp8 is
+    ``[H, 128, v_cols]``, keys contiguous, each segment from a 16-aligned column, zeros
+    between — the layout in which the attention's fp8 P·V reads V without transposing
+    it (docs/DESIGN.md); still one launch.
     """
     _check_pack_inputs(k_nope, k_pe, v)
     if k_pe.dtype not in (k_nope.dtype, FP8):
         raise ValueError(f"fused_mla_kv_concat_quant_fp8: k_pe dtype {k_pe.dtype} is neither {k_nope.dtype} nor fp8")
     T, H, P = k_nope.shape
+    if v_keys_last is not None and (v_keys_last.cu_k[-1] != T or v_keys_last.cu_k[0] != 0):
+        raise ValueError(f"fused_mla_kv_concat_quant_fp8: v_keys_last covers tokens [{v_keys_last.cu_k[0]}, "
+                         f"{v_keys_last.cu_k[-1]}), the chunk has {T}")
     if T == 0:
         dev = k_nope.device
-        return torch.empty((0, H, P + k_pe.shape[-1]), dtype=FP8, device=dev), torch.empty(v.shape, dtype=FP8, device=dev)
+        k = torch.empty((0, H, P + k_pe.shape[-1]), dtype=FP8, device=dev)
+        if v_keys_last is not None:
+            return k, torch.zeros((H, v.shape[-1], v_keys_last.v_cols), dtype=FP8, device=dev)
+        return k, torch.empty(v.shape, dtype=FP8, device=dev)
     launches.note(1)
     if _cuda.use_cuda(k_nope):
-        return _cuda.load().fused_mla_kv_concat_quant_fp8(k_nope, _flat_pe(k_pe), v)
-    return fused_mla_kv_concat_quant_fp8_reference(k_nope, k_pe, v)
+        ext = _cuda.load()
+        if v_keys_last is not None:
+            return ext.fused_mla_kv_concat_quant_fp8_vt(k_nope, _flat_pe(k_pe), v, v_keys_last.cu_k_dev,
+                                                        v_keys_last.cu_v_dev, v_keys_last.v_cols)
+        return ext.fused_mla_kv_concat_quant_fp8(k_nope, _flat_pe(k_pe), v)
+    return fused_mla_kv_concat_quant_fp8_reference(k_nope, k_pe, v, v_keys_last)
 
 
 # --- generic: what an unfused MLA impl does ---------------------------------------
@@ -100,11 +173,14 @@ def generic_kv_concat(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     return torch.cat((k_nope, k_pe[:, None, :].expand(T, H, k_pe.shape[-1])), dim=-1)
 
 
-def generic_kv_concat_quant_fp8(k_nope, k_pe, v):
+def generic_kv_concat_quant_fp8(k_nope, k_pe, v, *, v_keys_last: KeysLast | None = None):
     k_pe = _flat_pe(k_pe)
     if k_pe.dtype == FP8:  # raw fp8 k_pe from the cache: quantize only the k_nope half
         k_nope = saturating_cast_fp8(k_nope)
         k = generic_kv_concat(k_nope, k_pe)
     else:
         k = saturating_cast_fp8(generic_kv_concat(k_nope, k_pe))
-    return k, saturating_cast_fp8(v)
+    v8 = saturating_cast_fp8(v)
+    if v_keys_last is None:
+        return k, v8
+    return k, _keys_last_copy(v8, v_keys_last, count=True)  # a fill, and a transposing copy per segment

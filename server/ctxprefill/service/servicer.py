@@ -88,7 +88,7 @@ class EngineWorker:
         self._waiting = 0
         # request rings (request_ring.py): polled by this thread between queued calls
         self._rings: tuple = ()
-        self.ring_handler = None  # (ring, payload or None) -> answer bytes; set by the servicer
+        self.ring_handler = None  # (ring, payload or None, defer list) -> answer bytes; set by the servicer
         self.ring_spin_s, self.ring_poll_s = float(ring_spin_s), float(ring_poll_s)
         self._thread = threading.Thread(target=self._run, name="ctxprefill-engine", daemon=True)
         self._thread.start()
@@ -168,7 +168,10 @@ class EngineWorker:
             if got is None:
                 continue
             slot, seq, payload = got
-            ring.answer(slot, seq, self.ring_handler(ring, payload))
+            after: list = []
+            ring.answer(slot, seq, self.ring_handler(ring, payload, after))
+            for fn in after:  # metrics, releasing regions: while the caller reads its answer
+                fn()
             served = True
         if len(keep) != len(rings):
             with self._lock:  # add_ring runs on the event loop
@@ -547,12 +550,16 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             raise
         return engine, lease, args, time.perf_counter_ns()
 
-    def _prefill_work(self, engine: Engine, lease, args, t0: int, t_valid: int):
+    def _prefill_work(self, engine: Engine, lease, args, t0: int, t_valid: int, defer: list | None = None):
         """On the engine thread: run the request and put its results in place.
-        ``(out, lse, stats, total_ns, phases)``; None when the handler gave up first."""
+        ``(out, lse, stats, total_ns, phases)``; None when the handler gave up first.
+        ``defer``: a list that takes the bookkeeping that may wait until the answer is out
+        (metrics, releasing the regions; the device is synchronized already) — what a
+        request ring does; otherwise it is done here."""
         t_start = time.perf_counter_ns()
         if lease is not None and not lease.begin():
             return None  # the handler gave up on this request
+        done = False
         try:
             q = codec.from_shared(args.q, engine.device) if args.q_shared else args.q
             if args.q_shared and not args.q.is_cuda and engine.device.type == "cuda":
@@ -576,12 +583,22 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             t_end = time.perf_counter_ns()
             # the five parts of total_nanos (Stats.validate_nanos ... output_nanos)
             phases = (t_valid - t0, t_start - t_valid, t_in - t_start, t_done - t_in, t_end - t_done)
-            self.metrics.observe_prefill(r.stats, (t_end - t0) / 1e9)
-            if lease is not None:
-                self.metrics.observe_shared_memory(lease.transferred)
+
+            def account():
+                self.metrics.observe_prefill(r.stats, (t_end - t0) / 1e9)
+                if lease is not None:
+                    self.metrics.observe_shared_memory(lease.transferred)
+                    lease.finish()  # the device work is synchronized above
+
+            if defer is None:
+                account()
+            else:
+                defer.append(account)
+            done = True
             return out, lse, r.stats, t_end - t0, phases
         finally:
-            self._end_shared(lease, engine.device)
+            if not done or defer is None:
+                self._end_shared(lease, engine.device)
 
     def _prefill_response(self, engine: Engine, done, request_id: str):
         out, lse, st, total_ns, phases = done
@@ -643,9 +660,10 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             self.metrics.request_rings.set(len(self.rings.rings))
             log.info("request ring detached", extra={"ring": ring.ring_id, "served": ring.served})
 
-    def _ring_request(self, ring, payload: bytes | None) -> bytes:
+    def _ring_request(self, ring, payload: bytes | None, defer: list) -> bytes:
         """On the engine thread: one ring request, run as PrefillContext; the answer's
-        bytes (a PrefillContextStreamResponse: the response, or the error in-band)."""
+        bytes (a PrefillContextStreamResponse: the response, or the error in-band).
+        ``defer`` takes what may run once the answer is written (the worker runs it)."""
         t0 = time.perf_counter_ns()
         request_id = ""
         try:
@@ -662,10 +680,10 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             request_id_var.set(validate.request_id_for_logs(request_id))
             engine, lease, args, t_valid = self._prefill_checked(request, t0, admit=False)
             try:
-                done = _guarded(lambda: self._prefill_work(engine, lease, args, t0, t_valid), self.metrics)
+                done = _guarded(lambda: self._prefill_work(engine, lease, args, t0, t_valid, defer), self.metrics)
             finally:
                 if lease is not None:
-                    lease.abandon()
+                    lease.abandon()  # releases only if the work never started
             answer = nest(pb.PrefillContextStreamResponse(request_id=request_id), "response",
                           self._prefill_response(engine, done, request_id))
             data = answer.SerializeToString()
@@ -674,7 +692,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                                      f"the answer takes {len(data)} bytes, a slot holds {ring.payload_bytes}: ask for "
                                      f"output_region and lse_region, or attach a ring with larger slots",
                                      "answer_too_large")
-            self.metrics.ring_requests.labels(grpc_code="OK").inc()
+            defer.append(lambda: self.metrics.ring_requests.labels(grpc_code="OK").inc())
             return data
         except Exception as e:  # noqa: BLE001 - answered in-band, with the status a unary call would get
             code, message = status_for(e, RING_METHOD)
