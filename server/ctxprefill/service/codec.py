@@ -165,8 +165,15 @@ def _decode_shared(msg, field, shape, value_dtype, storage_dtype, need, data_len
         raw = raw.clone()  # the values checked are the values used, whatever the caller writes meanwhile
     if need == 0:
         return torch.empty(shape, dtype=value_dtype, device=raw.device)
-    t = raw.view(storage_dtype).view(shape)
-    return t.view(value_dtype) if storage_dtype != value_dtype else t
+
+    def typed():
+        t = raw.view(storage_dtype).view(shape)
+        return t.view(value_dtype) if storage_dtype != value_dtype else t
+
+    if index:  # a private copy: nothing to reuse
+        return typed()
+    ref = msg.shared_memory
+    return region.view((int(ref.offset), need, storage_dtype, value_dtype, tuple(shape)), typed)
 
 
 def from_shared(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -102,6 +102,18 @@ class Region:
         self._mm = mm
         self.in_flight = 0  # leases holding it (guarded by the registry's lock)
         self.registered = True
+        #: views of its bytes already made, by (offset, bytes[, dtype, shape]): requests of one
+        #: caller name the same places again and again, and a view costs a few torch calls
+        self.views: dict = {}
+
+    def view(self, key: tuple, make):
+        """The view cached under ``key``, or ``make()`` (cached; at most 64 kept)."""
+        v = self.views.get(key)
+        if v is None:
+            if len(self.views) >= 64:
+                self.views.clear()
+            v = self.views[key] = make()
+        return v
 
     def check_backing(self, field: str) -> None:
         """System regions: the object must still cover the region (a caller that
@@ -123,6 +135,7 @@ class Region:
         view of it is gone."""
         self.tensor = None
         self._mm = None
+        self.views = {}
 
     def status(self) -> dict:
         return {"name": self.name, "kind": self.kind, "key": self.key, "offset": self.offset,
@@ -382,7 +395,8 @@ class Lease:
                 raise InvalidArgument(f"{field}.region", f"region {name!r} is CUDA memory; this tensor holds indices that "
                                                          f"are checked on the host: send it inline or in system memory")
             region.check_backing(field)
-            view = region.tensor[off : off + nbytes]
+            tensor = region.tensor
+            view = region.view((off, nbytes), lambda: tensor[off : off + nbytes])
             if view.data_ptr() % itemsize:
                 raise InvalidArgument(f"{field}.offset", f"{off} puts the tensor at an address that is not a multiple of "
                                                          f"its element size {itemsize} (region {name!r} starts at "
