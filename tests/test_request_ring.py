@@ -27,7 +27,6 @@ from ctxprefill.settings import ServeSettings, shared_memory_kinds
 from ctxprefill_client import (
     BF16,
     CtxPrefillError,
-    CtxPrefillRpcError,
     PrefillContextClient,
     ServerRestartedError,
     SystemSharedMemoryRegion,
@@ -36,6 +35,7 @@ from ctxprefill_client import (
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
 from ctxprefill_client.request_ring import HEADER_BYTES, REQUEST, slot_fields
 from context_layout import tables_and_slots
+from rpc_errors import expect
 from service_process import ServerProcess, http_get, parse_metrics, sample_sum
 
 pytestmark = [
@@ -101,24 +101,6 @@ def metric(server, name, **labels) -> float:
 def same(a, b) -> bool:
     return (np.array_equal(a.output_bits, b.output_bits)
             and np.array_equal(a.lse.view(np.uint32), b.lse.view(np.uint32)))  # -inf rows, bit for bit
-
-
-def expect(code, *fields):
-    class _Check:
-        def __enter__(self):
-            self.ctx = pytest.raises(CtxPrefillRpcError)
-            self.info = self.ctx.__enter__()
-            return self.info
-
-        def __exit__(self, *exc):
-            handled = self.ctx.__exit__(*exc)
-            e = self.info.value
-            assert e.code == code, f"expected {code.name}, got {e}"
-            for f in fields:
-                assert f in e.details, f"{f!r} not named in {e.details!r}"
-            return handled
-
-    return _Check()
 
 
 def wait_for(pred, timeout=10.0) -> bool:

@@ -35,7 +35,6 @@ from ctxprefill_client import (
     BF16,
     INT64,
     AsyncPrefillContextClient,
-    CtxPrefillRpcError,
     PrefillContextClient,
     SharedMemoryRef,
     SharedMemoryTensor,
@@ -44,6 +43,7 @@ from ctxprefill_client import (
 )
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
 from context_layout import tables_and_slots
+from rpc_errors import expect
 from service_process import ServerProcess, http_get, parse_metrics, sample_sum
 
 pytestmark = [
@@ -108,26 +108,6 @@ def region():
     finally:
         r.close()
         r.unlink()
-
-
-def expect(code: grpc.StatusCode, *fields: str):
-    """pytest.raises for a CtxPrefillRpcError with ``code`` whose details name every field."""
-
-    class _Check:
-        def __enter__(self):
-            self.ctx = pytest.raises(CtxPrefillRpcError)
-            self.info = self.ctx.__enter__()
-            return self.info
-
-        def __exit__(self, *exc):
-            handled = self.ctx.__exit__(*exc)
-            e = self.info.value
-            assert e.code == code, f"expected {code.name}, got {e}"
-            for f in fields:
-                assert f in e.details, f"{f!r} not named in {e.details!r}"
-            return handled
-
-    return _Check()
 
 
 def still_serving(c: PrefillContextClient, reference) -> None:
