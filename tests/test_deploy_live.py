@@ -32,6 +32,7 @@ import threading
 import time
 import urllib.parse
 
+import grpc
 import numpy as np
 import pytest
 
@@ -65,7 +66,7 @@ SERVERS = {
               "queue_size": 1}, {}),
     # shared memory accepted (the dashboard's transport panels need its series)
     "fp8-generic": ({**COMMON, "cache_dtype": "fp8", "kv_b_proj_dtype": "bf16", "prefill_dtype": "bf16",
-                     "k_scale": 0.5, "shared_memory": "system"}, {"CTXPREFILL_GENERIC": "1"}),
+                     "k_scale": 0.5, "shared_memory": "system", "request_ring": True}, {"CTXPREFILL_GENERIC": "1"}),
     "fp8_ds_mla-fp8": ({**COMMON, "cache_dtype": "fp8_ds_mla", "kv_b_proj_dtype": "fp8", "prefill_dtype": "fp8"},
                        {}),
 }
@@ -160,9 +161,17 @@ class Traffic:
                     shm = stack.enter_context(SystemSharedMemoryRegion(f"live-{self.name}", 1 << 20))
                     c.register_system_shared_memory(shm)
                 stream = stack.enter_context(c.prefill_stream())  # one request in three on a stream
-                self._loop(c, q, seqs, nb, shm, stream, until)
+                ring = None
+                if shm is not None:  # with --request-ring: the w=16 requests through a ring in the region
+                    try:
+                        ring = stack.enter_context(c.attach_request_ring(shm, num_slots=2, slot_bytes=1 << 16,
+                                                                         offset=7 << 17))
+                    except CtxPrefillRpcError as e:
+                        if e.code != grpc.StatusCode.UNIMPLEMENTED:
+                            raise
+                self._loop(c, q, seqs, nb, shm, stream, until, ring)
 
-    def _loop(self, c: PrefillContextClient, q, seqs, nb: int, shm, stream, until: float) -> None:
+    def _loop(self, c: PrefillContextClient, q, seqs, nb: int, shm, stream, until: float, ring=None) -> None:
         tq, h = q.shape[0], q.shape[1]
         bad_table = [(n, ctx, [nb] * len(t)) if ctx else (n, ctx, t) for n, ctx, t in seqs]
         i = 0
@@ -174,6 +183,8 @@ class Traffic:
                                       lse_region=shm.ref(3 << 18, h * tq * 4))
                 elif w == 128:
                     stream.prefill_context(q, seqs, workspace_tokens=w)
+                elif ring is not None:
+                    ring.prefill_context(q, seqs, workspace_tokens=w)
                 else:
                     c.prefill_context(q, seqs, workspace_tokens=w)
                 self.ok += 1
