@@ -32,7 +32,6 @@ import threading
 import time
 import urllib.parse
 
-import grpc
 import numpy as np
 import pytest
 
@@ -162,13 +161,9 @@ class Traffic:
                     c.register_system_shared_memory(shm)
                 stream = stack.enter_context(c.prefill_stream())  # one request in three on a stream
                 ring = None
-                if shm is not None:  # with --request-ring: the w=16 requests through a ring in the region
-                    try:
-                        ring = stack.enter_context(c.attach_request_ring(shm, num_slots=2, slot_bytes=1 << 16,
-                                                                         offset=7 << 17))
-                    except CtxPrefillRpcError as e:
-                        if e.code != grpc.StatusCode.UNIMPLEMENTED:
-                            raise
+                if shm is not None and info.request_ring_max:  # the w=16 requests through a ring in the region
+                    ring = stack.enter_context(c.attach_request_ring(shm, num_slots=2, slot_bytes=1 << 16,
+                                                                     offset=7 << 17))
                 self._loop(c, q, seqs, nb, shm, stream, until, ring)
 
     def _loop(self, c: PrefillContextClient, q, seqs, nb: int, shm, stream, until: float, ring=None) -> None:

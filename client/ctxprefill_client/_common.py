@@ -182,6 +182,8 @@ class ServerInfo:
     shared_memory_kinds: tuple[str, ...] = ()
     shared_memory_max_regions: int = 0
     shared_memory_max_bytes: int = 0
+    # request rings (serve --request-ring): rings attachable at once, 0 when off
+    request_ring_max: int = 0
 
     @property
     def head_start(self) -> int:
@@ -235,6 +237,7 @@ class ServerInfo:
             shared_memory_kinds=kind_names(m.shared_memory_kinds),
             shared_memory_max_regions=m.shared_memory_max_regions,
             shared_memory_max_bytes=m.shared_memory_max_bytes,
+            request_ring_max=m.request_ring_max,
         )
 
 

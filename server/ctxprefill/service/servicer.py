@@ -366,6 +366,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             shared_memory_kinds=[_KIND_PB[k] for k in self.shm.kinds],
             shared_memory_max_regions=self.shm.max_regions if self.shm.enabled else 0,
             shared_memory_max_bytes=self.shm.max_bytes if self.shm.enabled else 0,
+            request_ring_max=self.rings.max_rings if self.rings is not None else 0,
         )
 
     def _lease(self):
