@@ -34,6 +34,9 @@ client count is measured for each transport in turn, and every row names its tra
 ``--stream-depth N`` (N > 0): each client sends its requests on one PrefillContextStream
 call with N of them in flight (the server reads, validates and queues the next while
 one runs), instead of one PrefillContext call each; rows say ``stream_depth``.
+``--ring-depth N``: each client attaches a request ring of N slots (in a system segment of
+its own; started servers get ``--request-ring``) and keeps N requests in flight through
+it — no gRPC call per request (docs/TRANSPORT.md); rows say ``ring_depth``.
 
 Started servers get ``--shared-memory system|cuda|all`` as the transports need (none for
 inline alone). Before the timed runs, one request per shared-memory transport is checked
@@ -335,13 +338,43 @@ def _drive_stream(client, session, seqs: list, end_at: float, depth: int, recs: 
         stream.close()
 
 
+def _drive_ring(ring, session, seqs: list, end_at: float, depth: int, recs: list, first_errors: list) -> None:
+    """Requests through a request ring, ``depth`` in flight, until ``end_at``. A request that
+    fails in-band is recorded and the ring goes on; a detached ring ends this client."""
+    sent: collections.deque = collections.deque()
+    while True:
+        while len(sent) < depth and time.time() < end_at:
+            sent.append(time.time())
+            ring.submit(session.q, seqs, **session.kwargs)
+        if not sent:
+            return
+        t = sent.popleft()
+        try:
+            r = ring.result()
+        except Exception as e:  # noqa: BLE001 - counted by code and reported
+            _record(recs, first_errors, t, e)
+            if not ring.is_open:
+                return
+            continue
+        _record(recs, first_errors, t, r)
+        del r
+
+
+def _ring_slot_bytes(q_spec: tuple, transport: str) -> int:
+    """A slot holds the request and its answer: q and the results too when they travel inline."""
+    tq, heads, head_dim = q_spec[:3]
+    inline = tq * heads * (head_dim + 128) * 2 + heads * tq * 4 if transport == "inline" else 0
+    return -(-(inline + (1 << 16)) // 64) * 64
+
+
 def drive(target: str, q_spec: tuple, seqs: list, start_at: float, end_at: float, timeout: float,
           client_kwargs: dict, transport: str = "inline", transport_opts: dict | None = None,
-          stream_depth: int = 0) -> dict:
+          stream_depth: int = 0, ring_depth: int = 0) -> dict:
     """One client: PrefillContext back to back from ``start_at`` until ``end_at`` (time.time()),
     through ``transport`` (its regions registered once, before ``start_at``, and unregistered
     at the end); with ``stream_depth`` > 0 on one PrefillContextStream with that many
-    requests in flight instead of a call each. Returns per request (t_send, t_done, code,
+    requests in flight instead of a call each, with ``ring_depth`` > 0 through a request
+    ring of that many slots. Returns per request (t_send, t_done, code,
     server total ns, server compute ns, context tokens, query tokens); code "" on success;
     and the set-up time."""
     from ctxprefill_client import PrefillContextClient
@@ -349,13 +382,20 @@ def drive(target: str, q_spec: tuple, seqs: list, start_at: float, end_at: float
     recs: list[tuple] = []
     first_errors: list[str] = []
     setup_s = ready_at = setup_error = None
-    session = None
+    session = ring = ring_region = None
     client = PrefillContextClient(target, timeout=timeout, retries=0, **client_kwargs)
     try:
         client.server_info()  # connect (and remember the instance) before the clock starts
         t = time.time()
         try:
             session = TransportSession.open(transport, client, q_spec, transport_opts or {})
+            if ring_depth:
+                from ctxprefill_client import SystemSharedMemoryRegion
+
+                slot = _ring_slot_bytes(q_spec, transport)
+                ring_region = SystemSharedMemoryRegion(f"bench-ring-{uuid.uuid4().hex[:12]}", ring_depth * slot)
+                client.register_system_shared_memory(ring_region)
+                ring = client.attach_request_ring(ring_region, num_slots=ring_depth, slot_bytes=slot)
         except Exception as e:  # noqa: BLE001 - recorded: this client sends nothing
             setup_error = f"{transport} set-up: {type(e).__name__}: {e}"[:500]
             first_errors.append(setup_error[:300])
@@ -364,12 +404,26 @@ def drive(target: str, q_spec: tuple, seqs: list, start_at: float, end_at: float
         delay = start_at - time.time()
         if session is not None and delay > 0:
             time.sleep(delay)
-        if session is not None and stream_depth:
+        if ring is not None:
+            _drive_ring(ring, session, seqs, end_at, ring_depth, recs, first_errors)
+        elif session is not None and ring_depth:
+            pass  # the ring did not attach: recorded above
+        elif session is not None and stream_depth:
             _drive_stream(client, session, seqs, end_at, stream_depth, recs, first_errors)
         elif session is not None:
             _drive_calls(client, session, seqs, end_at, recs, first_errors)
     finally:
         try:
+            if ring_region is not None:
+                try:
+                    if ring is not None:
+                        ring.close()
+                    client.unregister_shared_memory(ring_region.name)
+                except Exception as e:  # noqa: BLE001 - reported with the row
+                    first_errors.append(f"ring tear-down: {type(e).__name__}: {e}"[:300])
+                finally:
+                    ring_region.close()
+                    ring_region.unlink()
             if session is not None:
                 try:
                     session.close(client)
@@ -435,11 +489,11 @@ def lead_s(processes: bool, transport: str) -> float:
 
 def run_level(target: str, q_spec: tuple, seqs: list, clients: int, warmup_s: float, seconds: float,
               timeout: float, processes: bool, client_kwargs: dict, transport: str = "inline",
-              transport_opts: dict | None = None, stream_depth: int = 0) -> dict:
+              transport_opts: dict | None = None, stream_depth: int = 0, ring_depth: int = 0) -> dict:
     start_at = time.time() + lead_s(processes, transport)
     end_at = start_at + warmup_s + seconds
     args = (target, q_spec, seqs, start_at, end_at, timeout, client_kwargs, transport, transport_opts,
-            stream_depth)
+            stream_depth, ring_depth)
     if processes:
         with concurrent.futures.ProcessPoolExecutor(clients, mp_context=multiprocessing.get_context("spawn")) as pool:
             futs = [pool.submit(drive, *args) for _ in range(clients)]
@@ -513,7 +567,8 @@ def print_table(rows: list[dict]) -> None:
           "errors", flush=True)
     f = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
     for r in rows:
-        tr = r.get("transport", "inline") + (f"/s{r['stream_depth']}" if r.get("stream_depth") else "")
+        tr = r.get("transport", "inline") + (f"/s{r['stream_depth']}" if r.get("stream_depth") else "") + (
+            f"/r{r['ring_depth']}" if r.get("ring_depth") else "")
         if "skipped" in r:
             print(f"{r['shape_label']:36} {tr:9} {r['clients']:7d} skipped ({r['skipped']})", flush=True)
             continue
@@ -549,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-depth", type=int, default=0,
                     help="each client sends on one PrefillContextStream with this many requests in flight "
                          "(0: a PrefillContext call per request)")
+    ap.add_argument("--ring-depth", type=int, default=0,
+                    help="each client sends through a request ring with this many slots, all in flight (started "
+                         "servers get --request-ring; 0: not)")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="deadline of each PrefillContext, s")
     ap.add_argument("--device", default="auto", help="started servers: auto, cpu, cuda, cuda:N")
     ap.add_argument("--block-size", type=int, default=64)
@@ -573,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     clients = sorted(set(ns.clients))
     if not clients or clients[0] < 1:
         ap.error("--clients must be >= 1")
+    if ns.ring_depth and ns.stream_depth:
+        ap.error("--ring-depth and --stream-depth: one or the other")
     queue_size = ns.queue_size or max(64, 2 * clients[-1])
     deadline = T0 + ns.budget_s if ns.budget_s is not None else None
     groups: dict[tuple, list[Shape]] = {}
@@ -590,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
         if "cuda" in transport_skipped:
             log(f"transport cuda: skipped ({transport_skipped['cuda']})")
     shm_kinds = tuple(t for t in ("system", "cuda") if t in transports and t not in transport_skipped)
+    if ns.ring_depth:  # a ring lives in a system region
+        shm_kinds = tuple(dict.fromkeys(("system", *shm_kinds)))
     shm_mode = {(): None, ("system",): "system", ("cuda",): "cuda"}.get(shm_kinds, "all")
     level_s = {t: ns.warmup_s + ns.seconds + lead_s(ns.processes, t) + 2.0 for t in transports}  # with slack
 
@@ -625,9 +687,12 @@ def main(argv: list[str] | None = None) -> int:
                          "block_size": ns.block_size, "num_blocks": need + 1,
                          "workspace_tokens": ns.workspace_tokens, "kv_b_proj_dtype": ns.kv_b_proj_dtype,
                          "backend": ns.backend, "queue_size": queue_size, "seed": ns.seed, "grace_seconds": 5}
-                if shm_mode:  # 1 (system) or 3 (cuda) regions per client, all unregistered after each count
+                if shm_mode:  # 1 (system) or 3 (cuda) regions per client (+1 ring), unregistered after each count
                     flags["shared_memory"] = shm_mode
-                    flags["shared_memory_max_regions"] = max(64, 4 * clients[-1] + 16)
+                    flags["shared_memory_max_regions"] = max(64, 5 * clients[-1] + 16)
+                if ns.ring_depth:
+                    flags["request_ring"] = True
+                    flags["request_ring_max"] = max(16, clients[-1] + 4)
                 for kv in ns.server_flag:
                     k, _, v = kv.partition("=")
                     flags[k.lstrip("-").replace("-", "_")] = v
@@ -704,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
                     bases = {}
                     for tr in transports:
                         bases[tr] = {**base, "transport": tr, "float_output": tr == "inline",
-                                     "stream_depth": ns.stream_depth}
+                                     "stream_depth": ns.stream_depth, "ring_depth": ns.ring_depth}
                         if tr == "inline" or tr in shape_skipped:
                             continue
                         try:  # one request through the transport, against the inline answer
@@ -732,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
                             log(f"{s.label}: {tr}: {n} client{'s' if n > 1 else ''} for {ns.warmup_s:g} + "
                                 f"{ns.seconds:g} s ...")
                             rec = run_level(target, q_spec, seqs, n, ns.warmup_s, ns.seconds, ns.request_timeout,
-                                            ns.processes, {}, tr, transport_opts, ns.stream_depth)
+                                            ns.processes, {}, tr, transport_opts, ns.stream_depth, ns.ring_depth)
                             row = {**bases[tr], "clients": n, **rec}
                             rows.append(row)
                             ok = ok and not rec["errors"] and rec["requests"] > 0 and not rec["setup_errors"]

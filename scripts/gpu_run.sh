@@ -12,7 +12,8 @@
 #   5. compute-sanitizer memcheck on a small subset of tests/gpu/test_kernels.py      -> sanitizer.log
 #   6. bench/bench_attention.py, if present                                           -> bench_attention.json
 # and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_full
-# (issue 8's 108-row grid), bench_concurrency, bench_concurrency_stream, bench_transport, bench_rpc_floor,
+# (issue 8's 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
+# bench_rpc_floor,
 # attention_sweep, hostile_sanitizer, bench_sharded, segv (a native backtrace of one test).
 # The device tool brings back at most 8 files from $OUT: choose steps accordingly.
 # A time budget (GPU_RUN_BUDGET_S, default 560 s: one device call is capped at 600 s)
@@ -164,6 +165,10 @@ want bench_concurrency && run_step bench_concurrency 240 5 - python3 bench/bench
 want bench_concurrency_stream && run_step bench_concurrency_stream 200 5 - python3 bench/bench_concurrency.py \
   --shape 16:1024:65536 128:1024:65536 --clients 1 2 4 --transport cuda --stream-depth 2 --seconds 5 --warmup-s 1 \
   --budget-s 190 --out "$OUT/concurrency_stream.json"
+# requests through a request ring per client, 2 in flight (serve --request-ring; not run on the GPU yet)
+want bench_concurrency_ring && run_step bench_concurrency_ring 200 5 - python3 bench/bench_concurrency.py \
+  --shape 16:1024:65536 128:1024:65536 --clients 1 2 4 --transport cuda --ring-depth 2 --seconds 5 --warmup-s 1 \
+  --budget-s 190 --out "$OUT/concurrency_ring.json"
 want bench_transport && run_step bench_transport 240 5 - python3 bench/bench_transport.py --device cuda --iters 60 \
   --out "$OUT/transport.json"
 want bench_rpc_floor && run_step bench_rpc_floor 60 5 - python3 bench/bench_rpc_floor.py --out "$OUT/rpc_floor.json"

@@ -136,6 +136,27 @@ def test_concurrency_over_a_stream_cpu(tmp_path, bench_mods, capsys):
     assert any(" system/s2 " in x for x in printed.splitlines())
 
 
+def test_concurrency_through_a_request_ring_cpu(tmp_path, bench_mods, capsys):
+    """--ring-depth 2: every client attaches a request ring of two slots (started servers
+    get --request-ring) and keeps both in flight; inline q fits its slots too."""
+    bc, _, _ = bench_mods
+    out = tmp_path / "conc.json"
+    rc = bc.main(["--device", "cpu", "--shape", "2:4:200", "--clients", "1", "2", "--seconds", "0.7",
+                  "--warmup-s", "0.2", "--workspace-tokens", "128", "--transport", "inline", "system",
+                  "--ring-depth", "2", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    d = json.loads(out.read_text())
+    assert d["meta"]["shared_memory"] == "system"
+    rows = d["rows"]
+    assert len(rows) == 4
+    for r in rows:
+        assert "skipped" not in r, r
+        assert r["ring_depth"] == 2 and r["requests"] > 0 and r["errors"] == {} and r["setup_errors"] == 0
+    assert any(" system/r2 " in x for x in printed.splitlines())
+    assert any(" inline/r2 " in x for x in printed.splitlines())
+
+
 def test_concurrency_cuda_transport_skipped_without_cuda(tmp_path, bench_mods):
     """cuda cannot run against a CPU server: skipped with the reason, no server started."""
     bc, mt, _ = bench_mods
