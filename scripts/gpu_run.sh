@@ -13,8 +13,7 @@
 #   6. bench/bench_attention.py, if present                                           -> bench_attention.json
 # and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_full
 # (issue 8's 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
-# bench_rpc_floor,
-# attention_sweep, hostile_sanitizer, bench_sharded, segv (a native backtrace of one test).
+# bench_rpc_floor, attention_sweep, hostile_sanitizer, bench_sharded, segv (a native backtrace of one test).
 # The device tool brings back at most 8 files from $OUT: choose steps accordingly.
 # A time budget (GPU_RUN_BUDGET_S, default 560 s: one device call is capped at 600 s)
 # caps every step; a step that no longer fits is recorded as skipped and counts as a
