@@ -138,9 +138,8 @@ at::Tensor fused_mla_kv_concat(const at::Tensor& k_nope, const at::Tensor& k_pe)
   return k;
 }
 
-std::tuple<at::Tensor, at::Tensor> fused_mla_kv_concat_quant_fp8(const at::Tensor& k_nope, const at::Tensor& k_pe,
-                                                                 const at::Tensor& v) {
-  const char* op = "fused_mla_kv_concat_quant_fp8";
+// The checks both fp8 packs make of their inputs; returns k_pe's row stride.
+int64_t check_quant_pack(const at::Tensor& k_nope, const at::Tensor& k_pe, const at::Tensor& v, const char* op) {
   ARG_CHECK(k_nope.is_cuda(), op, ": k_nope must be a CUDA tensor, got one on ", k_nope.device());
   const auto dev = k_nope.device();
   check_device(k_pe, op, "k_pe", dev);
@@ -155,7 +154,15 @@ std::tuple<at::Tensor, at::Tensor> fused_mla_kv_concat_quant_fp8(const at::Tenso
               " or float8_e4m3fn, got ", k_pe.scalar_type());
   const int64_t T = k_nope.size(0), H = k_nope.size(1);
   ARG_CHECK(v.size(0) == T && v.size(1) == H, op, ": v ", v.sizes(), " does not match k_nope ", k_nope.sizes());
-  const int64_t pe_s0 = pe_row_stride(k_pe, op, T);
+  return pe_row_stride(k_pe, op, T);
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_mla_kv_concat_quant_fp8(const at::Tensor& k_nope, const at::Tensor& k_pe,
+                                                                 const at::Tensor& v) {
+  const char* op = "fused_mla_kv_concat_quant_fp8";
+  const int64_t pe_s0 = check_quant_pack(k_nope, k_pe, v, op);
+  const auto dev = k_nope.device();
+  const int64_t T = k_nope.size(0), H = k_nope.size(1);
   const auto o8 = k_nope.options().dtype(kFp8);
   auto k8 = at::empty({T, H, ctxprefill::kQK}, o8);
   auto v8 = at::empty({T, H, ctxprefill::kV}, o8);
@@ -175,20 +182,10 @@ std::tuple<at::Tensor, at::Tensor> fused_mla_kv_concat_quant_fp8_vt(const at::Te
                                                                     const at::Tensor& cu_seqlens_k,
                                                                     const at::Tensor& cu_seqlens_v, int64_t v_cols) {
   const char* op = "fused_mla_kv_concat_quant_fp8_vt";
-  ARG_CHECK(k_nope.is_cuda(), op, ": k_nope must be a CUDA tensor, got one on ", k_nope.device());
+  const int64_t pe_s0 = check_quant_pack(k_nope, k_pe, v, op);
   const auto dev = k_nope.device();
-  check_device(k_pe, op, "k_pe", dev);
-  check_device(v, op, "v", dev);
   check_device(cu_seqlens_k, op, "cu_seqlens_k", dev);
   check_device(cu_seqlens_v, op, "cu_seqlens_v", dev);
-  check_pack_half(k_nope, op, "k_nope", ctxprefill::kNope);
-  check_pack_half(v, op, "v", ctxprefill::kV);
-  const auto st = k_nope.scalar_type();
-  ARG_CHECK(st == at::ScalarType::BFloat16 || st == at::ScalarType::Half, op,
-              ": k_nope must be bfloat16 or float16, got ", st);
-  check_dtype(v, op, "v", st);
-  ARG_CHECK(k_pe.scalar_type() == st || k_pe.scalar_type() == kFp8, op, ": k_pe must be ", st,
-              " or float8_e4m3fn, got ", k_pe.scalar_type());
   for (const auto* cu : {&cu_seqlens_k, &cu_seqlens_v}) {
     check_dtype(*cu, op, "cu_seqlens", at::ScalarType::Int);
     check_dim(*cu, op, "cu_seqlens", 1);
@@ -198,9 +195,7 @@ std::tuple<at::Tensor, at::Tensor> fused_mla_kv_concat_quant_fp8_vt(const at::Te
   ARG_CHECK(B >= 1 && cu_seqlens_v.size(0) == B + 1, op, ": cu_seqlens_k and cu_seqlens_v need B + 1 >= 2 entries each, got ",
               cu_seqlens_k.size(0), " and ", cu_seqlens_v.size(0));
   const int64_t T = k_nope.size(0), H = k_nope.size(1);
-  ARG_CHECK(v.size(0) == T && v.size(1) == H, op, ": v ", v.sizes(), " does not match k_nope ", k_nope.sizes());
   ARG_CHECK(v_cols >= T && v_cols % 16 == 0, op, ": v_cols must be a multiple of 16 and >= T = ", T, ", got ", v_cols);
-  const int64_t pe_s0 = pe_row_stride(k_pe, op, T);
   const auto o8 = k_nope.options().dtype(kFp8);
   auto k8 = at::empty({T, H, ctxprefill::kQK}, o8);
   auto v8t = at::empty({H, ctxprefill::kV, v_cols}, o8);
