@@ -519,10 +519,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - answered in-band, with the status a unary call would get
-            code, message = status_for(e, STREAM_METHOD)
-            self.metrics.stream_requests.labels(grpc_code=code.name).inc()
-            return pb.PrefillContextStreamResponse(error=pb.RequestError(code=code.value[0], message=message),
-                                                   request_id=request_id)
+            return self._in_band_error(e, STREAM_METHOD, self.metrics.stream_requests, request_id)
         self.metrics.stream_requests.labels(grpc_code="OK").inc()
         return nest(pb.PrefillContextStreamResponse(request_id=request_id), "response", resp)
 
@@ -589,7 +586,6 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                 self.metrics.observe_prefill(r.stats, (t_end - t0) / 1e9)
                 if lease is not None:
                     self.metrics.observe_shared_memory(lease.transferred)
-                    lease.finish()  # the device work is synchronized above
 
             if defer is None:
                 account()
@@ -598,7 +594,10 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             done = True
             return out, lse, r.stats, t_end - t0, phases
         finally:
-            if not done or defer is None:
+            if done and defer is not None:
+                if lease is not None:
+                    defer.append(lease.finish)  # the device work is synchronized above
+            else:
                 self._end_shared(lease, engine.device)
 
     def _prefill_response(self, engine: Engine, done, request_id: str):
@@ -696,11 +695,17 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             defer.append(lambda: self.metrics.ring_requests.labels(grpc_code="OK").inc())
             return data
         except Exception as e:  # noqa: BLE001 - answered in-band, with the status a unary call would get
-            code, message = status_for(e, RING_METHOD)
-            self.metrics.ring_requests.labels(grpc_code=code.name).inc()
-            err = pb.PrefillContextStreamResponse(error=pb.RequestError(code=code.value[0], message=message[:2000]),
-                                                  request_id=request_id[:256])
-            return err.SerializeToString()
+            return self._in_band_error(e, RING_METHOD, self.metrics.ring_requests, request_id).SerializeToString()
+
+    @staticmethod
+    def _in_band_error(e: Exception, where: str, counter, request_id: str) -> pb.PrefillContextStreamResponse:
+        """The answer to a stream's or a ring's failed request: the status a unary call would
+        end with (logged), counted by code; the request id as sent (cut to what validation
+        allows: it may be why the request failed)."""
+        code, message = status_for(e, where)
+        counter.labels(grpc_code=code.name).inc()
+        return pb.PrefillContextStreamResponse(error=pb.RequestError(code=code.value[0], message=message),
+                                               request_id=request_id[:validate.MAX_REQUEST_ID])
 
     # -- shared memory -------------------------------------------------------------------
     async def RegisterSystemSharedMemory(self, request, context):
