@@ -50,10 +50,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from ._common import CtxPrefillError, CtxPrefillRpcError, PrefillResult, build_prefill_request, map_rpc_error
+from ._common import CtxPrefillError, CtxPrefillRpcError, PrefillResult, map_rpc_error
 from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
 from .shared_memory import SharedMemoryRef, SystemSharedMemoryRegion
-from .stream import answer_to_result
+from .stream import Pending, answer_to_result, prefill_request
 
 __all__ = ["RequestRing", "FREE", "REQUEST", "TAKEN", "ANSWER", "HEADER_BYTES", "MIN_SLOT_BYTES",
            "MAX_SLOT_BYTES", "MAX_SLOTS", "memory_fence", "slot_fields"]
@@ -95,17 +95,6 @@ def check_geometry(num_slots: int, slot_bytes: int, offset: int = 0) -> None:
         raise ValueError(f"offset: must be a multiple of 64, >= 0, got {offset}")
 
 
-class _Pending:
-    """What parsing a request's answer needs to know about the request."""
-
-    __slots__ = ("rows", "output_region", "lse_region", "float_output", "expected")
-
-    def __init__(self, rows, output_region, lse_region, float_output, expected):
-        self.rows = rows
-        self.output_region, self.lse_region = output_region, lse_region
-        self.float_output, self.expected = float_output, expected
-
-
 class RequestRing:
     """A ring attached to a server (from ``PrefillContextClient.attach_request_ring``).
     Not thread-safe: one thread submits and reads. Up to ``num_slots`` requests in flight;
@@ -132,7 +121,7 @@ class RequestRing:
         self._states, self._seqs, self._lengths = slot_fields(self._buf, num_slots, slot_bytes)
         self._states[:] = FREE
         memory_fence()
-        self._pending: collections.deque[tuple[int, int, _Pending | None]] = collections.deque()  # slot, seq
+        self._pending: collections.deque[tuple[int, int, Pending | None]] = collections.deque()  # slot, seq
         self._next = 0  # the slot of the next request
         self._seq = 0
         self.timeout = timeout
@@ -162,24 +151,18 @@ class RequestRing:
         """Write one request (arguments as ``PrefillContextClient.prefill_context``) into the
         next slot; its answer is a later :meth:`result`."""
         self._check_open()
-        expected = self._client._tracker.expected()
-        info = self._client._info
-        req = build_prefill_request(q, sequences, request_id=request_id, workspace_tokens=workspace_tokens, plan=plan,
-                                    expected=expected, q_dtype=q_dtype,
-                                    server_prefill_dtype=info.prefill_dtype if info else None,
-                                    output_region=output_region, lse_region=lse_region)
-        rows = int(req.q.shape[0]) if len(req.q.shape) else 0
-        self.send(req, _Pending(rows, output_region, lse_region, float_output, expected))
+        req, pending = prefill_request(self._client, q, sequences, request_id, workspace_tokens, plan, q_dtype,
+                                       output_region, lse_region, float_output)
+        self.send(req, pending)
 
     def result(self) -> PrefillResult:
         """The answer to the oldest request without one (waits for it)."""
         msg, p = self._receive()
         if p is None:
             raise CtxPrefillError("the oldest request was sent with send(): read it with receive()")
-        return answer_to_result(self._client, msg, p.rows, p.output_region, p.lse_region, p.float_output,
-                                p.expected, METHOD)
+        return answer_to_result(self._client, msg, p, METHOD)
 
-    def send(self, request: Any, _meta: _Pending | None = None) -> None:
+    def send(self, request: Any, _meta: Pending | None = None) -> None:
         """The raw form of :meth:`submit`: a built PrefillContextRequest (anything with
         ``SerializeToString``) into the next slot; its answer is a later :meth:`receive`."""
         self._check_open()
@@ -207,7 +190,7 @@ class RequestRing:
         """The raw form of :meth:`result`: the oldest request's answer as the server wrote it."""
         return self._receive()[0]
 
-    def _receive(self) -> tuple[pb.PrefillContextStreamResponse, _Pending | None]:
+    def _receive(self) -> tuple[pb.PrefillContextStreamResponse, Pending | None]:
         if not self._pending:
             raise CtxPrefillError("no request in flight on this ring")
         slot, want, meta = self._pending[0]

@@ -48,8 +48,8 @@ METHOD = "PrefillContextStream"
 _END = object()
 
 
-class _Pending:
-    """What parsing a request's answer needs to know about the request."""
+class Pending:
+    """What parsing a request's answer needs to know about the request (streams, rings)."""
 
     __slots__ = ("rows", "output_region", "lse_region", "float_output", "expected")
 
@@ -58,9 +58,12 @@ class _Pending:
         self.float_output, self.expected = float_output, expected
 
 
-def _request(client: Any, q: Any, sequences: Iterable[Any], request_id: str | None, workspace_tokens: int | None,
-             plan: Iterable[Any] | None, q_dtype: int | None, output_region: SharedMemoryRef | None,
-             lse_region: SharedMemoryRef | None, float_output: bool) -> tuple[Any, _Pending]:
+def prefill_request(client: Any, q: Any, sequences: Iterable[Any], request_id: str | None,
+                    workspace_tokens: int | None, plan: Iterable[Any] | None, q_dtype: int | None,
+                    output_region: SharedMemoryRef | None, lse_region: SharedMemoryRef | None,
+                    float_output: bool) -> tuple[Any, Pending]:
+    """A PrefillContextRequest as ``client.prefill_context`` builds it, and what its answer
+    will be parsed with."""
     expected = client._tracker.expected()
     info = client._info
     req = build_prefill_request(q, sequences, request_id=request_id, workspace_tokens=workspace_tokens, plan=plan,
@@ -68,24 +71,23 @@ def _request(client: Any, q: Any, sequences: Iterable[Any], request_id: str | No
                                 server_prefill_dtype=info.prefill_dtype if info else None,
                                 output_region=output_region, lse_region=lse_region)
     rows = int(req.q.shape[0]) if len(req.q.shape) else 0
-    return nest(pb.PrefillContextStreamRequest(), "request", req), _Pending(rows, output_region, lse_region,
-                                                                           float_output, expected)
+    return req, Pending(rows, output_region, lse_region, float_output, expected)
 
 
-def answer_to_result(client: Any, msg: pb.PrefillContextStreamResponse, rows: int,
-                     output_region: SharedMemoryRef | None, lse_region: SharedMemoryRef | None, float_output: bool,
-                     expected: str | None, method: str = METHOD) -> PrefillResult:
+def _request(client: Any, *args: Any) -> tuple[Any, Pending]:
+    req, pending = prefill_request(client, *args)
+    return nest(pb.PrefillContextStreamRequest(), "request", req), pending
+
+
+def answer_to_result(client: Any, msg: pb.PrefillContextStreamResponse, p: Pending,
+                     method: str = METHOD) -> PrefillResult:
     """An answer in the stream format (also a request ring's): the result, or the
     exception a unary call would have raised for its in-band error."""
     if msg.HasField("error"):
-        raise in_band_error(method, msg.error, expected)
+        raise in_band_error(method, msg.error, p.expected)
     resp = msg.response
     client._tracker.observe(method, resp.instance_id)
-    return parse_prefill_response(resp, rows, output_region, lse_region, float_output)
-
-
-def _answer(client: Any, msg: pb.PrefillContextStreamResponse, p: _Pending) -> PrefillResult:
-    return answer_to_result(client, msg, p.rows, p.output_region, p.lse_region, p.float_output, p.expected)
+    return parse_prefill_response(resp, p.rows, p.output_region, p.lse_region, p.float_output)
 
 
 class PrefillStream:
@@ -95,7 +97,7 @@ class PrefillStream:
     def __init__(self, client: Any, timeout: float | None = None) -> None:
         self._client = client
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: collections.deque[_Pending] = collections.deque()
+        self._pending: collections.deque[Pending] = collections.deque()
         deadline = client.timeout if timeout is None else float(timeout)
         # gRPC's thread takes requests from the queue as they are put
         self._call = client._stub.PrefillContextStream(iter(self._outbox.get, _END), timeout=deadline,
@@ -127,7 +129,7 @@ class PrefillStream:
             raise map_rpc_error(METHOD, err, p.expected) from err
         except StopIteration:
             raise CtxPrefillError("the server ended the stream before answering every request") from None
-        return _answer(self._client, msg, p)
+        return answer_to_result(self._client, msg, p)
 
     def prefill_context(self, q: Any, sequences: Iterable[Any], **kwargs: Any) -> PrefillResult:
         """:meth:`submit` then :meth:`result` (no other request may be in flight)."""
@@ -175,7 +177,7 @@ class AsyncPrefillStream:
 
     def __init__(self, client: Any, timeout: float | None = None) -> None:
         self._client = client
-        self._pending: collections.deque[_Pending] = collections.deque()
+        self._pending: collections.deque[Pending] = collections.deque()
         deadline = client.timeout if timeout is None else float(timeout)
         self._call = client._stub.PrefillContextStream(timeout=deadline, metadata=client._metadata)
         self._closed = False
@@ -204,7 +206,7 @@ class AsyncPrefillStream:
             raise map_rpc_error(METHOD, err, p.expected) from err
         if msg is grpc.aio.EOF:
             raise CtxPrefillError("the server ended the stream before answering every request")
-        return _answer(self._client, msg, p)
+        return answer_to_result(self._client, msg, p)
 
     async def prefill_context(self, q: Any, sequences: Iterable[Any], **kwargs: Any) -> PrefillResult:
         if self._pending:
