@@ -117,33 +117,18 @@ def test_concurrency_transports_inline_and_system_cpu(tmp_path, bench_mods, caps
     assert _shm_files() <= before  # every client's segment unlinked
 
 
-def test_concurrency_over_a_stream_cpu(tmp_path, bench_mods, capsys):
+@pytest.mark.parametrize("flag,key,tag", [("--stream-depth", "stream_depth", "s"), ("--ring-depth", "ring_depth", "r")],
+                         ids=["stream", "ring"])
+def test_concurrency_two_in_flight_cpu(tmp_path, bench_mods, capsys, flag, key, tag):
     """--stream-depth 2: every client keeps two requests in flight on one
-    PrefillContextStream; the rows say so and count answers, not calls."""
+    PrefillContextStream; --ring-depth 2: through a request ring of two slots (started
+    servers get --request-ring and system shared memory; inline q fits its slots too).
+    The rows say so and count answers, not calls."""
     bc, _, _ = bench_mods
     out = tmp_path / "conc.json"
     rc = bc.main(["--device", "cpu", "--shape", "2:4:200", "--clients", "1", "2", "--seconds", "0.7",
                   "--warmup-s", "0.2", "--workspace-tokens", "128", "--transport", "inline", "system",
-                  "--stream-depth", "2", "--out", str(out)])
-    printed = capsys.readouterr().out
-    assert rc == 0, printed
-    rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 4
-    for r in rows:
-        assert "skipped" not in r, r
-        assert r["stream_depth"] == 2 and r["requests"] > 0 and r["errors"] == {} and r["setup_errors"] == 0
-        assert r["server_compute_ms"]["p50"] > 0
-    assert any(" system/s2 " in x for x in printed.splitlines())
-
-
-def test_concurrency_through_a_request_ring_cpu(tmp_path, bench_mods, capsys):
-    """--ring-depth 2: every client attaches a request ring of two slots (started servers
-    get --request-ring) and keeps both in flight; inline q fits its slots too."""
-    bc, _, _ = bench_mods
-    out = tmp_path / "conc.json"
-    rc = bc.main(["--device", "cpu", "--shape", "2:4:200", "--clients", "1", "2", "--seconds", "0.7",
-                  "--warmup-s", "0.2", "--workspace-tokens", "128", "--transport", "inline", "system",
-                  "--ring-depth", "2", "--out", str(out)])
+                  flag, "2", "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     d = json.loads(out.read_text())
@@ -152,9 +137,10 @@ def test_concurrency_through_a_request_ring_cpu(tmp_path, bench_mods, capsys):
     assert len(rows) == 4
     for r in rows:
         assert "skipped" not in r, r
-        assert r["ring_depth"] == 2 and r["requests"] > 0 and r["errors"] == {} and r["setup_errors"] == 0
-    assert any(" system/r2 " in x for x in printed.splitlines())
-    assert any(" inline/r2 " in x for x in printed.splitlines())
+        assert r[key] == 2 and r["requests"] > 0 and r["errors"] == {} and r["setup_errors"] == 0
+        assert r["server_compute_ms"]["p50"] > 0
+    assert any(f" system/{tag}2 " in x for x in printed.splitlines())
+    assert any(f" inline/{tag}2 " in x for x in printed.splitlines())
 
 
 def test_concurrency_cuda_transport_skipped_without_cuda(tmp_path, bench_mods):
