@@ -191,7 +191,7 @@ def main() -> int:
             from ctxprefill.ops.pack import keys_last_layout
 
             for segs, cu in (("1 seg", [0, T]), ("4 segs", [0, T // 4 + 3, T // 2 + 1, 3 * T // 4 + 7, T])):
-                lay = keys_last_layout(cu, torch.tensor(cu, dtype=torch.int32, device=dev))
+                lay = keys_last_layout(cu, dev)
                 run = lambda: ext.fused_mla_kv_concat_quant_fp8_vt(k_nope, k_pe, v, lay.cu_k_dev, lay.cu_v_dev,
                                                                    lay.v_cols)
                 a = run()

@@ -191,7 +191,7 @@ def test_kv_concat_quant_fp8_keys_last(cuda_ext, T, H, dtype, pe, segs):
     _skip_huge(T, H)
     k_nope, k_pe, v = pack_inputs(T, H, dtype, pe_fp8=pe == "fp8")
     cu = _segments(T, segs)
-    layout = pack_op.keys_last_layout(cu, torch.tensor(cu, dtype=torch.int32, device=DEV))
+    layout = pack_op.keys_last_layout(cu, DEV)
     k8, vt = cuda_ext.fused_mla_kv_concat_quant_fp8_vt(k_nope, k_pe, v, layout.cu_k_dev, layout.cu_v_dev,
                                                        layout.v_cols)
     assert k8.shape == (T, H, 192) and vt.shape == (H, 128, layout.v_cols) and vt.is_contiguous()
@@ -216,7 +216,7 @@ def test_pack_keys_last_unaligned_and_errors(cuda_ext):
     k_nope, v = base[..., 1:129], base[..., 133:261]
     k_pe = torch.randn((T, 579), device=DEV).mul(100).to(BF16)[:, 515:]
     cu = [0, 5, 5, 22, 37]
-    layout = pack_op.keys_last_layout(cu, torch.tensor(cu, dtype=torch.int32, device=DEV))
+    layout = pack_op.keys_last_layout(cu, DEV)
     k8, vt = cuda_ext.fused_mla_kv_concat_quant_fp8_vt(k_nope, k_pe, v, layout.cu_k_dev, layout.cu_v_dev,
                                                        layout.v_cols)
     rk, rv = fused_mla_kv_concat_quant_fp8_reference(k_nope, k_pe, v, layout)

@@ -29,7 +29,7 @@ from ..ops.pack import (
     fused_mla_kv_concat_quant_fp8,
     generic_kv_concat,
     generic_kv_concat_quant_fp8,
-    keys_last_layout,
+    KeysLast,
     keys_last_starts,
 )
 from .plan import ContextChunk
@@ -89,19 +89,19 @@ def _chunk_metadata(x: LoopInputs, device, keys_last: bool = False) -> list[tupl
             cu_q.append(cu_q[-1] + x.query_lens[s])
         base = len(host)
         host += cu_k + list(c.context_starts) + cu_q
-        if keys_last:
-            host += keys_last_starts(cu_k)
+        cu_v = keys_last_starts(cu_k) if keys_last else []
+        host += cu_v
         spans.append((base, c.num_sequences, q_offsets[c.first_sequence], q_offsets[c.first_sequence + c.num_sequences],
-                      max((x.query_lens[s] for s in c.sequences), default=0), cu_k))
+                      max((x.query_lens[s] for s in c.sequences), default=0), cu_k, cu_v))
     dev = torch.tensor(host, dtype=torch.int32).to(device, non_blocking=False)
     meta = []
-    for base, n, q0, q1, max_q, cu_k_host in spans:
+    for base, n, q0, q1, max_q, cu_k_host, cu_v_host in spans:
         cu_k = dev[base : base + n + 1]
         starts = dev[base + n + 1 : base + 2 * n + 1]
         cu_q = dev[base + 2 * n + 1 : base + 3 * n + 2]
         layout = None
         if keys_last:
-            layout = keys_last_layout(cu_k_host, cu_k, dev[base + 3 * n + 2 : base + 4 * n + 3])
+            layout = KeysLast(cu_k_host, cu_v_host, cu_k, dev[base + 3 * n + 2 : base + 4 * n + 3])
         meta.append((cu_k, starts, cu_q, q0, q1, max_q, layout))
     return meta
 

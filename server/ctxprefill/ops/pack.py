@@ -53,7 +53,8 @@ class KeysLast:
     """Where V goes keys-last (``[H, 128, v_cols]``): segment s's keys (tokens
     ``cu_k[s] .. cu_k[s+1]``) from column ``cu_v[s]``, a multiple of 16, so that each
     segment's first key is 16-byte aligned for the attention's TMA loads. Host lists and
-    the same as int32 device tensors (the kernel's), built by :func:`keys_last_layout`."""
+    the same as int32 device tensors (the kernel's): the engine builds it with the chunk
+    metadata, :func:`keys_last_layout` elsewhere."""
 
     cu_k: list[int]
     cu_v: list[int]
@@ -73,16 +74,12 @@ def keys_last_starts(cu_k: list[int]) -> list[int]:
     return cu_v
 
 
-def keys_last_layout(cu_k: list[int], cu_k_dev: torch.Tensor | None = None,
-                     cu_v_dev: torch.Tensor | None = None) -> KeysLast:
-    """The layout for segments ``cu_k`` (device copies made here unless given)."""
+def keys_last_layout(cu_k: list[int], device) -> KeysLast:
+    """The layout for segments ``cu_k``, its device tensors on ``device`` (the engine builds
+    its own from the request's one host-to-device copy)."""
     cu_v = keys_last_starts(cu_k)
-    dev = cu_k_dev.device if cu_k_dev is not None else torch.device("cpu")
-    if cu_k_dev is None:
-        cu_k_dev = torch.tensor(cu_k, dtype=torch.int32, device=dev)
-    if cu_v_dev is None:
-        cu_v_dev = torch.tensor(cu_v, dtype=torch.int32, device=dev)
-    return KeysLast(list(cu_k), cu_v, cu_k_dev, cu_v_dev)
+    return KeysLast(list(cu_k), cu_v, torch.tensor(cu_k, dtype=torch.int32, device=device),
+                    torch.tensor(cu_v, dtype=torch.int32, device=device))
 
 
 def _keys_last_copy(v8: torch.Tensor, layout: KeysLast, count: bool) -> torch.Tensor:
