@@ -33,7 +33,7 @@ from ctxprefill_client.request_ring import (
     slot_fields,
 )
 
-from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted
 from .shared_memory import SYSTEM, SharedMemoryRegistry
 
 log = logging.getLogger("ctxprefill.service")
@@ -68,18 +68,17 @@ class AttachedRing:
         is then set: asked to stop, region unregistered, or its object shrank)."""
         if self.stopped.done():
             return False
-        why = None
-        if self._stop_asked:
-            pass
-        elif not self.region.registered:
-            why = FailedPrecondition("region", f"region {self.region.name!r} was unregistered; the ring is detached")
-        else:
-            try:
-                self.region.check_backing("region")
-            except FailedPrecondition as e:
-                why = e
-        if not self._stop_asked and why is None:
-            return True
+        why = None  # asked to stop
+        if not self._stop_asked:
+            if not self.region.registered:
+                why = FailedPrecondition("region", f"region {self.region.name!r} was unregistered; the ring is "
+                                                   f"detached")
+            else:
+                try:
+                    self.region.check_backing("region")
+                    return True
+                except FailedPrecondition as e:
+                    why = e
         self._release(why)
         return False
 
@@ -131,10 +130,7 @@ class RingTable:
         except ValueError as e:
             field, _, msg = str(e).partition(": ")
             raise InvalidArgument(field, msg) from None
-        with self.registry._lock:
-            region = self.registry._regions.get(region_name)
-        if region is None or region.tensor is None:
-            raise NotFound("region", f"no shared-memory region {region_name[:140]!r} is registered")
+        region = self.registry.get(region_name, "region")
         if region.kind != SYSTEM:
             raise InvalidArgument("region", f"region {region_name!r} is {region.kind} memory; a ring lives in system "
                                             f"shared memory (the server's host thread polls it)")

@@ -320,6 +320,14 @@ class SharedMemoryRegistry:
             log.info("shared-memory region unregistered", extra={"region": r.name, "in_flight": r.in_flight})
         return [r.name for r in gone]
 
+    def get(self, name: str, field: str) -> Region:
+        """The registered region ``name`` (NOT_FOUND naming ``field`` otherwise)."""
+        with self._lock:
+            region = self._regions.get(name)
+        if region is None or region.tensor is None:
+            raise NotFound(field, f"no shared-memory region {name[:140]!r} is registered")
+        return region
+
     def status(self, name: str = "") -> list[dict]:
         self.require_any()
         with self._lock:
