@@ -220,7 +220,7 @@ def run_system(ns, client, w: Workload, over_ring: bool = False):
                                          expected=None, q_dtype=None, server_prefill_dtype=None,
                                          output_region=out_ref, lse_region=lse_ref)
 
-        ring = ring_rpc(client) if over_ring else None
+        ring = RingRpc(client) if over_ring else None
         rpc = ring or (lambda r: client._stub.PrefillContext(r, timeout=ns.timeout))
         med, res = timed(ns, encode, rpc,
                          lambda resp: parse_prefill_response(resp, ns.new, out_ref, lse_ref, float_output=False))
@@ -228,7 +228,7 @@ def run_system(ns, client, w: Workload, over_ring: bool = False):
         del res
         if ring is not None:
             ring.close()
-        client.unregister_shared_memory("")
+        client.unregister_shared_memory("bench-system")
     finally:
         shm.close()
         shm.unlink()
@@ -253,13 +253,14 @@ def stream_rpc(client, timeout: float):
     return stream, rpc
 
 
-class ring_rpc:
+class RingRpc:
     """An rpc(request) -> response for :func:`timed` through a request ring (in its own
     small system shared-memory region; the request message is the same one)."""
 
     def __init__(self, client):
         from ctxprefill_client import SystemSharedMemoryRegion
 
+        self.client = client
         self.region = SystemSharedMemoryRegion("bench-ring", 2 * (1 << 16))
         client.register_system_shared_memory(self.region)
         self.ring = client.attach_request_ring(self.region, num_slots=2, slot_bytes=1 << 16)
@@ -273,6 +274,7 @@ class ring_rpc:
 
     def close(self):
         self.ring.close()
+        self.client.unregister_shared_memory(self.region.name)
         self.region.close()
         self.region.unlink()
 
@@ -296,7 +298,7 @@ def run_cuda(ns, client, w: Workload, dev: torch.device, over_stream: bool = Fal
                                      lse_region=lse_ref)
 
     if over_ring:
-        stream = rpc = ring_rpc(client)
+        stream = rpc = RingRpc(client)
     elif over_stream:
         stream, rpc = stream_rpc(client, ns.timeout)
     else:
