@@ -458,6 +458,29 @@ def test_unregister_while_in_use_keeps_the_mapping_until_the_request_ends():
         assert len(reg) == 0
 
 
+def test_region_views_are_made_once_per_place_and_dropped_with_the_region():
+    """Requests naming the same place get the same view object (no torch calls again);
+    another place another view of the right bytes; unregistering drops every view."""
+    reg = SharedMemoryRegistry(("system",), max_regions=4, max_bytes=1 << 20)
+    reg.attach(torch.device("cpu"))
+    with SystemSharedMemoryRegion("r", 4096) as shm:
+        shm.ndarray(np.uint8, (4096,))[:] = np.arange(4096) % 251
+        reg.register_system("r", shm.key, 0, 4096)
+        ref = lambda off, n: pb.SharedMemoryRef(region="r", offset=off, byte_size=n)  # noqa: E731
+        leases = [reg.lease() for _ in range(3)]
+        region, a = leases[0].resolve(ref(64, 128), "q.shared_memory", 128)
+        _, b = leases[1].resolve(ref(64, 128), "q.shared_memory", 128)
+        _, c = leases[2].resolve(ref(256, 128), "q.shared_memory", 128)
+        assert a is b and c is not a
+        assert a.tolist() == [i % 251 for i in range(64, 192)] and c.tolist() == [i % 251 for i in range(256, 384)]
+        assert len(region.views) == 2
+        for lease in leases:
+            lease.abandon()
+        del a, b, c
+        reg.unregister("r")
+        assert region.views == {} and region.tensor is None
+
+
 def test_registry_refuses_a_non_regular_object(tmp_path):
     reg = SharedMemoryRegistry(("system",))
     k = key()
