@@ -150,7 +150,8 @@ def resolve_device(name: str) -> torch.device:
 
 def shared_memory_kinds(s: ServeSettings) -> tuple[str, ...]:
     """The shared-memory region kinds ``--shared-memory`` enables on this server's device,
-    its limits checked (ConfigError naming the flag). ``cuda`` needs a CUDA device; ``all``
+    its limits and ``--request-ring`` (which needs system regions) checked (ConfigError
+    naming the flag). ``cuda`` needs a CUDA device; ``all``
     enables cuda only on one."""
     mode = s.shared_memory
     if mode not in SHARED_MEMORY_MODES:
