@@ -1,0 +1,324 @@
+"""Warp-specialized MLA context attention for Hopper, written in Gluon (Triton's
+explicit-layout dialect): FA3's structure, which Triton's automatic pass does not
+produce for this kernel (docs/DESIGN.md).
+
+One program = one (query tile of ``BLOCK_M`` rows, head, segment), three partitions:
+
+* a loader warp issues TMA copies — the tile's queries once, then for every key block
+  K (nope 128 + rope 64) and V into a ring of ``STAGES`` shared-memory slots — and waits
+  only for a slot to be freed;
+* two consumer warpgroups, each owning half of the query rows (64), read the *same* K/V
+  slots: S = Q·Kᵀ (wgmma from shared memory), online softmax in registers, O += P·V
+  (P from registers). While one is in its softmax, the other's MMAs run, as two
+  programs per SM would, but with one copy of K/V in shared memory (bf16's 192-wide K
+  does not fit twice otherwise). With ``PIPE`` each consumer also overlaps within
+  itself (FA3's intra-warpgroup pipelining): block j's Q·Kᵀ and block j-1's P·V are in
+  flight together, and block j's softmax runs while P·V finishes. Measured on the H200
+  (``bench_attention.py --sweep ws``) it gains nothing over the two consumers' overlap
+  (it spills at 128-key blocks), so the defaults run without it.
+
+Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
+it, 240 for each consumer). Shared memory with 128×128 tiles and 2 stages: Q 48 KiB +
+2 × (K 48 + V 32) = 208 KiB.
+
+Semantics are those of ``triton_attention.mla_context_attention`` (non-causal): ragged
+segments through per-(segment, head) device-side tensor descriptors, so a tile's rows
+past its segment's end read zeros, not the next segment (whose values, inf included,
+must not leak into this one); rows with no keys give out 0 and lse -inf; the LSE is a
+natural log. The caller (``triton_attention``) validates inputs and picks this kernel.
+"""
+
+from __future__ import annotations
+
+try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel is used
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    GLUON_ERR = ""
+except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+    gluon = gl = None
+    GLUON_ERR = f"Gluon (triton.experimental.gluon) unavailable: {e}"
+
+_P_SHIFT = 8.0  # fp8 P·V: P scaled by 2**8 before its e4m3 cast (as triton_attention)
+
+#: Tiles, stages, pipelining. 2 consumers x 64 query rows = BLOCK_M 128 (fixed). The
+#: caller's defaults per dtype are in ``triton_attention`` (measured there).
+CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False)
+#: Warps: 4 (consumer 0, the default partition) + 4 (consumer 1) + 1 (loader): 3
+#: warpgroups at launch with 168 registers a thread (3 x 128 x 168 <= 65,536, an SM's
+#: file); ``setmaxnreg`` then moves them: loader 24, consumers 240.
+_MAXNREG = 168
+
+if gluon is not None:
+
+    @gluon.jit
+    def _ws_loader(qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
+                   q_bar, k_bar, v_bar, free_bar, m0, n_blocks,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr):
+        HALF_M: gl.constexpr = BLOCK_M // 2
+        if n_blocks > 0:
+            for c in gl.static_range(2):
+                bar = q_bar.index(c)
+                mbarrier.expect(bar, qn_d.block_type.nbytes + qr_d.block_type.nbytes)
+                tma.async_copy_global_to_shared(qn_d, [m0 + c * HALF_M, 0], bar, qn_s.index(c))
+                tma.async_copy_global_to_shared(qr_d, [m0 + c * HALF_M, 128], bar, qr_s.index(c))
+        for j in range(n_blocks):
+            s = j % STAGES
+            # a slot's barrier starts "phase 1 complete": the first pass does not wait
+            mbarrier.wait(free_bar.index(s), ((j // STAGES) & 1) ^ 1)
+            kb = k_bar.index(s)
+            mbarrier.expect(kb, kn_d.block_type.nbytes + kr_d.block_type.nbytes)
+            tma.async_copy_global_to_shared(kn_d, [j * BLOCK_N, 0], kb, kn_s.index(s))
+            tma.async_copy_global_to_shared(kr_d, [j * BLOCK_N, 128], kb, kr_s.index(s))
+            vb = v_bar.index(s)
+            mbarrier.expect(vb, v_d.block_type.nbytes)
+            if V_T:
+                tma.async_copy_global_to_shared(v_d, [0, j * BLOCK_N], vb, v_s.index(s))
+            else:
+                tma.async_copy_global_to_shared(v_d, [j * BLOCK_N, 0], vb, v_s.index(s))
+
+    @gluon.jit
+    def _qk(qn, qr, kn_s, kr_s, s, zero_s):
+        """S = q_nope·k_noperᵀ + q_rope·k_ropeᵀ of slot s, issued asynchronously."""
+        acc = warpgroup_mma(qn, kn_s.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        return warpgroup_mma(qr, kr_s.index(s).permute((1, 0)), acc, is_async=True)
+
+    @gluon.jit
+    def _softmax(sc, m_i, l_i, start_n, k_len, qk_scale, offs_n, IS_FP8: gl.constexpr):
+        """Online-softmax step on raw scores ``sc`` (scale folded into exp2's FMA).
+        Returns (p, alpha, l, m): m in raw score units."""
+        if start_n + sc.shape[1] > k_len:  # the segment's last, partial block
+            sc = gl.where(((start_n + offs_n) < k_len)[None, :], sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no -inf - -inf
+        alpha = gl.exp2((m_i - m_use) * qk_scale)
+        m_scaled = m_use * qk_scale
+        if IS_FP8:
+            m_scaled = m_scaled - _P_SHIFT_C  # p in [0, 2**8]; the row sum alike, undone in lse
+        p = gl.exp2(sc * qk_scale - m_scaled[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, l_i, m_new
+
+    _P_SHIFT_C = gl.constexpr(_P_SHIFT)
+
+    @gluon.jit
+    def _pv(p, v_s, s, acc, p_layout: gl.constexpr, p_smem, V_T: gl.constexpr, IS_FP8: gl.constexpr):
+        """acc += P·V of slot s, issued asynchronously. Returns (token, P operand).
+        bf16: P from registers. fp8: P through shared memory (``p_smem``; the MMA wait
+        cannot keep an 8-bit register operand alive), scaled by 2**8 already."""
+        if V_T:
+            vb = v_s.index(s).permute((1, 0))  # [128, BLOCK_N] keys-last -> K-major B
+        else:
+            vb = v_s.index(s)
+        if IS_FP8:
+            p_smem.store(p.to(v_s.dtype))
+            fence_async_shared()
+            tok = warpgroup_mma(p_smem, vb, acc, is_async=True)
+            keep = acc  # placeholder: P lives in shared memory
+        else:
+            keep = gl.convert_layout(p.to(v_s.dtype), p_layout)
+            tok = warpgroup_mma(keep, vb, acc, is_async=True)
+        return tok, keep
+
+    @gluon.jit
+    def _pv_wait(o_tok, keep, IS_FP8: gl.constexpr):
+        """Wait for the P·V in flight; bf16 keeps its register P alive until then."""
+        if IS_FP8:
+            acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+        else:
+            acc, keep = warpgroup_mma_wait(0, deps=(o_tok, keep))
+        return acc
+
+    @gluon.jit
+    def _ws_consumer(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, free_bar,
+                     O, LSE, q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
+                     C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr):
+        HALF_M: gl.constexpr = BLOCK_M // 2
+        K_INSTR: gl.constexpr = 32 if IS_FP8 else 16
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, K_INSTR])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 128, K_INSTR])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4 if IS_FP8 else 2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([HALF_M], gl.float32, row_s)
+        acc = gl.zeros([HALF_M, 128], gl.float32, o_layout)
+        zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        qn = qn_s.index(C)
+        qr = qr_s.index(C)
+        p_smem = p_s.index(C)
+        if n_blocks > 0:
+            mbarrier.wait(q_bar.index(C), 0)
+        if PIPE:
+            if n_blocks > 0:
+                # block 0: scores and softmax, its P·V waits for the next iteration
+                mbarrier.wait(k_bar.index(0), 0)
+                sc = warpgroup_mma_wait(0, deps=(_qk(qn, qr, kn_s, kr_s, 0, zero_s), ))
+                p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, 0, k_len, qk_scale, offs_n, IS_FP8)
+                for j in range(1, n_blocks):
+                    s = j % STAGES
+                    ph = (j // STAGES) & 1
+                    prev = (j - 1) % STAGES
+                    prev_ph = ((j - 1) // STAGES) & 1
+                    mbarrier.wait(k_bar.index(s), ph)
+                    s_tok = _qk(qn, qr, kn_s, kr_s, s, zero_s)
+                    mbarrier.wait(v_bar.index(prev), prev_ph)
+                    o_tok, pop = _pv(p, v_s, prev, acc, p_layout, p_smem, V_T, IS_FP8)
+                    sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # Q·Kᵀ done, P·V may run on
+                    p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8)
+                    acc = _pv_wait(o_tok, pop, IS_FP8)
+                    mbarrier.arrive(free_bar.index(prev), count=1)
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                last = (n_blocks - 1) % STAGES
+                mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // STAGES) & 1)
+                o_tok, pop = _pv(p, v_s, last, acc, p_layout, p_smem, V_T, IS_FP8)
+                acc = _pv_wait(o_tok, pop, IS_FP8)
+                mbarrier.arrive(free_bar.index(last), count=1)
+        else:
+            for j in range(n_blocks):
+                s = j % STAGES
+                ph = (j // STAGES) & 1
+                mbarrier.wait(k_bar.index(s), ph)
+                sc = warpgroup_mma_wait(0, deps=(_qk(qn, qr, kn_s, kr_s, s, zero_s), ))
+                p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                mbarrier.wait(v_bar.index(s), ph)
+                o_tok, pop = _pv(p, v_s, s, acc, p_layout, p_smem, V_T, IS_FP8)
+                acc = _pv_wait(o_tok, pop, IS_FP8)
+                mbarrier.arrive(free_bar.index(s), count=1)
+
+        # epilogue: l == 0 exactly when the row saw no key -> out 0, lse -inf
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+        lse2 = m_use * qk_scale + gl.log2(l_safe)
+        if IS_FP8:
+            lse2 = lse2 - _P_SHIFT_C
+        lse = gl.where(empty, float("-inf"), lse2 * 0.6931471805599453)
+        rows_o = m0 + C * HALF_M + gl.arange(0, HALF_M, layout=row_o)
+        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, o_layout))
+        o_ptr = O + (q_start + rows_o).to(gl.int64)[:, None] * stride_ot + h.to(gl.int64) * stride_oh + cols[None, :]
+        gl.store(o_ptr, out.to(gl.bfloat16), mask=(rows_o < q_len)[:, None])
+        rows_s = m0 + C * HALF_M + gl.arange(0, HALF_M, layout=row_s)
+        gl.store(LSE + h.to(gl.int64) * stride_lh + q_start + rows_s, lse, mask=rows_s < q_len)
+
+    @gluon.jit
+    def _mla_attn_ws_fwd(
+        Q, K, V, O, LSE, cu_q, cu_k, cu_v, qk_scale, B,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_ot, stride_oh, stride_lh,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
+        SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr,
+    ):
+        HALF_M: gl.constexpr = BLOCK_M // 2
+        pid_m = gl.program_id(0)
+        h = gl.program_id(1)
+        b = gl.program_id(2)
+        if SORT_B > 0:
+            # longest segment first (LPT), as triton_attention: rank r runs the r-th longest
+            L2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
+            i_r = gl.arange(0, SORT_B, layout=gl.SliceLayout(1, L2))
+            i_c = gl.arange(0, SORT_B, layout=gl.SliceLayout(0, L2))
+            kl_r = gl.load(cu_k + i_r + 1, mask=i_r < B, other=0) - gl.load(cu_k + i_r, mask=i_r < B, other=0)
+            kl_c = gl.load(cu_k + i_c + 1, mask=i_c < B, other=0) - gl.load(cu_k + i_c, mask=i_c < B, other=0)
+            kl_r = gl.where(i_r < B, kl_r, -1)
+            kl_c = gl.where(i_c < B, kl_c, -1)
+            ahead = (kl_c[None, :] > kl_r[:, None]) | ((kl_c[None, :] == kl_r[:, None]) & (i_c[None, :] < i_r[:, None]))
+            rank = gl.sum(ahead.to(gl.int32), axis=1)
+            b = gl.sum(gl.where(rank == b, i_r, 0), axis=0)
+        q_start = gl.load(cu_q + b)
+        q_len = gl.load(cu_q + b + 1) - q_start
+        m0 = pid_m * BLOCK_M
+        k_start = gl.load(cu_k + b)
+        k_len = gl.load(cu_k + b + 1) - k_start
+        # a tile past its segment's end does nothing (its loader and consumers see 0 blocks
+        # and its stores are masked): no early return, the partitions all run
+        n_blocks = gl.where(m0 < q_len, gl.cdiv(k_len, BLOCK_N), 0)
+
+        dt: gl.constexpr = Q.dtype.element_ty
+        qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, 128], dt)
+        qr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, 64], dt)
+        kn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], dt)
+        kr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dt)
+        # descriptors over this (segment, head): loads past its end read zeros
+        q_seg = Q + q_start.to(gl.int64) * stride_qt + h.to(gl.int64) * stride_qh
+        k_seg = K + k_start.to(gl.int64) * stride_kt + h.to(gl.int64) * stride_kh
+        q_rows = gl.maximum(q_len, 1)
+        k_rows = gl.maximum(k_len, 1)
+        qn_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 128], qn_l)
+        qr_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 64], qr_l)
+        kn_d = tma.make_tensor_descriptor(k_seg, [k_rows, 192], [stride_kt, 1], [BLOCK_N, 128], kn_l)
+        kr_d = tma.make_tensor_descriptor(k_seg, [k_rows, 192], [stride_kt, 1], [BLOCK_N, 64], kr_l)
+        if V_T:  # V [H, 128, Tv], keys contiguous from column cu_v[b] (16-byte aligned: the caller's)
+            v_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, BLOCK_N], dt)
+            v_seg = V + gl.load(cu_v + b).to(gl.int64) + h.to(gl.int64) * stride_vh
+            v_d = tma.make_tensor_descriptor(v_seg, [128, k_rows], [stride_vt, 1], [128, BLOCK_N], v_l)
+            v_s = gl.allocate_shared_memory(dt, [STAGES, 128, BLOCK_N], v_l)
+        else:
+            v_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], dt)
+            v_seg = V + k_start.to(gl.int64) * stride_vt + h.to(gl.int64) * stride_vh
+            v_d = tma.make_tensor_descriptor(v_seg, [k_rows, 128], [stride_vt, 1], [BLOCK_N, 128], v_l)
+            v_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, 128], v_l)
+
+        qn_s = gl.allocate_shared_memory(dt, [2, HALF_M, 128], qn_l)
+        qr_s = gl.allocate_shared_memory(dt, [2, HALF_M, 64], qr_l)
+        kn_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, 128], kn_l)
+        kr_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, 64], kr_l)
+        # fp8: each consumer's P goes through shared memory (1 slot x 64 x BLOCK_N bytes)
+        # (bf16 keeps P in registers: a token 16 x 16 buffer)
+        P_ROWS: gl.constexpr = HALF_M if IS_FP8 else 16
+        P_COLS: gl.constexpr = BLOCK_N if IS_FP8 else 16
+        p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P_ROWS, P_COLS], dt)
+        p_s = gl.allocate_shared_memory(dt, [2, P_ROWS, P_COLS], p_l)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        free_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(2):
+            mbarrier.init(q_bar.index(c), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_bar.index(i), count=1)
+            mbarrier.init(v_bar.index(i), count=1)
+            mbarrier.init(free_bar.index(i), count=2)  # both consumers release a slot
+
+        gl.warp_specialize([
+            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, free_bar, O, LSE, q_start, q_len, m0,
+                            k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
+                            0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T)),
+            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, free_bar, O, LSE, q_start, q_len, m0,
+                            k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
+                            1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T)),
+            (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
+                          q_bar, k_bar, v_bar, free_bar, m0, n_blocks, BLOCK_M, BLOCK_N, STAGES, V_T)),
+        ], [4, 1], [240, 24])
+
+
+
+def launch(q, k, v, out, lse, cu_q, cu_k, cu_v, qk_scale: float, grid, sort_b: int, v_t: bool,
+           config: dict | None = None) -> None:
+    """Launch the kernel on inputs ``triton_attention.mla_context_attention`` validated
+    (non-causal; q/k/v with 16-byte aligned bases and strides; ``qk_scale`` in log2
+    units; ``grid`` (query tiles of BLOCK_M, H, B))."""
+    cfg = dict(CONFIG, **(config or {}))
+    _mla_attn_ws_fwd[grid](
+        q, k, v, out, lse, cu_q, cu_k, cu_v, qk_scale, cu_q.numel() - 1,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(1) if v_t else v.stride(0), v.stride(0) if v_t else v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], PIPE=cfg["PIPE"],
+        SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t,
+        num_warps=4, maxnreg=_MAXNREG,
+    )
