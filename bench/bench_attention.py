@@ -270,6 +270,12 @@ def run_table(args):
         # V keys-last (what the pack could write): fp8 P·V without transposing V tiles
         (0, "triton pv_fp8 v-keys-last", "fp8", False,
          lambda x, cq, ck, ql, kl: prov_triton(*x, cq, ck, ql, kl, scale, config=dict(PV_FP8=True, v_layout="hdt"))),
+        # the Triton kernel that the warp-specialized one replaced as the default on Hopper
+        (0, "triton no-ws", "bf16", False,
+         lambda x, cq, ck, ql, kl: prov_triton(*x, cq, ck, ql, kl, scale, config=dict(WS=None))),
+        (0, "triton pv_fp8 v-keys-last no-ws", "fp8", False,
+         lambda x, cq, ck, ql, kl: prov_triton(*x, cq, ck, ql, kl, scale,
+                                               config=dict(PV_FP8=True, v_layout="hdt", WS=None))),
         (1, "cudnn", "bf16", False, lambda x, cq, ck, ql, kl: prov_cudnn(*x, cq, ck, ql, kl, scale)),
     ]
     for lay in (["packed", "padded"] if args.cudnn_frontend_stats == "both" else [args.cudnn_frontend_stats]):
@@ -347,6 +353,18 @@ SWEEP = {
             _c(128, 64, 8, 3, PV_FP8=True, v_layout="hdt"),  # uncapped: 133 registers
             _c(128, 128, 8, 2, PV_FP8=True, v_layout="hdt")],
 }
+def _ws(pipe, bn, stages, **kw):
+    return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages), **kw)
+
+
+# the warp-specialized Gluon kernel (--sweep ws): serial or pipelined consumers, key block,
+# shared-memory stages (bf16 208 KiB at 128 x 2 and 64 x 4; fp8 with P through shared memory)
+SWEEP_WS = {
+    "bf16": [_ws(False, 128, 2), _ws(False, 64, 4), _ws(False, 64, 3), _ws(True, 64, 4), _ws(True, 64, 3)],
+    "fp8": [_ws(True, 128, s, PV_FP8=True, v_layout="hdt") for s in (3, 4)]
+           + [_ws(False, 128, s, PV_FP8=True, v_layout="hdt") for s in (3, 4)]
+           + [_ws(True, 64, 6, PV_FP8=True, v_layout="hdt")],
+}
 SWEEP_SHAPES = [(16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "4x1024q/16384k"), (16, "ragged4"),
                 (128, "1x1024q/16384k")]
 
@@ -357,8 +375,9 @@ def run_sweep(args):
     byname = {c[0]: c for c in cases()}
     shapes = [(H, byname[n]) for H, n in SWEEP_SHAPES if H in args.heads]
     results, best = [], {}
-    for rank in range(max(len(v) for v in SWEEP.values())):
-        for dt, cfgs in SWEEP.items():
+    sweep = SWEEP_WS if args.sweep == "ws" else SWEEP
+    for rank in range(max(len(v) for v in sweep.values())):
+        for dt, cfgs in sweep.items():
             if rank >= len(cfgs):
                 continue
             cfg = cfgs[rank]
@@ -390,7 +409,9 @@ def main():
     ap.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles are slow)")
     ap.add_argument("--cudnn-frontend-stats", choices=["packed", "padded", "both"], default="packed",
                     help="stats layout(s) of the cudnn-frontend column(s)")
-    ap.add_argument("--sweep", action="store_true", help="sweep Triton block configs instead of the table")
+    ap.add_argument("--sweep", nargs="?", const="triton", choices=["triton", "ws"],
+                    help="sweep block configs instead of the table: the Triton kernel's, or (ws) the "
+                         "warp-specialized kernel's")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA device")

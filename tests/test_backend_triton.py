@@ -22,6 +22,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 
 triton = pytest.importorskip("triton", reason="triton is not importable; the Triton backend cannot be tested")
 
+from ctxprefill.backends import gluon_attention as ga  # noqa: E402
 from ctxprefill.backends import triton_attention as ta  # noqa: E402
 from ctxprefill.backends.triton_attention import TritonAttentionBackend, mla_context_attention  # noqa: E402
 
@@ -36,8 +37,10 @@ cpu_interp = pytest.mark.skipif(
     DEV == "cpu" and not INTERPRETING,
     reason="no GPU and TRITON_INTERPRET was not set before triton was imported: kernel tests skipped",
 )
-SMALL = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, USE_TMA=False)  # many blocks on tiny shapes
-ODD = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1, USE_TMA=False)
+# explicit configs of the Triton kernel (WS=None: not the warp-specialized kernel that
+# bf16 and keys-last fp8 default to on Hopper; that one has its own tests below)
+SMALL = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, USE_TMA=False, WS=None)  # many blocks on tiny shapes
+ODD = dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1, USE_TMA=False, WS=None)
 SMALL_TMA = dict(SMALL, USE_TMA=True)  # loads through per-segment tensor descriptors
 
 
@@ -226,8 +229,8 @@ def test_strided_inputs_match_contiguous(cfg):
 def test_block_config_changes_only_rounding():
     q, k, v, cu_q, cu_k = make_batch(Q_LENS, K_LENS, 2, torch.bfloat16, DEV, seed=2)
     a = mla_context_attention(q, k, v, cu_q, cu_k, 37, 50, 0.07, config=SMALL)
-    b = mla_context_attention(q, k, v, cu_q, cu_k, 37, 50, 0.07)
-    c = mla_context_attention(q, k, v, cu_q, cu_k, 37, 50, 0.07, config=dict(USE_TMA=False))
+    b = mla_context_attention(q, k, v, cu_q, cu_k, 37, 50, 0.07, config=dict(WS=None))
+    c = mla_context_attention(q, k, v, cu_q, cu_k, 37, 50, 0.07, config=dict(USE_TMA=False, WS=None))
     assert torch.equal(b[0], c[0]) and torch.equal(b[1], c[1]), "TMA and pointer loads must agree bit for bit"
     assert torch.equal(torch.isinf(a[1]), torch.isinf(b[1]))
     assert (a[0].float() - b[0].float()).abs().max() <= 2e-2
@@ -356,6 +359,67 @@ def test_validation():
         mla_context_attention(q8, k8, v8, cu_q, cu_k, 2, 3, 0.1, config=dict(BLOCK_N=16, PV_FP8=True))
 
 
+
+_XCOMPILE_WS = r"""
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from ctxprefill.backends import gluon_attention as ga
+
+fn = ga._mla_attn_ws_fwd
+names = fn.arg_names
+out = []
+for dt, ws, sort_b, v_t in json.loads(sys.argv[1]):
+    sig = {n: {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32", "cu_q": "*i32",
+               "cu_k": "*i32", "cu_v": "*i32", "qk_scale": "fp32"}.get(n, "i32") for n in names}
+    const = dict(BLOCK_M=128, BLOCK_N=ws["BLOCK_N"], STAGES=ws["STAGES"], PIPE=ws["PIPE"], SORT_B=sort_b,
+                 IS_FP8=dt != "bf16", V_T=v_t)
+    for n in const:
+        sig[n] = "constexpr"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or n.startswith("stride_") and n != "stride_lh"}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=ga._MAXNREG))
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    ru = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", ru)
+    out.append(dict(dt=dt, ws=ws, sort_b=sort_b, regs=int(m[1]), stack=int(m[2]), smem=k.metadata.shared,
+                    wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
+                    setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                                      k.asm["ptx"])))))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6") or ga.gluon is None,
+                    reason="sm_90 cross-compile check of the Gluon kernel written for Triton 3.6")
+def test_warp_specialized_defaults_cross_compile_for_sm90():
+    """The warp-specialized kernel's default configs (bf16; fp8 keys-last), with and without
+    the longest-first order, build for an H200 without a GPU: wgmma, no spills, shared
+    memory within 227 KiB, registers moved by setmaxnreg (loader 24, consumers 240)."""
+    import json
+    import subprocess
+    import sys
+
+    jobs = [("bf16", ta.CONFIGS[torch.bfloat16]["WS"], s, False) for s in (0, ta._SORT_MAX)]
+    jobs += [("fp8e4nv", ta.KEYS_LAST_FP8["WS"], s, True) for s in (0, ta._SORT_MAX)]
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ta.__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    r = subprocess.run([sys.executable, "-c", _XCOMPILE_WS, json.dumps(jobs)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
+        pytest.skip(f"no ptxas for a cross-compile: {r.stderr[-300:]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for res in json.loads(r.stdout.strip().splitlines()[-1]):
+        print(res)
+        assert res["wgmma"] > 0 and res["stack"] == 0 and res["smem"] <= 232448, res
+        assert {24, 240} <= set(res["setmaxnreg"]), res
+
 # ----------------------------------------------------------------------------- GPU tests
 def _gpu_case(q_lens, k_lens, H, dtype, causal, cfg=None, tol=1e-2, seed=0):
     q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, dtype, device="cuda", seed=seed)
@@ -375,7 +439,8 @@ def _gpu_case(q_lens, k_lens, H, dtype, causal, cfg=None, tol=1e-2, seed=0):
 @pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_gpu_ragged_large(dtype, cfg, tol, tma, causal):
-    _gpu_case([1000, 0, 1, 257, 2048], [4096, 300, 0, 1, 2500], 16, dtype, causal, dict(cfg, USE_TMA=tma), tol)
+    _gpu_case([1000, 0, 1, 257, 2048], [4096, 300, 0, 1, 2500], 16, dtype, causal, dict(cfg, USE_TMA=tma, WS=None),
+              tol)
 
 
 @needs_cuda
@@ -425,7 +490,9 @@ def test_gpu_one_launch_per_call(tma):
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == TritonAttentionBackend().launches_per_call() == 1, kernels
-    assert "_mla_ctx_attn_fwd" in kernels[0]
+    # TMA-ready bf16 on Hopper runs the warp-specialized kernel (the default WS config)
+    ws = tma and ga.gluon is not None and torch.cuda.get_device_capability()[0] == 9
+    assert ("_mla_attn_ws_fwd" if ws else "_mla_ctx_attn_fwd") in kernels[0], kernels
 
 
 # ----------------------------------------------------------------------------- no-GPU compile check
@@ -504,3 +571,114 @@ def test_default_configs_cross_compile_for_sm90():
     (hdt,) = [x for x in results if x["pv_fp8"] and x["v_t"]]
     # measured 2026-12-01: byte permutes 64 -> 16, shared stores 102 -> 38
     assert hdt["prmt"] * 2 <= thd["prmt"] and hdt["st_shared"] * 2 <= thd["st_shared"], (thd, hdt)
+
+
+# ----------------------------------------------------------------------------- warp-specialized kernel (Gluon)
+
+WS_CFGS = {
+    "ws_pipe": dict(WS=dict(PIPE=True)),
+    "ws_pipe_bn64": dict(WS=dict(PIPE=True, BLOCK_N=64, STAGES=4)),
+    "ws_serial": dict(WS=dict(PIPE=False)),
+}
+needs_ws = pytest.mark.skipif(
+    not HAS_CUDA or INTERPRETING or ga.gluon is None or torch.cuda.get_device_capability()[0] != 9,
+    reason=f"the warp-specialized kernel needs a Hopper GPU (sm_90) and Gluon: {ga.GLUON_ERR or 'no sm_90 device'}")
+
+
+def _kernel_names(fn):
+    fn()  # compile outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@needs_ws
+@pytest.mark.parametrize("ws", list(WS_CFGS))
+def test_gpu_warp_specialized_ragged(ws):
+    """Against float64: empty q and k segments, one-token ones, lengths off the tiles, long
+    ones (sorted longest first: B <= 64), many heads; one launch of the Gluon kernel."""
+    cfg = WS_CFGS[ws]
+    _gpu_case([1000, 0, 1, 257, 2048], [4096, 300, 0, 1, 2500], 16, torch.bfloat16, False, cfg)
+    _gpu_case([300, 77], [1100, 129], 128, torch.bfloat16, False, cfg, seed=1)
+    _gpu_case([64, 200], [65, 16385], 2, torch.bfloat16, False, cfg, seed=2)
+    q, k, v, cu_q, cu_k = make_batch([300, 0, 40], [500, 7, 0], 16, torch.bfloat16, device="cuda")
+    names = _kernel_names(lambda: mla_context_attention(q, k, v, cu_q, cu_k, 300, 500, 0.07, config=cfg))
+    assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], names
+
+
+@needs_ws
+def test_gpu_warp_specialized_unsorted_many_segments():
+    lens = [(i * 37) % 150 for i in range(ta._SORT_MAX + 3)]
+    _gpu_case(lens, [(i * 53) % 333 for i in range(len(lens))], 3, torch.bfloat16, False, WS_CFGS["ws_pipe"])
+
+
+@needs_ws
+@pytest.mark.parametrize("ws", ["ws_pipe", "ws_pipe_bn64"])
+def test_gpu_warp_specialized_neighbours_do_not_leak(ws):
+    """A tile reads past its segment's end; those rows must be zeros, not the next
+    segment's values: an inf in the next segment's k/v leaves this segment's result equal
+    (bit for bit) to a run where the next segment is finite."""
+    cfg = WS_CFGS[ws]
+    H = 4
+    q, k, v, cu_q, cu_k = make_batch([100, 50], [70, 200], H, torch.bfloat16, device="cuda", seed=5)
+    a, la = mla_context_attention(q, k, v, cu_q, cu_k, 100, 200, 0.07, config=cfg)
+    k2, v2 = k.clone(), v.clone()
+    k2[70:] = float("inf")
+    v2[70:] = float("inf")
+    b, lb = mla_context_attention(q, k2, v2, cu_q, cu_k, 100, 200, 0.07, config=cfg)
+    torch.cuda.synchronize()
+    assert torch.isfinite(b[:100].float()).all() and torch.isfinite(lb[:, :100]).all()
+    assert torch.equal(a[:100], b[:100]) and torch.equal(la[:, :100], lb[:, :100])
+
+
+@needs_ws
+def test_gpu_warp_specialized_out_pointer_and_untouched_rows():
+    H = 16
+    cfg = WS_CFGS["ws_pipe"]
+    q, k, v, cu_q, cu_k = make_batch([700, 5, 0, 130], [2000, 0, 9, 64], H, torch.bfloat16, device="cuda", seed=4)
+    Tq = q.shape[0]
+    big = torch.full((Tq + 300, H, 128), 3.0, dtype=torch.bfloat16, device="cuda")
+    out = big[100 : 100 + Tq]
+    got, lse = mla_context_attention(q, k, v, cu_q, cu_k, 700, 2000, 0.07, out=out, config=cfg)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr()
+    assert (big[:100] == 3.0).all() and (big[100 + Tq :] == 3.0).all()
+    assert (out[700:705] == 0).all() and (lse[:, 700:705] == float("-inf")).all()
+    check(got, lse, *reference(q.float(), k.float(), v.float(), cu_q, cu_k, 0.07))
+
+
+def _keys_last(v, k_lens, align=16):
+    """v [Tk, H, 128] -> [H, 128, Tv], each segment from a multiple of ``align`` columns
+    (what the engine's fp8 pack writes), and the starts."""
+    starts, col = [], 0
+    for n in k_lens:
+        starts.append(col)
+        col += -(-n // align) * align
+    starts.append(col)
+    vt = torch.zeros(v.shape[1], v.shape[2], max(col, align), dtype=v.dtype, device=v.device)
+    at = 0
+    for i, n in enumerate(k_lens):
+        vt[..., starts[i] : starts[i] + n] = v[at : at + n].permute(1, 2, 0)
+        at += n
+    return vt, torch.tensor(starts, dtype=torch.int32, device=v.device)
+
+
+@needs_ws
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gpu_warp_specialized_fp8_keys_last(stages):
+    """fp8 q/k/v, V keys-last, P·V in fp8 (P through shared memory): against float64 from
+    the dequantized inputs within the P·V-in-fp8 bound (5e-2), ragged with empty segments."""
+    cfg = dict(PV_FP8=True, WS=dict(PIPE=True, STAGES=stages))
+    for q_lens, k_lens, H, seed in (([1000, 0, 1, 257, 2048], [4096, 300, 0, 1, 2500], 16, 0),
+                                    ([300, 77], [1100, 129], 128, 1)):
+        q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, FP8, device="cuda", seed=seed)
+        vt, cv = _keys_last(v, k_lens)
+        run = lambda: mla_context_attention(q, k, vt, cu_q, cu_k, max(q_lens), max(k_lens), 192**-0.5,
+                                            config=cfg, v_layout="hdt", cu_seqlens_v=cv)
+        out, lse = run()
+        torch.cuda.synchronize()
+        check(out, lse, *reference(q.float(), k.float(), v.float(), cu_q, cu_k, 192**-0.5), out_tol=5e-2)
+    names = _kernel_names(run)
+    assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], names

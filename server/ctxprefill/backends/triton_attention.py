@@ -62,6 +62,7 @@ import os
 
 import torch
 
+from . import gluon_attention as _ws
 from ._triton import TRITON_ERR as _TRITON_ERR
 from ._triton import tl, triton
 from .base import AttentionBackend
@@ -83,8 +84,17 @@ _P_SHIFT = 8.0  # P·V in fp8: P scaled by 2**8 (≤ 256 < 448) before the e4m3 
 #: the H200, 480-496 -> 570-617 TFLOP/s. bf16 cannot do the same: its 48 KiB q tile and
 #: K/V stages need 169 KiB, and the tiles that fit twice (BLOCK_N=32) lose more than
 #: the overlap gains (483 vs 535 TFLOP/s, bench_attention.py --sweep).
+#:
+#: ``WS`` (a dict, or True for ``gluon_attention.CONFIG``): on Hopper, non-causal chunks run
+#: the warp-specialized Gluon kernel instead (``gluon_attention``: a TMA loader warp, two
+#: consumer warpgroups sharing each K/V tile). Measured on the H200 (2026-12-01,
+#: ``bench_attention.py --sweep ws``): bf16 568-635 TFLOP/s against this kernel's 441-554;
+#: "serial" consumers (PIPE False) beat FA3's intra-warpgroup pipelining here (which spills
+#: at 128-key blocks and gains nothing at 64). Causal chunks and pointer-path inputs keep
+#: the kernel below.
 CONFIGS: dict[torch.dtype, dict] = {
-    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, USE_TMA=True),
+    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, USE_TMA=True,
+                         WS=dict(PIPE=False, BLOCK_N=128, STAGES=2)),
     _FP8: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, PV_FP8=False, USE_TMA=True, maxnreg=128),
 }
 
@@ -93,7 +103,9 @@ CONFIGS: dict[torch.dtype, dict] = {
 #: 16-byte boundaries), 639-792 TFLOP/s against 466-608 for P·V in bf16 over V [Tk, H, 128]
 #: (the default above), whose fp8 P·V must transpose every V tile (274-354). Error
 #: bound: PV_FP8 above (5e-2 relative).
-KEYS_LAST_FP8 = dict(PV_FP8=True)
+#: On Hopper the warp-specialized kernel runs it (P through shared memory, 3 stages):
+#: 791-912 TFLOP/s against 638-822 (``bench_attention.py --sweep ws``).
+KEYS_LAST_FP8 = dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=128, STAGES=3))
 
 if triton is not None:
     # globals read inside @triton.jit code must be constexpr
@@ -460,6 +472,17 @@ def mla_context_attention(
                and grid[0] * grid[1] * grid[2] * _TMA_SCRATCH_PER_PROGRAM <= _TMA_SCRATCH_CAP)
     if use_tma and q.device.type == "cuda":
         triton.set_allocator(_tma_scratch)  # a ContextVar: set in the calling thread, every call
+    ws = cfg.get("WS")
+    if ws and use_tma and not causal and (not is_fp8 or (v_t and pv_fp8)) and _ws.gluon is not None \
+            and q.device.type == "cuda" and _capability(q.device)[0] == 9:
+        # (fp8: P·V in fp8 over keys-last V only — Hopper's fp8 MMA wants V K-major)
+        # warp-specialized Gluon kernel (Hopper): same semantics, FA3's structure
+        ws_cfg = dict(_ws.CONFIG, **(ws if isinstance(ws, dict) else {}))
+        ws_grid = (max(1, triton.cdiv(int(max_q), ws_cfg["BLOCK_M"])), H, max(B, 1))
+        _ws.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                   cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v, float(scale) * _LOG2E, ws_grid,
+                   sort_b, v_t, ws_cfg)
+        return out, lse
     _mla_ctx_attn_fwd[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v,
         float(scale) * _LOG2E, B,
