@@ -375,6 +375,8 @@ for dt, ws, sort_b, v_t in json.loads(sys.argv[1]):
                "cu_k": "*i32", "cu_v": "*i32", "qk_scale": "fp32"}.get(n, "i32") for n in names}
     const = dict(BLOCK_M=128, BLOCK_N=ws["BLOCK_N"], STAGES=ws["STAGES"], PIPE=ws["PIPE"], SORT_B=sort_b,
                  IS_FP8=dt != "bf16", V_T=v_t)
+    # every compile-time parameter given (one left out would compile as a runtime value)
+    assert not [n for n in names if n.isupper() and n not in const and n not in ("Q", "K", "V", "O", "LSE", "B")]
     for n in const:
         sig[n] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -615,7 +617,7 @@ def test_gpu_warp_specialized_unsorted_many_segments():
 
 
 @needs_ws
-@pytest.mark.parametrize("ws", ["ws_pipe", "ws_pipe_bn64"])
+@pytest.mark.parametrize("ws", ["ws_pipe", "ws_pipe_bn64", "ws_serial"])
 def test_gpu_warp_specialized_neighbours_do_not_leak(ws):
     """A tile reads past its segment's end; those rows must be zeros, not the next
     segment's values: an inf in the next segment's k/v leaves this segment's result equal
@@ -666,11 +668,12 @@ def _keys_last(v, k_lens, align=16):
 
 
 @needs_ws
-@pytest.mark.parametrize("stages", [2, 3])
-def test_gpu_warp_specialized_fp8_keys_last(stages):
+@pytest.mark.parametrize("ws", [dict(PIPE=True, STAGES=2), dict(PIPE=True, STAGES=3), dict(PIPE=False, STAGES=3)],
+                         ids=["pipe_s2", "pipe_s3", "serial_s3"])
+def test_gpu_warp_specialized_fp8_keys_last(ws):
     """fp8 q/k/v, V keys-last, P·V in fp8 (P through shared memory): against float64 from
     the dequantized inputs within the P·V-in-fp8 bound (5e-2), ragged with empty segments."""
-    cfg = dict(PV_FP8=True, WS=dict(PIPE=True, STAGES=stages))
+    cfg = dict(PV_FP8=True, WS=ws)
     for q_lens, k_lens, H, seed in (([1000, 0, 1, 257, 2048], [4096, 300, 0, 1, 2500], 16, 0),
                                     ([300, 77], [1100, 129], 128, 1)):
         q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, FP8, device="cuda", seed=seed)
