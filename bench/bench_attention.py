@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -194,6 +195,42 @@ def prov_flex(q, k, v, cq, ck, ql, kl, scale):
     return lambda: _FLEX(qd, kd, vd, block_mask=bm, scale=scale, return_lse=True)
 
 
+_FI_WORKSPACE = None
+
+
+def prov_flashinfer(q, k, v, cq, ck, ql, kl, scale, backend="fa3"):
+    """FlashInfer 0.6.13's ragged prefill (``--flashinfer``; its kernels compile with nvcc on
+    the first call, reported as first_call_ms). Same layouts as ours: q/k [T, H, 192], v
+    [T, H, 128], bf16 out. Its LSE is base 2 (GPU-NOTES); ``fn.check()`` compares output
+    and natural-log LSE with our kernel's."""
+    global _FI_WORKSPACE
+    import flashinfer
+    from ctxprefill.backends.triton_attention import mla_context_attention
+
+    if _FI_WORKSPACE is None:
+        _FI_WORKSPACE = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    H = q.shape[1]
+    w = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(_FI_WORKSPACE, "NHD", backend=backend)
+    w.plan(cq.cpu(), ck.cpu(), H, H, 192, head_dim_vo=128, causal=False, sm_scale=scale, q_data_type=q.dtype,
+           kv_data_type=k.dtype, o_data_type=torch.bfloat16)
+    out = torch.empty(q.shape[0], H, 128, dtype=torch.bfloat16, device="cuda")
+    fn = lambda: w.run(q, k, v, out=out, return_lse=True)
+
+    def check():
+        o, lse2 = fn()
+        vv, extra = v, {}
+        if q.dtype == FP8:  # ours runs fp8 with V keys-last (what the engine's pack writes)
+            vv, cv = keys_last_v(v, kl)
+            extra = dict(v_layout="hdt", cu_seqlens_v=cv)
+        ref, ref_lse = mla_context_attention(q, k, vv, cq, ck, max(ql), max(kl), scale, **extra)
+        lse = lse2.float().transpose(0, 1) * math.log(2)  # [T, H] base 2 -> [H, T] natural
+        return dict(out_rel_vs_ours=((o.float() - ref.float()).norm() / ref.float().norm()).item(),
+                    lse_max_abs_vs_ours=(lse - ref_lse).abs().max().item())
+
+    fn.check = check
+    return fn
+
+
 # ---------------------------------------------------------------------------- main table
 def sanity(q, k, v, cq, ck, ql, kl, scale):
     """Our output and LSE against cuDNN's on one equal-length case (bf16)."""
@@ -236,6 +273,8 @@ def measure(rec, mk, ql, kl, H, causal, rep):
                 rec["served_by"] = be.last_graph.engine
         ms = bench_ms(fn, rep)
         rec.update(ms=ms, tflops=2 * pairs(ql, kl, causal) * H * 320 / ms / 1e9)
+        if getattr(fn, "check", None) is not None:  # another library: its numbers against ours
+            rec.update(fn.check())
     except Exception as e:  # a provider or config that does not run here is a result too
         rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         try:
@@ -249,7 +288,10 @@ def fmt(rec):
     build = ""
     if "graph_build_s" in rec:
         build = f" (graph build {rec['graph_build_s']:.2f} s, {rec.get('served_by', '?')})"
-    return (f"{rec['ms']:8.3f} ms {rec['tflops']:6.1f} TFLOP/s{build}" if "ms" in rec
+    vs = ""
+    if "out_rel_vs_ours" in rec:
+        vs = f" (vs ours: out rel {rec['out_rel_vs_ours']:.1e}, lse max abs {rec['lse_max_abs_vs_ours']:.1e})"
+    return (f"{rec['ms']:8.3f} ms {rec['tflops']:6.1f} TFLOP/s{build}{vs}" if "ms" in rec
             else str(rec.get("error", rec.get("skipped", ""))))
 
 
@@ -287,6 +329,11 @@ def run_table(args):
     if not args.no_flex:
         provs += [(2, "flex", "bf16", False, lambda x, cq, ck, ql, kl: prov_flex(*x, cq, ck, ql, kl, scale)),
                   (2, "flex", "fp8", False, lambda x, cq, ck, ql, kl: prov_flex(*x, cq, ck, ql, kl, scale))]
+    if args.flashinfer:
+        provs += [(0, "flashinfer fa3", dt, False,
+                   lambda x, cq, ck, ql, kl: prov_flashinfer(*x, cq, ck, ql, kl, scale)) for dt in ("bf16", "fp8")]
+    if args.providers:
+        provs = [p for p in provs if p[1].startswith(tuple(args.providers))]
     results = []
     for phase in (0, 1, 2):
         for H, (name, ql, kl) in shapes:
@@ -408,6 +455,10 @@ def main():
     ap.add_argument("--rep", type=int, default=100, help="do_bench time per measurement, ms")
     ap.add_argument("--budget-s", type=float, default=120.0, help="skip optional work after this many seconds")
     ap.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles are slow)")
+    ap.add_argument("--flashinfer", action="store_true",
+                    help="add FlashInfer 0.6.13's FA3 ragged prefill (carried wheel; compiles on first use)")
+    ap.add_argument("--providers", nargs="+", default=None, metavar="PREFIX",
+                    help="run only the providers whose label starts with one of these (e.g. triton flashinfer)")
     ap.add_argument("--cudnn-frontend-stats", choices=["packed", "padded", "both"], default="packed",
                     help="stats layout(s) of the cudnn-frontend column(s)")
     ap.add_argument("--sweep", nargs="?", const="triton", choices=["triton", "ws"],

@@ -13,7 +13,8 @@
 #   6. bench/bench_attention.py, if present                                           -> bench_attention.json
 # and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_full
 # (issue 8's 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
-# bench_rpc_floor, attention_sweep, hostile_sanitizer, bench_sharded, segv (a native backtrace of one test).
+# bench_rpc_floor, attention_sweep, bench_attention_flashinfer, hostile_sanitizer, bench_sharded, segv (a native
+# backtrace of one test).
 # The device tool brings back at most 8 files from $OUT: choose steps accordingly.
 # A time budget (GPU_RUN_BUDGET_S, default 560 s: one device call is capped at 600 s)
 # caps every step; a step that no longer fits is recorded as skipped and counts as a
@@ -85,6 +86,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   note "wheels: rc=$rc"
   [ "$rc" -eq 0 ] || FAILED=1
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  export PATH="/tmp/site/bin:$PATH"  # console scripts of the carried wheels (ninja for FlashInfer's JIT)
 fi
 note "python: $(python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -n 1)"
 note "triton: $(python3 -c 'import triton; print(triton.__version__)' 2>&1 | tail -n 1)"
@@ -176,6 +178,10 @@ want bench_transport_awake && run_step bench_transport_awake 180 5 - python3 ben
   --cpu-latency-us 0 --modes cuda cuda-stream system --out "$OUT/transport_awake.json"
 want bench_rpc_floor_awake && run_step bench_rpc_floor_awake 60 5 - python3 bench/bench_rpc_floor.py --cpu-latency-us 0 \
   --out "$OUT/rpc_floor_awake.json"
+
+# ---- 7c. FlashInfer 0.6.13's FA3 ragged prefill next to ours (carried wheels; compiles on first use)
+want bench_attention_flashinfer && run_step bench_attention_flashinfer 420 5 - python3 bench/bench_attention.py \
+  --flashinfer --providers triton flashinfer cudnn --no-flex --budget-s 400 --out "$OUT/attention_flashinfer.json"
 
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \
