@@ -23,6 +23,7 @@ Stays within --budget-s seconds (optional competitors are skipped past it).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -97,19 +98,11 @@ def dense(x, B):  # packed [B*S, H, D] (equal lengths) -> contiguous [B, H, S, D
 # ---------------------------------------------------------------------------- providers
 def keys_last_v(v, kl):
     """v [Tk, H, 128] -> keys-last [H, 128, Tv] with every segment's keys starting on a
-    16-byte boundary, and those starts (what a pack writing this layout would produce)."""
-    align = 16 // v.element_size()
-    starts, col = [], 0
-    for n in kl:
-        starts.append(col)
-        col += -(-n // align) * align
-    starts.append(col)
-    vt = torch.zeros(v.shape[1], v.shape[2], max(col, align), dtype=v.dtype, device=v.device)
-    at = 0
-    for i, n in enumerate(kl):
-        vt[..., starts[i] : starts[i] + n] = v[at : at + n].permute(1, 2, 0)
-        at += n
-    return vt, torch.tensor(starts, dtype=torch.int32, device=v.device)
+    16-byte boundary, and those starts: what the engine's fp8 pack writes (ops.pack)."""
+    from ctxprefill.ops.pack import keys_last_copy, keys_last_layout
+
+    layout = keys_last_layout([0, *itertools.accumulate(kl)], v.device)
+    return keys_last_copy(v, layout), layout.cu_v_dev
 
 
 def prov_triton(q, k, v, cq, ck, ql, kl, scale, causal=False, config=None):

@@ -11,6 +11,7 @@ per element, errors of random sign that do not average out against the output)
 ≤ 5e-2, measured ~2e-2; the LSE comes from fp32 P in both modes, ≤ 1e-2.
 """
 
+import itertools
 import os
 
 import pytest
@@ -360,9 +361,43 @@ def test_validation():
 
 
 
-_XCOMPILE_WS = r"""
-import json, os, re, subprocess, sys, tempfile
+def _cross_compile(script: str, jobs: list) -> list[dict]:
+    """Run a cross-compile script (no GPU, Triton 3.6's own ptxas) in a subprocess on
+    ``jobs``; its last stdout line is a JSON list of per-kernel facts."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ta.__file__))))  # holds ctxprefill/
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(jobs)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
+        pytest.skip(f"no ptxas for a cross-compile: {r.stderr[-300:]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# shared by the sm_90 cross-compile checks below (run in a subprocess, no GPU needed)
+_XC_RESOURCES = r'''
+import os, re, subprocess, tempfile
 import triton
+
+
+def resources(k):
+    """(registers, stack bytes) per thread of a compiled kernel, from cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    ru = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", ru)
+    return int(m[1]), int(m[2])
+'''
+
+_XCOMPILE_WS = _XC_RESOURCES + r"""
+import json, re, sys
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from ctxprefill.backends import gluon_attention as ga
@@ -383,13 +418,8 @@ for dt, ws, sort_b, v_t in json.loads(sys.argv[1]):
              if sig[n].startswith("*") or n.startswith("stride_") and n != "stride_lh"}
     src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=ga._MAXNREG))
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    ru = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", ru)
-    out.append(dict(dt=dt, ws=ws, sort_b=sort_b, regs=int(m[1]), stack=int(m[2]), smem=k.metadata.shared,
+    regs, stack = resources(k)
+    out.append(dict(dt=dt, ws=ws, sort_b=sort_b, regs=regs, stack=stack, smem=k.metadata.shared,
                     wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
                     setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                       k.asm["ptx"])))))
@@ -403,21 +433,9 @@ def test_warp_specialized_defaults_cross_compile_for_sm90():
     """The warp-specialized kernel's default configs (bf16; fp8 keys-last), with and without
     the longest-first order, build for an H200 without a GPU: wgmma, no spills, shared
     memory within 227 KiB, registers moved by setmaxnreg (loader 24, consumers 240)."""
-    import json
-    import subprocess
-    import sys
-
     jobs = [("bf16", ta.CONFIGS[torch.bfloat16]["WS"], s, False) for s in (0, ta._SORT_MAX)]
     jobs += [("fp8e4nv", ta.KEYS_LAST_FP8["WS"], s, True) for s in (0, ta._SORT_MAX)]
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ta.__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    r = subprocess.run([sys.executable, "-c", _XCOMPILE_WS, json.dumps(jobs)], capture_output=True, text=True,
-                       env=env, timeout=300)
-    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
-        pytest.skip(f"no ptxas for a cross-compile: {r.stderr[-300:]}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    for res in json.loads(r.stdout.strip().splitlines()[-1]):
+    for res in _cross_compile(_XCOMPILE_WS, jobs):
         print(res)
         assert res["wgmma"] > 0 and res["stack"] == 0 and res["smem"] <= 232448, res
         assert {24, 240} <= set(res["setmaxnreg"]), res
@@ -498,9 +516,8 @@ def test_gpu_one_launch_per_call(tma):
 
 
 # ----------------------------------------------------------------------------- no-GPU compile check
-_XCOMPILE = r'''
-import json, os, re, subprocess, sys, tempfile
-import triton
+_XCOMPILE = _XC_RESOURCES + r'''
+import json, re, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ctxprefill.backends import triton_attention as ta
@@ -524,16 +541,11 @@ for dt, cfg, causal in json.loads(sys.argv[1]):
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                                     **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {})))
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    ru = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", ru)
+    regs, stack = resources(k)
     out.append(dict(dt=dt, causal=causal, v_t=cfg.get("V_T", False), pv_fp8=cfg.get("PV_FP8", False),
                     prmt=len(re.findall(r"\bprmt\b", k.asm["ptx"])), st_shared=len(re.findall(r"st\.shared", k.asm["ptx"])),
                     wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
-                    mma_sync=len(re.findall(r"\bmma\.sync", k.asm["ptx"])), regs=int(m[1]), stack=int(m[2]),
+                    mma_sync=len(re.findall(r"\bmma\.sync", k.asm["ptx"])), regs=regs, stack=stack,
                     smem=k.metadata.shared))
 print(json.dumps(out))
 '''
@@ -543,10 +555,6 @@ print(json.dumps(out))
 def test_default_configs_cross_compile_for_sm90():
     """Compile the default configs for an H200 (sm_90) without a GPU, with the wheel's ptxas:
     they must build, use wgmma only, and not spill; shared memory within the 227 KiB limit."""
-    import json
-    import subprocess
-    import sys
-
     jobs = [("bf16", ta.CONFIGS[torch.bfloat16], c) for c in (False, True)]
     jobs += [("fp8e4nv", ta.CONFIGS[FP8], False), ("fp8e4nv", dict(ta.CONFIGS[FP8], PV_FP8=True), False)]
     # the variant that orders segments longest-first (2 <= B <= 64)
@@ -555,15 +563,7 @@ def test_default_configs_cross_compile_for_sm90():
     # keys-last V (v_layout="hdt" through TMA) with P·V in fp8: the V tile reaches the fp8
     # wgmma without the transpose through registers that the [Tk, H, 128] layout costs
     jobs += [("fp8e4nv", dict(ta.CONFIGS[FP8], PV_FP8=True, V_T=True), False)]
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ta.__file__))))  # holds ctxprefill/
-    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    r = subprocess.run([sys.executable, "-c", _XCOMPILE, json.dumps(jobs)], capture_output=True, text=True,
-                       env=env, timeout=300)
-    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
-        pytest.skip(f"no ptxas for a cross-compile: {r.stderr[-300:]}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    results = json.loads(r.stdout.strip().splitlines()[-1])
+    results = _cross_compile(_XCOMPILE, jobs)
     for res in results:
         print(res)
         assert res["wgmma"] > 0 and res["mma_sync"] == 0, res
@@ -651,20 +651,13 @@ def test_gpu_warp_specialized_out_pointer_and_untouched_rows():
     check(got, lse, *reference(q.float(), k.float(), v.float(), cu_q, cu_k, 0.07))
 
 
-def _keys_last(v, k_lens, align=16):
-    """v [Tk, H, 128] -> [H, 128, Tv], each segment from a multiple of ``align`` columns
-    (what the engine's fp8 pack writes), and the starts."""
-    starts, col = [], 0
-    for n in k_lens:
-        starts.append(col)
-        col += -(-n // align) * align
-    starts.append(col)
-    vt = torch.zeros(v.shape[1], v.shape[2], max(col, align), dtype=v.dtype, device=v.device)
-    at = 0
-    for i, n in enumerate(k_lens):
-        vt[..., starts[i] : starts[i] + n] = v[at : at + n].permute(1, 2, 0)
-        at += n
-    return vt, torch.tensor(starts, dtype=torch.int32, device=v.device)
+def _keys_last(v, k_lens):
+    """v [Tk, H, 128] -> [H, 128, Tv], each segment from a multiple of 16 columns (what the
+    engine's fp8 pack writes), and the starts."""
+    from ctxprefill.ops.pack import keys_last_copy, keys_last_layout
+
+    layout = keys_last_layout([0, *itertools.accumulate(k_lens)], v.device)
+    return keys_last_copy(v, layout), layout.cu_v_dev
 
 
 @needs_ws

@@ -82,10 +82,11 @@ def keys_last_layout(cu_k: list[int], device) -> KeysLast:
                     torch.tensor(cu_v, dtype=torch.int32, device=device))
 
 
-def _keys_last_copy(v8: torch.Tensor, layout: KeysLast, count: bool) -> torch.Tensor:
-    """v8 [T, H, D] -> [H, D, v_cols], zero between segments: a fill and a copy per segment."""
+def keys_last_copy(v8: torch.Tensor, layout: KeysLast, count: bool = False) -> torch.Tensor:
+    """v8 [T, H, D] -> [H, D, v_cols] in its dtype, zero between segments: a fill and a
+    copy per segment (``count``: noted as launches, as the generic pack does)."""
     T, H, D = v8.shape
-    vt = torch.zeros((H, D, layout.v_cols), dtype=FP8, device=v8.device)
+    vt = torch.zeros((H, D, layout.v_cols), dtype=v8.dtype, device=v8.device)
     if count:
         launches.note(1 if vt.numel() else 0)
     for a, b, c in zip(layout.cu_k, layout.cu_k[1:], layout.cu_v):
@@ -109,7 +110,7 @@ def fused_mla_kv_concat_quant_fp8_reference(k_nope, k_pe, v, v_keys_last: KeysLa
     k[..., P:] = (k_pe if k_pe.dtype == FP8 else sat(k_pe))[:, None, :]
     if v_keys_last is None:
         return k, sat(v)
-    return k, _keys_last_copy(sat(v), v_keys_last, count=False)
+    return k, keys_last_copy(sat(v), v_keys_last)
 
 
 # --- fused: one launch per chunk ---------------------------------------------------
@@ -180,4 +181,4 @@ def generic_kv_concat_quant_fp8(k_nope, k_pe, v, *, v_keys_last: KeysLast | None
     v8 = saturating_cast_fp8(v)
     if v_keys_last is None:
         return k, v8
-    return k, _keys_last_copy(v8, v_keys_last, count=True)  # a fill, and a transposing copy per segment
+    return k, keys_last_copy(v8, v_keys_last, count=True)  # a fill, and a transposing copy per segment
