@@ -9,7 +9,8 @@ One program = one (query tile of ``BLOCK_M`` rows, head, segment), three partiti
   only for a slot to be freed;
 * two consumer warpgroups, each owning half of the query rows (64), read the *same* K/V
   slots: S = Q·Kᵀ (wgmma from shared memory), online softmax in registers, O += P·V
-  (P from registers). While one is in its softmax, the other's MMAs run, as two
+  (P from registers; fp8 P through shared memory). While one is in its softmax, the
+  other's MMAs run, as two
   programs per SM would, but with one copy of K/V in shared memory (bf16's 192-wide K
   does not fit twice otherwise). With ``PIPE`` each consumer also overlaps within
   itself (FA3's intra-warpgroup pipelining): block j's Q·Kᵀ and block j-1's P·V are in

@@ -51,7 +51,7 @@ precision, Triton's default). For P·V two modes, per config key ``PV_FP8``:
 
 On Hopper (sm_90), non-causal bf16 chunks and keys-last fp8 chunks whose inputs can go
 through TMA run a warp-specialized kernel instead (``gluon_attention``: a TMA loader
-warp and two consumer warpgroups sharing K/V; config key ``WS``), same contract, 10-17 %
+warp and two consumer warpgroups sharing K/V; config key ``WS``), same contract, 5-28 %
 faster on the H200 (docs/DESIGN.md); everything else runs the kernel below.
 
 The kernel is also callable on CPU tensors under Triton's interpreter

@@ -82,18 +82,18 @@ def keys_last_layout(cu_k: list[int], device) -> KeysLast:
                     torch.tensor(cu_v, dtype=torch.int32, device=device))
 
 
-def keys_last_copy(v8: torch.Tensor, layout: KeysLast, count: bool = False) -> torch.Tensor:
-    """v8 [T, H, D] -> [H, D, v_cols] in its dtype, zero between segments: a fill and a
+def keys_last_copy(v: torch.Tensor, layout: KeysLast, count: bool = False) -> torch.Tensor:
+    """v [T, H, D] -> [H, D, v_cols] in its dtype, zero between segments: a fill and a
     copy per segment (``count``: noted as launches, as the generic pack does)."""
-    T, H, D = v8.shape
-    vt = torch.zeros((H, D, layout.v_cols), dtype=v8.dtype, device=v8.device)
+    T, H, D = v.shape
+    vt = torch.zeros((H, D, layout.v_cols), dtype=v.dtype, device=v.device)
     if count:
         launches.note(1 if vt.numel() else 0)
     for a, b, c in zip(layout.cu_k, layout.cu_k[1:], layout.cu_v):
         if b > a:
             if count:
                 launches.note(1)
-            vt[:, :, c : c + b - a].copy_(v8[a:b].permute(1, 2, 0))
+            vt[:, :, c : c + b - a].copy_(v[a:b].permute(1, 2, 0))
     return vt
 
 
