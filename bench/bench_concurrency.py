@@ -308,56 +308,48 @@ def _drive_calls(client, session, seqs: list, end_at: float, recs: list, first_e
         del r  # results placed in shared memory are views of it: none may outlive the session
 
 
-def _drive_stream(client, session, seqs: list, end_at: float, depth: int, recs: list, first_errors: list) -> None:
-    """Requests on one PrefillContextStream, ``depth`` in flight, until ``end_at``. A
-    request that fails in-band is recorded and the stream goes on; a stream that broke
-    is reopened (answers still owed on it are lost)."""
-    sent: collections.deque = collections.deque()
-    stream = client.prefill_stream()
-    try:
-        while True:
-            while len(sent) < depth and time.time() < end_at:
-                sent.append(time.time())
-                stream.submit(session.q, seqs, **session.kwargs)
-            if not sent:
-                return
-            t = sent.popleft()
-            try:
-                r = stream.result()
-            except Exception as e:  # noqa: BLE001 - counted by code and reported
-                _record(recs, first_errors, t, e)
-                if not stream.is_open:
-                    stream.close()
-                    sent.clear()
-                    time.sleep(0.01)
-                    stream = client.prefill_stream()
-                continue
-            _record(recs, first_errors, t, r)
-            del r
-    finally:
-        stream.close()
-
-
-def _drive_ring(ring, session, seqs: list, end_at: float, depth: int, recs: list, first_errors: list) -> None:
-    """Requests through a request ring, ``depth`` in flight, until ``end_at``. A request that
-    fails in-band is recorded and the ring goes on; a detached ring ends this client."""
+def _drive_pipelined(channel, session, seqs: list, end_at: float, depth: int, recs: list, first_errors: list,
+                     reopen=None) -> None:
+    """Requests through ``channel`` (a PrefillContextStream or a request ring: submit /
+    result / is_open), ``depth`` in flight, until ``end_at``. A request that fails in-band
+    is recorded and the channel goes on; a channel that closed is reopened by ``reopen()``
+    (answers still owed on it are lost) or, without one, ends this client."""
     sent: collections.deque = collections.deque()
     while True:
         while len(sent) < depth and time.time() < end_at:
             sent.append(time.time())
-            ring.submit(session.q, seqs, **session.kwargs)
+            channel.submit(session.q, seqs, **session.kwargs)
         if not sent:
             return
         t = sent.popleft()
         try:
-            r = ring.result()
+            r = channel.result()
         except Exception as e:  # noqa: BLE001 - counted by code and reported
             _record(recs, first_errors, t, e)
-            if not ring.is_open:
-                return
+            if not channel.is_open:
+                if reopen is None:
+                    return
+                channel.close()
+                sent.clear()
+                time.sleep(0.01)
+                channel = reopen()
             continue
         _record(recs, first_errors, t, r)
         del r
+
+
+def _drive_stream(client, session, seqs: list, end_at: float, depth: int, recs: list, first_errors: list) -> None:
+    """Requests on one PrefillContextStream (reopened if it breaks), ``depth`` in flight."""
+    streams = [client.prefill_stream()]
+
+    def reopen():
+        streams.append(client.prefill_stream())
+        return streams[-1]
+
+    try:
+        _drive_pipelined(streams[0], session, seqs, end_at, depth, recs, first_errors, reopen)
+    finally:
+        streams[-1].close()
 
 
 def _ring_slot_bytes(q_spec: tuple, transport: str) -> int:
@@ -405,7 +397,7 @@ def drive(target: str, q_spec: tuple, seqs: list, start_at: float, end_at: float
         if session is not None and delay > 0:
             time.sleep(delay)
         if ring is not None:
-            _drive_ring(ring, session, seqs, end_at, ring_depth, recs, first_errors)
+            _drive_pipelined(ring, session, seqs, end_at, ring_depth, recs, first_errors)
         elif session is not None and ring_depth:
             pass  # the ring did not attach: recorded above
         elif session is not None and stream_depth:

@@ -361,86 +361,17 @@ def test_validation():
 
 
 
-def _cross_compile(script: str, jobs: list) -> list[dict]:
-    """Run a cross-compile script (no GPU, Triton 3.6's own ptxas) in a subprocess on
-    ``jobs``; its last stdout line is a JSON list of per-kernel facts."""
-    import json
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ta.__file__))))  # holds ctxprefill/
-    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    r = subprocess.run([sys.executable, "-c", script, json.dumps(jobs)], capture_output=True, text=True,
-                       env=env, timeout=300)
-    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
-        pytest.skip(f"no ptxas for a cross-compile: {r.stderr[-300:]}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-# shared by the sm_90 cross-compile checks below (run in a subprocess, no GPU needed)
-_XC_RESOURCES = r'''
-import os, re, subprocess, tempfile
-import triton
-
-
-def resources(k):
-    """(registers, stack bytes) per thread of a compiled kernel, from cuobjdump."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    ru = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", ru)
-    return int(m[1]), int(m[2])
-'''
-
-_XCOMPILE_WS = _XC_RESOURCES + r"""
-import json, re, sys
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from ctxprefill.backends import gluon_attention as ga
-
-fn = ga._mla_attn_ws_fwd
-names = fn.arg_names
-out = []
-for dt, ws, sort_b, v_t in json.loads(sys.argv[1]):
-    sig = {n: {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32", "cu_q": "*i32",
-               "cu_k": "*i32", "cu_v": "*i32", "qk_scale": "fp32"}.get(n, "i32") for n in names}
-    const = dict(BLOCK_M=128, BLOCK_N=ws["BLOCK_N"], STAGES=ws["STAGES"], PIPE=ws["PIPE"], SORT_B=sort_b,
-                 IS_FP8=dt != "bf16", V_T=v_t)
-    # every compile-time parameter given (one left out would compile as a runtime value)
-    assert not [n for n in names if n.isupper() and n not in const and n not in ("Q", "K", "V", "O", "LSE", "B")]
-    for n in const:
-        sig[n] = "constexpr"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if sig[n].startswith("*") or n.startswith("stride_") and n != "stride_lh"}
-    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=ga._MAXNREG))
-    regs, stack = resources(k)
-    out.append(dict(dt=dt, ws=ws, sort_b=sort_b, regs=regs, stack=stack, smem=k.metadata.shared,
-                    wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
-                    setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
-                                                                      k.asm["ptx"])))))
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.skipif(not triton.__version__.startswith("3.6") or ga.gluon is None,
-                    reason="sm_90 cross-compile check of the Gluon kernel written for Triton 3.6")
-def test_warp_specialized_defaults_cross_compile_for_sm90():
-    """The warp-specialized kernel's default configs (bf16; fp8 keys-last), with and without
-    the longest-first order, build for an H200 without a GPU: wgmma, no spills, shared
-    memory within 227 KiB, registers moved by setmaxnreg (loader 24, consumers 240)."""
-    jobs = [("bf16", ta.CONFIGS[torch.bfloat16]["WS"], s, False) for s in (0, ta._SORT_MAX)]
-    jobs += [("fp8e4nv", ta.KEYS_LAST_FP8["WS"], s, True) for s in (0, ta._SORT_MAX)]
-    for res in _cross_compile(_XCOMPILE_WS, jobs):
-        print(res)
-        assert res["wgmma"] > 0 and res["stack"] == 0 and res["smem"] <= 232448, res
-        assert {24, 240} <= set(res["setmaxnreg"]), res
-
 # ----------------------------------------------------------------------------- GPU tests
+def _kernel_names(fn):
+    """The CUDA kernels one call of ``fn`` launches, by the profiler (compiled first)."""
+    fn()  # compile outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def _gpu_case(q_lens, k_lens, H, dtype, causal, cfg=None, tol=1e-2, seed=0):
     q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, dtype, device="cuda", seed=seed)
     out, lse = mla_context_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), 192**-0.5, causal=causal,
@@ -502,13 +433,8 @@ def test_gpu_out_pointer_and_untouched_rows(dtype):
 @pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
 def test_gpu_one_launch_per_call(tma):
     q, k, v, cu_q, cu_k = make_batch([300, 0, 40], [500, 7, 0], 16, torch.bfloat16, device="cuda")
-    run = lambda: mla_context_attention(q, k, v, cu_q, cu_k, 300, 500, 0.07, config=dict(USE_TMA=tma))
-    run()  # compile outside the profile
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = _kernel_names(lambda: mla_context_attention(q, k, v, cu_q, cu_k, 300, 500, 0.07,
+                                                          config=dict(USE_TMA=tma)))
     assert len(kernels) == TritonAttentionBackend().launches_per_call() == 1, kernels
     # TMA-ready bf16 on Hopper runs the warp-specialized kernel (the default WS config)
     ws = tma and ga.gluon is not None and torch.cuda.get_device_capability()[0] == 9
@@ -516,6 +442,41 @@ def test_gpu_one_launch_per_call(tma):
 
 
 # ----------------------------------------------------------------------------- no-GPU compile check
+def _cross_compile(script: str, jobs: list) -> list[dict]:
+    """Run a cross-compile script (no GPU, Triton 3.6's own ptxas) in a subprocess on
+    ``jobs``; its last stdout line is a JSON list of per-kernel facts."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ta.__file__))))  # holds ctxprefill/
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(jobs)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
+        pytest.skip(f"no ptxas for a cross-compile: {r.stderr[-300:]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# shared by the sm_90 cross-compile checks below (run in a subprocess, no GPU needed)
+_XC_RESOURCES = r'''
+import os, re, subprocess, tempfile
+import triton
+
+
+def resources(k):
+    """(registers, stack bytes) per thread of a compiled kernel, from cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    ru = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", ru)
+    return int(m[1]), int(m[2])
+'''
+
 _XCOMPILE = _XC_RESOURCES + r'''
 import json, re, sys
 from triton.backends.compiler import GPUTarget
@@ -575,6 +536,50 @@ def test_default_configs_cross_compile_for_sm90():
     assert hdt["prmt"] * 2 <= thd["prmt"] and hdt["st_shared"] * 2 <= thd["st_shared"], (thd, hdt)
 
 
+_XCOMPILE_WS = _XC_RESOURCES + r"""
+import json, re, sys
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from ctxprefill.backends import gluon_attention as ga
+
+fn = ga._mla_attn_ws_fwd
+names = fn.arg_names
+out = []
+for dt, ws, sort_b, v_t in json.loads(sys.argv[1]):
+    sig = {n: {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32", "cu_q": "*i32",
+               "cu_k": "*i32", "cu_v": "*i32", "qk_scale": "fp32"}.get(n, "i32") for n in names}
+    const = dict(BLOCK_M=128, BLOCK_N=ws["BLOCK_N"], STAGES=ws["STAGES"], PIPE=ws["PIPE"], SORT_B=sort_b,
+                 IS_FP8=dt != "bf16", V_T=v_t)
+    # every compile-time parameter given (one left out would compile as a runtime value)
+    assert not [n for n in names if n.isupper() and n not in const and n not in ("Q", "K", "V", "O", "LSE", "B")]
+    for n in const:
+        sig[n] = "constexpr"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or n.startswith("stride_") and n != "stride_lh"}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=ga._MAXNREG))
+    regs, stack = resources(k)
+    out.append(dict(dt=dt, ws=ws, sort_b=sort_b, regs=regs, stack=stack, smem=k.metadata.shared,
+                    wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
+                    setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                                      k.asm["ptx"])))))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6") or ga.gluon is None,
+                    reason="sm_90 cross-compile check of the Gluon kernel written for Triton 3.6")
+def test_warp_specialized_defaults_cross_compile_for_sm90():
+    """The warp-specialized kernel's default configs (bf16; fp8 keys-last), with and without
+    the longest-first order, build for an H200 without a GPU: wgmma, no spills, shared
+    memory within 227 KiB, registers moved by setmaxnreg (loader 24, consumers 240)."""
+    jobs = [("bf16", ta.CONFIGS[torch.bfloat16]["WS"], s, False) for s in (0, ta._SORT_MAX)]
+    jobs += [("fp8e4nv", ta.KEYS_LAST_FP8["WS"], s, True) for s in (0, ta._SORT_MAX)]
+    for res in _cross_compile(_XCOMPILE_WS, jobs):
+        print(res)
+        assert res["wgmma"] > 0 and res["stack"] == 0 and res["smem"] <= 232448, res
+        assert {24, 240} <= set(res["setmaxnreg"]), res
+
 # ----------------------------------------------------------------------------- warp-specialized kernel (Gluon)
 
 WS_CFGS = {
@@ -585,15 +590,6 @@ WS_CFGS = {
 needs_ws = pytest.mark.skipif(
     not HAS_CUDA or INTERPRETING or ga.gluon is None or torch.cuda.get_device_capability()[0] != 9,
     reason=f"the warp-specialized kernel needs a Hopper GPU (sm_90) and Gluon: {ga.GLUON_ERR or 'no sm_90 device'}")
-
-
-def _kernel_names(fn):
-    fn()  # compile outside the profile
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 @needs_ws

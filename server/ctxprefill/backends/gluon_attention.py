@@ -58,6 +58,7 @@ CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False)
 _MAXNREG = 168
 
 if gluon is not None:
+    _P_SHIFT_C = gl.constexpr(_P_SHIFT)  # globals read inside jit code must be constexpr
 
     @gluon.jit
     def _ws_loader(qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
@@ -107,7 +108,6 @@ if gluon is not None:
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return p, alpha, l_i, m_new
 
-    _P_SHIFT_C = gl.constexpr(_P_SHIFT)
 
     @gluon.jit
     def _pv(p, v_s, s, acc, p_layout: gl.constexpr, p_smem, V_T: gl.constexpr, IS_FP8: gl.constexpr):
