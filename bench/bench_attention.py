@@ -189,6 +189,20 @@ def prov_flex(q, k, v, cq, ck, ql, kl, scale):
 
 
 _FI_WORKSPACE = None
+#: FlashInfer 0.6.13's FA3 fp8 prefill does not build for 192/128 heads (H200, 2026-12-01:
+#: "static assertion failed with 'head_dim_qk and head_dim_vo should be the same'",
+#: batch_prefill_fp8_sm90.cu), and each failed JIT build costs a minute: bf16 only
+#: unless --flashinfer-fp8.
+FLASHINFER_DTYPES = ["bf16"]
+_FI_FAILED: dict = {}  # dtype -> the JIT build error: a failed build is not retried per shape
+
+
+class ProviderError(RuntimeError):
+    """A provider that cannot run here, with the compiler's own lines in ``detail``."""
+
+    def __init__(self, msg, detail=""):
+        super().__init__(msg)
+        self.detail = detail
 
 
 def prov_flashinfer(q, k, v, cq, ck, ql, kl, scale, backend="fa3"):
@@ -203,9 +217,17 @@ def prov_flashinfer(q, k, v, cq, ck, ql, kl, scale, backend="fa3"):
     if _FI_WORKSPACE is None:
         _FI_WORKSPACE = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     H = q.shape[1]
+    if q.dtype in _FI_FAILED:
+        raise _FI_FAILED[q.dtype]
     w = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(_FI_WORKSPACE, "NHD", backend=backend)
-    w.plan(cq.cpu(), ck.cpu(), H, H, 192, head_dim_vo=128, causal=False, sm_scale=scale, q_data_type=q.dtype,
-           kv_data_type=k.dtype, o_data_type=torch.bfloat16)
+    try:  # the first plan of a dtype JIT-compiles its kernels
+        w.plan(cq.cpu(), ck.cpu(), H, H, 192, head_dim_vo=128, causal=False, sm_scale=scale, q_data_type=q.dtype,
+               kv_data_type=k.dtype, o_data_type=torch.bfloat16)
+    except Exception as e:
+        lines = [ln.strip()[:400] for ln in str(e).splitlines() if "error" in ln.lower()]
+        _FI_FAILED[q.dtype] = ProviderError(f"FlashInfer {backend} {q.dtype} build failed: {type(e).__name__}",
+                                            "\n".join(lines[:8]) or str(e)[-1500:])
+        raise _FI_FAILED[q.dtype] from e
     out = torch.empty(q.shape[0], H, 128, dtype=torch.bfloat16, device="cuda")
     fn = lambda: w.run(q, k, v, out=out, return_lse=True)
 
@@ -270,6 +292,8 @@ def measure(rec, mk, ql, kl, H, causal, rep):
             rec.update(fn.check())
     except Exception as e:  # a provider or config that does not run here is a result too
         rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        if getattr(e, "detail", ""):
+            rec["error_detail"] = e.detail
         try:
             torch.cuda.synchronize()
         except Exception:
@@ -324,7 +348,7 @@ def run_table(args):
                   (2, "flex", "fp8", False, lambda x, cq, ck, ql, kl: prov_flex(*x, cq, ck, ql, kl, scale))]
     if args.flashinfer:
         provs += [(0, "flashinfer fa3", dt, False,
-                   lambda x, cq, ck, ql, kl: prov_flashinfer(*x, cq, ck, ql, kl, scale)) for dt in ("bf16", "fp8")]
+                   lambda x, cq, ck, ql, kl: prov_flashinfer(*x, cq, ck, ql, kl, scale)) for dt in FLASHINFER_DTYPES]
     if args.providers:
         provs = [p for p in provs if p[1].startswith(tuple(args.providers))]
     results = []
@@ -334,7 +358,7 @@ def run_table(args):
             for ph, prov, dt, causal, mk in provs:
                 if ph != phase:
                     continue
-                label = prov + ("" if equal or prov.startswith(("triton", "flex", "cudnn-frontend")) else " loop")
+                label = prov + ("" if equal or prov.startswith(("triton", "flex", "cudnn-frontend", "flashinfer")) else " loop")
                 rec = dict(H=H, case=name, q_lens=ql, k_lens=kl, provider=label, dtype=dt, causal=causal)
                 if phase > 0 and elapsed() > args.budget_s:
                     rec["skipped"] = "time budget"
@@ -393,18 +417,21 @@ SWEEP = {
             _c(128, 64, 8, 3, PV_FP8=True, v_layout="hdt"),  # uncapped: 133 registers
             _c(128, 128, 8, 2, PV_FP8=True, v_layout="hdt")],
 }
-def _ws(pipe, bn, stages, **kw):
-    return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages), **kw)
+def _ws(pipe, bn, stages, EARLY_K=True, **kw):  # noqa: N803 - the kernel's own name
+    return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages, EARLY_K=EARLY_K), **kw)
 
 
 # the warp-specialized Gluon kernel (--sweep ws): serial or pipelined consumers, key block,
 # shared-memory stages (bf16 208 KiB at 128 x 2 and 64 x 4; fp8 with P through shared
-# memory). Measured on the H200 (2026-12-01, s6-ws-explore/, s6-pingpong/): serial 128 x 2
-# (bf16) and 128 x 3-4 (fp8) best; pipelined 128 x 2 spills, 64-key blocks are slower.
+# memory). Measured on the H200 (2026-12-01, s6-ws-explore/, s6-pingpong/, with one release
+# barrier for a K/V slot): serial 128 x 2 (bf16) and 128 x 3-4 (fp8) best, 64-key blocks
+# slower. K and V slots are now freed apart (K after the scores, EARLY_K; False = the kernel
+# before, K freed with V), which pipelining needs.
 _FP8_KL = dict(PV_FP8=True, v_layout="hdt")
 SWEEP_WS = {
-    "bf16": [_ws(False, 128, 2), _ws(True, 64, 4), _ws(False, 64, 4)],
-    "fp8": [_ws(False, 128, s, **_FP8_KL) for s in (3, 4)] + [_ws(True, 128, 4, **_FP8_KL)],
+    "bf16": [_ws(False, 128, 2), _ws(True, 128, 2), _ws(False, 128, 2, EARLY_K=False)],
+    "fp8": [_ws(False, 128, 3, **_FP8_KL), _ws(True, 128, 3, **_FP8_KL), _ws(False, 128, 3, EARLY_K=False, **_FP8_KL),
+            _ws(False, 128, 4, **_FP8_KL), _ws(True, 128, 4, **_FP8_KL)],
 }
 SWEEP_SHAPES = [(16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "4x1024q/16384k"), (16, "ragged4"),
                 (128, "1x1024q/16384k")]
@@ -417,6 +444,14 @@ def run_sweep(args):
     shapes = [(H, byname[n]) for H, n in SWEEP_SHAPES if H in args.heads]
     results, best = [], {}
     sweep = SWEEP_WS if args.sweep == "ws" else SWEEP
+    if args.flashinfer:  # the reference in the same process: FlashInfer's FA3
+        for (H, (name, ql, kl)), dt in itertools.product(shapes, FLASHINFER_DTYPES):
+            x = data.get(H, name, ql, kl)
+            rec = measure(dict(H=H, case=name, dtype=dt, provider="flashinfer fa3"),
+                          lambda: prov_flashinfer(*x[dt], x["cq"], x["ck"], ql, kl, scale), ql, kl, H, False,
+                          args.rep)
+            results.append(rec)
+            log(f"H={H:<3} {name:<16} {dt:<4} flashinfer fa3 {fmt(rec)} {rec.get('error_detail', '')}")
     for rank in range(max(len(v) for v in sweep.values())):
         for dt, cfgs in sweep.items():
             if rank >= len(cfgs):
@@ -450,6 +485,8 @@ def main():
     ap.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles are slow)")
     ap.add_argument("--flashinfer", action="store_true",
                     help="add FlashInfer 0.6.13's FA3 ragged prefill (carried wheel; compiles on first use)")
+    ap.add_argument("--flashinfer-fp8", action="store_true",
+                    help="with --flashinfer, also try its fp8 build (fails for 192/128 heads in 0.6.13)")
     ap.add_argument("--providers", nargs="+", default=None, metavar="PREFIX",
                     help="run only the providers whose label starts with one of these (e.g. triton flashinfer)")
     ap.add_argument("--cudnn-frontend-stats", choices=["packed", "padded", "both"], default="packed",
@@ -458,6 +495,8 @@ def main():
                     help="sweep block configs instead of the table: the Triton kernel's, or (ws) the "
                          "warp-specialized kernel's")
     args = ap.parse_args()
+    if args.flashinfer_fp8:
+        FLASHINFER_DTYPES.append("fp8")
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA device")
     import triton

@@ -13,7 +13,7 @@
 #   6. bench/bench_attention.py, if present                                           -> bench_attention.json
 # and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_full
 # (issue 8's 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
-# bench_rpc_floor, attention_sweep, bench_attention_flashinfer, hostile_sanitizer, bench_sharded, segv (a native
+# bench_rpc_floor, attention_sweep, attention_sweep_ws, bench_attention_flashinfer, hostile_sanitizer, bench_sharded, segv (a native
 # backtrace of one test).
 # The device tool brings back at most 8 files from $OUT: choose steps accordingly.
 # A time budget (GPU_RUN_BUDGET_S, default 560 s: one device call is capped at 600 s)
@@ -186,6 +186,11 @@ want bench_attention_flashinfer && run_step bench_attention_flashinfer 420 5 - p
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \
   --out "$OUT/attention_sweep.json"
+
+# ---- 8a. the warp-specialized kernel's configs (GPU_RUN_SWEEP_FLASHINFER=1: FlashInfer's FA3 beside
+# them, its ~90 s JIT build included)
+want attention_sweep_ws && run_step attention_sweep_ws 360 5 - python3 bench/bench_attention.py --sweep ws \
+  ${GPU_RUN_SWEEP_FLASHINFER:+--flashinfer} --no-flex --budget-s 300 --out "$OUT/attention_sweep_ws.json"
 
 # ---- 8b. hostile requests against a GPU server under memcheck (reduced set) ----------------------
 want hostile_sanitizer && run_step hostile_sanitizer 200 5 "$OUT/hostile_sanitizer.log" env HOSTILE_COUNT=300 \

@@ -549,7 +549,7 @@ for dt, ws, sort_b, v_t in json.loads(sys.argv[1]):
     sig = {n: {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32", "cu_q": "*i32",
                "cu_k": "*i32", "cu_v": "*i32", "qk_scale": "fp32"}.get(n, "i32") for n in names}
     const = dict(BLOCK_M=128, BLOCK_N=ws["BLOCK_N"], STAGES=ws["STAGES"], PIPE=ws["PIPE"], SORT_B=sort_b,
-                 IS_FP8=dt != "bf16", V_T=v_t)
+                 IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True))
     # every compile-time parameter given (one left out would compile as a runtime value)
     assert not [n for n in names if n.isupper() and n not in const and n not in ("Q", "K", "V", "O", "LSE", "B")]
     for n in const:
@@ -586,6 +586,7 @@ WS_CFGS = {
     "ws_pipe": dict(WS=dict(PIPE=True)),
     "ws_pipe_bn64": dict(WS=dict(PIPE=True, BLOCK_N=64, STAGES=4)),
     "ws_serial": dict(WS=dict(PIPE=False)),
+    "ws_serial_late_k": dict(WS=dict(PIPE=False, EARLY_K=False)),  # the bench's baseline: K freed with V
 }
 needs_ws = pytest.mark.skipif(
     not HAS_CUDA or INTERPRETING or ga.gluon is None or torch.cuda.get_device_capability()[0] != 9,

@@ -5,18 +5,21 @@ produce for this kernel (docs/DESIGN.md).
 One program = one (query tile of ``BLOCK_M`` rows, head, segment), three partitions:
 
 * a loader warp issues TMA copies — the tile's queries once, then for every key block
-  K (nope 128 + rope 64) and V into a ring of ``STAGES`` shared-memory slots — and waits
-  only for a slot to be freed;
+  K (nope 128 + rope 64) and V into rings of ``STAGES`` shared-memory slots, the next
+  block's K before this block's V — and waits only for a slot to be freed;
 * two consumer warpgroups, each owning half of the query rows (64), read the *same* K/V
   slots: S = Q·Kᵀ (wgmma from shared memory), online softmax in registers, O += P·V
   (P from registers; fp8 P through shared memory). While one is in its softmax, the
-  other's MMAs run, as two
-  programs per SM would, but with one copy of K/V in shared memory (bf16's 192-wide K
-  does not fit twice otherwise). With ``PIPE`` each consumer also overlaps within
-  itself (FA3's intra-warpgroup pipelining): block j's Q·Kᵀ and block j-1's P·V are in
-  flight together, and block j's softmax runs while P·V finishes. Measured on the H200
-  (``bench_attention.py --sweep ws``) it gains nothing over the two consumers' overlap
-  (it spills at 128-key blocks), so the defaults run without it.
+  other's MMAs run, as two programs per SM would, but with one copy of K/V in shared
+  memory (bf16's 192-wide K does not fit twice otherwise). With ``PIPE`` each consumer
+  also overlaps within itself (FA3's intra-warpgroup pipelining): block j's Q·Kᵀ and
+  block j-1's P·V are in flight together, and block j's softmax runs while P·V finishes.
+
+K and V slots are freed apart (``EARLY_K``): a consumer frees K as soon as its scores are
+in registers, V after P·V, so the next K streams in during the softmax. Measured on the
+H200 (``bench_attention.py --sweep ws``, one process, 2026-12-01): bf16 +1-9 % serial, and
+pipelining, which lost with one release per slot (its next K waited for the previous
+P·V), now wins (591-654 TFLOP/s against 555-600 before); fp8 +5-6 %, serial.
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory with 128×128 tiles and 2 stages: Q 48 KiB +
@@ -51,7 +54,7 @@ _P_SHIFT = 8.0  # fp8 P·V: P scaled by 2**8 before its e4m3 cast (as triton_att
 
 #: Tiles, stages, pipelining. 2 consumers x 64 query rows = BLOCK_M 128 (fixed). The
 #: caller's defaults per dtype are in ``triton_attention`` (measured there).
-CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False)
+CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True)
 #: Warps: 4 (consumer 0, the default partition) + 4 (consumer 1) + 1 (loader): 3
 #: warpgroups at launch with 168 registers a thread (3 x 128 x 168 <= 65,536, an SM's
 #: file); ``setmaxnreg`` then moves them: loader 24, consumers 240.
@@ -62,7 +65,7 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_loader(qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
-                   q_bar, k_bar, v_bar, free_bar, m0, n_blocks,
+                   q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
         if n_blocks > 0:
@@ -71,20 +74,39 @@ if gluon is not None:
                 mbarrier.expect(bar, qn_d.block_type.nbytes + qr_d.block_type.nbytes)
                 tma.async_copy_global_to_shared(qn_d, [m0 + c * HALF_M, 0], bar, qn_s.index(c))
                 tma.async_copy_global_to_shared(qr_d, [m0 + c * HALF_M, 128], bar, qr_s.index(c))
+            _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, 0, BLOCK_N, STAGES)
         for j in range(n_blocks):
+            # K of the next block before V of this one: the consumers free a K slot as soon
+            # as its scores are computed (a softmax and a P·V earlier than its V slot), and
+            # they need the next K first (FA3's order)
+            if j + 1 < n_blocks:
+                _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j + 1, BLOCK_N, STAGES)
             s = j % STAGES
             # a slot's barrier starts "phase 1 complete": the first pass does not wait
-            mbarrier.wait(free_bar.index(s), ((j // STAGES) & 1) ^ 1)
-            kb = k_bar.index(s)
-            mbarrier.expect(kb, kn_d.block_type.nbytes + kr_d.block_type.nbytes)
-            tma.async_copy_global_to_shared(kn_d, [j * BLOCK_N, 0], kb, kn_s.index(s))
-            tma.async_copy_global_to_shared(kr_d, [j * BLOCK_N, 128], kb, kr_s.index(s))
+            mbarrier.wait(v_free.index(s), ((j // STAGES) & 1) ^ 1)
             vb = v_bar.index(s)
             mbarrier.expect(vb, v_d.block_type.nbytes)
             if V_T:
                 tma.async_copy_global_to_shared(v_d, [0, j * BLOCK_N], vb, v_s.index(s))
             else:
                 tma.async_copy_global_to_shared(v_d, [j * BLOCK_N, 0], vb, v_s.index(s))
+
+    @gluon.jit
+    def _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """K of block j (nope and rope) into its slot, once the consumers freed it."""
+        s = j % STAGES
+        mbarrier.wait(k_free.index(s), ((j // STAGES) & 1) ^ 1)
+        kb = k_bar.index(s)
+        mbarrier.expect(kb, kn_d.block_type.nbytes + kr_d.block_type.nbytes)
+        tma.async_copy_global_to_shared(kn_d, [j * BLOCK_N, 0], kb, kn_s.index(s))
+        tma.async_copy_global_to_shared(kr_d, [j * BLOCK_N, 128], kb, kr_s.index(s))
+
+    @gluon.jit
+    def _free_k(k_free, s, now: gl.constexpr):
+        """This consumer's release of K slot s, where ``now`` (EARLY_K: right after the
+        scores; otherwise with V, after P·V, the kernel before K and V were freed apart)."""
+        if now:
+            mbarrier.arrive(k_free.index(s), count=1)
 
     @gluon.jit
     def _qk(qn, qr, kn_s, kr_s, s, zero_s):
@@ -138,10 +160,10 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _ws_consumer(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, free_bar,
+    def _ws_consumer(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free,
                      O, LSE, q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                      C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr):
+                     PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
         K_INSTR: gl.constexpr = 32 if IS_FP8 else 16
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -167,6 +189,7 @@ if gluon is not None:
                 # block 0: scores and softmax, its P·V waits for the next iteration
                 mbarrier.wait(k_bar.index(0), 0)
                 sc = warpgroup_mma_wait(0, deps=(_qk(qn, qr, kn_s, kr_s, 0, zero_s), ))
+                _free_k(k_free, 0, EARLY_K)
                 p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, 0, k_len, qk_scale, offs_n, IS_FP8)
                 for j in range(1, n_blocks):
                     s = j % STAGES
@@ -178,27 +201,32 @@ if gluon is not None:
                     mbarrier.wait(v_bar.index(prev), prev_ph)
                     o_tok, pop = _pv(p, v_s, prev, acc, p_layout, p_smem, V_T, IS_FP8)
                     sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # Q·Kᵀ done, P·V may run on
+                    _free_k(k_free, s, EARLY_K)
                     p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8)
                     acc = _pv_wait(o_tok, pop, IS_FP8)
-                    mbarrier.arrive(free_bar.index(prev), count=1)
+                    _free_k(k_free, prev, not EARLY_K)
+                    mbarrier.arrive(v_free.index(prev), count=1)
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 last = (n_blocks - 1) % STAGES
                 mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // STAGES) & 1)
                 o_tok, pop = _pv(p, v_s, last, acc, p_layout, p_smem, V_T, IS_FP8)
                 acc = _pv_wait(o_tok, pop, IS_FP8)
-                mbarrier.arrive(free_bar.index(last), count=1)
+                _free_k(k_free, last, not EARLY_K)
+                mbarrier.arrive(v_free.index(last), count=1)
         else:
             for j in range(n_blocks):
                 s = j % STAGES
                 ph = (j // STAGES) & 1
                 mbarrier.wait(k_bar.index(s), ph)
                 sc = warpgroup_mma_wait(0, deps=(_qk(qn, qr, kn_s, kr_s, s, zero_s), ))
+                _free_k(k_free, s, EARLY_K)  # the loader may refill K now
                 p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_bar.index(s), ph)
                 o_tok, pop = _pv(p, v_s, s, acc, p_layout, p_smem, V_T, IS_FP8)
                 acc = _pv_wait(o_tok, pop, IS_FP8)
-                mbarrier.arrive(free_bar.index(s), count=1)
+                _free_k(k_free, s, not EARLY_K)
+                mbarrier.arrive(v_free.index(s), count=1)
 
         # epilogue: l == 0 exactly when the row saw no key -> out 0, lse -inf
         empty = l_i == 0.0
@@ -222,7 +250,7 @@ if gluon is not None:
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
-        SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr,
+        SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
     ):
         HALF_M: gl.constexpr = BLOCK_M // 2
         pid_m = gl.program_id(0)
@@ -287,23 +315,26 @@ if gluon is not None:
         q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        free_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # K and V slots are freed apart: K once both consumers have their scores, V after P·V
+        k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for c in gl.static_range(2):
             mbarrier.init(q_bar.index(c), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_bar.index(i), count=1)
             mbarrier.init(v_bar.index(i), count=1)
-            mbarrier.init(free_bar.index(i), count=2)  # both consumers release a slot
+            mbarrier.init(k_free.index(i), count=2)  # both consumers release a slot
+            mbarrier.init(v_free.index(i), count=2)
 
         gl.warp_specialize([
-            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, free_bar, O, LSE, q_start, q_len, m0,
+            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, O, LSE, q_start, q_len, m0,
                             k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
-                            0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T)),
-            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, free_bar, O, LSE, q_start, q_len, m0,
+                            0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K)),
+            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, O, LSE, q_start, q_len, m0,
                             k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
-                            1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T)),
+                            1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K)),
             (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
-                          q_bar, k_bar, v_bar, free_bar, m0, n_blocks, BLOCK_M, BLOCK_N, STAGES, V_T)),
+                          q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks, BLOCK_M, BLOCK_N, STAGES, V_T)),
         ], [4, 1], [240, 24])
 
 
@@ -320,6 +351,6 @@ def launch(q, k, v, out, lse, cu_q, cu_k, cu_v, qk_scale: float, grid, sort_b: i
         v.stride(1) if v_t else v.stride(0), v.stride(0) if v_t else v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], PIPE=cfg["PIPE"],
-        SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t,
+        SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t, EARLY_K=cfg["EARLY_K"],
         num_warps=4, maxnreg=_MAXNREG,
     )

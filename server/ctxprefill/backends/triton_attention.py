@@ -93,13 +93,14 @@ _P_SHIFT = 8.0  # P·V in fp8: P scaled by 2**8 (≤ 256 < 448) before the e4m3 
 #: ``WS`` (a dict, or True for ``gluon_attention.CONFIG``): on Hopper, non-causal chunks run
 #: the warp-specialized Gluon kernel instead (``gluon_attention``: a TMA loader warp, two
 #: consumer warpgroups sharing each K/V tile). Measured on the H200 (2026-12-01,
-#: ``bench_attention.py --sweep ws``): bf16 568-635 TFLOP/s against this kernel's 441-554;
-#: "serial" consumers (PIPE False) beat FA3's intra-warpgroup pipelining here (which spills
-#: at 128-key blocks and gains nothing at 64). Causal chunks and pointer-path inputs keep
-#: the kernel below.
+#: ``bench_attention.py --sweep ws``): bf16 568-635 TFLOP/s against this kernel's 441-554.
+#: Since K slots are freed right after the scores (``EARLY_K``, seventh session), FA3's
+#: intra-warpgroup pipelining (PIPE) pays: 591-654 against 565-634 serial, 555-600 with K
+#: freed together with V (one process, ``s7-ws-sweep``). Causal chunks and pointer-path
+#: inputs keep the kernel below.
 CONFIGS: dict[torch.dtype, dict] = {
     torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, USE_TMA=True,
-                         WS=dict(PIPE=False, BLOCK_N=128, STAGES=2)),
+                         WS=dict(PIPE=True, BLOCK_N=128, STAGES=2)),
     _FP8: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, PV_FP8=False, USE_TMA=True, maxnreg=128),
 }
 
@@ -109,7 +110,10 @@ CONFIGS: dict[torch.dtype, dict] = {
 #: (the default above), whose fp8 P·V must transpose every V tile (274-354). Error
 #: bound: PV_FP8 above (5e-2 relative).
 #: On Hopper the warp-specialized kernel runs it (P through shared memory, 3 stages):
-#: 791-912 TFLOP/s against 638-822 (``bench_attention.py --sweep ws``).
+#: 791-912 TFLOP/s against 638-822 (``bench_attention.py --sweep ws``); with K freed
+#: early 802-879 against 757-824 in one process (``s7-ws-sweep``), where pipelining (PIPE)
+#: loses (754-816: P's trip through shared memory sits on its critical path) and a 4th
+#: stage gains nothing (802-875).
 KEYS_LAST_FP8 = dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=128, STAGES=3))
 
 if triton is not None:
