@@ -45,6 +45,9 @@ def main(argv=None) -> int:
     p.add_argument("--generic", action="store_true", help="profile the generic path instead of the fused one")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--timeline", action="store_true",
+                   help="on CUDA, also split the gap with torch.profiler: host time before the first kernel, "
+                        "idle time between kernels (and which launches follow the longest idles), after the last")
     a = p.parse_args(argv)
 
     blocks = math.ceil(a.context / a.block_size) + 8
@@ -63,6 +66,12 @@ def main(argv=None) -> int:
     print(f"request {wall * 1e3:.3f} ms (median of {t['iters']}); device stages {stages * 1e3:.3f} ms; "
           f"gap {(wall - stages) * 1e3:.3f} ms ({(wall - stages) / wall:.0%})")
 
+    if a.timeline and dev.type == "cuda":
+        try:
+            timeline(engine, q, seqs, fused, min(a.iters, 10))
+        except Exception as e:  # noqa: BLE001 - the cProfile part below still runs
+            print(f"timeline failed: {type(e).__name__}: {e}")
+
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.iters):
@@ -76,6 +85,61 @@ def main(argv=None) -> int:
     start = next((i for i, ln in enumerate(lines) if ln.strip().startswith("ncalls")), 0)
     print("\n".join(lines[start : start + a.top + 1]))
     return 0
+
+
+def timeline(engine, q, seqs, fused, iters):
+    """Where the device waits within a request: torch.profiler's kernel intervals against the
+    request's host interval (median over ``iters`` requests, one synchronized each)."""
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            torch.cuda.synchronize()
+            with record_function(f"request{i}"):
+                engine.prefill_context(q, seqs, fused=fused)
+                torch.cuda.synchronize()
+    ev = prof.events()
+    reqs = sorted((e for e in ev if e.name.startswith("request")), key=lambda e: e.time_range.start)
+    kernels = sorted((e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start)
+    cpu_ops = [e for e in ev if e.device_type == torch.autograd.DeviceType.CPU and not e.name.startswith("request")]
+    before, between, after, busy, n_k = [], [], [], [], []
+    idles = []  # (idle us, name of the kernel after it)
+    for r in reqs:
+        t0, t1 = r.time_range.start, r.time_range.end
+        ks = [k for k in kernels if t0 <= k.time_range.start <= t1]
+        if not ks:
+            continue
+        n_k.append(len(ks))
+        before.append(ks[0].time_range.start - t0)
+        after.append(t1 - max(k.time_range.end for k in ks))
+        end, gaps = ks[0].time_range.end, 0.0
+        for k in ks[1:]:
+            g = k.time_range.start - end
+            if g > 0:
+                gaps += g
+                idles.append((g, k.name[:60]))
+            end = max(end, k.time_range.end)
+        between.append(gaps)
+        busy.append(sum(k.time_range.end - k.time_range.start for k in ks))
+    med = statistics.median
+    print(f"timeline over {len(before)} profiled requests (us, median): host before the first kernel "
+          f"{med(before):.0f}, device idle between kernels {med(between):.0f}, after the last kernel "
+          f"{med(after):.0f}; kernels busy {med(busy):.0f} in {med(n_k):.0f} kernels")
+    print("longest device idles, by the kernel that ended them (us total over the profiled requests):")
+    by = {}
+    for g, name in idles:
+        by[name] = by.get(name, 0.0) + g
+    for name, g in sorted(by.items(), key=lambda x: -x[1])[:8]:
+        print(f"  {g:9.0f}  {name}")
+    top = {}
+    for e in cpu_ops:
+        top[e.name] = top.get(e.name, 0.0) + e.self_cpu_time_total
+    print("host ops by own time (us per request):")
+    for name, t in sorted(top.items(), key=lambda x: -x[1])[:12]:
+        print(f"  {t / max(len(before), 1):9.1f}  {name[:70]}")
 
 
 if __name__ == "__main__":
