@@ -393,6 +393,30 @@ def print_table(results):
               f"| {first} |")
 
 
+#: issue 4's targets, on our default kernels ("triton": bf16; keys-last fp8, what the engine
+#: runs): TFLOP/s at the long chunk, and ragged batches against equal lengths of the same work
+TARGETS = {"bf16": ("triton", 600.0), "fp8": ("triton pv_fp8 v-keys-last", 850.0)}
+LONG_CASE, RAGGED_CASE, EQUAL_CASE, RAGGED_MIN = "1x8192q/16384k", "ragged4", "4x1024q/16384k", 0.9
+
+
+def target_lines(results) -> list[tuple[str, bool]]:
+    """(line, met) per issue-4 target found in ``results`` (table mode's records)."""
+    got = {(r["H"], r["case"], r["provider"], r["dtype"]): r["tflops"] for r in results
+           if "tflops" in r and not r.get("causal")}
+    lines = []
+    for dt, (prov, floor) in TARGETS.items():
+        for H in sorted({k[0] for k in got}):
+            long = got.get((H, LONG_CASE, prov, dt))
+            if long is not None:
+                lines.append((f"H={H} {dt} {LONG_CASE}: {long:.1f} TFLOP/s (>= {floor:.0f}: {long >= floor})",
+                              long >= floor))
+            rag, eq = got.get((H, RAGGED_CASE, prov, dt)), got.get((H, EQUAL_CASE, prov, dt))
+            if rag is not None and eq:
+                lines.append((f"H={H} {dt} {RAGGED_CASE} / {EQUAL_CASE}: {rag / eq:.3f} (>= {RAGGED_MIN}: "
+                              f"{rag / eq >= RAGGED_MIN})", rag / eq >= RAGGED_MIN))
+    return lines
+
+
 # ---------------------------------------------------------------------------- sweep
 def _c(BM, BN, w, s, tma=True, **kw):
     return dict(BLOCK_M=BM, BLOCK_N=BN, num_warps=w, num_stages=s, USE_TMA=tma, **kw)
@@ -506,11 +530,16 @@ def main():
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
         f"default configs {({str(k): v for k, v in CONFIGS.items()})}")
     results = run_sweep(args) if args.sweep else run_table(args)
+    targets = []
     if not args.sweep:
         print_table(results)
+        targets = target_lines(results)
+        for line, _ in targets:
+            print(f"  target {line}")
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 configs={str(k): v for k, v in CONFIGS.items()}, flops_rule="2*visible_pairs*H*(192+128)",
-                mode="sweep" if args.sweep else "table", wall_s=elapsed())
+                mode="sweep" if args.sweep else "table", wall_s=elapsed(),
+                targets=[dict(line=line, met=met) for line, met in targets])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)

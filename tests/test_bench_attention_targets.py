@@ -1,0 +1,43 @@
+"""bench_attention.py's issue-4 verdict lines, on the CPU: the thresholds are applied to the
+right provider, dtype and shapes, and a miss reads as a miss."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+ba = pytest.importorskip("bench_attention")
+
+
+def _rec(H, case, provider, dtype, tflops, causal=False):
+    return dict(H=H, case=case, provider=provider, dtype=dtype, causal=causal, tflops=tflops, ms=1.0)
+
+
+def test_target_lines_pass_and_miss():
+    res = [
+        _rec(16, "1x8192q/16384k", "triton", "bf16", 640.0),
+        _rec(16, "1x8192q/16384k", "triton", "bf16", 100.0, causal=True),  # causal rows are not the target
+        _rec(16, "4x1024q/16384k", "triton", "bf16", 600.0),
+        _rec(16, "ragged4", "triton", "bf16", 530.0),  # 0.883 of equal lengths: a miss
+        _rec(16, "1x8192q/16384k", "triton pv_fp8 v-keys-last", "fp8", 849.0),  # a miss
+        _rec(16, "1x8192q/16384k", "flashinfer fa3", "bf16", 10.0),  # another library: not ours
+        dict(H=16, case="ragged4", provider="triton", dtype="fp8", error="x"),  # no figure: no line
+    ]
+    lines = dict(ba.target_lines(res))
+    assert len(lines) == 3, lines
+    assert lines["H=16 bf16 1x8192q/16384k: 640.0 TFLOP/s (>= 600: True)"] is True
+    assert lines["H=16 bf16 ragged4 / 4x1024q/16384k: 0.883 (>= 0.9: False)"] is False
+    assert lines["H=16 fp8 1x8192q/16384k: 849.0 TFLOP/s (>= 850: False)"] is False
+
+
+def test_recorded_run_meets_issue_4():
+    """The H200 run recorded for issue 4 (2026-12-01, commit fbd9fa2): every target line met."""
+    path = os.path.join(ROOT, "bench/results/2026-12-01-h200/s7-final-fbd9fa2/attention_flashinfer.json")
+    with open(path) as f:
+        lines = ba.target_lines(json.load(f)["results"])
+    assert len(lines) == 8 and all(met for _, met in lines), lines
