@@ -189,8 +189,10 @@ want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_att
 
 # ---- 8a. the warp-specialized kernel's configs (GPU_RUN_SWEEP_FLASHINFER=1: FlashInfer's FA3 beside
 # them, its ~90 s JIT build included)
-want attention_sweep_ws && run_step attention_sweep_ws 360 5 - python3 bench/bench_attention.py --sweep ws \
-  ${GPU_RUN_SWEEP_FLASHINFER:+--flashinfer} --no-flex --budget-s 300 --out "$OUT/attention_sweep_ws.json"
+# (GPU_RUN_WS_SWEEP=ws-short: the defaults against 64-key blocks on the 1,024-row chunks)
+want attention_sweep_ws && run_step attention_sweep_ws 360 5 - python3 bench/bench_attention.py \
+  --sweep "${GPU_RUN_WS_SWEEP:-ws}" ${GPU_RUN_SWEEP_FLASHINFER:+--flashinfer} --no-flex --budget-s 300 \
+  --out "$OUT/attention_sweep_${GPU_RUN_WS_SWEEP:-ws}.json"
 
 # ---- 8b. hostile requests against a GPU server under memcheck (reduced set) ----------------------
 want hostile_sanitizer && run_step hostile_sanitizer 200 5 "$OUT/hostile_sanitizer.log" env HOSTILE_COUNT=300 \
