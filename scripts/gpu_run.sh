@@ -180,8 +180,10 @@ want bench_rpc_floor_awake && run_step bench_rpc_floor_awake 60 5 - python3 benc
   --out "$OUT/rpc_floor_awake.json"
 
 # ---- 7c. FlashInfer 0.6.13's FA3 ragged prefill next to ours (carried wheels; compiles on first use)
+# (GPU_RUN_FI_ARGS replaces the provider filter and budget, e.g. "--budget-s 175": every provider)
 want bench_attention_flashinfer && run_step bench_attention_flashinfer 420 5 - python3 bench/bench_attention.py \
-  --flashinfer --providers triton flashinfer cudnn --no-flex --budget-s 400 --out "$OUT/attention_flashinfer.json"
+  --flashinfer ${GPU_RUN_FI_ARGS:---providers triton flashinfer cudnn --no-flex --budget-s 400} \
+  --out "$OUT/attention_flashinfer.json"
 
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \
