@@ -449,8 +449,8 @@ def _ws(pipe, bn, stages, EARLY_K=True, **kw):  # noqa: N803 - the kernel's own 
 # shared-memory stages (bf16 208 KiB at 128 x 2 and 64 x 4; fp8 with P through shared
 # memory). Measured on the H200 (2026-12-01, s6-ws-explore/, s6-pingpong/, with one release
 # barrier for a K/V slot): serial 128 x 2 (bf16) and 128 x 3-4 (fp8) best, 64-key blocks
-# slower. K and V slots are now freed apart (K after the scores, EARLY_K; False = the kernel
-# before, K freed with V), which pipelining needs.
+# slower. K and V slots are now freed apart (K after the scores, EARLY_K; False = K freed
+# with V, the earlier release), which pipelining needs.
 _FP8_KL = dict(PV_FP8=True, v_layout="hdt")
 SWEEP_WS = {
     "bf16": [_ws(False, 128, 2), _ws(True, 128, 2), _ws(False, 128, 2, EARLY_K=False)],

@@ -19,7 +19,8 @@ K and V slots are freed apart (``EARLY_K``): a consumer frees K as soon as its s
 in registers, V after P·V, so the next K streams in during the softmax. Measured on the
 H200 (``bench_attention.py --sweep ws``, one process, 2026-12-01): bf16 +1-9 % serial, and
 pipelining, which lost with one release per slot (its next K waited for the previous
-P·V), now wins (591-654 TFLOP/s against 555-600 before); fp8 +5-6 %, serial.
+P·V), now wins (591-654 TFLOP/s against 555-600 with K freed with V); fp8 +5-6 %,
+serial. (EARLY_K=False keeps that release for comparison; the loader's order is the new one.)
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory with 128×128 tiles and 2 stages: Q 48 KiB +
@@ -104,7 +105,7 @@ if gluon is not None:
     @gluon.jit
     def _free_k(k_free, s, now: gl.constexpr):
         """This consumer's release of K slot s, where ``now`` (EARLY_K: right after the
-        scores; otherwise with V, after P·V, the kernel before K and V were freed apart)."""
+        scores; otherwise with V, after P·V: the release before K and V were freed apart)."""
         if now:
             mbarrier.arrive(k_free.index(s), count=1)
 
