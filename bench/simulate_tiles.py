@@ -1,0 +1,68 @@
+"""How evenly a ragged batch's attention tiles fill the GPU: a list-scheduling model of
+the attention kernels' launch order (no GPU needed).
+
+Each program is one (128-row query tile, head, segment) and costs its segment's key
+blocks plus a start-up allowance; the hardware hands the next program of the launch order
+to whichever SM frees first. The kernels launch segments longest-first (LPT), tiles of a
+segment and head together. The model's makespan against a perfectly balanced one, for the
+ragged batch and for an equal-length batch of the same work, predicts the throughput
+ratio that ``bench_attention.py`` measures between them (issue 4: within 10 %).
+
+  python3 bench/simulate_tiles.py                      # bench_attention's ragged x4 case
+  python3 bench/simulate_tiles.py --q 256 1792 640 1408 --k 27840 9280 37120 13888 --heads 16 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+
+
+def makespan(costs: list[float], sms: int) -> float:
+    """Greedy list scheduling in the given order: each program to the first free SM."""
+    free = [0.0] * sms
+    for c in costs:
+        heapq.heappush(free, heapq.heappop(free) + c)
+    return max(free)
+
+
+def programs(q_lens, k_lens, heads: int, block_m: int, block_n: int, startup: float) -> list[float]:
+    """Costs in key blocks, in launch order: segments longest first, then heads, then tiles."""
+    order = sorted(range(len(q_lens)), key=lambda b: -k_lens[b])
+    return [math.ceil(k_lens[b] / block_n) + startup
+            for b in order for _ in range(heads) for _ in range(math.ceil(q_lens[b] / block_m))]
+
+
+def efficiency(costs: list[float], sms: int) -> float:
+    """Balanced time over modelled time (1.0: no tail)."""
+    return sum(costs) / sms / makespan(costs, sms)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--q", type=int, nargs="+", default=[256, 1792, 640, 1408], help="query rows per segment")
+    p.add_argument("--k", type=int, nargs="+", default=[27840, 9280, 37120, 13888], help="keys per segment")
+    p.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    p.add_argument("--sms", type=int, default=132, help="streaming multiprocessors (H200: 132)")
+    p.add_argument("--block-m", type=int, default=128)
+    p.add_argument("--block-n", type=int, default=128)
+    p.add_argument("--startup", type=float, default=1.5, help="a program's start-up, in key blocks")
+    a = p.parse_args(argv)
+    if len(a.q) != len(a.k):
+        p.error("--q and --k need one length per segment each")
+    work = sum(q * k for q, k in zip(a.q, a.k))
+    n = len(a.q)
+    eq_k = 16384  # the equal-length batch: n segments of work/n pairs, 16k keys each
+    eq_q = max(1, math.ceil(work / n / eq_k))
+    print(f"ragged q={a.q} k={a.k} against {n} x {eq_q} q over {eq_k} k (same work within "
+          f"{abs(n * eq_q * eq_k - work) / work:.2%}); {a.sms} SMs, tiles {a.block_m} x {a.block_n}")
+    for H in a.heads:
+        rag = efficiency(programs(a.q, a.k, H, a.block_m, a.block_n, a.startup), a.sms)
+        eq = efficiency(programs([eq_q] * n, [eq_k] * n, H, a.block_m, a.block_n, a.startup), a.sms)
+        print(f"H={H:<4} ragged {rag:.3f} of balanced, equal {eq:.3f}: predicted ragged/equal {rag / eq:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
