@@ -6,7 +6,8 @@ blocks plus a start-up allowance; the hardware hands the next program of the lau
 to whichever SM frees first. The kernels launch segments longest-first (LPT), tiles of a
 segment and head together. The model's makespan against a perfectly balanced one, for the
 ragged batch and for an equal-length batch of the same work, predicts the throughput
-ratio that ``bench_attention.py`` measures between them (issue 4: within 10 %).
+ratio that ``bench_attention.py`` measures between them (issue 4: within 10 %), and what
+a persistent kernel with per-SM work lists packed on the host could reach (not built).
 
   python3 bench/simulate_tiles.py                      # bench_attention's ragged x4 case
   python3 bench/simulate_tiles.py --q 256 1792 640 1408 --k 27840 9280 37120 13888 --heads 16 128
@@ -32,6 +33,41 @@ def programs(q_lens, k_lens, heads: int, block_m: int, block_n: int, startup: fl
     order = sorted(range(len(q_lens)), key=lambda b: -k_lens[b])
     return [math.ceil(k_lens[b] / block_n) + startup
             for b in order for _ in range(heads) for _ in range(math.ceil(q_lens[b] / block_m))]
+
+
+def packed_makespan(costs: list[float], sms: int, rounds: int = 20000, seed: int = 0) -> float:
+    """What a persistent kernel with per-program work lists could reach: longest-first into
+    the least-loaded list, then moves and swaps out of the fullest list while it shrinks."""
+    import random
+
+    rng = random.Random(seed)
+    bins: list[list[float]] = [[] for _ in range(sms)]
+    load = [0.0] * sms
+    heap = [(0.0, i) for i in range(sms)]
+    for c in sorted(costs, reverse=True):
+        _, i = heapq.heappop(heap)
+        bins[i].append(c)
+        load[i] += c
+        heapq.heappush(heap, (load[i], i))
+    for _ in range(rounds):
+        a = max(range(sms), key=load.__getitem__)
+        b = rng.randrange(sms)
+        if a == b or not bins[a]:
+            continue
+        ia = rng.randrange(len(bins[a]))
+        x = bins[a][ia]
+        if load[b] + x < load[a]:  # move
+            bins[b].append(bins[a].pop(ia))
+            load[a] -= x
+            load[b] += x
+        elif bins[b]:  # swap a smaller one back
+            ib = rng.randrange(len(bins[b]))
+            y = bins[b][ib]
+            if y < x and load[b] - y + x < load[a]:
+                bins[a][ia], bins[b][ib] = y, x
+                load[a] += y - x
+                load[b] += x - y
+    return max(load)
 
 
 def efficiency(costs: list[float], sms: int) -> float:
@@ -60,7 +96,10 @@ def main(argv=None) -> int:
     for H in a.heads:
         rag = efficiency(programs(a.q, a.k, H, a.block_m, a.block_n, a.startup), a.sms)
         eq = efficiency(programs([eq_q] * n, [eq_k] * n, H, a.block_m, a.block_n, a.startup), a.sms)
-        print(f"H={H:<4} ragged {rag:.3f} of balanced, equal {eq:.3f}: predicted ragged/equal {rag / eq:.3f}")
+        costs = programs(a.q, a.k, H, a.block_m, a.block_n, a.startup)
+        packed = sum(costs) / a.sms / packed_makespan(costs, a.sms)
+        print(f"H={H:<4} ragged {rag:.3f} of balanced, equal {eq:.3f}: predicted ragged/equal {rag / eq:.3f}; "
+              f"with work lists packed per SM {packed:.3f} of balanced ({packed / eq:.3f} of equal)")
     return 0
 
 

@@ -35,3 +35,12 @@ def test_bench_ragged_case_prediction():
     eq128 = st.efficiency(st.programs([1024] * 4, [16384] * 4, 128, 128, 128, 1.5), 132)
     assert 0.93 < rag16 / eq16 < 0.96
     assert rag128 / eq128 > 1.0
+
+
+def test_packing_beats_the_launch_order_on_the_ragged_case():
+    """Work lists packed per SM (what a persistent kernel could run) against the hardware's
+    greedy assignment in launch order, for the batch whose tail misses issue 4 at H=16."""
+    costs = st.programs([256, 1792, 640, 1408], [27840, 9280, 37120, 13888], 16, 128, 128, 1.5)
+    greedy, packed = st.makespan(costs, 132), st.packed_makespan(costs, 132)
+    assert packed <= greedy
+    assert sum(costs) / 132 / packed > 0.95 > sum(costs) / 132 / greedy
