@@ -30,7 +30,6 @@ import os
 import sys
 import time
 
-os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels, whatever the shell says
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "server"))
 
 import torch  # noqa: E402
@@ -510,6 +509,9 @@ def run_sweep(args):
 
 
 def main():
+    # compiled kernels, whatever the shell says (set here, not at import: the CPU tests
+    # import this module for its verdict lines and run the rest under the interpreter)
+    os.environ["TRITON_INTERPRET"] = "0"
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/attention.json", help="JSON results path")
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
