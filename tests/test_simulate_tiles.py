@@ -44,3 +44,13 @@ def test_packing_beats_the_launch_order_on_the_ragged_case():
     greedy, packed = st.makespan(costs, 132), st.packed_makespan(costs, 132)
     assert packed <= greedy
     assert sum(costs) / 132 / packed > 0.95 > sum(costs) / 132 / greedy
+
+
+def test_first_fit_by_class_packs_the_ragged_case():
+    """The cheap packer (few tile classes, a count at a time) beats the launch order at H=16."""
+    q, k = [256, 1792, 640, 1408], [27840, 9280, 37120, 13888]
+    costs = st.programs(q, k, 16, 128, 128, 1.5)
+    classes = [(-(-kk // 128) + 1.5, -(-qq // 128) * 16) for qq, kk in zip(q, k)]
+    assert sum(c * n for c, n in classes) == sum(costs)
+    ffd = st.ffd_makespan(classes, 132)
+    assert sum(costs) / 132 / ffd > 0.95 and ffd < st.makespan(costs, 132)
