@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import math
+import random
 
 
 def makespan(costs: list[float], sms: int) -> float:
@@ -28,18 +29,21 @@ def makespan(costs: list[float], sms: int) -> float:
     return max(free)
 
 
+def tile_classes(q_lens, k_lens, heads: int, block_m: int, block_n: int, startup: float) -> list[tuple[float, int]]:
+    """(cost in key blocks, number of programs) per segment, in launch order (longest
+    segment first): a segment's tiles of every head cost the same."""
+    order = sorted(range(len(q_lens)), key=lambda b: -k_lens[b])
+    return [(math.ceil(k_lens[b] / block_n) + startup, heads * math.ceil(q_lens[b] / block_m)) for b in order]
+
+
 def programs(q_lens, k_lens, heads: int, block_m: int, block_n: int, startup: float) -> list[float]:
     """Costs in key blocks, in launch order: segments longest first, then heads, then tiles."""
-    order = sorted(range(len(q_lens)), key=lambda b: -k_lens[b])
-    return [math.ceil(k_lens[b] / block_n) + startup
-            for b in order for _ in range(heads) for _ in range(math.ceil(q_lens[b] / block_m))]
+    return [c for c, n in tile_classes(q_lens, k_lens, heads, block_m, block_n, startup) for _ in range(n)]
 
 
 def packed_makespan(costs: list[float], sms: int, rounds: int = 20000, seed: int = 0) -> float:
     """What a persistent kernel with per-program work lists could reach: longest-first into
-    the least-loaded list, then moves and swaps out of the fullest list while it shrinks."""
-    import random
-
+    the least-loaded list, then ``rounds`` random moves and swaps that shrink the fullest."""
     rng = random.Random(seed)
     bins: list[list[float]] = [[] for _ in range(sms)]
     load = [0.0] * sms
@@ -107,9 +111,10 @@ def ffd_makespan(classes: list[tuple[float, int]], sms: int, steps: int = 30) ->
     return best
 
 
-def efficiency(costs: list[float], sms: int) -> float:
-    """Balanced time over modelled time (1.0: no tail)."""
-    return sum(costs) / sms / makespan(costs, sms)
+def efficiency(costs: list[float], sms: int, span: float | None = None) -> float:
+    """Balanced time over modelled time (1.0: no tail); ``span`` defaults to the launch
+    order's makespan."""
+    return sum(costs) / sms / (makespan(costs, sms) if span is None else span)
 
 
 def main(argv=None) -> int:
@@ -131,12 +136,12 @@ def main(argv=None) -> int:
     print(f"ragged q={a.q} k={a.k} against {n} x {eq_q} q over {eq_k} k (same work within "
           f"{abs(n * eq_q * eq_k - work) / work:.2%}); {a.sms} SMs, tiles {a.block_m} x {a.block_n}")
     for H in a.heads:
-        rag = efficiency(programs(a.q, a.k, H, a.block_m, a.block_n, a.startup), a.sms)
+        classes = tile_classes(a.q, a.k, H, a.block_m, a.block_n, a.startup)
+        costs = [c for c, m in classes for _ in range(m)]
+        rag = efficiency(costs, a.sms)
         eq = efficiency(programs([eq_q] * n, [eq_k] * n, H, a.block_m, a.block_n, a.startup), a.sms)
-        costs = programs(a.q, a.k, H, a.block_m, a.block_n, a.startup)
-        packed = sum(costs) / a.sms / packed_makespan(costs, a.sms)
-        classes = [(math.ceil(k / a.block_n) + a.startup, math.ceil(q / a.block_m) * H) for q, k in zip(a.q, a.k)]
-        ffd = sum(costs) / a.sms / ffd_makespan(classes, a.sms)
+        packed = efficiency(costs, a.sms, packed_makespan(costs, a.sms))
+        ffd = efficiency(costs, a.sms, ffd_makespan(classes, a.sms))
         print(f"H={H:<4} ragged {rag:.3f} of balanced, equal {eq:.3f}: predicted ragged/equal {rag / eq:.3f}; "
               f"work lists packed per SM: {packed:.3f} (20,000 moves), {ffd:.3f} (first-fit by class) of balanced")
     return 0

@@ -50,7 +50,9 @@ def test_first_fit_by_class_packs_the_ragged_case():
     """The cheap packer (few tile classes, a count at a time) beats the launch order at H=16."""
     q, k = [256, 1792, 640, 1408], [27840, 9280, 37120, 13888]
     costs = st.programs(q, k, 16, 128, 128, 1.5)
-    classes = [(-(-kk // 128) + 1.5, -(-qq // 128) * 16) for qq, kk in zip(q, k)]
+    classes = st.tile_classes(q, k, 16, 128, 128, 1.5)
+    # ceil(k / 128) + 1.5 per head and tile: 290, 218, 109, 73 blocks; 5, 2, 11, 14 tiles x 16 heads
+    assert classes == [(291.5, 80), (219.5, 32), (110.5, 176), (74.5, 224)]  # longest segment first
     assert sum(c * n for c, n in classes) == sum(costs)
     ffd = st.ffd_makespan(classes, 132)
     assert sum(costs) / 132 / ffd > 0.95 and ffd < st.makespan(costs, 132)
