@@ -466,24 +466,17 @@ SWEEP_WS_SHORT = {
 }
 SWEEP_SHORT_SHAPES = [(16, "1x1024q/16384k"), (128, "1x1024q/16384k"), (16, "4x1024q/16384k"),
                       (128, "4x1024q/16384k"), (16, "ragged4"), (128, "ragged4")]
+#: --sweep NAME -> (configs per dtype, shapes)
+SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES), "ws-short": (SWEEP_WS_SHORT, SWEEP_SHORT_SHAPES)}
 
 
 def run_sweep(args):
     scale = 192**-0.5
     data = Inputs()
     byname = {c[0]: c for c in cases()}
-    shapes = [(H, byname[n]) for H, n in (SWEEP_SHORT_SHAPES if args.sweep == "ws-short" else SWEEP_SHAPES)
-              if H in args.heads]
+    sweep, sweep_shapes = SWEEPS[args.sweep]
+    shapes = [(H, byname[n]) for H, n in sweep_shapes if H in args.heads]
     results, best = [], {}
-    sweep = {"ws": SWEEP_WS, "ws-short": SWEEP_WS_SHORT}.get(args.sweep, SWEEP)
-    if args.flashinfer:  # the reference in the same process: FlashInfer's FA3
-        for (H, (name, ql, kl)), dt in itertools.product(shapes, FLASHINFER_DTYPES):
-            x = data.get(H, name, ql, kl)
-            rec = measure(dict(H=H, case=name, dtype=dt, provider="flashinfer fa3"),
-                          lambda: prov_flashinfer(*x[dt], x["cq"], x["ck"], ql, kl, scale), ql, kl, H, False,
-                          args.rep)
-            results.append(rec)
-            log(f"H={H:<3} {name:<16} {dt:<4} flashinfer fa3 {fmt(rec)} {rec.get('error_detail', '')}")
     for rank in range(max(len(v) for v in sweep.values())):
         for dt, cfgs in sweep.items():
             if rank >= len(cfgs):
@@ -502,6 +495,16 @@ def run_sweep(args):
                         best[key] = rec
                 results.append(rec)
                 log(f"H={H:<3} {name:<16} {dt:<4} {cfg} {fmt(rec)}")
+    # the reference in the same process, after the configs (its first call compiles for
+    # ~90 s, which must not use up the configs' budget): FlashInfer's FA3
+    if args.flashinfer:
+        for (H, (name, ql, kl)), dt in itertools.product(shapes, FLASHINFER_DTYPES):
+            x = data.get(H, name, ql, kl)
+            rec = measure(dict(H=H, case=name, dtype=dt, provider="flashinfer fa3"),
+                          lambda: prov_flashinfer(*x[dt], x["cq"], x["ck"], ql, kl, scale), ql, kl, H, False,
+                          args.rep)
+            results.append(rec)
+            log(f"H={H:<3} {name:<16} {dt:<4} flashinfer fa3 {fmt(rec)} {rec.get('error_detail', '')}")
     print("\nbest per shape:")
     for (H, name, dt), r in sorted(best.items()):
         print(f"  H={H:<3} {name:<16} {dt:<4} {r['tflops']:6.1f} TFLOP/s  {r['config']}")
@@ -526,7 +529,7 @@ def main():
                     help="run only the providers whose label starts with one of these (e.g. triton flashinfer)")
     ap.add_argument("--cudnn-frontend-stats", choices=["packed", "padded", "both"], default="packed",
                     help="stats layout(s) of the cudnn-frontend column(s)")
-    ap.add_argument("--sweep", nargs="?", const="triton", choices=["triton", "ws", "ws-short"],
+    ap.add_argument("--sweep", nargs="?", const="triton", choices=list(SWEEPS),
                     help="sweep block configs instead of the table: the Triton kernel's, or (ws) the "
                          "warp-specialized kernel's; ws-short: its defaults against 64-key blocks on "
                          "1,024-row chunks")
