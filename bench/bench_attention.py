@@ -5,7 +5,9 @@ non-causal that is 2·Σ q_i·k_i·H·320; for causal (bottom-right) the exact c
 visible pairs (≈ half when q_i = k_i). Padding (v to 192 for flash) is not counted.
 
 Per head count H and batch shape, side by side in one process:
-  triton bf16 | triton bf16 causal | triton fp8 (P·V bf16) | triton fp8 (P·V fp8)
+  triton bf16 | triton bf16 causal | triton fp8 (P·V bf16) | triton fp8 (P·V fp8) |
+                triton fp8 (P·V fp8, V keys-last) — "triton" is our backend's default, the
+                warp-specialized Gluon kernel on Hopper; "no-ws" rows force the Triton kernel
   cudnn bf16    aten._scaled_dot_product_cudnn_attention, dense [B,H,S,D] for equal
                 lengths; ragged: one call per sequence ("loop")
   cudnn-frontend bf16  our cudnn-frontend backend (a ragged cuDNN SDPA graph per shape
@@ -13,10 +15,13 @@ Per head count H and batch shape, side by side in one process:
                 happens in the untimed first call and is reported separately (graph_build_s)
   flash bf16    F.scaled_dot_product_attention, flash backend, v padded to 192
   flex bf16/fp8 flex_attention compiled (document mask for ragged), if it works
-The ragged batch does (within ~1 %) the same work as the equal-length one.
+  flashinfer    (--flashinfer) FlashInfer 0.6.13's FA3 ragged prefill, checked against ours
+The ragged batch does (within ~1 %) the same work as the equal-length one. A table run
+ends with issue 4's verdict lines (``target_lines``), also stored in the JSON's meta.
 
   python bench/bench_attention.py --out bench/results/attention.json
   python bench/bench_attention.py --sweep --out bench/results/attention_sweep.json
+  python bench/bench_attention.py --sweep ws --out bench/results/attention_sweep_ws.json
 Stays within --budget-s seconds (optional competitors are skipped past it).
 """
 
