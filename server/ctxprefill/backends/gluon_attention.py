@@ -17,9 +17,9 @@ One program = one (query tile of ``BLOCK_M`` rows, head, segment), three partiti
 
 K and V slots are freed apart (``EARLY_K``): a consumer frees K as soon as its scores are
 in registers, V after P·V, so the next K streams in during the softmax. Measured on the
-H200 (``bench_attention.py --sweep ws``, one process, 2026-12-01): bf16 +1-9 % serial, and
+H200 (``bench_attention.py --sweep ws``, one process, 2026-12-01): bf16 serial -2 to +6 %, and
 pipelining, which lost with one release per slot (its next K waited for the previous
-P·V), now wins (591-654 TFLOP/s against 555-600 with K freed with V); fp8 +5-6 %,
+P·V), now wins (591-654 TFLOP/s against 555-600 with K freed with V); fp8 +6-7 %,
 serial. (EARLY_K=False keeps that release for comparison; the loader's order is the new one.)
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
