@@ -358,6 +358,12 @@ def test_validation():
     with pytest.raises(ValueError, match="PV_FP8"):
         q8, k8, v8 = (x.float().to(FP8) for x in (q, k, v))
         mla_context_attention(q8, k8, v8, cu_q, cu_k, 2, 3, 0.1, config=dict(BLOCK_N=16, PV_FP8=True))
+    # a launch order must be for this batch (segments, heads), int32 codes on q's device
+    codes = torch.zeros(4, dtype=torch.int32)
+    for bad in (ta.TileOrder(codes, 2, 2, 1), ta.TileOrder(codes, 1, 3, 1), ta.TileOrder(codes.long(), 1, 2, 1),
+                ta.TileOrder(codes[:0], 1, 2, 1), ta.TileOrder(codes, 1, 2, 0), ta.TileOrder(codes, 1, 2, 2**30)):
+        with pytest.raises(ValueError, match="tile_order"):
+            mla_context_attention(q, k, v, cu_q, cu_k, 2, 3, 0.1, tile_order=bad)
 
 
 
@@ -545,13 +551,14 @@ from ctxprefill.backends import gluon_attention as ga
 fn = ga._mla_attn_ws_fwd
 names = fn.arg_names
 out = []
-for dt, ws, sort_b, v_t in json.loads(sys.argv[1]):
+for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
     sig = {n: {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32", "cu_q": "*i32",
-               "cu_k": "*i32", "cu_v": "*i32", "qk_scale": "fp32"}.get(n, "i32") for n in names}
+               "cu_k": "*i32", "cu_v": "*i32", "ORDER": "*i32", "qk_scale": "fp32"}.get(n, "i32") for n in names}
     const = dict(BLOCK_M=128, BLOCK_N=ws["BLOCK_N"], STAGES=ws["STAGES"], PIPE=ws["PIPE"], SORT_B=sort_b,
-                 IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True))
+                 IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True), USE_ORDER=use_order)
     # every compile-time parameter given (one left out would compile as a runtime value)
-    assert not [n for n in names if n.isupper() and n not in const and n not in ("Q", "K", "V", "O", "LSE", "B")]
+    assert not [n for n in names if n.isupper() and n not in const
+                and n not in ("Q", "K", "V", "O", "LSE", "B", "ORDER")]
     for n in const:
         sig[n] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -559,7 +566,7 @@ for dt, ws, sort_b, v_t in json.loads(sys.argv[1]):
     src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=ga._MAXNREG))
     regs, stack = resources(k)
-    out.append(dict(dt=dt, ws=ws, sort_b=sort_b, regs=regs, stack=stack, smem=k.metadata.shared,
+    out.append(dict(dt=dt, ws=ws, sort_b=sort_b, use_order=use_order, regs=regs, stack=stack, smem=k.metadata.shared,
                     wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
                     setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                       k.asm["ptx"])))))
@@ -570,11 +577,13 @@ print(json.dumps(out))
 @pytest.mark.skipif(not triton.__version__.startswith("3.6") or ga.gluon is None,
                     reason="sm_90 cross-compile check of the Gluon kernel written for Triton 3.6")
 def test_warp_specialized_defaults_cross_compile_for_sm90():
-    """The warp-specialized kernel's default configs (bf16; fp8 keys-last), with and without
-    the longest-first order, build for an H200 without a GPU: wgmma, no spills, shared
-    memory within 227 KiB, registers moved by setmaxnreg (loader 24, consumers 240)."""
-    jobs = [("bf16", ta.CONFIGS[torch.bfloat16]["WS"], s, False) for s in (0, ta._SORT_MAX)]
-    jobs += [("fp8e4nv", ta.KEYS_LAST_FP8["WS"], s, True) for s in (0, ta._SORT_MAX)]
+    """The warp-specialized kernel's default configs (bf16; fp8 keys-last), in grid order,
+    longest segment first and in a host-given launch order, build for an H200 without a
+    GPU: wgmma, no spills, shared memory within 227 KiB, registers moved by setmaxnreg
+    (loader 24, consumers 240)."""
+    orders = [(0, False), (ta._SORT_MAX, False), (0, True)]
+    jobs = [("bf16", ta.CONFIGS[torch.bfloat16]["WS"], s, False, o) for s, o in orders]
+    jobs += [("fp8e4nv", ta.KEYS_LAST_FP8["WS"], s, True, o) for s, o in orders]
     for res in _cross_compile(_XCOMPILE_WS, jobs):
         print(res)
         assert res["wgmma"] > 0 and res["stack"] == 0 and res["smem"] <= 232448, res
@@ -646,6 +655,62 @@ def test_gpu_warp_specialized_out_pointer_and_untouched_rows():
     assert (big[:100] == 3.0).all() and (big[100 + Tq :] == 3.0).all()
     assert (out[700:705] == 0).all() and (lse[:, 700:705] == float("-inf")).all()
     check(got, lse, *reference(q.float(), k.float(), v.float(), cu_q, cu_k, 0.07))
+
+
+@needs_ws
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8_keys_last"])
+@pytest.mark.parametrize("H", [16, 128])
+def test_gpu_warp_specialized_launch_order(dtype, H):
+    """With the host's launch order (tiles packed per SM at H=16, longest first at H=128;
+    tiles of segments without queries left out) the kernel computes every tile exactly as
+    in grid order: bit-identical output and LSE, one launch of the Gluon kernel."""
+    q_lens, k_lens = [256, 0, 1792, 640, 1, 1408], [27840, 50, 9280, 37120, 0, 13888]
+    got = ta.tile_order_codes(q_lens, k_lens, H, dtype, "cuda")
+    assert got is not None
+    order = ta.device_tile_order(q_lens, k_lens, H, dtype, "cuda")
+    assert order.codes.tolist() == list(got[0]) and order.m_tiles == got[1] == 14
+    assert order.codes.numel() == H * sum(-(-n // 128) for n in q_lens)  # no empty programs
+    q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, dtype, device="cuda", seed=H)
+    kw = {}
+    if dtype == FP8:
+        vt, cv = _keys_last(v, k_lens)
+        kw = dict(v_layout="hdt", cu_seqlens_v=cv)
+    else:
+        vt = v
+    run = lambda o: mla_context_attention(q, k, vt, cu_q, cu_k, max(q_lens), max(k_lens), 192**-0.5, tile_order=o,
+                                          **kw)
+    a, la = run(None)
+    b, lb = run(order)
+    torch.cuda.synchronize()
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    if H == 16:  # against float64 too (the H=128 float64 reference would take minutes)
+        check(b, lb, *reference(q.float(), k.float(), v.float(), cu_q, cu_k, 192**-0.5),
+              out_tol=5e-2 if dtype == FP8 else 1e-2)
+    names = _kernel_names(lambda: run(order))
+    assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], names
+
+
+@needs_ws
+def test_gpu_warp_specialized_launch_order_codes_are_checked():
+    """Codes outside the batch (negative, past B·m_tiles·H) run nothing and write nothing;
+    an order that names only some tiles computes those, bit for bit, and leaves the rest."""
+    H = 4
+    q_lens, k_lens = [300, 40], [500, 70]
+    q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, torch.bfloat16, device="cuda", seed=7)
+    full, lse_full = mla_context_attention(q, k, v, cu_q, cu_k, 300, 500, 0.07)
+    m_tiles = 3
+    # tile (b=0, m=1, h=2) and (b=1, m=0, h=3), then codes that name nothing
+    codes = [(0 * m_tiles + 1) * H + 2, (1 * m_tiles + 0) * H + 3, -1, 2 * m_tiles * H, 2**31 - 1,
+             (1 * m_tiles + 2) * H + 0]  # the last: a tile past segment 1's rows
+    order = ta.TileOrder(torch.tensor(codes, dtype=torch.int32, device="cuda"), 2, H, m_tiles)
+    out = torch.full_like(full, 5.0)
+    got, lse = mla_context_attention(q, k, v, cu_q, cu_k, 300, 500, 0.07, out=out, tile_order=order)
+    torch.cuda.synchronize()
+    done = torch.zeros(out.shape[:2], dtype=torch.bool, device="cuda")
+    done[128:256, 2] = True
+    done[300:340, 3] = True
+    assert torch.equal(got[done], full[done]) and torch.equal(lse.T[done], lse_full.T[done])
+    assert (got[~done] == 5.0).all()
 
 
 def _keys_last(v, k_lens):

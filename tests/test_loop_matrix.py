@@ -198,3 +198,50 @@ def test_keys_last_v_fused_equals_generic_and_the_row_major_result(case, cache_d
     assert fused.stats.launches["pack"] == n
     segs = sum(sum(1 for x in ch.context_lens if x > 0) for ch in fused.stats.chunks)
     assert generic.stats.launches["pack"] == 6 * n + segs
+
+
+class OrderedReference(ReferenceBackend):
+    """The reference attention with a launch order (as the Triton backend has one): codes
+    made from the chunk's lengths, so that the test can tell them apart."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.asked, self.given = [], []
+
+    def launch_order(self, q_lens, k_lens, heads, q_dtype, device):
+        self.asked.append((list(q_lens), list(k_lens), heads, q_dtype))
+        if len(q_lens) < 2:
+            return None
+        return tuple(1000 * q + k for q, k in zip(q_lens, k_lens)), len(q_lens)
+
+    def run_context_chunk(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, out=None, causal=False, launch_order=None):
+        self.given.append(None if launch_order is None else (launch_order[0].tolist(), launch_order[1],
+                                                                  launch_order[0].dtype, launch_order[0].device))
+        return super().run_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale, out=out, causal=causal)
+
+
+def test_launch_order_asked_per_chunk_and_given_on_the_device():
+    """The engine asks the backend for a launch order per chunk with the chunk's host-side
+    lengths, copies it to the device with the chunk's other metadata (one copy per
+    request), and hands it to that chunk's attention call; a backend with none (None) is
+    called without the argument. The result does not change."""
+    c = CASES["larger"]
+    kw = dict(heads=c["heads"], block_size=c["block"], num_blocks=c["blocks"], workspace_tokens=c["W"])
+    be = OrderedReference(honor_out=True)
+    eng = make_engine(backend=be, **kw)
+    q, seqs = make_request(eng, c["contexts"], c["queries"], seed=1)
+    r = eng.prefill_context(q, seqs)
+    chunks = r.stats.chunks
+    assert len(be.asked) == len(be.given) == len(chunks) > 1
+    for ch, asked, given in zip(chunks, be.asked, be.given):
+        q_lens = [c["queries"][s] for s in ch.sequences]
+        assert asked == (q_lens, list(ch.context_lens), c["heads"], q.dtype)
+        if len(q_lens) < 2:
+            assert given is None
+        else:
+            assert given == ([1000 * a + b for a, b in zip(q_lens, ch.context_lens)], len(q_lens), torch.int32,
+                             q.device)
+    assert any(g is not None for g in be.given)
+    eng.backend = ReferenceBackend(honor_out=True)  # the same cache, no launch order
+    plain = eng.prefill_context(q, seqs)
+    assert torch.equal(bits(r.out), bits(plain.out)) and torch.equal(bits(r.lse), bits(plain.lse))

@@ -245,19 +245,32 @@ if gluon is not None:
         rows_s = m0 + C * HALF_M + gl.arange(0, HALF_M, layout=row_s)
         gl.store(LSE + h.to(gl.int64) * stride_lh + q_start + rows_s, lse, mask=rows_s < q_len)
 
-    @gluon.jit
+    # the order's bounds vary per batch: not specialized (a value of 1 or a multiple of 16
+    # would otherwise compile another variant on a request's path)
+    @gluon.jit(do_not_specialize=["n_heads", "m_tiles"])
     def _mla_attn_ws_fwd(
         Q, K, V, O, LSE, cu_q, cu_k, cu_v, qk_scale, B,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_ot, stride_oh, stride_lh,
+        stride_ot, stride_oh, stride_lh, ORDER, n_heads, m_tiles,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
         SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
+        USE_ORDER: gl.constexpr,
     ):
         HALF_M: gl.constexpr = BLOCK_M // 2
         pid_m = gl.program_id(0)
         h = gl.program_id(1)
         b = gl.program_id(2)
-        if SORT_B > 0:
+        valid = True
+        if USE_ORDER:
+            # 1-D launch in the host's order (``tile_order``): program p runs tile ORDER[p],
+            # code (b * m_tiles + m) * n_heads + h; a code outside the batch runs nothing
+            code = gl.load(ORDER + pid_m)
+            valid = (code >= 0) & (code < B * m_tiles * n_heads)
+            code = gl.where(valid, code, 0)
+            h = code % n_heads
+            pid_m = (code // n_heads) % m_tiles
+            b = code // (n_heads * m_tiles)
+        elif SORT_B > 0:
             # longest segment first (LPT), as triton_attention: rank r runs the r-th longest
             L2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
             i_r = gl.arange(0, SORT_B, layout=gl.SliceLayout(1, L2))
@@ -276,7 +289,7 @@ if gluon is not None:
         k_len = gl.load(cu_k + b + 1) - k_start
         # a tile past its segment's end does nothing (its loader and consumers see 0 blocks
         # and its stores are masked): no early return, the partitions all run
-        n_blocks = gl.where(m0 < q_len, gl.cdiv(k_len, BLOCK_N), 0)
+        n_blocks = gl.where((m0 < q_len) & valid, gl.cdiv(k_len, BLOCK_N), 0)
 
         dt: gl.constexpr = Q.dtype.element_ty
         qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, 128], dt)
@@ -341,17 +354,22 @@ if gluon is not None:
 
 
 def launch(q, k, v, out, lse, cu_q, cu_k, cu_v, qk_scale: float, grid, sort_b: int, v_t: bool,
-           config: dict | None = None) -> None:
+           config: dict | None = None, order=None, m_tiles: int = 0) -> None:
     """Launch the kernel on inputs ``triton_attention.mla_context_attention`` validated
     (non-causal; q/k/v with 16-byte aligned bases and strides; ``qk_scale`` in log2
-    units; ``grid`` (query tiles of BLOCK_M, H, B))."""
+    units; ``grid`` (query tiles of BLOCK_M, H, B)). With ``order`` (int32 tile codes on
+    the device, ``tile_order``; ``m_tiles`` the query tiles they count with) the launch
+    is 1-D, one program per code, in that order."""
     cfg = dict(CONFIG, **(config or {}))
+    H = q.shape[1]
+    if order is not None:
+        grid = (order.numel(), 1, 1)
     _mla_attn_ws_fwd[grid](
         q, k, v, out, lse, cu_q, cu_k, cu_v, qk_scale, cu_q.numel() - 1,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(1) if v_t else v.stride(0), v.stride(0) if v_t else v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), cu_q if order is None else order, H, max(int(m_tiles), 1),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], PIPE=cfg["PIPE"],
         SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t, EARLY_K=cfg["EARLY_K"],
-        num_warps=4, maxnreg=_MAXNREG,
+        USE_ORDER=order is not None, num_warps=4, maxnreg=_MAXNREG,
     )

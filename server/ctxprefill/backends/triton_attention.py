@@ -64,10 +64,12 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+from typing import NamedTuple
 
 import torch
 
 from . import gluon_attention as _ws
+from . import tile_order as _tile_order
 from ._triton import TRITON_ERR as _TRITON_ERR
 from ._triton import tl, triton
 from .base import AttentionBackend
@@ -387,6 +389,7 @@ def mla_context_attention(
     config: dict | None = None,
     v_layout: str = "thd",
     cu_seqlens_v: torch.Tensor | None = None,
+    tile_order: "TileOrder | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention, one launch. Returns ``(out [Tq,H,128] bf16, lse [H,Tq] f32, ln)``.
 
@@ -401,6 +404,13 @@ def mla_context_attention(
     descriptors need a 16-byte aligned start, so only with ``cu_seqlens_v`` given (the
     caller vouches that every start is a multiple of 16 bytes, as is v's row stride) do
     keys-last tiles come through TMA; otherwise through pointer loads.
+
+    ``tile_order`` (``device_tile_order``: the launch order of this batch's tiles packed
+    per SM on the host, from the same lengths as the cumulative ones): the warp-specialized
+    kernel launches one program per tile in that order (a ragged batch's tail, docs/DESIGN.md);
+    the other kernel keeps its own order. An order built for other lengths is memory-safe
+    (the kernel checks each code against the batch and each tile against its segment) but
+    computes the tiles it names only.
 
     ``config`` overrides ``CONFIGS[q.dtype]`` (BLOCK_M, BLOCK_N, num_warps, num_stages,
     PV_FP8, USE_TMA, and optionally maxnreg: a register cap per thread, e.g. 128 so that
@@ -440,6 +450,15 @@ def mla_context_attention(
                                                                  and cu_seqlens_v.numel() != B + 1):
         raise ValueError(f"cu_seqlens_q, cu_seqlens_k (and cu_seqlens_v) must have B+1 entries, 0 <= B <= 65535 "
                          f"(a grid dimension); got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    if tile_order is not None:
+        t = tile_order.codes
+        if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.device != q.device \
+                or (tile_order.segments, tile_order.heads) != (B, H) or not 1 <= tile_order.m_tiles \
+                or B * tile_order.m_tiles * H >= 2**31 or not 1 <= t.numel() < 2**31:
+            raise ValueError(f"tile_order must be built for this batch (B={B}, H={H}: device_tile_order) with "
+                             f"contiguous int32 codes on {q.device}; got B={tile_order.segments}, "
+                             f"H={tile_order.heads}, m_tiles={tile_order.m_tiles}, codes {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
     if out is None:
         out = torch.empty((Tq, H, D_V), dtype=torch.bfloat16, device=q.device)
     elif out.shape != (Tq, H, D_V) or out.dtype != torch.bfloat16 or out.stride(-1) != 1:
@@ -490,7 +509,8 @@ def mla_context_attention(
         ws_grid = (max(1, triton.cdiv(int(max_q), ws_cfg["BLOCK_M"])), H, max(B, 1))
         _ws.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                    cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v, float(scale) * _LOG2E, ws_grid,
-                   sort_b, v_t, ws_cfg)
+                   0 if tile_order is not None else sort_b, v_t, ws_cfg, order=None if tile_order is None else tile_order.codes,
+                   m_tiles=0 if tile_order is None else tile_order.m_tiles)
         return out, lse
     _mla_ctx_attn_fwd[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v,
@@ -504,6 +524,46 @@ def mla_context_attention(
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
     return out, lse
+
+
+class TileOrder(NamedTuple):
+    """A launch order for the warp-specialized kernel (``tile_order.tile_order``'s codes,
+    on the device) and the batch it was built for."""
+
+    codes: torch.Tensor  # int32 [programs], (b * m_tiles + m) * heads + h
+    segments: int
+    heads: int
+    m_tiles: int
+
+
+def tile_order_codes(q_lens, k_lens, heads: int, q_dtype: torch.dtype, device) -> tuple[tuple[int, ...], int] | None:
+    """(codes, m_tiles) of the warp-specialized kernel's launch order for segments of
+    ``q_lens`` query rows over ``k_lens`` keys on ``device`` (host lists, no sync), or None
+    where its own order serves (not CUDA, one segment, no tail to pack): ``tile_order``."""
+    device = torch.device(device)
+    if device.type != "cuda" or q_dtype not in CONFIGS:
+        return None
+    ws = (KEYS_LAST_FP8 if q_dtype == _FP8 else CONFIGS[q_dtype]).get("WS") or {}
+    block_m = _ws.CONFIG["BLOCK_M"]
+    block_n = (ws if isinstance(ws, dict) else {}).get("BLOCK_N", _ws.CONFIG["BLOCK_N"])
+    codes = _tile_order.tile_order(q_lens, k_lens, heads, _sms(device), block_m, block_n)
+    if codes is None:
+        return None
+    return codes, max(1, -(-max(q_lens) // block_m))
+
+
+def device_tile_order(q_lens, k_lens, heads: int, q_dtype: torch.dtype, device) -> TileOrder | None:
+    """``tile_order_codes`` copied to the device (one small copy) for ``mla_context_attention``."""
+    got = tile_order_codes(q_lens, k_lens, heads, q_dtype, device)
+    if got is None:
+        return None
+    codes, m_tiles = got
+    return TileOrder(torch.tensor(codes, dtype=torch.int32).to(device), len(q_lens), heads, m_tiles)
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # Segments per call up to which programs are ordered longest-first (one compiled variant
@@ -576,9 +636,17 @@ class TritonAttentionBackend(AttentionBackend):
         return True
 
     def run_context_chunk(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale,
-                          out=None, causal=False, v_layout="thd", cu_seqlens_v=None):
+                          out=None, causal=False, v_layout="thd", cu_seqlens_v=None, launch_order=None):
+        order = None
+        if launch_order is not None:
+            codes, m_tiles = launch_order
+            order = TileOrder(codes, cu_seqlens_q.numel() - 1, q.shape[1], m_tiles)
         return mla_context_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale,
-                                     out=out, causal=causal, v_layout=v_layout, cu_seqlens_v=cu_seqlens_v)
+                                     out=out, causal=causal, v_layout=v_layout, cu_seqlens_v=cu_seqlens_v,
+                                     tile_order=order)
+
+    def launch_order(self, q_lens, k_lens, heads: int, q_dtype: torch.dtype, device):
+        return tile_order_codes(q_lens, k_lens, heads, q_dtype, device)
 
     def v_keys_last(self, q_dtype: torch.dtype) -> bool:
         # fp8: P·V in fp8 wants V keys-last (no tile transposes); bf16 gains nothing from it
@@ -605,8 +673,12 @@ class TritonAttentionBackend(AttentionBackend):
             k = torch.zeros(n, heads, D_QK, dtype=q_dtype, device=device)
             v = torch.zeros(n, heads, D_V, dtype=q_dtype, device=device)
             cu = lambda ls: torch.tensor([0] + list(itertools.accumulate(ls)), dtype=torch.int32, device=device)
-            mla_context_attention(q, k, v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0)
-            if self.v_keys_last(q_dtype):  # as the engine's pack gives it: segments 16 columns apart
-                vt = torch.zeros(heads, D_V, 16 * n, dtype=q_dtype, device=device)
-                mla_context_attention(q, k, vt, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, v_layout="hdt",
-                                      cu_seqlens_v=cu([16] * n))
+            # several segments: with the engine's launch order too (the kernel's 1-D variant)
+            orders = [None] + [o for o in [device_tile_order(q_lens, [1] * n, heads, q_dtype, device)] if n > 1
+                               and o is not None]
+            for order in orders:
+                mla_context_attention(q, k, v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, tile_order=order)
+                if self.v_keys_last(q_dtype):  # as the engine's pack gives it: segments 16 columns apart
+                    vt = torch.zeros(heads, D_V, 16 * n, dtype=q_dtype, device=device)
+                    mla_context_attention(q, k, vt, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, v_layout="hdt",
+                                          cu_seqlens_v=cu([16] * n), tile_order=order)

@@ -12,6 +12,7 @@ have written into the buffer it was given.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -75,9 +76,11 @@ class LoopResult:
 Observer = Callable[[int, ContextChunk, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def _chunk_metadata(x: LoopInputs, device, keys_last: bool = False) -> list[tuple]:
+def _chunk_metadata(x: LoopInputs, device, keys_last: bool = False, order_for=None) -> list[tuple]:
     """Per chunk: (cu_seq_lens, seq_starts, cu_seqlens_q, q0, q1, max_q, V keys-last layout
-    or None), built on the host and moved to the device in one copy for the whole request."""
+    or None, the backend's launch order or None), built on the host and moved to the device
+    in one copy for the whole request. ``order_for(q_lens, k_lens)``: the backend's
+    ``launch_order`` (None when it has none)."""
     q_offsets = [0]
     for n in x.query_lens:
         q_offsets.append(q_offsets[-1] + n)
@@ -91,18 +94,26 @@ def _chunk_metadata(x: LoopInputs, device, keys_last: bool = False) -> list[tupl
         host += cu_k + list(c.context_starts) + cu_q
         cu_v = keys_last_starts(cu_k) if keys_last else []
         host += cu_v
+        order = None if order_for is None else order_for([x.query_lens[s] for s in c.sequences], c.context_lens)
+        if order is not None:
+            codes, extra = order
+            order = (len(host), len(codes), extra)
+            host += codes
         spans.append((base, c.num_sequences, q_offsets[c.first_sequence], q_offsets[c.first_sequence + c.num_sequences],
-                      max((x.query_lens[s] for s in c.sequences), default=0), cu_k, cu_v))
+                      max((x.query_lens[s] for s in c.sequences), default=0), cu_k, cu_v, order))
     dev = torch.tensor(host, dtype=torch.int32).to(device, non_blocking=False)
     meta = []
-    for base, n, q0, q1, max_q, cu_k_host, cu_v_host in spans:
+    for base, n, q0, q1, max_q, cu_k_host, cu_v_host, order in spans:
         cu_k = dev[base : base + n + 1]
         starts = dev[base + n + 1 : base + 2 * n + 1]
         cu_q = dev[base + 2 * n + 1 : base + 3 * n + 2]
         layout = None
         if keys_last:
             layout = KeysLast(cu_k_host, cu_v_host, cu_k, dev[base + 3 * n + 2 : base + 4 * n + 3])
-        meta.append((cu_k, starts, cu_q, q0, q1, max_q, layout))
+        if order is not None:
+            at, count, extra = order
+            order = (dev[at : at + count], extra)
+        meta.append((cu_k, starts, cu_q, q0, q1, max_q, layout, order))
     return meta
 
 
@@ -142,7 +153,9 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
     # fp8 P·V reads V keys-last ([H, 128, columns]) when the backend takes it: the pack
     # writes it so, each segment from a 16-aligned column (KeysLast)
     keys_last = x.fp8_prefill and backend.v_keys_last(q.dtype)
-    meta = _chunk_metadata(x, device, keys_last)
+    # the backend's launch order per chunk, if it takes one (triton: tiles packed per SM)
+    order_for = functools.partial(backend.launch_order, heads=H, q_dtype=q.dtype, device=device)
+    meta = _chunk_metadata(x, device, keys_last, order_for)
     ws_dtype = FP8 if x.gather_raw_fp8 else torch.bfloat16
     width = x.latent + 64
     direct = [not c.is_continuation for c in x.chunks]
@@ -164,8 +177,10 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
                 out.zero_()
                 lse.fill_(float("-inf"))
 
-    for i, (c, (cu_k, starts, cu_q, q0, q1, max_q, layout)) in enumerate(zip(x.chunks, meta)):
-        v_kw = {} if layout is None else {"v_layout": "hdt", "cu_seqlens_v": layout.cu_v_dev}
+    for i, (c, (cu_k, starts, cu_q, q0, q1, max_q, layout, order)) in enumerate(zip(x.chunks, meta)):
+        kw = {} if layout is None else {"v_layout": "hdt", "cu_seqlens_v": layout.cu_v_dev}
+        if order is not None:
+            kw["launch_order"] = order
         rows = c.rows
         with stage("gather"):
             ws = x.workspace[: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
@@ -189,19 +204,19 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
         with stage("attention"):
             launches.note(backend.launches_per_call())
             if single:
-                out, lse = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, **v_kw)
+                out, lse = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, **kw)
                 o_c, l_c = out, lse
             elif direct[i] and backend.supports_out():
                 target = out[q0:q1]
                 o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, out=target,
-                                                     **v_kw)
+                                                     **kw)
                 if o_c.data_ptr() != target.data_ptr():
                     raise RuntimeError(
                         f"attention backend {backend.name!r} claims supports_out() but did not write into the "
                         f"out buffer it was given (chunk {i})"
                     )
             else:
-                o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, **v_kw)
+                o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, **kw)
         if not single:
             with stage("merge"):
                 if direct[i]:
