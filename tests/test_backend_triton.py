@@ -145,17 +145,20 @@ def test_warm_up_runs_every_variant(dtype, monkeypatch):
 
     def spy(q, k, v, cu_q, cu_k, max_q, max_k, scale, **kw):
         calls.append((cu_q.diff().tolist(), -(-max_q // ta.BLOCK_M_MAX) * q.shape[1] * (cu_q.numel() - 1),
-                      kw.get("v_layout", "thd")))
+                      kw.get("v_layout", "thd"), kw.get("tile_order") is not None))
         return real(q, k, v, cu_q, cu_k, max_q, max_k, scale, **kw)
 
     monkeypatch.setattr(ta, "mla_context_attention", spy)
     TritonAttentionBackend().warm_up(torch.device(DEV), heads=2, q_dtype=dtype, programs=5)
-    # fp8: every variant also with V keys-last (what the engine's fp8 pack gives)
+    # fp8: every variant also with V keys-last (what the engine's fp8 pack gives); on a GPU
+    # the several-segment ones also with a launch order (the kernel's 1-D variant)
     layouts = ["thd", "hdt"] if dtype == FP8 else ["thd"]
-    want = [(ql, lay) for ql in ([1], [1, 1], [384], [384, 384]) for lay in layouts]  # 3 x 128 rows x 2 heads >= 5
-    assert [(c[0], c[2]) for c in calls] == want
-    n = 2 * len(layouts)
-    assert all(p < 5 for _, p, _ in calls[:n]) and all(p >= 5 for _, p, _ in calls[n:])
+    orders = [False, True] if DEV == "cuda" else [False]
+    want = [(ql, lay, o) for ql in ([1], [1, 1], [384], [384, 384])  # 3 x 128 rows x 2 heads >= 5
+            for o in (orders if len(ql) > 1 else [False]) for lay in layouts]
+    assert [(c[0], c[2], c[3]) for c in calls] == want
+    small = [c for c in calls if c[0] in ([1], [1, 1])]
+    assert all(c[1] < 5 for c in small) and all(c[1] >= 5 for c in calls[len(small):])
 
 
 @cpu_interp
@@ -659,12 +662,12 @@ def test_gpu_warp_specialized_out_pointer_and_untouched_rows():
 
 @needs_ws
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8_keys_last"])
-@pytest.mark.parametrize("H", [16, 128])
-def test_gpu_warp_specialized_launch_order(dtype, H):
-    """With the host's launch order (tiles packed per SM at H=16, longest first at H=128;
-    tiles of segments without queries left out) the kernel computes every tile exactly as
-    in grid order: bit-identical output and LSE, one launch of the Gluon kernel."""
-    q_lens, k_lens = [256, 0, 1792, 640, 1, 1408], [27840, 50, 9280, 37120, 0, 13888]
+def test_gpu_warp_specialized_launch_order(dtype):
+    """With the host's launch order (528 tiles packed per SM; tiles of segments without
+    queries left out) the kernel computes every tile exactly as in grid order:
+    bit-identical output and LSE, against float64 too, one launch of the Gluon kernel."""
+    H = 16
+    q_lens, k_lens = [256, 0, 1792, 640, 1, 1408], [6960, 50, 2320, 9280, 0, 3472]
     got = ta.tile_order_codes(q_lens, k_lens, H, dtype, "cuda")
     assert got is not None
     order = ta.device_tile_order(q_lens, k_lens, H, dtype, "cuda")
@@ -683,9 +686,8 @@ def test_gpu_warp_specialized_launch_order(dtype, H):
     b, lb = run(order)
     torch.cuda.synchronize()
     assert torch.equal(a, b) and torch.equal(la, lb)
-    if H == 16:  # against float64 too (the H=128 float64 reference would take minutes)
-        check(b, lb, *reference(q.float(), k.float(), v.float(), cu_q, cu_k, 192**-0.5),
-              out_tol=5e-2 if dtype == FP8 else 1e-2)
+    check(b, lb, *reference(q.float(), k.float(), v.float(), cu_q, cu_k, 192**-0.5),
+          out_tol=5e-2 if dtype == FP8 else 1e-2)
     names = _kernel_names(lambda: run(order))
     assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], names
 

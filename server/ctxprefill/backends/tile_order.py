@@ -18,7 +18,9 @@ device-side scheduler, with the launch order as the scheduler.
 
 Tiles cost their key blocks plus a start-up (``STARTUP_BLOCKS``, fitted in the model).
 Past ``PACK_WAVES`` waves of tiles LPT leaves no tail worth packing (H=128, the same
-batch: 0.996 of balanced), and the order is plain LPT.
+batch: 0.996 of balanced): no order then, the kernel's own (LPT) serves. Host cost per new
+shape: 0.1-0.6 ms for 2-16 segments on the CPU machine (SM lists that end alike are one
+group, so the work grows with segments, not tiles); a shape seen before is a cache hit.
 
 An order is a list of tile codes ``(b * m_tiles + m) * heads + h`` (segment, query tile,
 head), one per program of a 1-D launch; tiles of segments without query rows are left
@@ -30,8 +32,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-
-import numpy as np
 
 #: a program's start-up (queries in, descriptors, epilogue) in units of one key block
 STARTUP_BLOCKS = 1.5
@@ -47,8 +47,10 @@ def _cdiv(a: int, b: int) -> int:
 
 def tile_order(q_lens, k_lens, heads: int, sms: int, block_m: int = 128, block_n: int = 128) -> tuple[int, ...] | None:
     """Tile codes in launch order for segments of ``q_lens`` query rows over ``k_lens``
-    keys, or None when the kernel's own order is as good (one segment, more than
-    ``MAX_SEGMENTS``, or codes past int32). Cached: a request's chunks repeat shapes."""
+    keys, or None where the kernel's own order (longest segment first) is as good: one
+    segment, more than ``MAX_SEGMENTS``, codes past int32, one wave of tiles or
+    ``PACK_WAVES`` and more, or a packing that does not beat it in the model. Cached: a
+    request's chunks repeat shapes."""
     if len(q_lens) != len(k_lens):
         raise ValueError(f"q_lens and k_lens need one entry per segment; got {len(q_lens)} and {len(k_lens)}")
     if min(heads, sms, block_m, block_n) < 1 or min(list(q_lens) + list(k_lens), default=0) < 0:
@@ -64,77 +66,65 @@ def _cached(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int, sms
     if not 2 <= B <= MAX_SEGMENTS or B * m_tiles * heads >= 2**31:
         return None
     segs = sorted((b for b in range(B) if q_tiles[b] > 0), key=lambda b: (-k_blocks[b], b))  # LPT
-    n_tiles = sum(q_tiles[b] * heads for b in segs)
-    if n_tiles == 0:
+    count = [q_tiles[b] * heads for b in segs]
+    if not sms < sum(count) < PACK_WAVES * sms:  # one wave, or no tail worth packing
         return None
-    lpt = tuple(np.concatenate([_codes(b, np.arange(q_tiles[b] * heads), q_tiles[b], m_tiles, heads)
-                                for b in segs]).tolist())
-    if n_tiles >= PACK_WAVES * sms or n_tiles <= sms:  # no tail to pack, or one wave
-        return lpt
-    cost = np.array([k_blocks[b] + STARTUP_BLOCKS for b in segs])
-    count = np.array([q_tiles[b] * heads for b in segs])
-    take = _pack(cost, count, sms)  # [segments, sms]: tiles of segment i in SM list s
-    # start times: each list runs its segments costliest first, back to back
-    base = np.vstack([np.zeros((1, sms)), np.cumsum(take * cost[:, None], axis=0)[:-1]])
-    seg_i, start = [], []
-    for i in range(len(segs)):
-        lists = np.repeat(np.arange(sms), take[i])
-        first = np.repeat(np.cumsum(take[i]) - take[i], take[i])
-        k = np.arange(count[i]) - first  # position within its list's run of this segment
-        start.append(base[i][lists] + k * cost[i])
-        seg_i.append(np.full(count[i], i))
-    seg_i, start = np.concatenate(seg_i), np.concatenate(start)
-    order = np.lexsort((seg_i, start))  # by start time; ties: the costlier segment first
-    seg_i = seg_i[order]
-    # the j-th program of segment i in launch order runs its j-th tile (head-major, query
-    # tiles of one head together: they share K/V in L2)
-    rank = np.empty(len(seg_i), dtype=np.int64)
-    for i in range(len(segs)):
-        where = np.nonzero(seg_i == i)[0]
-        rank[where] = np.arange(len(where))
-    seg_b = np.array(segs)[seg_i]
-    qt = np.array(q_tiles)[seg_b]
-    codes = (seg_b * m_tiles + rank % qt) * heads + rank // qt
+    cost = [k_blocks[b] + STARTUP_BLOCKS for b in segs]
+    # each group of SM lists runs its segments costliest first, back to back: programs
+    # planned to start together (same time, same segment) are one event of m programs
+    events: dict[tuple[float, int], int] = {}
+    for lists, _, runs in _pack(cost, count, sms):
+        t = 0.0
+        for i, k in runs:
+            for _ in range(k):
+                events[t, i] = events.get((t, i), 0) + lists
+                t += cost[i]
+    order = sorted(events)  # by start time; ties: the costlier segment first
     # A list that ends early takes, in the hardware's hands, the next program planned for
     # another list, which can undo the packing: kept only where the list-scheduling model
     # says it beats longest first (random batches: better in most, up to 4 % worse in 5 %)
-    packed_span = makespan(cost[seg_i].tolist(), sms)
-    lpt_span = makespan([cost[i] for i in range(len(segs)) for _ in range(count[i])], sms)
-    return tuple(codes.tolist()) if packed_span < lpt_span else lpt
+    if _span([(cost[i], events[t, i]) for t, i in order], sms) >= _span(list(zip(cost, count)), sms):
+        return None
+    # the j-th program of a segment runs its j-th tile, head-major: the query tiles of one
+    # head (the same K/V, in L2) start together
+    codes, used = [], [0] * len(segs)
+    for t, i in order:
+        b, qt, j = segs[i], q_tiles[segs[i]], used[i]
+        codes += [(b * m_tiles + u % qt) * heads + u // qt for u in range(j, j + events[t, i])]
+        used[i] = j + events[t, i]
+    return tuple(codes)
 
 
-def makespan(costs: list[float], sms: int) -> float:
-    """The list-scheduling model of a launch: programs in the given order, each to the
-    SM that frees first; the time the last one ends."""
-    free = [0.0] * sms
-    for c in costs:
-        heapq.heappush(free, heapq.heappop(free) + c)
-    return max(free)
-
-
-def _codes(b: int, t: np.ndarray, q_tiles: int, m_tiles: int, heads: int) -> np.ndarray:
-    """Codes of segment b's tiles numbered ``t`` (head-major: t = h * q_tiles + m)."""
-    return (b * m_tiles + t % q_tiles) * heads + t // q_tiles
-
-
-def _pack(cost: np.ndarray, count: np.ndarray, sms: int, tol: float = 2e-3) -> np.ndarray:
-    """Tiles per (segment, SM list): first fit, costliest segment first, under the least
-    capacity (bisected to ``tol``) at which everything fits."""
+def _pack(cost: list[float], count: list[int], sms: int, tol: float = 2e-3) -> list:
+    """SM lists packed first fit, costliest segment first, under the least capacity
+    (bisected to ``tol``) at which every tile fits. Lists that end up alike are kept as one
+    group: ``[(lists, load, ((segment, tiles), ...)), ...]`` (a few groups per segment)."""
 
     def fill(cap: float):
-        load = np.zeros(sms)
-        take = np.zeros((len(cost), sms))
-        for i, (c, n) in enumerate(zip(cost.tolist(), count.tolist())):
-            room = np.maximum((cap - load) // c, 0.0)
-            before = np.cumsum(room) - room  # first fit: lists in order, each as full as it gets
-            t = np.minimum(np.maximum(n - before, 0.0), room)
-            if before[-1] + room[-1] < n:
+        groups = [(sms, 0.0, ())]
+        for i, (c, n) in enumerate(zip(cost, count)):
+            nxt = []
+            for lists, load, runs in groups:  # first fit: lists in order, each as full as it gets
+                room = int((cap - load) // c)
+                if n == 0 or room <= 0:
+                    nxt.append((lists, load, runs))
+                    continue
+                full = min(lists, n // room)
+                if full:
+                    nxt.append((full, load + room * c, runs + ((i, room),)))
+                    n -= full * room
+                rest = lists - full
+                if rest and n:  # one list takes what is left (less than its room)
+                    nxt.append((1, load + n * c, runs + ((i, n),)))
+                    n, rest = 0, rest - 1
+                if rest:
+                    nxt.append((rest, load, runs))
+            if n:
                 return None
-            take[i] = t
-            load += t * c
-        return take
+            groups = nxt
+        return groups
 
-    lo = max(float((cost * count).sum()) / sms, float(cost.max()))
+    lo = max(sum(c * n for c, n in zip(cost, count)) / sms, max(cost))
     hi = lo * 1.25
     best = fill(hi)
     while best is None:
@@ -147,4 +137,30 @@ def _pack(cost: np.ndarray, count: np.ndarray, sms: int, tol: float = 2e-3) -> n
             lo = mid
         else:
             hi, best = mid, got
-    return best.astype(np.int64)
+    return best
+
+
+def _span(events: list[tuple[float, int]], sms: int) -> float:
+    """The list-scheduling model of a launch, ``events`` = (cost, programs) in launch order:
+    each program to the SM that frees first (SMs free at the same time kept as one count).
+    The time the last program ends."""
+    free, times = {0.0: sms}, [0.0]  # free time -> SMs; the times, a heap
+    for c, m in events:
+        while m:
+            t = times[0]
+            take = min(free[t], m)
+            free[t] -= take
+            if not free[t]:
+                del free[t]
+                heapq.heappop(times)
+            if t + c not in free:
+                free[t + c] = 0
+                heapq.heappush(times, t + c)
+            free[t + c] += take
+            m -= take
+    return max(free)
+
+
+def makespan(costs: list[float], sms: int) -> float:
+    """``_span`` of programs given one by one (``bench/simulate_tiles.py``'s model)."""
+    return _span([(c, 1) for c in costs], sms)

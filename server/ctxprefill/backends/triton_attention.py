@@ -673,9 +673,13 @@ class TritonAttentionBackend(AttentionBackend):
             k = torch.zeros(n, heads, D_QK, dtype=q_dtype, device=device)
             v = torch.zeros(n, heads, D_V, dtype=q_dtype, device=device)
             cu = lambda ls: torch.tensor([0] + list(itertools.accumulate(ls)), dtype=torch.int32, device=device)
-            # several segments: with the engine's launch order too (the kernel's 1-D variant)
-            orders = [None] + [o for o in [device_tile_order(q_lens, [1] * n, heads, q_dtype, device)] if n > 1
-                               and o is not None]
+            # several segments: with a launch order too (the kernel's 1-D variant, which the
+            # engine's packed orders run): here every tile in grid order
+            orders = [None]
+            if n > 1 and device.type == "cuda":
+                m_tiles = -(-max(q_lens) // _ws.CONFIG["BLOCK_M"])
+                orders.append(TileOrder(torch.arange(n * m_tiles * heads, dtype=torch.int32, device=device), n, heads,
+                                        m_tiles))
             for order in orders:
                 mla_context_attention(q, k, v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, tile_order=order)
                 if self.v_keys_last(q_dtype):  # as the engine's pack gives it: segments 16 columns apart
