@@ -283,13 +283,14 @@ if gluon is not None:
             rank = gl.sum(ahead.to(gl.int32), axis=1)
             b = gl.sum(gl.where(rank == b, i_r, 0), axis=0)
         q_start = gl.load(cu_q + b)
-        q_len = gl.load(cu_q + b + 1) - q_start
+        # a code outside the batch: no rows (nothing computed, every store masked)
+        q_len = gl.where(valid, gl.load(cu_q + b + 1) - q_start, 0)
         m0 = pid_m * BLOCK_M
         k_start = gl.load(cu_k + b)
         k_len = gl.load(cu_k + b + 1) - k_start
         # a tile past its segment's end does nothing (its loader and consumers see 0 blocks
         # and its stores are masked): no early return, the partitions all run
-        n_blocks = gl.where((m0 < q_len) & valid, gl.cdiv(k_len, BLOCK_N), 0)
+        n_blocks = gl.where(m0 < q_len, gl.cdiv(k_len, BLOCK_N), 0)
 
         dt: gl.constexpr = Q.dtype.element_ty
         qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, 128], dt)
