@@ -35,6 +35,25 @@ def test_target_lines_pass_and_miss():
     assert lines["H=16 fp8 1x8192q/16384k: 849.0 TFLOP/s (>= 850: False)"] is False
 
 
+def test_interleaved_rounds_decide_the_ratio():
+    """Where the interleaved rounds ran, their median ratio is the verdict, not the table's
+    two rows (which here would miss)."""
+    res = [
+        _rec(16, "4x1024q/16384k", "triton", "bf16", 650.0),
+        _rec(16, "ragged4", "triton", "bf16", 580.0),  # 0.892 from the table rows
+        dict(H=16, dtype="bf16", provider="triton", rounds=5, ratio_median=0.95, ratio_min=0.91, ratio_max=0.99,
+             tflops_ragged=[1.0], tflops_equal=[1.0]),
+        dict(H=128, dtype="fp8", provider="triton pv_fp8 v-keys-last", rounds=3, ratio_median=0.85,
+             ratio_min=0.8, ratio_max=0.9, tflops_ragged=[1.0], tflops_equal=[1.0]),
+    ]
+    lines = dict(ba.target_lines(res))
+    assert lines == {
+        "H=16 bf16 ragged4 / 4x1024q/16384k: 0.950 (median of 5 interleaved rounds, 0.910-0.990) (>= 0.9: True)": True,
+        "H=128 fp8 ragged4 / 4x1024q/16384k: 0.850 (median of 3 interleaved rounds, 0.800-0.900) (>= 0.9: False)":
+            False,
+    }
+
+
 def test_recorded_verdict_recomputes():
     """The verdict recorded with an H200 run (2026-12-01, every provider) is what
     ``target_lines`` computes again from that run's records."""
