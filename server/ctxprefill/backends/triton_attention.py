@@ -13,7 +13,10 @@ length, and the hardware starts programs in grid order, so with 2..64 segments t
 rank orders them by key length, longest first (LPT scheduling): a ragged batch then
 ends with short programs instead of one long straggler. Measured on the H200, a
 4-sequence ragged batch of H=16 ran 21 % below an equal-length batch of the same work
-before this ordering, 6 % (bf16) and 8 % (fp8) below after it. Online softmax in fp32 with exp2 (log2(e) folded into the
+before this ordering, 6 % (bf16) and 8 % (fp8) below after it. The warp-specialized kernel
+can instead take a launch order built on the host (``tile_order``: tiles packed per SM,
+where that beats longest first; the engine builds it per chunk): 2-7 % below on that batch
+(docs/DESIGN.md). Online softmax in fp32 with exp2 (log2(e) folded into the
 scale); the returned LSE is converted back to natural log. A row that sees no key
 (k_len 0, or a causal row with nothing visible) gives out = 0 and lse = -inf.
 
