@@ -24,7 +24,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "server"))
-from ctxprefill.backends.tile_order import makespan, tile_order  # noqa: E402  (numpy only, no torch)
+from ctxprefill.backends.tile_order import makespan, pack_lists, tile_order  # noqa: E402  (no torch)
 
 
 def tile_classes(q_lens, k_lens, heads: int, block_m: int, block_n: int, startup: float) -> list[tuple[float, int]]:
@@ -72,41 +72,11 @@ def packed_makespan(costs: list[float], sms: int, rounds: int = 20000, seed: int
     return max(load)
 
 
-def ffd_makespan(classes: list[tuple[float, int]], sms: int, steps: int = 30) -> float:
-    """A packing cheap enough to run per chunk: tiles come in few classes (a segment's
-    tiles of every head cost the same), so bisect a capacity and fill the lists first-fit,
-    class by class from the costliest, a class's count at a time. ``classes``: (cost, count)."""
+def ffd_makespan(classes: list[tuple[float, int]], sms: int) -> float:
+    """The fullest SM list of the kernel's packing (``tile_order.pack_lists``: first fit,
+    class by class from the costliest, under a bisected capacity). ``classes``: (cost, count)."""
     classes = sorted(classes, key=lambda x: -x[0])
-    total = sum(c * n for c, n in classes)
-
-    def fits(cap: float) -> float | None:  # the fullest list, or None if something is left
-        load = [0.0] * sms
-        for c, n in classes:
-            for b in range(sms):
-                if n == 0:
-                    break
-                k = min(n, int((cap - load[b]) // c))
-                if k > 0:
-                    load[b] += k * c
-                    n -= k
-            if n:
-                return None
-        return max(load)
-
-    lo = max(total / sms, classes[0][0])
-    hi = 2 * lo
-    best = fits(hi)
-    while best is None:
-        hi *= 1.5
-        best = fits(hi)
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        got = fits(mid)
-        if got is None:
-            lo = mid
-        else:
-            hi, best = mid, got
-    return best
+    return max(load for _, load, _ in pack_lists([c for c, _ in classes], [n for _, n in classes], sms))
 
 
 def kernel_order_costs(q_lens, k_lens, heads: int, sms: int, block_m: int, block_n: int, startup: float) -> list[float]:

@@ -73,7 +73,7 @@ def _cached(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int, sms
     # each group of SM lists runs its segments costliest first, back to back: programs
     # planned to start together (same time, same segment) are one event of m programs
     events: dict[tuple[float, int], int] = {}
-    for lists, _, runs in _pack(cost, count, sms):
+    for lists, _, runs in pack_lists(cost, count, sms):
         t = 0.0
         for i, k in runs:
             for _ in range(k):
@@ -95,7 +95,7 @@ def _cached(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int, sms
     return tuple(codes)
 
 
-def _pack(cost: list[float], count: list[int], sms: int, tol: float = 2e-3) -> list:
+def pack_lists(cost: list[float], count: list[int], sms: int, tol: float = 2e-3) -> list:
     """SM lists packed first fit, costliest segment first, under the least capacity
     (bisected to ``tol``) at which every tile fits. Lists that end up alike are kept as one
     group: ``[(lists, load, ((segment, tiles), ...)), ...]`` (a few groups per segment)."""
