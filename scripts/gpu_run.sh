@@ -13,8 +13,8 @@
 #   6. bench/bench_attention.py, if present                                           -> bench_attention.json
 # and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_full
 # (issue 8's 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
-# bench_rpc_floor, attention_sweep, attention_sweep_ws, bench_attention_flashinfer, hostile_sanitizer, bench_sharded, segv (a native
-# backtrace of one test).
+# bench_rpc_floor, attention_sweep, attention_sweep_ws, bench_attention_flashinfer, probe_write, hostile_sanitizer,
+# bench_sharded, segv (a native backtrace of one test).
 # The device tool brings back at most 8 files from $OUT: choose steps accordingly.
 # A time budget (GPU_RUN_BUDGET_S, default 560 s: one device call is capped at 600 s)
 # caps every step; a step that no longer fits is recorded as skipped and counts as a
@@ -184,6 +184,10 @@ want bench_rpc_floor_awake && run_step bench_rpc_floor_awake 60 5 - python3 benc
 want bench_attention_flashinfer && run_step bench_attention_flashinfer 420 5 - python3 bench/bench_attention.py \
   --flashinfer ${GPU_RUN_FI_ARGS:---providers triton flashinfer cudnn --no-flex --budget-s 400} \
   --out "$OUT/attention_flashinfer.json"
+
+# ---- 7d. how fast writes stream, by every way to write (issue 3's bf16 pack: is 3.38 TB/s torch's
+# fill kernel or the memory?)
+want probe_write && run_step probe_write 90 5 - python3 bench/probe_write_bandwidth.py --out "$OUT/write_bw.json"
 
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""How fast the H200 streams writes, by every way we can write (issue 3's bf16 pack).
+
+The bf16 pack reads 1 byte for every 1.5 it writes and measured 84-86 % of the 2 GiB
+copy's bandwidth; ``bench_kernels.py`` explains it with writes streaming at 3.38 TB/s
+(torch's ``fill_``) against reads at 4.46. If that write figure is torch's fill kernel
+rather than the memory, a pack with other stores could reach the issue's 90 %. Measured
+here, one process, 2 GiB each, no L2 flush (every buffer is 40x the L2):
+
+  copy          torch ``copy_`` (read + write, the ceiling of bench_kernels)
+  read          torch ``max`` over int32 (read only)
+  fill / zero   torch ``fill_(1)`` / ``zero_()``
+  memset        ``cudaMemsetAsync`` from the CUDA runtime torch loads (ctypes)
+  triton-st     a Triton kernel storing 16 KiB per program, plain stores
+  triton-st-cs  the same with streaming stores (``cache_modifier=".cs"``: the pack's)
+  triton-tma    the same through a TMA tensor descriptor (bulk stores from shared memory)
+
+  python bench/probe_write_bandwidth.py --out /tmp/write_bw.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from progress import log  # noqa: E402
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - the triton rows are skipped without it
+    triton = tl = None
+
+BLOCK = 8192  # bf16 elements a program writes: 16 KiB
+TMA_ROWS, TMA_COLS = 64, 128  # a TMA store tile: 64 x 128 bf16 = 16 KiB
+
+if triton is not None:
+
+    @triton.jit
+    def _store(y, n, CS: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        val = tl.full([BLOCK], 1.0, tl.float32).to(y.dtype.element_ty)
+        if CS:
+            tl.store(y + offs, val, mask=offs < n, cache_modifier=".cs")
+        else:
+            tl.store(y + offs, val, mask=offs < n)
+
+    @triton.jit
+    def _store_tma(y, rows, ROWS: tl.constexpr, COLS: tl.constexpr):
+        desc = tl.make_tensor_descriptor(y, [rows, COLS], [COLS, 1], [ROWS, COLS])
+        desc.store([tl.program_id(0) * ROWS, 0], tl.full([ROWS, COLS], 1.0, tl.float32).to(y.dtype.element_ty))
+
+
+def memset_fn():
+    """``cudaMemsetAsync`` on torch's current stream, from the runtime torch loaded, or None."""
+    site = os.path.dirname(os.path.dirname(torch.__file__))  # torch's own, then the toolkit's
+    libs = [p for d in (os.path.join(site, "nvidia"), os.path.dirname(torch.__file__), "/usr/local/cuda") for p in
+            sorted(glob.glob(os.path.join(d, "**", "libcudart.so*"), recursive=True))]
+    for name in libs + ["libcudart.so"]:
+        try:
+            rt = ctypes.CDLL(name)
+            f = rt.cudaMemsetAsync
+        except OSError:
+            continue
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p]
+        f.restype = ctypes.c_int
+
+        def run(t):
+            rc = f(t.data_ptr(), 0, t.numel() * t.element_size(), torch.cuda.current_stream().cuda_stream)
+            if rc != 0:
+                raise RuntimeError(f"cudaMemsetAsync returned {rc}")
+
+        return run, name
+    return None, "no libcudart found"
+
+
+def ways(y: torch.Tensor) -> dict:
+    """name -> a function writing all of ``y`` (bf16, 1-D), and why one is missing."""
+    n = y.numel()
+    out = {"fill": lambda: y.fill_(1.0), "zero": lambda: y.zero_()}
+    ms, where = memset_fn()
+    out["memset"] = (lambda: ms(y)) if ms else where
+    if triton is None:
+        return out | {"triton-st": "triton not importable"}
+    grid = (triton.cdiv(n, BLOCK),)
+    out["triton-st"] = lambda: _store[grid](y, n, CS=False, BLOCK=BLOCK)
+    out["triton-st-cs"] = lambda: _store[grid](y, n, CS=True, BLOCK=BLOCK)
+    if n % TMA_COLS == 0 and torch.cuda.get_device_capability(y.device) >= (9, 0):
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=y.device))
+        rows = n // TMA_COLS
+        out["triton-tma"] = lambda: _store_tma[(triton.cdiv(rows, TMA_ROWS),)](y, rows, ROWS=TMA_ROWS, COLS=TMA_COLS)
+    else:
+        out["triton-tma"] = "needs sm_90 and a multiple of 128 elements"
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="write_bw.json")
+    ap.add_argument("--gib", type=float, default=2.0, help="buffer size")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("probe_write_bandwidth.py needs a CUDA device")
+    from bench_kernels import do_bench
+
+    n = int(a.gib * (1 << 30)) // 2 // TMA_COLS * TMA_COLS
+    x = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    nbytes = n * 2
+    rows = []
+    for name, fn, moved in [("copy", lambda: y.copy_(x), 2 * nbytes),
+                            ("read", lambda: x.view(torch.int32).max(), nbytes)]:
+        ms = do_bench(fn, rep_ms=100, flush=False)
+        rows.append(dict(way=name, ms=ms, tbps=moved / ms / 1e9))
+    for name, fn in ways(y).items():
+        if isinstance(fn, str):
+            rows.append(dict(way=name, error=fn))
+            continue
+        try:
+            ms = do_bench(fn, rep_ms=100, flush=False)
+            y_ok = bool((y[:: max(1, n // 4096)] == (0 if name in ("zero", "memset") else 1)).all())
+            rows.append(dict(way=name, ms=ms, tbps=nbytes / ms / 1e9, values_ok=y_ok))
+        except Exception as e:  # noqa: BLE001 - a way that does not run here is a result too
+            rows.append(dict(way=name, error=f"{type(e).__name__}: {str(e)[:200]}"))
+    copy = rows[0]["tbps"]
+    for r in rows:
+        log(f"{r['way']:<13} " + (f"{r['tbps']:.3f} TB/s ({r['tbps'] / copy:.1%} of copy)"
+                                  + ("" if r.get("values_ok", True) else "  WRONG VALUES") if "tbps" in r
+                                  else r["error"]))
+    with open(a.out, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       triton=getattr(triton, "__version__", None), bytes=nbytes, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
