@@ -59,8 +59,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(_INT[t.element_size()])
 
 
-def make_engine(case: str, cache_dtype: str, kvb: str, prefill: str, backend: AttentionBackend) -> Engine:
-    c = CASES[case]
+def make_engine(case: str | dict, cache_dtype: str, kvb: str, prefill: str, backend: AttentionBackend) -> Engine:
+    c = CASES[case] if isinstance(case, str) else case
     shape = ModelShape(heads=c["heads"])
     t = random_kv_b_proj(shape, kvb, seed=0)
     w = prepare(kvb, t["kv_b_proj.weight"], t.get("kv_b_proj.weight_scale_inv"))
@@ -72,9 +72,9 @@ def make_engine(case: str, cache_dtype: str, kvb: str, prefill: str, backend: At
     return Engine(cfg, w, DEV, backend=backend)
 
 
-def make_request(engine: Engine, case: str, seed: int = 1):
+def make_request(engine: Engine, case: str | dict, seed: int = 1):
     """Write every sequence's context into shuffled cache blocks; a matching q."""
-    c = CASES[case]
+    c = CASES[case] if isinstance(case, str) else case
     cfg = engine.config
     bs = cfg.cache.block_size
     g = torch.Generator().manual_seed(seed)
@@ -222,3 +222,34 @@ def test_launch_count_matches_profiler(case, cache_dtype, kvb, prefill, fused, h
         assert n_chunks <= gemms <= 2 * n_chunks, line
         seen = seen - gemms + n_chunks
     fail_unless_counts_match(line, seen, noted, kernels + dtod)
+
+
+@pytest.mark.parametrize("cache_dtype,kvb,prefill", [("auto", "bf16", "bf16"), ("fp8", "fp8", "fp8")],
+                         ids=["bf16", "fp8"])
+def test_packed_launch_order_in_the_engine_changes_no_bit(cache_dtype, kvb, prefill):
+    """A ragged request whose chunk the Triton backend gives a packed launch order (4
+    sequences in one 32k-row chunk at H=16: 528 tiles) — the engine passes it through its
+    metadata copy — gives the same bits, fused and generic, as the same backend with no
+    order (every tile computes the same either way), and one launch of attention."""
+    backend, why = _triton_backend()
+    if backend is None:
+        pytest.skip(f"Triton backend unavailable: {why}")
+    case = dict(contexts=[6960, 2320, 9280, 3472], queries=[256, 1792, 640, 1408], W=32768, block=64, heads=16,
+                blocks=400)
+    eng = make_engine(case, cache_dtype, kvb, prefill, backend)
+    q, seqs = make_request(eng, case)
+    given = []
+    real = backend.launch_order
+
+    def spy(*a, **kw):
+        given.append(real(*a, **kw))
+        return given[-1]
+
+    backend.launch_order = spy
+    ordered = [eng.prefill_context(q, seqs, fused=f) for f in (True, False)]
+    assert len(given) == 2 and all(g is not None for g in given), "no packed order: the case no longer tests it"
+    backend.launch_order = lambda *a, **kw: None
+    plain = [eng.prefill_context(q, seqs, fused=f) for f in (True, False)]
+    for a, b in zip(ordered + ordered[:1], plain + ordered[1:]):
+        assert torch.equal(bits(a.out), bits(b.out)) and torch.equal(bits(a.lse), bits(b.lse))
+    assert ordered[0].stats.launches["attention"] == len(ordered[0].stats.chunks) == 1
