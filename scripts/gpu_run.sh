@@ -11,7 +11,7 @@
 #   4. bench/bench_kernels.py                                                         -> bench_kernels.json
 #   5. compute-sanitizer memcheck on a small subset of tests/gpu/test_kernels.py      -> sanitizer.log
 #   6. bench/bench_attention.py, if present                                           -> bench_attention.json
-# and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_full
+# and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_ragged, bench_engine_full
 # (issue 8's 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
 # bench_rpc_floor, attention_sweep, attention_sweep_ws, bench_attention_flashinfer, probe_write, hostile_sanitizer,
 # bench_sharded, segv (a native backtrace of one test).
@@ -155,6 +155,11 @@ fi
 # ---- 7. the whole request: fused vs generic in one process (ctxprefill bench) ------------------
 want bench_engine && run_step bench_engine 240 5 - python3 -m ctxprefill.cli bench --heads 16 128 --new 1024 \
   --context 65536 --out "$OUT/bench_engine.json"
+
+# ragged requests: 4 sequences of uneven lengths in one 64k-row chunk; where the Triton backend packs
+# the chunk's attention tiles per SM (H=16, 4,096 new: 512 tiles), the fused path also without it
+want bench_engine_ragged && run_step bench_engine_ragged 240 5 - python3 -m ctxprefill.cli bench --heads 16 128 \
+  --new 1024 4096 --context 65536 --sequences 4 --workspace-tokens 65536 --out "$OUT/bench_engine_ragged.json"
 
 # ---- 7b. issue 8's whole grid (108 rows), the concurrency sweep, the transports -------------------
 want bench_engine_full && run_step bench_engine_full 240 5 - python3 -m ctxprefill.cli bench --grid full \

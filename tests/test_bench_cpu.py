@@ -133,3 +133,54 @@ def test_profile_engine_on_the_cpu(capsys):
     # the profile's top rows by own time (which functions lead depends on the host's load)
     rows = re.findall(r"^\s*[\d/]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+ \S", out, re.M)
     assert len(rows) == 5, out
+
+
+def test_bench_ragged_sequences(tmp_path):
+    """--sequences splits a request's new and context tokens unevenly over that many
+    sequences (every token kept); both paths still agree bit for bit. (The launch-order
+    comparison needs the Triton backend on a GPU: none here, so no such column.)"""
+    assert bench.split_ragged(1000, 4, bench.RAGGED_CONTEXT_WEIGHTS) == [315, 105, 421, 159]
+    assert sum(bench.split_ragged(7, 3, (1.0, 7.0))) == 7
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--device", "cpu", "--heads", "2", "--new", "16", "--context", "600", "--sequences", "3",
+               "--cache-dtype", "auto", "--prefill-dtype", "bf16", "--workspace-tokens", "256", "--iters", "1",
+               "--out", str(out)])
+    assert rc == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["sequences"] == 3 and sum(row["context_lens"]) == 600 and sum(row["new_lens"]) == 16
+    assert len(set(row["context_lens"])) == 3 and row["bit_identical"] and row["chunks"] >= 3
+    assert "fused_no_launch_order_s" not in row
+
+
+def test_without_launch_order_times_the_fused_path_with_the_order_off():
+    """The comparison column: the backend's launch order is asked once (to see whether it
+    gives one), then turned off for the timed calls, and its method restored after."""
+    import torch
+
+    from ctxprefill.backends.reference import ReferenceBackend
+    from ctxprefill.workload import make_request
+    from engine_helpers import make_engine
+
+    class Ordered(ReferenceBackend):
+        calls = 0
+
+        def launch_order(self, q_lens, k_lens, heads, q_dtype, device):
+            Ordered.calls += 1
+            return ((1, 2, 3), 1) if len(q_lens) > 1 else None
+
+        def run_context_chunk(self, *a, launch_order=None, **kw):
+            assert launch_order is None or launch_order[0].tolist() == [1, 2, 3]
+            return super().run_context_chunk(*a, **kw)
+
+    be = Ordered(honor_out=True)
+    eng = make_engine(heads=2, workspace_tokens=512, backend=be)
+    q, seqs = make_request(eng, [100, 60, 0], [3, 4, 2], seed=1)
+    got = bench._without_launch_order(eng, q, seqs, torch.device("cpu"), dict(max_iters=1, min_iters=1, target_s=0))
+    assert got is not None and got["iters"] == 1 and Ordered.calls >= 1
+    assert "launch_order" not in vars(be)  # the method is the class's again
+    asked = Ordered.calls
+    eng.prefill_context(q, seqs)
+    assert Ordered.calls > asked
+    one = make_request(eng, [100], [3], seed=2)
+    assert bench._without_launch_order(eng, *one, torch.device("cpu"), dict(max_iters=1, min_iters=1,
+                                                                            target_s=0)) is None

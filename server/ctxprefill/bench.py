@@ -111,6 +111,22 @@ def floor_seconds(cfg, contexts, queries, ceil) -> dict:
     }
 
 
+#: ``--sequences``: how a request's new and context tokens are split over its sequences
+#: (cycled): bench_attention.py's ragged x4 batch — short queries over long contexts and
+#: the other way round, so that a chunk's attention tiles differ in cost
+RAGGED_QUERY_WEIGHTS = (1.0, 7.0, 2.5, 5.5)
+RAGGED_CONTEXT_WEIGHTS = (6.0, 2.0, 8.0, 3.0)
+
+
+def split_ragged(total: int, n: int, weights) -> list[int]:
+    """``total`` tokens over ``n`` sequences in proportion to ``weights`` (cycled); the
+    rounding goes to the last. Sums to ``total``."""
+    w = [weights[i % len(weights)] for i in range(n)]
+    out = [int(total * x / sum(w)) for x in w]
+    out[-1] += total - sum(out)
+    return out
+
+
 def make_device_request(engine, context_lens, query_lens, seed: int = 0, piece: int = 65536):
     """(q, sequences) like ``workload.make_request``, but with the random latents and q
     drawn on the engine's device (drawing 256k×576 normals on the host takes seconds):
@@ -196,6 +212,36 @@ def predict_row_s(work: float, history: list[dict], target_s: float, min_iters: 
     return setup + 2 * (warm + n) * t
 
 
+def _same_bits(a, b) -> bool:
+    return bool(torch.equal(a.out.view(torch.int16), b.out.view(torch.int16))
+                and torch.equal(a.lse.view(torch.int32), b.lse.view(torch.int32)))
+
+
+def _without_launch_order(engine, q, seqs, dev, it: dict) -> dict | None:
+    """The fused path timed with the backend's launch order turned off, or None where it
+    gives none for this request's chunks (then there is nothing to compare)."""
+    be = engine.backend
+    gave = []
+    real = be.launch_order
+
+    def probe(*a, **kw):
+        gave.append(real(*a, **kw))
+        return gave[-1]
+
+    be.launch_order = probe
+    try:
+        engine.prefill_context(q, seqs, fused=True)
+    finally:
+        del be.launch_order
+    if not any(x is not None for x in gave):
+        return None
+    be.launch_order = lambda *a, **kw: None
+    try:
+        return time_request(engine, q, seqs, True, dev, **it)
+    finally:
+        del be.launch_order
+
+
 class _Engines:
     """Engines of the grid, one per row (built with just enough cache blocks); the
     random kv_b_proj weights are made once per head count and shared."""
@@ -273,6 +319,10 @@ def main(argv=None) -> int:
     p.add_argument("--workspace-tokens", type=int, default=16384)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--sequences", type=int, default=1,
+                   help="sequences per request: the new and context tokens split over them unevenly "
+                        "(RAGGED_*_WEIGHTS); with more than one, the fused path is also timed without the "
+                        "attention backend's launch order (the Triton backend's per-SM packing)")
     p.add_argument("--iters", type=int, default=5, help="most timed calls per path and row")
     p.add_argument("--min-iters", type=int, default=2, help="fewest timed calls per path and row")
     p.add_argument("--target-s", type=float, default=0.3,
@@ -282,6 +332,8 @@ def main(argv=None) -> int:
                         "it is skipped and recorded as skipped")
     p.add_argument("--out", default=None, help="write JSON results here (rewritten after every row)")
     ns = p.parse_args(argv)
+    if ns.sequences < 1:
+        p.error("--sequences must be >= 1")
 
     from .settings import resolve_device
 
@@ -322,7 +374,11 @@ def main(argv=None) -> int:
     print(hdr, flush=True)
     for i, (H, new, ctx, cd, pd) in enumerate(grid):
         key = {"heads": H, "new": new, "context": ctx, "cache_dtype": cd, "prefill_dtype": pd}
-        work = sum(request_flops(H, [ctx], [new]))
+        ctx_lens = split_ragged(ctx, ns.sequences, RAGGED_CONTEXT_WEIGHTS)
+        new_lens = split_ragged(new, ns.sequences, RAGGED_QUERY_WEIGHTS)
+        if ns.sequences > 1:
+            key.update(sequences=ns.sequences, context_lens=ctx_lens, new_lens=new_lens)
+        work = sum(request_flops(H, ctx_lens, new_lens))
         if deadline is not None:
             left = deadline - time.monotonic()
             pred = predict_row_s(work, history, ns.target_s, ns.min_iters, ns.iters)
@@ -334,20 +390,22 @@ def main(argv=None) -> int:
                     _write_json(ns.out, meta, rows)
                 continue
         s = ServeSettings(device=str(dev), heads=H, block_size=ns.block_size,
-                          num_blocks=-(-ctx // ns.block_size) + 1, cache_dtype=cd, prefill_dtype=pd,
+                          num_blocks=sum(-(-c // ns.block_size) for c in ctx_lens) + 1, cache_dtype=cd, prefill_dtype=pd,
                           kv_b_proj_dtype=ns.kv_b_proj_dtype, workspace_tokens=ns.workspace_tokens, backend=ns.backend)
         t_row = time.monotonic()
         engine = q = seqs = g = f = None
         try:
             engine = engines.build(s)
-            q, seqs = make_device_request(engine, [ctx], [new], seed=i)
+            q, seqs = make_device_request(engine, ctx_lens, new_lens, seed=i)
             setup_s = time.monotonic() - t_row
             it = dict(max_iters=ns.iters, min_iters=ns.min_iters, target_s=ns.target_s)
             g = time_request(engine, q, seqs, False, dev, **it)
             f = time_request(engine, q, seqs, True, dev, **it)
             rg, rf = g["result"], f["result"]
-            same = bool(torch.equal(rf.out.view(torch.int16), rg.out.view(torch.int16))
-                        and torch.equal(rf.lse.view(torch.int32), rg.lse.view(torch.int32)))
+            same = _same_bits(rf, rg)
+            unordered = _without_launch_order(engine, q, seqs, dev, it) if ns.sequences > 1 else None
+            if unordered is not None:
+                same = same and _same_bits(rf, unordered["result"])
         except Exception as e:  # keep the grid going; record the failure
             print(f"{H:4d} {new:5d} {ctx:7d} {cd:>10} {pd:>7} failed: {type(e).__name__}: {e}", flush=True)
             rows.append({**key, "error": f"{type(e).__name__}: {e}"})
@@ -358,7 +416,7 @@ def main(argv=None) -> int:
                 _write_json(ns.out, meta, rows)
             continue
         tg, tf = g["median_s"], f["median_s"]
-        fl = floor_seconds(engine.config, [ctx], [new], ceil)
+        fl = floor_seconds(engine.config, ctx_lens, new_lens, ceil)
         floor = fl["kv_b_proj_s"] + fl["attention_s"] + fl["glue_s"]
         n = len(rf.stats.chunks)
         lg, lf = sum(rg.stats.launches.values()) / n, sum(rf.stats.launches.values()) / n
@@ -368,7 +426,9 @@ def main(argv=None) -> int:
         gap_g, gap_f = tg - sum(g["stage_s"].values()), tf - sum(f["stage_s"].values())
         print(f"{H:4d} {new:5d} {ctx:7d} {cd:>10} {pd:>7} {n:6d} {tg * 1e3:10.3f} {tf * 1e3:9.3f} {tg / tf:7.2f} "
               f"{floor * 1e3:8.3f} {tf / floor:11.2f} {lg:7.1f} | {lf:6.1f} {g['iters']:>2}|{f['iters']:<3} "
-              f"{stage_ms} {gap_f * 1e3:7.3f} {row_s:6.2f}{'' if same else '  MISMATCH'}", flush=True)
+              f"{stage_ms} {gap_f * 1e3:7.3f} {row_s:6.2f}{'' if same else '  MISMATCH'}"
+              + (f"  (fused without launch order {unordered['median_s'] * 1e3:.3f} ms)" if unordered else ""),
+              flush=True)
         rows.append({
             **key, "kv_b_proj_dtype": ns.kv_b_proj_dtype, "workspace_tokens": ns.workspace_tokens,
             "block_size": ns.block_size, "chunks": n,
@@ -381,6 +441,7 @@ def main(argv=None) -> int:
             "generic_launches_per_chunk": lg, "fused_launches_per_chunk": lf,
             "generic_iters": g["iters"], "fused_iters": f["iters"], "warmup": [g["warmup"], f["warmup"]],
             "setup_s": setup_s, "row_s": row_s, "bit_identical": same,
+            **({"fused_no_launch_order_s": unordered["median_s"]} if unordered else {}),
         })
         if ns.out:
             _write_json(ns.out, meta, rows)
@@ -398,7 +459,8 @@ def main(argv=None) -> int:
           f"{len(skipped)} skipped (budget); {wall:.1f} s", flush=True)
     for r in done:
         if r["new"] == 1024 and r["context"] == 65536:
-            print(f"  target H={r['heads']} {r['cache_dtype']}/{r['prefill_dtype']}: speedup {r['speedup']:.2f} "
+            seqs_note = f" ({r['sequences']} sequences)" if r.get("sequences") else ""
+            print(f"  target H={r['heads']} {r['cache_dtype']}/{r['prefill_dtype']}{seqs_note}: speedup {r['speedup']:.2f} "
                   f"(>= 1.4: {r['speedup'] >= 1.4}), fused/floor "
                   + (f"{r['fused_over_floor']:.2f} (<= 1.2: {r['fused_over_floor'] <= 1.2})"
                      if math.isfinite(r["fused_over_floor"]) else "n/a"), flush=True)
