@@ -222,8 +222,8 @@ class OrderedReference(ReferenceBackend):
 
 def test_launch_order_asked_per_chunk_and_given_on_the_device():
     """The engine asks the backend for a launch order per chunk with the chunk's host-side
-    lengths, copies it to the device with the chunk's other metadata (one copy per
-    request), and hands it to that chunk's attention call; a backend with none (None) is
+    lengths (after launching the chunk's gather, kv_b_proj and pack), copies it to the
+    device, and hands it to that chunk's attention call; a backend with none (None) is
     called without the argument. The result does not change."""
     c = CASES["larger"]
     kw = dict(heads=c["heads"], block_size=c["block"], num_blocks=c["blocks"], workspace_tokens=c["W"])

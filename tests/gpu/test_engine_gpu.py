@@ -228,9 +228,10 @@ def test_launch_count_matches_profiler(case, cache_dtype, kvb, prefill, fused, h
                          ids=["bf16", "fp8"])
 def test_packed_launch_order_in_the_engine_changes_no_bit(cache_dtype, kvb, prefill):
     """A ragged request whose chunk the Triton backend gives a packed launch order (4
-    sequences in one 32k-row chunk at H=16: 528 tiles) — the engine passes it through its
-    metadata copy — gives the same bits, fused and generic, as the same backend with no
-    order (every tile computes the same either way), and one launch of attention."""
+    sequences in one 32k-row chunk at H=16: 512 tiles) — the engine copies it to the device
+    before the chunk's attention — gives the same bits, fused and generic, as the same
+    backend with no order (every tile computes the same either way), and one launch of
+    attention."""
     backend, why = _triton_backend()
     if backend is None:
         pytest.skip(f"Triton backend unavailable: {why}")

@@ -61,9 +61,10 @@ class AttentionBackend(abc.ABC):
     def launch_order(self, q_lens: list[int], k_lens: list[int], heads: int, q_dtype: torch.dtype,
                      device: torch.device) -> tuple[tuple[int, ...], int] | None:
         """A host-built launch order for a chunk of segments of ``q_lens`` query rows over
-        ``k_lens`` keys: ``(int32 codes, extra)``, which the engine copies to the device with
-        the chunk's other metadata and hands back as ``run_context_chunk(...,
-        launch_order=(codes on the device, extra))``. None (the default): no such argument."""
+        ``k_lens`` keys: ``(int32 codes, extra)``, which the engine builds once the chunk's
+        other work is launched (so that it runs while the device works), copies to the
+        device and hands back as ``run_context_chunk(..., launch_order=(codes on the
+        device, extra))``. None (the default): no such argument."""
         return None
 
     def v_keys_last(self, q_dtype: torch.dtype) -> bool:

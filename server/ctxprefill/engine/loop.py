@@ -12,7 +12,6 @@ have written into the buffer it was given.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -76,11 +75,9 @@ class LoopResult:
 Observer = Callable[[int, ContextChunk, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def _chunk_metadata(x: LoopInputs, device, keys_last: bool = False, order_for=None) -> list[tuple]:
+def _chunk_metadata(x: LoopInputs, device, keys_last: bool = False) -> list[tuple]:
     """Per chunk: (cu_seq_lens, seq_starts, cu_seqlens_q, q0, q1, max_q, V keys-last layout
-    or None, the backend's launch order or None), built on the host and moved to the device
-    in one copy for the whole request. ``order_for(q_lens, k_lens)``: the backend's
-    ``launch_order`` (None when it has none)."""
+    or None), built on the host and moved to the device in one copy for the whole request."""
     q_offsets = [0]
     for n in x.query_lens:
         q_offsets.append(q_offsets[-1] + n)
@@ -94,27 +91,34 @@ def _chunk_metadata(x: LoopInputs, device, keys_last: bool = False, order_for=No
         host += cu_k + list(c.context_starts) + cu_q
         cu_v = keys_last_starts(cu_k) if keys_last else []
         host += cu_v
-        order = None if order_for is None else order_for([x.query_lens[s] for s in c.sequences], c.context_lens)
-        if order is not None:
-            codes, extra = order
-            order = (len(host), len(codes), extra)
-            host += codes
         spans.append((base, c.num_sequences, q_offsets[c.first_sequence], q_offsets[c.first_sequence + c.num_sequences],
-                      max((x.query_lens[s] for s in c.sequences), default=0), cu_k, cu_v, order))
+                      max((x.query_lens[s] for s in c.sequences), default=0), cu_k, cu_v))
     dev = torch.tensor(host, dtype=torch.int32).to(device, non_blocking=False)
     meta = []
-    for base, n, q0, q1, max_q, cu_k_host, cu_v_host, order in spans:
+    for base, n, q0, q1, max_q, cu_k_host, cu_v_host in spans:
         cu_k = dev[base : base + n + 1]
         starts = dev[base + n + 1 : base + 2 * n + 1]
         cu_q = dev[base + 2 * n + 1 : base + 3 * n + 2]
         layout = None
         if keys_last:
             layout = KeysLast(cu_k_host, cu_v_host, cu_k, dev[base + 3 * n + 2 : base + 4 * n + 3])
-        if order is not None:
-            at, count, extra = order
-            order = (dev[at : at + count], extra)
-        meta.append((cu_k, starts, cu_q, q0, q1, max_q, layout, order))
+        meta.append((cu_k, starts, cu_q, q0, q1, max_q, layout))
     return meta
+
+
+def _launch_order(backend: AttentionBackend, x: LoopInputs, c: ContextChunk, heads: int, q_dtype, device):
+    """The backend's launch order for chunk ``c`` on the device, or None. Built on the
+    host after the chunk's gather, kv_b_proj and pack are launched, so that it runs while
+    the device does them (0.1-0.5 ms for a ragged chunk's packing, tile_order), and copied
+    without a sync from pinned memory (torch's host allocator keeps the buffer until the
+    copy is done): no launch, and the attention launch right after it is ordered behind."""
+    got = backend.launch_order([x.query_lens[s] for s in c.sequences], c.context_lens, heads=heads,
+                               q_dtype=q_dtype, device=device)
+    if got is None:
+        return None
+    codes, extra = got
+    cuda = torch.device(device).type == "cuda"
+    return torch.tensor(codes, dtype=torch.int32, pin_memory=cuda).to(device, non_blocking=cuda), extra
 
 
 class _Stage:
@@ -153,9 +157,7 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
     # fp8 P·V reads V keys-last ([H, 128, columns]) when the backend takes it: the pack
     # writes it so, each segment from a 16-aligned column (KeysLast)
     keys_last = x.fp8_prefill and backend.v_keys_last(q.dtype)
-    # the backend's launch order per chunk, if it takes one (triton: tiles packed per SM)
-    order_for = functools.partial(backend.launch_order, heads=H, q_dtype=q.dtype, device=device)
-    meta = _chunk_metadata(x, device, keys_last, order_for)
+    meta = _chunk_metadata(x, device, keys_last)
     ws_dtype = FP8 if x.gather_raw_fp8 else torch.bfloat16
     width = x.latent + 64
     direct = [not c.is_continuation for c in x.chunks]
@@ -177,10 +179,8 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
                 out.zero_()
                 lse.fill_(float("-inf"))
 
-    for i, (c, (cu_k, starts, cu_q, q0, q1, max_q, layout, order)) in enumerate(zip(x.chunks, meta)):
+    for i, (c, (cu_k, starts, cu_q, q0, q1, max_q, layout)) in enumerate(zip(x.chunks, meta)):
         kw = {} if layout is None else {"v_layout": "hdt", "cu_seqlens_v": layout.cu_v_dev}
-        if order is not None:
-            kw["launch_order"] = order
         rows = c.rows
         with stage("gather"):
             ws = x.workspace[: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
@@ -201,6 +201,11 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
                 k = (fused_mla_kv_concat if fused else generic_kv_concat)(k_nope, k_pe)
         q_c = q[q0:q1]
         max_k = max(c.context_lens)
+        # the backend's launch order (triton: tiles packed per SM), if it gives one here: host
+        # work outside the stages (a device idle while it runs shows as the request's gap)
+        order = _launch_order(backend, x, c, H, q.dtype, device)
+        if order is not None:
+            kw["launch_order"] = order
         with stage("attention"):
             launches.note(backend.launches_per_call())
             if single:
