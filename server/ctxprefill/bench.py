@@ -217,9 +217,9 @@ def _same_bits(a, b) -> bool:
                 and torch.equal(a.lse.view(torch.int32), b.lse.view(torch.int32)))
 
 
-def _without_launch_order(engine, q, seqs, dev, it: dict) -> dict | None:
-    """The fused path timed with the backend's launch order turned off, or None where it
-    gives none for this request's chunks (then there is nothing to compare)."""
+def launch_orders_given(engine, q, seqs, fused: bool = True) -> tuple[list, object]:
+    """(the launch orders the engine's backend gives, chunk by chunk — None where it gives
+    none —, the result) of one request."""
     be = engine.backend
     gave = []
     real = be.launch_order
@@ -230,9 +230,17 @@ def _without_launch_order(engine, q, seqs, dev, it: dict) -> dict | None:
 
     be.launch_order = probe
     try:
-        engine.prefill_context(q, seqs, fused=True)
+        result = engine.prefill_context(q, seqs, fused=fused)
     finally:
         del be.launch_order
+    return gave, result
+
+
+def _without_launch_order(engine, q, seqs, dev, it: dict) -> dict | None:
+    """The fused path timed with the backend's launch order turned off, or None where it
+    gives none for this request's chunks (then there is nothing to compare)."""
+    be = engine.backend
+    gave, _ = launch_orders_given(engine, q, seqs)
     if not any(x is not None for x in gave):
         return None
     be.launch_order = lambda *a, **kw: None

@@ -239,18 +239,14 @@ def test_packed_launch_order_in_the_engine_changes_no_bit(cache_dtype, kvb, pref
                 blocks=400)
     eng = make_engine(case, cache_dtype, kvb, prefill, backend)
     q, seqs = make_request(eng, case)
-    given = []
-    real = backend.launch_order
+    from ctxprefill.bench import launch_orders_given
 
-    def spy(*a, **kw):
-        given.append(real(*a, **kw))
-        return given[-1]
-
-    backend.launch_order = spy
-    ordered = [eng.prefill_context(q, seqs, fused=f) for f in (True, False)]
+    runs = [launch_orders_given(eng, q, seqs, fused=f) for f in (True, False)]
+    given, ordered = [g for gave, _ in runs for g in gave], [r for _, r in runs]
     assert len(given) == 2 and all(g is not None for g in given), "no packed order: the case no longer tests it"
     backend.launch_order = lambda *a, **kw: None
     plain = [eng.prefill_context(q, seqs, fused=f) for f in (True, False)]
+    del backend.launch_order
     for a, b in zip(ordered + ordered[:1], plain + ordered[1:]):
         assert torch.equal(bits(a.out), bits(b.out)) and torch.equal(bits(a.lse), bits(b.lse))
     assert ordered[0].stats.launches["attention"] == len(ordered[0].stats.chunks) == 1
