@@ -19,8 +19,10 @@ device-side scheduler, with the launch order as the scheduler.
 Tiles cost their key blocks plus a start-up (``STARTUP_BLOCKS``, fitted in the model).
 Past ``PACK_WAVES`` waves of tiles LPT leaves no tail worth packing (H=128, the same
 batch: 0.996 of balanced): no order then, the kernel's own (LPT) serves. Host cost per new
-shape: 0.1-0.6 ms for 2-16 segments on the CPU machine (SM lists that end alike are one
-group, so the work grows with segments, not tiles); a shape seen before is a cache hit.
+shape on the CPU machine, random batches of 2-16 segments: median 0.01-0.2 ms, the worst
+~1.3 ms (SM lists that end alike are one group, so the work grows with segments and
+events, not tiles); bench_attention's batch 0.18 ms; a shape seen before is a cache hit.
+The engine builds it while the device runs the chunk's other stages (``engine/loop.py``).
 
 An order is a list of tile codes ``(b * m_tiles + m) * heads + h`` (segment, query tile,
 head), one per program of a 1-D launch; tiles of segments without query rows are left
@@ -87,11 +89,12 @@ def _cached(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int, sms
         return None
     # the j-th program of a segment runs its j-th tile, head-major: the query tiles of one
     # head (the same K/V, in L2) start together
+    tiles = [[(b * m_tiles + m) * heads + h for h in range(heads) for m in range(q_tiles[b])] for b in segs]
     codes, used = [], [0] * len(segs)
     for t, i in order:
-        b, qt, j = segs[i], q_tiles[segs[i]], used[i]
-        codes += [(b * m_tiles + u % qt) * heads + u // qt for u in range(j, j + events[t, i])]
+        j = used[i]
         used[i] = j + events[t, i]
+        codes += tiles[i][j : used[i]]
     return tuple(codes)
 
 
