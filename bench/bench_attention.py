@@ -472,7 +472,8 @@ def verdict_rounds(args, data, provs) -> list[dict]:
         if mk is None:
             continue
         for H in args.heads:
-            rec = dict(H=H, dtype=dt, provider=prov, verdict=f"{RAGGED_CASE} / {EQUAL_CASE}", rounds=args.verdict_rounds)
+            rec = dict(H=H, dtype=dt, provider=prov, verdict=f"{RAGGED_CASE} / {EQUAL_CASE}",
+                       rounds=args.verdict_rounds)
             try:
                 fns = {}
                 for name in (RAGGED_CASE, EQUAL_CASE):

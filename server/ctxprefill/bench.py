@@ -398,7 +398,8 @@ def main(argv=None) -> int:
                     _write_json(ns.out, meta, rows)
                 continue
         s = ServeSettings(device=str(dev), heads=H, block_size=ns.block_size,
-                          num_blocks=sum(-(-c // ns.block_size) for c in ctx_lens) + 1, cache_dtype=cd, prefill_dtype=pd,
+                          num_blocks=sum(-(-c // ns.block_size) for c in ctx_lens) + 1, cache_dtype=cd,
+                          prefill_dtype=pd,
                           kv_b_proj_dtype=ns.kv_b_proj_dtype, workspace_tokens=ns.workspace_tokens, backend=ns.backend)
         t_row = time.monotonic()
         engine = q = seqs = g = f = None
@@ -468,7 +469,8 @@ def main(argv=None) -> int:
     for r in done:
         if r["new"] == 1024 and r["context"] == 65536:
             seqs_note = f" ({r['sequences']} sequences)" if r.get("sequences") else ""
-            print(f"  target H={r['heads']} {r['cache_dtype']}/{r['prefill_dtype']}{seqs_note}: speedup {r['speedup']:.2f} "
+            print(f"  target H={r['heads']} {r['cache_dtype']}/{r['prefill_dtype']}{seqs_note}: "
+                  f"speedup {r['speedup']:.2f} "
                   f"(>= 1.4: {r['speedup'] >= 1.4}), fused/floor "
                   + (f"{r['fused_over_floor']:.2f} (<= 1.2: {r['fused_over_floor'] <= 1.2})"
                      if math.isfinite(r["fused_over_floor"]) else "n/a"), flush=True)

@@ -510,10 +510,11 @@ def mla_context_attention(
         # warp-specialized Gluon kernel (Hopper): same semantics, FA3's structure
         ws_cfg = dict(_ws.CONFIG, **(ws if isinstance(ws, dict) else {}))
         ws_grid = (max(1, triton.cdiv(int(max_q), ws_cfg["BLOCK_M"])), H, max(B, 1))
+        ordered = tile_order is not None  # then a 1-D launch in that order, no in-kernel sort
         _ws.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                    cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v, float(scale) * _LOG2E, ws_grid,
-                   0 if tile_order is not None else sort_b, v_t, ws_cfg, order=None if tile_order is None else tile_order.codes,
-                   m_tiles=0 if tile_order is None else tile_order.m_tiles)
+                   0 if ordered else sort_b, v_t, ws_cfg, order=tile_order.codes if ordered else None,
+                   m_tiles=tile_order.m_tiles if ordered else 0)
         return out, lse
     _mla_ctx_attn_fwd[grid](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v,
