@@ -544,6 +544,8 @@ def tile_order_codes(q_lens, k_lens, heads: int, q_dtype: torch.dtype, device) -
     """(codes, m_tiles) of the warp-specialized kernel's launch order for segments of
     ``q_lens`` query rows over ``k_lens`` keys on ``device`` (host lists, no sync), or None
     where its own order serves (not CUDA, one segment, no tail to pack): ``tile_order``."""
+    if len(q_lens) < 2:  # (the engine asks for every chunk: a short request's host time)
+        return None
     device = torch.device(device)
     if device.type != "cuda" or q_dtype not in CONFIGS:
         return None
