@@ -15,6 +15,11 @@ here, one process, 2 GiB each, no L2 flush (every buffer is 40x the L2):
   triton-st-cs  the same with streaming stores (``cache_modifier=".cs"``: the pack's)
   triton-tma    the same through a TMA tensor descriptor (bulk stores from shared memory)
 
+and the bf16 pack itself (k[t,h] = [k_nope[t,h] | k_pe[t]], H=128, T=8192: T·H = 2**20,
+inputs the strided views the engine gives), effective bytes over time against the copy:
+our CUDA kernel (``ops.pack.fused_mla_kv_concat``), and a Triton pack with plain and with
+TMA stores — if TMA stores write faster, they are what the CUDA kernel should use.
+
   python bench/probe_write_bandwidth.py --out /tmp/write_bw.json
 """
 
@@ -56,6 +61,43 @@ if triton is not None:
     def _store_tma(y, rows, ROWS: tl.constexpr, COLS: tl.constexpr):
         desc = tl.make_tensor_descriptor(y, [rows, COLS], [COLS, 1], [ROWS, COLS])
         desc.store([tl.program_id(0) * ROWS, 0], tl.full([ROWS, COLS], 1.0, tl.float32).to(y.dtype.element_ty))
+
+
+    @triton.jit
+    def _pack(kn, kn_s0, kn_s1, pe, pe_s0, k, T, H, BT: tl.constexpr, TMA: tl.constexpr):
+        """k [T, H, 192] = [k_nope | k_pe] for BT tokens of one head: k_nope's row (t, h) at
+        kn + t·kn_s0 + h·kn_s1, k_pe's at pe + t·pe_s0; plain or TMA stores."""
+        t0 = tl.program_id(0) * BT
+        h = tl.program_id(1)
+        t = t0 + tl.arange(0, BT)
+        ok = (t < T)[:, None]
+        c128, c64 = tl.arange(0, 128), tl.arange(0, 64)
+        nope = tl.load(kn + t.to(tl.int64)[:, None] * kn_s0 + h * kn_s1 + c128[None, :], mask=ok)
+        rope = tl.load(pe + t.to(tl.int64)[:, None] * pe_s0 + c64[None, :], mask=ok)
+        if TMA:  # k as [T, H·192]: this head's 192 columns of BT rows, two boxes
+            dn = tl.make_tensor_descriptor(k, [T, H * 192], [H * 192, 1], [BT, 128])
+            dr = tl.make_tensor_descriptor(k, [T, H * 192], [H * 192, 1], [BT, 64])
+            dn.store([t0, h * 192], nope)
+            dr.store([t0, h * 192 + 128], rope)
+        else:
+            row = (t.to(tl.int64) * H + h)[:, None] * 192
+            tl.store(k + row + c128[None, :], nope, mask=ok, cache_modifier=".cs")
+            tl.store(k + row + 128 + c64[None, :], rope, mask=ok, cache_modifier=".cs")
+
+
+def pack_inputs(T: int, H: int, device):
+    """The engine's views: k_nope = kv_b_proj output [T, H, 256][..., :128], k_pe = the
+    workspace [T, 576][:, 512:]."""
+    kv = torch.randn(T, H, 256, device=device).to(torch.bfloat16)
+    ws = torch.randn(T, 576, device=device).to(torch.bfloat16)
+    return kv[..., :128], ws[:, 512:]
+
+
+def triton_pack(k_nope, k_pe, k, tma: bool, bt: int = 64):
+    T, H = k_nope.shape[:2]
+    _pack[(triton.cdiv(T, bt), H)](k_nope, k_nope.stride(0), k_nope.stride(1), k_pe, k_pe.stride(0), k, T, H,
+                                   BT=bt, TMA=tma)
+    return k
 
 
 def memset_fn():
@@ -128,6 +170,36 @@ def main() -> int:
             y_ok = bool((y[:: max(1, n // 4096)] == (0 if name in ("zero", "memset") else 1)).all())
             rows.append(dict(way=name, ms=ms, tbps=nbytes / ms / 1e9, values_ok=y_ok))
         except Exception as e:  # noqa: BLE001 - a way that does not run here is a result too
+            rows.append(dict(way=name, error=f"{type(e).__name__}: {str(e)[:200]}"))
+    x = y = None  # 4 GiB back before the pack's inputs
+    torch.cuda.empty_cache()
+    # the bf16 pack: effective bytes (k_nope and k_pe read once, k written once)
+    T, H = 8192, 128
+    kn, pe = pack_inputs(T, H, "cuda")
+    nbytes = T * H * 128 * 2 + T * 64 * 2 + T * H * 192 * 2
+    ref = torch.cat([kn, pe[:, None, :].expand(T, H, 64)], dim=-1)
+    packs = {}
+    try:
+        from ctxprefill.ops import _cuda
+        from ctxprefill.ops.pack import fused_mla_kv_concat
+
+        packs["pack-cuda"] = (lambda: fused_mla_kv_concat(kn, pe)) if _cuda.load() is not None \
+            else f"the CUDA extension did not load: {_cuda.why_not()}"
+    except Exception as e:  # noqa: BLE001
+        packs["pack-cuda"] = f"{type(e).__name__}: {e}"
+    if triton is not None:
+        k = torch.empty(T, H, 192, dtype=torch.bfloat16, device="cuda")
+        packs["pack-triton-st"] = lambda: triton_pack(kn, pe, k, tma=False)
+        packs["pack-triton-tma"] = lambda: triton_pack(kn, pe, k, tma=True)
+    for name, fn in packs.items():
+        if isinstance(fn, str):
+            rows.append(dict(way=name, error=fn))
+            continue
+        try:
+            ok = bool(torch.equal(fn(), ref))
+            ms = do_bench(fn, rep_ms=100, flush=True)
+            rows.append(dict(way=name, ms=ms, tbps=nbytes / ms / 1e9, values_ok=ok, T=T, H=H))
+        except Exception as e:  # noqa: BLE001
             rows.append(dict(way=name, error=f"{type(e).__name__}: {str(e)[:200]}"))
     copy = rows[0]["tbps"]
     for r in rows:

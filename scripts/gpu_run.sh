@@ -193,7 +193,7 @@ want bench_attention_flashinfer && run_step bench_attention_flashinfer 420 5 - p
   --out "$OUT/attention_flashinfer.json"
 
 # ---- 7d. how fast writes stream, by every way to write (issue 3's bf16 pack: is 3.38 TB/s torch's
-# fill kernel or the memory?)
+# fill kernel or the memory?), and the bf16 pack in CUDA against Triton packs with plain / TMA stores
 want probe_write && run_step probe_write 90 5 - python3 bench/probe_write_bandwidth.py --out "$OUT/write_bw.json"
 
 # ---- 8. attention block-config sweep ------------------------------------------------------------

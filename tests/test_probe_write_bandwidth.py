@@ -1,6 +1,7 @@
 """bench/probe_write_bandwidth.py's Triton writers, in Triton's interpreter on the CPU (a
 subprocess: the interpreter is chosen when the kernels are defined): each writes every
-element it should (and the plain store none past ``n``)."""
+element it should (and the plain store none past ``n``), and the Triton packs (plain and
+TMA stores) equal torch's concat."""
 
 import os
 import subprocess
@@ -26,6 +27,11 @@ triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.i
 y = torch.zeros(p.TMA_ROWS * p.TMA_COLS * 3, dtype=torch.bfloat16)
 p._store_tma[(3,)](y, 3 * p.TMA_ROWS, ROWS=p.TMA_ROWS, COLS=p.TMA_COLS)
 assert (y == 1).all()
+kn, pe = p.pack_inputs(70, 3, "cpu")  # 70 tokens: a partial tile of 64
+ref = torch.cat([kn, pe[:, None, :].expand(70, 3, 64)], dim=-1)
+for tma in (False, True):
+    k = torch.zeros(70, 3, 192, dtype=torch.bfloat16)
+    assert torch.equal(p.triton_pack(kn, pe, k, tma=tma), ref), tma
 print("ok")
 """
 
