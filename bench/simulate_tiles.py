@@ -82,10 +82,10 @@ def ffd_makespan(classes: list[tuple[float, int]], sms: int) -> float:
 def kernel_order_costs(q_lens, k_lens, heads: int, sms: int, block_m: int, block_n: int, startup: float) -> list[float]:
     """Costs in the launch order the warp-specialized kernel is given (``tile_order``:
     tiles packed per SM where that wins in this model, else longest first)."""
-    codes = tile_order(q_lens, k_lens, heads, sms, block_m, block_n)
-    if codes is None:
+    got = tile_order(q_lens, k_lens, heads, sms, block_m, block_n)
+    if got is None:
         return programs(q_lens, k_lens, heads, block_m, block_n, startup)
-    m_tiles = max(math.ceil(q / block_m) for q in q_lens)
+    codes, m_tiles = got
     return [math.ceil(k_lens[c // (heads * m_tiles)] / block_n) + startup for c in codes]
 
 

@@ -23,8 +23,10 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-def decode(codes, q_lens, heads):
-    m_tiles = max(cdiv(q, 128) for q in q_lens)
+def decode(order, q_lens, heads):
+    """(segment, query tile, head) of each program of ``tile_order``'s (codes, m_tiles)."""
+    codes, m_tiles = order
+    assert m_tiles == max(cdiv(q, 128) for q in q_lens)  # the longest segment's query tiles
     return [(c // (heads * m_tiles), (c // heads) % m_tiles, c % heads) for c in codes]
 
 

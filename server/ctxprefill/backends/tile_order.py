@@ -47,9 +47,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def tile_order(q_lens, k_lens, heads: int, sms: int, block_m: int = 128, block_n: int = 128) -> tuple[int, ...] | None:
-    """Tile codes in launch order for segments of ``q_lens`` query rows over ``k_lens``
-    keys, or None where the kernel's own order (longest segment first) is as good: one
+def tile_order(q_lens, k_lens, heads: int, sms: int, block_m: int = 128,
+               block_n: int = 128) -> tuple[tuple[int, ...], int] | None:
+    """(tile codes in launch order, the ``m_tiles`` they are coded with) for segments of
+    ``q_lens`` query rows over ``k_lens`` keys, or None where the kernel's own order
+    (longest segment first) is as good: one
     segment, more than ``MAX_SEGMENTS``, codes past int32, one wave of tiles or
     ``PACK_WAVES`` and more, or a packing that does not beat it in the model. Cached: a
     request's chunks repeat shapes."""
@@ -62,7 +64,8 @@ def tile_order(q_lens, k_lens, heads: int, sms: int, block_m: int = 128, block_n
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int, sms: int) -> tuple[int, ...] | None:
+def _cached(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int,
+            sms: int) -> tuple[tuple[int, ...], int] | None:
     B = len(q_tiles)
     m_tiles = max(q_tiles, default=0)
     if not 2 <= B <= MAX_SEGMENTS or B * m_tiles * heads >= 2**31:
@@ -95,7 +98,7 @@ def _cached(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int, sms
         j = used[i]
         used[i] = j + events[t, i]
         codes += tiles[i][j : used[i]]
-    return tuple(codes)
+    return tuple(codes), m_tiles
 
 
 def pack_lists(cost: list[float], count: list[int], sms: int, tol: float = 2e-3) -> list:

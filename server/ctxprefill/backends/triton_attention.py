@@ -552,10 +552,7 @@ def tile_order_codes(q_lens, k_lens, heads: int, q_dtype: torch.dtype, device) -
     ws = (KEYS_LAST_FP8 if q_dtype == _FP8 else CONFIGS[q_dtype]).get("WS") or {}
     block_m = _ws.CONFIG["BLOCK_M"]
     block_n = (ws if isinstance(ws, dict) else {}).get("BLOCK_N", _ws.CONFIG["BLOCK_N"])
-    codes = _tile_order.tile_order(q_lens, k_lens, heads, _sms(device), block_m, block_n)
-    if codes is None:
-        return None
-    return codes, max(1, -(-max(q_lens) // block_m))
+    return _tile_order.tile_order(q_lens, k_lens, heads, _sms(device), block_m, block_n)
 
 
 def device_tile_order(q_lens, k_lens, heads: int, q_dtype: torch.dtype, device) -> TileOrder | None:
