@@ -135,7 +135,6 @@ def ways(y: torch.Tensor) -> dict:
     out["triton-st"] = lambda: _store[grid](y, n, CS=False, BLOCK=BLOCK)
     out["triton-st-cs"] = lambda: _store[grid](y, n, CS=True, BLOCK=BLOCK)
     if n % TMA_COLS == 0 and torch.cuda.get_device_capability(y.device) >= (9, 0):
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=y.device))
         rows = n // TMA_COLS
         out["triton-tma"] = lambda: _store_tma[(triton.cdiv(rows, TMA_ROWS),)](y, rows, ROWS=TMA_ROWS, COLS=TMA_COLS)
     else:
@@ -151,6 +150,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         sys.exit("probe_write_bandwidth.py needs a CUDA device")
     from bench_kernels import do_bench
+
+    if triton is not None:  # scratch for the device-side TMA descriptors (triton-tma, pack-triton-tma)
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
     n = int(a.gib * (1 << 30)) // 2 // TMA_COLS * TMA_COLS
     x = torch.ones(n, dtype=torch.bfloat16, device="cuda")
