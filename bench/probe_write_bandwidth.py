@@ -15,10 +15,14 @@ here, one process, 2 GiB each, no L2 flush (every buffer is 40x the L2):
   triton-st-cs  the same with streaming stores (``cache_modifier=".cs"``: the pack's)
   triton-tma    the same through a TMA tensor descriptor (bulk stores from shared memory)
 
-and the bf16 pack itself (k[t,h] = [k_nope[t,h] | k_pe[t]], H=128, T=8192: T·H = 2**20,
-inputs the strided views the engine gives), effective bytes over time against the copy:
-our CUDA kernel (``ops.pack.fused_mla_kv_concat``), and a Triton pack with plain and with
-TMA stores — if TMA stores write faster, they are what the CUDA kernel should use.
+and the bf16 pack itself (k[t,h] = [k_nope[t,h] | k_pe[t]], T·H = 2**20 at H=128 and H=16),
+effective bytes over time against the copy: our CUDA kernel (``ops.pack.fused_mla_kv_concat``)
+and a Triton pack with plain stores (and TMA stores at H=128), each on the engine's
+interleaved kv_b_proj output ([T, H, 256]: a token's k_nope is every other 256 bytes) and
+on a blocked one ([T, 2, H, 128]: every head's k_nope, then every head's v — the kv_b_proj
+weight's rows permuted). The first run (2026-12-01, H200) answered the first question:
+Triton's plain stores write at 107 % of copy, so the memory's write rate does not hold the
+pack at 85 %; the layout rows ask whether reading half of every 512-byte row does.
 
   python bench/probe_write_bandwidth.py --out /tmp/write_bw.json
 """
@@ -85,11 +89,15 @@ if triton is not None:
             tl.store(k + row + 128 + c64[None, :], rope, mask=ok, cache_modifier=".cs")
 
 
-def pack_inputs(T: int, H: int, device):
+def pack_inputs(T: int, H: int, device, layout: str = "interleaved"):
     """The engine's views: k_nope = kv_b_proj output [T, H, 256][..., :128], k_pe = the
-    workspace [T, 576][:, 512:]."""
-    kv = torch.randn(T, H, 256, device=device).to(torch.bfloat16)
+    workspace [T, 576][:, 512:]. ``layout="blocked"``: the kv_b_proj output as [T, 2, H, 128]
+    (every head's k_nope, then every head's v: the weight's rows permuted), so that a token's
+    k_nope is one contiguous span rather than every other 256 bytes."""
     ws = torch.randn(T, 576, device=device).to(torch.bfloat16)
+    if layout == "blocked":
+        return torch.randn(T, 2, H, 128, device=device).to(torch.bfloat16)[:, 0], ws[:, 512:]
+    kv = torch.randn(T, H, 256, device=device).to(torch.bfloat16)
     return kv[..., :128], ws[:, 512:]
 
 
@@ -175,42 +183,50 @@ def main() -> int:
             rows.append(dict(way=name, error=f"{type(e).__name__}: {str(e)[:200]}"))
     x = y = None  # 4 GiB back before the pack's inputs
     torch.cuda.empty_cache()
-    # the bf16 pack: effective bytes (k_nope and k_pe read once, k written once)
-    T, H = 8192, 128
-    kn, pe = pack_inputs(T, H, "cuda")
-    nbytes = T * H * 128 * 2 + T * 64 * 2 + T * H * 192 * 2
-    ref = torch.cat([kn, pe[:, None, :].expand(T, H, 64)], dim=-1)
-    packs = {}
+    # the bf16 pack: effective bytes (k_nope and k_pe read once, k written once), at T·H = 2**20
+    # with the engine's interleaved kv_b_proj output and with a blocked one (k_nope of every
+    # head, then v): is the pack held by reading every other 256 bytes?
     try:
         from ctxprefill.ops import _cuda
         from ctxprefill.ops.pack import fused_mla_kv_concat
 
-        packs["pack-cuda"] = (lambda: fused_mla_kv_concat(kn, pe)) if _cuda.load() is not None \
+        cuda_pack = fused_mla_kv_concat if _cuda.load() is not None \
             else f"the CUDA extension did not load: {_cuda.why_not()}"
     except Exception as e:  # noqa: BLE001
-        packs["pack-cuda"] = f"{type(e).__name__}: {e}"
-    if triton is not None:
-        k = torch.empty(T, H, 192, dtype=torch.bfloat16, device="cuda")
-        packs["pack-triton-st"] = lambda: triton_pack(kn, pe, k, tma=False)
-        packs["pack-triton-tma"] = lambda: triton_pack(kn, pe, k, tma=True)
-    for name, fn in packs.items():
-        if isinstance(fn, str):
-            rows.append(dict(way=name, error=fn))
-            continue
-        try:
-            ok = bool(torch.equal(fn(), ref))
-            ms = do_bench(fn, rep_ms=100, flush=True)
-            rows.append(dict(way=name, ms=ms, tbps=nbytes / ms / 1e9, values_ok=ok, T=T, H=H))
-        except Exception as e:  # noqa: BLE001
-            rows.append(dict(way=name, error=f"{type(e).__name__}: {str(e)[:200]}"))
+        cuda_pack = f"{type(e).__name__}: {e}"
+    for T, H, layout in [(8192, 128, "interleaved"), (8192, 128, "blocked"),
+                         (65536, 16, "interleaved"), (65536, 16, "blocked")]:
+        kn, pe = pack_inputs(T, H, "cuda", layout)
+        nbytes = T * H * 128 * 2 + T * 64 * 2 + T * H * 192 * 2
+        ref = torch.cat([kn, pe[:, None, :].expand(T, H, 64)], dim=-1)
+        tag = "" if layout == "interleaved" else "-blocked"
+        packs = {"pack-cuda" + tag: cuda_pack if isinstance(cuda_pack, str)
+                 else (lambda kn=kn, pe=pe: cuda_pack(kn, pe))}
+        if triton is not None:
+            k = torch.empty(T, H, 192, dtype=torch.bfloat16, device="cuda")
+            packs["pack-triton-st" + tag] = lambda kn=kn, pe=pe, k=k: triton_pack(kn, pe, k, tma=False)
+            if layout == "interleaved" and H == 128:
+                packs["pack-triton-tma"] = lambda kn=kn, pe=pe, k=k: triton_pack(kn, pe, k, tma=True)
+        for name, fn in packs.items():
+            if isinstance(fn, str):
+                rows.append(dict(way=name, error=fn))
+                continue
+            try:
+                ok = bool(torch.equal(fn(), ref))
+                ms = do_bench(fn, rep_ms=100, flush=True)
+                rows.append(dict(way=name, ms=ms, tbps=nbytes / ms / 1e9, values_ok=ok, T=T, H=H, layout=layout))
+            except Exception as e:  # noqa: BLE001
+                rows.append(dict(way=name, error=f"{type(e).__name__}: {str(e)[:200]}"))
+        kn = pe = ref = k = None
+        torch.cuda.empty_cache()
     copy = rows[0]["tbps"]
     for r in rows:
-        log(f"{r['way']:<13} " + (f"{r['tbps']:.3f} TB/s ({r['tbps'] / copy:.1%} of copy)"
+        log(f"{r['way']:<22} " + (f"T={r['T']} H={r['H']} " if "T" in r else "") + (f"{r['tbps']:.3f} TB/s ({r['tbps'] / copy:.1%} of copy)"
                                   + ("" if r.get("values_ok", True) else "  WRONG VALUES") if "tbps" in r
                                   else r["error"]))
     with open(a.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                       triton=getattr(triton, "__version__", None), bytes=nbytes, rows=rows), f, indent=1)
+                       triton=getattr(triton, "__version__", None), rows=rows), f, indent=1)
     return 0
 
 

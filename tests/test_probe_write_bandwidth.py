@@ -27,11 +27,13 @@ triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.i
 y = torch.zeros(p.TMA_ROWS * p.TMA_COLS * 3, dtype=torch.bfloat16)
 p._store_tma[(3,)](y, 3 * p.TMA_ROWS, ROWS=p.TMA_ROWS, COLS=p.TMA_COLS)
 assert (y == 1).all()
-kn, pe = p.pack_inputs(70, 3, "cpu")  # 70 tokens: a partial tile of 64
-ref = torch.cat([kn, pe[:, None, :].expand(70, 3, 64)], dim=-1)
-for tma in (False, True):
-    k = torch.zeros(70, 3, 192, dtype=torch.bfloat16)
-    assert torch.equal(p.triton_pack(kn, pe, k, tma=tma), ref), tma
+for layout in ("interleaved", "blocked"):
+    kn, pe = p.pack_inputs(70, 3, "cpu", layout)  # 70 tokens: a partial tile of 64
+    assert kn.shape == (70, 3, 128) and kn.stride(1) == (256 if layout == "interleaved" else 128), kn.stride()
+    ref = torch.cat([kn, pe[:, None, :].expand(70, 3, 64)], dim=-1)
+    for tma in (False, True):
+        k = torch.zeros(70, 3, 192, dtype=torch.bfloat16)
+        assert torch.equal(p.triton_pack(kn, pe, k, tma=tma), ref), (layout, tma)
 print("ok")
 """
 
