@@ -225,6 +225,8 @@ def main() -> int:
         tag = "" if layout == "interleaved" else "-blocked"
         packs = {"pack-cuda" + tag: cuda_pack if isinstance(cuda_pack, str)
                  else (lambda kn=kn, pe=pe: cuda_pack(kn, pe))}
+        if not isinstance(cuda_pack, str) and layout == "interleaved":  # the flat kernel (experiment)
+            packs["pack-cuda-flat"] = lambda kn=kn, pe=pe: _cuda.load().fused_mla_kv_concat(kn, pe, flat=True)
         if triton is not None:
             k = torch.empty(T, H, 192, dtype=torch.bfloat16, device="cuda")
             packs["pack-triton-st" + tag] = lambda kn=kn, pe=pe, k=k: triton_pack(kn, pe, k, tma=False)

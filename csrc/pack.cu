@@ -81,6 +81,54 @@ kv_concat_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn_s1,
   }
 }
 
+// ---- bf16 / fp16 concat, flat ---------------------------------------------------------
+// EXPERIMENT (ninth session): k taken as a flat array of 16-byte chunks. Thread i of a
+// block takes chunks tile + i + j * kThreads, j < U: each warp instruction stores 512
+// contiguous bytes (the copy's pattern) and a thread has U loads in flight before its
+// first store. The source of chunk (t, h, c): k_nope for c < 16, k_pe (a cache hit
+// after the first head) for the rest. Indices advance by constants (kThreads chunks =
+// 10 rows + 16 chunks), one division per tile.
+template <int U>
+__global__ void __launch_bounds__(dev::kThreads)
+kv_concat_flat_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn_s1,
+                      const uint16_t* __restrict__ pe, int64_t pe_s0, uint16_t* __restrict__ k,
+                      int64_t T, int H) {
+  constexpr int C = kQK / 8;     // 24 chunks per head row
+  constexpr int CN = kNope / 8;  // 16 of them from k_nope
+  constexpr int DR = dev::kThreads / C, DC = dev::kThreads % C;
+  constexpr int64_t PER = (int64_t)dev::kThreads * U;
+  const int64_t chunks = T * H * C;
+  for (int64_t tile = (int64_t)blockIdx.x * PER; tile < chunks; tile += (int64_t)gridDim.x * PER) {
+    const int64_t q0 = tile + threadIdx.x;
+    const int64_t row = q0 / C;
+    int c = (int)(q0 - row * C);
+    int64_t t = row / H;
+    int h = (int)(row - t * H);
+    uint4 v[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      v[j] = make_uint4(0u, 0u, 0u, 0u);
+      if (q0 + (int64_t)j * dev::kThreads < chunks)
+        v[j] = ld16<16>(c < CN ? kn + t * kn_s0 + (int64_t)h * kn_s1 + c * 8 : pe + t * pe_s0 + (c - CN) * 8);
+      c += DC;
+      h += DR;
+      if (c >= C) {
+        c -= C;
+        ++h;
+      }
+      while (h >= H) {
+        h -= H;
+        ++t;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int64_t q = q0 + (int64_t)j * dev::kThreads;
+      if (q < chunks) __stcs(reinterpret_cast<uint4*>(k + q * 8), v[j]);
+    }
+  }
+}
+
 // ---- fp8 quantizing concat -----------------------------------------------------------
 // The work items of one thread, `first` and every `S`-th after it. WITH_V: the v8 row
 // chunks are items too (20 per head row); without, only k8's 12 (the keys-last kernel
@@ -366,12 +414,20 @@ cudaError_t quant_vt_dispatch(const void* kn, int64_t kn_s0, int64_t kn_s1, cons
 
 cudaError_t launch_kv_concat(const void* k_nope, int64_t kn_s0, int64_t kn_s1, const void* k_pe,
                              int64_t pe_s0, void* k, int64_t T, int64_t H, DType dtype,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, bool flat) {
   if (T <= 0 || H <= 0) return cudaSuccess;
   if (dtype != DType::BF16 && dtype != DType::FP16) return cudaErrorInvalidValue;
   // 16-bit elements: a row stride that is a multiple of 8 elements keeps 16 B alignment
   const bool vec = aligned16(k_nope) && aligned16(k_pe) && aligned16(k) && kn_s0 % 8 == 0 &&
                    kn_s1 % 8 == 0 && pe_s0 % 8 == 0;
+  if (flat && vec) {
+    constexpr int U = 8;
+    kv_concat_flat_kernel<U><<<grid_one_wave<kv_concat_flat_kernel<U>>(T * H * (kQK / 8), (int64_t)dev::kThreads * U),
+                               dev::kThreads, 0, stream>>>(
+        static_cast<const uint16_t*>(k_nope), kn_s0, kn_s1, static_cast<const uint16_t*>(k_pe), pe_s0,
+        static_cast<uint16_t*>(k), T, (int)H);
+    return cudaGetLastError();
+  }
   // the copy does not depend on the 16-bit format: bf16 and fp16 share one kernel
   return vec ? concat_dispatch<16>(k_nope, kn_s0, kn_s1, k_pe, pe_s0, k, T, H, stream)
              : concat_dispatch<1>(k_nope, kn_s0, kn_s1, k_pe, pe_s0, k, T, H, stream);
