@@ -52,7 +52,7 @@ CTXPREFILL_HD constexpr int64_t slot_bytes(CacheDtype d) {
 // of heads) and broadcast to the heads from registers.
 cudaError_t launch_kv_concat(const void* k_nope, int64_t kn_s0, int64_t kn_s1,
                              const void* k_pe, int64_t pe_s0, void* k, int64_t T,
-                             int64_t H, DType dtype, cudaStream_t stream, bool flat = false);
+                             int64_t H, DType dtype, cudaStream_t stream, int flat = 0);
 
 // As launch_kv_concat, plus the saturating fp8 e4m3 cast of k and v:
 // k_fp8 contiguous [T, H, 192], v_fp8 contiguous [T, H, 128] (bytes).

@@ -88,7 +88,7 @@ kv_concat_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn_s1,
 // first store. The source of chunk (t, h, c): k_nope for c < 16, k_pe (a cache hit
 // after the first head) for the rest. Indices advance by constants (kThreads chunks =
 // 10 rows + 16 chunks), one division per tile.
-template <int U>
+template <int U, bool CS>
 __global__ void __launch_bounds__(dev::kThreads)
 kv_concat_flat_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn_s1,
                       const uint16_t* __restrict__ pe, int64_t pe_s0, uint16_t* __restrict__ k,
@@ -124,7 +124,10 @@ kv_concat_flat_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const int64_t q = q0 + (int64_t)j * dev::kThreads;
-      if (q < chunks) __stcs(reinterpret_cast<uint4*>(k + q * 8), v[j]);
+      if (q < chunks) {
+        if constexpr (CS) __stcs(reinterpret_cast<uint4*>(k + q * 8), v[j]);
+        else *reinterpret_cast<uint4*>(k + q * 8) = v[j];
+      }
     }
   }
 }
@@ -414,18 +417,26 @@ cudaError_t quant_vt_dispatch(const void* kn, int64_t kn_s0, int64_t kn_s1, cons
 
 cudaError_t launch_kv_concat(const void* k_nope, int64_t kn_s0, int64_t kn_s1, const void* k_pe,
                              int64_t pe_s0, void* k, int64_t T, int64_t H, DType dtype,
-                             cudaStream_t stream, bool flat) {
+                             cudaStream_t stream, int flat) {
   if (T <= 0 || H <= 0) return cudaSuccess;
   if (dtype != DType::BF16 && dtype != DType::FP16) return cudaErrorInvalidValue;
   // 16-bit elements: a row stride that is a multiple of 8 elements keeps 16 B alignment
   const bool vec = aligned16(k_nope) && aligned16(k_pe) && aligned16(k) && kn_s0 % 8 == 0 &&
                    kn_s1 % 8 == 0 && pe_s0 % 8 == 0;
   if (flat && vec) {
-    constexpr int U = 8;
-    kv_concat_flat_kernel<U><<<grid_one_wave<kv_concat_flat_kernel<U>>(T * H * (kQK / 8), (int64_t)dev::kThreads * U),
-                               dev::kThreads, 0, stream>>>(
-        static_cast<const uint16_t*>(k_nope), kn_s0, kn_s1, static_cast<const uint16_t*>(k_pe), pe_s0,
-        static_cast<uint16_t*>(k), T, (int)H);
+#define CTXP_FLAT(U_, CS_)                                                                                   \
+  kv_concat_flat_kernel<U_, CS_><<<grid_one_wave<kv_concat_flat_kernel<U_, CS_>>(T * H * (kQK / 8),          \
+                                                                                 (int64_t)dev::kThreads * U_), \
+                                   dev::kThreads, 0, stream>>>(                                               \
+      static_cast<const uint16_t*>(k_nope), kn_s0, kn_s1, static_cast<const uint16_t*>(k_pe), pe_s0,         \
+      static_cast<uint16_t*>(k), T, (int)H)
+    switch (flat) {
+      case 2: CTXP_FLAT(16, true); break;
+      case 3: CTXP_FLAT(8, false); break;
+      case 4: CTXP_FLAT(4, true); break;
+      default: CTXP_FLAT(8, true); break;
+    }
+#undef CTXP_FLAT
     return cudaGetLastError();
   }
   // the copy does not depend on the 16-bit format: bf16 and fp16 share one kernel
