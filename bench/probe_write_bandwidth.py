@@ -225,9 +225,6 @@ def main() -> int:
         tag = "" if layout == "interleaved" else "-blocked"
         packs = {"pack-cuda" + tag: cuda_pack if isinstance(cuda_pack, str)
                  else (lambda kn=kn, pe=pe: cuda_pack(kn, pe))}
-        if not isinstance(cuda_pack, str) and layout == "interleaved":  # the flat kernel (experiment)
-            for f, fname in [(1, "flat"), (2, "flat-u16"), (3, "flat-st"), (4, "flat-u4")]:
-                packs["pack-cuda-" + fname] = lambda kn=kn, pe=pe, f=f: _cuda.load().fused_mla_kv_concat(kn, pe, flat=f)
         if triton is not None:
             k = torch.empty(T, H, 192, dtype=torch.bfloat16, device="cuda")
             packs["pack-triton-st" + tag] = lambda kn=kn, pe=pe, k=k: triton_pack(kn, pe, k, tma=False)

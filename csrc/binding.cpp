@@ -116,7 +116,7 @@ void check_pack_half(const at::Tensor& x, const char* op, const char* name, int6
 
 // ---- pack --------------------------------------------------------------------------
 
-at::Tensor fused_mla_kv_concat(const at::Tensor& k_nope, const at::Tensor& k_pe, int64_t flat) {
+at::Tensor fused_mla_kv_concat(const at::Tensor& k_nope, const at::Tensor& k_pe) {
   const char* op = "fused_mla_kv_concat";
   ARG_CHECK(k_nope.is_cuda(), op, ": k_nope must be a CUDA tensor, got one on ", k_nope.device());
   const auto dev = k_nope.device();
@@ -133,7 +133,7 @@ at::Tensor fused_mla_kv_concat(const at::Tensor& k_nope, const at::Tensor& k_pe,
   const c10::cuda::CUDAGuard guard(dev);
   check_launch(ctxprefill::launch_kv_concat(k_nope.data_ptr(), k_nope.stride(0), k_nope.stride(1), k_pe.data_ptr(),
                                             pe_s0, k.data_ptr(), T, H, dtype_of(k_nope),
-                                            c10::cuda::getCurrentCUDAStream(dev.index()).stream(), (int)flat),
+                                            c10::cuda::getCurrentCUDAStream(dev.index()).stream()),
                op);
   return k;
 }
@@ -467,9 +467,8 @@ at::Tensor ipc_open(const std::string& handle, int64_t device, int64_t byte_size
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ctxprefill fused CUDA kernels: MLA K/V pack, cache insert/gather, LSE merge; CUDA IPC open";
   m.def("fused_mla_kv_concat", &fused_mla_kv_concat,
-        "k_nope [T,H,128], k_pe [T,64] (strided, same dtype) -> k [T,H,192] contiguous "
-        "(flat=True: the ninth session's experimental kernel)", py::arg("k_nope"), py::arg("k_pe"),
-        py::arg("flat") = 0);
+        "k_nope [T,H,128], k_pe [T,64] (strided, same dtype) -> k [T,H,192] contiguous", py::arg("k_nope"),
+        py::arg("k_pe"));
   m.def("fused_mla_kv_concat_quant_fp8", &fused_mla_kv_concat_quant_fp8,
         "k_nope [T,H,128], k_pe [T,64] (k_nope's dtype or fp8), v [T,H,128] -> (k_fp8 [T,H,192], v_fp8 [T,H,128])",
         py::arg("k_nope"), py::arg("k_pe"), py::arg("v"));

@@ -48,11 +48,11 @@ CTXPREFILL_HD constexpr int64_t slot_bytes(CacheDtype d) {
 // ---- pack (csrc/pack.cu) -------------------------------------------------------
 // k[t, h, :] = [k_nope[t, h, :] | k_pe[t, :]]; k contiguous [T, H, 192] of `dtype`
 // (BF16 or FP16). k_nope [T, H, 128] strides (kn_s0, kn_s1, 1); k_pe [T, 64]
-// stride (pe_s0, 1), same dtype. Each k_pe row is read once per token (per group
-// of heads) and broadcast to the heads from registers.
+// stride (pe_s0, 1), same dtype. k is written as a flat run of 16-byte chunks, each
+// loaded from its source (a token's k_pe row is a cache hit after its first head).
 cudaError_t launch_kv_concat(const void* k_nope, int64_t kn_s0, int64_t kn_s1,
                              const void* k_pe, int64_t pe_s0, void* k, int64_t T,
-                             int64_t H, DType dtype, cudaStream_t stream, int flat = 0);
+                             int64_t H, DType dtype, cudaStream_t stream);
 
 // As launch_kv_concat, plus the saturating fp8 e4m3 cast of k and v:
 // k_fp8 contiguous [T, H, 192], v_fp8 contiguous [T, H, 128] (bytes).
