@@ -178,84 +178,81 @@ __device__ __forceinline__ int64_t row_slot(int64_t row, const int32_t* __restri
   return blk * block_size + (j - bi * block_size);
 }
 
-// <= 64 registers (aligned kernels): 4 blocks per SM, as before the flat split (left
-// alone, the fp8_ds_mla kernel took 120); the byte-wise fallback keeps its registers
 template <int A, CacheDtype CD, bool OUT_FP8>
-__global__ void __launch_bounds__(dev::kThreads, A >= 16 ? 4 : 1)
+__global__ void __launch_bounds__(dev::kThreads)
 gather_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int64_t block_size,
               const int32_t* __restrict__ bt, int64_t bt_s0, int64_t bt_s1, int64_t max_blocks,
               const int32_t* __restrict__ cu, int64_t cu_s, const int32_t* __restrict__ starts, int64_t st_s,
               int n, uint8_t* __restrict__ out, int64_t out_s0_bytes, int64_t rows, float k_scale) {
   constexpr int64_t BPS = slot_bytes(CD);
   constexpr int U = OUT_FP8 ? 36 : 72;  // 16-byte output chunks per row
-  constexpr int R = OUT_FP8 ? 8 : 4;    // rows per warp step
-  constexpr int K = R * U / 32;         // chunks per lane per step (9): every lane busy
-  static_assert(R * U % 32 == 0, "a warp step's chunks must fill whole warp instructions");
+  constexpr int K = (U + 31) / 32;      // chunks per lane per row
+  constexpr int R = 4;                  // rows per warp step (loads in flight per lane: R * K)
   const int lane = threadIdx.x & 31;
   const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
   // A warp takes R rows per step. Their slot lookups (binary search, start, block
   // table: a chain of dependent loads) run side by side, lane r for row r0 + r,
-  // instead of one row after another. The step's R * U output chunks are then taken
-  // as one flat run: lane l owns chunks l + 32k, so each warp store is 512 contiguous
-  // bytes (rows are contiguous in the workspace) and no instruction runs with idle
-  // lanes — the row-by-row split (72 = 32 + 32 + 8 chunks) left a quarter-full store
-  // per row, and the flat split measured +2.5 points of copy on the bf16 pack.
+  // instead of one row after another; every lane then fetches each row's slot by
+  // shuffle and copies its 16-byte chunks of all R rows, R * K loads in flight.
   // (32 rows per warp was measured slower for small gathers: too few warps.)
   for (int64_t r0 = warp * R; r0 < rows; r0 += nwarps * R) {
     const int64_t mine = lane < R && r0 + lane < rows
                              ? row_slot(r0 + lane, cu, cu_s, starts, st_s, n, bt, bt_s0, bt_s1, max_blocks,
                                         num_blocks, block_size)
                              : -1;
-    // Three phases: every load of the step first, then the conversions, then the
+    int64_t slot[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) slot[r] = __shfl_sync(0xffffffffu, mine, r);
+    // Three phases: every load of the R rows first, then the conversions, then the
     // stores. A conversion right after its load (one block per chunk) made the compiler
     // wait for each load before issuing the next: one load in flight per lane, and the
     // dequantizing gathers ran at 61-69 % of copy bandwidth.
-    uint4 v[K];
-    float sc[K];
-    int64_t slot[K];
-    int cc[K], rr[K];
+    uint4 v[R][K];
+    float sc[R][K];
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int f = lane + 32 * k;
-      rr[k] = f / U;
-      cc[k] = f - rr[k] * U;
-      slot[k] = __shfl_sync(0xffffffffu, mine, rr[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int c = cc[k];
-      v[k] = make_uint4(0u, 0u, 0u, 0u);
-      sc[k] = k_scale;
-      if (slot[k] < 0) continue;
-      const uint8_t* src = cache + slot[k] * BPS;
-      if constexpr (CD == CacheDtype::Auto || OUT_FP8) {
-        v[k] = ld16<A>(src + c * 16);  // bf16 -> bf16, or raw fp8 bytes
-      } else if constexpr (CD == CacheDtype::Fp8) {
-        const uint2 q = ld8<A>(src + c * 8);
-        v[k].x = q.x;
-        v[k].y = q.y;
-      } else {  // fp8_ds_mla: 64 chunks of 8 e4m3 (a scale per 128), then 8 of bf16 k_pe
-        if (c < 64) {
-          const uint2 q = ld8<A>(src + c * 8);
-          v[k].x = q.x;
-          v[k].y = q.y;
-          sc[k] = ldf<A>(src + kLatent + 4 * (c >> 4));
-        } else {
-          v[k] = ld16<A>(src + kLatent + 16 + (c - 64) * 16);
-        }
-      }
-    }
-    if constexpr (CD != CacheDtype::Auto && !OUT_FP8) {
+    for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int k = 0; k < K; ++k) {
-        const bool dq = CD == CacheDtype::Fp8 || cc[k] < 64;
-        if (dq && slot[k] >= 0) v[k] = dev::bf16x8_from_e4m3x8_scaled(make_uint2(v[k].x, v[k].y), sc[k]);
+        const int c = lane + 32 * k;
+        v[r][k] = make_uint4(0u, 0u, 0u, 0u);
+        sc[r][k] = k_scale;
+        if (c >= U || slot[r] < 0) continue;
+        const uint8_t* src = cache + slot[r] * BPS;
+        if constexpr (CD == CacheDtype::Auto || OUT_FP8) {
+          v[r][k] = ld16<A>(src + c * 16);  // bf16 -> bf16, or raw fp8 bytes
+        } else if constexpr (CD == CacheDtype::Fp8) {
+          const uint2 q = ld8<A>(src + c * 8);
+          v[r][k].x = q.x;
+          v[r][k].y = q.y;
+        } else {  // fp8_ds_mla: 64 chunks of 8 e4m3 (a scale per 128), then 8 of bf16 k_pe
+          if (c < 64) {
+            const uint2 q = ld8<A>(src + c * 8);
+            v[r][k].x = q.x;
+            v[r][k].y = q.y;
+            sc[r][k] = ldf<A>(src + kLatent + 4 * (c >> 4));
+          } else {
+            v[r][k] = ld16<A>(src + kLatent + 16 + (c - 64) * 16);
+          }
+        }
       }
+    if constexpr (CD != CacheDtype::Auto && !OUT_FP8) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const int c = lane + 32 * k;
+          const bool dq = CD == CacheDtype::Fp8 ? c < U : c < 64;
+          if (dq && slot[r] >= 0) v[r][k] = dev::bf16x8_from_e4m3x8_scaled(make_uint2(v[r][k].x, v[r][k].y), sc[r][k]);
+        }
     }
 #pragma unroll
-    for (int k = 0; k < K; ++k)
-      if (r0 + rr[k] < rows) st16<A>(out + (r0 + rr[k]) * out_s0_bytes + cc[k] * 16, v[k]);
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int c = lane + 32 * k;
+        if (c < U && r0 + r < rows) st16<A>(out + (r0 + r) * out_s0_bytes + c * 16, v[r][k]);
+      }
   }
 }
 
@@ -283,9 +280,9 @@ cudaError_t gather_dispatch(const uint8_t* cache, int64_t num_blocks, int64_t bl
                             const int32_t* cu, int64_t cu_s, const int32_t* st, int64_t st_s, int n,
                             uint8_t* out, int64_t out_s0_bytes, bool out_fp8, int64_t rows, float ks,
                             cudaStream_t s) {
-  // 4 rows (8 for fp8 out) per warp and step; one resident wave, grid-stride over the rows
+  // 4 rows per warp and step; one resident wave, grid-stride over the rows
 #define CTXP_GAT(CD_, F8_)                                                                                 \
-  gather_kernel<A, CD_, F8_><<<grid_one_wave<gather_kernel<A, CD_, F8_>>(rows, dev::kThreads / 32 * (F8_ ? 8 : 4)), \
+  gather_kernel<A, CD_, F8_><<<grid_one_wave<gather_kernel<A, CD_, F8_>>(rows, dev::kThreads / 32 * 4),   \
                                dev::kThreads, 0, s>>>(cache, num_blocks, block_size, bt, bt_s0, bt_s1,    \
                                                       max_blocks, cu, cu_s, st, st_s, n, out, out_s0_bytes, \
                                                       rows, ks)
