@@ -9,9 +9,10 @@ here, one process, 2 GiB each, no L2 flush (every buffer is 40x the L2):
 
   copy          torch ``copy_`` (read + write, the ceiling of bench_kernels)
   read          torch ``max`` over int32 (read only)
-  triton-copy   a Triton copy, plain loads and stores (1 byte written per byte read)
-  triton-copy-1.5  the same writing half of every block twice: 1.5 bytes written per byte
-                read, the bf16 pack's mix on contiguous addresses
+  triton-copy   a Triton copy, plain loads and stores (1 byte written per byte read;
+                ``bench/mix_copy.py``, 1 GiB read)
+  triton-copy-1.5  the same also writing every block folded to half its length: 1.5
+                bytes written per byte read, the bf16 pack's mix on contiguous addresses
   fill / zero   torch ``fill_(1)`` / ``zero_()``
   memset        ``cudaMemsetAsync`` from the CUDA runtime torch loads (ctypes)
   triton-st     a Triton kernel storing 16 KiB per program, plain stores
@@ -42,6 +43,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+import mix_copy  # noqa: E402
+from mix_copy import MixCopy  # noqa: E402
 from progress import log  # noqa: E402
 
 try:
@@ -63,20 +66,6 @@ if triton is not None:
             tl.store(y + offs, val, mask=offs < n, cache_modifier=".cs")
         else:
             tl.store(y + offs, val, mask=offs < n)
-
-    @triton.jit
-    def _copy_mix(x, y, z, n, WIDE: tl.constexpr, BLOCK: tl.constexpr):
-        """y = x, and with WIDE z[i] = x[2i // BLOCK * BLOCK + i % (BLOCK / 2)] (the first half of
-        every block again): 1 byte read for 1 (or 1.5) written, the pack's mix without its
-        addressing."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        v = tl.load(x + offs, mask=offs < n)
-        tl.store(y + offs, v, mask=offs < n)
-        if WIDE:
-            h = tl.program_id(0).to(tl.int64) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
-            v2 = tl.load(x + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK // 2),
-                         mask=h < n // 2)  # the same bytes as v's first half: a cache hit
-            tl.store(z + h, v2, mask=h < n // 2)
 
     @triton.jit
     def _store_tma(y, rows, ROWS: tl.constexpr, COLS: tl.constexpr):
@@ -186,14 +175,12 @@ def main() -> int:
     rows = []
     runs = [("copy", lambda: y.copy_(x), 2 * nbytes), ("read", lambda: x.view(torch.int32).max(), nbytes)]
     if triton is not None:  # copies by plain loads and stores: 1 byte written per byte read, and 1.5 (the pack's mix)
-        z = torch.empty(n // 2, dtype=x.dtype, device="cuda")
-        g = (triton.cdiv(n, BLOCK),)
-        runs += [("triton-copy", lambda: _copy_mix[g](x, y, z, n, WIDE=False, BLOCK=BLOCK), 2 * nbytes),
-                 ("triton-copy-1.5", lambda: _copy_mix[g](x, y, z, n, WIDE=True, BLOCK=BLOCK), 2.5 * nbytes)]
+        mc = MixCopy(n // 2 // mix_copy.BLOCK * mix_copy.BLOCK, "cuda")  # half the size: its outputs fit beside x, y
+        runs += [("triton-copy", *mc.runner(1.0)), ("triton-copy-1.5", *mc.runner(1.5))]
     for name, fn, moved in runs:
         ms = do_bench(fn, rep_ms=100, flush=False)
         rows.append(dict(way=name, ms=ms, tbps=moved / ms / 1e9))
-    z = None
+    mc = None
     for name, fn in ways(y).items():
         if isinstance(fn, str):
             rows.append(dict(way=name, error=fn))

@@ -23,14 +23,6 @@ for cs in (False, True):
     y.zero_()
     p._store[(triton.cdiv(1000, p.BLOCK),)](y, 1000, CS=cs, BLOCK=p.BLOCK)
     assert (y[:1000] == 1).all() and (y[1000:] == 0).all(), cs
-x = torch.arange(4 * p.BLOCK + 100, dtype=torch.float32).to(torch.bfloat16)
-n = x.numel()
-for wide in (False, True):
-    y, z = torch.zeros_like(x), torch.zeros(n // 2, dtype=x.dtype)
-    p._copy_mix[(triton.cdiv(n, p.BLOCK),)](x, y, z, n, WIDE=wide, BLOCK=p.BLOCK)
-    assert torch.equal(y, x), wide
-    i = torch.arange(n // 2)
-    assert torch.equal(z, x[i // (p.BLOCK // 2) * p.BLOCK + i % (p.BLOCK // 2)] if wide else torch.zeros_like(z)), wide
 triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
 y = torch.zeros(p.TMA_ROWS * p.TMA_COLS * 3, dtype=torch.bfloat16)
 p._store_tma[(3,)](y, 3 * p.TMA_ROWS, ROWS=p.TMA_ROWS, COLS=p.TMA_COLS)
