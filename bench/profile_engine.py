@@ -63,8 +63,11 @@ def main(argv=None) -> int:
     wall, stages, r = t["median_s"], sum(t["stage_s"].values()), t["result"]
     print(f"device {dev}; H={a.heads} new={a.new} context={a.context} cache={a.cache_dtype} "
           f"prefill={a.prefill_dtype} path={'fused' if fused else 'generic'}; {len(r.stats.chunks)} chunks")
+    span = t["span_s"]
     print(f"request {wall * 1e3:.3f} ms (median of {t['iters']}); device stages {stages * 1e3:.3f} ms; "
-          f"gap {(wall - stages) * 1e3:.3f} ms ({(wall - stages) / wall:.0%})")
+          f"gap {(wall - stages) * 1e3:.3f} ms ({(wall - stages) / wall:.0%}): "
+          f"{(span - stages) * 1e3:.3f} ms between the stages (first stage's start to last one's end "
+          f"{span * 1e3:.3f} ms), {(wall - span) * 1e3:.3f} ms before and after them")
 
     if a.timeline and dev.type == "cuda":
         try:

@@ -46,6 +46,10 @@ def test_bench_grid_full_narrowed_by_flags(tmp_path):
         gap = r[f"{path}_host_gap_s"]
         assert gap == pytest.approx(r[f"{path}_s"] - sum(r[f"{path}_stage_s"].values()))
         assert -0.5 * r[f"{path}_s"] < gap < r[f"{path}_s"]
+        # split: within the span of the stages (first start to last end) and outside it
+        span = r[f"{path}_span_s"]
+        assert 0 < span <= r[f"{path}_s"]
+        assert r[f"{path}_gap_in_span_s"] == pytest.approx(span - sum(r[f"{path}_stage_s"].values()))
 
 
 def test_bench_budget_zero_skips_everything(tmp_path):
@@ -102,7 +106,8 @@ def test_time_request_iterations_scale_with_work():
 
         def prefill_context(self, q, seqs, fused):
             self.calls += 1
-            return types.SimpleNamespace(stats=types.SimpleNamespace(stage_ns={"attention": int(self.t * 1e9)}))
+            return types.SimpleNamespace(stats=types.SimpleNamespace(stage_ns={"attention": int(self.t * 1e9)},
+                                                                     span_ns=int(self.t * 1e9)))
 
     dev = torch.device("cpu")
     e = FakeEngine(0.001)
@@ -129,6 +134,12 @@ def test_profile_engine_on_the_cpu(capsys):
     assert m, out
     req, stages, gap = map(float, m.groups())
     assert 0 < stages and abs(req - stages - gap) < 0.002  # printed to 3 decimals
+    m = re.search(r"(-?[\d.]+) ms between the stages \(first stage's start to last one's end ([\d.]+) ms\), "
+                  r"(-?[\d.]+) ms before and after them", out)
+    assert m, out
+    between, span, outside = map(float, m.groups())
+    # span >= each request's stages; against the sum of per-stage medians, only roughly
+    assert abs(between + outside - gap) < 0.003 and 0.8 * stages <= span <= req + 0.002
     assert "4 chunks" in out and "ncalls" in out
     # the profile's top rows by own time (which functions lead depends on the host's load)
     rows = re.findall(r"^\s*[\d/]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+ \S", out, re.M)

@@ -179,15 +179,16 @@ def time_request(engine, q, seqs, fused, dev, max_iters=5, min_iters=2, target_s
     if t_first < 0.05:
         call()
         warm = 2
-    times, stages = [], []
+    times, stages, spans = [], [], []
     while len(times) < max_iters and (len(times) < min_iters or sum(times) < target_s):
         t, r = call()
         times.append(t)
         stages.append(r.stats.stage_ns)
+        spans.append(r.stats.span_ns)
     keys = sorted(set().union(*stages))
     stage_med = {k: statistics.median(s.get(k, 0) for s in stages) / 1e9 for k in keys}
     return {"median_s": statistics.median(times), "min_s": min(times), "iters": len(times), "warmup": warm,
-            "stage_s": stage_med, "result": r}
+            "stage_s": stage_med, "span_s": statistics.median(spans) / 1e9, "result": r}
 
 
 def predict_row_s(work: float, history: list[dict], target_s: float, min_iters: int, max_iters: int,
@@ -374,11 +375,13 @@ def main(argv=None) -> int:
     engines = _Engines()
     print(f"{len(grid)} rows; stage columns: the fused path's median ms per stage "
           f"({', '.join(f'{v}={k}' for k, v in _ABBR.items())}); the generic path's are in the JSON; gap: the "
-          f"fused request's time outside its stages (on a GPU, mostly the device waiting on the host)", flush=True)
+          f"fused request's time outside its stages; in-span: the part of it between the first stage's start and "
+          f"the last one's end (device work outside the stages, or the device waiting on the host; the rest is "
+          f"host work before and after)", flush=True)
     hdr = (f"{'H':>4} {'new':>5} {'ctx':>7} {'cache':>10} {'prefill':>7} {'chunks':>6} {'generic ms':>10} "
            f"{'fused ms':>9} {'speedup':>7} {'floor ms':>8} {'fused/floor':>11} {'launch/chunk g|f':>16} "
            f"{'it g|f':>6}  "
-           + " ".join(f"{_ABBR[s]:>7}" for s in STAGES) + f" {'gap':>7} {'t s':>6}")
+           + " ".join(f"{_ABBR[s]:>7}" for s in STAGES) + f" {'gap':>7} {'in-span':>7} {'t s':>6}")
     print(hdr, flush=True)
     for i, (H, new, ctx, cd, pd) in enumerate(grid):
         key = {"heads": H, "new": new, "context": ctx, "cache_dtype": cd, "prefill_dtype": pd}
@@ -435,7 +438,8 @@ def main(argv=None) -> int:
         gap_g, gap_f = tg - sum(g["stage_s"].values()), tf - sum(f["stage_s"].values())
         print(f"{H:4d} {new:5d} {ctx:7d} {cd:>10} {pd:>7} {n:6d} {tg * 1e3:10.3f} {tf * 1e3:9.3f} {tg / tf:7.2f} "
               f"{floor * 1e3:8.3f} {tf / floor:11.2f} {lg:7.1f} | {lf:6.1f} {g['iters']:>2}|{f['iters']:<3} "
-              f"{stage_ms} {gap_f * 1e3:7.3f} {row_s:6.2f}{'' if same else '  MISMATCH'}"
+              f"{stage_ms} {gap_f * 1e3:7.3f} {(f['span_s'] - sum(f['stage_s'].values())) * 1e3:7.3f} "
+              f"{row_s:6.2f}{'' if same else '  MISMATCH'}"
               + (f"  (fused without launch order {unordered['median_s'] * 1e3:.3f} ms)" if unordered else ""),
               flush=True)
         rows.append({
@@ -446,6 +450,11 @@ def main(argv=None) -> int:
             "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],
             "generic_stage_s": g["stage_s"], "fused_stage_s": f["stage_s"],
             "generic_host_gap_s": gap_g, "fused_host_gap_s": gap_f,
+            # the gap split: inside the span of the stages (between them: device work outside
+            # any stage, or the device waiting on the host) and outside it (host before/after)
+            "generic_span_s": g["span_s"], "fused_span_s": f["span_s"],
+            "generic_gap_in_span_s": g["span_s"] - sum(g["stage_s"].values()),
+            "fused_gap_in_span_s": f["span_s"] - sum(f["stage_s"].values()),
             "generic_launches": dict(rg.stats.launches), "fused_launches": dict(rf.stats.launches),
             "generic_launches_per_chunk": lg, "fused_launches_per_chunk": lf,
             "generic_iters": g["iters"], "fused_iters": f["iters"], "warmup": [g["warmup"], f["warmup"]],

@@ -27,10 +27,15 @@ def test_stage_times_measure_device_work_and_events_are_reused():
             pass
         with t.stage("matmul"):  # a stage seen twice adds up
             x @ x
-        return t.finish()
+        r = t.finish()
+        one_request.last_span = t.span_ns
+        return r
 
     ns, total = one_request()
     assert set(ns) == {"matmul", "empty"}
+    span = one_request.last_span
+    # the span (first start to last end, device clock) holds the stages and little else here
+    assert ns["matmul"] + ns["empty"] - 50_000 <= span <= total + 50_000, (ns, span, total)
     assert ns["matmul"] > 100_000, ns  # 9 products of 4096^3 take well over 0.1 ms on any GPU
     assert 0 <= ns["empty"] < ns["matmul"] / 10, ns
     assert total >= ns["matmul"] + ns["empty"] - 50_000  # wall time covers the device time (event clock slack)

@@ -52,6 +52,7 @@ class PrefillStats:
     total_ns: int
     context_tokens: int
     query_tokens: int
+    span_ns: int = 0  # first stage's start to last stage's end, on the device's clock on a GPU
 
 
 @dataclasses.dataclass
@@ -218,5 +219,6 @@ class Engine:
         stats = PrefillStats(
             chunks=list(plan), launches=r.launches, path="fused" if fused else "generic", fp8_path=cfg.fp8_path_labels,
             stage_ns=r.stage_ns, total_ns=r.total_ns, context_tokens=sum(context_lens), query_tokens=int(q.shape[0]),
+            span_ns=r.span_ns,
         )
         return PrefillResult(r.out, r.lse, stats)

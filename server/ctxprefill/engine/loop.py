@@ -69,6 +69,7 @@ class LoopResult:
     launches: Counter
     stage_ns: dict[str, int]
     total_ns: int
+    span_ns: int = 0  # first stage's start to last stage's end (engine/timing.py)
 
 
 #: observer(chunk_index, chunk, q, k, v, out, lse) — tests compare paths chunk by chunk
@@ -237,4 +238,4 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
             observer(i, c, q_c, k, v, o_c, l_c)
 
     stage_ns, total_ns = timer.finish()
-    return LoopResult(out, lse, counts, stage_ns, total_ns)
+    return LoopResult(out, lse, counts, stage_ns, total_ns, timer.span_ns)

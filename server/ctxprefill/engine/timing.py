@@ -10,6 +10,12 @@ of the request. ``torch.cuda.Event.record()`` without a stream looks the current
 up each time (~5 µs of device-index and availability checks), and a new Event is a new
 ``cudaEvent`` created at its first record: the stream is looked up once per request and
 the events come from a per-device pool, returned once they have been read.
+
+``span_ns`` (after :meth:`finish`): from the first stage's start to the last stage's end,
+on the device's clock on a GPU. A request's wall time minus its span is host work before
+and after the device's; the span minus the stages' sum is time between stages (device
+work outside them, or the device waiting on the host) — how ``ctxprefill bench`` splits
+the gap it reports.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ class StageTimer:
         self._events: list[tuple[str, object, object]] = []
         self._ns: dict[str, int] = defaultdict(int)
         self._t0 = time.perf_counter_ns()
+        self._first = self._last = None  # the first stage's start, the last one's end
+        self.span_ns = 0
         if self.cuda:
             self._stream = torch.cuda.current_stream(device)
             self._pool = _POOLS[self._stream.device_index]
@@ -47,8 +55,11 @@ class StageTimer:
         if self.cuda:
             a = self._event()
             a.record(self._stream)
-            return name, a
-        return name, time.perf_counter_ns()
+        else:
+            a = time.perf_counter_ns()
+        if self._first is None:
+            self._first = a
+        return name, a
 
     def end(self, started) -> None:
         name, a = started
@@ -57,7 +68,9 @@ class StageTimer:
             b.record(self._stream)
             self._events.append((name, a, b))
         else:
-            self._ns[name] += time.perf_counter_ns() - a
+            b = time.perf_counter_ns()
+            self._ns[name] += b - a
+        self._last = b
 
     @contextlib.contextmanager
     def stage(self, name: str):
@@ -69,8 +82,13 @@ class StageTimer:
         """(nanoseconds per stage, total nanoseconds); synchronizes on a GPU."""
         if self.cuda:
             torch.cuda.synchronize(self._stream.device)
+            if self._last is not None:
+                self.span_ns = int(self._first.elapsed_time(self._last) * 1e6)
             for name, a, b in self._events:
                 self._ns[name] += int(a.elapsed_time(b) * 1e6)
                 self._pool.extend((a, b))  # read: free to record again
             self._events.clear()
+        elif self._last is not None:
+            self.span_ns = self._last - self._first
+        self._first = self._last = None
         return dict(self._ns), time.perf_counter_ns() - self._t0
