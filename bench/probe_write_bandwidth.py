@@ -24,9 +24,10 @@ effective bytes over time against the copy: our CUDA kernel (``ops.pack.fused_ml
 and a Triton pack with plain stores (and TMA stores at H=128), each on the engine's
 interleaved kv_b_proj output ([T, H, 256]: a token's k_nope is every other 256 bytes) and
 on a blocked one ([T, 2, H, 128]: every head's k_nope, then every head's v — the kv_b_proj
-weight's rows permuted). The first run (2026-12-01, H200) answered the first question:
-Triton's plain stores write at 107 % of copy, so the memory's write rate does not hold the
-pack at 85 %; the layout rows ask whether reading half of every 512-byte row does.
+weight's rows permuted). What it found on the H200 (2026-12-01, bench/results): plain
+stores write at 107 % of copy, so the memory's write rate does not hold the pack; the
+layout makes no difference; a plain copy writing 1.5 bytes per byte read runs at 90 % of
+torch's copy — the mix is what costs (the pack, rewritten after it, is at 88 %).
 
   python bench/probe_write_bandwidth.py --out /tmp/write_bw.json
 """
@@ -231,9 +232,10 @@ def main() -> int:
         torch.cuda.empty_cache()
     copy = rows[0]["tbps"]
     for r in rows:
-        log(f"{r['way']:<22} " + (f"T={r['T']} H={r['H']} " if "T" in r else "") + (f"{r['tbps']:.3f} TB/s ({r['tbps'] / copy:.1%} of copy)"
-                                  + ("" if r.get("values_ok", True) else "  WRONG VALUES") if "tbps" in r
-                                  else r["error"]))
+        shape = f"T={r['T']} H={r['H']} " if "T" in r else ""
+        got = (f"{r['tbps']:.3f} TB/s ({r['tbps'] / copy:.1%} of copy)"
+               + ("" if r.get("values_ok", True) else "  WRONG VALUES")) if "tbps" in r else r["error"]
+        log(f"{r['way']:<22} {shape}{got}")
     with open(a.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                        triton=getattr(triton, "__version__", None), rows=rows), f, indent=1)
