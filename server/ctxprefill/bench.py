@@ -436,10 +436,12 @@ def main(argv=None) -> int:
         history.append({"work": work, "t_s": max(tg, tf), "setup_s": setup_s})
         stage_ms = " ".join(f"{f['stage_s'].get(st, 0.0) * 1e3:7.3f}" for st in STAGES)
         gap_g, gap_f = tg - sum(g["stage_s"].values()), tf - sum(f["stage_s"].values())
+        # the gap split: inside the span of the stages (between them: device work outside any
+        # stage, or the device waiting on the host) and outside it (host before and after)
+        in_g, in_f = g["span_s"] - sum(g["stage_s"].values()), f["span_s"] - sum(f["stage_s"].values())
         print(f"{H:4d} {new:5d} {ctx:7d} {cd:>10} {pd:>7} {n:6d} {tg * 1e3:10.3f} {tf * 1e3:9.3f} {tg / tf:7.2f} "
               f"{floor * 1e3:8.3f} {tf / floor:11.2f} {lg:7.1f} | {lf:6.1f} {g['iters']:>2}|{f['iters']:<3} "
-              f"{stage_ms} {gap_f * 1e3:7.3f} {(f['span_s'] - sum(f['stage_s'].values())) * 1e3:7.3f} "
-              f"{row_s:6.2f}{'' if same else '  MISMATCH'}"
+              f"{stage_ms} {gap_f * 1e3:7.3f} {in_f * 1e3:7.3f} {row_s:6.2f}{'' if same else '  MISMATCH'}"
               + (f"  (fused without launch order {unordered['median_s'] * 1e3:.3f} ms)" if unordered else ""),
               flush=True)
         rows.append({
@@ -450,11 +452,8 @@ def main(argv=None) -> int:
             "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],
             "generic_stage_s": g["stage_s"], "fused_stage_s": f["stage_s"],
             "generic_host_gap_s": gap_g, "fused_host_gap_s": gap_f,
-            # the gap split: inside the span of the stages (between them: device work outside
-            # any stage, or the device waiting on the host) and outside it (host before/after)
             "generic_span_s": g["span_s"], "fused_span_s": f["span_s"],
-            "generic_gap_in_span_s": g["span_s"] - sum(g["stage_s"].values()),
-            "fused_gap_in_span_s": f["span_s"] - sum(f["stage_s"].values()),
+            "generic_gap_in_span_s": in_g, "fused_gap_in_span_s": in_f,
             "generic_launches": dict(rg.stats.launches), "fused_launches": dict(rf.stats.launches),
             "generic_launches_per_chunk": lg, "fused_launches_per_chunk": lf,
             "generic_iters": g["iters"], "fused_iters": f["iters"], "warmup": [g["warmup"], f["warmup"]],
