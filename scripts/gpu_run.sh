@@ -92,7 +92,9 @@ note "python: $(python3 -c 'import sys, torch; print(sys.version.split()[0], "to
 note "triton: $(python3 -c 'import triton; print(triton.__version__)' 2>&1 | tail -n 1)"
 
 # ---- 2. build the extension once, for every later step ---------------------------------------
-want build && run_step build 300 200 "$OUT/build.log" python3 -m ctxprefill.ops.build_ext
+# (no reserve for later steps: they need the build, and would build it themselves, just
+# in time, at the same cost — a reserve only made it time out under a small budget)
+want build && run_step build 300 15 "$OUT/build.log" python3 -m ctxprefill.ops.build_ext
 [ -f "$OUT/build.log" ] && tail -n 2 "$OUT/build.log" | sed 's/^/  build: /' >>"$SUMMARY" || true
 
 # ---- 3. GPU tests (two runs: a hang in one cannot cost the other) -------------------------------
