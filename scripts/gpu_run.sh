@@ -157,8 +157,10 @@ if want bench_attention; then
 fi
 
 # ---- 7. the whole request: fused vs generic in one process (ctxprefill bench) ------------------
+# (--clocks-s 1: a second of each path under NVML's eye per row, after its timing: SM clock,
+# power, clock-event reasons — is the fused path's compute slower because it is power-capped?)
 want bench_engine && run_step bench_engine 240 5 - python3 -m ctxprefill.cli bench --heads 16 128 --new 1024 \
-  --context 65536 --out "$OUT/bench_engine.json"
+  --context 65536 --clocks-s 1 --out "$OUT/bench_engine.json"
 
 # ragged requests: 4 sequences of uneven lengths in one 64k-row chunk; where the Triton backend packs
 # the chunk's attention tiles per SM (H=16, 4,096 new: 512 tiles), the fused path also without it

@@ -251,6 +251,24 @@ def _without_launch_order(engine, q, seqs, dev, it: dict) -> dict | None:
         del be.launch_order
 
 
+def _clocks(monitor, engine, q, seqs, fused: bool, dev, t_request: float, seconds: float) -> dict | None:
+    """What NVML reports (SM clock, power, clock-event reasons) over a pass of back-to-back
+    requests of at least ``seconds`` (clock_monitor.py: the fused path's compute stages ran
+    slower than the generic path's in one process — a power-capped clock?). None without
+    NVML or with ``--clocks-s 0``."""
+    if monitor is None or not monitor.available or seconds <= 0:
+        return None
+    n = max(2, math.ceil(seconds / max(t_request, 1e-6)))
+
+    def run():
+        for _ in range(n):
+            engine.prefill_context(q, seqs, fused=fused)
+        _sync(dev)
+
+    r = monitor.sample_during(run)
+    return None if r is None else {**r, "requests": n}
+
+
 class _Engines:
     """Engines of the grid, one per row (built with just enough cache blocks); the
     random kv_b_proj weights are made once per head count and shared."""
@@ -339,6 +357,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall-clock budget of the whole run (from start-up): a row predicted not to finish before "
                         "it is skipped and recorded as skipped")
+    p.add_argument("--clocks-s", type=float, default=0.0,
+                   help="after timing a row, run each path this many seconds more while NVML's SM clock, power "
+                        "and clock-event reasons are sampled (CUDA with nvidia-ml-py; 0: off)")
     p.add_argument("--out", default=None, help="write JSON results here (rewritten after every row)")
     ns = p.parse_args(argv)
     if ns.sequences < 1:
@@ -373,6 +394,14 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     history: list[dict] = []
     engines = _Engines()
+    monitor = None
+    if ns.clocks_s > 0:
+        from .clock_monitor import ClockMonitor
+
+        monitor = ClockMonitor(dev)
+        meta["clocks"] = {"seconds_per_path": ns.clocks_s, "available": monitor.available, "why_not": monitor.why_not}
+        if not monitor.available:
+            print(f"--clocks-s: no clock samples ({monitor.why_not})", flush=True)
     print(f"{len(grid)} rows; stage columns: the fused path's median ms per stage "
           f"({', '.join(f'{v}={k}' for k, v in _ABBR.items())}); the generic path's are in the JSON; gap: the "
           f"fused request's time outside its stages; in-span: the part of it between the first stage's start and "
@@ -418,6 +447,8 @@ def main(argv=None) -> int:
             unordered = _without_launch_order(engine, q, seqs, dev, it) if ns.sequences > 1 else None
             if unordered is not None:
                 same = same and _same_bits(rf, unordered["result"])
+            clk_g = _clocks(monitor, engine, q, seqs, False, dev, g["median_s"], ns.clocks_s)
+            clk_f = _clocks(monitor, engine, q, seqs, True, dev, f["median_s"], ns.clocks_s)
         except Exception as e:  # keep the grid going; record the failure
             print(f"{H:4d} {new:5d} {ctx:7d} {cd:>10} {pd:>7} failed: {type(e).__name__}: {e}", flush=True)
             rows.append({**key, "error": f"{type(e).__name__}: {e}"})
@@ -442,7 +473,9 @@ def main(argv=None) -> int:
         print(f"{H:4d} {new:5d} {ctx:7d} {cd:>10} {pd:>7} {n:6d} {tg * 1e3:10.3f} {tf * 1e3:9.3f} {tg / tf:7.2f} "
               f"{floor * 1e3:8.3f} {tf / floor:11.2f} {lg:7.1f} | {lf:6.1f} {g['iters']:>2}|{f['iters']:<3} "
               f"{stage_ms} {gap_f * 1e3:7.3f} {in_f * 1e3:7.3f} {row_s:6.2f}{'' if same else '  MISMATCH'}"
-              + (f"  (fused without launch order {unordered['median_s'] * 1e3:.3f} ms)" if unordered else ""),
+              + (f"  (fused without launch order {unordered['median_s'] * 1e3:.3f} ms)" if unordered else "")
+              + (f"  SM MHz g|f {clk_g['sm_mhz_median']:.0f}|{clk_f['sm_mhz_median']:.0f}, "
+                 f"W {clk_g['power_w_median']:.0f}|{clk_f['power_w_median']:.0f}" if clk_g and clk_f else ""),
               flush=True)
         rows.append({
             **key, "kv_b_proj_dtype": ns.kv_b_proj_dtype, "workspace_tokens": ns.workspace_tokens,
@@ -459,6 +492,7 @@ def main(argv=None) -> int:
             "generic_iters": g["iters"], "fused_iters": f["iters"], "warmup": [g["warmup"], f["warmup"]],
             "setup_s": setup_s, "row_s": row_s, "bit_identical": same,
             **({"fused_no_launch_order_s": unordered["median_s"]} if unordered else {}),
+            **({"generic_clocks": clk_g, "fused_clocks": clk_f} if monitor is not None else {}),
         })
         if ns.out:
             _write_json(ns.out, meta, rows)
