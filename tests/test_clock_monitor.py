@@ -99,3 +99,22 @@ def test_bench_clock_pass_runs_enough_requests():
     assert r["requests"] == 5 and calls == [True] * 5 and r["samples"] >= 1
     assert bench._clocks(mon, Engine(), None, [], True, torch.device("cpu"), 0.01, 0.0) is None
     assert bench._clocks(None, Engine(), None, [], True, torch.device("cpu"), 0.01, 1.0) is None
+
+
+def test_older_nvml_names_and_none_at_all():
+    """The reasons call under its older name (ClocksThrottleReasons), and a NVML with
+    neither: no reasons, the clock and power still read."""
+
+    class Old(FakeNvml):
+        nvmlDeviceGetCurrentClocksEventReasons = None
+
+        def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+            return 0x4
+
+    class Neither(FakeNvml):
+        nvmlDeviceGetCurrentClocksEventReasons = None
+
+    for nv, reasons in ((Old(), {"sw_power_cap": 1.0}), (Neither(), {})):
+        r = ClockMonitor("cpu", interval_s=0.002, nvml=nv, handle="h").sample_during(lambda: time.sleep(0.02),
+                                                                                      skip_s=0.0)
+        assert r["sm_mhz_median"] == 1980 and r["reasons"] == reasons, (type(nv).__name__, r)

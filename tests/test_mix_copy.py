@@ -60,6 +60,5 @@ def test_ceiling_interpolates_between_measured_ratios():
 
 
 def test_sizes_that_are_not_whole_blocks_are_refused():
-    pytest.importorskip("torch")
     with pytest.raises(ValueError, match="multiple"):
         mix_copy.MixCopy(mix_copy.BLOCK + 1, "cpu")

@@ -20,6 +20,7 @@ rewritten after every row, so a killed run keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -218,37 +219,38 @@ def _same_bits(a, b) -> bool:
                 and torch.equal(a.lse.view(torch.int32), b.lse.view(torch.int32)))
 
 
+@contextlib.contextmanager
+def _launch_order_replaced(backend, fn):
+    """``backend.launch_order`` replaced by ``fn`` on this instance for the block."""
+    backend.launch_order = fn
+    try:
+        yield
+    finally:
+        del backend.launch_order
+
+
 def launch_orders_given(engine, q, seqs, fused: bool = True) -> tuple[list, object]:
     """(the launch orders the engine's backend gives, chunk by chunk — None where it gives
     none —, the result) of one request."""
-    be = engine.backend
-    gave = []
-    real = be.launch_order
+    real, gave = engine.backend.launch_order, []
 
     def probe(*a, **kw):
         gave.append(real(*a, **kw))
         return gave[-1]
 
-    be.launch_order = probe
-    try:
+    with _launch_order_replaced(engine.backend, probe):
         result = engine.prefill_context(q, seqs, fused=fused)
-    finally:
-        del be.launch_order
     return gave, result
 
 
 def _without_launch_order(engine, q, seqs, dev, it: dict) -> dict | None:
     """The fused path timed with the backend's launch order turned off, or None where it
     gives none for this request's chunks (then there is nothing to compare)."""
-    be = engine.backend
     gave, _ = launch_orders_given(engine, q, seqs)
     if not any(x is not None for x in gave):
         return None
-    be.launch_order = lambda *a, **kw: None
-    try:
+    with _launch_order_replaced(engine.backend, lambda *a, **kw: None):
         return time_request(engine, q, seqs, True, dev, **it)
-    finally:
-        del be.launch_order
 
 
 def _clocks(monitor, engine, q, seqs, fused: bool, dev, t_request: float, seconds: float) -> dict | None:

@@ -40,7 +40,7 @@ class ClockMonitor:
         self.available, self.why_not = False, None
         self._nvml, self._handle = nvml, handle
         if nvml is not None and handle is not None:  # given (tests)
-            self.available = True
+            self._bind()
             return
         import torch
 
@@ -53,21 +53,21 @@ class ClockMonitor:
 
             self._handle = torch.cuda._get_pynvml_handler(device)
             self._nvml = pynvml
-            self.available = True
+            self._bind()
         except Exception as e:  # noqa: BLE001 - no NVML: the bench goes on without clocks
             self.why_not = f"{type(e).__name__}: {e}"
 
-    def _reasons(self) -> int:
-        for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
-            f = getattr(self._nvml, name, None)
-            if f is not None:
-                return int(f(self._handle))
-        return 0
+    def _bind(self) -> None:
+        # the reasons call was renamed (ClocksThrottleReasons -> ClocksEventReasons): looked up once
+        self._reasons = next((f for f in (getattr(self._nvml, "nvmlDeviceGetCurrentClocksEventReasons", None),
+                                          getattr(self._nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
+                              if f is not None), lambda handle: 0)
+        self.available = True
 
     def _sample(self) -> tuple[float, float, int]:
-        n = self._nvml
-        return (float(n.nvmlDeviceGetClockInfo(self._handle, 1)),  # NVML_CLOCK_SM
-                n.nvmlDeviceGetPowerUsage(self._handle) / 1000.0, self._reasons())
+        n, h = self._nvml, self._handle
+        return (float(n.nvmlDeviceGetClockInfo(h, 1)),  # NVML_CLOCK_SM
+                n.nvmlDeviceGetPowerUsage(h) / 1000.0, int(self._reasons(h)))
 
     def sample_during(self, fn, skip_s: float = 0.2) -> dict | None:
         """Run ``fn()`` while a thread samples every ``interval_s``; a summary of the samples
