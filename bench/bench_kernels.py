@@ -225,23 +225,6 @@ def main() -> int:
                         do_bench(lambda: generic_kv_concat_quant_fp8(k_nope, k_pe, v, v_keys_last=lay), rep),
                         (rd_fp8, wr), H=H, T=T)
                 f["speedup_vs_generic"] = round(g["ms"] / f["ms"], 2)
-                # EXPERIMENT (ninth session, not yet run): the same with V's rows padded to a
-                # multiple of 128 columns. Four odd segments make v_cols 32- but not 64-byte
-                # aligned, so a V tile's last 128-byte store and the next tile's first share a
-                # 64-byte DRAM burst written at different times — is that the 4-7 points the
-                # four segments lose? Credited with the same bytes as the row above (the
-                # padding is extra work): a faster time here means KeysLast.v_cols should round up.
-                cols = -(-lay.v_cols // 128) * 128
-                if cols != lay.v_cols:
-                    run_al = lambda: ext.fused_mla_kv_concat_quant_fp8_vt(k_nope, k_pe, v, lay.cu_k_dev,
-                                                                          lay.cu_v_dev, cols)
-                    al = run_al()
-                    eq_al = (torch.equal(bits(al[0]), bits(b[0]))
-                             and torch.equal(bits(al[1][..., : lay.v_cols]), bits(b[1]))
-                             and not bool(al[1][..., lay.v_cols :].view(torch.uint8).any()))
-                    add("pack", f"fused fp8 v-keys-last {segs} 128-col rows", do_bench(run_al, rep), (rd_fp8, wr),
-                        eq_al, H=H, T=T)
-                    del al
             del c, kv, k_nope, v, ws, k_pe, a, b
         torch.cuda.empty_cache()
 

@@ -14,7 +14,7 @@
 # and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_ragged, bench_engine_full
 # (issue 8's 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
 # bench_rpc_floor, attention_sweep, attention_sweep_ws, bench_attention_flashinfer, probe_write, hostile_sanitizer,
-# bench_sharded, segv (a native backtrace of one test).
+# bench_sharded, profile_host, probe_host, segv (a native backtrace of one test).
 # The device tool brings back at most 8 files from $OUT: choose steps accordingly.
 # A time budget (GPU_RUN_BUDGET_S, default 560 s: one device call is capped at 600 s)
 # caps every step; a step that no longer fits is recorded as skipped and counts as a
@@ -161,6 +161,19 @@ fi
 # power, clock-event reasons — is the fused path's compute slower because it is power-capped?)
 want bench_engine && run_step bench_engine 240 5 - python3 -m ctxprefill.cli bench --heads 16 128 --new 1024 \
   --context 65536 --clocks-s 1 --out "$OUT/bench_engine.json"
+
+# where a 16-head request's host time goes (the gap column above): the host's CPUs and load, then
+# profile_engine.py --timeline for each path and prefill dtype, into one file
+want profile_host && run_step profile_host 200 5 "$OUT/profile_host.txt" bash -c '
+  echo "== nproc $(nproc); $(uptime)"; lscpu | grep -E "Model name|MHz" || true
+  ps -eo pcpu,pid,comm --sort=-pcpu | head -6
+  for pd in bf16 fp8; do for path in "" --generic; do
+    echo "== profile_engine --heads 16 --prefill-dtype $pd $path"
+    python3 bench/profile_engine.py --heads 16 --prefill-dtype $pd $path --iters 30 --timeline --top 20 || exit 1
+  done; done'
+
+# the host's time to issue a 16-head request with the device held (no waits), and its pieces
+want probe_host && run_step probe_host 120 5 - python3 bench/probe_host_issue.py --out "$OUT/host_issue.json"
 
 # ragged requests: 4 sequences of uneven lengths in one 64k-row chunk; where the Triton backend packs
 # the chunk's attention tiles per SM (H=16, 4,096 new: 512 tiles), the fused path also without it

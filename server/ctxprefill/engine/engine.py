@@ -121,8 +121,8 @@ class Engine:
             return self.cache.read(slot_mapping)
 
     # -- validation -------------------------------------------------------------------
-    def _check_request(self, q: torch.Tensor, seqs: Sequence[SequenceSpec], workspace_tokens: int) -> torch.Tensor:
-        """Checks everything about a request on the host; returns the int32 block table."""
+    def _check_request(self, q: torch.Tensor, seqs: Sequence[SequenceSpec], workspace_tokens: int) -> np.ndarray:
+        """Checks everything about a request on the host; returns the int32 block table (host)."""
         shape, cache = self.config.shape, self.config.cache
         if workspace_tokens < cache.block_size:
             raise InvalidArgument("workspace_tokens", f"{workspace_tokens} is less than one block ({cache.block_size})")
@@ -176,7 +176,7 @@ class Engine:
                         f"sequences[{i}].block_table[{j}]", f"block {int(row[j])} is outside [0, {cache.num_blocks})"
                     )
                 bt[i, :need] = row
-        return torch.from_numpy(bt)
+        return bt
 
     # -- the request ------------------------------------------------------------------
     def prefill_context(
@@ -200,7 +200,7 @@ class Engine:
         inputs = LoopInputs(
             q=q.to(self.device),
             query_lens=[s.query_len for s in sequences],
-            block_table=bt.to(self.device),
+            block_table=bt,
             chunks=list(plan),
             cache=self.cache.storage,
             cache_dtype=cfg.cache.dtype,

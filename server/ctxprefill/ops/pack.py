@@ -63,7 +63,14 @@ class KeysLast:
 
     @property
     def v_cols(self) -> int:
-        return self.cu_v[-1]
+        """V's row length: past the last segment, rounded up to 128 columns. With rows of
+        an odd multiple of 32 bytes, a pack tile's last 128-byte store and the next row's
+        first share a 64-byte DRAM burst, written at different times: on the H200 the
+        four-segment fp8 pack ran at 82.2-86.3 % of copy bandwidth with such rows and
+        87.3-88.3 % with them padded (H=128, T=8192-32768; bench_kernels' "128-col rows",
+        2026-12-01). The padding is zeros (like the gaps between segments), at most 127
+        columns."""
+        return -(-self.cu_v[-1] // 128) * 128
 
 
 def keys_last_starts(cu_k: list[int]) -> list[int]:

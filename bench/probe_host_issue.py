@@ -1,0 +1,188 @@
+"""How long the host takes to issue one request, with the device never making it wait.
+
+A 16-head request (1,024 new tokens over 64k context: the per-GPU shard of a 128-head
+model under 8-way tensor parallelism) runs ~2 ms of kernels; its Python issues ~27
+launches and ~48 timing events. When the host needs about as long as the device, the
+device idles inside stages (a stage's events bracket its host work too), which shows as
+the fused path's attention "running slower" than the generic path's on the same kernel
+(the generic path's long pack hides the host). cProfile inflates Python several-fold, so
+this measures without it: a spin kernel (``torch.cuda._sleep``) holds the device first,
+so that nothing the host does waits on the device, and the host's time from the call to
+the request's one synchronize is its issue time. The same for single calls of the loop's
+pieces (per call, device held the same way).
+
+  PYTHONPATH=server:client python3 bench/probe_host_issue.py --out host_issue.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _sub in ("client", "server"):
+    if os.path.join(ROOT, _sub) not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, _sub))
+
+import torch  # noqa: E402
+
+from ctxprefill.bench import make_device_request, time_request  # noqa: E402
+from ctxprefill.engine import timing  # noqa: E402
+from ctxprefill.settings import ServeSettings, build_engine  # noqa: E402
+
+HOLD_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: longer than anything issued behind it
+
+
+def issue_time_s(engine, q, seqs, fused: bool, iters: int) -> tuple[float, float]:
+    """(median host time from the call to the first stage, median host time from the
+    first stage to the request's synchronize in StageTimer.finish). The spin kernel is
+    queued at the first stage: the request's two small host-to-device copies before it
+    are synchronous and would wait for it."""
+    marks = {}
+    begin, finish = timing.StageTimer.begin, timing.StageTimer.finish
+
+    def held_begin(self, name):
+        if "first" not in marks:
+            torch.cuda._sleep(HOLD_CYCLES)
+            marks["first"] = time.perf_counter()
+        return begin(self, name)
+
+    def marked_finish(self):
+        marks["finish"] = time.perf_counter()
+        return finish(self)
+
+    timing.StageTimer.begin, timing.StageTimer.finish = held_begin, marked_finish
+    pre, issue = [], []
+    try:
+        for _ in range(iters):
+            marks.clear()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.prefill_context(q, seqs, fused=fused)
+            pre.append(marks["first"] - t0)
+            issue.append(marks["finish"] - marks["first"])
+    finally:
+        timing.StageTimer.begin, timing.StageTimer.finish = begin, finish
+    return statistics.median(pre), statistics.median(issue)
+
+
+def per_call_us(fn, n: int = 200) -> float:
+    """Median over 5 rounds of the mean host time of ``n`` calls, device held."""
+    rounds = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(HOLD_CYCLES)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        rounds.append((time.perf_counter() - t0) / n * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(rounds)
+
+
+def per_call_us_idle(fn, n: int = 200) -> float:
+    """Like per_call_us with the device idle (for calls that wait for it)."""
+    rounds = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        rounds.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(rounds)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--new", type=int, default=1024)
+    p.add_argument("--context", type=int, default=65536)
+    p.add_argument("--prefill-dtype", nargs="+", default=["bf16", "fp8"])
+    p.add_argument("--workspace-tokens", type=int, default=16384)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("probe_host_issue: needs a CUDA device (it holds the device with a spin kernel)")
+        return 2
+    rows = []
+    for pd in a.prefill_dtype:
+        s = ServeSettings(device="cuda", heads=a.heads, prefill_dtype=pd, block_size=64,
+                          num_blocks=math.ceil(a.context / 64) + 8, workspace_tokens=a.workspace_tokens)
+        engine = build_engine(s)
+        q, seqs = make_device_request(engine, [a.context], [a.new])
+        row = {"heads": a.heads, "new": a.new, "context": a.context, "prefill_dtype": pd}
+        for fused in (False, True):
+            name = "fused" if fused else "generic"
+            t = time_request(engine, q, seqs, fused, engine.device, max_iters=a.iters, min_iters=a.iters, target_s=0)
+            row[f"{name}_request_s"] = t["median_s"]
+            row[f"{name}_span_s"] = t["span_s"]
+            row[f"{name}_stages_s"] = sum(t["stage_s"].values())
+            row[f"{name}_before_stages_s"], row[f"{name}_issue_s"] = issue_time_s(engine, q, seqs, fused, a.iters)
+        # the pieces, one call each (device held): what a stage's bracket costs the host
+        ev = torch.cuda.Event(enable_timing=True)
+        stream = torch.cuda.current_stream()
+        row["event_record_us"] = per_call_us(lambda: ev.record(stream))
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(stream)
+        e1.record(stream)
+        torch.cuda.synchronize()
+        row["event_elapsed_us"] = per_call_us(lambda: e0.elapsed_time(e1))
+        row["empty_us"] = per_call_us(lambda: torch.empty((1024, a.heads, 128), dtype=torch.bfloat16, device="cuda"))
+        # the request's host work before its first stage: validation, and the upload of its
+        # block table and chunk metadata (one copy from pinned memory; before: two from pageable)
+        W = engine.config.workspace_tokens
+        row["check_request_us"] = per_call_us(lambda: engine._check_request(q, seqs, W), n=50)
+        small = torch.zeros(1100, dtype=torch.int32)
+        row["h2d_pageable_4k_us"] = per_call_us_idle(lambda: small.to("cuda"))
+        row["h2d_pinned_4k_us"] = per_call_us_idle(lambda: small.pin_memory().to("cuda", non_blocking=True))
+        chunk = {}
+
+        def keep(i, c, q_c, k, v, o, lse):
+            if i == 0:
+                chunk.update(q=q_c, k=k, v=v, rows=c.rows)
+
+        engine.prefill_context(q, seqs, fused=True, observer=keep)
+        dev = engine.device
+        cu_q = torch.tensor([0, chunk["q"].shape[0]], dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0, chunk["rows"]], dtype=torch.int32, device=dev)
+        kw = {}
+        if chunk["v"].dim() == 3 and chunk["v"].shape[1] == 128 and chunk["v"].shape[0] == a.heads:
+            kw = {"v_layout": "hdt", "cu_seqlens_v": cu_k}
+        be = engine.backend
+        row["attention_call_us"] = per_call_us(lambda: be.run_context_chunk(
+            chunk["q"], chunk["k"], chunk["v"], cu_q, cu_k, chunk["q"].shape[0], chunk["rows"], 0.1, **kw), n=50)
+        rows.append(row)
+        print(json.dumps({k: (round(v * 1e3, 4) if k.endswith("_s") else round(v, 2) if isinstance(v, float) else v)
+                          for k, v in row.items()}), flush=True)
+        chunk.clear()
+        engine = q = seqs = be = None
+        torch.cuda.empty_cache()
+    print("ms: request / device span / host time before the first stage / host time issuing the stages "
+          "(device held: no waits); us: per host call")
+    for r in rows:
+        for path in ("generic", "fused"):
+            print(f"  H={r['heads']} {r['prefill_dtype']:>4} {path:>7}: request {r[path + '_request_s'] * 1e3:.3f}, "
+                  f"span {r[path + '_span_s'] * 1e3:.3f}, stages {r[path + '_stages_s'] * 1e3:.3f}, "
+                  f"host before the first stage {r[path + '_before_stages_s'] * 1e3:.3f}, "
+                  f"host issue of the stages {r[path + '_issue_s'] * 1e3:.3f}")
+        print(f"  per call: event record {r['event_record_us']:.1f}, elapsed_time {r['event_elapsed_us']:.1f}, "
+              f"torch.empty {r['empty_us']:.1f}, attention launch {r['attention_call_us']:.1f}, "
+              f"request validation {r['check_request_us']:.1f}, 4 KB host-to-device copy from pageable memory "
+              f"{r['h2d_pageable_4k_us']:.1f} / pinned, asynchronous {r['h2d_pinned_4k_us']:.1f}")
+    if a.out:
+        meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
+                "commit": os.environ.get("CTXPREFILL_COMMIT", "")}
+        with open(a.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
