@@ -98,6 +98,42 @@ def per_call_us_idle(fn, n: int = 200) -> float:
     return statistics.median(rounds)
 
 
+def triton_run_us(fn, n: int = 50) -> float | None:
+    """Mean host time per ``fn()`` spent inside the Triton kernels' ``JITFunction.run``
+    (device held); None when the backend is not ours."""
+    try:
+        from ctxprefill.backends import gluon_attention, triton_attention
+    except Exception:  # noqa: BLE001 - no Triton
+        return None
+    spent = [0.0]
+    patched = []
+    for mod, name in ((gluon_attention, "_mla_attn_ws_fwd"), (triton_attention, "_mla_ctx_attn_fwd")):
+        jf = getattr(mod, name, None)
+        if jf is None or not hasattr(jf, "run"):
+            continue
+        orig = jf.run
+
+        def timed(*args, _orig=orig, **kwargs):
+            t = time.perf_counter()
+            try:
+                return _orig(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t
+
+        jf.run = timed
+        patched.append(jf)
+    try:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(HOLD_CYCLES)
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    finally:
+        for jf in patched:
+            del jf.run  # the class's method again
+    return spent[0] / n * 1e6 if patched else None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heads", type=int, default=16)
@@ -158,6 +194,10 @@ def main(argv=None) -> int:
         be = engine.backend
         row["attention_call_us"] = per_call_us(lambda: be.run_context_chunk(
             chunk["q"], chunk["k"], chunk["v"], cu_q, cu_k, chunk["q"].shape[0], chunk["rows"], 0.1, **kw), n=50)
+        # of which inside Triton's launch (JITFunction.run: binding, specialization, cache
+        # lookup, the launcher), for whichever Triton kernel the backend runs here
+        row["attention_triton_run_us"] = triton_run_us(lambda: be.run_context_chunk(
+            chunk["q"], chunk["k"], chunk["v"], cu_q, cu_k, chunk["q"].shape[0], chunk["rows"], 0.1, **kw))
         rows.append(row)
         print(json.dumps({k: (round(v * 1e3, 4) if k.endswith("_s") else round(v, 2) if isinstance(v, float) else v)
                           for k, v in row.items()}), flush=True)
@@ -173,7 +213,8 @@ def main(argv=None) -> int:
                   f"host before the first stage {r[path + '_before_stages_s'] * 1e3:.3f}, "
                   f"host issue of the stages {r[path + '_issue_s'] * 1e3:.3f}")
         print(f"  per call: event record {r['event_record_us']:.1f}, elapsed_time {r['event_elapsed_us']:.1f}, "
-              f"torch.empty {r['empty_us']:.1f}, attention launch {r['attention_call_us']:.1f}, "
+              f"torch.empty {r['empty_us']:.1f}, attention launch {r['attention_call_us']:.1f} "
+              f"(in Triton's JITFunction.run: {r['attention_triton_run_us'] or 0:.1f}), "
               f"request validation {r['check_request_us']:.1f}, 4 KB host-to-device copy from pageable memory "
               f"{r['h2d_pageable_4k_us']:.1f} / pinned, asynchronous {r['h2d_pinned_4k_us']:.1f}")
     if a.out:
