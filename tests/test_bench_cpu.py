@@ -195,3 +195,22 @@ def test_without_launch_order_times_the_fused_path_with_the_order_off():
     one = make_request(eng, [100], [3], seed=2)
     assert bench._without_launch_order(eng, *one, torch.device("cpu"), dict(max_iters=1, min_iters=1,
                                                                             target_s=0)) is None
+
+
+def test_floor_at_the_held_gemm_rate():
+    """The floor at another matrix rate (the rate held under the power cap) scales only
+    the FLOP terms; the CPU reports no rates (NaN), including the held one when asked."""
+    from ctxprefill.config import EngineConfig
+
+    cfg = EngineConfig()
+    ceil = {"copy_bytes_per_s": 4e12, "matmul_flops_per_s": 8e14, "matmul_sustained_flops_per_s": 4e14}
+    burst = bench.floor_seconds(cfg, [65536], [1024], ceil)
+    held = bench.floor_seconds(cfg, [65536], [1024], ceil, rate="matmul_sustained_flops_per_s")
+    assert held["glue_s"] == burst["glue_s"] > 0
+    assert held["kv_b_proj_s"] == pytest.approx(2 * burst["kv_b_proj_s"])
+    assert held["attention_s"] == pytest.approx(2 * burst["attention_s"])
+    import torch
+
+    got = bench.measure_ceilings(torch.device("cpu"), sustained_s=1.0)
+    assert set(got) == {"copy_bytes_per_s", "matmul_flops_per_s", "matmul_sustained_flops_per_s"}
+    assert "matmul_sustained_flops_per_s" not in bench.measure_ceilings(torch.device("cpu"))
