@@ -214,3 +214,21 @@ def test_floor_at_the_held_gemm_rate():
     got = bench.measure_ceilings(torch.device("cpu"), sustained_s=1.0)
     assert set(got) == {"copy_bytes_per_s", "matmul_flops_per_s", "matmul_sustained_flops_per_s"}
     assert "matmul_sustained_flops_per_s" not in bench.measure_ceilings(torch.device("cpu"))
+
+
+def test_probe_host_issue_needs_cuda(capsys):
+    """bench/probe_host_issue.py holds the device with a spin kernel: without CUDA it says
+    so and exits 2 instead of measuring the CPU."""
+    import importlib.util
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the probe would run (tests/gpu territory)")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "probe_host_issue.py")
+    spec = importlib.util.spec_from_file_location("probe_host_issue", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().out
