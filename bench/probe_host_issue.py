@@ -71,6 +71,62 @@ def issue_time_s(engine, q, seqs, fused: bool, iters: int) -> tuple[float, float
     return statistics.median(pre), statistics.median(issue)
 
 
+def host_steps_us(engine, q, seqs, fused: bool, iters: int) -> dict:
+    """Median host time of each step of a normal (unheld) request outside its stages, in
+    µs: validation, planning, building the loop's inputs, the chunk metadata and its upload,
+    the rest up to the first stage; after the last stage, the timer's synchronize and
+    event readout, and the return to the caller."""
+    from ctxprefill.engine import engine as engine_mod
+    from ctxprefill.engine import loop as loop_mod
+
+    marks: dict[str, float] = {}
+
+    def wrap(owner, name, before=None, after=None):
+        orig = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            if before and before not in marks:
+                marks[before] = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                if after and after not in marks:
+                    marks[after] = time.perf_counter()
+
+        setattr(owner, name, wrapped)
+        return orig
+
+    saved = [
+        (engine_mod.Engine, "_check_request", wrap(engine_mod.Engine, "_check_request", None, "checked")),
+        (engine_mod, "plan_chunks", wrap(engine_mod, "plan_chunks", None, "planned")),
+        (engine_mod, "run_chunk_loop", wrap(engine_mod, "run_chunk_loop", "loop", "loop_done")),
+        (loop_mod, "_chunk_metadata", wrap(loop_mod, "_chunk_metadata", None, "uploaded")),
+        (timing.StageTimer, "begin", wrap(timing.StageTimer, "begin", "first_stage", None)),
+        (timing.StageTimer, "finish", wrap(timing.StageTimer, "finish", "finish", "finished")),
+    ]
+    steps = ("validate", "plan", "inputs", "metadata+upload", "to first stage", "issue+device", "sync+readout",
+             "return")
+    got = {k: [] for k in steps}
+    try:
+        for _ in range(iters):
+            marks.clear()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.prefill_context(q, seqs, fused=fused)
+            t1 = time.perf_counter()
+            m = marks
+            for k, a, b in (("validate", t0, m["checked"]), ("plan", m["checked"], m["planned"]),
+                            ("inputs", m["planned"], m["loop"]), ("metadata+upload", m["loop"], m["uploaded"]),
+                            ("to first stage", m["uploaded"], m["first_stage"]),
+                            ("issue+device", m["first_stage"], m["finish"]),
+                            ("sync+readout", m["finish"], m["finished"]), ("return", m["finished"], t1)):
+                got[k].append((b - a) * 1e6)
+    finally:
+        for owner, name, orig in saved:
+            setattr(owner, name, orig)
+    return {k: round(statistics.median(v), 1) for k, v in got.items()}
+
+
 def per_call_us(fn, n: int = 200) -> float:
     """Median over 5 rounds of the mean host time of ``n`` calls, device held."""
     rounds = []
@@ -161,6 +217,7 @@ def main(argv=None) -> int:
             row[f"{name}_span_s"] = t["span_s"]
             row[f"{name}_stages_s"] = sum(t["stage_s"].values())
             row[f"{name}_before_stages_s"], row[f"{name}_issue_s"] = issue_time_s(engine, q, seqs, fused, a.iters)
+            row[f"{name}_host_steps_us"] = host_steps_us(engine, q, seqs, fused, a.iters)
         # the pieces, one call each (device held): what a stage's bracket costs the host
         ev = torch.cuda.Event(enable_timing=True)
         stream = torch.cuda.current_stream()
@@ -212,6 +269,8 @@ def main(argv=None) -> int:
                   f"span {r[path + '_span_s'] * 1e3:.3f}, stages {r[path + '_stages_s'] * 1e3:.3f}, "
                   f"host before the first stage {r[path + '_before_stages_s'] * 1e3:.3f}, "
                   f"host issue of the stages {r[path + '_issue_s'] * 1e3:.3f}")
+        for path in ("generic", "fused"):
+            print(f"  {path} request's host steps (us, unheld): {r[path + '_host_steps_us']}")
         print(f"  per call: event record {r['event_record_us']:.1f}, elapsed_time {r['event_elapsed_us']:.1f}, "
               f"torch.empty {r['empty_us']:.1f}, attention launch {r['attention_call_us']:.1f} "
               f"(in Triton's JITFunction.run: {r['attention_triton_run_us'] or 0:.1f}), "
