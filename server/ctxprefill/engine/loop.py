@@ -95,30 +95,29 @@ def _chunk_metadata(x: LoopInputs, device, keys_last: bool = False) -> tuple[tor
     q_offsets = [0]
     for n in x.query_lens:
         q_offsets.append(q_offsets[-1] + n)
-    host, spans = [], []
+    host, sizes, spans = [], [], []
     for c in x.chunks:
         cu_k, cu_q = [0], [0]
         for s, n in zip(c.sequences, c.context_lens):
             cu_k.append(cu_k[-1] + n)
             cu_q.append(cu_q[-1] + x.query_lens[s])
-        base = len(host)
-        host += cu_k + list(c.context_starts) + cu_q
         cu_v = keys_last_starts(cu_k) if keys_last else []
-        host += cu_v
-        spans.append((base, c.num_sequences, q_offsets[c.first_sequence], q_offsets[c.first_sequence + c.num_sequences],
+        host += cu_k + list(c.context_starts) + cu_q + cu_v
+        n = c.num_sequences
+        sizes += [n + 1, n, n + 1] + ([n + 1] if keys_last else [])
+        spans.append((q_offsets[c.first_sequence], q_offsets[c.first_sequence + n],
                       max((x.query_lens[s] for s in c.sequences), default=0), cu_k, cu_v))
     bt = np.ascontiguousarray(x.block_table, dtype=np.int32)
     dev = _upload(np.concatenate([np.asarray(host, dtype=np.int32), bt.ravel()]), device)
-    block_table = dev[len(host):].view(bt.shape)
+    # the per-chunk tensors as views of the one upload, made in one call (a view costs the host
+    # 2-5 us, and a 16-head request is bound by the host)
+    parts = iter(dev.split(sizes + [bt.size]))
     meta = []
-    for base, n, q0, q1, max_q, cu_k_host, cu_v_host in spans:
-        cu_k = dev[base : base + n + 1]
-        starts = dev[base + n + 1 : base + 2 * n + 1]
-        cu_q = dev[base + 2 * n + 1 : base + 3 * n + 2]
-        layout = None
-        if keys_last:
-            layout = KeysLast(cu_k_host, cu_v_host, cu_k, dev[base + 3 * n + 2 : base + 4 * n + 3])
+    for q0, q1, max_q, cu_k_host, cu_v_host in spans:
+        cu_k, starts, cu_q = next(parts), next(parts), next(parts)
+        layout = KeysLast(cu_k_host, cu_v_host, cu_k, next(parts)) if keys_last else None
         meta.append((cu_k, starts, cu_q, q0, q1, max_q, layout))
+    block_table = next(parts).view(bt.shape)
     return block_table, meta
 
 
@@ -196,14 +195,22 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
                 out.zero_()
                 lse.fill_(float("-inf"))
 
+    # A 16-head request is bound by the host issuing it (docs/DESIGN.md), and a tensor view
+    # costs the host 2-5 us: chunks of equal size share their workspace views, and a chunk
+    # whose query rows are all of the request's uses the whole tensors, not slices of them.
+    ws_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for i, (c, (cu_k, starts, cu_q, q0, q1, max_q, layout)) in enumerate(zip(x.chunks, meta)):
         kw = {} if layout is None else {"v_layout": "hdt", "cu_seqlens_v": layout.cu_v_dev}
         rows = c.rows
+        whole = q0 == 0 and q1 == Tq
         with stage("gather"):
-            ws = x.workspace[: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
-            bt = block_table[c.first_sequence : c.first_sequence + c.num_sequences]
+            if rows not in ws_views:
+                ws = x.workspace[: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
+                ws_views[rows] = ws, ws[:, : x.latent], ws[:, x.latent :]
+            ws, latent, k_pe = ws_views[rows]
+            bt = block_table if c.num_sequences == len(block_table) else \
+                block_table[c.first_sequence : c.first_sequence + c.num_sequences]
             gather(x.cache, bt, cu_k, starts, ws, x.cache_dtype, x.k_scale, x.block_size)
-        latent, k_pe = ws[:, : x.latent], ws[:, x.latent :]
         if x.kv_b_proj_bf16 and latent.dtype != torch.bfloat16:  # else no cast, and no stage:
             with stage("cast"):  # its two events and bookkeeping were ~10 us of host per chunk
                 latent = cast_latent(latent, torch.bfloat16)
@@ -216,7 +223,7 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
                     k_nope, k_pe, v, v_keys_last=layout)
             else:
                 k = (fused_mla_kv_concat if fused else generic_kv_concat)(k_nope, k_pe)
-        q_c = q[q0:q1]
+        q_c = q if whole else q[q0:q1]
         max_k = max(c.context_lens)
         # the backend's launch order (triton: tiles packed per SM), if it gives one here: host
         # work outside the stages (a device idle while it runs shows as the request's gap)
@@ -229,7 +236,7 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
                 out, lse = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, **kw)
                 o_c, l_c = out, lse
             elif direct[i] and backend.supports_out():
-                target = out[q0:q1]
+                target = out if whole else out[q0:q1]
                 o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, out=target,
                                                      **kw)
                 if o_c.data_ptr() != target.data_ptr():
@@ -241,14 +248,15 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
                 o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, **kw)
         if not single:
             with stage("merge"):
+                out_c, lse_c = (out, lse) if whole else (out[q0:q1], lse[:, q0:q1])
                 if direct[i]:
                     if not backend.supports_out():
                         launches.note(1)
-                        out[q0:q1].copy_(o_c)
+                        out_c.copy_(o_c)
                     launches.note(1)
-                    lse[:, q0:q1].copy_(l_c)
+                    lse_c.copy_(l_c)
                 else:
-                    merge(out[q0:q1], lse[:, q0:q1], o_c, l_c)
+                    merge(out_c, lse_c, o_c, l_c)
         if observer is not None:
             observer(i, c, q_c, k, v, o_c, l_c)
 
