@@ -208,7 +208,7 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
                 ws = x.workspace[: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
                 ws_views[rows] = ws, ws[:, : x.latent], ws[:, x.latent :]
             ws, latent, k_pe = ws_views[rows]
-            bt = block_table if c.num_sequences == len(block_table) else \
+            bt = block_table if c.num_sequences == block_table.shape[0] else \
                 block_table[c.first_sequence : c.first_sequence + c.num_sequences]
             gather(x.cache, bt, cu_k, starts, ws, x.cache_dtype, x.k_scale, x.block_size)
         if x.kv_b_proj_bf16 and latent.dtype != torch.bfloat16:  # else no cast, and no stage:
