@@ -3,7 +3,8 @@
 From a ``ctxprefill bench`` JSON (``meta.kind == "engine"``, or rows with ``speedup``):
 - ``engine_speedup.png``: generic time / fused time, grouped bars per shape (H, new, context),
   one bar per (cache, prefill) dtype pair, one panel per H;
-- ``engine_stages.png``: time per stage, stacked, generic | fused | floor, for the headline
+- ``engine_stages.png``: time per stage, stacked, generic | fused | floor (and a mark at the
+  floor at the GEMM rate held under the power cap, where the JSON has it), for the headline
   shape (1,024 new over 64k context when present); ``engine_stages_grid.png`` for every
   shape when the JSON has more than one (new, context) pair;
 - ``engine_latency.png`` (more than one context length): request time against context
@@ -147,6 +148,11 @@ def _stage_panel(ax, sub: list[dict], title: str, legend: bool) -> None:
     if any(f is not None for f in floors):
         ax.bar([i + width for i in range(len(sub))], [(f or 0.0) * 1e3 for f in floors], width, color="lightgrey",
                label="floor")
+    held = [r.get("floor_sustained_s") for r in sub]  # FLOPs at the GEMM rate held under the power cap
+    if any(isinstance(f, (int, float)) and f == f for f in held):
+        pts = [(i + width, f * 1e3) for i, f in enumerate(held) if isinstance(f, (int, float)) and f == f]
+        ax.scatter([x for x, _ in pts], [y for _, y in pts], marker="_", s=120, color="dimgrey", zorder=3,
+                   label="floor, held GEMM rate")
     ax.set_xticks(range(len(sub)), [f"{r['cache_dtype']}\n{r['prefill_dtype']}" for r in sub], fontsize=7)
     ax.set_ylabel("ms per request", fontsize=8)
     ax.set_title(title, fontsize=8)
