@@ -38,6 +38,17 @@ from ctxprefill.settings import ServeSettings, build_engine  # noqa: E402
 HOLD_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: longer than anything issued behind it
 
 
+def _requests(engine, q, seqs, fused: bool, iters: int, marks: dict):
+    """``iters`` requests, each from an idle device: yields (start, end) host times, with
+    ``marks`` cleared before each (the wrappers fill it)."""
+    for _ in range(iters):
+        marks.clear()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.prefill_context(q, seqs, fused=fused)
+        yield t0, time.perf_counter()
+
+
 def issue_time_s(engine, q, seqs, fused: bool, iters: int) -> tuple[float, float]:
     """(median host time from the call to the first stage, median host time from the
     first stage to the request's synchronize in StageTimer.finish). The spin kernel is
@@ -59,11 +70,7 @@ def issue_time_s(engine, q, seqs, fused: bool, iters: int) -> tuple[float, float
     timing.StageTimer.begin, timing.StageTimer.finish = held_begin, marked_finish
     pre, issue = [], []
     try:
-        for _ in range(iters):
-            marks.clear()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            engine.prefill_context(q, seqs, fused=fused)
+        for t0, _ in _requests(engine, q, seqs, fused, iters, marks):
             pre.append(marks["first"] - t0)
             issue.append(marks["finish"] - marks["first"])
     finally:
@@ -108,12 +115,7 @@ def host_steps_us(engine, q, seqs, fused: bool, iters: int) -> dict:
              "return")
     got = {k: [] for k in steps}
     try:
-        for _ in range(iters):
-            marks.clear()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            engine.prefill_context(q, seqs, fused=fused)
-            t1 = time.perf_counter()
+        for t0, t1 in _requests(engine, q, seqs, fused, iters, marks):
             m = marks
             for k, a, b in (("validate", t0, m["checked"]), ("plan", m["checked"], m["planned"]),
                             ("inputs", m["planned"], m["loop"]), ("metadata+upload", m["loop"], m["uploaded"]),
@@ -127,30 +129,19 @@ def host_steps_us(engine, q, seqs, fused: bool, iters: int) -> dict:
     return {k: round(statistics.median(v), 1) for k, v in got.items()}
 
 
-def per_call_us(fn, n: int = 200) -> float:
-    """Median over 5 rounds of the mean host time of ``n`` calls, device held."""
+def per_call_us(fn, n: int = 200, hold: bool = True) -> float:
+    """Median over 5 rounds of the mean host time of ``n`` calls, the device held by a
+    spin kernel (``hold=False``: idle, for calls that wait for it)."""
     rounds = []
     for _ in range(5):
         torch.cuda.synchronize()
-        torch.cuda._sleep(HOLD_CYCLES)
+        if hold:
+            torch.cuda._sleep(HOLD_CYCLES)
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
         rounds.append((time.perf_counter() - t0) / n * 1e6)
     torch.cuda.synchronize()
-    return statistics.median(rounds)
-
-
-def per_call_us_idle(fn, n: int = 200) -> float:
-    """Like per_call_us with the device idle (for calls that wait for it)."""
-    rounds = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        rounds.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
     return statistics.median(rounds)
 
 
@@ -233,8 +224,8 @@ def main(argv=None) -> int:
         W = engine.config.workspace_tokens
         row["check_request_us"] = per_call_us(lambda: engine._check_request(q, seqs, W), n=50)
         small = torch.zeros(1100, dtype=torch.int32)
-        row["h2d_pageable_4k_us"] = per_call_us_idle(lambda: small.to("cuda"))
-        row["h2d_pinned_4k_us"] = per_call_us_idle(lambda: small.pin_memory().to("cuda", non_blocking=True))
+        row["h2d_pageable_4k_us"] = per_call_us(lambda: small.to("cuda"), hold=False)
+        row["h2d_pinned_4k_us"] = per_call_us(lambda: small.pin_memory().to("cuda", non_blocking=True), hold=False)
         chunk = {}
 
         def keep(i, c, q_c, k, v, o, lse):
