@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
 from .settings import ServeSettings, build_engine
@@ -168,7 +169,8 @@ def make_device_request(engine, context_lens, query_lens, seed: int = 0, piece: 
             kv_c = torch.randn((len(j), L), generator=g, device=dev, dtype=torch.float32)
             k_pe = torch.randn((len(j), R), generator=g, device=dev, dtype=torch.float32)
             engine.write_cache(slots, kv_c, k_pe)
-        seqs.append(SequenceSpec(qn, n, blocks))
+        # as the service hands it to the engine (service/validate.py): an int64 array
+        seqs.append(SequenceSpec(qn, n, np.asarray(blocks, dtype=np.int64)))
     q = torch.randn((sum(query_lens), cfg.shape.heads, cfg.shape.qk_head_dim), generator=g, device=dev,
                     dtype=torch.bfloat16)
     q = saturating_cast_fp8(q) if cfg.prefill_dtype == "fp8" else q
