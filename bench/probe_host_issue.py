@@ -52,8 +52,8 @@ def _requests(engine, q, seqs, fused: bool, iters: int, marks: dict):
 def issue_time_s(engine, q, seqs, fused: bool, iters: int) -> tuple[float, float]:
     """(median host time from the call to the first stage, median host time from the
     first stage to the request's synchronize in StageTimer.finish). The spin kernel is
-    queued at the first stage: the request's two small host-to-device copies before it
-    are synchronous and would wait for it."""
+    queued at the first stage, so the work before it runs with the device idle, as a
+    request finds it (before 5972e7d its uploads were synchronous and would have waited)."""
     marks = {}
     begin, finish = timing.StageTimer.begin, timing.StageTimer.finish
 

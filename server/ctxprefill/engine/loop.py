@@ -203,7 +203,9 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
     for i, (c, (cu_k, starts, cu_q, q0, q1, max_q, layout)) in enumerate(zip(x.chunks, meta)):
         kw = {} if layout is None else {"v_layout": "hdt", "cu_seqlens_v": layout.cu_v_dev}
         rows = c.rows
-        whole = q0 == 0 and q1 == Tq
+        # this chunk's query rows of q, out and lse (out/lse are None only when single, and
+        # then the chunk is the whole request)
+        q_c, out_c, lse_c = (q, out, lse) if q0 == 0 and q1 == Tq else (q[q0:q1], out[q0:q1], lse[:, q0:q1])
         with stage("gather"):
             if rows not in ws_views:
                 ws = x.workspace[: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
@@ -224,7 +226,6 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
                     k_nope, k_pe, v, v_keys_last=layout)
             else:
                 k = (fused_mla_kv_concat if fused else generic_kv_concat)(k_nope, k_pe)
-        q_c = q if whole else q[q0:q1]
         max_k = max(c.context_lens)
         # the backend's launch order (triton: tiles packed per SM), if it gives one here: host
         # work outside the stages (a device idle while it runs shows as the request's gap)
@@ -237,10 +238,9 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
                 out, lse = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, **kw)
                 o_c, l_c = out, lse
             elif direct[i] and backend.supports_out():
-                target = out if whole else out[q0:q1]
-                o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, out=target,
+                o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, out=out_c,
                                                      **kw)
-                if o_c.data_ptr() != target.data_ptr():
+                if o_c.data_ptr() != out_c.data_ptr():
                     raise RuntimeError(
                         f"attention backend {backend.name!r} claims supports_out() but did not write into the "
                         f"out buffer it was given (chunk {i})"
@@ -249,7 +249,6 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
                 o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, **kw)
         if not single:
             with stage("merge"):
-                out_c, lse_c = (out, lse) if whole else (out[q0:q1], lse[:, q0:q1])
                 if direct[i]:
                     if not backend.supports_out():
                         launches.note(1)
