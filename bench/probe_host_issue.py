@@ -38,12 +38,24 @@ from ctxprefill.settings import ServeSettings, build_engine  # noqa: E402
 HOLD_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: longer than anything issued behind it
 
 
-def _requests(engine, q, seqs, fused: bool, iters: int, marks: dict):
+def _spin_until_idle() -> None:
+    """Wait for the device by polling an event: the host thread never blocks."""
+    ev = torch.cuda.Event()
+    ev.record()
+    while not ev.query():
+        pass
+
+
+def _requests(engine, q, seqs, fused: bool, iters: int, marks: dict, spin: bool = False):
     """``iters`` requests, each from an idle device: yields (start, end) host times, with
-    ``marks`` cleared before each (the wrappers fill it)."""
+    ``marks`` cleared before each (the wrappers fill it). ``spin``: wait for the device
+    between requests by polling, not by ``torch.cuda.synchronize``."""
     for _ in range(iters):
         marks.clear()
-        torch.cuda.synchronize()
+        if spin:
+            _spin_until_idle()
+        else:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         engine.prefill_context(q, seqs, fused=fused)
         yield t0, time.perf_counter()
@@ -78,11 +90,14 @@ def issue_time_s(engine, q, seqs, fused: bool, iters: int) -> tuple[float, float
     return statistics.median(pre), statistics.median(issue)
 
 
-def host_steps_us(engine, q, seqs, fused: bool, iters: int) -> dict:
+def host_steps_us(engine, q, seqs, fused: bool, iters: int, spin: bool = False) -> dict:
     """Median host time of each step of a normal (unheld) request outside its stages, in
-    µs: validation, planning, building the loop's inputs, the chunk metadata and its upload,
-    the rest up to the first stage; after the last stage, the timer's synchronize and
-    event readout, and the return to the caller."""
+    µs: validation, planning, building the loop's inputs, the chunk metadata and its upload
+    (of which the stage timer's creation, the one upload), the rest up to the first stage;
+    after the last stage, the timer's synchronize and event readout, and the return to the
+    caller. ``spin``: the host polls for the device (between requests and in the timer's
+    wait) instead of blocking in ``torch.cuda.synchronize`` — whether a thread woken from
+    that wait runs the next request's Python slower."""
     from ctxprefill.engine import engine as engine_mod
     from ctxprefill.engine import loop as loop_mod
 
@@ -108,17 +123,26 @@ def host_steps_us(engine, q, seqs, fused: bool, iters: int) -> dict:
         (engine_mod, "plan_chunks", wrap(engine_mod, "plan_chunks", None, "planned")),
         (engine_mod, "run_chunk_loop", wrap(engine_mod, "run_chunk_loop", "loop", "loop_done")),
         (loop_mod, "_chunk_metadata", wrap(loop_mod, "_chunk_metadata", None, "uploaded")),
+        (loop_mod, "_upload", wrap(loop_mod, "_upload", "upload0", "upload1")),
+        (timing.StageTimer, "__init__", wrap(timing.StageTimer, "__init__", "timer0", "timer1")),
         (timing.StageTimer, "begin", wrap(timing.StageTimer, "begin", "first_stage", None)),
         (timing.StageTimer, "finish", wrap(timing.StageTimer, "finish", "finish", "finished")),
     ]
-    steps = ("validate", "plan", "inputs", "metadata+upload", "to first stage", "issue+device", "sync+readout",
-             "return")
+    if spin:
+        def spin_wait(self):
+            while not self._last.query():
+                pass
+        saved.append((timing.StageTimer, "_wait", timing.StageTimer._wait))
+        timing.StageTimer._wait = spin_wait
+    steps = ("validate", "plan", "inputs", "metadata+upload", "(timer)", "(upload)", "to first stage",
+             "issue+device", "sync+readout", "return")
     got = {k: [] for k in steps}
     try:
-        for t0, t1 in _requests(engine, q, seqs, fused, iters, marks):
+        for t0, t1 in _requests(engine, q, seqs, fused, iters, marks, spin):
             m = marks
             for k, a, b in (("validate", t0, m["checked"]), ("plan", m["checked"], m["planned"]),
                             ("inputs", m["planned"], m["loop"]), ("metadata+upload", m["loop"], m["uploaded"]),
+                            ("(timer)", m["timer0"], m["timer1"]), ("(upload)", m["upload0"], m["upload1"]),
                             ("to first stage", m["uploaded"], m["first_stage"]),
                             ("issue+device", m["first_stage"], m["finish"]),
                             ("sync+readout", m["finish"], m["finished"]), ("return", m["finished"], t1)):
@@ -127,6 +151,21 @@ def host_steps_us(engine, q, seqs, fused: bool, iters: int) -> dict:
         for owner, name, orig in saved:
             setattr(owner, name, orig)
     return {k: round(statistics.median(v), 1) for k, v in got.items()}
+
+
+def _spin_request_s(engine, q, seqs, fused: bool, iters: int) -> float:
+    """Median wall time of a request when the host polls for the device (between requests
+    and in the timer's wait) rather than blocking in ``torch.cuda.synchronize``."""
+    def spin_wait(self):
+        while not self._last.query():
+            pass
+    orig = timing.StageTimer._wait
+    timing.StageTimer._wait = spin_wait
+    try:
+        got = [t1 - t0 for t0, t1 in _requests(engine, q, seqs, fused, iters, {}, spin=True)]
+    finally:
+        timing.StageTimer._wait = orig
+    return statistics.median(got)
 
 
 def per_call_us(fn, n: int = 200, hold: bool = True) -> float:
@@ -209,6 +248,9 @@ def main(argv=None) -> int:
             row[f"{name}_stages_s"] = sum(t["stage_s"].values())
             row[f"{name}_before_stages_s"], row[f"{name}_issue_s"] = issue_time_s(engine, q, seqs, fused, a.iters)
             row[f"{name}_host_steps_us"] = host_steps_us(engine, q, seqs, fused, a.iters)
+            row[f"{name}_host_steps_spin_us"] = host_steps_us(engine, q, seqs, fused, a.iters, spin=True)
+            # the whole request with the host polling, as the held steps see it
+            row[f"{name}_request_spin_s"] = _spin_request_s(engine, q, seqs, fused, a.iters)
         # the pieces, one call each (device held): what a stage's bracket costs the host
         ev = torch.cuda.Event(enable_timing=True)
         stream = torch.cuda.current_stream()
@@ -262,6 +304,8 @@ def main(argv=None) -> int:
                   f"host issue of the stages {r[path + '_issue_s'] * 1e3:.3f}")
         for path in ("generic", "fused"):
             print(f"  {path} request's host steps (us, unheld): {r[path + '_host_steps_us']}")
+            print(f"  {path} request's host steps (us, unheld, host polling): {r[path + '_host_steps_spin_us']}; "
+                  f"request {r[path + '_request_spin_s'] * 1e3:.3f} ms")
         print(f"  per call: event record {r['event_record_us']:.1f}, elapsed_time {r['event_elapsed_us']:.1f}, "
               f"torch.empty {r['empty_us']:.1f}, attention launch {r['attention_call_us']:.1f} "
               f"(in Triton's JITFunction.run: {r['attention_triton_run_us'] or 0:.1f}), "

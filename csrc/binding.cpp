@@ -16,6 +16,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -462,6 +463,31 @@ at::Tensor ipc_open(const std::string& handle, int64_t device, int64_t byte_size
   }
 }
 
+// Milliseconds between pairs of recorded CUDA events, read in one call after the
+// request's synchronize: [start0, end0, start1, end1, ...] (cudaEvent_t handles, torch's
+// Event.cuda_event) -> one value per pair. A 4-chunk request reads ~25 stage timings, and
+// torch's Event.elapsed_time costs ~4 us of host each (device guard, argument parsing):
+// a 16-head request is bound by such host time (docs/DESIGN.md).
+std::vector<double> events_elapsed_ms(const std::vector<int64_t>& events) {
+  const char* op = "events_elapsed_ms";
+  if (events.size() % 2 != 0)
+    throw std::invalid_argument(msg(op, ": events must hold (start, end) pairs; got ", events.size(), " handles"));
+  std::vector<double> out(events.size() / 2);
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (events[2 * i] == 0 || events[2 * i + 1] == 0)
+      throw std::invalid_argument(msg(op, ": pair ", i, " holds an event that was never recorded"));
+    float ms = 0.f;
+    const cudaError_t e = cudaEventElapsedTime(&ms, reinterpret_cast<cudaEvent_t>(events[2 * i]),
+                                               reinterpret_cast<cudaEvent_t>(events[2 * i + 1]));
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw std::runtime_error(msg(op, ": pair ", i, ": cudaEventElapsedTime failed: ", cudaGetErrorString(e)));
+    }
+    out[i] = ms;
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -488,4 +514,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "open another process's CUDA memory by its 64-byte cudaIpcMemHandle_t: a uint8 CUDA tensor of "
         "byte_size bytes at offset of the allocation; closed (cudaIpcCloseMemHandle) when the tensor is freed",
         py::arg("handle"), py::arg("device"), py::arg("byte_size"), py::arg("offset"));
+  m.def("events_elapsed_ms", &events_elapsed_ms,
+        "milliseconds between recorded CUDA events, pairwise: [start0, end0, start1, end1, ...] handles -> "
+        "one value per pair (after a synchronize)", py::arg("events"));
 }

@@ -55,3 +55,27 @@ def test_unfinished_timer_returns_nothing_to_the_pool():
         with t.stage("fails"):
             raise RuntimeError("a stage that fails")
     assert len(pool) == 0  # its start event was recorded: not reusable until read, so dropped
+
+
+def test_batched_readout_equals_torch_event_by_event():
+    from ctxprefill.ops import _cuda
+
+    ext = _cuda.load()
+    if ext is None:
+        pytest.skip(f"CUDA extension unavailable: {_cuda.why_not()}")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
+    evs = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+    for i, e in enumerate(evs):
+        for _ in range(i):
+            x @ x
+        e.record()
+    torch.cuda.synchronize()
+    pairs = [(evs[0], evs[5]), (evs[1], evs[2]), (evs[3], evs[4]), (evs[4], evs[3])]  # a negative one too
+    got = timing._elapsed_ms(pairs)
+    assert got == [a.elapsed_time(b) for a, b in pairs]  # the same cudaEventElapsedTime, bit for bit
+    assert got[0] > 0 and got[3] < 0
+    with pytest.raises(ValueError, match="pairs"):
+        ext.events_elapsed_ms([evs[0].cuda_event])
+    with pytest.raises(ValueError, match="never recorded"):
+        ext.events_elapsed_ms([evs[0].cuda_event, 0])
