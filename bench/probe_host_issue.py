@@ -220,6 +220,31 @@ def triton_run_us(fn, n: int = 50) -> float | None:
     return spent[0] / n * 1e6 if patched else None
 
 
+def profile_top(fn, n: int = 200, top: int = 25) -> list[dict]:
+    """cProfile of ``n`` calls of ``fn`` (device held): the ``top`` functions by own time,
+    µs per call of ``fn``. cProfile inflates every Python call; read the shares, not the
+    absolute figures."""
+    import cProfile
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(HOLD_CYCLES)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (cc, nc, tt, ct, _) in st.stats.items():
+        rows.append({"function": f"{os.path.basename(file)}:{line}:{func}", "calls_per_call": nc / n,
+                     "own_us": round(tt / n * 1e6, 2), "cumulative_us": round(ct / n * 1e6, 2)})
+    rows.sort(key=lambda r: -r["own_us"])
+    return rows[:top]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heads", type=int, default=16)
@@ -288,9 +313,12 @@ def main(argv=None) -> int:
         # lookup, the launcher), for whichever Triton kernel the backend runs here
         row["attention_triton_run_us"] = triton_run_us(lambda: be.run_context_chunk(
             chunk["q"], chunk["k"], chunk["v"], cu_q, cu_k, chunk["q"].shape[0], chunk["rows"], 0.1, **kw))
+        row["attention_call_profile"] = profile_top(lambda: be.run_context_chunk(
+            chunk["q"], chunk["k"], chunk["v"], cu_q, cu_k, chunk["q"].shape[0], chunk["rows"], 0.1, **kw))
+        row["fused_request_profile"] = profile_top(lambda: engine.prefill_context(q, seqs, fused=True), n=20, top=40)
         rows.append(row)
         print(json.dumps({k: (round(v * 1e3, 4) if k.endswith("_s") else round(v, 2) if isinstance(v, float) else v)
-                          for k, v in row.items()}), flush=True)
+                          for k, v in row.items() if not isinstance(v, list)}), flush=True)
         chunk.clear()
         engine = q = seqs = be = None
         torch.cuda.empty_cache()
@@ -311,6 +339,10 @@ def main(argv=None) -> int:
               f"(in Triton's JITFunction.run: {r['attention_triton_run_us'] or 0:.1f}), "
               f"request validation {r['check_request_us']:.1f}, 4 KB host-to-device copy from pageable memory "
               f"{r['h2d_pageable_4k_us']:.1f} / pinned, asynchronous {r['h2d_pinned_4k_us']:.1f}")
+        for key in ("attention_call_profile", "fused_request_profile"):
+            print(f"  {key} (us per call, own time, cProfile-inflated):")
+            for e in r[key][:15]:
+                print(f"    {e['own_us']:8.2f} {e['cumulative_us']:9.2f}  x{e['calls_per_call']:<5g} {e['function']}")
     if a.out:
         meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
                 "commit": os.environ.get("CTXPREFILL_COMMIT", "")}

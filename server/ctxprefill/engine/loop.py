@@ -12,6 +12,7 @@ have written into the buffer it was given.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -77,48 +78,98 @@ class LoopResult:
 Observer = Callable[[int, ContextChunk, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+class _PinnedStaging:
+    """A pinned host buffer per device that every request's metadata upload goes through.
+
+    One asynchronous copy from pinned memory does not make the host wait for queued device
+    work (a pageable one does); a fresh pinned tensor per request (``pin_memory()``) cost
+    the host ~85 us inside a request on the H200 machine (21 us in a hot loop:
+    bench/probe_host_issue.py). The buffer is written again only after the copy out of it
+    has finished (an event recorded behind the copy; every request also ends with a
+    synchronize, so the wait is normally nil); the lock covers engines on one device
+    serving from different threads."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.host: torch.Tensor | None = None
+        self.view: np.ndarray | None = None
+        self.copied: torch.cuda.Event | None = None
+
+    def upload(self, host: np.ndarray, device) -> torch.Tensor:
+        n = host.size
+        with self.lock:
+            if self.copied is not None:
+                self.copied.synchronize()
+            if self.host is None or self.view.size < n:
+                self.host = torch.empty(max(n, 1 << 14), dtype=torch.int32, pin_memory=True)
+                self.view = self.host.numpy()
+            self.view[:n] = host
+            out = torch.empty(n, dtype=torch.int32, device=device)
+            out.copy_(self.host[:n], non_blocking=True)
+            if self.copied is None:
+                self.copied = torch.cuda.Event()
+            self.copied.record(torch.cuda.current_stream(device))  # the copy's stream (its destination's)
+        return out
+
+
+_STAGING: dict[int, _PinnedStaging] = {}
+_STAGING_LOCK = threading.Lock()
+
+
 def _upload(host: np.ndarray, device) -> torch.Tensor:
     """``host`` (int32) on ``device`` in one copy that does not make the host wait for the
-    device: from pinned memory on CUDA (torch's pinned allocator keeps the block until the
-    copy is done). A copy from pageable memory waits for the work queued before it (cache
-    writes, another request's tail); both cost the host 12-21 us for 4 KB on the H200
-    machine (bench/probe_host_issue.py)."""
-    t = torch.from_numpy(host)
-    if torch.device(device).type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    device (on CUDA through the device's pinned staging buffer)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.from_numpy(host)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    staging = _STAGING.get(index)
+    if staging is None:
+        with _STAGING_LOCK:
+            staging = _STAGING.setdefault(index, _PinnedStaging())
+    return staging.upload(host, device)
 
 
 def _chunk_metadata(x: LoopInputs, device, keys_last: bool = False) -> tuple[torch.Tensor, list[tuple]]:
     """(the block table on the device, and per chunk: (cu_seq_lens, seq_starts, cu_seqlens_q,
     q0, q1, max_q, V keys-last layout or None)), built on the host and moved to the device
-    in one copy for the whole request."""
+    in one copy for the whole request. Equal metadata vectors are uploaded once and shared
+    (the chunks of one long sequence differ only in their starts): a view costs the host
+    1-5 us, and a 16-head request is bound by host time."""
     q_offsets = [0]
     for n in x.query_lens:
         q_offsets.append(q_offsets[-1] + n)
     host, sizes, spans = [], [], []
+    slot: dict[tuple, int] = {}  # a vector's values -> its index among the uploaded parts
+
+    def part(values: list) -> int:
+        key = tuple(values)
+        i = slot.get(key)
+        if i is None:
+            i = slot[key] = len(sizes)
+            host.extend(values)
+            sizes.append(len(values))
+        return i
+
     for c in x.chunks:
         cu_k, cu_q = [0], [0]
         for s, n in zip(c.sequences, c.context_lens):
             cu_k.append(cu_k[-1] + n)
             cu_q.append(cu_q[-1] + x.query_lens[s])
         cu_v = keys_last_starts(cu_k) if keys_last else []
-        host += cu_k + list(c.context_starts) + cu_q + cu_v
+        idx = (part(cu_k), part(list(c.context_starts)), part(cu_q), part(cu_v) if keys_last else -1)
         n = c.num_sequences
-        sizes += [n + 1, n, n + 1] + ([n + 1] if keys_last else [])
         spans.append((q_offsets[c.first_sequence], q_offsets[c.first_sequence + n],
-                      max((x.query_lens[s] for s in c.sequences), default=0), cu_k, cu_v))
+                      max((x.query_lens[s] for s in c.sequences), default=0), cu_k, cu_v, idx))
     bt = np.ascontiguousarray(x.block_table, dtype=np.int32)
     dev = _upload(np.concatenate([np.asarray(host, dtype=np.int32), bt.ravel()]), device)
-    # the per-chunk tensors as views of the one upload, made in one call (a view costs the host
-    # 2-5 us, and a 16-head request is bound by the host)
-    parts = iter(dev.split(sizes + [bt.size]))
+    # the per-chunk tensors as views of the one upload, made in one call
+    parts = dev.split_with_sizes(sizes + [bt.size])
     meta = []
-    for q0, q1, max_q, cu_k_host, cu_v_host in spans:
-        cu_k, starts, cu_q = next(parts), next(parts), next(parts)
-        layout = KeysLast(cu_k_host, cu_v_host, cu_k, next(parts)) if keys_last else None
-        meta.append((cu_k, starts, cu_q, q0, q1, max_q, layout))
-    block_table = next(parts).view(bt.shape)
+    for q0, q1, max_q, cu_k_host, cu_v_host, (ik, i_s, iq, iv) in spans:
+        layout = KeysLast(cu_k_host, cu_v_host, parts[ik], parts[iv]) if keys_last else None
+        meta.append((parts[ik], parts[i_s], parts[iq], q0, q1, max_q, layout))
+    block_table = parts[-1].view(bt.shape)
     return block_table, meta
 
 

@@ -1,0 +1,56 @@
+"""The chunk loop's metadata (engine/loop.py ``_chunk_metadata``): every chunk's vectors as
+the planner's chunks say, equal vectors uploaded once and shared, the block table after
+them — on the CPU (the CUDA upload through the pinned staging buffer: tests/gpu)."""
+
+import numpy as np
+import pytest
+
+from ctxprefill.engine.loop import LoopInputs, _chunk_metadata
+from ctxprefill.engine.plan import plan_chunks
+from ctxprefill.ops.pack import keys_last_starts
+
+
+def _inputs(query_lens, context_lens, workspace, block_size=16):
+    blocks = [-(-n // block_size) for n in context_lens]
+    bt = np.zeros((len(context_lens), max(max(blocks), 1)), dtype=np.int32)
+    for i, b in enumerate(blocks):
+        bt[i, :b] = np.arange(b) + 100 * i
+    return LoopInputs(q=None, query_lens=query_lens, block_table=bt,
+                      chunks=plan_chunks(context_lens, workspace, block_size), cache=None, cache_dtype="auto",
+                      k_scale=1.0, block_size=block_size, workspace=None, weight=None, kv_b_proj_bf16=True,
+                      gather_raw_fp8=False, fp8_prefill=False, scale=1.0, heads=1)
+
+
+@pytest.mark.parametrize("keys_last", [False, True])
+@pytest.mark.parametrize("query_lens,context_lens,workspace", [
+    ([1024], [65536], 16384),  # one sequence in 4 equal chunks: cu_k and cu_q shared
+    ([3, 0, 5, 7], [40, 0, 1000, 33], 256),  # ragged, continuations, an empty sequence
+    ([2, 2], [0, 0], 64),  # no context at all
+])
+def test_each_chunk_gets_its_own_values(query_lens, context_lens, workspace, keys_last):
+    x = _inputs(query_lens, context_lens, workspace)
+    bt, meta = _chunk_metadata(x, "cpu", keys_last)
+    assert np.array_equal(bt.numpy(), x.block_table)
+    q_off = np.concatenate([[0], np.cumsum(query_lens)])
+    assert len(meta) == len(x.chunks)
+    for c, (cu_k, starts, cu_q, q0, q1, max_q, layout) in zip(x.chunks, meta):
+        want_k = np.concatenate([[0], np.cumsum(c.context_lens)])
+        want_q = np.concatenate([[0], np.cumsum([query_lens[s] for s in c.sequences])])
+        assert cu_k.tolist() == want_k.tolist() and cu_q.tolist() == want_q.tolist()
+        assert starts.tolist() == list(c.context_starts)
+        assert (q0, q1) == (q_off[c.first_sequence], q_off[c.first_sequence + c.num_sequences])
+        assert max_q == max([query_lens[s] for s in c.sequences], default=0)
+        if keys_last:
+            assert layout.cu_k == want_k.tolist() and layout.cu_v == keys_last_starts(want_k.tolist())
+            assert layout.cu_v_dev.tolist() == layout.cu_v and layout.cu_k_dev.tolist() == layout.cu_k
+        else:
+            assert layout is None
+
+
+def test_equal_vectors_are_one_tensor():
+    x = _inputs([1024], [65536], 16384)
+    _, meta = _chunk_metadata(x, "cpu")
+    assert len(meta) == 4
+    assert all(m[0] is meta[0][0] and m[2] is meta[0][2] for m in meta)  # cu_k, cu_q: one view each
+    assert len({id(m[1]) for m in meta}) == 4  # the starts differ
+    assert [m[1].item() for m in meta] == [0, 16384, 32768, 49152]
