@@ -41,6 +41,9 @@ def test_bench_grid_full_narrowed_by_flags(tmp_path):
     assert r["generic_iters"] == r["fused_iters"] == 2 and r["bit_identical"] and r["floor_s"] is None
     assert set(r["fused_stage_s"]) >= {"gather", "kv_b_proj", "pack", "attention"}
     assert r["fused_launches_per_chunk"] == sum(r["fused_launches"].values()) / r["chunks"]
+    # the speedup with a pack of zero time: the fused request less its pack stage
+    assert r["speedup_free_pack"] == pytest.approx(r["generic_s"] / (r["fused_s"] - r["fused_stage_s"]["pack"]))
+    assert r["speedup_free_pack"] > r["speedup"]
     # the time outside the stages: request time minus the stages' (medians: may dip below 0)
     for path in ("generic", "fused"):
         gap = r[f"{path}_host_gap_s"]
