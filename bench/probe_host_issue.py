@@ -247,7 +247,7 @@ def profile_top(fn, n: int = 200, top: int = 25) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--heads", type=int, nargs="+", default=[16])
     p.add_argument("--new", type=int, default=1024)
     p.add_argument("--context", type=int, default=65536)
     p.add_argument("--prefill-dtype", nargs="+", default=["bf16", "fp8"])
@@ -259,12 +259,12 @@ def main(argv=None) -> int:
         print("probe_host_issue: needs a CUDA device (it holds the device with a spin kernel)")
         return 2
     rows = []
-    for pd in a.prefill_dtype:
-        s = ServeSettings(device="cuda", heads=a.heads, prefill_dtype=pd, block_size=64,
+    for heads, pd in [(h, pd) for h in a.heads for pd in a.prefill_dtype]:
+        s = ServeSettings(device="cuda", heads=heads, prefill_dtype=pd, block_size=64,
                           num_blocks=math.ceil(a.context / 64) + 8, workspace_tokens=a.workspace_tokens)
         engine = build_engine(s)
         q, seqs = make_device_request(engine, [a.context], [a.new])
-        row = {"heads": a.heads, "new": a.new, "context": a.context, "prefill_dtype": pd}
+        row = {"heads": heads, "new": a.new, "context": a.context, "prefill_dtype": pd}
         for fused in (False, True):
             name = "fused" if fused else "generic"
             t = time_request(engine, q, seqs, fused, engine.device, max_iters=a.iters, min_iters=a.iters, target_s=0)
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
         e1.record(stream)
         torch.cuda.synchronize()
         row["event_elapsed_us"] = per_call_us(lambda: e0.elapsed_time(e1))
-        row["empty_us"] = per_call_us(lambda: torch.empty((1024, a.heads, 128), dtype=torch.bfloat16, device="cuda"))
+        row["empty_us"] = per_call_us(lambda: torch.empty((1024, heads, 128), dtype=torch.bfloat16, device="cuda"))
         # the request's host work before its first stage: validation, and the upload of its
         # block table and chunk metadata (one copy from pinned memory; before: two from pageable)
         W = engine.config.workspace_tokens
@@ -304,7 +304,7 @@ def main(argv=None) -> int:
         cu_q = torch.tensor([0, chunk["q"].shape[0]], dtype=torch.int32, device=dev)
         cu_k = torch.tensor([0, chunk["rows"]], dtype=torch.int32, device=dev)
         kw = {}
-        if chunk["v"].dim() == 3 and chunk["v"].shape[1] == 128 and chunk["v"].shape[0] == a.heads:
+        if chunk["v"].dim() == 3 and chunk["v"].shape[1] == 128 and chunk["v"].shape[0] == heads:
             kw = {"v_layout": "hdt", "cu_seqlens_v": cu_k}
         be = engine.backend
         row["attention_call_us"] = per_call_us(lambda: be.run_context_chunk(
