@@ -466,8 +466,8 @@ at::Tensor ipc_open(const std::string& handle, int64_t device, int64_t byte_size
 // Milliseconds between pairs of recorded CUDA events, read in one call after the
 // request's synchronize: [start0, end0, start1, end1, ...] (cudaEvent_t handles, torch's
 // Event.cuda_event) -> one value per pair. A 4-chunk request reads ~25 stage timings, and
-// torch's Event.elapsed_time costs ~4 us of host each (device guard, argument parsing):
-// a 16-head request is bound by such host time (docs/DESIGN.md).
+// torch's Event.elapsed_time costs ~4 us of host each (device guard, argument parsing),
+// time that runs after the device is done and so adds to the request's latency.
 std::vector<double> events_elapsed_ms(const std::vector<int64_t>& events) {
   const char* op = "events_elapsed_ms";
   if (events.size() % 2 != 0)

@@ -95,7 +95,7 @@ def _chunk_metadata(x: LoopInputs, device, keys_last: bool = False) -> tuple[tor
     q0, q1, max_q, V keys-last layout or None)), built on the host and moved to the device
     in one copy for the whole request. Equal metadata vectors are uploaded once and shared
     (the chunks of one long sequence differ only in their starts): a view costs the host
-    1-5 us, and a 16-head request is bound by host time."""
+    1-5 us, and host time before the first stage adds to the request's latency."""
     q_offsets = [0]
     for n in x.query_lens:
         q_offsets.append(q_offsets[-1] + n)
