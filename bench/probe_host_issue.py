@@ -253,11 +253,20 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-dtype", nargs="+", default=["bf16", "fp8"])
     p.add_argument("--workspace-tokens", type=int, default=16384)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-gc", action="store_true",
+                   help="collect, freeze and disable Python's garbage collector first: whether its "
+                        "collections are part of a request's host time")
     p.add_argument("--out")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("probe_host_issue: needs a CUDA device (it holds the device with a spin kernel)")
         return 2
+    if a.no_gc:
+        import gc
+
+        gc.collect()
+        gc.freeze()
+        gc.disable()
     rows = []
     for heads, pd in [(h, pd) for h in a.heads for pd in a.prefill_dtype]:
         s = ServeSettings(device="cuda", heads=heads, prefill_dtype=pd, block_size=64,
@@ -345,7 +354,7 @@ def main(argv=None) -> int:
                 print(f"    {e['own_us']:8.2f} {e['cumulative_us']:9.2f}  x{e['calls_per_call']:<5g} {e['function']}")
     if a.out:
         meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
-                "commit": os.environ.get("CTXPREFILL_COMMIT", "")}
+                "commit": os.environ.get("CTXPREFILL_COMMIT", ""), "no_gc": a.no_gc}
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0

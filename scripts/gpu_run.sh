@@ -173,9 +173,10 @@ want profile_host && run_step profile_host 200 5 "$OUT/profile_host.txt" bash -c
   done; done'
 
 # the host's time to issue a 16-head request with the device held (no waits), and its pieces
-# PROBE_HOST_HEADS: the head counts probed (default 16; "16 128" adds the 128-head request)
+# PROBE_HOST_HEADS: the head counts probed (default 16; "16 128" adds the 128-head request);
+# PROBE_HOST_ARGS: more of its options (e.g. --no-gc)
 want probe_host && run_step probe_host 150 5 - python3 bench/probe_host_issue.py --heads ${PROBE_HOST_HEADS:-16} \
-  --out "$OUT/host_issue.json"
+  ${PROBE_HOST_ARGS:-} --out "$OUT/host_issue.json"
 
 # ragged requests: 4 sequences of uneven lengths in one 64k-row chunk; where the Triton backend packs
 # the chunk's attention tiles per SM (H=16, 4,096 new: 512 tiles), the fused path also without it
