@@ -46,6 +46,12 @@ def _spin_until_idle() -> None:
         pass
 
 
+def _timer_spin_wait(timer) -> None:
+    """StageTimer's wait by polling its last event (the probe's stand-in for the synchronize)."""
+    while not timer._last.query():
+        pass
+
+
 def _requests(engine, q, seqs, fused: bool, iters: int, marks: dict, spin: bool = False):
     """``iters`` requests, each from an idle device: yields (start, end) host times, with
     ``marks`` cleared before each (the wrappers fill it). ``spin``: wait for the device
@@ -129,11 +135,8 @@ def host_steps_us(engine, q, seqs, fused: bool, iters: int, spin: bool = False) 
         (timing.StageTimer, "finish", wrap(timing.StageTimer, "finish", "finish", "finished")),
     ]
     if spin:
-        def spin_wait(self):
-            while not self._last.query():
-                pass
         saved.append((timing.StageTimer, "_wait", timing.StageTimer._wait))
-        timing.StageTimer._wait = spin_wait
+        timing.StageTimer._wait = _timer_spin_wait
     steps = ("validate", "plan", "inputs", "metadata+upload", "(timer)", "(upload)", "to first stage",
              "issue+device", "sync+readout", "return")
     got = {k: [] for k in steps}
@@ -156,11 +159,8 @@ def host_steps_us(engine, q, seqs, fused: bool, iters: int, spin: bool = False) 
 def _spin_request_s(engine, q, seqs, fused: bool, iters: int) -> float:
     """Median wall time of a request when the host polls for the device (between requests
     and in the timer's wait) rather than blocking in ``torch.cuda.synchronize``."""
-    def spin_wait(self):
-        while not self._last.query():
-            pass
     orig = timing.StageTimer._wait
-    timing.StageTimer._wait = spin_wait
+    timing.StageTimer._wait = _timer_spin_wait
     try:
         got = [t1 - t0 for t0, t1 in _requests(engine, q, seqs, fused, iters, {}, spin=True)]
     finally:
