@@ -141,7 +141,7 @@ def main() -> int:
     xi = x.view(torch.int32)
     read_tbps = x.numel() * 2 / do_bench(lambda: xi.max(), rep_ms=max(rep, 100), flush=False) / 1e9
     model_copy = 2 / (1 / read_tbps + 1 / write_tbps)
-    del x, y, xi
+    x = y = xi = None  # freed (not del: the timed lambdas name them)
     torch.cuda.empty_cache()
     print(f"device-to-device copy: {copy_tbps:.3f} TB/s (2 GiB bf16, read + write, {ms:.3f} ms); "
           f"write-only (fill) {write_tbps:.3f} TB/s, read-only (max) {read_tbps:.3f} TB/s; "
@@ -156,7 +156,7 @@ def main() -> int:
         for w in mix_copy.RATIOS:
             run, moved = mc.runner(w)
             mix_table[w] = moved / do_bench(run, rep_ms=max(rep, 100), flush=False) / 1e9
-        del mc, run
+        mc = run = None  # freed (not del: the timed lambdas name them)
         torch.cuda.empty_cache()
         print("plain streaming copies, TB/s by bytes written per byte read: "
               + ", ".join(f"{w:g}: {t:.3f} ({100 * t / copy_tbps:.1f} % of copy)" for w, t in mix_table.items()))
@@ -225,7 +225,7 @@ def main() -> int:
                         do_bench(lambda: generic_kv_concat_quant_fp8(k_nope, k_pe, v, v_keys_last=lay), rep),
                         (rd_fp8, wr), H=H, T=T)
                 f["speedup_vs_generic"] = round(g["ms"] / f["ms"], 2)
-            del c, kv, k_nope, v, ws, k_pe, a, b
+            c = kv = k_nope = v = ws = k_pe = a = b = None  # freed (not del: the timed lambdas name them)
         torch.cuda.empty_cache()
 
     # ---- gather ----------------------------------------------------------------------
@@ -255,7 +255,7 @@ def main() -> int:
                 do_bench(lambda: gather_reference(cache, bt, cu, st, ref, cd, 1.0, bs), rep), nbytes,
                 rows=rows, block_size=bs)
         f["speedup_vs_torch"] = round(g["ms"] / f["ms"], 2)
-        del cache, out, ref
+        cache = out = ref = None  # freed (not del: the timed lambdas name them)
     torch.cuda.empty_cache()
 
     # ---- merge -----------------------------------------------------------------------
@@ -272,7 +272,7 @@ def main() -> int:
         f = add("merge", "kernel", do_bench(lambda: ext.merge(out, lse, part, plse), rep), nbytes, eq, H=H, T=T)
         g = add("merge", "torch", do_bench(lambda: merge_reference(out, lse, part, plse), rep), nbytes, H=H, T=T)
         f["speedup_vs_torch"] = round(g["ms"] / f["ms"], 2)
-        del out, lse, part, plse, o1, l1, o2, l2
+        out = lse = part = plse = o1 = l1 = o2 = l2 = None  # freed (not del: the timed lambdas name them)
     torch.cuda.empty_cache()
 
     # ---- a plain copy of the same bytes, for each size measured ----------------------------
@@ -282,7 +282,7 @@ def main() -> int:
         src = torch.ones(half, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
         same[nbytes] = 2 * half / do_bench(lambda: dst.copy_(src), rep) / 1e9
-        del src, dst
+        src = dst = None  # freed (not del: the timed lambdas name them)
     torch.cuda.empty_cache()
     for r in results:
         r["same_size_copy_tbps"] = round(same[r["bytes"]], 4)
