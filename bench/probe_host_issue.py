@@ -17,12 +17,14 @@ pieces (per call, device held the same way).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _sub in ("client", "server"):
@@ -38,30 +40,12 @@ from ctxprefill.settings import ServeSettings, build_engine  # noqa: E402
 HOLD_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: longer than anything issued behind it
 
 
-def _spin_until_idle() -> None:
-    """Wait for the device by polling an event: the host thread never blocks."""
-    ev = torch.cuda.Event()
-    ev.record()
-    while not ev.query():
-        pass
-
-
-def _timer_spin_wait(timer) -> None:
-    """StageTimer's wait by polling its last event (the probe's stand-in for the synchronize)."""
-    while not timer._last.query():
-        pass
-
-
-def _requests(engine, q, seqs, fused: bool, iters: int, marks: dict, spin: bool = False):
+def _requests(engine, q, seqs, fused: bool, iters: int, marks: dict):
     """``iters`` requests, each from an idle device: yields (start, end) host times, with
-    ``marks`` cleared before each (the wrappers fill it). ``spin``: wait for the device
-    between requests by polling, not by ``torch.cuda.synchronize``."""
+    ``marks`` cleared before each (the wrappers fill it)."""
     for _ in range(iters):
         marks.clear()
-        if spin:
-            _spin_until_idle()
-        else:
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         engine.prefill_context(q, seqs, fused=fused)
         yield t0, time.perf_counter()
@@ -85,33 +69,28 @@ def issue_time_s(engine, q, seqs, fused: bool, iters: int) -> tuple[float, float
         marks["finish"] = time.perf_counter()
         return finish(self)
 
-    timing.StageTimer.begin, timing.StageTimer.finish = held_begin, marked_finish
     pre, issue = [], []
-    try:
+    with mock.patch.object(timing.StageTimer, "begin", held_begin), \
+            mock.patch.object(timing.StageTimer, "finish", marked_finish):
         for t0, _ in _requests(engine, q, seqs, fused, iters, marks):
             pre.append(marks["first"] - t0)
             issue.append(marks["finish"] - marks["first"])
-    finally:
-        timing.StageTimer.begin, timing.StageTimer.finish = begin, finish
     return statistics.median(pre), statistics.median(issue)
 
 
-def host_steps_us(engine, q, seqs, fused: bool, iters: int, spin: bool = False) -> dict:
+def host_steps_us(engine, q, seqs, fused: bool, iters: int) -> dict:
     """Median host time of each step of a normal (unheld) request outside its stages, in
     µs: validation, planning, building the loop's inputs, the chunk metadata and its upload
     (of which the stage timer's creation, the one upload), the rest up to the first stage;
     after the last stage, the timer's synchronize and event readout, and the return to the
-    caller. ``spin``: the host polls for the device (between requests and in the timer's
-    wait) instead of blocking in ``torch.cuda.synchronize`` — whether a thread woken from
-    that wait runs the next request's Python slower."""
+    caller. (A variant with the host polling for the device instead of blocking in the
+    synchronize measured the same, 2026-12-02, and was dropped.)"""
     from ctxprefill.engine import engine as engine_mod
     from ctxprefill.engine import loop as loop_mod
 
     marks: dict[str, float] = {}
 
-    def wrap(owner, name, before=None, after=None):
-        orig = getattr(owner, name)
-
+    def marking(orig, before, after):
         def wrapped(*args, **kwargs):
             if before and before not in marks:
                 marks[before] = time.perf_counter()
@@ -121,27 +100,20 @@ def host_steps_us(engine, q, seqs, fused: bool, iters: int, spin: bool = False) 
                 if after and after not in marks:
                     marks[after] = time.perf_counter()
 
-        setattr(owner, name, wrapped)
-        return orig
+        return wrapped
 
-    saved = [
-        (engine_mod.Engine, "_check_request", wrap(engine_mod.Engine, "_check_request", None, "checked")),
-        (engine_mod, "plan_chunks", wrap(engine_mod, "plan_chunks", None, "planned")),
-        (engine_mod, "run_chunk_loop", wrap(engine_mod, "run_chunk_loop", "loop", "loop_done")),
-        (loop_mod, "_chunk_metadata", wrap(loop_mod, "_chunk_metadata", None, "uploaded")),
-        (loop_mod, "_upload", wrap(loop_mod, "_upload", "upload0", "upload1")),
-        (timing.StageTimer, "__init__", wrap(timing.StageTimer, "__init__", "timer0", "timer1")),
-        (timing.StageTimer, "begin", wrap(timing.StageTimer, "begin", "first_stage", None)),
-        (timing.StageTimer, "finish", wrap(timing.StageTimer, "finish", "finish", "finished")),
-    ]
-    if spin:
-        saved.append((timing.StageTimer, "_wait", timing.StageTimer._wait))
-        timing.StageTimer._wait = _timer_spin_wait
+    # (owner, name, mark at its first call's start, mark at its first call's end)
+    wraps = [(engine_mod.Engine, "_check_request", None, "checked"), (engine_mod, "plan_chunks", None, "planned"),
+             (engine_mod, "run_chunk_loop", "loop", None), (loop_mod, "_chunk_metadata", None, "uploaded"),
+             (loop_mod, "_upload", "upload0", "upload1"), (timing.StageTimer, "__init__", "timer0", "timer1"),
+             (timing.StageTimer, "begin", "first_stage", None), (timing.StageTimer, "finish", "finish", "finished")]
     steps = ("validate", "plan", "inputs", "metadata+upload", "(timer)", "(upload)", "to first stage",
              "issue+device", "sync+readout", "return")
     got = {k: [] for k in steps}
-    try:
-        for t0, t1 in _requests(engine, q, seqs, fused, iters, marks, spin):
+    with contextlib.ExitStack() as patches:
+        for owner, name, before, after in wraps:
+            patches.enter_context(mock.patch.object(owner, name, marking(getattr(owner, name), before, after)))
+        for t0, t1 in _requests(engine, q, seqs, fused, iters, marks):
             m = marks
             for k, a, b in (("validate", t0, m["checked"]), ("plan", m["checked"], m["planned"]),
                             ("inputs", m["planned"], m["loop"]), ("metadata+upload", m["loop"], m["uploaded"]),
@@ -150,22 +122,7 @@ def host_steps_us(engine, q, seqs, fused: bool, iters: int, spin: bool = False) 
                             ("issue+device", m["first_stage"], m["finish"]),
                             ("sync+readout", m["finish"], m["finished"]), ("return", m["finished"], t1)):
                 got[k].append((b - a) * 1e6)
-    finally:
-        for owner, name, orig in saved:
-            setattr(owner, name, orig)
     return {k: round(statistics.median(v), 1) for k, v in got.items()}
-
-
-def _spin_request_s(engine, q, seqs, fused: bool, iters: int) -> float:
-    """Median wall time of a request when the host polls for the device (between requests
-    and in the timer's wait) rather than blocking in ``torch.cuda.synchronize``."""
-    orig = timing.StageTimer._wait
-    timing.StageTimer._wait = _timer_spin_wait
-    try:
-        got = [t1 - t0 for t0, t1 in _requests(engine, q, seqs, fused, iters, {}, spin=True)]
-    finally:
-        timing.StageTimer._wait = orig
-    return statistics.median(got)
 
 
 def per_call_us(fn, n: int = 200, hold: bool = True) -> float:
@@ -192,32 +149,28 @@ def triton_run_us(fn, n: int = 50) -> float | None:
     except Exception:  # noqa: BLE001 - no Triton
         return None
     spent = [0.0]
-    patched = []
-    for mod, name in ((gluon_attention, "_mla_attn_ws_fwd"), (triton_attention, "_mla_ctx_attn_fwd")):
-        jf = getattr(mod, name, None)
-        if jf is None or not hasattr(jf, "run"):
-            continue
-        orig = jf.run
+    kernels = [jf for jf in (getattr(gluon_attention, "_mla_attn_ws_fwd", None),
+                             getattr(triton_attention, "_mla_ctx_attn_fwd", None)) if hasattr(jf, "run")]
 
-        def timed(*args, _orig=orig, **kwargs):
+    def timing_run(orig):
+        def timed(*args, **kwargs):
             t = time.perf_counter()
             try:
-                return _orig(*args, **kwargs)
+                return orig(*args, **kwargs)
             finally:
                 spent[0] += time.perf_counter() - t
 
-        jf.run = timed
-        patched.append(jf)
-    try:
+        return timed
+
+    with contextlib.ExitStack() as patches:
+        for jf in kernels:
+            patches.enter_context(mock.patch.object(jf, "run", timing_run(jf.run)))
         torch.cuda.synchronize()
         torch.cuda._sleep(HOLD_CYCLES)
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
-    finally:
-        for jf in patched:
-            del jf.run  # the class's method again
-    return spent[0] / n * 1e6 if patched else None
+    return spent[0] / n * 1e6 if kernels else None
 
 
 def profile_top(fn, n: int = 200, top: int = 25) -> list[dict]:
@@ -282,9 +235,6 @@ def main(argv=None) -> int:
             row[f"{name}_stages_s"] = sum(t["stage_s"].values())
             row[f"{name}_before_stages_s"], row[f"{name}_issue_s"] = issue_time_s(engine, q, seqs, fused, a.iters)
             row[f"{name}_host_steps_us"] = host_steps_us(engine, q, seqs, fused, a.iters)
-            row[f"{name}_host_steps_spin_us"] = host_steps_us(engine, q, seqs, fused, a.iters, spin=True)
-            # the whole request with the host polling, as the held steps see it
-            row[f"{name}_request_spin_s"] = _spin_request_s(engine, q, seqs, fused, a.iters)
         # the pieces, one call each (device held): what a stage's bracket costs the host
         ev = torch.cuda.Event(enable_timing=True)
         stream = torch.cuda.current_stream()
@@ -341,8 +291,6 @@ def main(argv=None) -> int:
                   f"host issue of the stages {r[path + '_issue_s'] * 1e3:.3f}")
         for path in ("generic", "fused"):
             print(f"  {path} request's host steps (us, unheld): {r[path + '_host_steps_us']}")
-            print(f"  {path} request's host steps (us, unheld, host polling): {r[path + '_host_steps_spin_us']}; "
-                  f"request {r[path + '_request_spin_s'] * 1e3:.3f} ms")
         print(f"  per call: event record {r['event_record_us']:.1f}, elapsed_time {r['event_elapsed_us']:.1f}, "
               f"torch.empty {r['empty_us']:.1f}, attention launch {r['attention_call_us']:.1f} "
               f"(in Triton's JITFunction.run: {r['attention_triton_run_us'] or 0:.1f}), "

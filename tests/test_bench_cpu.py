@@ -212,6 +212,7 @@ def test_floor_at_the_held_gemm_rate():
     assert held["glue_s"] == burst["glue_s"] > 0
     assert held["kv_b_proj_s"] == pytest.approx(2 * burst["kv_b_proj_s"])
     assert held["attention_s"] == pytest.approx(2 * burst["attention_s"])
+    assert burst["total_s"] == pytest.approx(burst["kv_b_proj_s"] + burst["attention_s"] + burst["glue_s"])
     import torch
 
     got = bench.measure_ceilings(torch.device("cpu"), sustained_s=1.0)

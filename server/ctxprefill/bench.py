@@ -118,10 +118,11 @@ def floor_seconds(cfg, contexts, queries, ceil, rate: str = "matmul_flops_per_s"
         + ctx * H * P * 2 + ctx * R * 2 + ctx * H * (P + R) * e  # pack: read k_nope, k_pe; write k
         + (ctx * H * V * (2 + e) if fp8 else 0)  # fp8: read v, write v8
     )
+    parts = {"kv_b_proj_s": kvb_flops / ceil[rate], "attention_s": att_flops / ceil[rate],
+             "glue_s": glue / ceil["copy_bytes_per_s"]}
     return {
-        "kv_b_proj_s": kvb_flops / ceil[rate],
-        "attention_s": att_flops / ceil[rate],
-        "glue_s": glue / ceil["copy_bytes_per_s"],
+        **parts,
+        "total_s": sum(parts.values()),
         "attention_flops": att_flops,
         "kv_b_proj_flops": kvb_flops,
         "glue_bytes": glue,
@@ -484,11 +485,11 @@ def main(argv=None) -> int:
             continue
         tg, tf = g["median_s"], f["median_s"]
         fl = floor_seconds(engine.config, ctx_lens, new_lens, ceil)
-        floor = fl["kv_b_proj_s"] + fl["attention_s"] + fl["glue_s"]
+        floor = fl["total_s"]
         held = None
         if "matmul_sustained_flops_per_s" in ceil:
-            fh = floor_seconds(engine.config, ctx_lens, new_lens, ceil, rate="matmul_sustained_flops_per_s")
-            held = fh["kv_b_proj_s"] + fh["attention_s"] + fh["glue_s"]
+            held = floor_seconds(engine.config, ctx_lens, new_lens, ceil,
+                                 rate="matmul_sustained_flops_per_s")["total_s"]
         n = len(rf.stats.chunks)
         lg, lf = sum(rg.stats.launches.values()) / n, sum(rf.stats.launches.values()) / n
         row_s = time.monotonic() - t_row

@@ -207,9 +207,9 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
                 out.zero_()
                 lse.fill_(float("-inf"))
 
-    # A 16-head request is bound by the host issuing it (docs/DESIGN.md), and a tensor view
-    # costs the host 2-5 us: chunks of equal size share their workspace views, and a chunk
-    # whose query rows are all of the request's uses the whole tensors, not slices of them.
+    # A 16-head request's host issues it in about the device's time (docs/DESIGN.md), and a
+    # tensor view costs the host 2-5 us: chunks of equal size share their workspace views, and
+    # a chunk whose query rows are all of the request's uses the whole tensors, not slices.
     ws_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for i, (c, (cu_k, starts, cu_q, q0, q1, max_q, layout)) in enumerate(zip(x.chunks, meta)):
         kw = {} if layout is None else {"v_layout": "hdt", "cu_seqlens_v": layout.cu_v_dev}

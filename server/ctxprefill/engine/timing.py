@@ -80,14 +80,10 @@ class StageTimer:
         yield
         self.end(started)
 
-    def _wait(self) -> None:
-        """Wait for the device to finish the request's work (the one synchronize)."""
-        torch.cuda.synchronize(self._stream.device)
-
     def finish(self) -> tuple[dict[str, int], int]:
         """(nanoseconds per stage, total nanoseconds); synchronizes on a GPU."""
         if self.cuda:
-            self._wait()
+            torch.cuda.synchronize(self._stream.device)
             if self._last is not None:
                 pairs = [(self._first, self._last)] + [(a, b) for _, a, b in self._events]
                 ms = _elapsed_ms(pairs)
@@ -107,6 +103,6 @@ def _elapsed_ms(pairs) -> list[float]:
     the CUDA extension when it is loaded (~25 pairs per 4-chunk request; torch's
     ``Event.elapsed_time`` costs ~4 us of host each), else torch's one by one."""
     ext = _cuda.load()
-    if ext is not None and hasattr(ext, "events_elapsed_ms"):  # an extension built before it lacks it
+    if ext is not None:
         return ext.events_elapsed_ms([e.cuda_event for pair in pairs for e in pair])
     return [a.elapsed_time(b) for a, b in pairs]
