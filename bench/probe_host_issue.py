@@ -104,7 +104,7 @@ def host_steps_us(engine, q, seqs, fused: bool, iters: int) -> dict:
 
     # (owner, name, mark at its first call's start, mark at its first call's end)
     wraps = [(engine_mod.Engine, "_check_request", None, "checked"), (engine_mod, "plan_chunks", None, "planned"),
-             (engine_mod, "run_chunk_loop", "loop", None), (loop_mod, "_chunk_metadata", None, "uploaded"),
+             (engine_mod, "start_chunk_loop", "loop", None), (loop_mod, "_chunk_metadata", None, "uploaded"),
              (loop_mod, "_upload", "upload0", "upload1"), (timing.StageTimer, "__init__", "timer0", "timer1"),
              (timing.StageTimer, "begin", "first_stage", None), (timing.StageTimer, "finish", "finish", "finished")]
     steps = ("validate", "plan", "inputs", "metadata+upload", "(timer)", "(upload)", "to first stage",

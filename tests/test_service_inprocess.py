@@ -123,7 +123,7 @@ def test_worker_skips_an_expired_deadline():
 
 
 def test_out_of_memory_is_resource_exhausted_and_the_server_goes_on(engine, monkeypatch):
-    orig = engine.prefill_context
+    orig = engine.prefill_context_start  # what the service calls
     calls = []
 
     def prefill_context(*a, **kw):
@@ -132,7 +132,7 @@ def test_out_of_memory_is_resource_exhausted_and_the_server_goes_on(engine, monk
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return orig(*a, **kw)
 
-    monkeypatch.setattr(engine, "prefill_context", prefill_context)
+    monkeypatch.setattr(engine, "prefill_context_start", prefill_context)
 
     async def main():
         async with Harness(engine) as h:

@@ -26,7 +26,7 @@ from ..errors import InvalidArgument, OutOfRange
 from ..ops import _cuda
 from ..ops.fp8 import FP8
 from ..weights import KvBProjWeights
-from .loop import LoopInputs, Observer, run_chunk_loop
+from .loop import LoopInputs, Observer, PendingLoop, start_chunk_loop
 from .plan import ContextChunk, plan_chunks, validate_plan
 
 
@@ -60,6 +60,25 @@ class PrefillResult:
     out: torch.Tensor  # [Tq, H, V] bf16
     lse: torch.Tensor  # [H, Tq] float32, natural log
     stats: PrefillStats
+
+
+class PendingPrefill:
+    """A request whose device work is queued (:meth:`Engine.prefill_context_start`).
+    ``out`` / ``lse`` are its result tensors, final once the queued work is done:
+    work queued on the same stream after this point (e.g. copying them elsewhere) sees
+    them complete. :meth:`result` waits for the request only and returns its result
+    with the stats; call it once."""
+
+    def __init__(self, engine: "Engine", pending: PendingLoop, stats: dict):
+        self._engine, self._pending, self._stats = engine, pending, stats
+        self.out, self.lse = pending.out, pending.lse
+
+    def result(self) -> PrefillResult:
+        with self._engine._on_device():
+            r = self._pending.finish()
+        stats = PrefillStats(**self._stats, launches=r.launches, stage_ns=r.stage_ns, total_ns=r.total_ns,
+                             span_ns=r.span_ns)
+        return PrefillResult(r.out, r.lse, stats)
 
 
 class Engine:
@@ -188,6 +207,21 @@ class Engine:
         fused: bool | None = None,
         observer: Observer | None = None,
     ) -> PrefillResult:
+        return self.prefill_context_start(q, sequences, workspace_tokens, plan, fused, observer).result()
+
+    def prefill_context_start(
+        self,
+        q: torch.Tensor,
+        sequences: Sequence[SequenceSpec],
+        workspace_tokens: int | None = None,
+        plan: Sequence[ContextChunk] | None = None,
+        fused: bool | None = None,
+        observer: Observer | None = None,
+    ) -> PendingPrefill:
+        """Validate the request and queue its device work; return without waiting for it.
+        The next request can be validated and queued before this one's result is taken
+        (the workspace is reused in stream order), so that the device does not idle
+        between requests while the host prepares the next one."""
         cfg = self.config
         W = cfg.workspace_tokens if workspace_tokens is None else int(workspace_tokens)
         bt = self._check_request(q, sequences, W)
@@ -215,10 +249,7 @@ class Engine:
             heads=cfg.shape.heads,
         )
         with self._lock, self._on_device():
-            r = run_chunk_loop(inputs, self.backend, fused, observer)
-        stats = PrefillStats(
-            chunks=list(plan), launches=r.launches, path="fused" if fused else "generic", fp8_path=cfg.fp8_path_labels,
-            stage_ns=r.stage_ns, total_ns=r.total_ns, context_tokens=sum(context_lens), query_tokens=int(q.shape[0]),
-            span_ns=r.span_ns,
-        )
-        return PrefillResult(r.out, r.lse, stats)
+            pending = start_chunk_loop(inputs, self.backend, fused, observer)
+        return PendingPrefill(self, pending, dict(
+            chunks=list(plan), path="fused" if fused else "generic", fp8_path=cfg.fp8_path_labels,
+            context_tokens=sum(context_lens), query_tokens=int(q.shape[0])))

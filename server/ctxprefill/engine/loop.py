@@ -174,7 +174,29 @@ class _Stage:
         launches.leave(self.token)
 
 
+class PendingLoop:
+    """A chunk loop whose work is queued on the device. ``out`` and ``lse`` are the
+    request's result tensors (written by that queued work); :meth:`finish` waits for it
+    (the request's last event, not the whole device: a request queued behind it is not
+    waited for) and reads the stage timings."""
+
+    __slots__ = ("out", "lse", "counts", "timer")
+
+    def __init__(self, out, lse, counts: Counter, timer: StageTimer):
+        self.out, self.lse, self.counts, self.timer = out, lse, counts, timer
+
+    def finish(self) -> LoopResult:
+        stage_ns, total_ns = self.timer.finish()
+        return LoopResult(self.out, self.lse, self.counts, stage_ns, total_ns, self.timer.span_ns)
+
+
 def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observer: Observer | None = None) -> LoopResult:
+    return start_chunk_loop(x, backend, fused, observer).finish()
+
+
+def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
+                     observer: Observer | None = None) -> PendingLoop:
+    """Queue the chunk loop's work on the device and return without waiting for it."""
     q = x.q
     device = q.device
     Tq, H = q.shape[0], x.heads
@@ -271,5 +293,4 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observ
         if observer is not None:
             observer(i, c, q_c, k, v, o_c, l_c)
 
-    stage_ns, total_ns = timer.finish()
-    return LoopResult(out, lse, counts, stage_ns, total_ns, timer.span_ns)
+    return PendingLoop(out, lse, counts, timer)

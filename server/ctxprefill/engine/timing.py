@@ -83,8 +83,12 @@ class StageTimer:
     def finish(self) -> tuple[dict[str, int], int]:
         """(nanoseconds per stage, total nanoseconds); synchronizes on a GPU."""
         if self.cuda:
-            torch.cuda.synchronize(self._stream.device)
-            if self._last is not None:
+            # the request's last stage's end event (every stage is on one stream): work queued
+            # after the request (the next one's, in a pipelined server) is not waited for
+            if self._last is None:
+                torch.cuda.synchronize(self._stream.device)
+            else:
+                self._last.synchronize()
                 pairs = [(self._first, self._last)] + [(a, b) for _, a, b in self._events]
                 ms = _elapsed_ms(pairs)
                 self.span_ns = int(ms[0] * 1e6)

@@ -88,7 +88,9 @@ class EngineWorker:
         self._waiting = 0
         # request rings (request_ring.py): polled by this thread between queued calls
         self._rings: tuple = ()
-        self.ring_handler = None  # (ring, payload or None, defer list) -> answer bytes; set by the servicer
+        # (ring, payload or None, defer list) -> a function returning the answer's bytes, the
+        # request's device work queued in between; set by the servicer
+        self.ring_handler = None
         self.ring_spin_s, self.ring_poll_s = float(ring_spin_s), float(ring_poll_s)
         self._thread = threading.Thread(target=self._run, name="ctxprefill-engine", daemon=True)
         self._thread.start()
@@ -157,26 +159,51 @@ class EngineWorker:
             if rings and self._poll_rings(rings):
                 hot_until = time.monotonic() + self.ring_spin_s
 
+    #: requests served per poll of the rings at most, before queued calls get a turn
+    RING_BURST = 16
+
     def _poll_rings(self, rings) -> bool:
-        """Serve at most one request of each ring; True when one was served."""
-        served, keep = False, []
-        for ring in rings:
-            if not ring.usable():
-                continue
-            keep.append(ring)
-            got = ring.take()
-            if got is None:
-                continue
-            slot, seq, payload = got
-            after: list = []
-            ring.answer(slot, seq, self.ring_handler(ring, payload, after))
-            for fn in after:  # metrics, releasing regions: while the caller reads its answer
-                fn()
-            served = True
-        if len(keep) != len(rings):
+        """Serve the rings' waiting requests, round robin, at most ``RING_BURST``; True when
+        one was served. They are pipelined: the next request is started (validated, its
+        device work queued) before the previous one is waited for and answered, so that
+        the device goes from one request's work to the next instead of waiting for the
+        host in between (one ring with two requests in flight keeps it busy)."""
+        served, live = 0, list(rings)
+        pending = None  # (ring, slot, seq, answer function, defer list)
+        took = True
+        while took and served < self.RING_BURST:
+            took = False
+            for ring in list(live):
+                if served >= self.RING_BURST:
+                    break
+                if not ring.usable():
+                    live.remove(ring)
+                    continue
+                got = ring.take()
+                if got is None:
+                    continue
+                slot, seq, payload = got
+                after: list = []
+                started = (ring, slot, seq, self.ring_handler(ring, payload, after), after)
+                if pending is not None:
+                    self._answer_ring(*pending)
+                pending = started
+                served += 1
+                took = True
+        if pending is not None:
+            self._answer_ring(*pending)
+        if len(live) != len(rings):
             with self._lock:  # add_ring runs on the event loop
-                self._rings = tuple(r for r in self._rings if r not in rings or r in keep)
-        return served
+                self._rings = tuple(r for r in self._rings if r not in rings or r in live)
+        return served > 0
+
+    @staticmethod
+    def _answer_ring(ring, slot: int, seq: int, answer, after: list) -> None:
+        data = answer()  # always: it waits for the request and releases what it holds
+        if not ring.stopped.done():  # the ring may have been let go since the request was taken
+            ring.answer(slot, seq, data)
+        for fn in after:  # metrics, releasing regions: while the caller reads its answer
+            fn()
 
     def _call(self, item: list) -> None:
         """Run one queued call (unless it was cancelled or its deadline passed)."""
@@ -268,7 +295,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                                         on_change=metrics.set_shared_memory_regions)
         self.rings = (RingTable(self.shm, settings.request_ring_max)
                       if getattr(settings, "request_ring", False) else None)
-        worker.ring_handler = self._ring_request
+        worker.ring_handler = self._ring_start
 
     # -- lifecycle (called by server.py) ---------------------------------------------
     def attach_engine(self, engine: Engine) -> None:
@@ -554,51 +581,74 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         ``defer``: a list that takes the bookkeeping that may wait until the answer is out
         (metrics, releasing the regions; the device is synchronized already) — what a
         request ring does; otherwise it is done here."""
+        finish = self._prefill_start(engine, lease, args, t0, t_valid, defer)
+        return None if finish is None else finish()
+
+    def _prefill_start(self, engine: Engine, lease, args, t0: int, t_valid: int, defer: list | None = None):
+        """The first half of :meth:`_prefill_work`: queue the request's device work and the
+        copies of its results into shared memory, and return a function that waits for
+        them and returns what ``_prefill_work`` does (None when the handler gave up first).
+        Between the two the engine thread can start the next request (request rings), so
+        that the device is not idle while the host prepares it."""
         t_start = time.perf_counter_ns()
         if lease is not None and not lease.begin():
             return None  # the handler gave up on this request
-        done = False
         try:
             q = codec.from_shared(args.q, engine.device) if args.q_shared else args.q
             if args.q_shared and not args.q.is_cuda and engine.device.type == "cuda":
                 torch.cuda.current_stream(engine.device).synchronize()  # input_nanos: the copy itself
             t_in = time.perf_counter_ns()
-            r = engine.prefill_context(q, args.sequences, workspace_tokens=args.workspace_tokens, plan=args.plan)
-            t_done = time.perf_counter_ns()
+            pending = engine.prefill_context_start(q, args.sequences, workspace_tokens=args.workspace_tokens,
+                                                   plan=args.plan)
             msgs = []
-            for t, to in ((r.out, args.output_to), (r.lse, args.lse_to)):
+            for t, to in ((pending.out, args.output_to), (pending.lse, args.lse_to)):
                 if to is None:
                     msgs.append(None)
                     continue
                 nbytes = t.numel() * t.element_size()
-                codec.write_shared(to.view, t)
+                codec.write_shared(to.view, t)  # queued behind the request's work
                 lease.count(to.kind, "out", nbytes)
                 msgs.append(codec.encode_shared(t.dtype, t.shape, to.region, to.offset, nbytes))
+            placed = None
             if engine.device.type == "cuda":
-                torch.cuda.synchronize(engine.device)  # the result is in place (and ready to copy)
-            out = msgs[0] if msgs[0] is not None else codec.encode_parts(r.out)
-            lse = msgs[1] if msgs[1] is not None else codec.encode_parts(r.lse)
-            t_end = time.perf_counter_ns()
-            # the five parts of total_nanos (Stats.validate_nanos ... output_nanos)
-            phases = (t_valid - t0, t_start - t_valid, t_in - t_start, t_done - t_in, t_end - t_done)
+                placed = torch.cuda.Event()
+                placed.record(torch.cuda.current_stream(engine.device))
+        except BaseException:
+            self._end_shared(lease, engine.device)
+            raise
 
-            def account():
-                self.metrics.observe_prefill(r.stats, (t_end - t0) / 1e9)
-                if lease is not None:
-                    self.metrics.observe_shared_memory(lease.transferred)
+        def finish():
+            done = False
+            try:
+                r = pending.result()
+                t_done = time.perf_counter_ns()
+                if placed is not None:
+                    placed.synchronize()  # the results are in place (and ready to copy)
+                out = msgs[0] if msgs[0] is not None else codec.encode_parts(r.out)
+                lse = msgs[1] if msgs[1] is not None else codec.encode_parts(r.lse)
+                t_end = time.perf_counter_ns()
+                # the five parts of total_nanos (Stats.validate_nanos ... output_nanos)
+                phases = (t_valid - t0, t_start - t_valid, t_in - t_start, t_done - t_in, t_end - t_done)
 
-            if defer is None:
-                account()
-            else:
-                defer.append(account)
-            done = True
-            return out, lse, r.stats, t_end - t0, phases
-        finally:
-            if done and defer is not None:
-                if lease is not None:
-                    defer.append(lease.finish)  # the device work is synchronized above
-            else:
-                self._end_shared(lease, engine.device)
+                def account():
+                    self.metrics.observe_prefill(r.stats, (t_end - t0) / 1e9)
+                    if lease is not None:
+                        self.metrics.observe_shared_memory(lease.transferred)
+
+                if defer is None:
+                    account()
+                else:
+                    defer.append(account)
+                done = True
+                return out, lse, r.stats, t_end - t0, phases
+            finally:
+                if done and defer is not None:
+                    if lease is not None:
+                        defer.append(lease.finish)  # the device work is synchronized above
+                else:
+                    self._end_shared(lease, engine.device)
+
+        return finish
 
     def _prefill_response(self, engine: Engine, done, request_id: str):
         out, lse, st, total_ns, phases = done
@@ -664,6 +714,12 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         """On the engine thread: one ring request, run as PrefillContext; the answer's
         bytes (a PrefillContextStreamResponse: the response, or the error in-band).
         ``defer`` takes what may run once the answer is written (the worker runs it)."""
+        return self._ring_start(ring, payload, defer)()
+
+    def _ring_start(self, ring, payload: bytes | None, defer: list):
+        """The first half of :meth:`_ring_request`: parse, validate and queue the request's
+        device work; returns a function that waits for it and returns the answer's bytes
+        (at once for a request refused before it reached the device)."""
         t0 = time.perf_counter_ns()
         request_id = ""
         try:
@@ -680,22 +736,33 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             request_id_var.set(validate.request_id_for_logs(request_id))
             engine, lease, args, t_valid = self._prefill_checked(request, t0, admit=False)
             try:
-                done = _guarded(lambda: self._prefill_work(engine, lease, args, t0, t_valid, defer), self.metrics)
+                finish = _guarded(lambda: self._prefill_start(engine, lease, args, t0, t_valid, defer), self.metrics)
             finally:
                 if lease is not None:
                     lease.abandon()  # releases only if the work never started
-            answer = nest(pb.PrefillContextStreamResponse(request_id=request_id), "response",
-                          self._prefill_response(engine, done, request_id))
-            data = answer.SerializeToString()
-            if len(data) > ring.payload_bytes:
-                raise RpcStatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"the answer takes {len(data)} bytes, a slot holds {ring.payload_bytes}: ask for "
-                                     f"output_region and lse_region, or attach a ring with larger slots",
-                                     "answer_too_large")
-            defer.append(lambda: self.metrics.ring_requests.labels(grpc_code="OK").inc())
-            return data
         except Exception as e:  # noqa: BLE001 - answered in-band, with the status a unary call would get
-            return self._in_band_error(e, RING_METHOD, self.metrics.ring_requests, request_id).SerializeToString()
+            data = self._in_band_error(e, RING_METHOD, self.metrics.ring_requests, request_id).SerializeToString()
+            return lambda: data
+
+        def answer() -> bytes:
+            request_id_var.set(validate.request_id_for_logs(request_id))  # the next request may have set it
+            try:
+                done = None if finish is None else _guarded(finish, self.metrics)
+                answer = nest(pb.PrefillContextStreamResponse(request_id=request_id), "response",
+                              self._prefill_response(engine, done, request_id))
+                data = answer.SerializeToString()
+                if len(data) > ring.payload_bytes:
+                    raise RpcStatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                         f"the answer takes {len(data)} bytes, a slot holds {ring.payload_bytes}: ask "
+                                         f"for output_region and lse_region, or attach a ring with larger slots",
+                                         "answer_too_large")
+                defer.append(lambda: self.metrics.ring_requests.labels(grpc_code="OK").inc())
+                return data
+            except Exception as e:  # noqa: BLE001 - answered in-band
+                return self._in_band_error(e, RING_METHOD, self.metrics.ring_requests,
+                                           request_id).SerializeToString()
+
+        return answer
 
     @staticmethod
     def _in_band_error(e: Exception, where: str, counter, request_id: str) -> pb.PrefillContextStreamResponse:
