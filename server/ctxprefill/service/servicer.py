@@ -710,16 +710,12 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             self.metrics.request_rings.set(len(self.rings.rings))
             log.info("request ring detached", extra={"ring": ring.ring_id, "served": ring.served})
 
-    def _ring_request(self, ring, payload: bytes | None, defer: list) -> bytes:
-        """On the engine thread: one ring request, run as PrefillContext; the answer's
-        bytes (a PrefillContextStreamResponse: the response, or the error in-band).
-        ``defer`` takes what may run once the answer is written (the worker runs it)."""
-        return self._ring_start(ring, payload, defer)()
-
     def _ring_start(self, ring, payload: bytes | None, defer: list):
-        """The first half of :meth:`_ring_request`: parse, validate and queue the request's
-        device work; returns a function that waits for it and returns the answer's bytes
-        (at once for a request refused before it reached the device)."""
+        """On the engine thread: one ring request, run as PrefillContext — parsed,
+        validated and its device work queued; returns a function that waits for it and
+        returns the answer's bytes (a PrefillContextStreamResponse: the response, or the
+        error in-band; at once for a request refused before it reached the device).
+        ``defer`` takes what may run once the answer is written (the worker runs it)."""
         t0 = time.perf_counter_ns()
         request_id = ""
         try:
