@@ -184,6 +184,7 @@ gather_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int64_t blo
               const int32_t* __restrict__ bt, int64_t bt_s0, int64_t bt_s1, int64_t max_blocks,
               const int32_t* __restrict__ cu, int64_t cu_s, const int32_t* __restrict__ starts, int64_t st_s,
               int n, uint8_t* __restrict__ out, int64_t out_s0_bytes, int64_t rows, float k_scale) {
+  static_assert(CD != CacheDtype::Fp8DsMla, "fp8_ds_mla has gather_ds_mla_kernel");
   constexpr int64_t BPS = slot_bytes(CD);
   constexpr int U = OUT_FP8 ? 36 : 72;  // 16-byte output chunks per row
   constexpr int K = (U + 31) / 32;      // chunks per lane per row
@@ -221,19 +222,10 @@ gather_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int64_t blo
         const uint8_t* src = cache + slot[r] * BPS;
         if constexpr (CD == CacheDtype::Auto || OUT_FP8) {
           v[r][k] = ld16<A>(src + c * 16);  // bf16 -> bf16, or raw fp8 bytes
-        } else if constexpr (CD == CacheDtype::Fp8) {
+        } else {  // fp8 -> bf16: 8 e4m3 per output chunk
           const uint2 q = ld8<A>(src + c * 8);
           v[r][k].x = q.x;
           v[r][k].y = q.y;
-        } else {  // fp8_ds_mla: 64 chunks of 8 e4m3 (a scale per 128), then 8 of bf16 k_pe
-          if (c < 64) {
-            const uint2 q = ld8<A>(src + c * 8);
-            v[r][k].x = q.x;
-            v[r][k].y = q.y;
-            sc[r][k] = ldf<A>(src + kLatent + 4 * (c >> 4));
-          } else {
-            v[r][k] = ld16<A>(src + kLatent + 16 + (c - 64) * 16);
-          }
         }
       }
     if constexpr (CD != CacheDtype::Auto && !OUT_FP8) {
@@ -242,8 +234,7 @@ gather_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int64_t blo
 #pragma unroll
         for (int k = 0; k < K; ++k) {
           const int c = lane + 32 * k;
-          const bool dq = CD == CacheDtype::Fp8 ? c < U : c < 64;
-          if (dq && slot[r] >= 0) v[r][k] = dev::bf16x8_from_e4m3x8_scaled(make_uint2(v[r][k].x, v[r][k].y), sc[r][k]);
+          if (c < U && slot[r] >= 0) v[r][k] = dev::bf16x8_from_e4m3x8_scaled(make_uint2(v[r][k].x, v[r][k].y), sc[r][k]);
         }
     }
 #pragma unroll
@@ -253,6 +244,69 @@ gather_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int64_t blo
         const int c = lane + 32 * k;
         if (c < U && r0 + r < rows) st16<A>(out + (r0 + r) * out_s0_bytes + c * 16, v[r][k]);
       }
+  }
+}
+
+// fp8_ds_mla -> bf16, a lane per 16 latent bytes: one 16-byte load of 16 e4m3 values and
+// one scale load per lane and row (gather_kernel's layout would issue two 8-byte loads
+// and two scale loads for the same bytes), R rows per warp step; the two converted
+// chunks of lane l (output chunks 2l, 2l+1) are passed by shuffles so that each store
+// instruction writes 512 contiguous bytes. Measured on the H200 (twelfth session, side
+// by side in one call): 86.7 % of copy at 256k rows, R = 4 85.9, the gather_kernel form
+// 84.3.
+template <int A, int R>
+__global__ void __launch_bounds__(dev::kThreads)
+gather_ds_mla_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int64_t block_size,
+                     const int32_t* __restrict__ bt, int64_t bt_s0, int64_t bt_s1, int64_t max_blocks,
+                     const int32_t* __restrict__ cu, int64_t cu_s, const int32_t* __restrict__ starts, int64_t st_s,
+                     int n, uint8_t* __restrict__ out, int64_t out_s0_bytes, int64_t rows) {
+  constexpr int64_t BPS = slot_bytes(CacheDtype::Fp8DsMla);
+  static_assert(kLatent == 32 * 16, "a lane per 16 latent bytes");
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+  for (int64_t r0 = warp * R; r0 < rows; r0 += nwarps * R) {
+    const int64_t mine = lane < R && r0 + lane < rows
+                             ? row_slot(r0 + lane, cu, cu_s, starts, st_s, n, bt, bt_s0, bt_s1, max_blocks,
+                                        num_blocks, block_size)
+                             : -1;
+    int64_t slot[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) slot[r] = __shfl_sync(0xffffffffu, mine, r);
+    uint4 q[R], pe[R];
+    float sc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {  // every load first (see gather_kernel)
+      q[r] = pe[r] = make_uint4(0u, 0u, 0u, 0u);
+      sc[r] = 0.f;
+      if (slot[r] < 0) continue;
+      const uint8_t* src = cache + slot[r] * BPS;
+      q[r] = ld16<A>(src + lane * 16);
+      sc[r] = ldf<A>(src + kLatent + 4 * (lane >> 3));  // 8 lanes = 128 values share a scale
+      if (lane < kRope * 2 / 16) pe[r] = ld16<A>(src + kLatent + 16 + lane * 16);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r0 + r >= rows) break;  // rows of a warp step are consecutive: the rest are past the end too
+      uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+      if (slot[r] >= 0) {  // an unmapped row is zeros, as in gather_kernel
+        a = dev::bf16x8_from_e4m3x8_scaled(make_uint2(q[r].x, q[r].y), sc[r]);
+        b = dev::bf16x8_from_e4m3x8_scaled(make_uint2(q[r].z, q[r].w), sc[r]);
+      }
+      // output chunk j lives in lane j/2 (a: j even, b: j odd); store chunks lane and 32 + lane
+      uint8_t* o = out + (r0 + r) * out_s0_bytes;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int from = half * 16 + (lane >> 1);
+        uint4 x, y;
+        x.x = __shfl_sync(0xffffffffu, a.x, from); x.y = __shfl_sync(0xffffffffu, a.y, from);
+        x.z = __shfl_sync(0xffffffffu, a.z, from); x.w = __shfl_sync(0xffffffffu, a.w, from);
+        y.x = __shfl_sync(0xffffffffu, b.x, from); y.y = __shfl_sync(0xffffffffu, b.y, from);
+        y.z = __shfl_sync(0xffffffffu, b.z, from); y.w = __shfl_sync(0xffffffffu, b.w, from);
+        st16<A>(o + (half * 32 + lane) * 16, (lane & 1) ? y : x);
+      }
+      if (lane < kRope * 2 / 16) st16<A>(o + kLatent * 2 + lane * 16, pe[r]);
+    }
   }
 }
 
@@ -280,7 +334,7 @@ cudaError_t gather_dispatch(const uint8_t* cache, int64_t num_blocks, int64_t bl
                             const int32_t* cu, int64_t cu_s, const int32_t* st, int64_t st_s, int n,
                             uint8_t* out, int64_t out_s0_bytes, bool out_fp8, int64_t rows, float ks,
                             cudaStream_t s) {
-  // 4 rows per warp and step; one resident wave, grid-stride over the rows
+  // one resident wave, grid-stride over the rows
 #define CTXP_GAT(CD_, F8_)                                                                                 \
   gather_kernel<A, CD_, F8_><<<grid_one_wave<gather_kernel<A, CD_, F8_>>(rows, dev::kThreads / 32 * 4),   \
                                dev::kThreads, 0, s>>>(cache, num_blocks, block_size, bt, bt_s0, bt_s1,    \
@@ -292,7 +346,11 @@ cudaError_t gather_dispatch(const uint8_t* cache, int64_t num_blocks, int64_t bl
       if (out_fp8) CTXP_GAT(CacheDtype::Fp8, true);
       else CTXP_GAT(CacheDtype::Fp8, false);
       break;
-    default: CTXP_GAT(CacheDtype::Fp8DsMla, false); break;
+    default:  // fp8_ds_mla -> bf16, 8 rows per warp step
+      gather_ds_mla_kernel<A, 8><<<grid_one_wave<gather_ds_mla_kernel<A, 8>>(rows, dev::kThreads / 32 * 8),
+                                   dev::kThreads, 0, s>>>(cache, num_blocks, block_size, bt, bt_s0, bt_s1, max_blocks,
+                                                          cu, cu_s, st, st_s, n, out, out_s0_bytes, rows);
+      break;
   }
 #undef CTXP_GAT
   return cudaGetLastError();

@@ -6,12 +6,10 @@
 //   fused_mla_kv_concat_quant_fp8:  k8[t,h] = sat_e4m3([k_nope[t,h] | k_pe[t]]),
 //                                   v8[t,h] = sat_e4m3(v[t,h])                 (bytes)
 //
-// bf16/fp16 (kv_concat_kernel): k is a flat array of 16-byte chunks; each warp
-// instruction stores 512 contiguous bytes, as a copy does, and a thread has 8 loads in
-// flight before its first store. A k_pe chunk is loaded once per head, a cache hit
-// after the first: measured on the H200 (ninth session, bench/probe_write_bandwidth.py,
-// bench_kernels.py) 87.5-88.2 % of copy against 85.1-85.5 % for the fp8 kernel's scheme
-// below, which it replaced for bf16.
+// bf16/fp16 (kv_concat_kernel): a warp per segment of a token's k rows; each warp
+// instruction stores 512 contiguous bytes, as a copy does, every load of the segment in
+// flight before its first store, each lane's one k_pe chunk held in a register
+// (measured on the H200: 90.6-91.2 % of copy at T*H >= 2^20; see the kernel).
 //
 // fp8 work decomposition. One work item = (token t, 16-byte output chunk c of one head
 // row). A thread owns an item and walks the heads h = 0..H-1 with HB heads in
@@ -38,47 +36,56 @@ namespace {
 using dev::ld16;
 using dev::st16;
 
-// ---- bf16 / fp16 concat --------------------------------------------------------------
-// Thread i of a block takes chunks tile + i + j * kThreads, j < U. The source of chunk
-// (t, h, c): k_nope for c < 16, k_pe for the rest. Indices advance by constants
-// (kThreads chunks = 10 rows + 16 chunks), one division per tile. Plain stores: with
-// this pattern they measured 0.2-0.5 points above streaming (.cs) ones.
+// ---- bf16 / fp16 concat ---------------------------------------------------------------
+// A warp writes a segment of one token's k rows: U store instructions, each 512
+// contiguous bytes of the token's 24 * H chunks. Chunk qc of a token is head qc / 24,
+// column c = qc % 24; since 32 = 8 (mod 24) and a segment starts at a multiple of 32
+// chunks, c = lane (mod 8) in every instruction of lane `lane`: the only k_pe chunk a
+// lane ever writes is chunk lane % 8, loaded once per segment into a register (the flat
+// kernel this replaced reloaded it per head: a third of its load instructions, cache
+// hits). A work item is one segment of U instructions, not a whole token, so that the
+// grid-stride loop balances finely at any H. Measured on the H200 (twelfth session,
+// bench_kernels side by side in one call): U = 4 segments 90.6-91.2 % of copy at
+// T*H >= 2^20, whole tokens 88.1-90.7, the flat kernel 87.1-87.4; non-coherent /
+// no-allocate loads with evict-first stores and U = 16 measured no better.
 template <int A, int U>
-__global__ void __launch_bounds__(dev::kThreads)
+__global__ void __launch_bounds__(dev::kThreads, 3)  // as measured (60 registers, 4 blocks per SM)
 kv_concat_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn_s1,
                  const uint16_t* __restrict__ pe, int64_t pe_s0, uint16_t* __restrict__ k, int64_t T, int H) {
   constexpr int C = kQK / 8;     // 24 chunks per head row
   constexpr int CN = kNope / 8;  // 16 of them from k_nope
-  constexpr int DR = dev::kThreads / C, DC = dev::kThreads % C;
-  constexpr int64_t PER = (int64_t)dev::kThreads * U;
-  const int64_t chunks = T * H * C;
-  for (int64_t tile = (int64_t)blockIdx.x * PER; tile < chunks; tile += (int64_t)gridDim.x * PER) {
-    const int64_t q0 = tile + threadIdx.x;
-    const int64_t row = q0 / C;
-    int c = (int)(q0 - row * C);
-    int64_t t = row / H;
-    int h = (int)(row - t * H);
-    uint4 v[U];
+  static_assert(C % 8 == 0 && C - CN == 8, "lane % 8 is the k_pe chunk of every instruction");
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+  const int Q = C * H;               // chunks per token
+  const int I = (Q + 31) / 32;       // store instructions per token
+  const int S = (I + U - 1) / U;     // segments per token
+  const int64_t items = T * S;
+  for (int64_t it = warp; it < items; it += nwarps) {
+    const int64_t t = it / S;
+    const int s = (int)(it - t * S);
+    const uint4 p = ld16<A>(pe + t * pe_s0 + (lane & 7) * 8);
+    const uint16_t* src = kn + t * kn_s0;
+    uint16_t* dst = k + t * (int64_t)Q * 8;
+    // one pass of U instructions; written as a loop as measured (the compiler schedules
+    // it differently from straight-line code: 60 registers against 45, and it was the
+    // 60-register build that measured 90.6-91.2 %)
+    const int i_end = min(I, (s + 1) * U);
+    for (int i0 = s * U; i0 < i_end; i0 += U) {
+      uint4 v[U];
 #pragma unroll
-    for (int j = 0; j < U; ++j) {
-      v[j] = make_uint4(0u, 0u, 0u, 0u);
-      if (q0 + (int64_t)j * dev::kThreads < chunks)
-        v[j] = ld16<A>(c < CN ? kn + t * kn_s0 + (int64_t)h * kn_s1 + c * 8 : pe + t * pe_s0 + (c - CN) * 8);
-      c += DC;
-      h += DR;
-      if (c >= C) {
-        c -= C;
-        ++h;
+      for (int j = 0; j < U; ++j) {  // every load of the segment before its first store
+        const int qc = 32 * (i0 + j) + lane;
+        const int h = qc / C, c = qc - h * C;
+        v[j] = p;
+        if (qc < Q && c < CN) v[j] = ld16<A>(src + (int64_t)h * kn_s1 + c * 8);
       }
-      while (h >= H) {
-        h -= H;
-        ++t;
-      }
-    }
 #pragma unroll
-    for (int j = 0; j < U; ++j) {
-      const int64_t q = q0 + (int64_t)j * dev::kThreads;
-      if (q < chunks) st16<A>(k + q * 8, v[j]);
+      for (int j = 0; j < U; ++j) {
+        const int qc = 32 * (i0 + j) + lane;
+        if (qc < Q) st16<A>(dst + (int64_t)qc * 8, v[j]);
+      }
     }
   }
 }
@@ -278,11 +285,11 @@ inline unsigned pack_grid(int64_t T, int64_t H, int U, int IB, int HB) {
 template <int A>
 cudaError_t concat_dispatch(const void* kn, int64_t kn_s0, int64_t kn_s1, const void* pe, int64_t pe_s0,
                             void* k, int64_t T, int64_t H, cudaStream_t s) {
-  constexpr int U = 8;  // chunks per thread per tile (16 measured the same, 4 0.6 points less)
-  kv_concat_kernel<A, U><<<grid_one_wave<kv_concat_kernel<A, U>>(T * H * (kQK / 8), (int64_t)dev::kThreads * U),
-                           dev::kThreads, 0, s>>>(static_cast<const uint16_t*>(kn), kn_s0, kn_s1,
-                                                  static_cast<const uint16_t*>(pe), pe_s0, static_cast<uint16_t*>(k),
-                                                  T, (int)H);
+  constexpr int U = 4;  // store instructions per work item (8: 0.5-3 points less at H = 128)
+  const int64_t items = T * (((kQK / 8) * H + 32 * U - 1) / (32 * U));
+  kv_concat_kernel<A, U><<<grid_one_wave<kv_concat_kernel<A, U>>(items, dev::kThreads / 32), dev::kThreads, 0,
+                           s>>>(static_cast<const uint16_t*>(kn), kn_s0, kn_s1, static_cast<const uint16_t*>(pe),
+                                pe_s0, static_cast<uint16_t*>(k), T, (int)H);
   return cudaGetLastError();
 }
 
