@@ -609,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="started servers' --queue-size (running + waiting); default max(64, 2 x most clients), "
                          "so that a closed loop of clients is never refused")
     ap.add_argument("--server-flag", action="append", default=[], metavar="FLAG=VALUE",
-                    help="extra flag of the started servers, e.g. --server-flag grace-seconds=5 (repeatable)")
+                    help="extra flag of the started servers, e.g. --server-flag grace-seconds=5, or a bare switch "
+                         "such as --server-flag no-request-ring-overlap (repeatable)")
     ap.add_argument("--start-timeout", type=float, default=180.0, help="seconds for a started server to be ready")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=None,
@@ -685,9 +686,9 @@ def main(argv: list[str] | None = None) -> int:
                 if ns.ring_depth:
                     flags["request_ring"] = True
                     flags["request_ring_max"] = max(16, clients[-1] + 4)
-                for kv in ns.server_flag:
-                    k, _, v = kv.partition("=")
-                    flags[k.lstrip("-").replace("-", "_")] = v
+                for kv in ns.server_flag:  # FLAG=VALUE, or a bare FLAG (a switch: no-request-ring-overlap)
+                    k, eq, v = kv.partition("=")
+                    flags[k.lstrip("-").replace("-", "_")] = v if eq else True
                 server = ServerProcess(f"H{H}_{cd}_{pd}", flags, logdir)
                 log(f"start server: {server.cmd}")
                 t_ready = server.wait_ready(ns.start_timeout)

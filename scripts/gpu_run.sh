@@ -14,7 +14,10 @@
 # and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_ragged, bench_engine_full
 # (issue 8's 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
 # bench_rpc_floor, attention_sweep, attention_sweep_ws, bench_attention_flashinfer, probe_write, hostile_sanitizer,
-# bench_sharded, profile_host, probe_host, segv (a native backtrace of one test).
+# bench_sharded, profile_host, probe_host, bench_ring_overlap (request rings with and without
+# --request-ring-overlap), segv (a native backtrace of one test).
+# CTXPREFILL_COMMIT labels the results: pass it from the machine that sends the call (the
+# device's own git may report the commit the session started from, not the tree that runs).
 # The device tool brings back at most 8 files from $OUT: choose steps accordingly.
 # A time budget (GPU_RUN_BUDGET_S, default 560 s: one device call is capped at 600 s)
 # caps every step; a step that no longer fits is recorded as skipped and counts as a
@@ -197,6 +200,15 @@ want bench_concurrency_stream && run_step bench_concurrency_stream 200 5 - pytho
 want bench_concurrency_ring && run_step bench_concurrency_ring 200 5 - python3 bench/bench_concurrency.py \
   --shape 16:1024:65536 128:1024:65536 --clients 1 2 4 --transport cuda --ring-depth 2 --seconds 5 --warmup-s 1 \
   --budget-s 190 --out "$OUT/concurrency_ring.json"
+# the request ring's overlap (--request-ring-overlap) against its baseline, same call, 16 heads:
+# on, off, on (the host's speed drifts between runs; the bracketing shows by how much)
+if want bench_ring_overlap; then
+  for v in on off on2; do
+    flag=(); [ "$v" = off ] && flag=(--server-flag no-request-ring-overlap)
+    run_step "ring_overlap_$v" 60 5 - python3 bench/bench_concurrency.py --shape 16:1024:65536 --clients 1 2 4 \
+      --transport cuda --ring-depth 2 --seconds 5 --warmup-s 1 --budget-s 55 "${flag[@]}" --out "$OUT/ring_overlap_$v.json"
+  done
+fi
 want bench_transport && run_step bench_transport 240 5 - python3 bench/bench_transport.py --device cuda --iters 60 \
   --out "$OUT/transport.json"
 want bench_rpc_floor && run_step bench_rpc_floor 60 5 - python3 bench/bench_rpc_floor.py --out "$OUT/rpc_floor.json"

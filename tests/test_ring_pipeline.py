@@ -100,3 +100,16 @@ def test_a_ring_let_go_meanwhile_gets_no_answer_but_its_request_is_finished():
         assert ring.left == 1  # and nothing more taken from it
     finally:
         w.stop()
+
+
+def test_without_overlap_each_request_is_answered_before_the_next_starts():
+    log: list = []
+    w = worker_with(log)
+    w.ring_overlap = False  # --no-request-ring-overlap
+    try:
+        ring = FakeRing("a", 2, log)
+        assert w._poll_rings((ring,))
+        assert log == [("start", "a0"), ("answer", "a0"), ("written", "a0"), ("after", "a0"),
+                       ("start", "a1"), ("answer", "a1"), ("written", "a1"), ("after", "a1")]
+    finally:
+        w.stop()

@@ -57,6 +57,7 @@ class ServeSettings:
     request_ring_max: int = 16  # request rings attached at once
     request_ring_spin_us: int = 20000  # after a ring request, the engine thread polls without sleeping this long
     request_ring_poll_us: int = 100  # then it checks the rings this often
+    request_ring_overlap: bool = True  # start the next ring request before answering the previous one
 
 
 _HELP = {
@@ -103,6 +104,10 @@ _HELP = {
     "request_ring_spin_us": "after a ring request, how long the engine thread polls the rings without sleeping "
                             "(microseconds); a request arriving within it is taken at once",
     "request_ring_poll_us": "otherwise, how often the engine thread checks the rings (microseconds)",
+    "request_ring_overlap": "start the next waiting ring request (validate it, queue its device work) before the "
+                            "previous one is waited for and answered, so that the device goes from one request to "
+                            "the next; --no-request-ring-overlap runs each to its answer first (the baseline of "
+                            "bench/bench_concurrency.py's A/B)",
 }
 
 #: --shared-memory value -> the region kinds it enables (``all``: cuda only on a CUDA device)

@@ -189,7 +189,8 @@ async def _serve(s: ServeSettings, security: Security | None = None) -> int:
     loop = asyncio.get_running_loop()
     t_start = time.perf_counter()
     metrics = Metrics()
-    worker = EngineWorker(metrics, ring_spin_s=s.request_ring_spin_us / 1e6, ring_poll_s=s.request_ring_poll_us / 1e6)
+    worker = EngineWorker(metrics, ring_spin_s=s.request_ring_spin_us / 1e6, ring_poll_s=s.request_ring_poll_us / 1e6,
+                          ring_overlap=s.request_ring_overlap)
     servicer = PrefillContextServicer(s, metrics, worker, s.max_message_bytes, s.queue_size)
     health_servicer = health.aio.HealthServicer()  # overall "" starts SERVING: the process is live
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -81,7 +81,8 @@ class EngineWorker:
     the drain's grace period cannot keep the process alive.
     """
 
-    def __init__(self, metrics: Metrics, ring_spin_s: float = 0.02, ring_poll_s: float = 100e-6):
+    def __init__(self, metrics: Metrics, ring_spin_s: float = 0.02, ring_poll_s: float = 100e-6,
+                 ring_overlap: bool = True):
         self.metrics = metrics
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -92,6 +93,7 @@ class EngineWorker:
         # request's device work queued in between; set by the servicer
         self.ring_handler = None
         self.ring_spin_s, self.ring_poll_s = float(ring_spin_s), float(ring_poll_s)
+        self.ring_overlap = bool(ring_overlap)  # False: each ring request is answered before the next starts
         self._thread = threading.Thread(target=self._run, name="ctxprefill-engine", daemon=True)
         self._thread.start()
 
@@ -167,7 +169,8 @@ class EngineWorker:
         one was served. They are pipelined: the next request is started (validated, its
         device work queued) before the previous one is waited for and answered, so that
         the device goes from one request's work to the next instead of waiting for the
-        host in between (one ring with two requests in flight keeps it busy)."""
+        host in between (one ring with two requests in flight keeps it busy). Without
+        ``ring_overlap`` each request is answered before the next is started."""
         served, live = 0, list(rings)
         pending = None  # (ring, slot, seq, answer function, defer list)
         took = True
@@ -188,6 +191,9 @@ class EngineWorker:
                 if pending is not None:
                     self._answer_ring(*pending)
                 pending = started
+                if not self.ring_overlap:
+                    self._answer_ring(*pending)
+                    pending = None
                 served += 1
                 took = True
         if pending is not None:
