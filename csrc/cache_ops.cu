@@ -178,6 +178,23 @@ __device__ __forceinline__ int64_t row_slot(int64_t row, const int32_t* __restri
   return blk * block_size + (j - bi * block_size);
 }
 
+// The slots of a warp step's R consecutive rows r0 .. r0 + R - 1: lane r looks up row
+// r0 + r (the R chains of dependent loads run side by side), then every lane gets all R
+// by shuffle. -1: past the end or unmapped (zeros).
+template <int R>
+__device__ __forceinline__ void warp_row_slots(int64_t (&slot)[R], int64_t r0, int lane, int64_t rows,
+                                               const int32_t* __restrict__ cu, int64_t cu_s,
+                                               const int32_t* __restrict__ starts, int64_t st_s, int n,
+                                               const int32_t* __restrict__ bt, int64_t bt_s0, int64_t bt_s1,
+                                               int64_t max_blocks, int64_t num_blocks, int64_t block_size) {
+  const int64_t mine = lane < R && r0 + lane < rows
+                           ? row_slot(r0 + lane, cu, cu_s, starts, st_s, n, bt, bt_s0, bt_s1, max_blocks,
+                                      num_blocks, block_size)
+                           : -1;
+#pragma unroll
+  for (int r = 0; r < R; ++r) slot[r] = __shfl_sync(0xffffffffu, mine, r);
+}
+
 template <int A, CacheDtype CD, bool OUT_FP8>
 __global__ void __launch_bounds__(dev::kThreads)
 gather_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int64_t block_size,
@@ -198,13 +215,9 @@ gather_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int64_t blo
   // shuffle and copies its 16-byte chunks of all R rows, R * K loads in flight.
   // (32 rows per warp was measured slower for small gathers: too few warps.)
   for (int64_t r0 = warp * R; r0 < rows; r0 += nwarps * R) {
-    const int64_t mine = lane < R && r0 + lane < rows
-                             ? row_slot(r0 + lane, cu, cu_s, starts, st_s, n, bt, bt_s0, bt_s1, max_blocks,
-                                        num_blocks, block_size)
-                             : -1;
     int64_t slot[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) slot[r] = __shfl_sync(0xffffffffu, mine, r);
+    warp_row_slots<R>(slot, r0, lane, rows, cu, cu_s, starts, st_s, n, bt, bt_s0, bt_s1, max_blocks, num_blocks,
+                      block_size);
     // Three phases: every load of the R rows first, then the conversions, then the
     // stores. A conversion right after its load (one block per chunk) made the compiler
     // wait for each load before issuing the next: one load in flight per lane, and the
@@ -266,13 +279,9 @@ gather_ds_mla_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int6
   const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
   for (int64_t r0 = warp * R; r0 < rows; r0 += nwarps * R) {
-    const int64_t mine = lane < R && r0 + lane < rows
-                             ? row_slot(r0 + lane, cu, cu_s, starts, st_s, n, bt, bt_s0, bt_s1, max_blocks,
-                                        num_blocks, block_size)
-                             : -1;
     int64_t slot[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) slot[r] = __shfl_sync(0xffffffffu, mine, r);
+    warp_row_slots<R>(slot, r0, lane, rows, cu, cu_s, starts, st_s, n, bt, bt_s0, bt_s1, max_blocks, num_blocks,
+                      block_size);
     uint4 q[R], pe[R];
     float sc[R];
 #pragma unroll
