@@ -236,3 +236,32 @@ def test_probe_host_issue_needs_cuda(capsys):
     spec.loader.exec_module(mod)
     assert mod.main([]) == 2
     assert "needs a CUDA device" in capsys.readouterr().out
+
+
+def test_bench_kernels_targets_cover_the_stated_regime():
+    """bench/bench_kernels.py's targets: every fused pack (keys-last too) at T·H >= 2**20,
+    gathers of >= 2**18 rows, merges at T·H >= 2**20; smaller rows and the baselines none.
+    Checked against the recorded twelfth-session run: only keys-last pack rows miss."""
+    import importlib.util
+    import json
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_kernels", os.path.join(root, "bench", "bench_kernels.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    t = mod.target_pct
+    assert t({"op": "pack", "variant": "fused bf16", "H": 128, "T": 8192}) == 90.0
+    assert t({"op": "pack", "variant": "fused fp8 v-keys-last 4 segs", "H": 16, "T": 65536}) == 90.0
+    assert t({"op": "pack", "variant": "fused bf16", "H": 128, "T": 2048}) is None
+    assert t({"op": "pack", "variant": "generic bf16", "H": 128, "T": 32768}) is None
+    assert t({"op": "gather", "variant": "kernel fp8->bf16", "rows": 262144}) == 85.0
+    assert t({"op": "gather", "variant": "kernel fp8->bf16", "rows": 65536}) is None
+    assert t({"op": "gather", "variant": "torch fp8->bf16", "rows": 262144}) is None
+    assert t({"op": "merge", "variant": "kernel", "H": 16, "T": 65536}) == 85.0
+    assert t({"op": "merge", "variant": "kernel", "H": 16, "T": 8192}) is None
+    run = os.path.join(root, "bench", "results", "2026-12-02-h200", "s12-final-0be06a0", "bench_kernels.json")
+    rows = json.load(open(run))["results"]
+    missed = {r["variant"] for r in rows if t(r) is not None and r["pct_copy"] < t(r)}
+    assert missed == {"fused fp8 v-keys-last 1 seg", "fused fp8 v-keys-last 4 segs"}
+    assert sum(t(r) is not None for r in rows) == 6 * 2 + 4 + 2  # packs, 256k gathers, large merges
