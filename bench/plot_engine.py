@@ -134,6 +134,7 @@ def plot_speedup(d: dict, out_dir: str) -> str:
 
 def _stage_panel(ax, sub: list[dict], title: str, legend: bool) -> None:
     width = 0.28
+    top = 0.0
     for k, (key, off) in enumerate((("generic_stage_s", -width), ("fused_stage_s", 0.0))):
         bottom = [0.0] * len(sub)
         for j, st in enumerate(STAGES):
@@ -142,8 +143,10 @@ def _stage_panel(ax, sub: list[dict], title: str, legend: bool) -> None:
                    label=st if k == 0 else None, edgecolor="white", lw=0.3)
             bottom = [b + v for b, v in zip(bottom, vals)]
         # the request's wall time above its stages (host work and gaps between stages)
-        ax.scatter([i + off for i in range(len(sub))], [r[key.replace("_stage", "")] * 1e3 for r in sub],
+        walls = [r[key.replace("_stage", "")] * 1e3 for r in sub]
+        ax.scatter([i + off for i in range(len(sub))], walls,
                    marker="_", s=120, color="black", zorder=3, label="request time" if k == 0 else None)
+        top = max([top, *bottom, *walls])
     floors = [_floor_s(r) for r in sub]
     if any(f is not None for f in floors):
         ax.bar([i + width for i in range(len(sub))], [(f or 0.0) * 1e3 for f in floors], width, color="lightgrey",
@@ -156,8 +159,9 @@ def _stage_panel(ax, sub: list[dict], title: str, legend: bool) -> None:
     ax.set_xticks(range(len(sub)), [f"{r['cache_dtype']}\n{r['prefill_dtype']}" for r in sub], fontsize=7)
     ax.set_ylabel("ms per request", fontsize=8)
     ax.set_title(title, fontsize=8)
-    if legend:
-        ax.legend(fontsize=6, ncol=4)
+    if legend:  # above the tallest bar, not over the bars
+        ax.set_ylim(0, top * 1.3)
+        ax.legend(fontsize=6, ncol=4, loc="upper center")
 
 
 def plot_stages(d: dict, out_dir: str) -> list[str]:
