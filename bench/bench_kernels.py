@@ -305,7 +305,7 @@ def main() -> int:
         r["pct_same_size_copy"] = round(100 * r["tbps"] / same[r["bytes"]], 1)
 
     # ---- targets and report --------------------------------------------------------------
-    targets = [(r, target_pct(r)) for r in results if target_pct(r) is not None]
+    targets = [(r, goal) for r in results if (goal := target_pct(r)) is not None]
     for r, goal in targets:
         r["target_pct"] = goal
         r["meets_target"] = r["pct_copy"] >= goal

@@ -615,8 +615,8 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                 codec.write_shared(to.view, t)  # queued behind the request's work
                 lease.count(to.kind, "out", nbytes)
                 msgs.append(codec.encode_shared(t.dtype, t.shape, to.region, to.offset, nbytes))
-            placed = None
-            if engine.device.type == "cuda":
+            placed = None  # an inline result's copy to the host waits for the device itself
+            if engine.device.type == "cuda" and any(m is not None for m in msgs):
                 placed = torch.cuda.Event()
                 placed.record(torch.cuda.current_stream(engine.device))
         except BaseException:
