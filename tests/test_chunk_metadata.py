@@ -1,6 +1,6 @@
 """The chunk loop's metadata (engine/loop.py ``_chunk_metadata``): every chunk's vectors as
 the planner's chunks say, equal vectors uploaded once and shared, the block table after
-them — on the CPU (the CUDA upload through the pinned staging buffer: tests/gpu)."""
+them — on the CPU (the CUDA upload from pinned memory: tests/gpu/test_upload_gpu.py)."""
 
 import numpy as np
 import pytest
