@@ -63,6 +63,7 @@ import json
 import math
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -816,6 +817,8 @@ def main(argv: list[str] | None = None) -> int:
             if server is not None:
                 rc = server.stop()
                 log(f"server stopped (exit code {rc})")
+    if ok:  # the servers' logs are kept (and named in the log) only when something failed
+        shutil.rmtree(logdir, ignore_errors=True)
     result["meta"]["wall_s"] = round(elapsed(), 1)
     print_table(rows)
     if ns.out:
