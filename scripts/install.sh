@@ -17,6 +17,11 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 if ! "$PY" -c "import torch" 2>/dev/null; then
+  # the environment takes ~2 GB; pip's own error on a full disk names no size
+  free_kb=$(df -Pk "$VENV" 2>/dev/null | awk 'NR == 2 {print $4}')
+  if [ -n "$free_kb" ] && [ "$free_kb" -lt $((2500 * 1024)) ]; then
+    log "WARNING: $((free_kb / 1024)) MB free where $VENV lives; torch and the rest need about 2,000 MB"
+  fi
   log "installing $TORCH_SPEC"
   "$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
 fi
