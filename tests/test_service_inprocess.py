@@ -53,11 +53,11 @@ async def code_of(coro) -> grpc.StatusCode:
 def blocking_read(engine, monkeypatch, gate: threading.Event, ran: list):
     orig = engine.read_cache
 
-    def read_cache(slots):
+    def read_cache(slots, layer=None):
         ran.append(int(slots[0]))
         if int(slots[0]) == 0:
             assert gate.wait(20)
-        return orig(slots)
+        return orig(slots, layer=layer)
 
     monkeypatch.setattr(engine, "read_cache", read_cache)
 
@@ -149,7 +149,7 @@ def test_out_of_memory_is_resource_exhausted_and_the_server_goes_on(engine, monk
 
 
 def test_unexpected_errors_are_internal_with_a_generic_message(engine, monkeypatch, caplog):
-    def boom(slots):
+    def boom(slots, layer=None):
         raise ValueError("secret detail")
 
     monkeypatch.setattr(engine, "read_cache", boom)

@@ -184,6 +184,9 @@ class ServerInfo:
     shared_memory_max_bytes: int = 0
     # request rings (serve --request-ring): rings attachable at once, 0 when off
     request_ring_max: int = 0
+    # model layers held (serve --layers, --first-layer): [first_layer, first_layer + num_layers)
+    num_layers: int = 1
+    first_layer: int = 0
 
     @property
     def head_start(self) -> int:
@@ -198,6 +201,11 @@ class ServerInfo:
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def layers(self) -> range:
+        """The model indices of the layers held."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
 
     @property
     def qk_head_dim(self) -> int:
@@ -238,6 +246,8 @@ class ServerInfo:
             shared_memory_max_regions=m.shared_memory_max_regions,
             shared_memory_max_bytes=m.shared_memory_max_bytes,
             request_ring_max=m.request_ring_max,
+            num_layers=m.num_layers or 1,  # 0: a server predating layers (one layer, 0)
+            first_layer=m.first_layer,
         )
 
 
@@ -411,10 +421,13 @@ def _slot_tensor(slot_mapping: Any) -> pb.Tensor:
 # when gRPC serializes the request.
 
 
-def build_write_request(slot_mapping: Any, kv_c: Any, k_pe: Any, expected: str | None) -> Any:
+def build_write_request(slot_mapping: Any, kv_c: Any, k_pe: Any, expected: str | None,
+                        layer: int | None = None) -> Any:
     """A WriteCacheRequest (an :class:`~ctxprefill_client.wire.OutgoingMessage` when the
     latents are inline)."""
     req = pb.WriteCacheRequest()
+    if layer is not None:
+        req.layer = int(layer)
     req.slot_mapping.CopyFrom(_slot_tensor(slot_mapping))
     payloads: list = []
     place_tensor(req, "kv_c", _latent_tensor(kv_c, "kv_c"), payloads)
@@ -424,8 +437,10 @@ def build_write_request(slot_mapping: Any, kv_c: Any, k_pe: Any, expected: str |
     return finish(req, payloads)
 
 
-def build_read_request(slot_mapping: Any, expected: str | None) -> pb.ReadCacheRequest:
+def build_read_request(slot_mapping: Any, expected: str | None, layer: int | None = None) -> pb.ReadCacheRequest:
     req = pb.ReadCacheRequest()
+    if layer is not None:
+        req.layer = int(layer)
     req.slot_mapping.CopyFrom(_slot_tensor(slot_mapping))
     if expected is not None:
         req.expected_instance_id = expected
@@ -465,10 +480,13 @@ def build_prefill_request(
     server_prefill_dtype: str | None,
     output_region: SharedMemoryRef | None = None,
     lse_region: SharedMemoryRef | None = None,
+    layer: int | None = None,
 ) -> Any:
     """A PrefillContextRequest (an :class:`~ctxprefill_client.wire.OutgoingMessage` when q is
     inline: its bytes are appended at serialization, not copied into the message)."""
     req = pb.PrefillContextRequest(request_id=request_id or "")
+    if layer is not None:
+        req.layer = int(layer)
     for i, s in enumerate(sequences):
         _add_sequence(req.sequences, s, i)
     payloads: list = []

@@ -158,18 +158,20 @@ class AsyncPrefillContextClient:
         self._info = info
         return info
 
-    async def write_cache(self, slot_mapping: Any, kv_c: Any, k_pe: Any, *, timeout: float | None = None) -> int:
+    async def write_cache(self, slot_mapping: Any, kv_c: Any, k_pe: Any, *, timeout: float | None = None,
+                          layer: int | None = None) -> int:
         """WriteCache; see ``PrefillContextClient.write_cache``. Returns slots written."""
         expected = self._tracker.expected()
-        req = build_write_request(slot_mapping, kv_c, k_pe, expected)
+        req = build_write_request(slot_mapping, kv_c, k_pe, expected, layer)
         resp = await self._call("WriteCache", self._stub.WriteCache, req, timeout, expected)
         self._tracker.observe("WriteCache", resp.instance_id)
         return int(resp.slots_written)
 
-    async def read_cache(self, slot_mapping: Any, *, timeout: float | None = None) -> np.ndarray:
+    async def read_cache(self, slot_mapping: Any, *, timeout: float | None = None,
+                         layer: int | None = None) -> np.ndarray:
         """ReadCache: the raw bytes of the slots, ``uint8 [T, bytes_per_slot]``."""
         expected = self._tracker.expected()
-        req = build_read_request(slot_mapping, expected)
+        req = build_read_request(slot_mapping, expected, layer)
         resp = await self._call("ReadCache", self._stub.ReadCache, req, timeout, expected)
         self._tracker.observe("ReadCache", resp.instance_id)
         return parse_read_response(resp, len(req.slot_mapping.data) // 8)
@@ -187,6 +189,7 @@ class AsyncPrefillContextClient:
         lse_region: SharedMemoryRef | None = None,
         float_output: bool = True,
         timeout: float | None = None,
+        layer: int | None = None,
     ) -> PrefillResult:
         """PrefillContext; see ``PrefillContextClient.prefill_context``."""
         expected = self._tracker.expected()
@@ -201,6 +204,7 @@ class AsyncPrefillContextClient:
             server_prefill_dtype=self._info.prefill_dtype if self._info else None,
             output_region=output_region,
             lse_region=lse_region,
+            layer=layer,
         )
         resp = await self._call("PrefillContext", self._stub.PrefillContext, req, timeout, expected)
         self._tracker.observe("PrefillContext", resp.instance_id)

@@ -181,21 +181,24 @@ class PrefillContextClient:
         self._info = info
         return info
 
-    def write_cache(self, slot_mapping: Any, kv_c: Any, k_pe: Any, *, timeout: float | None = None) -> int:
+    def write_cache(self, slot_mapping: Any, kv_c: Any, k_pe: Any, *, timeout: float | None = None,
+                    layer: int | None = None) -> int:
         """WriteCache: token i's ``kv_c[i]`` (``[T, L]``) and ``k_pe[i]`` (``[T, R]``) go to slot
         ``slot_mapping[i]`` (-1 skips it). Float arrays travel as FP32 (the server rounds them
         per its cache dtype); ``uint16`` arrays or a BF16 ``RawTensor`` travel as bf16 bits.
-        Returns the number of slots written."""
+        ``layer``: the model layer whose cache is written (needed when the server holds
+        several: ``server_info().layers``). Returns the number of slots written."""
         expected = self._tracker.expected()
-        req = build_write_request(slot_mapping, kv_c, k_pe, expected)
+        req = build_write_request(slot_mapping, kv_c, k_pe, expected, layer)
         resp = self._call("WriteCache", self._stub.WriteCache, req, timeout, expected)
         self._tracker.observe("WriteCache", resp.instance_id)
         return int(resp.slots_written)
 
-    def read_cache(self, slot_mapping: Any, *, timeout: float | None = None) -> np.ndarray:
-        """ReadCache: the raw bytes of the slots, ``uint8 [T, bytes_per_slot]`` (read-only)."""
+    def read_cache(self, slot_mapping: Any, *, timeout: float | None = None, layer: int | None = None) -> np.ndarray:
+        """ReadCache: the raw bytes of the slots, ``uint8 [T, bytes_per_slot]`` (read-only), of
+        model layer ``layer``'s cache (as in :meth:`write_cache`)."""
         expected = self._tracker.expected()
-        req = build_read_request(slot_mapping, expected)
+        req = build_read_request(slot_mapping, expected, layer)
         resp = self._call("ReadCache", self._stub.ReadCache, req, timeout, expected)
         self._tracker.observe("ReadCache", resp.instance_id)
         return parse_read_response(resp, len(req.slot_mapping.data) // 8)
@@ -213,6 +216,7 @@ class PrefillContextClient:
         lse_region: SharedMemoryRef | None = None,
         float_output: bool = True,
         timeout: float | None = None,
+        layer: int | None = None,
     ) -> PrefillResult:
         """PrefillContext: attention of ``q`` ``[Tq, H, P+R]`` over the cached context.
 
@@ -227,7 +231,9 @@ class PrefillContextClient:
         ``input``); ``output_region`` / ``lse_region`` (a region's ``ref(...)``) make the
         server write the results there instead of sending them (see :class:`PrefillResult`).
         ``float_output=False`` skips the float32 copy of the output (``output`` is None; the
-        bf16 bits are in ``output_bits``).
+        bf16 bits are in ``output_bits``). ``layer``: the model layer whose cache and
+        kv_b_proj the request uses (needed when the server holds several; the block tables
+        are the same for every layer).
         """
         expected = self._tracker.expected()
         req = build_prefill_request(
@@ -241,6 +247,7 @@ class PrefillContextClient:
             server_prefill_dtype=self._info.prefill_dtype if self._info else None,
             output_region=output_region,
             lse_region=lse_region,
+            layer=layer,
         )
         resp = self._call("PrefillContext", self._stub.PrefillContext, req, timeout, expected)
         self._tracker.observe("PrefillContext", resp.instance_id)

@@ -78,6 +78,8 @@ SAME_FIELDS = (
     "prefill_dtype",
     "total_heads",
     "num_shards",
+    "num_layers",
+    "first_layer",
 )
 
 
@@ -338,26 +340,28 @@ class ShardedPrefillClient:
         self._order, self._infos = order, [infos[i] for i in order]
         return self._infos
 
-    def write_cache(self, slot_mapping: Any, kv_c: Any, k_pe: Any, *, timeout: float | None = None) -> int:
+    def write_cache(self, slot_mapping: Any, kv_c: Any, k_pe: Any, *, timeout: float | None = None,
+                    layer: int | None = None) -> int:
         """The same latents to every shard (concurrently); returns the slots written (checked equal)."""
         self.infos  # noqa: B018
-        n = self._all(lambda i: self.clients[i].write_cache(slot_mapping, kv_c, k_pe, timeout=timeout), self._order)
+        n = self._all(lambda i: self.clients[i].write_cache(slot_mapping, kv_c, k_pe, timeout=timeout, layer=layer),
+                      self._order)
         if len(set(n)) != 1:
             raise CtxPrefillError(f"shards wrote different numbers of slots: {dict(zip(self.shard_targets, n))}")
         return n[0]
 
     def read_cache(self, slot_mapping: Any, *, verify: bool = False, shard: int = 0,
-                   timeout: float | None = None) -> np.ndarray:
+                   timeout: float | None = None, layer: int | None = None) -> np.ndarray:
         """ReadCache from shard ``shard`` (head order); ``verify=True`` reads every shard and
         raises :class:`ShardedReadMismatchError` unless all hold the same bytes."""
         self.infos  # noqa: B018
         if not verify:
             i = self._order[shard]  # type: ignore[index]
             try:
-                return self.clients[i].read_cache(slot_mapping, timeout=timeout)
+                return self.clients[i].read_cache(slot_mapping, timeout=timeout, layer=layer)
             except Exception as e:
                 raise _annotate(e, self.targets[i], self._infos[shard], i) from None  # type: ignore[index]
-        res = self._all(lambda i: self.clients[i].read_cache(slot_mapping, timeout=timeout), self._order)
+        res = self._all(lambda i: self.clients[i].read_cache(slot_mapping, timeout=timeout, layer=layer), self._order)
         for t, r in zip(self.shard_targets[1:], res[1:]):
             if not np.array_equal(r, res[0]):
                 raise ShardedReadMismatchError(f"shard {t} holds other bytes than shard {self.shard_targets[0]}")
@@ -373,6 +377,7 @@ class ShardedPrefillClient:
         plan: Iterable[Any] | None = None,
         q_dtype: int | None = None,
         timeout: float | None = None,
+        layer: int | None = None,
     ) -> ShardedPrefillResult:
         """PrefillContext of the whole model: ``q`` ``[Tq, H_total, P+R]`` split by heads, every
         shard run concurrently, ``output``/``lse`` concatenated along heads. Arguments as
@@ -390,7 +395,7 @@ class ShardedPrefillClient:
             part, qd = parts[k]
             return self.clients[order[k]].prefill_context(
                 part, seqs, request_id=request_id, workspace_tokens=workspace_tokens, plan=plan, q_dtype=qd,
-                timeout=timeout)
+                timeout=timeout, layer=layer)
 
         futures = [self._pool.submit(one, k) for k in range(len(order))]
         concurrent.futures.wait(futures)
@@ -460,19 +465,20 @@ class AsyncShardedPrefillClient:
         self._order, self._infos = order, [infos[i] for i in order]
         return self._infos
 
-    async def write_cache(self, slot_mapping: Any, kv_c: Any, k_pe: Any, *, timeout: float | None = None) -> int:
+    async def write_cache(self, slot_mapping: Any, kv_c: Any, k_pe: Any, *, timeout: float | None = None,
+                          layer: int | None = None) -> int:
         await self._ensure()
-        n = await self._all(lambda i: self.clients[i].write_cache(slot_mapping, kv_c, k_pe, timeout=timeout),
-                            self._order)
+        n = await self._all(lambda i: self.clients[i].write_cache(slot_mapping, kv_c, k_pe, timeout=timeout,
+                                                                  layer=layer), self._order)
         if len(set(n)) != 1:
             raise CtxPrefillError(f"shards wrote different numbers of slots: {n}")
         return n[0]
 
     async def read_cache(self, slot_mapping: Any, *, verify: bool = False, shard: int = 0,
-                         timeout: float | None = None) -> np.ndarray:
+                         timeout: float | None = None, layer: int | None = None) -> np.ndarray:
         await self._ensure()
         order = self._order if verify else [self._order[shard]]  # type: ignore[index]
-        res = await self._all(lambda i: self.clients[i].read_cache(slot_mapping, timeout=timeout), order)
+        res = await self._all(lambda i: self.clients[i].read_cache(slot_mapping, timeout=timeout, layer=layer), order)
         if verify:
             for r in res[1:]:
                 if not np.array_equal(r, res[0]):
@@ -490,6 +496,7 @@ class AsyncShardedPrefillClient:
         plan: Iterable[Any] | None = None,
         q_dtype: int | None = None,
         timeout: float | None = None,
+        layer: int | None = None,
     ) -> ShardedPrefillResult:
         infos = await self._ensure()
         seqs = _materialize(sequences)
@@ -502,7 +509,7 @@ class AsyncShardedPrefillClient:
         res = await asyncio.gather(
             *(self.clients[order[k]].prefill_context(part, seqs, request_id=request_id,
                                                     workspace_tokens=workspace_tokens, plan=plan, q_dtype=qd,
-                                                    timeout=timeout)
+                                                    timeout=timeout, layer=layer)
               for k, (part, qd) in enumerate(parts)),
             return_exceptions=True)
         for k, r in enumerate(res):

@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .errors import ConfigError
+from .errors import ConfigError, InvalidArgument, OutOfRange
 from .ops.slot_format import CACHE_DTYPES, bytes_per_slot
 
 KV_B_PROJ_DTYPES = ("bf16", "fp8")
+#: model layers a server may hold (DeepSeek-V3 has 61, Kimi K2 61)
+MAX_LAYERS = 1024
 PREFILL_DTYPES = ("bf16", "fp8")
 
 
@@ -84,8 +86,15 @@ class EngineConfig:
     workspace_tokens: int = 65536
     fused: bool = True  # fused pack kernels (False: the generic path)
     backend: str = "auto"
+    num_layers: int = 1  # model layers held, each with its own cache and kv_b_proj
+    first_layer: int = 0  # model index of the first of them
 
     def __post_init__(self):
+        if not isinstance(self.num_layers, int) or not 1 <= self.num_layers <= MAX_LAYERS:
+            raise ConfigError(f"--layers must be an integer in [1, {MAX_LAYERS}], got {self.num_layers!r}")
+        if not isinstance(self.first_layer, int) or not 0 <= self.first_layer <= MAX_LAYERS - self.num_layers:
+            raise ConfigError(f"--first-layer must be an integer in [0, {MAX_LAYERS} - --layers], "
+                              f"got {self.first_layer!r}")
         if self.kv_b_proj_dtype not in KV_B_PROJ_DTYPES:
             raise ConfigError(f"kv_b_proj dtype must be one of {KV_B_PROJ_DTYPES}, got {self.kv_b_proj_dtype!r}")
         if self.prefill_dtype not in PREFILL_DTYPES:
@@ -100,6 +109,23 @@ class EngineConfig:
                 f"exact only with --k-scale 1.0 (got {self.cache.k_scale}); use --k-scale 1.0, --cache-dtype "
                 f"fp8_ds_mla, or --prefill-dtype bf16"
             )
+
+    @property
+    def layers(self) -> range:
+        """The model indices of the layers held."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+    def layer_position(self, layer: int | None) -> int:
+        """Where model layer ``layer`` is among the layers held (0 for the first); None
+        names a one-layer server's only layer. OutOfRange / InvalidArgument naming ``layer``."""
+        first, n = self.first_layer, self.num_layers
+        if layer is None:
+            if n > 1:
+                raise InvalidArgument("layer", f"this server holds {n} layers, [{first}, {first + n}): name one")
+            return 0
+        if not first <= layer < first + n:
+            raise OutOfRange("layer", f"layer {layer} is not held here: this server holds [{first}, {first + n})")
+        return layer - first
 
     @property
     def gather_raw_fp8(self) -> bool:

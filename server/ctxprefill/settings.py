@@ -30,6 +30,8 @@ class ServeSettings:
     heads: int = 16
     shard_index: int = 0  # this worker's head shard (tensor parallelism over heads)
     num_shards: int = 1  # head shards of the model; > 1: --heads is the model's total
+    layers: int = 1  # model layers held, each with its own cache and kv_b_proj
+    first_layer: int = 0  # model index of the first layer held
     block_size: int = 64
     num_blocks: int = 4096
     cache_dtype: str = "auto"
@@ -69,6 +71,9 @@ _HELP = {
              "total heads, of which this worker serves its shard",
     "shard_index": "which head shard this worker serves: heads [I*H/N, (I+1)*H/N) of --heads H (0 <= I < N)",
     "num_shards": "head shards N of the model (one worker each, same cache contents); 1: unsharded",
+    "layers": "model layers this server holds, each with its own cache of --num-blocks blocks and its own "
+              "kv_b_proj (a request names its layer); with --weights, --weights-prefix must contain {layer}",
+    "first_layer": "model index of the first layer held: the server holds layers [F, F + --layers)",
     "block_size": "tokens per cache block",
     "num_blocks": "cache blocks",
     "cache_dtype": "auto (bf16), fp8 or fp8_ds_mla",
@@ -78,8 +83,9 @@ _HELP = {
                "on a workspace-sized chunk), triton, cudnn-frontend, cudnn or reference",
     "workspace_tokens": "rows of the gather workspace (the largest chunk)",
     "weights": "safetensors file holding {prefix}kv_b_proj.weight (random weights when absent)",
-    "weights_prefix": "key prefix in the weights file, e.g. model.layers.0.self_attn.",
-    "seed": "seed of the random weights used when --weights is not given",
+    "weights_prefix": "key prefix in the weights file, e.g. model.layers.0.self_attn.; {layer} in it stands for "
+                      "each layer's model index (model.layers.{layer}.self_attn.)",
+    "seed": "seed of the random weights used when --weights is not given (model layer i gets seed + i)",
     "kv_b_proj_dtype": "dtype of random weights (bf16 or fp8); a weights file decides its own",
     "generic": "use the generic (unfused) pack path instead of the fused kernels",
     "softmax_scale": "softmax scale (default (P+R)**-0.5; pass the final one, yarn mscale included)",
@@ -223,29 +229,51 @@ def shard_spec(s: ServeSettings) -> ShardSpec:
     return ShardSpec(i, n, h)
 
 
+def layer_prefix(prefix: str, layer: int, num_layers: int) -> str:
+    """The weights-file key prefix of model layer ``layer``: ``{layer}`` in ``prefix``
+    replaced by its index; without one, the prefix as it is, for one layer only."""
+    if "{layer}" in prefix:
+        return prefix.replace("{layer}", str(layer))
+    if num_layers > 1:
+        raise ConfigError(f"--weights-prefix {prefix!r} has no {{layer}}: with --layers {num_layers} each layer needs "
+                          f"its own kv_b_proj, e.g. --weights-prefix 'model.layers.{{layer}}.self_attn.'")
+    return prefix
+
+
+def layer_weights(s: ServeSettings, shape: ModelShape, layer: int):
+    """Model layer ``layer``'s prepared kv_b_proj (all of the model's heads)."""
+    if s.weights:
+        return load_kv_b_proj(s.weights, shape, layer_prefix(s.weights_prefix, layer, s.layers))
+    t = random_kv_b_proj(shape, s.kv_b_proj_dtype, s.seed + layer)
+    return prepare(s.kv_b_proj_dtype, t["kv_b_proj.weight"], t.get("kv_b_proj.weight_scale_inv"))
+
+
 def build_engine(s: ServeSettings):
     """Validated config + weights -> Engine (raises ConfigError with the flag at fault)."""
     from .engine.engine import Engine
 
     shard = shard_spec(s)
     shape = ModelShape(heads=s.heads, softmax_scale=s.softmax_scale)  # the whole model's heads
-    if s.weights:
-        weights = load_kv_b_proj(s.weights, shape, s.weights_prefix)
-    else:
-        t = random_kv_b_proj(shape, s.kv_b_proj_dtype, s.seed)
-        weights = prepare(s.kv_b_proj_dtype, t["kv_b_proj.weight"], t.get("kv_b_proj.weight_scale_inv"))
+    # the layer flags first (EngineConfig checks them too, after the weights are loaded)
+    EngineConfig(shape=shape, num_layers=s.layers, first_layer=s.first_layer)
+    weights = [layer_weights(s, shape, layer) for layer in range(s.first_layer, s.first_layer + s.layers)]
     if shard.num_shards > 1:  # rows of the full prepared weights: equal to the unsharded worker's, head by head
-        weights = shard_kv_b_proj(weights, shard.total_heads, shard.shard_index, shard.num_shards,
-                                  shape.qk_nope_head_dim + shape.v_head_dim)
+        weights = [shard_kv_b_proj(w, shard.total_heads, shard.shard_index, shard.num_shards,
+                                   shape.qk_nope_head_dim + shape.v_head_dim) for w in weights]
         shape = dataclasses.replace(shape, heads=shard.heads)
+    if len({w.dtype for w in weights}) > 1:
+        raise ConfigError(f"--weights: the layers' kv_b_proj weights differ in dtype "
+                          f"({', '.join(sorted({w.dtype for w in weights}))}); one dtype for all layers")
     config = EngineConfig(
         shape=shape,
         cache=CacheConfig(s.cache_dtype, s.block_size, s.num_blocks, s.k_scale),
-        kv_b_proj_dtype=weights.dtype,
+        kv_b_proj_dtype=weights[0].dtype,
         prefill_dtype=s.prefill_dtype,
         workspace_tokens=s.workspace_tokens,
         fused=not s.generic,
         backend=s.backend,
+        num_layers=s.layers,
+        first_layer=s.first_layer,
     )
     device = resolve_device(s.device)
     try:
@@ -257,6 +285,8 @@ def build_engine(s: ServeSettings):
         "engine ready",
         extra={"device": str(device), "backend": engine.backend.name, "backend_reason": engine.backend_reason,
                "fused_kernels": engine.fused_kernels_active, "cache_dtype": s.cache_dtype,
-               "kv_b_proj_dtype": weights.dtype, "prefill_dtype": s.prefill_dtype},
+               "kv_b_proj_dtype": config.kv_b_proj_dtype, "prefill_dtype": s.prefill_dtype,
+               "layers": f"[{s.first_layer}, {s.first_layer + s.layers})",
+               "cache_bytes": config.cache.num_slots * config.cache.bytes_per_slot * s.layers},
     )
     return engine

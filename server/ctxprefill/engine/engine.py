@@ -82,18 +82,31 @@ class PendingPrefill:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, weights: KvBProjWeights, device: str | torch.device = "cpu",
-                 backend: AttentionBackend | None = None):
-        if weights.dtype != config.kv_b_proj_dtype:
-            config = dataclasses.replace(config, kv_b_proj_dtype=weights.dtype)
+    """``weights``: one ``KvBProjWeights`` per layer held (``config.layers``), or a single
+    one for a one-layer engine. Each layer has its own cache; the workspace, the backend
+    and the lock are shared (a request runs one layer)."""
+
+    def __init__(self, config: EngineConfig, weights: KvBProjWeights | Sequence[KvBProjWeights],
+                 device: str | torch.device = "cpu", backend: AttentionBackend | None = None):
+        per_layer = [weights] if isinstance(weights, KvBProjWeights) else list(weights)
+        if len(per_layer) != config.num_layers:
+            raise ValueError(f"{len(per_layer)} kv_b_proj weights for {config.num_layers} layers")
+        dtypes = {w.dtype for w in per_layer}
+        if len(dtypes) != 1:
+            raise ValueError(f"the layers' kv_b_proj weights differ in dtype ({', '.join(sorted(dtypes))})")
+        if per_layer[0].dtype != config.kv_b_proj_dtype:
+            config = dataclasses.replace(config, kv_b_proj_dtype=per_layer[0].dtype)
         self.config = config
         self.device = torch.device(device)
         shape = config.shape
         n = shape.heads * (shape.qk_nope_head_dim + shape.v_head_dim)
-        if tuple(weights.weight.shape) != (n, shape.kv_lora_rank):
-            raise ValueError(f"kv_b_proj weight shape {tuple(weights.weight.shape)} != [{n}, {shape.kv_lora_rank}]")
-        self.weights = weights.to(self.device)
-        self.cache = PagedLatentCache(config.cache, self.device, shape.kv_lora_rank, shape.qk_rope_head_dim)
+        for layer, w in zip(config.layers, per_layer):
+            if tuple(w.weight.shape) != (n, shape.kv_lora_rank):
+                raise ValueError(f"layer {layer}: kv_b_proj weight shape {tuple(w.weight.shape)} != "
+                                 f"[{n}, {shape.kv_lora_rank}]")
+        self.layer_weights = [w.to(self.device) for w in per_layer]
+        self.caches = [PagedLatentCache(config.cache, self.device, shape.kv_lora_rank, shape.qk_rope_head_dim)
+                       for _ in per_layer]
         self.q_dtype = FP8 if config.prefill_dtype == "fp8" else torch.bfloat16
         if backend is None:
             # auto on a GPU: time the candidates on a chunk like the ones this engine will run
@@ -125,19 +138,43 @@ class Engine:
         """Fused path selected and its compiled kernels in use on this device."""
         return self.config.fused and self.device.type == "cuda" and _cuda.load() is not None
 
+    # -- layers -----------------------------------------------------------------------
+    @property
+    def weights(self) -> KvBProjWeights:
+        """The first layer's kv_b_proj (a one-layer engine's only one)."""
+        return self.layer_weights[0]
+
+    @property
+    def cache(self) -> PagedLatentCache:
+        """The first layer's cache (a one-layer engine's only one)."""
+        return self.caches[0]
+
+    @property
+    def cache_slots_used(self) -> int:
+        """Slots written at least once, over every layer's cache."""
+        return sum(c.slots_used for c in self.caches)
+
+    def layer_index(self, layer: int | None) -> int:
+        """The position in ``caches`` / ``layer_weights`` of model layer ``layer`` (None: the
+        only layer of a one-layer engine); EngineConfig.layer_position's errors."""
+        return self.config.layer_position(layer)
+
     # -- cache ------------------------------------------------------------------------
-    def write_cache(self, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> int:
+    def write_cache(self, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                    layer: int | None = None) -> int:
+        cache = self.caches[self.layer_index(layer)]
         with self._lock, self._on_device():
-            return self.cache.write(slot_mapping, kv_c, k_pe)
+            return cache.write(slot_mapping, kv_c, k_pe)
 
     def warm_up_backend(self) -> None:
         """The attention backend's own warm-up (kernel variants no warm-up request reaches)."""
         with self._lock, self._on_device():
             self.backend.warm_up(self.device, self.config.shape.heads, self.q_dtype)
 
-    def read_cache(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+    def read_cache(self, slot_mapping: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        cache = self.caches[self.layer_index(layer)]
         with self._lock, self._on_device():
-            return self.cache.read(slot_mapping)
+            return cache.read(slot_mapping)
 
     # -- validation -------------------------------------------------------------------
     def _check_request(self, q: torch.Tensor, seqs: Sequence[SequenceSpec], workspace_tokens: int) -> np.ndarray:
@@ -206,8 +243,9 @@ class Engine:
         plan: Sequence[ContextChunk] | None = None,
         fused: bool | None = None,
         observer: Observer | None = None,
+        layer: int | None = None,
     ) -> PrefillResult:
-        return self.prefill_context_start(q, sequences, workspace_tokens, plan, fused, observer).result()
+        return self.prefill_context_start(q, sequences, workspace_tokens, plan, fused, observer, layer).result()
 
     def prefill_context_start(
         self,
@@ -217,12 +255,14 @@ class Engine:
         plan: Sequence[ContextChunk] | None = None,
         fused: bool | None = None,
         observer: Observer | None = None,
+        layer: int | None = None,
     ) -> PendingPrefill:
         """Validate the request and queue its device work; return without waiting for it.
         The next request can be validated and queued before this one's result is taken
         (the workspace is reused in stream order), so that the device does not idle
         between requests while the host prepares the next one."""
         cfg = self.config
+        li = self.layer_index(layer)
         W = cfg.workspace_tokens if workspace_tokens is None else int(workspace_tokens)
         bt = self._check_request(q, sequences, W)
         context_lens = [s.context_len for s in sequences]
@@ -236,13 +276,13 @@ class Engine:
             query_lens=[s.query_len for s in sequences],
             block_table=bt,
             chunks=list(plan),
-            cache=self.cache.storage,
+            cache=self.caches[li].storage,
             cache_dtype=cfg.cache.dtype,
             k_scale=cfg.cache.k_scale,
             block_size=cfg.cache.block_size,
             workspace=self.workspace,
-            weight=self.weights.compute,
-            kv_b_proj_bf16=self.weights.dtype == "bf16",
+            weight=self.layer_weights[li].compute,
+            kv_b_proj_bf16=cfg.kv_b_proj_dtype == "bf16",
             gather_raw_fp8=cfg.gather_raw_fp8,
             fp8_prefill=cfg.prefill_dtype == "fp8",
             scale=cfg.shape.scale,

@@ -311,10 +311,10 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         self._info = self._server_info(engine)
         path = "fused" if engine.config.fused else "generic"
         self.metrics.init_engine(version=__version__, backend=engine.backend.name, device=self._info.device,
-                                 num_slots=engine.cache.config.num_slots, path=path,
+                                 num_slots=engine.cache.config.num_slots * engine.config.num_layers, path=path,
                                  fp8_path=engine.config.fp8_path_labels, queue_capacity=self.queue_size,
                                  fused_kernels_active=engine.fused_kernels_active)
-        self.metrics.cache_slots_used.set(engine.cache.slots_used)
+        self.metrics.cache_slots_used.set(engine.cache_slots_used)
 
     def set_ready(self) -> None:
         self.state = self.READY
@@ -400,6 +400,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             shared_memory_max_regions=self.shm.max_regions if self.shm.enabled else 0,
             shared_memory_max_bytes=self.shm.max_bytes if self.shm.enabled else 0,
             request_ring_max=self.rings.max_rings if self.rings is not None else 0,
+            num_layers=cfg.num_layers, first_layer=cfg.first_layer,
         )
 
     def _lease(self):
@@ -443,8 +444,8 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                         k_pe = codec.from_shared(k_pe, engine.device)
                     counts: Counter = Counter()
                     with launches.stage(counts, "insert"):
-                        n = engine.write_cache(args.slot_mapping, kv_c, k_pe)
-                    self.metrics.observe_insert(counts["insert"], path, engine.cache.slots_used)
+                        n = engine.write_cache(args.slot_mapping, kv_c, k_pe, layer=args.layer)
+                    self.metrics.observe_insert(counts["insert"], path, engine.cache_slots_used)
                     if lease is not None:
                         self.metrics.observe_shared_memory(lease.transferred)
                     return n
@@ -462,7 +463,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         validate.check_instance(request, engine.instance_id)
         lease = self._lease()
         try:
-            slots = validate.validate_read(request, engine.config, self.max_message_bytes, lease)
+            slots, layer = validate.validate_read(request, engine.config, self.max_message_bytes, lease)
             if lease is not None:
                 self.metrics.observe_shared_memory(lease.transferred)
         finally:
@@ -471,7 +472,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         bps = engine.cache.config.bytes_per_slot
 
         def work():
-            raw = engine.read_cache(slots)
+            raw = engine.read_cache(slots, layer=layer)
             if raw.shape[0] == 0:
                 raw = torch.empty((0, bps), dtype=torch.uint8)
             return codec.encode_parts(raw)
@@ -605,7 +606,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                 torch.cuda.current_stream(engine.device).synchronize()  # input_nanos: the copy itself
             t_in = time.perf_counter_ns()
             pending = engine.prefill_context_start(q, args.sequences, workspace_tokens=args.workspace_tokens,
-                                                   plan=args.plan)
+                                                   plan=args.plan, layer=args.layer)
             msgs = []
             for t, to in ((pending.out, args.output_to), (pending.lse, args.lse_to)):
                 if to is None:

@@ -55,6 +55,7 @@ class WriteArgs:
     kv_c: torch.Tensor  # [T, L] bf16 | fp32
     k_pe: torch.Tensor  # [T, R] bf16 | fp32
     shared: frozenset = frozenset()  # names of the tensors that view shared memory (codec.from_shared them)
+    layer: int = 0  # the model layer (checked: one the server holds)
 
     @property
     def tokens(self) -> int:
@@ -80,6 +81,14 @@ class PrefillArgs:
     q_shared: bool = False  # q views shared memory (codec.from_shared it on the engine thread)
     output_to: Placement | None = None  # output_region, when set
     lse_to: Placement | None = None  # lse_region, when set
+    layer: int = 0  # the model layer (checked: one the server holds)
+
+
+def layer_of(req, cfg: EngineConfig) -> int:
+    """The model layer a request names (its ``layer``; absent, a one-layer server's only
+    one), checked against the layers the server holds."""
+    layer = req.layer if req.HasField("layer") else None
+    return cfg.first_layer + cfg.layer_position(layer)
 
 
 def check_instance(req, instance_id: str) -> None:
@@ -116,6 +125,7 @@ def _check_response_size(field: str, nbytes: int, max_message_bytes: int) -> Non
 
 def validate_write(req: pb.WriteCacheRequest, cfg: EngineConfig, shm=None) -> WriteArgs:
     L, R = cfg.shape.kv_lora_rank, cfg.shape.qk_rope_head_dim
+    layer = layer_of(req, cfg)
     slots = codec.decode(req.slot_mapping, "slot_mapping", (pb.DATA_TYPE_INT64,), ndim=1, shm=shm, index=True)
     T = slots.shape[0]
     tensors = {}
@@ -127,14 +137,17 @@ def validate_write(req: pb.WriteCacheRequest, cfg: EngineConfig, shm=None) -> Wr
         tensors[name] = codec.decode(msg, name, _LATENT_DTYPES, ndim=2, shm=shm)
     _check_slots(slots, cfg.cache.num_slots, allow_skip=True)
     shared = frozenset(n for n in ("kv_c", "k_pe") if getattr(req, n).HasField("shared_memory"))
-    return WriteArgs(slots, tensors["kv_c"], tensors["k_pe"], shared)
+    return WriteArgs(slots, tensors["kv_c"], tensors["k_pe"], shared, layer)
 
 
-def validate_read(req: pb.ReadCacheRequest, cfg: EngineConfig, max_message_bytes: int, shm=None) -> torch.Tensor:
+def validate_read(req: pb.ReadCacheRequest, cfg: EngineConfig, max_message_bytes: int,
+                  shm=None) -> tuple[torch.Tensor, int]:
+    """``(slots, model layer)``."""
+    layer = layer_of(req, cfg)
     slots = codec.decode(req.slot_mapping, "slot_mapping", (pb.DATA_TYPE_INT64,), ndim=1, shm=shm, index=True)
     _check_response_size("slot_mapping", slots.shape[0] * cfg.cache.bytes_per_slot, max_message_bytes)
     _check_slots(slots, cfg.cache.num_slots, allow_skip=False)
-    return slots
+    return slots, layer
 
 
 def _q_wire_dtype(cfg: EngineConfig) -> int:
@@ -177,6 +190,7 @@ def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_messa
         raise InvalidArgument("sequences", f"{nseq} sequences, at most {MAX_SEQUENCES} per request; split the request")
     if len(req.plan) > MAX_PLAN_CHUNKS:
         raise InvalidArgument("plan", f"{len(req.plan)} chunks, at most {MAX_PLAN_CHUNKS}")
+    layer = layer_of(req, cfg)
 
     # -- q: dtype and shape before its bytes are touched
     want = _q_wire_dtype(cfg)
@@ -258,7 +272,7 @@ def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_messa
             plan.append(ContextChunk(c.first_sequence, tuple(c.context_start), tuple(c.context_len)))
         validate_plan(plan, [s.context_len for s in seqs], W)
 
-    return PrefillArgs(q, seqs, W, plan, req.q.HasField("shared_memory"), out_to, lse_to)
+    return PrefillArgs(q, seqs, W, plan, req.q.HasField("shared_memory"), out_to, lse_to, layer)
 
 
 def request_id_for_logs(request_id: str) -> str:

@@ -156,7 +156,7 @@ class Versions(_message.Message):
     def __init__(self, server: _Optional[str] = ..., torch: _Optional[str] = ..., cuda: _Optional[str] = ..., cudnn: _Optional[str] = ..., python: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("instance_id", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "softmax_scale", "cache_dtype", "block_size", "num_blocks", "k_scale", "bytes_per_slot", "kv_b_proj_dtype", "kv_b_proj_scale_format", "weights_source", "prefill_dtype", "attention_backend", "attention_backend_supports_out", "fused_kernels_active", "fused_kernels_reason", "workspace_tokens", "device", "versions", "max_message_bytes", "shard_index", "num_shards", "total_heads", "shared_memory_kinds", "shared_memory_max_regions", "shared_memory_max_bytes", "request_ring_max")
+    __slots__ = ("instance_id", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "softmax_scale", "cache_dtype", "block_size", "num_blocks", "k_scale", "bytes_per_slot", "kv_b_proj_dtype", "kv_b_proj_scale_format", "weights_source", "prefill_dtype", "attention_backend", "attention_backend_supports_out", "fused_kernels_active", "fused_kernels_reason", "workspace_tokens", "device", "versions", "max_message_bytes", "shard_index", "num_shards", "total_heads", "shared_memory_kinds", "shared_memory_max_regions", "shared_memory_max_bytes", "request_ring_max", "num_layers", "first_layer")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     KV_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,8 @@ class GetServerInfoResponse(_message.Message):
     SHARED_MEMORY_MAX_REGIONS_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_RING_MAX_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_heads: int
     kv_lora_rank: int
@@ -219,19 +221,23 @@ class GetServerInfoResponse(_message.Message):
     shared_memory_max_regions: int
     shared_memory_max_bytes: int
     request_ring_max: int
-    def __init__(self, instance_id: _Optional[str] = ..., num_heads: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_nope_head_dim: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., softmax_scale: _Optional[float] = ..., cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., k_scale: _Optional[float] = ..., bytes_per_slot: _Optional[int] = ..., kv_b_proj_dtype: _Optional[str] = ..., kv_b_proj_scale_format: _Optional[str] = ..., weights_source: _Optional[str] = ..., prefill_dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., attention_backend_supports_out: _Optional[bool] = ..., fused_kernels_active: _Optional[bool] = ..., fused_kernels_reason: _Optional[str] = ..., workspace_tokens: _Optional[int] = ..., device: _Optional[str] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_heads: _Optional[int] = ..., shared_memory_kinds: _Optional[_Iterable[_Union[SharedMemoryKind, str]]] = ..., shared_memory_max_regions: _Optional[int] = ..., shared_memory_max_bytes: _Optional[int] = ..., request_ring_max: _Optional[int] = ...) -> None: ...
+    num_layers: int
+    first_layer: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_heads: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_nope_head_dim: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., softmax_scale: _Optional[float] = ..., cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., k_scale: _Optional[float] = ..., bytes_per_slot: _Optional[int] = ..., kv_b_proj_dtype: _Optional[str] = ..., kv_b_proj_scale_format: _Optional[str] = ..., weights_source: _Optional[str] = ..., prefill_dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., attention_backend_supports_out: _Optional[bool] = ..., fused_kernels_active: _Optional[bool] = ..., fused_kernels_reason: _Optional[str] = ..., workspace_tokens: _Optional[int] = ..., device: _Optional[str] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_heads: _Optional[int] = ..., shared_memory_kinds: _Optional[_Iterable[_Union[SharedMemoryKind, str]]] = ..., shared_memory_max_regions: _Optional[int] = ..., shared_memory_max_bytes: _Optional[int] = ..., request_ring_max: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_layer: _Optional[int] = ...) -> None: ...
 
 class WriteCacheRequest(_message.Message):
-    __slots__ = ("slot_mapping", "kv_c", "k_pe", "expected_instance_id")
+    __slots__ = ("slot_mapping", "kv_c", "k_pe", "expected_instance_id", "layer")
     SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     KV_C_FIELD_NUMBER: _ClassVar[int]
     K_PE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
     slot_mapping: Tensor
     kv_c: Tensor
     k_pe: Tensor
     expected_instance_id: str
-    def __init__(self, slot_mapping: _Optional[_Union[Tensor, _Mapping]] = ..., kv_c: _Optional[_Union[Tensor, _Mapping]] = ..., k_pe: _Optional[_Union[Tensor, _Mapping]] = ..., expected_instance_id: _Optional[str] = ...) -> None: ...
+    layer: int
+    def __init__(self, slot_mapping: _Optional[_Union[Tensor, _Mapping]] = ..., kv_c: _Optional[_Union[Tensor, _Mapping]] = ..., k_pe: _Optional[_Union[Tensor, _Mapping]] = ..., expected_instance_id: _Optional[str] = ..., layer: _Optional[int] = ...) -> None: ...
 
 class WriteCacheResponse(_message.Message):
     __slots__ = ("slots_written", "instance_id")
@@ -242,12 +248,14 @@ class WriteCacheResponse(_message.Message):
     def __init__(self, slots_written: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class ReadCacheRequest(_message.Message):
-    __slots__ = ("slot_mapping", "expected_instance_id")
+    __slots__ = ("slot_mapping", "expected_instance_id", "layer")
     SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
     slot_mapping: Tensor
     expected_instance_id: str
-    def __init__(self, slot_mapping: _Optional[_Union[Tensor, _Mapping]] = ..., expected_instance_id: _Optional[str] = ...) -> None: ...
+    layer: int
+    def __init__(self, slot_mapping: _Optional[_Union[Tensor, _Mapping]] = ..., expected_instance_id: _Optional[str] = ..., layer: _Optional[int] = ...) -> None: ...
 
 class ReadCacheResponse(_message.Message):
     __slots__ = ("slots", "instance_id")
@@ -280,7 +288,7 @@ class ContextChunk(_message.Message):
     def __init__(self, first_sequence: _Optional[int] = ..., num_sequences: _Optional[int] = ..., context_start: _Optional[_Iterable[int]] = ..., context_len: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillContextRequest(_message.Message):
-    __slots__ = ("request_id", "q", "sequences", "workspace_tokens", "expected_instance_id", "plan", "output_region", "lse_region")
+    __slots__ = ("request_id", "q", "sequences", "workspace_tokens", "expected_instance_id", "plan", "output_region", "lse_region", "layer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +297,7 @@ class PrefillContextRequest(_message.Message):
     PLAN_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGION_FIELD_NUMBER: _ClassVar[int]
     LSE_REGION_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     q: Tensor
     sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
@@ -297,7 +306,8 @@ class PrefillContextRequest(_message.Message):
     plan: _containers.RepeatedCompositeFieldContainer[ContextChunk]
     output_region: SharedMemoryRef
     lse_region: SharedMemoryRef
-    def __init__(self, request_id: _Optional[str] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., workspace_tokens: _Optional[int] = ..., expected_instance_id: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[ContextChunk, _Mapping]]] = ..., output_region: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., lse_region: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
+    layer: int
+    def __init__(self, request_id: _Optional[str] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., workspace_tokens: _Optional[int] = ..., expected_instance_id: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[ContextChunk, _Mapping]]] = ..., output_region: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., lse_region: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., layer: _Optional[int] = ...) -> None: ...
 
 class Fp8Path(_message.Message):
     __slots__ = ("cache_dtype", "kv_b_proj_dtype", "prefill_dtype")
