@@ -279,6 +279,15 @@ def test_a_server_of_two_layers_end_to_end():
                         assert np.array_equal(r.output_bits, want_bits)
                         assert np.array_equal(r.lse.view(np.uint32), want.lse.numpy().view(np.uint32))
                     assert np.array_equal(c.read_cache(SLOTS.numpy(), layer=layer), one.read_cache(SLOTS).numpy())
+                    # the new tokens' latents with the request (cache_write), through the ring and a call
+                    new = np.array([200 + layer, 210 + layer], np.int64)
+                    kv_c, k_pe = (t[:2].numpy() for t in latents(50 + layer))
+                    r = ring.prefill_context(q, seqs, layer=layer, cache_write=(new, kv_c, k_pe))
+                    assert r.slots_written == 2 and np.array_equal(r.output_bits, want_bits)
+                    r = c.prefill_context(q, seqs, layer=layer, cache_write=(new[:1], kv_c[:1], k_pe[:1]))
+                    assert r.slots_written == 1
+                    one.write_cache(torch.from_numpy(new), torch.from_numpy(kv_c), torch.from_numpy(k_pe))
+                    assert np.array_equal(c.read_cache(new, layer=layer), one.read_cache(torch.from_numpy(new)).numpy())
             with pytest.raises(Exception, match="layer"):
                 c.prefill_context(q, seqs)  # two layers: the request must name one
     finally:

@@ -272,6 +272,7 @@ class PrefillResult:
     :class:`CudaSharedMemoryRegion`, ``output_tensor`` / ``lse_tensor`` are torch views
     of the caller's own CUDA tensor and ``output`` / ``output_bits`` / ``lse`` are None.
     ``float_output=False`` leaves ``output`` None in every case (``output_bits`` holds it).
+    ``slots_written``: the slots the request's ``cache_write`` wrote (0 without one).
     """
 
     output: np.ndarray | None
@@ -283,6 +284,7 @@ class PrefillResult:
     raw: Any = field(default=None, repr=False)
     output_ref: SharedMemoryRef | None = None
     lse_ref: SharedMemoryRef | None = None
+    slots_written: int = 0
     output_tensor: Any = field(default=None, repr=False)
     lse_tensor: Any = field(default=None, repr=False)
 
@@ -437,6 +439,25 @@ def build_write_request(slot_mapping: Any, kv_c: Any, k_pe: Any, expected: str |
     return finish(req, payloads)
 
 
+def _cache_write(msg: Any, cache_write: Any) -> None:
+    """Fill a CacheWrite from ``(slot_mapping, kv_c, k_pe)``, as WriteCache takes them. Its
+    inline latents are copied into the message (a submessage's bytes cannot be appended at
+    serialization as a top-level tensor's are; a new token's latents are small)."""
+    try:
+        slot_mapping, kv_c, k_pe = cache_write
+    except (TypeError, ValueError):
+        raise ValueError("cache_write: expected (slot_mapping, kv_c, k_pe)") from None
+    msg.slot_mapping.CopyFrom(_slot_tensor(slot_mapping))
+    for name, x in (("kv_c", kv_c), ("k_pe", k_pe)):
+        t = _latent_tensor(x, f"cache_write.{name}")
+        if isinstance(t, pb.Tensor):
+            getattr(msg, name).CopyFrom(t)
+        else:
+            wire, bits = t
+            getattr(msg, name).CopyFrom(pb.Tensor(dtype=wire, shape=[int(d) for d in bits.shape],
+                                                  data=np.ascontiguousarray(bits).tobytes()))
+
+
 def build_read_request(slot_mapping: Any, expected: str | None, layer: int | None = None) -> pb.ReadCacheRequest:
     req = pb.ReadCacheRequest()
     if layer is not None:
@@ -481,6 +502,7 @@ def build_prefill_request(
     output_region: SharedMemoryRef | None = None,
     lse_region: SharedMemoryRef | None = None,
     layer: int | None = None,
+    cache_write: Any = None,
 ) -> Any:
     """A PrefillContextRequest (an :class:`~ctxprefill_client.wire.OutgoingMessage` when q is
     inline: its bytes are appended at serialization, not copied into the message)."""
@@ -501,6 +523,8 @@ def build_prefill_request(
         req.output_region.CopyFrom(output_region.to_proto())
     if lse_region is not None:
         req.lse_region.CopyFrom(lse_region.to_proto())
+    if cache_write is not None:
+        _cache_write(req.cache_write, cache_write)
     return finish(req, payloads)
 
 
@@ -566,7 +590,8 @@ def parse_prefill_response(resp: pb.PrefillContextResponse, num_query_rows: int,
                            output_region: SharedMemoryRef | None = None, lse_region: SharedMemoryRef | None = None,
                            float_output: bool = True) -> PrefillResult:
     res = PrefillResult(output=None, output_bits=None, lse=None, stats=stats_to_dict(resp.stats),
-                        instance_id=resp.instance_id, request_id=resp.request_id, raw=resp)
+                        instance_id=resp.instance_id, request_id=resp.request_id, raw=resp,
+                        slots_written=int(resp.slots_written))
     if resp.output.HasField("shared_memory"):
         p = _Placed(resp.output, "output", (BF16,), 3, output_region)
         out_shape, res.output_ref = p.shape, p.ref

@@ -190,6 +190,7 @@ class AsyncPrefillContextClient:
         float_output: bool = True,
         timeout: float | None = None,
         layer: int | None = None,
+        cache_write: Any = None,
     ) -> PrefillResult:
         """PrefillContext; see ``PrefillContextClient.prefill_context``."""
         expected = self._tracker.expected()
@@ -205,6 +206,7 @@ class AsyncPrefillContextClient:
             output_region=output_region,
             lse_region=lse_region,
             layer=layer,
+            cache_write=cache_write,
         )
         resp = await self._call("PrefillContext", self._stub.PrefillContext, req, timeout, expected)
         self._tracker.observe("PrefillContext", resp.instance_id)

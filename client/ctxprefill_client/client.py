@@ -217,6 +217,7 @@ class PrefillContextClient:
         float_output: bool = True,
         timeout: float | None = None,
         layer: int | None = None,
+        cache_write: Any = None,
     ) -> PrefillResult:
         """PrefillContext: attention of ``q`` ``[Tq, H, P+R]`` over the cached context.
 
@@ -233,7 +234,10 @@ class PrefillContextClient:
         ``float_output=False`` skips the float32 copy of the output (``output`` is None; the
         bf16 bits are in ``output_bits``). ``layer``: the model layer whose cache and
         kv_b_proj the request uses (needed when the server holds several; the block tables
-        are the same for every layer).
+        are the same for every layer). ``cache_write``: ``(slot_mapping, kv_c, k_pe)`` as
+        :meth:`write_cache` takes them, written into that layer's cache once the attention
+        is computed (typically the new tokens' own latents: one call instead of two per
+        layer; ``slots_written`` in the result).
         """
         expected = self._tracker.expected()
         req = build_prefill_request(
@@ -248,6 +252,7 @@ class PrefillContextClient:
             output_region=output_region,
             lse_region=lse_region,
             layer=layer,
+            cache_write=cache_write,
         )
         resp = self._call("PrefillContext", self._stub.PrefillContext, req, timeout, expected)
         self._tracker.observe("PrefillContext", resp.instance_id)

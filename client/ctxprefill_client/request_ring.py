@@ -147,12 +147,12 @@ class RequestRing:
     def submit(self, q: Any, sequences: Iterable[Any], *, request_id: str | None = None,
                workspace_tokens: int | None = None, plan: Iterable[Any] | None = None, q_dtype: int | None = None,
                output_region: SharedMemoryRef | None = None, lse_region: SharedMemoryRef | None = None,
-               float_output: bool = True, layer: int | None = None) -> None:
+               float_output: bool = True, layer: int | None = None, cache_write: Any = None) -> None:
         """Write one request (arguments as ``PrefillContextClient.prefill_context``) into the
         next slot; its answer is a later :meth:`result`."""
         self._check_open()
         req, pending = prefill_request(self._client, q, sequences, request_id, workspace_tokens, plan, q_dtype,
-                                       output_region, lse_region, float_output, layer)
+                                       output_region, lse_region, float_output, layer, cache_write)
         self.send(req, pending)
 
     def result(self) -> PrefillResult:

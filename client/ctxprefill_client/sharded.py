@@ -225,9 +225,13 @@ def concat_results(results: list[PrefillResult], targets: list[str], infos: list
         "shards": shards,
     }
     ids = [r.instance_id for r in results]
+    written = {r.slots_written for r in results}
+    if len(written) > 1:  # every shard holds the whole cache: a cache_write writes the same slots in each
+        raise CtxPrefillError(f"shards wrote different numbers of slots: {[r.slots_written for r in results]}")
     return ShardedPrefillResult(
         output=output, output_bits=bits, lse=lse, stats=stats, instance_id=",".join(ids),
         request_id=results[0].request_id, raw=None, shard_results=list(results), instance_ids=ids,
+        slots_written=written.pop(),
     )
 
 
@@ -378,6 +382,7 @@ class ShardedPrefillClient:
         q_dtype: int | None = None,
         timeout: float | None = None,
         layer: int | None = None,
+        cache_write: Any = None,
     ) -> ShardedPrefillResult:
         """PrefillContext of the whole model: ``q`` ``[Tq, H_total, P+R]`` split by heads, every
         shard run concurrently, ``output``/``lse`` concatenated along heads. Arguments as
@@ -395,7 +400,7 @@ class ShardedPrefillClient:
             part, qd = parts[k]
             return self.clients[order[k]].prefill_context(
                 part, seqs, request_id=request_id, workspace_tokens=workspace_tokens, plan=plan, q_dtype=qd,
-                timeout=timeout, layer=layer)
+                timeout=timeout, layer=layer, cache_write=cache_write)
 
         futures = [self._pool.submit(one, k) for k in range(len(order))]
         concurrent.futures.wait(futures)
@@ -497,6 +502,7 @@ class AsyncShardedPrefillClient:
         q_dtype: int | None = None,
         timeout: float | None = None,
         layer: int | None = None,
+        cache_write: Any = None,
     ) -> ShardedPrefillResult:
         infos = await self._ensure()
         seqs = _materialize(sequences)
@@ -509,7 +515,7 @@ class AsyncShardedPrefillClient:
         res = await asyncio.gather(
             *(self.clients[order[k]].prefill_context(part, seqs, request_id=request_id,
                                                     workspace_tokens=workspace_tokens, plan=plan, q_dtype=qd,
-                                                    timeout=timeout, layer=layer)
+                                                    timeout=timeout, layer=layer, cache_write=cache_write)
               for k, (part, qd) in enumerate(parts)),
             return_exceptions=True)
         for k, r in enumerate(res):

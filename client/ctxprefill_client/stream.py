@@ -61,7 +61,7 @@ class Pending:
 def prefill_request(client: Any, q: Any, sequences: Iterable[Any], request_id: str | None,
                     workspace_tokens: int | None, plan: Iterable[Any] | None, q_dtype: int | None,
                     output_region: SharedMemoryRef | None, lse_region: SharedMemoryRef | None,
-                    float_output: bool, layer: int | None = None) -> tuple[Any, Pending]:
+                    float_output: bool, layer: int | None = None, cache_write: Any = None) -> tuple[Any, Pending]:
     """A PrefillContextRequest as ``client.prefill_context`` builds it, and what its answer
     will be parsed with."""
     expected = client._tracker.expected()
@@ -69,7 +69,8 @@ def prefill_request(client: Any, q: Any, sequences: Iterable[Any], request_id: s
     req = build_prefill_request(q, sequences, request_id=request_id, workspace_tokens=workspace_tokens, plan=plan,
                                 expected=expected, q_dtype=q_dtype,
                                 server_prefill_dtype=info.prefill_dtype if info else None,
-                                output_region=output_region, lse_region=lse_region, layer=layer)
+                                output_region=output_region, lse_region=lse_region, layer=layer,
+                                cache_write=cache_write)
     rows = int(req.q.shape[0]) if len(req.q.shape) else 0
     return req, Pending(rows, output_region, lse_region, float_output, expected)
 
@@ -107,14 +108,14 @@ class PrefillStream:
     def submit(self, q: Any, sequences: Iterable[Any], *, request_id: str | None = None,
                workspace_tokens: int | None = None, plan: Iterable[Any] | None = None, q_dtype: int | None = None,
                output_region: SharedMemoryRef | None = None, lse_region: SharedMemoryRef | None = None,
-               float_output: bool = True, layer: int | None = None) -> None:
+               float_output: bool = True, layer: int | None = None, cache_write: Any = None) -> None:
         """Send one request (arguments as ``PrefillContextClient.prefill_context``); its
         answer is a later :meth:`result`. The memory of its tensors is read when gRPC
         sends it: leave it unchanged until its result is back."""
         if self._closed:
             raise CtxPrefillError("the stream is closed")
         msg, pending = _request(self._client, q, sequences, request_id, workspace_tokens, plan, q_dtype,
-                                output_region, lse_region, float_output, layer)
+                                output_region, lse_region, float_output, layer, cache_write)
         self._pending.append(pending)
         self._outbox.put(msg)
 
@@ -186,11 +187,11 @@ class AsyncPrefillStream:
                      workspace_tokens: int | None = None, plan: Iterable[Any] | None = None,
                      q_dtype: int | None = None, output_region: SharedMemoryRef | None = None,
                      lse_region: SharedMemoryRef | None = None, float_output: bool = True,
-                     layer: int | None = None) -> None:
+                     layer: int | None = None, cache_write: Any = None) -> None:
         if self._closed:
             raise CtxPrefillError("the stream is closed")
         msg, pending = _request(self._client, q, sequences, request_id, workspace_tokens, plan, q_dtype,
-                                output_region, lse_region, float_output, layer)
+                                output_region, lse_region, float_output, layer, cache_write)
         self._pending.append(pending)
         try:
             await self._call.write(msg)

@@ -431,21 +431,12 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         lease = self._lease()
         try:
             args = validate.validate_write(request, engine.config, lease)
-            path = "fused" if engine.config.fused else "generic"
 
             def work():
                 if lease is not None and not lease.begin():
                     return 0  # the handler gave up on this request
                 try:
-                    kv_c, k_pe = args.kv_c, args.k_pe
-                    if "kv_c" in args.shared:
-                        kv_c = codec.from_shared(kv_c, engine.device)
-                    if "k_pe" in args.shared:
-                        k_pe = codec.from_shared(k_pe, engine.device)
-                    counts: Counter = Counter()
-                    with launches.stage(counts, "insert"):
-                        n = engine.write_cache(args.slot_mapping, kv_c, k_pe, layer=args.layer)
-                    self.metrics.observe_insert(counts["insert"], path, engine.cache_slots_used)
+                    n = self._write(engine, args)
                     if lease is not None:
                         self.metrics.observe_shared_memory(lease.transferred)
                     return n
@@ -457,6 +448,21 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             if lease is not None:
                 lease.abandon()
         return pb.WriteCacheResponse(slots_written=n, instance_id=engine.instance_id)
+
+    def _write(self, engine: Engine, args: validate.WriteArgs) -> int:
+        """On the engine thread: insert checked latents (WriteCache, or a PrefillContext's
+        cache_write), counting the launches; returns the slots written."""
+        kv_c, k_pe = args.kv_c, args.k_pe
+        if "kv_c" in args.shared:
+            kv_c = codec.from_shared(kv_c, engine.device)
+        if "k_pe" in args.shared:
+            k_pe = codec.from_shared(k_pe, engine.device)
+        counts: Counter = Counter()
+        with launches.stage(counts, "insert"):
+            n = engine.write_cache(args.slot_mapping, kv_c, k_pe, layer=args.layer)
+        self.metrics.observe_insert(counts["insert"], "fused" if engine.config.fused else "generic",
+                                    engine.cache_slots_used)
+        return n
 
     async def ReadCache(self, request, context):
         engine = self._gate(admit=True)
@@ -584,7 +590,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
 
     def _prefill_work(self, engine: Engine, lease, args, t0: int, t_valid: int, defer: list | None = None):
         """On the engine thread: run the request and put its results in place.
-        ``(out, lse, stats, total_ns, phases)``; None when the handler gave up first.
+        ``(out, lse, stats, total_ns, phases, slots written by cache_write)``; None when the handler gave up first.
         ``defer``: a list that takes the bookkeeping that may wait until the answer is out
         (metrics, releasing the regions; the device is synchronized already) — what a
         request ring does; otherwise it is done here."""
@@ -620,6 +626,9 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             if engine.device.type == "cuda" and any(m is not None for m in msgs):
                 placed = torch.cuda.Event()
                 placed.record(torch.cuda.current_stream(engine.device))
+            # the cache write is queued behind the attention that reads the cache (and behind
+            # the results' copies, which do not wait for it)
+            written = 0 if args.cache_write is None else self._write(engine, args.cache_write)
         except BaseException:
             self._end_shared(lease, engine.device)
             raise
@@ -647,7 +656,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                 else:
                     defer.append(account)
                 done = True
-                return out, lse, r.stats, t_end - t0, phases
+                return out, lse, r.stats, t_end - t0, phases, written
             finally:
                 if done and defer is not None:
                     if lease is not None:
@@ -658,7 +667,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         return finish
 
     def _prefill_response(self, engine: Engine, done, request_id: str):
-        out, lse, st, total_ns, phases = done
+        out, lse, st, total_ns, phases, written = done
         stats = pb.Stats(
             num_chunks=len(st.chunks),
             chunks=[pb.ContextChunk(first_sequence=c.first_sequence, num_sequences=c.num_sequences,
@@ -676,7 +685,8 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         )
         log.info("prefill done", extra={"chunks": len(st.chunks), "context_tokens": st.context_tokens,
                                         "query_tokens": st.query_tokens, "total_ms": round(total_ns / 1e6, 3)})
-        resp = pb.PrefillContextResponse(stats=stats, instance_id=engine.instance_id, request_id=request_id)
+        resp = pb.PrefillContextResponse(stats=stats, instance_id=engine.instance_id, request_id=request_id,
+                                         slots_written=written)
         payloads: list = []
         place_tensor(resp, "output", out, payloads)  # shared-memory references, or bytes sent at serialization
         place_tensor(resp, "lse", lse, payloads)

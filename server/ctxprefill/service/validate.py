@@ -82,6 +82,7 @@ class PrefillArgs:
     output_to: Placement | None = None  # output_region, when set
     lse_to: Placement | None = None  # lse_region, when set
     layer: int = 0  # the model layer (checked: one the server holds)
+    cache_write: WriteArgs | None = None  # latents written after the attention (cache_write), when set
 
 
 def layer_of(req, cfg: EngineConfig) -> int:
@@ -124,19 +125,24 @@ def _check_response_size(field: str, nbytes: int, max_message_bytes: int) -> Non
 
 
 def validate_write(req: pb.WriteCacheRequest, cfg: EngineConfig, shm=None) -> WriteArgs:
+    return _write_args(req, cfg, layer_of(req, cfg), shm)
+
+
+def _write_args(msg, cfg: EngineConfig, layer: int, shm, where: str = "") -> WriteArgs:
+    """The slot_mapping, kv_c and k_pe of a WriteCacheRequest or a CacheWrite (``where``:
+    the prefix of its fields in error messages, e.g. ``cache_write.``)."""
     L, R = cfg.shape.kv_lora_rank, cfg.shape.qk_rope_head_dim
-    layer = layer_of(req, cfg)
-    slots = codec.decode(req.slot_mapping, "slot_mapping", (pb.DATA_TYPE_INT64,), ndim=1, shm=shm, index=True)
+    slots = codec.decode(msg.slot_mapping, f"{where}slot_mapping", (pb.DATA_TYPE_INT64,), ndim=1, shm=shm, index=True)
     T = slots.shape[0]
     tensors = {}
     for name, width in (("kv_c", L), ("k_pe", R)):
-        msg = getattr(req, name)
-        _, shape = codec.check_tensor(msg, name, _LATENT_DTYPES, ndim=2)
+        t, field = getattr(msg, name), where + name
+        _, shape = codec.check_tensor(t, field, _LATENT_DTYPES, ndim=2)
         if shape != (T, width):
-            raise InvalidArgument(name, f"must have shape [{T}, {width}] (T from slot_mapping), got {list(shape)}")
-        tensors[name] = codec.decode(msg, name, _LATENT_DTYPES, ndim=2, shm=shm)
-    _check_slots(slots, cfg.cache.num_slots, allow_skip=True)
-    shared = frozenset(n for n in ("kv_c", "k_pe") if getattr(req, n).HasField("shared_memory"))
+            raise InvalidArgument(field, f"must have shape [{T}, {width}] (T from slot_mapping), got {list(shape)}")
+        tensors[name] = codec.decode(t, field, _LATENT_DTYPES, ndim=2, shm=shm)
+    _check_slots(slots, cfg.cache.num_slots, allow_skip=True, field=f"{where}slot_mapping")
+    shared = frozenset(n for n in ("kv_c", "k_pe") if getattr(msg, n).HasField("shared_memory"))
     return WriteArgs(slots, tensors["kv_c"], tensors["k_pe"], shared, layer)
 
 
@@ -272,7 +278,8 @@ def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_messa
             plan.append(ContextChunk(c.first_sequence, tuple(c.context_start), tuple(c.context_len)))
         validate_plan(plan, [s.context_len for s in seqs], W)
 
-    return PrefillArgs(q, seqs, W, plan, req.q.HasField("shared_memory"), out_to, lse_to, layer)
+    write = _write_args(req.cache_write, cfg, layer, shm, "cache_write.") if req.HasField("cache_write") else None
+    return PrefillArgs(q, seqs, W, plan, req.q.HasField("shared_memory"), out_to, lse_to, layer, write)
 
 
 def request_id_for_logs(request_id: str) -> str:

@@ -288,7 +288,7 @@ class ContextChunk(_message.Message):
     def __init__(self, first_sequence: _Optional[int] = ..., num_sequences: _Optional[int] = ..., context_start: _Optional[_Iterable[int]] = ..., context_len: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillContextRequest(_message.Message):
-    __slots__ = ("request_id", "q", "sequences", "workspace_tokens", "expected_instance_id", "plan", "output_region", "lse_region", "layer")
+    __slots__ = ("request_id", "q", "sequences", "workspace_tokens", "expected_instance_id", "plan", "output_region", "lse_region", "layer", "cache_write")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,7 @@ class PrefillContextRequest(_message.Message):
     OUTPUT_REGION_FIELD_NUMBER: _ClassVar[int]
     LSE_REGION_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_WRITE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     q: Tensor
     sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
@@ -307,7 +308,18 @@ class PrefillContextRequest(_message.Message):
     output_region: SharedMemoryRef
     lse_region: SharedMemoryRef
     layer: int
-    def __init__(self, request_id: _Optional[str] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., workspace_tokens: _Optional[int] = ..., expected_instance_id: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[ContextChunk, _Mapping]]] = ..., output_region: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., lse_region: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., layer: _Optional[int] = ...) -> None: ...
+    cache_write: CacheWrite
+    def __init__(self, request_id: _Optional[str] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., workspace_tokens: _Optional[int] = ..., expected_instance_id: _Optional[str] = ..., plan: _Optional[_Iterable[_Union[ContextChunk, _Mapping]]] = ..., output_region: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., lse_region: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., layer: _Optional[int] = ..., cache_write: _Optional[_Union[CacheWrite, _Mapping]] = ...) -> None: ...
+
+class CacheWrite(_message.Message):
+    __slots__ = ("slot_mapping", "kv_c", "k_pe")
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    KV_C_FIELD_NUMBER: _ClassVar[int]
+    K_PE_FIELD_NUMBER: _ClassVar[int]
+    slot_mapping: Tensor
+    kv_c: Tensor
+    k_pe: Tensor
+    def __init__(self, slot_mapping: _Optional[_Union[Tensor, _Mapping]] = ..., kv_c: _Optional[_Union[Tensor, _Mapping]] = ..., k_pe: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Fp8Path(_message.Message):
     __slots__ = ("cache_dtype", "kv_b_proj_dtype", "prefill_dtype")
@@ -366,18 +378,20 @@ class Stats(_message.Message):
     def __init__(self, num_chunks: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ContextChunk, _Mapping]]] = ..., kernel_launches: _Optional[_Mapping[str, int]] = ..., path: _Optional[str] = ..., fp8_path: _Optional[_Union[Fp8Path, _Mapping]] = ..., stage_nanos: _Optional[_Mapping[str, int]] = ..., total_nanos: _Optional[int] = ..., context_tokens: _Optional[int] = ..., query_tokens: _Optional[int] = ..., validate_nanos: _Optional[int] = ..., queue_nanos: _Optional[int] = ..., input_nanos: _Optional[int] = ..., compute_nanos: _Optional[int] = ..., output_nanos: _Optional[int] = ...) -> None: ...
 
 class PrefillContextResponse(_message.Message):
-    __slots__ = ("output", "lse", "stats", "instance_id", "request_id")
+    __slots__ = ("output", "lse", "stats", "instance_id", "request_id", "slots_written")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LSE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     output: Tensor
     lse: Tensor
     stats: Stats
     instance_id: str
     request_id: str
-    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Union[Tensor, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., instance_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    slots_written: int
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Union[Tensor, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ..., instance_id: _Optional[str] = ..., request_id: _Optional[str] = ..., slots_written: _Optional[int] = ...) -> None: ...
 
 class PrefillContextStreamRequest(_message.Message):
     __slots__ = ("request",)
