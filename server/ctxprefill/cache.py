@@ -55,12 +55,21 @@ class PagedLatentCache:
         keep = slots >= 0
         if T == 0 or not bool(keep.any()):
             return 0
-        dev = self.device
-        insert(self.storage, kv_c.to(dev), k_pe.to(dev), slots.to(dev), self.config.dtype, self.config.k_scale)
+        up = self._to_device
+        insert(self.storage, up(kv_c), up(k_pe), up(slots), self.config.dtype, self.config.k_scale)
         written = slots[keep].unique()
         self.slots_used += int((~self._used[written]).sum())
         self._used[written] = True
         return int(keep.sum())
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the cache's device. A host tensor goes to a GPU from pinned memory,
+        queued on the stream: a copy from pageable memory would make the host wait for
+        everything queued before it (a PrefillContext's cache_write is queued behind the
+        request's attention, and the engine thread goes on to the next request)."""
+        if self.device.type == "cuda" and t.device.type == "cpu":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
     def read(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """The raw bytes of the given slots, uint8 [T, bytes_per_slot] on the host."""
