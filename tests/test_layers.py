@@ -332,3 +332,31 @@ def test_head_shards_of_two_layers_equal_the_whole_engine():
         for p in procs:
             p.terminate(15)
             p.kill()
+
+
+def test_the_example_orchestrator_on_one_layer_of_two(tmp_path):
+    """The client example (``--layer``, ``{layer}`` in ``--weights-prefix``) against a
+    ``serve --layers 2`` process whose weights file holds the two layers."""
+    from safetensors.torch import save_file
+
+    from ctxprefill_client.examples import orchestrator
+    from service_process import ServerProcess
+
+    path = str(tmp_path / "model.safetensors")
+    shape = BASE_SHAPE()
+    save_file({f"model.layers.{layer}.self_attn.kv_b_proj.weight": random_kv_b_proj(shape, "bf16", 30 + layer)
+               ["kv_b_proj.weight"] for layer in (5, 6)}, path)
+    proc = ServerProcess({"heads": 2, "block_size": 16, "num_blocks": 64, "workspace_tokens": 128,
+                          "backend": "reference", "layers": 2, "first_layer": 5, "weights": path,
+                          "weights_prefix": "model.layers.{layer}.self_attn."})
+    try:
+        proc.wait_ready()
+        for layer in (5, 6):
+            assert orchestrator.main(["--target", proc.target, "--weights", path, "--layer", str(layer),
+                                      "--weights-prefix", "model.layers.{layer}.self_attn."]) == 0
+        # the other layer's weights for this layer's attention: the check fails
+        assert orchestrator.main(["--target", proc.target, "--weights", path, "--layer", "6",
+                                  "--weights-prefix", "model.layers.5.self_attn."]) == 1
+    finally:
+        proc.terminate(15)
+        proc.kill()

@@ -28,6 +28,9 @@ With ``--shared-memory system`` (a server started with ``--shared-memory system|
 the same host, or in the same IPC namespace: ``deploy/compose.shared-memory.yaml``), q,
 the output and the LSE go through a POSIX shared-memory region instead of the messages.
 
+On a server of several layers (``serve --layers N``), ``--layer I`` picks the layer and
+``--weights-prefix`` may hold ``{layer}``, as the server's does.
+
 It overwrites the blocks it picks: point it at a server no one else is using.
 Tolerance: max |error| / max |reference| and max |LSE error| (natural log) both at
 most 2e-2 for bf16 prefill, 1e-1 for fp8 prefill (k and v are quantized to e4m3
@@ -237,13 +240,15 @@ def run(
     workspace_tokens: int | None = None,
     rtol: float | None = None,
     shared_memory: bool = False,
+    layer: int | None = None,
     log=print,
 ) -> dict[str, Any]:
     """Run the whole example against ``client``; returns a report dict (``ok`` is the verdict).
 
     ``shared_memory``: q, the output and the LSE go through a POSIX shared-memory region
     registered with the server (``serve --shared-memory system|all``, same host or same
-    IPC namespace) instead of inside the gRPC messages."""
+    IPC namespace) instead of inside the gRPC messages. ``layer``: the model layer to use
+    on a server of several (``serve --layers``); ``w_deq`` must be that layer's weight."""
     if len(context_lens) != len(query_lens):
         raise ValueError("context_lens and query_lens need the same length")
     info = client.server_info()
@@ -284,10 +289,10 @@ def run(
         or [np.zeros(0, np.int64)]
     ).astype(np.int64)
     if total_ctx:
-        written = client.write_cache(slots, RawTensor(BF16, c_bits), RawTensor(BF16, kpe_bits))
+        written = client.write_cache(slots, RawTensor(BF16, c_bits), RawTensor(BF16, kpe_bits), layer=layer)
         if written != total_ctx:
             raise RuntimeError(f"write_cache wrote {written} slots, expected {total_ctx}")
-        raw = client.read_cache(slots)
+        raw = client.read_cache(slots, layer=layer)
         if raw.shape != (total_ctx, info.bytes_per_slot):
             raise RuntimeError(f"read_cache returned {list(raw.shape)}, expected [{total_ctx}, {info.bytes_per_slot}]")
         c_ctx, kpe_ctx = dequantize_slots(raw, info.cache_dtype, L, R, info.k_scale)
@@ -311,9 +316,11 @@ def run(
     # -- the context part, on the server
     seqs = [Sequence(ql, cl, tuple(bt)) for ql, cl, bt in zip(query_lens, context_lens, tables)]
     if shared_memory:
-        res = _prefill_through_shared_memory(client, q_raw, seqs, workspace_tokens, f"orchestrator-{seed}", H, V, log)
+        res = _prefill_through_shared_memory(client, q_raw, seqs, workspace_tokens, f"orchestrator-{seed}", H, V, log,
+                                             layer)
     else:
-        res = client.prefill_context(q_raw, seqs, workspace_tokens=workspace_tokens, request_id=f"orchestrator-{seed}")
+        res = client.prefill_context(q_raw, seqs, workspace_tokens=workspace_tokens, request_id=f"orchestrator-{seed}",
+                                     layer=layer)
     st = res.stats
     log(
         f"prefill_context: {st['num_chunks']} chunk(s), path={st['path']}, fp8_path={st['fp8_path']}, "
@@ -365,7 +372,7 @@ def run(
 
 
 def _prefill_through_shared_memory(client: PrefillContextClient, q_raw: RawTensor, seqs, workspace_tokens, request_id,
-                                   H: int, V: int, log):
+                                   H: int, V: int, log, layer: int | None = None):
     """prefill_context with q, output and LSE in one POSIX shared-memory region: q at 0,
     the output and the LSE after it (64-byte aligned); the region is registered for the
     call and removed after. The result's arrays are copied out of the region first."""
@@ -384,7 +391,7 @@ def _prefill_through_shared_memory(client: PrefillContextClient, q_raw: RawTenso
             q_in = region.write(q_raw, 0)
             res = client.prefill_context(q_in, seqs, workspace_tokens=workspace_tokens, request_id=request_id,
                                          output_region=region.ref(out_at, out_bytes),
-                                         lse_region=region.ref(lse_at, lse_bytes))
+                                         lse_region=region.ref(lse_at, lse_bytes), layer=layer)
             # copies of the views into the region (output is already a float32 copy), so
             # that the region can be unmapped
             res.output_bits, res.lse = np.array(res.output_bits), np.array(res.lse)
@@ -406,7 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--target", default="localhost:50051", help="server host:port")
     ap.add_argument("--weights", help="the safetensors file the server was started with (--weights)")
-    ap.add_argument("--weights-prefix", default="", help="tensor name prefix, as the server's --weights-prefix")
+    ap.add_argument("--weights-prefix", default="", help="tensor name prefix, as the server's --weights-prefix "
+                                                          "({layer} stands for --layer)")
+    ap.add_argument("--layer", type=int, default=None, help="the model layer to use on a server of several "
+                                                           "(serve --layers)")
     ap.add_argument("--context-lens", default="200,48,32,0", help="comma-separated context lengths")
     ap.add_argument("--query-lens", default="8,4,6,5", help="comma-separated new-token counts")
     ap.add_argument("--workspace-tokens", type=int, default=None, help="per-request workspace size W")
@@ -433,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.weights:
         ap.error("--weights PATH is required (the same file the server was started with)")
-    w_deq = load_kv_b_proj(args.weights, args.weights_prefix)
+    w_deq = load_kv_b_proj(args.weights, args.weights_prefix.replace("{layer}", str(args.layer or 0)))
     with PrefillContextClient(args.target, timeout=args.timeout, token=args.token, tls=args.tls) as client:
         report = run(
             client,
@@ -444,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             workspace_tokens=args.workspace_tokens,
             rtol=args.rtol,
             shared_memory=args.shared_memory == "system",
+            layer=args.layer,
         )
     return 0 if report["ok"] else 1
 
