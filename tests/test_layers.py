@@ -360,3 +360,21 @@ def test_the_example_orchestrator_on_one_layer_of_two(tmp_path):
     finally:
         proc.terminate(15)
         proc.kill()
+
+
+def test_caches_that_cannot_fit_refuse_to_start(monkeypatch):
+    from ctxprefill import settings
+
+    with pytest.raises(ConfigError, match="--num-blocks, --layers") as ei:
+        build_engine(dataclasses.replace(BASE, num_blocks=2**31 // 16 - 1, layers=2))
+    assert "2 layer(s)" in str(ei.value)
+    # what the device says is free decides, not a fixed limit
+    cfg = build_engine(BASE).config
+    need = sum(settings.memory_bytes(cfg))
+    monkeypatch.setattr(settings, "available_bytes", lambda device: need - 1)
+    with pytest.raises(ConfigError, match="GiB free"):
+        build_engine(BASE)
+    monkeypatch.setattr(settings, "available_bytes", lambda device: need)
+    build_engine(BASE)
+    monkeypatch.setattr(settings, "available_bytes", lambda device: None)  # unknown: the allocation decides
+    build_engine(BASE)

@@ -248,6 +248,48 @@ def layer_weights(s: ServeSettings, shape: ModelShape, layer: int):
     return prepare(s.kv_b_proj_dtype, t["kv_b_proj.weight"], t.get("kv_b_proj.weight_scale_inv"))
 
 
+def memory_bytes(config: EngineConfig) -> tuple[int, int]:
+    """Bytes of the caches (every layer's) and of the workspace."""
+    c = config.cache
+    return (config.num_layers * c.num_slots * c.bytes_per_slot,
+            config.workspace_tokens * (config.shape.kv_lora_rank + config.shape.qk_rope_head_dim) * 2)
+
+
+def memory_needs(config: EngineConfig) -> str:
+    """What the caches and the workspace take, in words, with the flags that size them."""
+    c = config.cache
+    cache, ws = memory_bytes(config)
+    return (f"the cache takes {cache / 2**30:.2f} GiB ({config.num_layers} layer(s) x --num-blocks {c.num_blocks} x "
+            f"--block-size {c.block_size} x {c.bytes_per_slot} B) and the workspace {ws / 2**30:.2f} GiB "
+            f"(--workspace-tokens {config.workspace_tokens})")
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for the caches: the GPU's free memory, or the host's MemAvailable (None
+    where it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(config: EngineConfig, device: torch.device) -> None:
+    """Refuse to start (ConfigError naming the flags) when the caches and the workspace
+    cannot fit in what the device has free: a clear message instead of an allocator's
+    error halfway through the layers, or the kernel's OOM killer on the host."""
+    need = sum(memory_bytes(config))
+    free = available_bytes(device)
+    if free is not None and need > free:
+        raise ConfigError(f"{memory_needs(config)}: {need / 2**30:.2f} GiB, and {device} has {free / 2**30:.2f} GiB "
+                          f"free; lower --num-blocks, --layers or --workspace-tokens")
+
+
 def build_engine(s: ServeSettings):
     """Validated config + weights -> Engine (raises ConfigError with the flag at fault)."""
     from .engine.engine import Engine
@@ -276,10 +318,13 @@ def build_engine(s: ServeSettings):
         first_layer=s.first_layer,
     )
     device = resolve_device(s.device)
+    check_memory(config, device)
     try:
         engine = Engine(config, weights, device)
     except ValueError as e:  # backend selection
         raise ConfigError(f"--backend {s.backend}: {e}") from None
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        raise ConfigError(f"{memory_needs(config)}: allocating it failed on {device} ({str(e)[:200]})") from None
     engine.shard = shard
     log.info(
         "engine ready",
