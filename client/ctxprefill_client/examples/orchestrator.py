@@ -443,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.weights:
         ap.error("--weights PATH is required (the same file the server was started with)")
-    w_deq = load_kv_b_proj(args.weights, args.weights_prefix.replace("{layer}", str(args.layer or 0)))
+    if "{layer}" in args.weights_prefix and args.layer is None:
+        ap.error("--weights-prefix has {layer}: give --layer")
+    w_deq = load_kv_b_proj(args.weights, args.weights_prefix.replace("{layer}", str(args.layer)))
     with PrefillContextClient(args.target, timeout=args.timeout, token=args.token, tls=args.tls) as client:
         report = run(
             client,

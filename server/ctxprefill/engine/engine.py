@@ -154,15 +154,10 @@ class Engine:
         """Slots written at least once, over every layer's cache."""
         return sum(c.slots_used for c in self.caches)
 
-    def layer_index(self, layer: int | None) -> int:
-        """The position in ``caches`` / ``layer_weights`` of model layer ``layer`` (None: the
-        only layer of a one-layer engine); EngineConfig.layer_position's errors."""
-        return self.config.layer_position(layer)
-
     # -- cache ------------------------------------------------------------------------
     def write_cache(self, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                     layer: int | None = None) -> int:
-        cache = self.caches[self.layer_index(layer)]
+        cache = self.caches[self.config.layer_position(layer)]
         with self._lock, self._on_device():
             return cache.write(slot_mapping, kv_c, k_pe)
 
@@ -172,7 +167,7 @@ class Engine:
             self.backend.warm_up(self.device, self.config.shape.heads, self.q_dtype)
 
     def read_cache(self, slot_mapping: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        cache = self.caches[self.layer_index(layer)]
+        cache = self.caches[self.config.layer_position(layer)]
         with self._lock, self._on_device():
             return cache.read(slot_mapping)
 
@@ -262,7 +257,7 @@ class Engine:
         (the workspace is reused in stream order), so that the device does not idle
         between requests while the host prepares the next one."""
         cfg = self.config
-        li = self.layer_index(layer)
+        li = self.config.layer_position(layer)  # checked before anything is touched
         W = cfg.workspace_tokens if workspace_tokens is None else int(workspace_tokens)
         bt = self._check_request(q, sequences, W)
         context_lens = [s.context_len for s in sequences]

@@ -117,8 +117,9 @@ def warm_up(engine: Engine) -> None:
         q = torch.zeros((3, H, D), dtype=torch.uint8).view(FP8)
     seqs = [SequenceSpec(2, 2 * bs, blocks), SequenceSpec(1, 0, [])]
     # the first layer's cache and weights: every layer runs the same kernels
-    engine.prefill_context(q, seqs, workspace_tokens=bs, layer=cfg.first_layer)  # two chunks: continuation + merge
-    engine.prefill_context(q[:2], seqs[:1], workspace_tokens=min(2 * bs, cfg.workspace_tokens), layer=cfg.first_layer)
+    layer = cfg.first_layer
+    engine.prefill_context(q, seqs, workspace_tokens=bs, layer=layer)  # two chunks: continuation + merge
+    engine.prefill_context(q[:2], seqs[:1], workspace_tokens=min(2 * bs, cfg.workspace_tokens), layer=layer)
     engine.warm_up_backend()  # kernel variants of other chunk shapes (Triton: segment order, grid size)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)

@@ -590,7 +590,8 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
 
     def _prefill_work(self, engine: Engine, lease, args, t0: int, t_valid: int, defer: list | None = None):
         """On the engine thread: run the request and put its results in place.
-        ``(out, lse, stats, total_ns, phases, slots written by cache_write)``; None when the handler gave up first.
+        ``(out, lse, stats, total_ns, phases, slots written by cache_write)``; None when the
+        handler gave up first.
         ``defer``: a list that takes the bookkeeping that may wait until the answer is out
         (metrics, releasing the regions; the device is synchronized already) — what a
         request ring does; otherwise it is done here."""
