@@ -378,3 +378,19 @@ def test_caches_that_cannot_fit_refuse_to_start(monkeypatch):
     build_engine(BASE)
     monkeypatch.setattr(settings, "available_bytes", lambda device: None)  # unknown: the allocation decides
     build_engine(BASE)
+
+
+def test_the_remote_demo_uses_the_first_layer_of_several(capsys):
+    from ctxprefill.service.remote_demo import run_remote_demo
+    from service_process import ServerProcess
+
+    proc = ServerProcess({"heads": 2, "block_size": 16, "num_blocks": 64, "workspace_tokens": 128,
+                          "backend": "reference", "seed": 3, "layers": 3, "first_layer": 2})
+    try:
+        proc.wait_ready()
+        assert run_remote_demo(proc.target, ServeSettings(seed=3)) == 0
+        out = capsys.readouterr().out
+        assert "layer=2 of [2, 3, 4]" in out and "error vs float64 within 0.01: True" in out
+    finally:
+        proc.terminate(15)
+        proc.kill()

@@ -26,24 +26,24 @@ from ..demo import DEMO_CONTEXTS, DEMO_QUERIES
 from ..engine.engine import SequenceSpec
 from ..ops.fp8 import FP8
 from ..reference64 import prefill_context_float64
-from ..settings import ServeSettings
+from ..settings import ServeSettings, layer_prefix
 from ..weights import load_kv_b_proj, prepare, random_kv_b_proj
 from ..workload import relative_error
 
 
-def _local_weights(info, s: ServeSettings, shape: ModelShape):
-    """The server's kv_b_proj weights rebuilt here, or (None, why not)."""
+def _local_weights(info, s: ServeSettings, shape: ModelShape, layer: int):
+    """The server's kv_b_proj weights of model layer ``layer`` rebuilt here, or (None, why not)."""
     if info.weights_source.startswith("random("):
         if info.weights_source != f"random(seed={s.seed})":
             return None, f"server runs {info.weights_source}, this command has --seed {s.seed}"
         if info.kv_b_proj_dtype != s.kv_b_proj_dtype:
             return None, (f"server's random weights are {info.kv_b_proj_dtype}, "
                           f"this command has --kv-b-proj-dtype {s.kv_b_proj_dtype}")
-        t = random_kv_b_proj(shape, s.kv_b_proj_dtype, s.seed)
+        t = random_kv_b_proj(shape, s.kv_b_proj_dtype, s.seed + layer)  # as settings.layer_weights
         return prepare(s.kv_b_proj_dtype, t["kv_b_proj.weight"], t.get("kv_b_proj.weight_scale_inv")), ""
     path = s.weights or info.weights_source
     if path and os.path.isfile(path):
-        return load_kv_b_proj(path, shape, s.weights_prefix), ""
+        return load_kv_b_proj(path, shape, layer_prefix(s.weights_prefix, layer, 1)), ""
     return None, f"server's weights {info.weights_source!r} are not readable here"
 
 
@@ -62,6 +62,7 @@ def run_remote_demo(target: str, s: ServeSettings, contexts=DEMO_CONTEXTS, queri
 
     with PrefillContextClient(target, timeout=120.0) as client:
         info = client.server_info()
+        layer = info.first_layer  # of a server of several layers, the first
         bs, nb, H = info.block_size, info.num_blocks, info.num_heads
         L, R = info.kv_lora_rank, info.qk_rope_head_dim
         why = "" if info.fused_kernels_active else f" ({info.fused_kernels_reason})"
@@ -73,7 +74,7 @@ def run_remote_demo(target: str, s: ServeSettings, contexts=DEMO_CONTEXTS, queri
         print(
             f"heads={H} cache={info.cache_dtype} k_scale={info.k_scale} kv_b_proj={info.kv_b_proj_dtype} "
             f"prefill={info.prefill_dtype} block={bs} blocks={nb} weights={info.weights_source} "
-            f"versions={info.versions}"
+            f"versions={info.versions}" + (f" layer={layer} of {list(info.layers)}" if info.num_layers > 1 else "")
         )
         contexts = _fit(list(contexts), bs, nb)
         g = torch.Generator().manual_seed(s.seed + 1)
@@ -89,7 +90,7 @@ def run_remote_demo(target: str, s: ServeSettings, contexts=DEMO_CONTEXTS, queri
         )
         kv_c = torch.randn((len(slots), L), generator=g).numpy()
         k_pe = torch.randn((len(slots), R), generator=g).numpy()
-        written = client.write_cache(slots, kv_c, k_pe)
+        written = client.write_cache(slots, kv_c, k_pe, layer=layer)
 
         q32 = torch.randn((sum(queries), H, info.qk_head_dim), generator=g)
         if info.prefill_dtype == "fp8":
@@ -101,13 +102,13 @@ def run_remote_demo(target: str, s: ServeSettings, contexts=DEMO_CONTEXTS, queri
         seqs = [(qn, n, bt) for qn, n, bt in zip(queries, contexts, tables)]
         W = workspace_tokens or min(info.workspace_tokens, max(512, bs))
         t = time.perf_counter()
-        res = client.prefill_context(q_wire, seqs, workspace_tokens=W, request_id="remote-demo")
+        res = client.prefill_context(q_wire, seqs, workspace_tokens=W, request_id="remote-demo", layer=layer)
         ms = (time.perf_counter() - t) * 1e3
 
         # every block used, read back: the reference sees exactly the bytes the server holds
         blocks = [b for bt in tables for b in bt]
         raw = client.read_cache(
-            (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+            (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1), layer=layer
         ) if blocks else np.zeros((0, info.bytes_per_slot), dtype=np.uint8)
 
     st = res.stats
@@ -116,7 +117,7 @@ def run_remote_demo(target: str, s: ServeSettings, contexts=DEMO_CONTEXTS, queri
     lau = " ".join(f"{k}={v}" for k, v in sorted(st["kernel_launches"].items()))
 
     shape = ModelShape(heads=H, softmax_scale=info.softmax_scale)
-    weights, why = _local_weights(info, s, shape)
+    weights, why = _local_weights(info, s, shape, layer)
     if weights is None:
         print(f"{st['path']:8} {st['num_chunks']:6d} {lau:42} {'n/a':>11} {'n/a':>10} {ms:8.2f}")
         print(f"float64 check skipped: {why}")
