@@ -8,7 +8,8 @@ import numpy as np
 
 from ctxprefill.service.interceptors import ServerInterceptor
 from ctxprefill.service.metrics import Metrics
-from ctxprefill.service.servicer import EngineWorker, PrefillContextServicer
+from ctxprefill.service.engine_worker import EngineWorker
+from ctxprefill.service.servicer import PrefillContextServicer
 from ctxprefill.settings import ServeSettings, build_engine
 from ctxprefill_client import encode_tensor, float32_to_bf16_bits
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb

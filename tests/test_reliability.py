@@ -247,7 +247,7 @@ def test_worker_bookkeeping_of_cancelled_calls():
     import asyncio
 
     from ctxprefill.service.metrics import Metrics
-    from ctxprefill.service.servicer import EngineWorker
+    from ctxprefill.service.engine_worker import EngineWorker
 
     async def main():
         m = Metrics()

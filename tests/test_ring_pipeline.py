@@ -1,4 +1,4 @@
-"""The engine thread pipelines ring requests (service/servicer.py ``EngineWorker._poll_rings``):
+"""The engine thread pipelines ring requests (service/engine_worker.py ``EngineWorker._poll_rings``):
 the next request is started before the previous one is answered, every request is
 answered once and in the order taken, at most ``RING_BURST`` per poll, and a ring let go
 meanwhile gets no answer written, though its request is still finished."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 
 from ctxprefill.service.metrics import Metrics
-from ctxprefill.service.servicer import EngineWorker
+from ctxprefill.service.engine_worker import EngineWorker
 
 
 class FakeRing:

@@ -43,7 +43,8 @@ def _prefill_req(rows: int, context: int, H: int, bs: int, seed: int = 0):
 def test_device_out_of_memory_is_resource_exhausted_and_the_server_goes_on(cuda_ext):
     from ctxprefill.service.interceptors import ServerInterceptor
     from ctxprefill.service.metrics import Metrics
-    from ctxprefill.service.servicer import EngineWorker, PrefillContextServicer
+    from ctxprefill.service.engine_worker import EngineWorker
+    from ctxprefill.service.servicer import PrefillContextServicer
     from ctxprefill.settings import ServeSettings, build_engine
     from ctxprefill_client import encode_tensor
     from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb

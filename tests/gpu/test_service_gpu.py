@@ -28,7 +28,8 @@ def test_launch_metric_equals_profiler_and_fp8_path_counts_chunks(cache_dtype, p
 
     from ctxprefill.service.interceptors import ServerInterceptor
     from ctxprefill.service.metrics import Metrics
-    from ctxprefill.service.servicer import EngineWorker, PrefillContextServicer
+    from ctxprefill.service.engine_worker import EngineWorker
+    from ctxprefill.service.servicer import PrefillContextServicer
     from ctxprefill.settings import ServeSettings, build_engine
     from ctxprefill_client import encode_tensor, float32_to_bf16_bits, float32_to_fp8_e4m3_bits
     from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb

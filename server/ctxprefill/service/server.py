@@ -52,7 +52,8 @@ from .http import HttpApp, bind_socket, make_uvicorn_server
 from .interceptors import ServerInterceptor, request_id_var
 from .metrics import Metrics
 from .security import Security, load_security
-from .servicer import METHODS, SERVICE_NAME, EngineWorker, PrefillContextServicer
+from .engine_worker import EngineWorker
+from .servicer import METHODS, SERVICE_NAME, PrefillContextServicer
 
 log = logging.getLogger("ctxprefill.service")
 lifecycle = logging.getLogger("ctxprefill.lifecycle")

@@ -1,0 +1,223 @@
+"""The engine thread: one daemon thread that owns the device and runs every engine call
+in submission order (:class:`EngineWorker`), between the calls the request rings it
+polls, and the out-of-memory guard every call runs under (:func:`oom_guarded`: a device
+OOM fails only that request, RESOURCE_EXHAUSTED, after freeing what it held)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import gc
+import logging
+import os
+import queue
+import threading
+import time
+
+import grpc
+import torch
+
+from .interceptors import DEADLINE_SLACK_S, RpcStatusError
+from .metrics import Metrics
+
+log = logging.getLogger("ctxprefill.service")
+
+_OOM_TYPES = (torch.OutOfMemoryError, MemoryError)
+#: how allocators word it: CUDA ("CUDA out of memory"), torch's CPU allocator
+#: ("DefaultCPUAllocator: can't allocate memory: you tried to allocate ..."), cuBLAS
+_OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory", "cublas_status_alloc_failed")
+
+
+def _is_oom(e: BaseException) -> bool:
+    if isinstance(e, _OOM_TYPES):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _OOM_MESSAGES)
+
+
+class EngineWorker:
+    """One daemon thread that runs every engine call, in submission order.
+
+    ``submit`` returns an asyncio future; cancelling it before the call starts drops
+    the call at once: it leaves the queue depth right away (not when its turn would
+    have come) and is counted as ``rejected{reason="deadline"}`` when its deadline had
+    passed, ``rejected{reason="cancelled"}`` otherwise. A call whose ``deadline``
+    (``time.monotonic()`` seconds) has passed when its turn comes is not run either
+    (``reason="deadline"``). The thread is a daemon so that a call still running after
+    the drain's grace period cannot keep the process alive.
+    """
+
+    def __init__(self, metrics: Metrics, ring_spin_s: float = 0.02, ring_poll_s: float = 100e-6,
+                 ring_overlap: bool = True):
+        self.metrics = metrics
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting = 0
+        # request rings (request_ring.py): polled by this thread between queued calls
+        self._rings: tuple = ()
+        # (ring, payload or None, defer list) -> a function returning the answer's bytes, the
+        # request's device work queued in between; set by the servicer
+        self.ring_handler = None
+        self.ring_spin_s, self.ring_poll_s = float(ring_spin_s), float(ring_poll_s)
+        self.ring_overlap = bool(ring_overlap)  # False: each ring request is answered before the next starts
+        self._thread = threading.Thread(target=self._run, name="ctxprefill-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def _leave_queue(self, item: list) -> bool:
+        """Take ``item`` out of the waiting count once; False if it already left."""
+        with self._lock:
+            if item[4]:
+                return False
+            item[4] = True
+            self._waiting -= 1
+            self.metrics.queue_depth.set(self._waiting)
+            return True
+
+    def submit(self, fn, deadline: float | None = None) -> asyncio.Future:
+        cf: concurrent.futures.Future = concurrent.futures.Future()
+        item = [cf, contextvars.copy_context(), fn, deadline, False]  # [..., left the queue]
+        with self._lock:
+            self._waiting += 1
+            self.metrics.queue_depth.set(self._waiting)
+
+        def on_done(f: concurrent.futures.Future) -> None:
+            if f.cancelled() and self._leave_queue(item):
+                # gRPC cancels a call when its deadline passes; allow for the two clocks
+                expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
+                self.metrics.rejected.labels(reason="deadline" if expired else "cancelled").inc()
+
+        cf.add_done_callback(on_done)
+        self._q.put(item)
+        return asyncio.wrap_future(cf)
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+    def add_ring(self, ring) -> None:
+        """Poll ``ring`` from now on (until it reports itself stopped)."""
+        with self._lock:
+            self._rings = (*self._rings, ring)
+        self._q.put(_WAKE)  # the thread may be blocked on an empty queue
+
+    def _run(self) -> None:
+        hot_until = 0.0  # spin (no sleeping) until then: a ring had a request lately
+        while True:
+            rings = self._rings
+            if not rings:
+                item = self._q.get()
+            elif time.monotonic() < hot_until:
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    item = _WAKE
+                    os.sched_yield()  # releases the GIL between polls
+            else:
+                try:
+                    item = self._q.get(timeout=self.ring_poll_s)
+                except queue.Empty:
+                    item = _WAKE
+            if item is None:
+                return
+            if item is not _WAKE:
+                self._call(item)
+            if rings and self._poll_rings(rings):
+                hot_until = time.monotonic() + self.ring_spin_s
+
+    #: requests served per poll of the rings at most, before queued calls get a turn
+    RING_BURST = 16
+
+    def _poll_rings(self, rings) -> bool:
+        """Serve the rings' waiting requests, round robin, at most ``RING_BURST``; True when
+        one was served. They are pipelined: the next request is started (validated, its
+        device work queued) before the previous one is waited for and answered, so that
+        the device goes from one request's work to the next instead of waiting for the
+        host in between (one ring with two requests in flight keeps it busy). Without
+        ``ring_overlap`` each request is answered before the next is started."""
+        served, live = 0, list(rings)
+        pending = None  # (ring, slot, seq, answer function, defer list)
+        took = True
+        while took and served < self.RING_BURST:
+            took = False
+            for ring in list(live):
+                if served >= self.RING_BURST:
+                    break
+                if not ring.usable():
+                    live.remove(ring)
+                    continue
+                got = ring.take()
+                if got is None:
+                    continue
+                slot, seq, payload = got
+                after: list = []
+                started = (ring, slot, seq, self.ring_handler(ring, payload, after), after)
+                if pending is not None:
+                    self._answer_ring(*pending)
+                pending = started
+                if not self.ring_overlap:
+                    self._answer_ring(*pending)
+                    pending = None
+                served += 1
+                took = True
+        if pending is not None:
+            self._answer_ring(*pending)
+        if len(live) != len(rings):
+            with self._lock:  # add_ring runs on the event loop
+                self._rings = tuple(r for r in self._rings if r not in rings or r in live)
+        return served > 0
+
+    @staticmethod
+    def _answer_ring(ring, slot: int, seq: int, answer, after: list) -> None:
+        data = answer()  # always: it waits for the request and releases what it holds
+        if not ring.stopped.done():  # the ring may have been let go since the request was taken
+            ring.answer(slot, seq, data)
+        for fn in after:  # metrics, releasing regions: while the caller reads its answer
+            fn()
+
+    def _call(self, item: list) -> None:
+        """Run one queued call (unless it was cancelled or its deadline passed)."""
+        cf, ctx, fn, deadline, _ = item
+        if not cf.set_running_or_notify_cancel():
+            return  # cancelled while queued (client gone, deadline passed): counted by on_done
+        self._leave_queue(item)
+        if deadline is not None and time.monotonic() >= deadline:
+            self.metrics.rejected.labels(reason="deadline").inc()
+            cf.set_exception(RpcStatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                            "the deadline passed while the request was queued; it was not run",
+                                            "deadline"))
+            return
+        try:
+            result = ctx.run(oom_guarded, fn, self.metrics)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
+            cf.set_exception(e)
+        else:
+            cf.set_result(result)
+        finally:
+            del item, cf, ctx, fn
+
+
+_WAKE = object()  # a queue item that only wakes the engine thread (a ring was attached)
+
+
+def oom_guarded(fn, metrics: Metrics):
+    """Run ``fn``; a device (or host) out-of-memory error becomes RESOURCE_EXHAUSTED after
+    the memory the failed request held is freed, so that the server goes on."""
+    oom = None
+    try:
+        return fn()
+    except BaseException as e:  # noqa: BLE001
+        if not _is_oom(e):
+            raise
+        oom = str(e).splitlines()[0] if str(e) else type(e).__name__
+    # outside the except block: the traceback (and the tensors its frames hold) is gone
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    metrics.rejected.labels(reason="out_of_memory").inc()
+    log.warning("request ran out of memory; freed the allocator cache and going on: %s", oom)
+    raise RpcStatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"out of memory for this request ({oom}); retry smaller (fewer tokens, a smaller "
+                         f"workspace_tokens) or later", "out_of_memory")
