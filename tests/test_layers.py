@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ctxprefill.config import EngineConfig
+from ctxprefill.config import EngineConfig, ModelShape
 from ctxprefill.engine.engine import Engine, SequenceSpec
 from ctxprefill.errors import ConfigError, InvalidArgument, OutOfRange
 from ctxprefill.settings import ServeSettings, build_engine
@@ -26,6 +26,7 @@ from inprocess_service import Harness
 from service_process import parse_metrics, sample_sum
 
 BASE = ServeSettings(device="cpu", heads=2, block_size=16, num_blocks=16, workspace_tokens=64, backend="reference")
+SHAPE = ModelShape(heads=2)  # BASE's
 CONTEXTS, QUERIES = [40, 0, 23], [3, 2, 4]
 
 
@@ -123,20 +124,16 @@ def test_layer_settings_are_checked_up_front(tmp_path):
     with pytest.raises(ConfigError, match="--layers"):
         EngineConfig(num_layers=0)
     path = str(tmp_path / "w.safetensors")
-    save_weights(path, random_kv_b_proj(BASE_SHAPE(), "bf16", 1))
+    save_weights(path, random_kv_b_proj(SHAPE, "bf16", 1))
     with pytest.raises(ConfigError, match=r"\{layer\}"):
         build_engine(dataclasses.replace(BASE, layers=2, weights=path))
-
-
-def BASE_SHAPE():  # noqa: N802 - the model shape of BASE
-    return build_engine(BASE).config.shape
 
 
 def test_weights_of_each_layer_come_from_the_file_by_prefix(tmp_path):
     path = str(tmp_path / "model.safetensors")
     tensors, want = {}, {}
     for layer in (0, 1, 2):
-        t = random_kv_b_proj(BASE_SHAPE(), "bf16", 100 + layer)
+        t = random_kv_b_proj(SHAPE, "bf16", 100 + layer)
         want[layer] = t["kv_b_proj.weight"]
         tensors.update({f"model.layers.{layer}.self_attn.{k}": v for k, v in t.items()})
     from safetensors.torch import save_file
@@ -222,7 +219,7 @@ def test_the_service_serves_each_layer_and_refuses_others():
     asyncio.run(main())
 
 
-def test_the_client_names_layers(two_layers):
+def test_the_client_names_layers():
     from ctxprefill_client._common import ServerInfo, build_prefill_request, build_read_request, build_write_request
 
     assert build_read_request([0], None, layer=4).layer == 4
@@ -343,7 +340,7 @@ def test_the_example_orchestrator_on_one_layer_of_two(tmp_path):
     from service_process import ServerProcess
 
     path = str(tmp_path / "model.safetensors")
-    shape = BASE_SHAPE()
+    shape = SHAPE
     save_file({f"model.layers.{layer}.self_attn.kv_b_proj.weight": random_kv_b_proj(shape, "bf16", 30 + layer)
                ["kv_b_proj.weight"] for layer in (5, 6)}, path)
     proc = ServerProcess({"heads": 2, "block_size": 16, "num_blocks": 64, "workspace_tokens": 128,
