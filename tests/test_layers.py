@@ -21,6 +21,7 @@ from ctxprefill.settings import ServeSettings, build_engine
 from ctxprefill.weights import random_kv_b_proj, save_weights
 from ctxprefill_client import encode_tensor, float32_to_bf16_bits
 from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from context_layout import tables_and_slots
 from engine_helpers import bits
 from inprocess_service import Harness
 from service_process import parse_metrics, sample_sum
@@ -30,17 +31,8 @@ SHAPE = ModelShape(heads=2)  # BASE's
 CONTEXTS, QUERIES = [40, 0, 23], [3, 2, 4]
 
 
-def _tables():
-    tables, slots, b = [], [], 0
-    for n in CONTEXTS:
-        blocks = list(range(b, b + -(-n // 16)))
-        b += len(blocks)
-        tables.append(blocks)
-        slots.append([blk * 16 + j % 16 for j in range(n) for blk in [blocks[j // 16]]])
-    return tables, torch.tensor([s for ss in slots for s in ss], dtype=torch.int64)
-
-
-TABLES, SLOTS = _tables()
+TABLES, _slots = tables_and_slots(CONTEXTS, 16)
+SLOTS = torch.from_numpy(_slots)
 SEQS = [SequenceSpec(q, c, t) for q, c, t in zip(QUERIES, CONTEXTS, TABLES)]
 
 

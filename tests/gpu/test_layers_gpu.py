@@ -6,12 +6,17 @@ leave the other's cache as it was."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 
 import pytest
 import torch
 
 from ctxprefill.engine.engine import SequenceSpec
 from ctxprefill.settings import ServeSettings, build_engine
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: context_layout
+from context_layout import tables_and_slots  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="no CUDA device: the GPU layer tests run on the GPU machine")]
@@ -22,13 +27,8 @@ CONTEXTS, QUERIES = [1500, 0, 300], [64, 8, 40]
 
 def _workload(seed: int):
     g = torch.Generator().manual_seed(seed)
-    tables, slots, b = [], [], 0
-    for n in CONTEXTS:
-        blocks = list(range(b, b + -(-n // 64)))
-        b += len(blocks)
-        tables.append(blocks)
-        slots += [blocks[j // 64] * 64 + j % 64 for j in range(n)]
-    slots = torch.tensor(slots, dtype=torch.int64)
+    tables, slots = tables_and_slots(CONTEXTS, 64)
+    slots = torch.from_numpy(slots)
     return tables, slots, torch.randn((len(slots), 512), generator=g), torch.randn((len(slots), 64), generator=g)
 
 
