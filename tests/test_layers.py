@@ -323,7 +323,7 @@ def test_head_shards_of_two_layers_equal_the_whole_engine():
             p.kill()
 
 
-def test_the_example_orchestrator_on_one_layer_of_two(tmp_path):
+def test_the_example_orchestrator_on_one_layer_of_two(tmp_path, capsys):
     """The client example (``--layer``, ``{layer}`` in ``--weights-prefix``) against a
     ``serve --layers 2`` process whose weights file holds the two layers."""
     from safetensors.torch import save_file
@@ -346,6 +346,15 @@ def test_the_example_orchestrator_on_one_layer_of_two(tmp_path):
         # the other layer's weights for this layer's attention: the check fails
         assert orchestrator.main(["--target", proc.target, "--weights", path, "--layer", "6",
                                   "--weights-prefix", "model.layers.5.self_attn."]) == 1
+        # ctxprefill demo --target reads the first layer's weight from the file by the same prefix;
+        # without {layer} it cannot know which, and says so instead of checking against a wrong one
+        from ctxprefill.service.remote_demo import run_remote_demo
+
+        assert run_remote_demo(proc.target, ServeSettings(weights=path,
+                                                          weights_prefix="model.layers.{layer}.self_attn.")) == 0
+        assert "error vs float64 within 0.01: True" in capsys.readouterr().out
+        assert run_remote_demo(proc.target, ServeSettings(weights=path, weights_prefix="model.layers.5.self_attn.")) == 0
+        assert "float64 check skipped" in capsys.readouterr().out
     finally:
         proc.terminate(15)
         proc.kill()

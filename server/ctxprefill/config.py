@@ -18,6 +18,14 @@ MAX_LAYERS = 1024
 PREFILL_DTYPES = ("bf16", "fp8")
 
 
+def check_layers(num_layers, first_layer) -> None:
+    """``--layers`` and ``--first-layer`` (ConfigError naming the flag)."""
+    if not isinstance(num_layers, int) or not 1 <= num_layers <= MAX_LAYERS:
+        raise ConfigError(f"--layers must be an integer in [1, {MAX_LAYERS}], got {num_layers!r}")
+    if not isinstance(first_layer, int) or not 0 <= first_layer <= MAX_LAYERS - num_layers:
+        raise ConfigError(f"--first-layer must be an integer in [0, {MAX_LAYERS} - --layers], got {first_layer!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """MLA dimensions of one worker. The kernels are built for DeepSeek-V3's L/P/R/V;
@@ -90,11 +98,7 @@ class EngineConfig:
     first_layer: int = 0  # model index of the first of them
 
     def __post_init__(self):
-        if not isinstance(self.num_layers, int) or not 1 <= self.num_layers <= MAX_LAYERS:
-            raise ConfigError(f"--layers must be an integer in [1, {MAX_LAYERS}], got {self.num_layers!r}")
-        if not isinstance(self.first_layer, int) or not 0 <= self.first_layer <= MAX_LAYERS - self.num_layers:
-            raise ConfigError(f"--first-layer must be an integer in [0, {MAX_LAYERS} - --layers], "
-                              f"got {self.first_layer!r}")
+        check_layers(self.num_layers, self.first_layer)
         if self.kv_b_proj_dtype not in KV_B_PROJ_DTYPES:
             raise ConfigError(f"kv_b_proj dtype must be one of {KV_B_PROJ_DTYPES}, got {self.kv_b_proj_dtype!r}")
         if self.prefill_dtype not in PREFILL_DTYPES:

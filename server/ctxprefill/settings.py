@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .config import CacheConfig, EngineConfig, ModelShape
+from .config import CacheConfig, EngineConfig, ModelShape, check_layers
 from .errors import ConfigError
 from .weights import load_kv_b_proj, prepare, random_kv_b_proj, shard_kv_b_proj
 
@@ -296,16 +296,16 @@ def build_engine(s: ServeSettings):
 
     shard = shard_spec(s)
     shape = ModelShape(heads=s.heads, softmax_scale=s.softmax_scale)  # the whole model's heads
-    # the layer flags first (EngineConfig checks them too, after the weights are loaded)
-    EngineConfig(shape=shape, num_layers=s.layers, first_layer=s.first_layer)
+    check_layers(s.layers, s.first_layer)  # before loading a weight per layer
     weights = [layer_weights(s, shape, layer) for layer in range(s.first_layer, s.first_layer + s.layers)]
     if shard.num_shards > 1:  # rows of the full prepared weights: equal to the unsharded worker's, head by head
         weights = [shard_kv_b_proj(w, shard.total_heads, shard.shard_index, shard.num_shards,
                                    shape.qk_nope_head_dim + shape.v_head_dim) for w in weights]
         shape = dataclasses.replace(shape, heads=shard.heads)
-    if len({w.dtype for w in weights}) > 1:
-        raise ConfigError(f"--weights: the layers' kv_b_proj weights differ in dtype "
-                          f"({', '.join(sorted({w.dtype for w in weights}))}); one dtype for all layers")
+    dtypes = sorted({w.dtype for w in weights})
+    if len(dtypes) > 1:
+        raise ConfigError(f"--weights: the layers' kv_b_proj weights differ in dtype ({', '.join(dtypes)}); one dtype "
+                          f"for all layers")
     config = EngineConfig(
         shape=shape,
         cache=CacheConfig(s.cache_dtype, s.block_size, s.num_blocks, s.k_scale),

@@ -24,6 +24,7 @@ import torch
 from ..config import CacheConfig, ModelShape
 from ..demo import DEMO_CONTEXTS, DEMO_QUERIES
 from ..engine.engine import SequenceSpec
+from ..errors import ConfigError
 from ..ops.fp8 import FP8
 from ..reference64 import prefill_context_float64
 from ..settings import ServeSettings, layer_prefix
@@ -43,7 +44,10 @@ def _local_weights(info, s: ServeSettings, shape: ModelShape, layer: int):
         return prepare(s.kv_b_proj_dtype, t["kv_b_proj.weight"], t.get("kv_b_proj.weight_scale_inv")), ""
     path = s.weights or info.weights_source
     if path and os.path.isfile(path):
-        return load_kv_b_proj(path, shape, layer_prefix(s.weights_prefix, layer, 1)), ""
+        try:  # a server of several layers: the prefix must say where each layer's weight is
+            return load_kv_b_proj(path, shape, layer_prefix(s.weights_prefix, layer, info.num_layers)), ""
+        except ConfigError as e:
+            return None, str(e)
     return None, f"server's weights {info.weights_source!r} are not readable here"
 
 
