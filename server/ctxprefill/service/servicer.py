@@ -409,17 +409,21 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             t_in = time.perf_counter_ns()
             pending = engine.prefill_context_start(q, args.sequences, workspace_tokens=args.workspace_tokens,
                                                    plan=args.plan, layer=args.layer)
-            msgs = []
+            msgs, host = [], []
             for t, to in ((pending.out, args.output_to), (pending.lse, args.lse_to)):
-                if to is None:
+                if to is None:  # inline: copied to pinned host memory, queued behind the request's work
                     msgs.append(None)
+                    host.append(codec.to_host_queued(t))
                     continue
                 nbytes = t.numel() * t.element_size()
                 codec.write_shared(to.view, t)  # queued behind the request's work
                 lease.count(to.kind, "out", nbytes)
                 msgs.append(codec.encode_shared(t.dtype, t.shape, to.region, to.offset, nbytes))
-            placed = None  # an inline result's copy to the host waits for the device itself
-            if engine.device.type == "cuda" and any(m is not None for m in msgs):
+                host.append(None)
+            # the copies are queued before the next ring request's work (request rings start
+            # it before this one is answered): waiting for them waits for this request only
+            placed = None
+            if engine.device.type == "cuda":
                 placed = torch.cuda.Event()
                 placed.record(torch.cuda.current_stream(engine.device))
             # the cache write is queued behind the attention that reads the cache (and behind
@@ -436,8 +440,8 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                 t_done = time.perf_counter_ns()
                 if placed is not None:
                     placed.synchronize()  # the results are in place (and ready to copy)
-                out = msgs[0] if msgs[0] is not None else codec.encode_parts(r.out)
-                lse = msgs[1] if msgs[1] is not None else codec.encode_parts(r.lse)
+                out = msgs[0] if msgs[0] is not None else codec.encode_parts(host[0])
+                lse = msgs[1] if msgs[1] is not None else codec.encode_parts(host[1])
                 t_end = time.perf_counter_ns()
                 # the five parts of total_nanos (Stats.validate_nanos ... output_nanos)
                 phases = (t_valid - t0, t_start - t_valid, t_in - t_start, t_done - t_in, t_end - t_done)
