@@ -26,7 +26,6 @@ values checked are the values used.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import warnings
 
@@ -149,11 +148,6 @@ def encode_parts(t: torch.Tensor) -> tuple[int, np.ndarray]:
     return wire, (t.view(storage) if storage != t.dtype else t).numpy()
 
 
-# EXPERIMENT: CTXPREFILL_INLINE_COPY=old keeps the result on the device until it is
-# encoded (main's behaviour: Tensor.cpu() when the answer is built)
-_INLINE_COPY_OLD = os.environ.get("CTXPREFILL_INLINE_COPY") == "old"
-
-
 def to_host_queued(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the host. A CUDA tensor is copied into pinned memory (torch's caching host
     allocator) on the current stream without waiting: the copy is queued behind the work
@@ -162,7 +156,7 @@ def to_host_queued(t: torch.Tensor) -> torch.Tensor:
     queued on the stream, a request started after this one included; a pinned copy also
     moves at the link's rate, where a pageable one is staged. A host tensor is returned
     as it is."""
-    if t.device.type != "cuda" or _INLINE_COPY_OLD:
+    if t.device.type != "cuda":
         return t
     h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     h.copy_(t, non_blocking=True)
