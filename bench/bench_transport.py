@@ -336,6 +336,8 @@ def main(argv=None) -> int:
                    choices=["inline", "system", "system-ring", "cuda", "cuda-stream", "cuda-ring"],
                    help="cuda-stream: CUDA IPC with the requests on one PrefillContextStream call; *-ring: the "
                         "requests through a request ring (serve --request-ring)")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="serve with --no-shared-memory-pin: system regions stay pageable (the A/B baseline)")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of each RPC, seconds")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds the server may take to start")
     p.add_argument("--cpu-latency-us", type=int, default=None,
@@ -369,9 +371,10 @@ def _measure(ns, w: Workload, dev: torch.device, gpu: str | None, qos: str) -> i
     identical: dict[str, bool] = {}
     with tempfile.TemporaryDirectory() as logdir:
         log("starting the server: " + " ".join(["serve", "--device", str(dev), "--shared-memory", "all",
-                                                 "--request-ring"]))
+                                                 "--request-ring"] + ([] if ns.pin else ["--no-shared-memory-pin"])))
         server = ServerProcess("server", {"device": str(dev), "grace_seconds": 5, "shared_memory": "all",
-                                          "request_ring": True, **settings_kw(ns, w)}, logdir)
+                                          "shared_memory_pin": ns.pin, "request_ring": True, **settings_kw(ns, w)},
+                               logdir)
         try:
             server.wait_ready(ns.ready_timeout)
             with PrefillContextClient(server.target, timeout=ns.timeout, retries=0,

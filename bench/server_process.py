@@ -35,7 +35,8 @@ def server_env() -> dict[str, str]:
 
 
 class ServerProcess:
-    """One server. ``flags``: ``{"heads": 16, "shared_memory": "all", ...}`` -> ``--heads 16 ...``."""
+    """One server. ``flags``: ``{"heads": 16, "shared_memory": "all", "request_ring": True,
+    "shared_memory_pin": False, ...}`` -> ``--heads 16 ... --request-ring --no-shared-memory-pin``."""
 
     def __init__(self, name: str, flags: dict[str, object], logdir: str):
         self.name = name
@@ -44,7 +45,8 @@ class ServerProcess:
                      str(self.port), "--metrics-port", str(self.metrics_port)]
         for k, v in flags.items():
             flag = "--" + k.replace("_", "-")
-            self.args += ([flag] if v else []) if isinstance(v, bool) else [flag, str(v)]  # --x / nothing
+            no = "--no-" + k.replace("_", "-")  # every boolean flag of serve has its --no- form
+            self.args += ([flag] if v else [no]) if isinstance(v, bool) else [flag, str(v)]
         self.cmd = " ".join(self.args[1:])
         self.log_path = os.path.join(logdir, f"{name}.log")
         self._log = open(self.log_path, "w")

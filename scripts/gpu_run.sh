@@ -15,7 +15,8 @@
 # (issue 8's 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
 # bench_rpc_floor, attention_sweep, attention_sweep_ws, bench_attention_flashinfer, probe_write, hostile_sanitizer,
 # bench_sharded, profile_host, probe_host, bench_ring_overlap (request rings with and without
-# --request-ring-overlap), segv (a native backtrace of one test).
+# --request-ring-overlap), bench_transport_pin (system regions page-locked and pageable, alternating),
+# segv (a native backtrace of one test).
 # CTXPREFILL_COMMIT labels the results: pass it from the machine that sends the call (the
 # device's own git may report the commit the session started from, not the tree that runs).
 # The device tool brings back at most 8 files from $OUT: choose steps accordingly.
@@ -211,6 +212,14 @@ if want bench_ring_overlap; then
 fi
 want bench_transport && run_step bench_transport 240 5 - python3 bench/bench_transport.py --device cuda --iters 60 \
   --out "$OUT/transport.json"
+# system regions page-locked (default) against pageable (--no-shared-memory-pin), alternating
+if want bench_transport_pin; then
+  for v in pin nopin pin2 nopin2; do
+    pin=(); [[ $v == nopin* ]] && pin=(--no-pin)
+    run_step "transport_$v" 90 5 - python3 bench/bench_transport.py --device cuda --iters 60 \
+      --modes system system-ring "${pin[@]}" --out "$OUT/transport_$v.json"
+  done
+fi
 want bench_rpc_floor && run_step bench_rpc_floor 60 5 - python3 bench/bench_rpc_floor.py --out "$OUT/rpc_floor.json"
 # the same two with idle CPUs held awake (/dev/cpu_dma_latency = 0, bench/pm_qos.py)
 want bench_transport_awake && run_step bench_transport_awake 180 5 - python3 bench/bench_transport.py --device cuda \

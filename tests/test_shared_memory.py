@@ -19,6 +19,7 @@ mapped until the request ends.
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import uuid
 
@@ -28,7 +29,7 @@ import pytest
 import torch
 
 from ctxprefill.engine.engine import SequenceSpec
-from ctxprefill.errors import FailedPrecondition, NotFound
+from ctxprefill.errors import FailedPrecondition, NotFound, ResourceExhausted
 from ctxprefill.service.shared_memory import SharedMemoryRegistry
 from ctxprefill.settings import ServeSettings, build_engine
 from ctxprefill_client import (
@@ -458,6 +459,66 @@ def test_unregister_while_in_use_keeps_the_mapping_until_the_request_ends():
         assert len(reg) == 0
 
 
+def test_system_regions_are_page_locked_on_a_cuda_server_and_unlocked_when_dropped(monkeypatch):
+    """cudaHostRegister over the whole mapping (from its page-aligned start to the region's
+    end) at registration, cudaHostUnregister of the same address once no request holds the
+    region; a failed lock leaves a working, pageable region; a lost registration race
+    unlocks again. (The CUDA runtime is faked; tests/gpu/test_transport_gpu.py runs the
+    real one.)"""
+    calls = []
+
+    class FakeCudart:
+        fail = False
+
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size, flags))
+            return 2 if self.fail else 0  # cudaErrorMemoryAllocation
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    rt = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    reg = SharedMemoryRegistry(("system",), max_regions=4, max_bytes=1 << 20)
+    reg.attach(torch.device("cuda", 0))
+    with SystemSharedMemoryRegion("r", 3 * 4096) as shm:
+        shm.ndarray(np.uint8, (3 * 4096,))[:] = 5
+        region = reg.register_system("a", shm.key, 4096, 8192)
+        base = region.tensor.data_ptr() - 4096
+        assert calls == [("register", base, 4096 + 8192, 0)] and base % mmap.PAGESIZE == 0
+        assert reg.status("a")[0]["pinned"] is True
+        lease = reg.lease()
+        lease.resolve(pb.SharedMemoryRef(region="a", offset=0, byte_size=64), "q.shared_memory", 64)
+        reg.unregister("a")
+        assert len(calls) == 1  # a request holds it: still locked
+        assert lease.begin()
+        lease.finish()
+        assert calls[1:] == [("unregister", base)] and region.tensor is None
+
+        rt.fail = True
+        region = reg.register_system("b", shm.key, 0, 4096)
+        assert reg.status("b")[0]["pinned"] is False and int(region.tensor.sum()) == 5 * 4096
+        n = len(calls)
+        reg.unregister("b")
+        assert len(calls) == n  # nothing to unlock
+
+        rt.fail = False
+        monkeypatch.setattr(reg, "_add", lambda r: (_ for _ in ()).throw(ResourceExhausted("byte_size", "full")))
+        with pytest.raises(ResourceExhausted):
+            reg.register_system("c", shm.key, 0, 4096)
+        assert calls[-2][0] == "register" and calls[-1] == ("unregister", calls[-2][1])
+
+    # a CPU server locks nothing
+    calls.clear()
+    cpu = SharedMemoryRegistry(("system",), max_regions=4, max_bytes=1 << 20)
+    cpu.attach(torch.device("cpu"))
+    with SystemSharedMemoryRegion("r", 4096) as shm:
+        cpu.register_system("a", shm.key, 0, 4096)
+        assert cpu.status("a")[0]["pinned"] is False and calls == []
+        cpu.unregister("a")
+
+
 def test_region_views_are_made_once_per_place_and_dropped_with_the_region():
     """Requests naming the same place get the same view object (no torch calls again);
     another place another view of the right bytes; unregistering drops every view."""
@@ -519,7 +580,7 @@ def test_cuda_registration_logic_with_a_fake_extension(monkeypatch):
     r = reg.register_cuda("g", b"\x01" * 64, 0, 16, 64)
     assert calls == [(b"\x01" * 64, 0, 64, 16)]
     assert reg.status("g") == [{"name": "g", "kind": "cuda", "key": "", "offset": 16, "byte_size": 64,
-                                "device": "cuda:0", "requests_in_flight": 0}]
+                                "device": "cuda:0", "requests_in_flight": 0, "pinned": False}]
     with pytest.raises(InvalidArgument, match="raw_handle"):
         reg.register_cuda("h", b"\x01" * 66, 0, 0, 8)  # torch's prefixed form is not a raw handle
     with pytest.raises(InvalidArgument, match="device_id"):

@@ -92,7 +92,8 @@ class SharedMemoryTensor:
 @dataclass(frozen=True)
 class SharedMemoryRegionStatus:
     """One region as GetSharedMemoryStatus reports it (``kind``: "system" or "cuda";
-    ``device``: "host" or "cuda:N")."""
+    ``device``: "host" or "cuda:N"; ``pinned``: a system region the server page-locked for
+    its device's DMA — False from a server that predates the field)."""
 
     name: str
     kind: str
@@ -101,11 +102,12 @@ class SharedMemoryRegionStatus:
     byte_size: int
     device: str
     requests_in_flight: int
+    pinned: bool = False
 
     @classmethod
     def from_proto(cls, m: pb.SharedMemoryRegion) -> "SharedMemoryRegionStatus":
         return cls(m.name, _KIND_NAMES.get(m.kind, str(m.kind)), m.key, m.offset, m.byte_size, m.device,
-                   m.requests_in_flight)
+                   m.requests_in_flight, m.pinned)
 
 
 def kind_names(kinds) -> tuple[str, ...]:

@@ -55,6 +55,7 @@ class ServeSettings:
     shared_memory: str = "off"  # same-host transport (docs/TRANSPORT.md): off, system, cuda or all
     shared_memory_max_regions: int = 64  # shared-memory regions registered at once
     shared_memory_max_bytes: int = 64 << 30  # bytes in all registered regions together
+    shared_memory_pin: bool = True  # page-lock system regions on a CUDA server (DMA instead of staging)
     request_ring: bool = False  # same-host request rings (docs/TRANSPORT.md); needs system shared memory
     request_ring_max: int = 16  # request rings attached at once
     request_ring_spin_us: int = 20000  # after a ring request, the engine thread polls without sleeping this long
@@ -103,6 +104,9 @@ _HELP = {
                      "process that can open a registered segment can read and change what flows through it",
     "shared_memory_max_regions": "shared-memory regions registered at once (more: RESOURCE_EXHAUSTED)",
     "shared_memory_max_bytes": "bytes of all registered shared-memory regions together (more: RESOURCE_EXHAUSTED)",
+    "shared_memory_pin": "on a CUDA server, page-lock each system region when it is registered (cudaHostRegister), "
+                         "so that q and the results move by DMA; --no-shared-memory-pin leaves them pageable "
+                         "(staged by CUDA; no locked memory)",
     "request_ring": "allow request rings (AttachRequestRing): PrefillContext requests through shared-memory slots "
                     "that the engine thread polls, no gRPC call per request; needs --shared-memory system or all. The "
                     "engine thread then spins for --request-ring-spin-us after each ring request (one CPU busy)",

@@ -142,6 +142,7 @@ def test_cuda_ipc_bit_identical_to_inline(served):
     # 4. system shared memory on the same (CUDA) server: q copied to the device once, results D2H
     with cc.SystemSharedMemoryRegion("sys", 8192 + q_b + o_b + l_b) as shm:
         c.register_system_shared_memory(shm)
+        assert c.shared_memory_status("sys")[0].pinned  # page-locked: q and the results move by DMA
         r = c.prefill_context(shm.write(q_bits, 0, q_wire), SEQS, output_region=shm.ref(q_b + 64, o_b),
                               lse_region=shm.ref(q_b + 128 + o_b, l_b))
         assert np.array_equal(r.output_bits.view(np.int16), ref_out) and np.array_equal(r.lse.view(np.int32), ref_lse)
@@ -183,3 +184,29 @@ def test_cuda_ipc_bit_identical_to_inline(served):
     assert np.array_equal(again.output_bits.view(np.int16), ref_out)
     assert proc.proc.poll() is None
     assert "ipc_close" not in proc.log(), proc.log()[-4000:]  # every cudaIpcCloseMemHandle succeeded
+
+
+def test_system_region_is_page_locked_by_the_cuda_runtime_and_unlocked_when_dropped():
+    """The registry's cudaHostRegister through the real runtime: the region's memory reports
+    pinned (cudaPointerGetAttributes), copies both ways through it are exact, and after
+    unregistering a view still held reports pageable memory again."""
+    from ctxprefill.service.shared_memory import SharedMemoryRegistry
+
+    from ctxprefill_client import SystemSharedMemoryRegion
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    reg = SharedMemoryRegistry(("system",), max_regions=4, max_bytes=1 << 30)
+    reg.attach(dev)
+    n = 4 << 20
+    with SystemSharedMemoryRegion("pin", n + 4096) as shm:
+        region = reg.register_system("pin", shm.key, 4096, n)
+        view = region.tensor
+        assert reg.status("pin")[0]["pinned"] and view.is_pinned()
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
+        view.copy_(src, non_blocking=True)  # queued: the device writes the mapping by DMA
+        torch.cuda.current_stream(dev).synchronize()
+        assert torch.equal(view.to(dev, non_blocking=True), src)
+        assert np.array_equal(shm.ndarray(np.uint8, (n,), offset=4096), src.cpu().numpy())
+        reg.unregister("pin")
+        assert region.tensor is None and not view.is_pinned()
+        del view, region

@@ -255,7 +255,9 @@ class Engine:
         """Validate the request and queue its device work; return without waiting for it.
         The next request can be validated and queued before this one's result is taken
         (the workspace is reused in stream order), so that the device does not idle
-        between requests while the host prepares the next one."""
+        between requests while the host prepares the next one. A host ``q`` is copied to
+        the device in stream order too: page-locked, it must not change until the result
+        is taken."""
         cfg = self.config
         li = self.config.layer_position(layer)  # checked before anything is touched
         W = cfg.workspace_tokens if workspace_tokens is None else int(workspace_tokens)
@@ -267,7 +269,7 @@ class Engine:
             validate_plan(plan, context_lens, W)
         fused = cfg.fused if fused is None else fused
         inputs = LoopInputs(
-            q=q.to(self.device),
+            q=q.to(self.device, non_blocking=True),
             query_lens=[s.query_len for s in sequences],
             block_table=bt,
             chunks=list(plan),

@@ -209,11 +209,13 @@ def from_shared(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def write_shared(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy ``src``'s bytes (row-major) into ``dst``, a uint8 view of a region of the same
     byte size: a device copy into CUDA memory, one device-to-host copy (or a memcpy on a
-    CPU server) into system memory. The caller synchronizes the device afterwards."""
+    CPU server) into system memory. Queued on the current stream without waiting when
+    ``dst`` is device or page-locked memory (CUDA makes a copy into pageable memory wait
+    by itself); the caller waits for the stream before the bytes are read."""
     src = src.detach().contiguous()
     if src.numel() == 0:
         return
-    dst.copy_(src.reshape(-1).view(torch.uint8))
+    dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
 
 
 def encode_shared(dtype: torch.dtype, shape, region: str, offset: int, nbytes: int) -> pb.Tensor:

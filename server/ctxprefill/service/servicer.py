@@ -93,7 +93,8 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         kinds = shared_memory_kinds(settings) if hasattr(settings, "shared_memory") else ()  # ConfigError
         self.shm = SharedMemoryRegistry(kinds, getattr(settings, "shared_memory_max_regions", 64),
                                         getattr(settings, "shared_memory_max_bytes", 64 << 30),
-                                        on_change=metrics.set_shared_memory_regions)
+                                        on_change=metrics.set_shared_memory_regions,
+                                        pin=getattr(settings, "shared_memory_pin", True))
         self.rings = (RingTable(self.shm, settings.request_ring_max)
                       if getattr(settings, "request_ring", False) else None)
         worker.ring_handler = self._ring_start
@@ -590,7 +591,9 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
     # -- shared memory -------------------------------------------------------------------
     async def RegisterSystemSharedMemory(self, request, context):
         self._gate()
-        r = self.shm.register_system(request.name, request.key, request.offset, request.byte_size)
+        self.shm.require(SYSTEM)  # refuse cheaply on the event loop; page-locking the mapping takes a while
+        r = await asyncio.to_thread(self.shm.register_system, request.name, request.key, request.offset,
+                                    request.byte_size)
         return pb.RegisterSystemSharedMemoryResponse(region=_region_pb(r.status()))
 
     async def RegisterCudaSharedMemory(self, request, context):
@@ -615,4 +618,4 @@ _KIND_PB = {SYSTEM: pb.SHARED_MEMORY_KIND_SYSTEM, CUDA: pb.SHARED_MEMORY_KIND_CU
 def _region_pb(d: dict) -> pb.SharedMemoryRegion:
     return pb.SharedMemoryRegion(name=d["name"], kind=_KIND_PB[d["kind"]], key=d["key"], offset=d["offset"],
                                  byte_size=d["byte_size"], device=d["device"],
-                                 requests_in_flight=d["requests_in_flight"])
+                                 requests_in_flight=d["requests_in_flight"], pinned=d["pinned"])

@@ -58,7 +58,7 @@ class SharedMemoryRef(_message.Message):
     def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
 
 class SharedMemoryRegion(_message.Message):
-    __slots__ = ("name", "kind", "key", "offset", "byte_size", "device", "requests_in_flight")
+    __slots__ = ("name", "kind", "key", "offset", "byte_size", "device", "requests_in_flight", "pinned")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class SharedMemoryRegion(_message.Message):
     BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: SharedMemoryKind
     key: str
@@ -73,7 +74,8 @@ class SharedMemoryRegion(_message.Message):
     byte_size: int
     device: str
     requests_in_flight: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[SharedMemoryKind, str]] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ..., device: _Optional[str] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...
+    pinned: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[SharedMemoryKind, str]] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ..., device: _Optional[str] = ..., requests_in_flight: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class RegisterSystemSharedMemoryRequest(_message.Message):
     __slots__ = ("name", "key", "offset", "byte_size")
