@@ -486,7 +486,7 @@ def test_system_regions_are_page_locked_on_a_cuda_server_and_unlocked_when_dropp
         shm.ndarray(np.uint8, (3 * 4096,))[:] = 5
         region = reg.register_system("a", shm.key, 4096, 8192)
         base = region.tensor.data_ptr() - 4096
-        assert calls == [("register", base, 4096 + 8192, 0)] and base % mmap.PAGESIZE == 0
+        assert calls == [("register", base, 4096 + 8192, 1)] and base % mmap.PAGESIZE == 0  # portable
         assert reg.status("a")[0]["pinned"] is True
         lease = reg.lease()
         lease.resolve(pb.SharedMemoryRef(region="a", offset=0, byte_size=64), "q.shared_memory", 64)

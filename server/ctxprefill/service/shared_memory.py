@@ -161,7 +161,9 @@ def _host_register(base: int, length: int) -> str:
     (``cudaHostRegister``, through torch's binding of the runtime); '' or why not."""
     try:
         rt = torch.cuda.cudart()
-        err = int(rt.cudaHostRegister(base, length, 0))  # cudaHostRegisterDefault
+        # cudaHostRegisterPortable: pinned for every device's context, not only the one
+        # current on this (worker) thread
+        err = int(rt.cudaHostRegister(base, length, 1))
     except Exception as e:  # a torch without the binding, no CUDA runtime: stay pageable
         return f"cudaHostRegister is not available: {e}"
     if err != 0:
