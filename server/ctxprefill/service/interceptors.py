@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import hmac
 import inspect
 import logging
@@ -40,6 +41,7 @@ import time
 
 import grpc
 
+from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
 from ctxprefill_client.wire import NestedMessage, OutgoingMessage
 
 from ..errors import (
@@ -51,6 +53,7 @@ from ..errors import (
     ResourceExhausted,
     Unimplemented,
 )
+from . import inline_views
 from .metrics import Metrics
 
 log = logging.getLogger("ctxprefill.service")
@@ -62,6 +65,12 @@ INTERNAL_MESSAGE = "internal error; the server logged the details"
 
 #: services callable without the bearer token (health probes carry no credentials)
 OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})
+
+#: methods whose inline tensor bytes are kept as views of the received buffer, not
+#: copied into the message (service/inline_views.py): their request type
+_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["PrefillContextService"].full_name
+INLINE_PARSED = {f"{_SERVICE}/PrefillContext": pb.PrefillContextRequest,
+                 f"{_SERVICE}/WriteCache": pb.WriteCacheRequest}
 
 
 class RpcStatusError(Exception):
@@ -261,7 +270,9 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         else:  # pragma: no cover
             return handler
         labels = {"grpc_type": kind, "grpc_service": service, "grpc_method": method}
-        deserializer = _safe_deserializer(handler.request_deserializer)
+        parse_inline = INLINE_PARSED.get(handler_call_details.method)
+        deserializer = _safe_deserializer(handler.request_deserializer if parse_inline is None
+                                          else functools.partial(inline_views.parse, parse_inline))
         if refusal is not None:
             behavior, deserializer = _refuse(refusal, handler.response_streaming), _discard
         wrapped = self._wrap(behavior, labels, handler.request_streaming, handler_call_details.method)

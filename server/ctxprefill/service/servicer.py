@@ -38,7 +38,7 @@ from .. import __version__
 from ..engine.engine import Engine
 from ..ops import _cuda, launches
 from ..settings import ShardSpec, shared_memory_kinds
-from . import codec, validate
+from . import codec, inline_views, validate
 from .engine_worker import EngineWorker, oom_guarded
 from .interceptors import RpcStatusError, request_id_var, status_for
 from .metrics import Metrics
@@ -542,7 +542,8 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                                      f"length: the request's length is more than a slot's {ring.payload_bytes} "
                                      f"payload bytes", "invalid")
             try:
-                request = pb.PrefillContextRequest.FromString(payload)
+                # the payload is this thread's own copy of the slot: q may stay a view of it
+                request = inline_views.parse(pb.PrefillContextRequest, payload)
             except Exception:  # noqa: BLE001 - protobuf's DecodeError
                 raise RpcStatusError(grpc.StatusCode.INVALID_ARGUMENT,
                                      "the slot does not hold a serialized PrefillContextRequest", "invalid") from None

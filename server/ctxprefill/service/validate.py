@@ -34,6 +34,7 @@ from ..engine.engine import MAX_BLOCK_TABLE_ENTRIES, SequenceSpec
 from ..engine.plan import ContextChunk, validate_plan
 from ..errors import FailedPrecondition, InvalidArgument, OutOfRange
 from . import codec
+from .inline_views import data_views
 
 #: room left in a response for everything that is not tensor data (stats, ids, framing)
 RESPONSE_OVERHEAD_BYTES = 1 << 20
@@ -125,14 +126,17 @@ def _check_response_size(field: str, nbytes: int, max_message_bytes: int) -> Non
 
 
 def validate_write(req: pb.WriteCacheRequest, cfg: EngineConfig, shm=None) -> WriteArgs:
-    return _write_args(req, cfg, layer_of(req, cfg), shm)
+    return _write_args(req, cfg, layer_of(req, cfg), shm, inline=data_views(req))
 
 
-def _write_args(msg, cfg: EngineConfig, layer: int, shm, where: str = "") -> WriteArgs:
+def _write_args(msg, cfg: EngineConfig, layer: int, shm, where: str = "", inline: dict | None = None) -> WriteArgs:
     """The slot_mapping, kv_c and k_pe of a WriteCacheRequest or a CacheWrite (``where``:
-    the prefix of its fields in error messages, e.g. ``cache_write.``)."""
+    the prefix of its fields in error messages, e.g. ``cache_write.``; ``inline``: their
+    bytes when the request carried them beside the message, ``inline_views``)."""
+    inline = inline or {}
     L, R = cfg.shape.kv_lora_rank, cfg.shape.qk_rope_head_dim
-    slots = codec.decode(msg.slot_mapping, f"{where}slot_mapping", (pb.DATA_TYPE_INT64,), ndim=1, shm=shm, index=True)
+    slots = codec.decode(msg.slot_mapping, f"{where}slot_mapping", (pb.DATA_TYPE_INT64,), ndim=1, shm=shm, index=True,
+                         data=inline.get("slot_mapping"))
     T = slots.shape[0]
     tensors = {}
     for name, width in (("kv_c", L), ("k_pe", R)):
@@ -140,7 +144,7 @@ def _write_args(msg, cfg: EngineConfig, layer: int, shm, where: str = "") -> Wri
         _, shape = codec.check_tensor(t, field, _LATENT_DTYPES, ndim=2)
         if shape != (T, width):
             raise InvalidArgument(field, f"must have shape [{T}, {width}] (T from slot_mapping), got {list(shape)}")
-        tensors[name] = codec.decode(t, field, _LATENT_DTYPES, ndim=2, shm=shm)
+        tensors[name] = codec.decode(t, field, _LATENT_DTYPES, ndim=2, shm=shm, data=inline.get(name))
     _check_slots(slots, cfg.cache.num_slots, allow_skip=True, field=f"{where}slot_mapping")
     shared = frozenset(n for n in ("kv_c", "k_pe") if getattr(msg, n).HasField("shared_memory"))
     return WriteArgs(slots, tensors["kv_c"], tensors["k_pe"], shared, layer)
@@ -211,7 +215,7 @@ def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_messa
     Tq = q_shape[0]
     out_to, lse_to = _placements(req, Tq * H * V * 2, H * Tq * 4, shm)
     _check_response_size("q", (0 if out_to else Tq * H * V * 2) + (0 if lse_to else H * Tq * 4), max_message_bytes)
-    q = codec.decode(req.q, "q", shm=shm)  # its data length, before anything is compared with its rows
+    q = codec.decode(req.q, "q", shm=shm, data=data_views(req).get("q"))  # its length before its rows are compared
 
     # -- workspace
     W = cfg.workspace_tokens
@@ -278,7 +282,8 @@ def validate_prefill(req: pb.PrefillContextRequest, cfg: EngineConfig, max_messa
             plan.append(ContextChunk(c.first_sequence, tuple(c.context_start), tuple(c.context_len)))
         validate_plan(plan, [s.context_len for s in seqs], W)
 
-    write = _write_args(req.cache_write, cfg, layer, shm, "cache_write.") if req.HasField("cache_write") else None
+    write = (_write_args(req.cache_write, cfg, layer, shm, "cache_write.", data_views(req, "cache_write"))
+             if req.HasField("cache_write") else None)
     return PrefillArgs(q, seqs, W, plan, req.q.HasField("shared_memory"), out_to, lse_to, layer, write)
 
 
