@@ -16,6 +16,7 @@
 # bench_rpc_floor, attention_sweep, attention_sweep_ws, bench_attention_flashinfer, probe_write, hostile_sanitizer,
 # bench_sharded, profile_host, probe_host, bench_ring_overlap (request rings with and without
 # --request-ring-overlap), bench_transport_pin (system regions page-locked and pageable, alternating),
+# bench_inline_parse (the event loop's parse of an inline request, with and without protobuf's copies),
 # segv (a native backtrace of one test).
 # CTXPREFILL_COMMIT labels the results: pass it from the machine that sends the call (the
 # device's own git may report the commit the session started from, not the tree that runs).
@@ -220,6 +221,8 @@ if want bench_transport_pin; then
       --modes system system-ring "${pin[@]}" --out "$OUT/transport_$v.json"
   done
 fi
+want bench_inline_parse && run_step bench_inline_parse 60 5 - python3 bench/bench_inline_parse.py \
+  --tokens 256 1024 4096 --out "$OUT/inline_parse.json"
 want bench_rpc_floor && run_step bench_rpc_floor 60 5 - python3 bench/bench_rpc_floor.py --out "$OUT/rpc_floor.json"
 # the same two with idle CPUs held awake (/dev/cpu_dma_latency = 0, bench/pm_qos.py)
 want bench_transport_awake && run_step bench_transport_awake 180 5 - python3 bench/bench_transport.py --device cuda \
