@@ -61,6 +61,15 @@ def test_the_client_s_requests_parse_as_protobuf_parses_them_without_copying_the
     assert set(data_views(r, "cache_write")) == ({"slot_mapping", "kv_c", "k_pe"} if cache_write else set())
     assert data_views(pb.PrefillContextRequest.FromString(raw)) == {}
 
+    # the same request as a PrefillContextStream message: its request keeps the views
+    wrapped = pb.PrefillContextStreamRequest(request=pb.PrefillContextRequest.FromString(raw)).SerializeToString()
+    s = parse(pb.PrefillContextStreamRequest, wrapped)
+    inner = inline_views.submessage(s, "request")
+    assert isinstance(inner, InlineRequest) and set(inner.inline) == want
+    assert _restored(inner, pb.PrefillContextRequest) == pb.PrefillContextRequest.FromString(raw)
+    assert inline_views.submessage(pb.PrefillContextStreamRequest.FromString(wrapped), "request") == \
+        pb.PrefillContextRequest.FromString(raw)
+
 
 def test_write_cache_request_and_protobuf_merge_rules():
     kv = pb.Tensor(dtype=BF16, shape=[1, 512], data=b"\x01" * 1024)
@@ -125,7 +134,7 @@ def test_layouts_name_every_tensor_field_of_the_requests():
         for f in desc.fields:
             if f.message_type is pb.Tensor.DESCRIPTOR:
                 out.add(prefix + (f.name,))
-            elif f.message_type is pb.CacheWrite.DESCRIPTOR:
+            elif f.message_type is not None and len(prefix) < 3:  # the messages that hold tensors
                 out |= tensor_fields(f.message_type, prefix + (f.name,))
         return out
 

@@ -31,9 +31,11 @@ _DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 #: per request type, its tensor fields and the submessages that hold tensor fields
 #: (field number -> name, or -> (name, nested layout))
 _CACHE_WRITE = {1: "slot_mapping", 2: "kv_c", 3: "k_pe"}
+_PREFILL = {2: "q", 10: ("cache_write", _CACHE_WRITE)}
 LAYOUTS = {
-    pb.PrefillContextRequest: {2: "q", 10: ("cache_write", _CACHE_WRITE)},
+    pb.PrefillContextRequest: _PREFILL,
     pb.WriteCacheRequest: dict(_CACHE_WRITE),
+    pb.PrefillContextStreamRequest: {1: ("request", _PREFILL)},
 }
 
 
@@ -63,6 +65,15 @@ def data_views(request, *prefix: str) -> dict[str, memoryview]:
         return {}
     n = len(prefix)
     return {path[n]: v for path, v in inline.items() if len(path) == n + 1 and path[:n] == prefix}
+
+
+def submessage(request, name: str):
+    """``request.<name>``, with the inline bytes of its tensors when ``request`` has them
+    (a stream's message: its ``request``)."""
+    msg = getattr(request, name)
+    views = {path[1:]: v for path, v in request.inline.items() if path[0] == name} \
+        if isinstance(request, InlineRequest) else None
+    return InlineRequest(msg, views) if views else msg
 
 
 def _varint(buf: memoryview, i: int, end: int) -> tuple[int, int]:

@@ -70,7 +70,8 @@ OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})
 #: copied into the message (service/inline_views.py): their request type
 _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["PrefillContextService"].full_name
 INLINE_PARSED = {f"{_SERVICE}/PrefillContext": pb.PrefillContextRequest,
-                 f"{_SERVICE}/WriteCache": pb.WriteCacheRequest}
+                 f"{_SERVICE}/WriteCache": pb.WriteCacheRequest,
+                 f"{_SERVICE}/PrefillContextStream": pb.PrefillContextStreamRequest}
 
 
 class RpcStatusError(Exception):

@@ -307,7 +307,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                     msg = await anext(requests, None)
                     if msg is None:
                         break
-                    pending.put_nowait(asyncio.ensure_future(self._stream_one(msg.request, context)))
+                    pending.put_nowait(asyncio.ensure_future(self._stream_one(inline_views.submessage(msg, "request"), context)))
             finally:
                 pending.put_nowait(end)
 
