@@ -196,6 +196,7 @@ def test_metrics_count_regions_and_bytes(server, client, region):
     m = parse_metrics(http_get(server.metrics_url + "/metrics")[1])
     assert sample_sum(m["ctxprefill_shared_memory_regions"], kind="system") == 1
     assert sample_sum(m["ctxprefill_shared_memory_region_bytes"], kind="system") == REGION_BYTES
+    assert sample_sum(m["ctxprefill_shared_memory_pinned_bytes"]) == 0  # a CPU server locks nothing
     moved = m["ctxprefill_shared_memory_transfer_bytes_total"]
     assert sample_sum(moved, kind="system", direction="in") >= Q_BYTES
     assert sample_sum(moved, kind="system", direction="out") >= OUT_BYTES + LSE_BYTES
@@ -480,7 +481,8 @@ def test_system_regions_are_page_locked_on_a_cuda_server_and_unlocked_when_dropp
 
     rt = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
-    reg = SharedMemoryRegistry(("system",), max_regions=4, max_bytes=1 << 20)
+    gauges = []
+    reg = SharedMemoryRegistry(("system",), max_regions=4, max_bytes=1 << 20, on_change=gauges.append)
     reg.attach(torch.device("cuda", 0))
     with SystemSharedMemoryRegion("r", 3 * 4096) as shm:
         shm.ndarray(np.uint8, (3 * 4096,))[:] = 5
@@ -488,6 +490,7 @@ def test_system_regions_are_page_locked_on_a_cuda_server_and_unlocked_when_dropp
         base = region.tensor.data_ptr() - 4096
         assert calls == [("register", base, 4096 + 8192, 1)] and base % mmap.PAGESIZE == 0  # portable
         assert reg.status("a")[0]["pinned"] is True
+        assert gauges[-1] == {"system": (1, 8192, 4096 + 8192)}  # the whole mapping is locked
         lease = reg.lease()
         lease.resolve(pb.SharedMemoryRef(region="a", offset=0, byte_size=64), "q.shared_memory", 64)
         reg.unregister("a")
@@ -495,6 +498,7 @@ def test_system_regions_are_page_locked_on_a_cuda_server_and_unlocked_when_dropp
         assert lease.begin()
         lease.finish()
         assert calls[1:] == [("unregister", base)] and region.tensor is None
+        assert gauges[-1] == {"system": (0, 0, 0)}
 
         rt.fail = True
         region = reg.register_system("b", shm.key, 0, 4096)

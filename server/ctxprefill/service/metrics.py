@@ -110,6 +110,11 @@ class Metrics:
             "ctxprefill_shared_memory_region_bytes", "Bytes in the registered shared-memory regions, by kind.",
             ["kind"], registry=r,
         )
+        self.shm_pinned_bytes = Gauge(
+            "ctxprefill_shared_memory_pinned_bytes",
+            "Host memory page-locked (cudaHostRegister) for the registered system shared-memory regions.",
+            registry=r,
+        )
         self.shm_transfer = Counter(
             "ctxprefill_shared_memory_transfer_bytes_total",
             "Tensor bytes that requests read from (direction=in) or wrote to (direction=out) shared-memory regions "
@@ -177,10 +182,12 @@ class Metrics:
                 self.shm_transfer.labels(kind=kind, direction=direction)
 
     def set_shared_memory_regions(self, by_kind: dict) -> None:
-        """``{kind: (regions, bytes)}`` after a region was registered or unregistered."""
-        for kind, (n, nbytes) in by_kind.items():
+        """``{kind: (regions, bytes, page-locked bytes)}`` after a region was registered or
+        unregistered."""
+        for kind, (n, nbytes, _) in by_kind.items():
             self.shm_regions.labels(kind=kind).set(n)
             self.shm_region_bytes.labels(kind=kind).set(nbytes)
+        self.shm_pinned_bytes.set(sum(v[2] for v in by_kind.values()))
 
     def observe_shared_memory(self, transferred: dict) -> None:
         """``{(kind, direction): bytes}`` of one finished request."""

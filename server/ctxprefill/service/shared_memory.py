@@ -109,6 +109,8 @@ class Region:
         self.tensor: torch.Tensor | None = tensor
         self._mm = mm
         self._pinned_at = pinned_at  # the page-locked mapping's start (system regions on a CUDA server)
+        #: bytes page-locked for it: its mapping, from the object's start to the region's end
+        self.pinned_bytes = offset + byte_size if pinned_at is not None else 0
         self.in_flight = 0  # leases holding it (guarded by the registry's lock)
         self.registered = True
         #: views of its bytes already made, by (offset, bytes[, dtype, shape]): requests of one
@@ -145,7 +147,7 @@ class Region:
         region when it is dropped, so no copy from or into it is queued)."""
         if self._pinned_at is not None:
             _host_unregister(self._pinned_at, self.name)
-            self._pinned_at = None
+            self._pinned_at, self.pinned_bytes = None, 0
         self.tensor = None
         self._mm = None
         self.views = {}
@@ -187,7 +189,7 @@ class SharedMemoryRegistry:
 
     ``kinds``: the kinds ``--shared-memory`` enables on this device (empty: off).
     ``device``: the engine's device (CUDA regions must be on it); ``attach`` sets it.
-    ``on_change(by_kind)``: called with ``{kind: (regions, bytes)}`` after every change
+    ``on_change(by_kind)``: called with ``{kind: (regions, bytes, page-locked bytes)}`` after every change
     (the metrics gauges). ``pin``: page-lock system regions on a CUDA device.
     """
 
@@ -269,11 +271,12 @@ class SharedMemoryRegistry:
     def _changed(self) -> None:
         if self._on_change is None:
             return
-        by_kind = {k: [0, 0] for k in self.configured}
+        by_kind = {k: [0, 0, 0] for k in self.configured}
         for r in self._regions.values():
-            by_kind.setdefault(r.kind, [0, 0])
+            by_kind.setdefault(r.kind, [0, 0, 0])
             by_kind[r.kind][0] += 1
             by_kind[r.kind][1] += r.byte_size
+            by_kind[r.kind][2] += r.pinned_bytes
         self._on_change({k: tuple(v) for k, v in by_kind.items()})
 
     def register_system(self, name: str, key: str, offset: int, byte_size: int) -> Region:
