@@ -13,7 +13,7 @@ checks ``Tensor.data``.
 
 The cut follows the protobuf wire format, over untrusted bytes: every tag, varint and
 length is bounds-checked, and anything unexpected (a group, a truncated field, a tensor
-field with the wrong wire type, more nesting than the schema has) gives up and lets
+field with the wrong wire type, more than ``MAX_FIELDS`` fields) gives up and lets
 protobuf parse the original bytes — which then answers exactly as it would have (the
 request, or INVALID_ARGUMENT for bytes that do not parse). Protobuf's merge rules are
 kept: a submessage field that occurs twice is one message (the client sends
@@ -37,6 +37,12 @@ LAYOUTS = {
     pb.WriteCacheRequest: dict(_CACHE_WRITE),
     pb.PrefillContextStreamRequest: {1: ("request", _PREFILL)},
 }
+
+
+#: fields the cut walks at most (all levels): a Python loop over each field, so a message of
+#: many small fields (a legal one has up to 65,536 sequences; a hostile one could pack a
+#: gigabyte of two-byte fields) goes to protobuf's C parser instead, with its copies
+MAX_FIELDS = 1024
 
 
 class _GiveUp(Exception):
@@ -116,11 +122,15 @@ def _skip(buf: memoryview, i: int, end: int, wire: int) -> int:
 
 
 def _cut(buf: memoryview, start: int, end: int, layout, path: tuple, views: dict,
-         in_tensor: bool) -> tuple[list, bool]:
+         in_tensor: bool, budget: list) -> tuple[list, bool]:
     """The pieces of ``buf[start:end]`` with the tensors' ``data`` fields left out (their
-    views recorded in ``views``), and whether anything was cut."""
+    views recorded in ``views``), and whether anything was cut. ``budget``: ``[fields the
+    walk may still read]``, shared by every level."""
     pieces, run, i, cut = [], start, start, False
     while i < end:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise _GiveUp
         tag_at = i
         tag, i = _varint(buf, i, end)
         field, wire = tag >> 3, tag & 7
@@ -140,7 +150,7 @@ def _cut(buf: memoryview, start: int, end: int, layout, path: tuple, views: dict
                 raise _GiveUp
             n, body = _varint(buf, i, end)
             name, sub = (inner, None) if isinstance(inner, str) else inner
-            sub_pieces, sub_cut = _cut(buf, body, body + n, sub, path + (name,), views, sub is None)
+            sub_pieces, sub_cut = _cut(buf, body, body + n, sub, path + (name,), views, sub is None, budget)
             if sub_cut:
                 size = sum(len(p) for p in sub_pieces)
                 pieces += [buf[run:tag_at], _encode_varint(tag), _encode_varint(size)] + sub_pieces
@@ -158,7 +168,7 @@ def parse(cls, raw: bytes):
     views: dict = {}
     try:
         buf = memoryview(raw)
-        pieces, cut = _cut(buf, 0, len(buf), layout, (), views, False)
+        pieces, cut = _cut(buf, 0, len(buf), layout, (), views, False, [MAX_FIELDS])
     except _GiveUp:
         return cls.FromString(raw)
     if not cut:
