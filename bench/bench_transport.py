@@ -370,11 +370,10 @@ def _measure(ns, w: Workload, dev: torch.device, gpu: str | None, qos: str) -> i
     skipped: dict[str, str] = {}
     identical: dict[str, bool] = {}
     with tempfile.TemporaryDirectory() as logdir:
-        log("starting the server: " + " ".join(["serve", "--device", str(dev), "--shared-memory", "all",
-                                                 "--request-ring"] + ([] if ns.pin else ["--no-shared-memory-pin"])))
         server = ServerProcess("server", {"device": str(dev), "grace_seconds": 5, "shared_memory": "all",
                                           "shared_memory_pin": ns.pin, "request_ring": True, **settings_kw(ns, w)},
                                logdir)
+        log("starting the server: " + server.cmd)
         try:
             server.wait_ready(ns.ready_timeout)
             with PrefillContextClient(server.target, timeout=ns.timeout, retries=0,
