@@ -463,8 +463,8 @@ def test_unregister_while_in_use_keeps_the_mapping_until_the_request_ends():
 def test_system_regions_are_page_locked_on_a_cuda_server_and_unlocked_when_dropped(monkeypatch):
     """cudaHostRegister over the whole mapping (from its page-aligned start to the region's
     end) at registration, cudaHostUnregister of the same address once no request holds the
-    region; a failed lock leaves a working, pageable region; a lost registration race
-    unlocks again. (The CUDA runtime is faked; tests/gpu/test_transport_gpu.py runs the
+    region and the device has finished its copies; a failed lock leaves a working, pageable
+    region; a lost registration race unlocks again. (The CUDA runtime is faked; tests/gpu/test_transport_gpu.py runs the
     real one.)"""
     calls = []
 
@@ -481,6 +481,7 @@ def test_system_regions_are_page_locked_on_a_cuda_server_and_unlocked_when_dropp
 
     rt = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", device)))
     gauges = []
     reg = SharedMemoryRegistry(("system",), max_regions=4, max_bytes=1 << 20, on_change=gauges.append)
     reg.attach(torch.device("cuda", 0))
@@ -497,7 +498,9 @@ def test_system_regions_are_page_locked_on_a_cuda_server_and_unlocked_when_dropp
         assert len(calls) == 1  # a request holds it: still locked
         assert lease.begin()
         lease.finish()
-        assert calls[1:] == [("unregister", base)] and region.tensor is None
+        # unlocked after the device finished what it queued (a failed request's q copy)
+        assert calls[1:] == [("synchronize", torch.device("cuda", 0)), ("unregister", base)]
+        assert region.tensor is None
         assert gauges[-1] == {"system": (0, 0, 0)}
 
         rt.fail = True
@@ -511,7 +514,7 @@ def test_system_regions_are_page_locked_on_a_cuda_server_and_unlocked_when_dropp
         monkeypatch.setattr(reg, "_add", lambda r: (_ for _ in ()).throw(ResourceExhausted("byte_size", "full")))
         with pytest.raises(ResourceExhausted):
             reg.register_system("c", shm.key, 0, 4096)
-        assert calls[-2][0] == "register" and calls[-1] == ("unregister", calls[-2][1])
+        assert calls[-3][0] == "register" and calls[-1] == ("unregister", calls[-3][1])
 
     # a CPU server locks nothing
     calls.clear()

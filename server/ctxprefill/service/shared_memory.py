@@ -103,12 +103,14 @@ class Region:
     """One registered region; ``tensor`` is its bytes (uint8 ``[byte_size]``)."""
 
     def __init__(self, name: str, kind: str, key: str, offset: int, byte_size: int, device: str,
-                 tensor: torch.Tensor, mm: mmap.mmap | None = None, pinned_at: int | None = None):
+                 tensor: torch.Tensor, mm: mmap.mmap | None = None, pinned_at: int | None = None,
+                 pinned_for: torch.device | None = None):
         self.name, self.kind, self.key = name, kind, key
         self.offset, self.byte_size, self.device = offset, byte_size, device
         self.tensor: torch.Tensor | None = tensor
         self._mm = mm
         self._pinned_at = pinned_at  # the page-locked mapping's start (system regions on a CUDA server)
+        self._pinned_for = pinned_for  # the device whose copies use it
         #: bytes page-locked for it: its mapping, from the object's start to the region's end
         self.pinned_bytes = offset + byte_size if pinned_at is not None else 0
         self.in_flight = 0  # leases holding it (guarded by the registry's lock)
@@ -143,9 +145,12 @@ class Region:
 
     def drop(self) -> None:
         """Let go of the memory: the mapping (or IPC handle) is released when the last
-        view of it is gone. A page-locked mapping is unlocked first (no request holds the
-        region when it is dropped, so no copy from or into it is queued)."""
+        view of it is gone. A page-locked mapping is unlocked first, once the device has
+        finished every copy queued from or into it: no request holds the region now, but
+        one that failed after queuing q's copy may have answered before the copy ran."""
         if self._pinned_at is not None:
+            if self._pinned_for is not None:
+                torch.cuda.synchronize(self._pinned_for)
             _host_unregister(self._pinned_at, self.name)
             self._pinned_at, self.pinned_bytes = None, 0
         self.tensor = None
@@ -321,7 +326,8 @@ class SharedMemoryRegistry:
                 log.warning("shared-memory region stays pageable", extra={"region": name, "error": why})
             else:
                 pinned_at = base
-        region = Region(name, SYSTEM, k, offset, byte_size, "host", tensor, mm, pinned_at)
+        region = Region(name, SYSTEM, k, offset, byte_size, "host", tensor, mm, pinned_at,
+                        self.device if pinned_at is not None else None)
         try:
             return self._add(region)
         except Exception:
