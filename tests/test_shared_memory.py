@@ -494,6 +494,7 @@ def test_system_regions_are_page_locked_on_a_cuda_server_and_unlocked_when_dropp
         assert gauges[-1] == {"system": (1, 8192, 4096 + 8192)}  # the whole mapping is locked
         lease = reg.lease()
         lease.resolve(pb.SharedMemoryRef(region="a", offset=0, byte_size=64), "q.shared_memory", 64)
+        assert lease.device_copies and not lease.uses_cuda  # its copies are queued: wait before release
         reg.unregister("a")
         assert len(calls) == 1  # a request holds it: still locked
         assert lease.begin()
@@ -506,6 +507,10 @@ def test_system_regions_are_page_locked_on_a_cuda_server_and_unlocked_when_dropp
         rt.fail = True
         region = reg.register_system("b", shm.key, 0, 4096)
         assert reg.status("b")[0]["pinned"] is False and int(region.tensor.sum()) == 5 * 4096
+        pageable = reg.lease()
+        pageable.resolve(pb.SharedMemoryRef(region="b", offset=0, byte_size=8), "q.shared_memory", 8)
+        assert not pageable.device_copies  # its copies finish before they return
+        pageable.abandon()
         n = len(calls)
         reg.unregister("b")
         assert len(calls) == n  # nothing to unlock
@@ -602,7 +607,7 @@ def test_cuda_registration_logic_with_a_fake_extension(monkeypatch):
         lease.resolve(pb.SharedMemoryRef(region="g", offset=0, byte_size=8), "slot_mapping.shared_memory", 8, 8,
                       allow_cuda=False)
     region, view = lease.resolve(pb.SharedMemoryRef(region="g", offset=8, byte_size=8), "q.shared_memory", 8, 2)
-    assert view.tolist() == list(range(8, 16)) and lease.uses_cuda
+    assert view.tolist() == list(range(8, 16)) and lease.uses_cuda and lease.device_copies
     lease.abandon()
     reg.unregister("g")
     assert r.tensor is None

@@ -205,11 +205,12 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
 
     def _end_shared(self, lease, device: torch.device) -> None:
         """On the engine thread, after a request's work (done or failed): wait for the
-        device work that may still touch CUDA regions, then release the regions."""
+        device work that may still touch CUDA or page-locked regions, then release the
+        regions."""
         if lease is None:
             return
         try:
-            if lease.uses_cuda and device.type == "cuda":
+            if lease.device_copies and device.type == "cuda":
                 torch.cuda.synchronize(device)
         except Exception:  # noqa: BLE001 - a failed device; the regions are released anyway
             log.exception("device synchronize before releasing shared-memory regions failed")

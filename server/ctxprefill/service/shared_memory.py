@@ -436,6 +436,12 @@ class Lease:
     def uses_cuda(self) -> bool:
         return any(r.kind == CUDA for r in self._regions)
 
+    @property
+    def device_copies(self) -> bool:
+        """The device may read or write its regions on its own time: CUDA regions, and
+        page-locked system regions (their copies are queued, not waited for)."""
+        return any(r.kind == CUDA or r.pinned_bytes for r in self._regions)
+
     def resolve(self, ref, field: str, nbytes: int, itemsize: int = 1, *, exact: bool = True,
                 allow_cuda: bool = True) -> tuple[Region, torch.Tensor]:
         """Check ``ref`` (a ``SharedMemoryRef``) for ``nbytes`` bytes of elements of
