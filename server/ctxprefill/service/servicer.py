@@ -21,6 +21,7 @@ Handlers raise; ``interceptors.py`` turns exceptions into status codes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import time
@@ -431,6 +432,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             # the cache write is queued behind the attention that reads the cache (and behind
             # the results' copies, which do not wait for it)
             written = 0 if args.cache_write is None else self._write(engine, args.cache_write)
+            cw_shared = args.cache_write is not None and bool(args.cache_write.shared)
         except BaseException:
             self._end_shared(lease, engine.device)
             raise
@@ -462,7 +464,11 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             finally:
                 if done and defer is not None:
                     if lease is not None:
-                        defer.append(lease.finish)  # the device work is synchronized above
+                        # the results' copies are waited for above; a cache_write reading its
+                        # latents from CUDA regions may still run (queued after them): then the
+                        # release waits for the device, as a failed request's does
+                        defer.append(functools.partial(self._end_shared, lease, engine.device) if cw_shared
+                                     else lease.finish)
                 else:
                     self._end_shared(lease, engine.device)
 
