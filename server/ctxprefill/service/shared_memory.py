@@ -111,8 +111,6 @@ class Region:
         self._mm = mm
         self._pinned_at = pinned_at  # the page-locked mapping's start (system regions on a CUDA server)
         self._pinned_for = pinned_for  # the device whose copies use it
-        #: bytes page-locked for it: its mapping, from the object's start to the region's end
-        self.pinned_bytes = offset + byte_size if pinned_at is not None else 0
         self.in_flight = 0  # leases holding it (guarded by the registry's lock)
         self.registered = True
         #: views of its bytes already made, by (offset, bytes[, dtype, shape]): requests of one
@@ -152,10 +150,15 @@ class Region:
             if self._pinned_for is not None:
                 torch.cuda.synchronize(self._pinned_for)
             _host_unregister(self._pinned_at, self.name)
-            self._pinned_at, self.pinned_bytes = None, 0
+            self._pinned_at = None
         self.tensor = None
         self._mm = None
         self.views = {}
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes page-locked for it: its mapping, from the object's start to the region's end."""
+        return self.offset + self.byte_size if self._pinned_at is not None else 0
 
     def status(self) -> dict:
         return {"name": self.name, "kind": self.kind, "key": self.key, "offset": self.offset,
