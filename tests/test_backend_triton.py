@@ -145,14 +145,16 @@ def test_warm_up_runs_every_variant(dtype, monkeypatch):
 
     def spy(q, k, v, cu_q, cu_k, max_q, max_k, scale, **kw):
         calls.append((cu_q.diff().tolist(), -(-max_q // ta.BLOCK_M_MAX) * q.shape[1] * (cu_q.numel() - 1),
-                      kw.get("v_layout", "thd"), kw.get("tile_order") is not None))
+                      "k_rope" if kw.get("k_rope") is not None else kw.get("v_layout", "thd"),
+                      kw.get("tile_order") is not None))
         return real(q, k, v, cu_q, cu_k, max_q, max_k, scale, **kw)
 
     monkeypatch.setattr(ta, "mla_context_attention", spy)
     TritonAttentionBackend().warm_up(torch.device(DEV), heads=2, q_dtype=dtype, programs=5)
-    # fp8: every variant also with V keys-last (what the engine's fp8 pack gives); on a GPU
-    # the several-segment ones also with a launch order (the kernel's 1-D variant)
-    layouts = ["thd", "hdt"] if dtype == FP8 else ["thd"]
+    # fp8: every variant also with V keys-last (what the engine's fp8 pack gives); bf16: also
+    # with K's rope part apart (the engine's unpacked keys); on a GPU the several-segment
+    # ones also with a launch order (the kernel's 1-D variant)
+    layouts = ["thd", "hdt"] if dtype == FP8 else ["thd", "k_rope"]
     orders = [False, True] if DEV == "cuda" else [False]
     want = [(ql, lay, o) for ql in ([1], [1, 1], [384], [384, 384])  # 3 x 128 rows x 2 heads >= 5
             for o in (orders if len(ql) > 1 else [False]) for lay in layouts]
@@ -315,6 +317,54 @@ def test_keys_last_v_gives_the_same_bits(dtype, pv_fp8, causal, tma):
         mla_context_attention(q, k, v_t, cu_q, cu_k, 37, 50, 0.07, config=cfg, v_layout="dth")
     with pytest.raises(ValueError, match="hdt"):
         mla_context_attention(q, k, v, cu_q, cu_k, 37, 50, 0.07, config=cfg, v_layout="hdt")
+
+
+def _apart(k, H, dtype, device, noise=True):
+    """k [Tk, H, 192] as the engine's unpacked keys hold it: k_nope the first half of a
+    ``kv_b_proj``-like output [Tk, H, 256] (V's columns after it), k_rope the last 64
+    columns of a workspace-like [Tk, 576] row shared by every head (a head stride of 0).
+    The rope part of ``k`` is made equal across heads first (MLA's is): returns
+    (packed k, k_nope view, k_rope view). ``noise``: NaN where the kernels must not read."""
+    k = k.clone()
+    k[..., 128:] = k[:, :1, 128:]
+    Tk = k.shape[0]
+    fill = float("nan") if noise else 0.0
+    kv = torch.full((Tk, H, 256), fill, dtype=torch.float32, device=device).to(dtype)
+    kv[..., :128] = k[..., :128]
+    ws = torch.full((Tk, 576), fill, dtype=torch.float32, device=device).to(dtype)
+    ws[:, 512:] = k[:, 0, 128:]
+    return k, kv[..., :128], ws[:, 512:].unsqueeze(1).expand(Tk, H, 64)
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
+def test_k_rope_apart_gives_the_same_bits(dtype, causal, tma):
+    """k as k_nope + k_rope where the engine's unpacked keys lie (the kv_b_proj output's
+    nope half, the workspace's rope columns with a 0 head stride) computes exactly what
+    the packed k does; a wrong shape or dtype of k_rope is a ValueError."""
+    H = 3
+    q, k, v, cu_q, cu_k = make_batch(Q_LENS, K_LENS, H, dtype, DEV, seed=31)
+    k, k_nope, k_rope = _apart(k, H, dtype, DEV)
+    assert k_rope.stride(1) == 0 and ta._tma_ok(k_nope, k_rope)
+    cfg = dict(SMALL, BLOCK_N=32, USE_TMA=tma)
+    try:
+        a = mla_context_attention(q, k, v, cu_q, cu_k, 37, 50, 0.07, causal=causal, config=cfg)
+        b = mla_context_attention(q, k_nope, v, cu_q, cu_k, 37, 50, 0.07, causal=causal, config=cfg, k_rope=k_rope)
+    except Exception as e:  # pragma: no cover - depends on the interpreter build
+        if DEV == "cuda" or dtype != FP8:
+            raise
+        pytest.skip(f"Triton interpreter cannot run fp8 tl.dot here ({e!r}); covered by the GPU tests")
+    assert not torch.isnan(b[0].float()).any()
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(ValueError, match="k_rope must be"):
+        mla_context_attention(q, k_nope, v, cu_q, cu_k, 37, 50, 0.07, config=cfg, k_rope=k_rope[:-1])
+    with pytest.raises(ValueError, match=r"k \[Tk,H,128\] \(with k_rope\)"):
+        mla_context_attention(q, k, v, cu_q, cu_k, 37, 50, 0.07, config=cfg, k_rope=k_rope)
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="k_rope"):
+        mla_context_attention(q, k_nope, v, cu_q, cu_k, 37, 50, 0.07, config=cfg, k_rope=k_rope.to(other))
 
 
 @cpu_interp
@@ -498,7 +548,7 @@ out = []
 for dt, cfg, causal in json.loads(sys.argv[1]):
     sig = {}
     for n in names:
-        sig[n] = {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32", "cu_q": "*i32",
+        sig[n] = {"Q": "*" + dt, "K": "*" + dt, "KR": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32", "cu_q": "*i32",
                   "cu_k": "*i32", "cu_v": "*i32", "qk_scale": "fp32"}.get(n, "i32")
     const = dict(CAUSAL=causal, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], IS_FP8=dt != "bf16",
                  PV_FP8=cfg.get("PV_FP8", False), USE_TMA=cfg.get("USE_TMA", False), UPCAST=False,
@@ -506,7 +556,7 @@ for dt, cfg, causal in json.loads(sys.argv[1]):
     for n in const:
         sig[n] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if sig[n].startswith("*") or n in ("stride_qt", "stride_kt", "stride_vt", "stride_ot")}
+             if sig[n].startswith("*") or n in ("stride_qt", "stride_kt", "stride_rt", "stride_vt", "stride_ot")}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -555,13 +605,13 @@ fn = ga._mla_attn_ws_fwd
 names = fn.arg_names
 out = []
 for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
-    sig = {n: {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32", "cu_q": "*i32",
+    sig = {n: {"Q": "*" + dt, "K": "*" + dt, "KR": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32", "cu_q": "*i32",
                "cu_k": "*i32", "cu_v": "*i32", "ORDER": "*i32", "qk_scale": "fp32"}.get(n, "i32") for n in names}
     const = dict(BLOCK_M=128, BLOCK_N=ws["BLOCK_N"], STAGES=ws["STAGES"], PIPE=ws["PIPE"], SORT_B=sort_b,
                  IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True), USE_ORDER=use_order)
     # every compile-time parameter given (one left out would compile as a runtime value)
     assert not [n for n in names if n.isupper() and n not in const
-                and n not in ("Q", "K", "V", "O", "LSE", "B", "ORDER")]
+                and n not in ("Q", "K", "KR", "V", "O", "LSE", "B", "ORDER")]
     for n in const:
         sig[n] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -617,6 +667,31 @@ def test_gpu_warp_specialized_ragged(ws):
     q, k, v, cu_q, cu_k = make_batch([300, 0, 40], [500, 7, 0], 16, torch.bfloat16, device="cuda")
     names = _kernel_names(lambda: mla_context_attention(q, k, v, cu_q, cu_k, 300, 500, 0.07, config=cfg))
     assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], names
+
+
+@needs_ws
+@pytest.mark.parametrize("ws", ["ws_pipe", "ws_serial"])
+def test_gpu_warp_specialized_k_rope_apart(ws):
+    """The Gluon kernel over the unpacked keys (k_nope in a kv_b_proj-like output, k_rope
+    in a workspace-like row with a 0 head stride): the same bits as over the packed k,
+    NaN in every column it must not read; fp8 keys-last too."""
+    cfg = WS_CFGS[ws]
+    q_lens, k_lens = [1000, 0, 1, 257, 2048], [4096, 300, 0, 1, 2500]
+    for H, dtype in ((16, torch.bfloat16), (128, torch.bfloat16), (16, FP8)):
+        q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, dtype, device="cuda", seed=H)
+        k, k_nope, k_rope = _apart(k, H, dtype, "cuda")
+        kw = {}
+        if dtype == FP8:
+            v, cv = _keys_last(v, k_lens)
+            kw = dict(v_layout="hdt", cu_seqlens_v=cv)
+        a = mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, config=cfg, **kw)
+        names = _kernel_names(lambda: mla_context_attention(q, k_nope, v, cu_q, cu_k, 2048, 4096, 0.07, config=cfg,
+                                                            k_rope=k_rope, **kw))
+        assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], names
+        b = mla_context_attention(q, k_nope, v, cu_q, cu_k, 2048, 4096, 0.07, config=cfg, k_rope=k_rope, **kw)
+        torch.cuda.synchronize()
+        assert not torch.isnan(b[0].float()).any(), (H, dtype)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (H, dtype)
 
 
 @needs_ws

@@ -220,6 +220,26 @@ def test_floor_at_the_held_gemm_rate():
     assert "matmul_sustained_flops_per_s" not in bench.measure_ceilings(torch.device("cpu"))
 
 
+def test_floor_of_unpacked_keys_drops_the_pack_bytes_for_bf16_only():
+    """A path that packs no K (bf16 prefill, unpacked keys) has no pack bytes in its
+    floor: the gather's remain; fp8 prefill quantizes K and V in its pack either way."""
+    import dataclasses
+
+    from ctxprefill.config import EngineConfig, ModelShape
+
+    ceil = {"copy_bytes_per_s": 4e12, "matmul_flops_per_s": 8e14}
+    H, ctx = 16, 65536
+    bf16 = EngineConfig(shape=ModelShape(heads=H))
+    packed = bench.floor_seconds(bf16, [ctx], [1024], ceil)
+    apart = bench.floor_seconds(bf16, [ctx], [1024], ceil, pack=False)
+    pack_bytes = ctx * H * 128 * 2 + ctx * 64 * 2 + ctx * H * 192 * 2
+    assert packed["glue_bytes"] - apart["glue_bytes"] == pack_bytes
+    assert apart["glue_bytes"] == ctx * (bf16.cache.bytes_per_slot + 576 * 2) > 0
+    assert apart["kv_b_proj_s"] == packed["kv_b_proj_s"] and apart["attention_s"] == packed["attention_s"]
+    fp8 = dataclasses.replace(bf16, prefill_dtype="fp8")
+    assert bench.floor_seconds(fp8, [ctx], [1024], ceil, pack=False) == bench.floor_seconds(fp8, [ctx], [1024], ceil)
+
+
 def test_probe_host_issue_needs_cuda(capsys):
     """bench/probe_host_issue.py holds the device with a spin kernel: without CUDA it says
     so and exits 2 instead of measuring the CPU."""

@@ -245,3 +245,54 @@ def test_launch_order_asked_per_chunk_and_given_on_the_device():
     eng.backend = ReferenceBackend(honor_out=True)  # the same cache, no launch order
     plain = eng.prefill_context(q, seqs)
     assert torch.equal(bits(r.out), bits(plain.out)) and torch.equal(bits(r.lse), bits(plain.lse))
+
+
+class _RecordingApart(ReferenceBackend):
+    """The reference backend taking K's rope part apart; notes what each call was given."""
+
+    def __init__(self, honor_out: bool):
+        super().__init__(honor_out=honor_out, k_rope_apart=True)
+        self.calls = []
+
+    def run_context_chunk(self, q, k, v, *args, k_rope=None, **kw):
+        self.calls.append((tuple(k.shape), None if k_rope is None else (tuple(k_rope.shape), k_rope.stride(1))))
+        return super().run_context_chunk(q, k, v, *args, k_rope=k_rope, **kw)
+
+
+@pytest.mark.parametrize("case", ["seed", "larger", "single"])
+@pytest.mark.parametrize("cache_dtype,kvb,honor_out,prefill", [c for c in COMBOS if c[2] or c[0] == "fp8"])
+def test_unpacked_keys_equal_generic_chunk_by_chunk(case, cache_dtype, kvb, honor_out, prefill):
+    """Fused path with a backend that takes k_rope apart: bf16 prefill packs no K (no pack
+    stage, no pack launch; attention gets k_nope [rows, H, 128] and k_pe with a 0 head
+    stride) and equals the generic path chunk by chunk, bit for bit; fp8 prefill still
+    packs (it quantizes); unpacked_keys=False packs K with the fused kernel, same bits."""
+    c = CASES[case]
+    be = _RecordingApart(honor_out)
+    eng = make_engine(cache_dtype, kvb, prefill, heads=c["heads"], block_size=c["block"], num_blocks=c["blocks"],
+                      workspace_tokens=c["W"], backend=be)
+    q, seqs = make_request(eng, c["contexts"], c["queries"], seed=1)
+    generic, gchunks = record_chunks(eng, q, seqs, fused=False)
+    assert all(rope is None for _, rope in be.calls), "the generic path packs K"
+    be.calls.clear()
+    fused, fchunks = record_chunks(eng, q, seqs, fused=True)
+    packed, pchunks = record_chunks(eng, q, seqs, fused=True, unpacked_keys=False)
+    n = len(fused.stats.chunks)
+    H = c["heads"]
+    if prefill == "bf16":
+        assert fused.stats.unpacked_keys and not packed.stats.unpacked_keys and not generic.stats.unpacked_keys
+        assert fused.stats.launches["pack"] == 0 and "pack" not in fused.stats.stage_ns
+        assert [k for k, _ in be.calls[:n]] == [(ch.rows, H, 128) for ch in fused.stats.chunks]
+        assert [r for _, r in be.calls[:n]] == [((ch.rows, H, 64), 0) for ch in fused.stats.chunks]
+    else:
+        assert not fused.stats.unpacked_keys and fused.stats.launches["pack"] == n
+        assert all(rope is None for _, rope in be.calls[:n])
+    assert all(rope is None for _, rope in be.calls[n:]), "unpacked_keys=False packs K"
+    assert packed.stats.launches["pack"] == n
+    for chunks in (fchunks, pchunks):
+        assert len(chunks) == len(gchunks) == n
+        for i, (a, b) in enumerate(zip(chunks, gchunks)):
+            for name, x, y in zip(("q", "k", "v", "out", "lse"), a, b):
+                assert x.dtype == y.dtype and x.shape == y.shape, (i, name)
+                assert torch.equal(bits(x), bits(y)), f"chunk {i}: {name} differs"
+    for r in (fused, packed):
+        assert torch.equal(bits(r.out), bits(generic.out)) and torch.equal(bits(r.lse), bits(generic.lse))

@@ -104,9 +104,10 @@ def request_flops(heads: int, contexts, queries) -> tuple[int, int]:
     return kvb, att
 
 
-def floor_seconds(cfg, contexts, queries, ceil, rate: str = "matmul_flops_per_s") -> dict:
+def floor_seconds(cfg, contexts, queries, ceil, rate: str = "matmul_flops_per_s", pack: bool = True) -> dict:
     """Lower bound of one request: FLOPs at the matrix rate ``ceil[rate]`` + glue bytes at
-    copy bandwidth."""
+    copy bandwidth. ``pack=False``: the bytes of a path that packs no K (bf16 prefill with
+    unpacked keys: the floor of the work it does, not of the work it avoids)."""
     H = cfg.shape.heads
     ctx = sum(contexts)
     kvb_flops, att_flops = request_flops(H, contexts, queries)
@@ -115,7 +116,8 @@ def floor_seconds(cfg, contexts, queries, ceil, rate: str = "matmul_flops_per_s"
     slot = cfg.cache.bytes_per_slot
     glue = (
         ctx * (slot + (L + R) * 2)  # gather: read slots, write bf16 workspace
-        + ctx * H * P * 2 + ctx * R * 2 + ctx * H * (P + R) * e  # pack: read k_nope, k_pe; write k
+        + ((ctx * H * P * 2 + ctx * R * 2 + ctx * H * (P + R) * e) if pack or fp8 else 0)  # pack: read k_nope,
+        # k_pe; write k
         + (ctx * H * V * (2 + e) if fp8 else 0)  # fp8: read v, write v8
     )
     parts = {"kv_b_proj_s": kvb_flops / ceil[rate], "attention_s": att_flops / ceil[rate],
@@ -179,17 +181,18 @@ def make_device_request(engine, context_lens, query_lens, seed: int = 0, piece: 
     return q, seqs
 
 
-def time_request(engine, q, seqs, fused, dev, max_iters=5, min_iters=2, target_s=0.3):
+def time_request(engine, q, seqs, fused, dev, max_iters=5, min_iters=2, target_s=0.3, unpacked_keys=None):
     """Median wall time of a request (device synchronized), median time per stage, the
     last result, and how many warm-up and timed calls ran. Warm-up: one call, a second
     one when the first was cheap; then timed calls until ``target_s`` of measured time,
     at least ``min_iters`` and at most ``max_iters`` of them."""
     min_iters = max(1, min(min_iters, max_iters))
+    kw = {} if unpacked_keys is None else {"unpacked_keys": unpacked_keys}
 
     def call():
         _sync(dev)
         t = time.perf_counter()
-        r = engine.prefill_context(q, seqs, fused=fused)
+        r = engine.prefill_context(q, seqs, fused=fused, **kw)
         _sync(dev)
         return time.perf_counter() - t, r
 
@@ -459,7 +462,7 @@ def main(argv=None) -> int:
                           prefill_dtype=pd,
                           kv_b_proj_dtype=ns.kv_b_proj_dtype, workspace_tokens=ns.workspace_tokens, backend=ns.backend)
         t_row = time.monotonic()
-        engine = q = seqs = g = f = None
+        engine = q = seqs = g = f = fp = None
         try:
             engine = engines.build(s)
             q, seqs = make_device_request(engine, ctx_lens, new_lens, seed=i)
@@ -469,6 +472,12 @@ def main(argv=None) -> int:
             f = time_request(engine, q, seqs, True, dev, **it)
             rg, rf = g["result"], f["result"]
             same = _same_bits(rf, rg)
+            # unpacked keys (bf16 prefill): the fused path with its K pack beside it, the
+            # pack's share of the fused request measured in the same process
+            fp = None
+            if rf.stats.unpacked_keys:
+                fp = time_request(engine, q, seqs, True, dev, unpacked_keys=False, **it)
+                same = same and _same_bits(fp["result"], rg)
             unordered = _without_launch_order(engine, q, seqs, dev, it) if ns.sequences > 1 else None
             if unordered is not None:
                 same = same and _same_bits(rf, unordered["result"])
@@ -484,12 +493,15 @@ def main(argv=None) -> int:
                 _write_json(ns.out, meta, rows)
             continue
         tg, tf = g["median_s"], f["median_s"]
-        fl = floor_seconds(engine.config, ctx_lens, new_lens, ceil)
+        # the fused path's floor: of the stages it runs (no K pack with unpacked keys)
+        packs = not rf.stats.unpacked_keys
+        fl = floor_seconds(engine.config, ctx_lens, new_lens, ceil, pack=packs)
         floor = fl["total_s"]
+        floor_packed = floor_seconds(engine.config, ctx_lens, new_lens, ceil)["total_s"]
         held = None
         if "matmul_sustained_flops_per_s" in ceil:
             held = floor_seconds(engine.config, ctx_lens, new_lens, ceil,
-                                 rate="matmul_sustained_flops_per_s")["total_s"]
+                                 rate="matmul_sustained_flops_per_s", pack=packs)["total_s"]
         n = len(rf.stats.chunks)
         lg, lf = sum(rg.stats.launches.values()) / n, sum(rf.stats.launches.values()) / n
         row_s = time.monotonic() - t_row
@@ -503,6 +515,7 @@ def main(argv=None) -> int:
               f"{floor * 1e3:8.3f} {tf / floor:11.2f} {lg:7.1f} | {lf:6.1f} {g['iters']:>2}|{f['iters']:<3} "
               f"{stage_ms} {gap_f * 1e3:7.3f} {in_f * 1e3:7.3f} {row_s:6.2f}{'' if same else '  MISMATCH'}"
               + (f"  (fused without launch order {unordered['median_s'] * 1e3:.3f} ms)" if unordered else "")
+              + (f"  (unpacked keys; fused with its K pack {fp['median_s'] * 1e3:.3f} ms)" if fp else "")
               + (f"  SM MHz g|f {clk_g['sm_mhz_median']:.0f}|{clk_f['sm_mhz_median']:.0f}, "
                  f"W {clk_g['power_w_median']:.0f}|{clk_f['power_w_median']:.0f}" if clk_g and clk_f else ""),
               flush=True)
@@ -511,6 +524,11 @@ def main(argv=None) -> int:
             "block_size": ns.block_size, "chunks": n,
             "backend": engine.backend.name, "fused_kernels_active": engine.fused_kernels_active,
             "generic_s": tg, "fused_s": tf, "speedup": tg / tf, "floor_s": floor, "fused_over_floor": tf / floor,
+            # with the K pack's bytes (the floor earlier sessions reported for every row)
+            "floor_packed_s": floor_packed, "unpacked_keys": rf.stats.unpacked_keys,
+            **({"fused_packed_s": fp["median_s"], "fused_packed_stage_s": fp["stage_s"],
+                "fused_packed_over_floor_packed": fp["median_s"] / floor_packed,
+                "unpacked_gain": fp["median_s"] / tf} if fp else {}),
             # the two paths differ only in the pack (engine/loop.py): the speedup this request
             # would show if the fused pack took no time at all, the most any pack can give
             "speedup_free_pack": tg / max(tf - f["stage_s"].get("pack", 0.0), 1e-12),
@@ -529,7 +547,7 @@ def main(argv=None) -> int:
         })
         if ns.out:
             _write_json(ns.out, meta, rows)
-        engine = q = seqs = g = f = rg = rf = None
+        engine = q = seqs = g = f = rg = rf = fp = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     done = [r for r in rows if "speedup" in r]
@@ -551,7 +569,10 @@ def main(argv=None) -> int:
                   + (f"{r['fused_over_floor']:.2f} (<= 1.2: {r['fused_over_floor'] <= 1.2})"
                      if math.isfinite(r["fused_over_floor"]) else "n/a")
                   + (f"; at the held GEMM rate {r['fused_over_sustained_floor']:.2f}"
-                     if math.isfinite(r.get("fused_over_sustained_floor", math.nan)) else ""), flush=True)
+                     if math.isfinite(r.get("fused_over_sustained_floor", math.nan)) else "")
+                  + (f"; unpacked keys: {r['unpacked_gain']:.2f}x the fused request with its K pack "
+                     f"({r['fused_packed_s'] * 1e3:.3f} ms, {r['fused_packed_over_floor_packed']:.2f}x its floor)"
+                     if "unpacked_gain" in r else ""), flush=True)
     if ns.out:
         _write_json(ns.out, meta, rows)
     return 0 if not failed and not mismatched else 1

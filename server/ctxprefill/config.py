@@ -93,6 +93,9 @@ class EngineConfig:
     prefill_dtype: str = "bf16"
     workspace_tokens: int = 65536
     fused: bool = True  # fused pack kernels (False: the generic path)
+    # fused path, bf16 prefill: attention reads k_nope and k_pe where they lie, no K pack,
+    # when the backend takes them apart (False: the fused pack kernel packs K)
+    unpacked_keys: bool = True
     backend: str = "auto"
     num_layers: int = 1  # model layers held, each with its own cache and kv_b_proj
     first_layer: int = 0  # model index of the first of them

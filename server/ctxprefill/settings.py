@@ -44,6 +44,7 @@ class ServeSettings:
     seed: int = 0
     kv_b_proj_dtype: str = "bf16"  # random weights only; a file decides its own
     generic: bool = False  # run the generic (unfused) pack path
+    packed_keys: bool = False  # fused bf16 prefill: pack K with the fused kernel even where attention reads it apart
     softmax_scale: float | None = None
     grace_seconds: float = 25.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 1 << 30  # gRPC send/receive limit
@@ -89,6 +90,9 @@ _HELP = {
     "seed": "seed of the random weights used when --weights is not given (model layer i gets seed + i)",
     "kv_b_proj_dtype": "dtype of random weights (bf16 or fp8); a weights file decides its own",
     "generic": "use the generic (unfused) pack path instead of the fused kernels",
+    "packed_keys": "fused path, bf16 prefill: pack K = [k_nope | k_pe] with the fused kernel every chunk; by default, "
+                   "with an attention backend that reads the two apart (triton), K is not packed: attention reads "
+                   "k_nope from the kv_b_proj output and k_pe from the workspace (same bits; docs/DESIGN.md)",
     "softmax_scale": "softmax scale (default (P+R)**-0.5; pass the final one, yarn mscale included)",
     "grace_seconds": "on SIGTERM/SIGINT: seconds in-flight requests get to finish before the server exits",
     "max_message_bytes": "largest gRPC message the server receives or sends, in bytes",
@@ -317,6 +321,7 @@ def build_engine(s: ServeSettings):
         prefill_dtype=s.prefill_dtype,
         workspace_tokens=s.workspace_tokens,
         fused=not s.generic,
+        unpacked_keys=not s.packed_keys,
         backend=s.backend,
         num_layers=s.layers,
         first_layer=s.first_layer,

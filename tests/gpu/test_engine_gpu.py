@@ -250,3 +250,39 @@ def test_packed_launch_order_in_the_engine_changes_no_bit(cache_dtype, kvb, pref
     for a, b in zip(ordered + ordered[:1], plain + ordered[1:]):
         assert torch.equal(bits(a.out), bits(b.out)) and torch.equal(bits(a.lse), bits(b.lse))
     assert ordered[0].stats.launches["attention"] == len(ordered[0].stats.chunks) == 1
+
+
+UNPACKED_COMBOS = list(itertools.product(["auto", "fp8", "fp8_ds_mla"], ["bf16", "fp8"]))
+
+
+@pytest.mark.parametrize("cache_dtype,kvb", UNPACKED_COMBOS, ids=["-".join(c) for c in UNPACKED_COMBOS])
+@pytest.mark.parametrize("case", list(CASES) + ["long"])
+def test_unpacked_keys_with_triton_equal_generic(case, cache_dtype, kvb):
+    """bf16 prefill with the Triton backend: the fused path packs no K (attention reads
+    k_nope from the kv_b_proj output and k_pe from the workspace, a 0 head stride) and
+    gives, chunk by chunk, the generic path's out and LSE bit for bit — and the fused
+    path with its K pack (unpacked_keys=False) the same; no pack launch when unpacked."""
+    backend, why = _triton_backend()
+    if backend is None:
+        pytest.skip(f"Triton backend unavailable: {why}")
+    c = CASES.get(case) or dict(contexts=[40000, 9000, 0, 20000], queries=[300, 1000, 20, 700], W=16384, block=64,
+                                heads=16, blocks=1100)
+    eng = make_engine(c, cache_dtype, kvb, "bf16", backend)
+    q, seqs = make_request(eng, c)
+    fused, fch = record(eng, q, seqs, fused=True)
+    generic, gch = record(eng, q, seqs, fused=False)
+    seen = []
+    packed = eng.prefill_context(q, seqs, fused=True, unpacked_keys=False,
+                                 observer=lambda i, ch, *t: seen.append(tuple(x.detach().clone() for x in t)))
+    assert fused.stats.unpacked_keys and not packed.stats.unpacked_keys and not generic.stats.unpacked_keys
+    n = len(fused.stats.chunks)
+    assert fused.stats.launches["pack"] == 0 and packed.stats.launches["pack"] == n
+    assert len(fch) == len(gch) == len(seen) == n
+    for i, (a, b, p) in enumerate(zip(fch, gch, seen)):
+        for name, x, y, z in zip(("q", "k", "v", "out", "lse"), a, b, p):
+            assert x.shape == y.shape == z.shape, (i, name)
+            assert int((bits(x) != bits(y)).sum()) == 0, f"chunk {i}: {name} unpacked != generic"
+            assert int((bits(z) != bits(y)).sum()) == 0, f"chunk {i}: {name} packed != generic"
+    for r in (fused, packed):
+        assert torch.equal(bits(r.out), bits(generic.out)) and torch.equal(bits(r.lse), bits(generic.lse))
+    assert not bool(fused.out.float().isnan().any())

@@ -74,6 +74,15 @@ class AttentionBackend(abc.ABC):
         it). False by default: V ``[Tk, H, Dv]`` and no ``v_layout`` argument."""
         return False
 
+    def takes_k_rope(self, q_dtype: torch.dtype) -> bool:
+        """True when, for ``q_dtype``, ``run_context_chunk`` takes the keys in their two MLA
+        parts: ``k`` = k_nope ``[Tk, H, 128]`` and ``k_rope=`` ``[Tk, H, 64]`` (one row per key
+        shared by every head: a head stride of 0), each with unit last stride — so that the
+        engine's fused path reads them where ``kv_b_proj`` and the gather left them and packs
+        no K (bf16 prefill). The result must be bit-identical to that over the packed
+        ``k = [k_nope | k_rope]``. False by default: K packed, no ``k_rope`` argument."""
+        return False
+
     def launches_per_call(self) -> int:
         """Kernel launches one ``run_context_chunk`` makes on a GPU (for the launch metric)."""
         return 1

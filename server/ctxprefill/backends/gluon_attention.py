@@ -100,7 +100,7 @@ if gluon is not None:
         kb = k_bar.index(s)
         mbarrier.expect(kb, kn_d.block_type.nbytes + kr_d.block_type.nbytes)
         tma.async_copy_global_to_shared(kn_d, [j * BLOCK_N, 0], kb, kn_s.index(s))
-        tma.async_copy_global_to_shared(kr_d, [j * BLOCK_N, 128], kb, kr_s.index(s))
+        tma.async_copy_global_to_shared(kr_d, [j * BLOCK_N, 0], kb, kr_s.index(s))
 
     @gluon.jit
     def _free_k(k_free, s, now: gl.constexpr):
@@ -249,8 +249,8 @@ if gluon is not None:
     # would otherwise compile another variant on a request's path)
     @gluon.jit(do_not_specialize=["n_heads", "m_tiles"])
     def _mla_attn_ws_fwd(
-        Q, K, V, O, LSE, cu_q, cu_k, cu_v, qk_scale, B,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        Q, K, KR, V, O, LSE, cu_q, cu_k, cu_v, qk_scale, B,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh, ORDER, n_heads, m_tiles,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
         SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
@@ -299,13 +299,16 @@ if gluon is not None:
         kr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dt)
         # descriptors over this (segment, head): loads past its end read zeros
         q_seg = Q + q_start.to(gl.int64) * stride_qt + h.to(gl.int64) * stride_qh
+        # K's nope and rope columns through descriptors of their own: one packed K (KR = its
+        # rope columns) or the two where they lie (rope shared by the heads: stride_rh 0)
         k_seg = K + k_start.to(gl.int64) * stride_kt + h.to(gl.int64) * stride_kh
+        kr_seg = KR + k_start.to(gl.int64) * stride_rt + h.to(gl.int64) * stride_rh
         q_rows = gl.maximum(q_len, 1)
         k_rows = gl.maximum(k_len, 1)
         qn_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 128], qn_l)
         qr_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 64], qr_l)
-        kn_d = tma.make_tensor_descriptor(k_seg, [k_rows, 192], [stride_kt, 1], [BLOCK_N, 128], kn_l)
-        kr_d = tma.make_tensor_descriptor(k_seg, [k_rows, 192], [stride_kt, 1], [BLOCK_N, 64], kr_l)
+        kn_d = tma.make_tensor_descriptor(k_seg, [k_rows, 128], [stride_kt, 1], [BLOCK_N, 128], kn_l)
+        kr_d = tma.make_tensor_descriptor(kr_seg, [k_rows, 64], [stride_rt, 1], [BLOCK_N, 64], kr_l)
         if V_T:  # V [H, 128, Tv], keys contiguous from column cu_v[b] (16-byte aligned: the caller's)
             v_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, BLOCK_N], dt)
             v_seg = V + gl.load(cu_v + b).to(gl.int64) + h.to(gl.int64) * stride_vh
@@ -354,10 +357,11 @@ if gluon is not None:
 
 
 
-def launch(q, k, v, out, lse, cu_q, cu_k, cu_v, qk_scale: float, grid, sort_b: int, v_t: bool,
+def launch(q, k, kr, v, out, lse, cu_q, cu_k, cu_v, qk_scale: float, grid, sort_b: int, v_t: bool,
            config: dict | None = None, order=None, m_tiles: int = 0) -> None:
     """Launch the kernel on inputs ``triton_attention.mla_context_attention`` validated
-    (non-causal; q/k/v with 16-byte aligned bases and strides; ``qk_scale`` in log2
+    (non-causal; q/k/v with 16-byte aligned bases and strides; ``k`` read for its first
+    128 columns, ``kr`` [Tk, H, 64] the rope keys; ``qk_scale`` in log2
     units; ``grid`` (query tiles of BLOCK_M, H, B)). With ``order`` (int32 tile codes on
     the device, ``tile_order``; ``m_tiles`` the query tiles they count with) the launch
     is 1-D, one program per code, in that order."""
@@ -366,8 +370,8 @@ def launch(q, k, v, out, lse, cu_q, cu_k, cu_v, qk_scale: float, grid, sort_b: i
     if order is not None:
         grid = (order.numel(), 1, 1)
     _mla_attn_ws_fwd[grid](
-        q, k, v, out, lse, cu_q, cu_k, cu_v, qk_scale, cu_q.numel() - 1,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q, k, kr, v, out, lse, cu_q, cu_k, cu_v, qk_scale, cu_q.numel() - 1,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), kr.stride(0), kr.stride(1),
         v.stride(1) if v_t else v.stride(0), v.stride(0) if v_t else v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), cu_q if order is None else order, H, max(int(m_tiles), 1),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], PIPE=cfg["PIPE"],

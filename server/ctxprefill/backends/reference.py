@@ -42,13 +42,22 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale: float, causa
 class ReferenceBackend(AttentionBackend):
     name = "reference"
 
-    def __init__(self, honor_out: bool = True):
+    def __init__(self, honor_out: bool = True, k_rope_apart: bool = False):
         self.honor_out = honor_out
+        self.k_rope_apart = k_rope_apart  # take K's rope part apart (the engine's unpacked keys)
 
     def supports_out(self) -> bool:
         return self.honor_out
 
-    def run_context_chunk(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, out=None, causal=False):
+    def takes_k_rope(self, q_dtype: torch.dtype) -> bool:
+        return self.k_rope_apart
+
+    def run_context_chunk(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, out=None, causal=False,
+                          k_rope=None):
+        if k_rope is not None:
+            if not self.k_rope_apart:
+                raise ValueError("k_rope given to a reference backend built without k_rope_apart")
+            k = torch.cat([k, k_rope], dim=-1)  # the reference computes over the packed keys
         o, lse = attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
         if out is not None and self.honor_out:
             out.copy_(o.to(out.dtype))

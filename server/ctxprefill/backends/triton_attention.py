@@ -152,9 +152,10 @@ if triton is not None:
         return x.to(dtype)
 
     @triton.jit
-    def _load_kv(kn_src, kr_src, v_src, k_ptr, v_ptr, start_n, k_len, stride_kt, stride_vt,
+    def _load_kv(kn_src, kr_src, v_src, k_ptr, kr_ptr, v_ptr, start_n, k_len, stride_kt, stride_rt, stride_vt,
                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr, V_T: tl.constexpr):
-        """K (nope, rope) and V tiles of keys start_n .. start_n+BLOCK_N of the segment.
+        """K (nope from ``k_ptr``, rope from ``kr_ptr``) and V tiles of keys start_n ..
+        start_n+BLOCK_N of the segment.
         TMA: per-segment descriptors zero-fill past k_len, so no masks are needed.
         V_T: V is stored keys-last ([H, 128, Tv]); its tile is [128, BLOCK_N]: through the
         segment's descriptor (zero-filled past k_len), or pointers (``v_ptr`` at key
@@ -172,7 +173,7 @@ if triton is not None:
                     v = tl.load(vp)
         if USE_TMA:
             k_nope = kn_src.load([start_n, 0])
-            k_rope = kr_src.load([start_n, _C_NOPE])
+            k_rope = kr_src.load([start_n, 0])
             if not V_T:
                 v = v_src.load([start_n, 0])
         else:
@@ -180,16 +181,16 @@ if triton is not None:
             d = tl.arange(0, _C_NOPE)
             r = tl.arange(0, _C_ROPE)
             kn_ptr = k_ptr + n[:, None] * stride_kt + d[None, :]
-            kr_ptr = k_ptr + n[:, None] * stride_kt + _C_NOPE + r[None, :]
+            kr_p = kr_ptr + n[:, None] * stride_rt + r[None, :]
             if MASK:
                 ok = (start_n + n) < k_len
                 k_nope = tl.load(kn_ptr, mask=ok[:, None], other=0.0)
-                k_rope = tl.load(kr_ptr, mask=ok[:, None], other=0.0)
+                k_rope = tl.load(kr_p, mask=ok[:, None], other=0.0)
                 if not V_T:
                     v = tl.load(v_ptr + n[:, None] * stride_vt + d[None, :], mask=ok[:, None], other=0.0)
             else:
                 k_nope = tl.load(kn_ptr)
-                k_rope = tl.load(kr_ptr)
+                k_rope = tl.load(kr_p)
                 if not V_T:
                     v = tl.load(v_ptr + n[:, None] * stride_vt + d[None, :])
         return k_nope, k_rope, v
@@ -235,8 +236,8 @@ if triton is not None:
 
     @triton.jit
     def _mla_ctx_attn_fwd(
-        Q, K, V, O, LSE, cu_q, cu_k, cu_v, qk_scale, B,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        Q, K, KR, V, O, LSE, cu_q, cu_k, cu_v, qk_scale, B,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         IS_FP8: tl.constexpr, PV_FP8: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
@@ -276,6 +277,7 @@ if triton is not None:
         # int64 bases: segment start × row stride can pass 2**31
         q_seg = Q + q_start.to(tl.int64) * stride_qt + h.to(tl.int64) * stride_qh
         k_ptr = K + k_start.to(tl.int64) * stride_kt + h.to(tl.int64) * stride_kh
+        kr_ptr = KR + k_start.to(tl.int64) * stride_rt + h.to(tl.int64) * stride_rh
         if V_T:  # V [H, 128, Tv]: keys contiguous from column cu_v[b], stride_vt between rows
             v_ptr = V + tl.load(cu_v + b).to(tl.int64) + h.to(tl.int64) * stride_vh
         else:
@@ -286,8 +288,8 @@ if triton is not None:
             q_pe = tl.make_tensor_descriptor(q_seg, [q_len, 192], [stride_qt, 1], [BLOCK_M, _C_ROPE]).load(
                 [m0, _C_NOPE])
             k_rows = tl.maximum(k_len, 1)  # never a 0-sized descriptor (no load happens then)
-            kn_src = tl.make_tensor_descriptor(k_ptr, [k_rows, 192], [stride_kt, 1], [BLOCK_N, _C_NOPE])
-            kr_src = tl.make_tensor_descriptor(k_ptr, [k_rows, 192], [stride_kt, 1], [BLOCK_N, _C_ROPE])
+            kn_src = tl.make_tensor_descriptor(k_ptr, [k_rows, _C_NOPE], [stride_kt, 1], [BLOCK_N, _C_NOPE])
+            kr_src = tl.make_tensor_descriptor(kr_ptr, [k_rows, _C_ROPE], [stride_rt, 1], [BLOCK_N, _C_ROPE])
             if V_T:  # the caller puts every segment's keys on a 16-byte boundary (cu_v)
                 v_src = tl.make_tensor_descriptor(v_ptr, [_C_V, k_rows], [stride_vt, 1], [_C_V, BLOCK_N])
             else:
@@ -297,7 +299,7 @@ if triton is not None:
             q_nope = tl.load(q_blk + rm[:, None] * stride_qt + d[None, :], mask=row_ok[:, None], other=0.0)
             q_pe = tl.load(q_blk + rm[:, None] * stride_qt + _C_NOPE + r[None, :], mask=row_ok[:, None], other=0.0)
             kn_src = k_ptr
-            kr_src = k_ptr
+            kr_src = kr_ptr
             v_src = v_ptr
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -320,18 +322,20 @@ if triton is not None:
         offs_n = tl.arange(0, BLOCK_N)
         # the pointer path advances 64-bit pointers (n × stride could pass 2**31)
         for start_n in range(0, n_full, BLOCK_N):
-            k_nope, k_rope, v = _load_kv(kn_src, kr_src, v_src, k_ptr, v_ptr, start_n, k_len, stride_kt,
-                                         stride_vt, BLOCK_N, False, USE_TMA, V_T)
+            k_nope, k_rope, v = _load_kv(kn_src, kr_src, v_src, k_ptr, kr_ptr, v_ptr, start_n, k_len, stride_kt,
+                                         stride_rt, stride_vt, BLOCK_N, False, USE_TMA, V_T)
             acc, l_i, m_i = _attn_step(acc, l_i, m_i, q_nope, q_pe, k_nope, k_rope, v, start_n + offs_n,
                                        rows_vis, k_len, qk_scale, False, CAUSAL, IS_FP8, PV_FP8, UPCAST, V_T)
             k_ptr += BLOCK_N * stride_kt
+            kr_ptr += BLOCK_N * stride_rt
             v_ptr += BLOCK_N * (1 if V_T else stride_vt)
         for start_n in range(n_full, hi, BLOCK_N):
-            k_nope, k_rope, v = _load_kv(kn_src, kr_src, v_src, k_ptr, v_ptr, start_n, k_len, stride_kt,
-                                         stride_vt, BLOCK_N, True, USE_TMA, V_T)
+            k_nope, k_rope, v = _load_kv(kn_src, kr_src, v_src, k_ptr, kr_ptr, v_ptr, start_n, k_len, stride_kt,
+                                         stride_rt, stride_vt, BLOCK_N, True, USE_TMA, V_T)
             acc, l_i, m_i = _attn_step(acc, l_i, m_i, q_nope, q_pe, k_nope, k_rope, v, start_n + offs_n,
                                        rows_vis, k_len, qk_scale, True, CAUSAL, IS_FP8, PV_FP8, UPCAST, V_T)
             k_ptr += BLOCK_N * stride_kt
+            kr_ptr += BLOCK_N * stride_rt
             v_ptr += BLOCK_N * (1 if V_T else stride_vt)
 
         # Epilogue. l_i == 0 exactly when the row saw no key: out 0, lse -inf.
@@ -393,8 +397,17 @@ def mla_context_attention(
     v_layout: str = "thd",
     cu_seqlens_v: torch.Tensor | None = None,
     tile_order: "TileOrder | None" = None,
+    k_rope: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention, one launch. Returns ``(out [Tq,H,128] bf16, lse [H,Tq] f32, ln)``.
+
+    ``k_rope``: the keys' rope part apart from ``k``, which is then the nope part alone,
+    ``[Tk, H, 128]``: ``k_rope`` is ``[Tk, H, 64]`` of the same dtype, unit last stride,
+    and may have a head stride of 0 — MLA's rope keys are one row per key shared by every
+    head, so the engine passes the workspace's ``k_pe`` columns and the ``kv_b_proj``
+    output's nope half where they lie, and no K is packed. The kernels load K in these
+    two parts either way (a packed ``k`` is read as ``k[..., :128]`` and ``k[..., 128:]``),
+    into the same shared-memory tiles and the same MMAs: the result is the same bits.
 
     ``v_layout``: ``"thd"`` — v is ``[Tk, H, 128]`` (what the pack writes today); ``"hdt"``
     — v is ``[H, 128, Tk]`` with the keys contiguous (unit last stride). Hopper's fp8 MMA
@@ -432,13 +445,19 @@ def mla_context_attention(
     # wherever those columns say (the caller's, like cu_seqlens_k: not read on the host)
     v_ok = (v.dim() == 3 and v.shape[:2] == (H, D_V) and (cu_seqlens_v is not None or v.shape[2] == Tk)) if v_t \
         else v.shape == (Tk, H, D_V)
-    if dq != D_QK or k.shape[1:] != (H, D_QK) or not v_ok:
+    dk = D_QK if k_rope is None else D_NOPE
+    if dq != D_QK or k.shape[1:] != (H, dk) or not v_ok:
         want = f"[H,{D_V},Tk]" if v_t else f"[Tk,H,{D_V}]"
-        raise ValueError(f"expected q [Tq,H,{D_QK}], k [Tk,H,{D_QK}], v {want} ({v_layout}); "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.dtype not in CONFIGS or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q/k/v must share one dtype of {list(CONFIGS)}; got {q.dtype}, {k.dtype}, {v.dtype}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+        raise ValueError(f"expected q [Tq,H,{D_QK}], k [Tk,H,{dk}]{'' if k_rope is None else ' (with k_rope)'}, "
+                         f"v {want} ({v_layout}); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k_rope is not None and k_rope.shape != (Tk, H, D_ROPE):
+        raise ValueError(f"k_rope must be [Tk,H,{D_ROPE}] = {[Tk, H, D_ROPE]} (a head stride of 0 shares one row "
+                         f"per key), got {tuple(k_rope.shape)}")
+    kr = k[..., D_NOPE:] if k_rope is None else k_rope  # the rope columns the kernels read
+    if q.dtype not in CONFIGS or k.dtype != q.dtype or v.dtype != q.dtype or kr.dtype != q.dtype:
+        raise ValueError(f"q/k/v (and k_rope) must share one dtype of {list(CONFIGS)}; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}" + ("" if k_rope is None else f", {k_rope.dtype}"))
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_rope", kr)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit last stride, got strides {t.stride()}")
     if cu_seqlens_v is not None and not v_t:
@@ -498,7 +517,7 @@ def mla_context_attention(
     if q.device.type != "cuda" and not _interpreting():
         raise RuntimeError("the triton backend runs CPU tensors only under Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before ctxprefill.backends.triton_attention is imported")
-    use_tma = (bool(cfg.get("USE_TMA", False)) and _tma_ok(q, k, v) and (not v_t or cu_seqlens_v is not None)
+    use_tma = (bool(cfg.get("USE_TMA", False)) and _tma_ok(q, k, kr, v) and (not v_t or cu_seqlens_v is not None)
                and _capability(q.device) >= (9, 0)
                and grid[0] * grid[1] * grid[2] * _TMA_SCRATCH_PER_PROGRAM <= _TMA_SCRATCH_CAP)
     if use_tma and q.device.type == "cuda":
@@ -511,15 +530,15 @@ def mla_context_attention(
         ws_cfg = dict(_ws.CONFIG, **(ws if isinstance(ws, dict) else {}))
         ws_grid = (max(1, triton.cdiv(int(max_q), ws_cfg["BLOCK_M"])), H, max(B, 1))
         ordered = tile_order is not None  # then a 1-D launch in that order, no in-kernel sort
-        _ws.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        _ws.launch(q, k, kr, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                    cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v, float(scale) * _LOG2E, ws_grid,
                    0 if ordered else sort_b, v_t, ws_cfg, order=tile_order.codes if ordered else None,
                    m_tiles=tile_order.m_tiles if ordered else 0)
         return out, lse
     _mla_ctx_attn_fwd[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v,
+        q, k, kr, v, out, lse, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v,
         float(scale) * _LOG2E, B,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), kr.stride(0), kr.stride(1),
         v.stride(1) if v_t else v.stride(0), v.stride(0) if v_t else v.stride(1),  # stride_vt, stride_vh
         out.stride(0), out.stride(1), lse.stride(0),
         CAUSAL=bool(causal), BLOCK_M=BM, BLOCK_N=BN, IS_FP8=is_fp8,
@@ -639,14 +658,20 @@ class TritonAttentionBackend(AttentionBackend):
         return True
 
     def run_context_chunk(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale,
-                          out=None, causal=False, v_layout="thd", cu_seqlens_v=None, launch_order=None):
+                          out=None, causal=False, v_layout="thd", cu_seqlens_v=None, launch_order=None,
+                          k_rope=None):
         order = None
         if launch_order is not None:
             codes, m_tiles = launch_order
             order = TileOrder(codes, cu_seqlens_q.numel() - 1, q.shape[1], m_tiles)
         return mla_context_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale,
                                      out=out, causal=causal, v_layout=v_layout, cu_seqlens_v=cu_seqlens_v,
-                                     tile_order=order)
+                                     tile_order=order, k_rope=k_rope)
+
+    def takes_k_rope(self, q_dtype: torch.dtype) -> bool:
+        # both kernels load K's nope and rope columns as two tiles anyway: from two tensors
+        # they are the same loads (mla_context_attention)
+        return q_dtype in CONFIGS
 
     def launch_order(self, q_lens, k_lens, heads: int, q_dtype: torch.dtype, device):
         return tile_order_codes(q_lens, k_lens, heads, q_dtype, device)
@@ -685,6 +710,10 @@ class TritonAttentionBackend(AttentionBackend):
                                         m_tiles))
             for order in orders:
                 mla_context_attention(q, k, v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, tile_order=order)
+                if q_dtype == torch.bfloat16:  # the engine's unpacked keys: k_rope shared by the heads
+                    kr = torch.zeros(n, 1, D_ROPE, dtype=q_dtype, device=device).expand(n, heads, D_ROPE)
+                    mla_context_attention(q, k[..., :D_NOPE], v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0,
+                                          tile_order=order, k_rope=kr)
                 if self.v_keys_last(q_dtype):  # as the engine's pack gives it: segments 16 columns apart
                     vt = torch.zeros(heads, D_V, 16 * n, dtype=q_dtype, device=device)
                     mla_context_attention(q, k, vt, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, v_layout="hdt",

@@ -53,6 +53,7 @@ class PrefillStats:
     context_tokens: int
     query_tokens: int
     span_ns: int = 0  # first stage's start to last stage's end, on the device's clock on a GPU
+    unpacked_keys: bool = False  # fused bf16: attention read k_nope / k_pe where they lie, no pack
 
 
 @dataclasses.dataclass
@@ -77,7 +78,7 @@ class PendingPrefill:
         with self._engine._on_device():
             r = self._pending.finish()
         stats = PrefillStats(**self._stats, launches=r.launches, stage_ns=r.stage_ns, total_ns=r.total_ns,
-                             span_ns=r.span_ns)
+                             span_ns=r.span_ns, unpacked_keys=r.unpacked_keys)
         return PrefillResult(r.out, r.lse, stats)
 
 
@@ -239,8 +240,10 @@ class Engine:
         fused: bool | None = None,
         observer: Observer | None = None,
         layer: int | None = None,
+        unpacked_keys: bool | None = None,
     ) -> PrefillResult:
-        return self.prefill_context_start(q, sequences, workspace_tokens, plan, fused, observer, layer).result()
+        return self.prefill_context_start(q, sequences, workspace_tokens, plan, fused, observer, layer,
+                                          unpacked_keys).result()
 
     def prefill_context_start(
         self,
@@ -251,13 +254,15 @@ class Engine:
         fused: bool | None = None,
         observer: Observer | None = None,
         layer: int | None = None,
+        unpacked_keys: bool | None = None,
     ) -> PendingPrefill:
         """Validate the request and queue its device work; return without waiting for it.
         The next request can be validated and queued before this one's result is taken
         (the workspace is reused in stream order), so that the device does not idle
         between requests while the host prepares the next one. A host ``q`` is copied to
         the device in stream order too: page-locked, it must not change until the result
-        is taken."""
+        is taken. ``fused`` and ``unpacked_keys``: the config's unless given (benchmarks
+        compare the paths on one engine)."""
         cfg = self.config
         li = self.config.layer_position(layer)  # checked before anything is touched
         W = cfg.workspace_tokens if workspace_tokens is None else int(workspace_tokens)
@@ -284,6 +289,7 @@ class Engine:
             fp8_prefill=cfg.prefill_dtype == "fp8",
             scale=cfg.shape.scale,
             heads=cfg.shape.heads,
+            unpacked_keys=cfg.unpacked_keys if unpacked_keys is None else unpacked_keys,
         )
         with self._lock, self._on_device():
             pending = start_chunk_loop(inputs, self.backend, fused, observer)

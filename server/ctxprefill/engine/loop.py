@@ -1,7 +1,11 @@
 """The chunk loop (SPEC §5): gather → cast → kv_b_proj → pack → attention → accumulate.
 
 The generic and the fused path differ only in the pack; everything else is the same
-code, so a difference in results can only come from the pack. The ``out`` contract:
+code, so a difference in results can only come from the pack. With bf16 prefill and a
+backend that ``takes_k_rope``, the fused path packs no K at all (``unpacked_keys``):
+attention reads k_nope from the ``kv_b_proj`` output and k_pe from the workspace where
+they lie, loading the same tiles a packed K gives it (docs/DESIGN.md "Unpacked keys").
+The ``out`` contract:
 with a backend that ``supports_out()``, the output buffers exist before any chunk,
 rows no direct write will reach are set to 0 / -inf, each non-continuation chunk is
 computed straight into ``out[token_slice]``, and a continuation chunk computes into
@@ -58,6 +62,7 @@ class LoopInputs:
     fp8_prefill: bool
     scale: float
     heads: int
+    unpacked_keys: bool = False  # fused bf16 prefill: no K pack where the backend takes k_rope apart
     latent: int = 512
     nope: int = 128
     v_dim: int = 128
@@ -71,9 +76,11 @@ class LoopResult:
     stage_ns: dict[str, int]
     total_ns: int
     span_ns: int = 0  # first stage's start to last stage's end (engine/timing.py)
+    unpacked_keys: bool = False  # attention read K's two parts where they lie (no pack)
 
 
 #: observer(chunk_index, chunk, q, k, v, out, lse) — tests compare paths chunk by chunk
+#: (with unpacked keys, k is packed for the observer alone, by the generic pack)
 Observer = Callable[[int, ContextChunk, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
@@ -180,14 +187,16 @@ class PendingLoop:
     (the request's last event, not the whole device: a request queued behind it is not
     waited for) and reads the stage timings."""
 
-    __slots__ = ("out", "lse", "counts", "timer")
+    __slots__ = ("out", "lse", "counts", "timer", "unpacked_keys")
 
-    def __init__(self, out, lse, counts: Counter, timer: StageTimer):
+    def __init__(self, out, lse, counts: Counter, timer: StageTimer, unpacked_keys: bool = False):
         self.out, self.lse, self.counts, self.timer = out, lse, counts, timer
+        self.unpacked_keys = unpacked_keys
 
     def finish(self) -> LoopResult:
         stage_ns, total_ns = self.timer.finish()
-        return LoopResult(self.out, self.lse, self.counts, stage_ns, total_ns, self.timer.span_ns)
+        return LoopResult(self.out, self.lse, self.counts, stage_ns, total_ns, self.timer.span_ns,
+                          self.unpacked_keys)
 
 
 def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observer: Observer | None = None) -> LoopResult:
@@ -209,6 +218,10 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     keys_last = x.fp8_prefill and backend.v_keys_last(q.dtype)
     block_table, meta = _chunk_metadata(x, device, keys_last)
     ws_dtype = FP8 if x.gather_raw_fp8 else torch.bfloat16
+    # bf16 prefill on the fused path: K's two parts go to attention where they lie (no pack
+    # stage, no K buffer) when the backend reads them apart; fp8 prefill must quantize them
+    unpacked = (fused and x.unpacked_keys and not x.fp8_prefill and ws_dtype == q.dtype
+                and backend.takes_k_rope(q.dtype))
     width = x.latent + 64
     direct = [not c.is_continuation for c in x.chunks]
     # Rows some direct (non-continuation) chunk writes: the union of their row slices
@@ -232,7 +245,7 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     # A 16-head request's host issues it in about the device's time (docs/DESIGN.md), and a
     # tensor view costs the host 2-5 us: chunks of equal size share their workspace views, and
     # a chunk whose query rows are all of the request's uses the whole tensors, not slices.
-    ws_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    ws_views: dict[int, tuple[torch.Tensor, ...]] = {}
     for i, (c, (cu_k, starts, cu_q, q0, q1, max_q, layout)) in enumerate(zip(x.chunks, meta)):
         kw = {} if layout is None else {"v_layout": "hdt", "cu_seqlens_v": layout.cu_v_dev}
         rows = c.rows
@@ -242,8 +255,10 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
         with stage("gather"):
             if rows not in ws_views:
                 ws = x.workspace[: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
-                ws_views[rows] = ws, ws[:, : x.latent], ws[:, x.latent :]
-            ws, latent, k_pe = ws_views[rows]
+                k_pe = ws[:, x.latent :]
+                # unpacked keys: k_pe as every head's rope keys, a head stride of 0
+                ws_views[rows] = ws, ws[:, : x.latent], k_pe, k_pe.unsqueeze(1).expand(rows, H, k_pe.shape[1])
+            ws, latent, k_pe, k_rope = ws_views[rows]
             bt = block_table if c.num_sequences == block_table.shape[0] else \
                 block_table[c.first_sequence : c.first_sequence + c.num_sequences]
             gather(x.cache, bt, cu_k, starts, ws, x.cache_dtype, x.k_scale, x.block_size)
@@ -253,12 +268,16 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
         with stage("kv_b_proj"):
             kv = kv_b_proj(latent, x.weight).view(rows, H, x.nope + x.v_dim)
         k_nope, v = kv[..., : x.nope], kv[..., x.nope :]
-        with stage("pack"):
-            if x.fp8_prefill:
-                k, v = (fused_mla_kv_concat_quant_fp8 if fused else generic_kv_concat_quant_fp8)(
-                    k_nope, k_pe, v, v_keys_last=layout)
-            else:
-                k = (fused_mla_kv_concat if fused else generic_kv_concat)(k_nope, k_pe)
+        if unpacked:
+            k = k_nope
+            kw["k_rope"] = k_rope
+        else:
+            with stage("pack"):
+                if x.fp8_prefill:
+                    k, v = (fused_mla_kv_concat_quant_fp8 if fused else generic_kv_concat_quant_fp8)(
+                        k_nope, k_pe, v, v_keys_last=layout)
+                else:
+                    k = (fused_mla_kv_concat if fused else generic_kv_concat)(k_nope, k_pe)
         max_k = max(c.context_lens)
         # the backend's launch order (triton: tiles packed per SM), if it gives one here: host
         # work outside the stages (a device idle while it runs shows as the request's gap)
@@ -291,6 +310,6 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
                 else:
                     merge(out_c, lse_c, o_c, l_c)
         if observer is not None:
-            observer(i, c, q_c, k, v, o_c, l_c)
+            observer(i, c, q_c, generic_kv_concat(k_nope, k_pe) if unpacked else k, v, o_c, l_c)
 
-    return PendingLoop(out, lse, counts, timer)
+    return PendingLoop(out, lse, counts, timer, unpacked)
