@@ -133,30 +133,38 @@ def plot_speedup(d: dict, out_dir: str) -> str:
 
 
 def _stage_panel(ax, sub: list[dict], title: str, legend: bool) -> None:
-    width = 0.28
+    # generic | fused with its K pack (rows with unpacked keys, where measured) | fused | floor
+    packed = any("fused_packed_stage_s" in r for r in sub)
+    width = 0.21 if packed else 0.28
+    paths = [("generic_stage_s", -width)] + ([("fused_packed_stage_s", 0.0)] if packed else []) \
+        + [("fused_stage_s", width if packed else 0.0)]
     top = 0.0
-    for k, (key, off) in enumerate((("generic_stage_s", -width), ("fused_stage_s", 0.0))):
+    for k, (key, off) in enumerate(paths):
         bottom = [0.0] * len(sub)
         for j, st in enumerate(STAGES):
-            vals = [r[key].get(st, 0.0) * 1e3 for r in sub]
+            vals = [r.get(key, {}).get(st, 0.0) * 1e3 for r in sub]
             ax.bar([i + off for i in range(len(sub))], vals, width, bottom=bottom, color=f"C{j}",
                    label=st if k == 0 else None, edgecolor="white", lw=0.3)
             bottom = [b + v for b, v in zip(bottom, vals)]
         # the request's wall time above its stages (host work and gaps between stages)
-        walls = [r[key.replace("_stage", "")] * 1e3 for r in sub]
-        ax.scatter([i + off for i in range(len(sub))], walls,
+        walls = [r.get(key.replace("_stage", ""), 0.0) * 1e3 for r in sub]
+        ax.scatter([i + off for i in range(len(sub)) if walls[i]], [w for w in walls if w],
                    marker="_", s=120, color="black", zorder=3, label="request time" if k == 0 else None)
         top = max([top, *bottom, *walls])
+    floor_at = (2 if packed else 1) * width
     floors = [_floor_s(r) for r in sub]
     if any(f is not None for f in floors):
-        ax.bar([i + width for i in range(len(sub))], [(f or 0.0) * 1e3 for f in floors], width, color="lightgrey",
-               label="floor")
+        ax.bar([i + floor_at for i in range(len(sub))], [(f or 0.0) * 1e3 for f in floors], width,
+               color="lightgrey", label="floor")
     held = [r.get("floor_sustained_s") for r in sub]  # FLOPs at the GEMM rate held under the power cap
     if any(isinstance(f, (int, float)) and f == f for f in held):
-        pts = [(i + width, f * 1e3) for i, f in enumerate(held) if isinstance(f, (int, float)) and f == f]
+        pts = [(i + floor_at, f * 1e3) for i, f in enumerate(held) if isinstance(f, (int, float)) and f == f]
         ax.scatter([x for x, _ in pts], [y for _, y in pts], marker="_", s=120, color="dimgrey", zorder=3,
                    label="floor, held GEMM rate")
-    ax.set_xticks(range(len(sub)), [f"{r['cache_dtype']}\n{r['prefill_dtype']}" for r in sub], fontsize=7)
+    ax.set_xticks([i + (width / 2 if packed else 0.0) for i in range(len(sub))],
+                  [f"{r['cache_dtype']}\n{r['prefill_dtype']}" for r in sub], fontsize=7)
+    if packed:
+        ax.set_xlabel("bars: generic | fused with its K pack (bf16 rows) | fused | floor", fontsize=6)
     ax.set_ylabel("ms per request", fontsize=8)
     ax.set_title(title, fontsize=8)
     if legend:  # above the tallest bar, not over the bars
@@ -175,7 +183,9 @@ def plot_stages(d: dict, out_dir: str) -> list[str]:
     fig, axes = plt.subplots(1, len(heads), figsize=(7 * len(heads), 5), squeeze=False)
     for ax, h in zip(axes[0], heads):
         sub = [r for r in rows if _shape(r) == (h, new, ctx)]
-        _stage_panel(ax, sub, f"H={h}: generic (left), fused (middle), floor (right)", True)
+        packed = any("fused_packed_stage_s" in r for r in sub)
+        _stage_panel(ax, sub, f"H={h}: generic, " + ("fused with its K pack (bf16), " if packed else "")
+                     + "fused, floor (left to right)", True)
     fig.suptitle(f"Time per stage, {new} new tokens over {ctx_label(ctx)} context\n{run_line(d['meta'])}",
                  fontsize=9)
     paths.append(_save(fig, out_dir, "engine_stages.png", 110))
