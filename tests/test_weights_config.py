@@ -89,3 +89,23 @@ def test_serve_refuses_to_start_with_a_clear_message(capsys):
     rc = main(["demo", "--device", "cpu", "--cache-dtype", "fp8", "--prefill-dtype", "fp8", "--k-scale", "2"])
     assert rc == 2
     assert "--k-scale 1.0" in capsys.readouterr().err
+
+
+def test_packed_keys_flag_reaches_the_engine(monkeypatch):
+    """`serve --packed-keys` (or CTXPREFILL_PACKED_KEYS) turns the fused path's unpacked
+    keys off; by default they are on (docs/DESIGN.md "Unpacked keys")."""
+    import argparse
+
+    from ctxprefill.settings import ServeSettings, add_arguments, build_engine, from_args
+
+    def engine(argv):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        return build_engine(from_args(p.parse_args(["--device", "cpu", "--heads", "1", "--num-blocks", "4",
+                                                    "--workspace-tokens", "64", "--backend", "reference", *argv])))
+
+    assert ServeSettings().packed_keys is False
+    assert engine([]).config.unpacked_keys is True
+    assert engine(["--packed-keys"]).config.unpacked_keys is False
+    monkeypatch.setenv("CTXPREFILL_PACKED_KEYS", "1")
+    assert engine([]).config.unpacked_keys is False
