@@ -457,14 +457,18 @@ def mla_context_attention(
     if q.dtype not in CONFIGS or k.dtype != q.dtype or v.dtype != q.dtype or kr.dtype != q.dtype:
         raise ValueError(f"q/k/v (and k_rope) must share one dtype of {list(CONFIGS)}; got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}" + ("" if k_rope is None else f", {k_rope.dtype}"))
-    for name, t in (("q", q), ("k", k), ("v", v), ("k_rope", kr)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have unit last stride, got strides {t.stride()}")
+    # each tensor's strides read once: a request's host time is mostly calls like these
+    # (docs/DESIGN.md: 16-head requests are bound by the host issuing their kernels)
+    strides = (q.stride(), k.stride(), v.stride(), kr.stride())
+    for name, st in zip(("q", "k", "v", "k_rope"), strides):
+        if st[-1] != 1:
+            raise ValueError(f"{name} must have unit last stride, got strides {st}")
     if cu_seqlens_v is not None and not v_t:
         raise ValueError("cu_seqlens_v is for v_layout='hdt' only")
+    dev = q.device
     cu = [("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)]
     for name, t in cu + ([("cu_seqlens_v", cu_seqlens_v)] if cu_seqlens_v is not None else []):
-        if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.device != q.device:
+        if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.device != dev:
             raise ValueError(f"{name} must be a contiguous 1-D int32 tensor on {q.device}; "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     B = cu_seqlens_q.numel() - 1
@@ -474,7 +478,7 @@ def mla_context_attention(
                          f"(a grid dimension); got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
     if tile_order is not None:
         t = tile_order.codes
-        if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.device != q.device \
+        if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.device != dev \
                 or (tile_order.segments, tile_order.heads) != (B, H) or not 1 <= tile_order.m_tiles \
                 or B * tile_order.m_tiles * H >= 2**31 or not 1 <= t.numel() < 2**31:
             raise ValueError(f"tile_order must be built for this batch (B={B}, H={H}: device_tile_order) with "
@@ -504,7 +508,7 @@ def mla_context_attention(
                          f"an fp8 dot needs K >= 32); got {cfg}")
     # (query tile, head, segment): a segment's tiles and heads run together (its K/V stay in
     # L2 across query tiles); segments longest first when 2 <= B <= _SORT_MAX (SORT_B)
-    grid = (max(1, triton.cdiv(int(max_q), BM)), H, max(B, 1))
+    grid = (max(1, -(-int(max_q) // BM)), H, max(B, 1))  # (not triton.cdiv: a jit function, ~5 us from Python)
     sort_b = _SORT_MAX if 2 <= B <= _SORT_MAX else 0
     if cfg.get("maxnreg") and not (config or {}).get("maxnreg") and q.device.type == "cuda" \
             and grid[0] * grid[1] * grid[2] < uncapped_below(q.device):
@@ -517,7 +521,7 @@ def mla_context_attention(
     if q.device.type != "cuda" and not _interpreting():
         raise RuntimeError("the triton backend runs CPU tensors only under Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before ctxprefill.backends.triton_attention is imported")
-    use_tma = (bool(cfg.get("USE_TMA", False)) and _tma_ok(q, k, kr, v) and (not v_t or cu_seqlens_v is not None)
+    use_tma = (bool(cfg.get("USE_TMA", False)) and _tma_ok_strides(zip((q, k, v, kr), strides)) and (not v_t or cu_seqlens_v is not None)
                and _capability(q.device) >= (9, 0)
                and grid[0] * grid[1] * grid[2] * _TMA_SCRATCH_PER_PROGRAM <= _TMA_SCRATCH_CAP)
     if use_tma and q.device.type == "cuda":
@@ -528,7 +532,7 @@ def mla_context_attention(
         # (fp8: P·V in fp8 over keys-last V only — Hopper's fp8 MMA wants V K-major)
         # warp-specialized Gluon kernel (Hopper): same semantics, FA3's structure
         ws_cfg = dict(_ws.CONFIG, **(ws if isinstance(ws, dict) else {}))
-        ws_grid = (max(1, triton.cdiv(int(max_q), ws_cfg["BLOCK_M"])), H, max(B, 1))
+        ws_grid = (max(1, -(-int(max_q) // ws_cfg["BLOCK_M"])), H, max(B, 1))
         ordered = tile_order is not None  # then a 1-D launch in that order, no in-kernel sort
         _ws.launch(q, k, kr, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                    cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v, float(scale) * _LOG2E, ws_grid,
@@ -618,8 +622,16 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 def _tma_ok(*ts: torch.Tensor) -> bool:
     """TMA needs 16-byte aligned bases and row/head strides; otherwise the pointer path."""
-    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
-               for t in ts)
+    return _tma_ok_strides((t, t.stride()) for t in ts)
+
+
+def _tma_ok_strides(pairs) -> bool:
+    """``_tma_ok`` over (tensor, its strides) pairs, the strides already read."""
+    for t, st in pairs:
+        e = t.element_size()
+        if t.data_ptr() % 16 or any(x * e % 16 for x in st[:-1]):
+            return False
+    return True
 
 
 def _tma_scratch(size: int, alignment: int, stream):
