@@ -46,10 +46,13 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
     if ceil.get("matmul_flops_per_s") and ceil.get("copy_bytes_per_s"):
         lines += [f"Floor: kv_b_proj + attention FLOPs at {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s (bf16 "
                   f"GEMM) + gather/pack bytes at {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s (copy), both measured "
-                  f"in the run.", ""]
-    lines += ["| H | new | ctx | cache | prefill | chunks | generic ms | fused ms | speed-up | floor ms "
-              "| fused / floor | fused gap ms | launches/chunk generic→fused | bit-identical |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"in the run (the pack's bytes only where the fused path packs).", ""]
+    # runs with unpacked keys: the fused request with its K pack, timed beside it
+    packed = any("fused_packed_s" in r for r in d.get("rows", []))
+    lines += ["| H | new | ctx | cache | prefill | chunks | generic ms | " + ("fused + K pack ms | " if packed else "")
+              + "fused ms | speed-up | floor ms | fused / floor | fused gap ms | launches/chunk generic→fused "
+              "| bit-identical |",
+              "|---|---|---|---|---|---|---|" + ("---|" if packed else "") + "---|---|---|---|---|---|---|"]
     notes = []
     for r in d.get("rows", []):
         if "speedup" not in r:
@@ -70,7 +73,9 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
             gap = r["fused_s"] - sum(r["fused_stage_s"].values())
         lines.append(
             f"| {r['heads']} | {r['new']} | {ctx_label(r['context'])} | {r['cache_dtype']} | {r['prefill_dtype']} "
-            f"| {r['chunks']} | {r['generic_s'] * 1e3:.2f} | {r['fused_s'] * 1e3:.2f} | {sp} "
+            f"| {r['chunks']} | {r['generic_s'] * 1e3:.2f} | "
+            + (f"{_num(r['fused_packed_s'] * 1e3 if 'fused_packed_s' in r else None, '.2f')} | " if packed else "")
+            + f"{r['fused_s'] * 1e3:.2f} | {sp} "
             f"| {_num(floor * 1e3 if floor else None, '.2f')} | {_num(ratio, '.2f')} "
             f"| {_num(gap * 1e3 if gap is not None else None, '.2f')} | {_num(lg, '.0f')} → {_num(lf, '.0f')} | {'yes' if r.get('bit_identical') else '**NO**'} |")
     if notes:

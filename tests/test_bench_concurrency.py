@@ -199,6 +199,19 @@ def test_engine_table(tmp_path, bench_mods):
     assert any("H=16, 1024 new over 64k, auto/fp8: skipped (budget" in x for x in lines)
 
 
+def test_engine_table_with_unpacked_keys(bench_mods):
+    """A run with unpacked keys gets a "fused + K pack" column (n/a on rows that pack);
+    the fifteenth session's recorded run makes that table, its figures as recorded."""
+    _, mt, _ = bench_mods
+    path = os.path.join(ROOT, "bench", "results", "2026-12-02-h200", "s15-final-0909fa2", "bench_engine.json")
+    if not os.path.exists(path):
+        pytest.skip("no recorded s15-final run")
+    t = mt.table(json.load(open(path)))
+    assert "| generic ms | fused + K pack ms | fused ms |" in t
+    assert "| 128 | 1024 | 64k | fp8_ds_mla | bf16 | 4 | 17.60 | 14.31 | 11.85 | **1.48** |" in t
+    assert "| 128 | 1024 | 64k | fp8 | fp8 | 4 | 29.60 | n/a | 12.14 | **2.44** |" in t
+
+
 def test_engine_table_of_the_recorded_run(bench_mods):
     """The first recorded JSON (no launches per chunk, no kind) still makes a table."""
     _, mt, _ = bench_mods
