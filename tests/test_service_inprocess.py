@@ -376,3 +376,31 @@ def test_cancel_code_counts_a_call_cancelled_at_its_deadline_as_expired():
     assert cancel_code(2 * DEADLINE_SLACK_S) == "CANCELLED"
     for remaining in (-1.0, 0.0, DEADLINE_SLACK_S / 2, DEADLINE_SLACK_S):
         assert cancel_code(remaining) == "DEADLINE_EXCEEDED", remaining
+
+
+def test_unpacked_keys_in_server_info_and_stats():
+    """GetServerInfo says whether the fused path packs K; each response's Stats says
+    whether its request did (no "pack" launches then), and the result is the packed
+    path's bit for bit. The CPU's reference backend packs; one built to take k_rope
+    apart does not."""
+    from ctxprefill.backends.reference import ReferenceBackend
+
+    async def run(eng):
+        async with Harness(eng) as h:
+            info = await h.stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+            r = await h.stub.PrefillContext(prefill_req(), timeout=60)
+            return info, r
+
+    g = torch.Generator().manual_seed(5)
+    slots, kv_c, k_pe = torch.arange(48, 80), torch.randn(32, 512, generator=g), torch.randn(32, 64, generator=g)
+    packed_engine = small_engine()
+    packed_engine.write_cache(slots, kv_c, k_pe)  # blocks 3 and 4: prefill_req's context
+    info, r = asyncio.run(run(packed_engine))
+    assert not info.unpacked_keys and not r.stats.unpacked_keys and r.stats.kernel_launches["pack"] >= 1
+    apart = small_engine()
+    apart.backend = ReferenceBackend(k_rope_apart=True)
+    apart.write_cache(slots, kv_c, k_pe)
+    info2, r2 = asyncio.run(run(apart))
+    assert info2.unpacked_keys and r2.stats.unpacked_keys and "pack" not in r2.stats.kernel_launches
+    assert r2.stats.path == "fused" and r2.output.data == r.output.data and r2.lse.data == r.lse.data
+    assert any(r.output.data)  # a result of the written context, not zeros

@@ -187,6 +187,8 @@ class ServerInfo:
     # model layers held (serve --layers, --first-layer): [first_layer, first_layer + num_layers)
     num_layers: int = 1
     first_layer: int = 0
+    # the fused path packs no K (bf16 prefill, a backend reading k_nope / k_pe apart; serve --packed-keys)
+    unpacked_keys: bool = False
 
     @property
     def head_start(self) -> int:
@@ -248,6 +250,7 @@ class ServerInfo:
             request_ring_max=m.request_ring_max,
             num_layers=m.num_layers or 1,  # 0: a server predating layers (one layer, 0)
             first_layer=m.first_layer,
+            unpacked_keys=m.unpacked_keys,
         )
 
 
@@ -555,6 +558,7 @@ def stats_to_dict(s: pb.Stats) -> dict[str, Any]:
                         "compute": s.compute_nanos, "output": s.output_nanos},
         "context_tokens": s.context_tokens,
         "query_tokens": s.query_tokens,
+        "unpacked_keys": s.unpacked_keys,
     }
 
 

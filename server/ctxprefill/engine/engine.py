@@ -139,6 +139,14 @@ class Engine:
         """Fused path selected and its compiled kernels in use on this device."""
         return self.config.fused and self.device.type == "cuda" and _cuda.load() is not None
 
+    @property
+    def unpacked_keys_active(self) -> bool:
+        """The fused path packs no K for this engine's requests (engine/loop.py decides the
+        same per request: bf16 prefill, k_pe in q's dtype, a backend that takes k_rope)."""
+        cfg = self.config
+        return (cfg.fused and cfg.unpacked_keys and cfg.prefill_dtype == "bf16" and not cfg.gather_raw_fp8
+                and self.backend.takes_k_rope(self.q_dtype))
+
     # -- layers -----------------------------------------------------------------------
     @property
     def weights(self) -> KvBProjWeights:

@@ -73,7 +73,7 @@ def run_remote_demo(target: str, s: ServeSettings, contexts=DEMO_CONTEXTS, queri
         print(
             f"ctxprefill demo --target {target}: instance={info.instance_id[:12]} device={info.device} "
             f"backend={info.attention_backend} (supports out: {info.attention_backend_supports_out}) "
-            f"fused kernels={info.fused_kernels_active}{why}"
+            f"fused kernels={info.fused_kernels_active}{why} unpacked keys={info.unpacked_keys}"
         )
         print(
             f"heads={H} cache={info.cache_dtype} k_scale={info.k_scale} kv_b_proj={info.kv_b_proj_dtype} "

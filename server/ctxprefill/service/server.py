@@ -275,7 +275,7 @@ async def _serve(s: ServeSettings, security: Security | None = None) -> int:
             "grpc_port": grpc_port, "metrics_port": metrics_port, "host": s.host, "version": __version__,
             "instance_id": engine.instance_id, "device": servicer._info.device, "backend": engine.backend.name,
             "backend_reason": engine.backend_reason, "fused_kernels": engine.fused_kernels_active,
-            "heads": cfg.shape.heads, "cache_dtype": cfg.cache.dtype, "block_size": cfg.cache.block_size,
+            "unpacked_keys": engine.unpacked_keys_active, "heads": cfg.shape.heads, "cache_dtype": cfg.cache.dtype, "block_size": cfg.cache.block_size,
             "num_blocks": cfg.cache.num_blocks, "k_scale": cfg.cache.k_scale,
             "kv_b_proj_dtype": cfg.kv_b_proj_dtype, "prefill_dtype": cfg.prefill_dtype,
             "workspace_tokens": cfg.workspace_tokens, "weights": servicer._info.weights_source,

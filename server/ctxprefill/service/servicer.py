@@ -197,7 +197,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             shared_memory_max_regions=self.shm.max_regions if self.shm.enabled else 0,
             shared_memory_max_bytes=self.shm.max_bytes if self.shm.enabled else 0,
             request_ring_max=self.rings.max_rings if self.rings is not None else 0,
-            num_layers=cfg.num_layers, first_layer=cfg.first_layer,
+            num_layers=cfg.num_layers, first_layer=cfg.first_layer, unpacked_keys=engine.unpacked_keys_active,
         )
 
     def _lease(self):
@@ -489,7 +489,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             context_tokens=st.context_tokens,
             query_tokens=st.query_tokens,
             validate_nanos=phases[0], queue_nanos=phases[1], input_nanos=phases[2], compute_nanos=phases[3],
-            output_nanos=phases[4],
+            output_nanos=phases[4], unpacked_keys=st.unpacked_keys,
         )
         log.info("prefill done", extra={"chunks": len(st.chunks), "context_tokens": st.context_tokens,
                                         "query_tokens": st.query_tokens, "total_ms": round(total_ns / 1e6, 3)})
