@@ -116,8 +116,8 @@ def floor_seconds(cfg, contexts, queries, ceil, rate: str = "matmul_flops_per_s"
     slot = cfg.cache.bytes_per_slot
     glue = (
         ctx * (slot + (L + R) * 2)  # gather: read slots, write bf16 workspace
-        + ((ctx * H * P * 2 + ctx * R * 2 + ctx * H * (P + R) * e) if pack or fp8 else 0)  # pack: read k_nope,
-        # k_pe; write k
+        # pack: read k_nope, k_pe; write k (fp8 prefill always packs: it quantizes)
+        + ((ctx * H * P * 2 + ctx * R * 2 + ctx * H * (P + R) * e) if pack or fp8 else 0)
         + (ctx * H * V * (2 + e) if fp8 else 0)  # fp8: read v, write v8
     )
     parts = {"kv_b_proj_s": kvb_flops / ceil[rate], "attention_s": att_flops / ceil[rate],

@@ -26,7 +26,7 @@ from ..errors import InvalidArgument, OutOfRange
 from ..ops import _cuda
 from ..ops.fp8 import FP8
 from ..weights import KvBProjWeights
-from .loop import LoopInputs, Observer, PendingLoop, start_chunk_loop
+from .loop import LoopInputs, Observer, PendingLoop, keys_apart, start_chunk_loop
 from .plan import ContextChunk, plan_chunks, validate_plan
 
 
@@ -141,11 +141,10 @@ class Engine:
 
     @property
     def unpacked_keys_active(self) -> bool:
-        """The fused path packs no K for this engine's requests (engine/loop.py decides the
-        same per request: bf16 prefill, k_pe in q's dtype, a backend that takes k_rope)."""
+        """The fused path packs no K for this engine's requests (``loop.keys_apart``, which
+        the chunk loop asks per request)."""
         cfg = self.config
-        return (cfg.fused and cfg.unpacked_keys and cfg.prefill_dtype == "bf16" and not cfg.gather_raw_fp8
-                and self.backend.takes_k_rope(self.q_dtype))
+        return keys_apart(self.backend, cfg.fused, cfg.unpacked_keys, cfg.prefill_dtype == "fp8")
 
     # -- layers -----------------------------------------------------------------------
     @property

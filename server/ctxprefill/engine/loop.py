@@ -84,6 +84,14 @@ class LoopResult:
 Observer = Callable[[int, ContextChunk, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+def keys_apart(backend: AttentionBackend, fused: bool, unpacked_keys: bool, fp8_prefill: bool) -> bool:
+    """Whether the chunk loop hands attention K's two parts where they lie (no K pack):
+    the fused path with unpacked keys on, bf16 prefill (fp8's pack is also its
+    quantization; with bf16 prefill the workspace's k_pe is bf16 too: only fp8 prefill
+    gathers raw fp8), and a backend that takes k_rope."""
+    return fused and unpacked_keys and not fp8_prefill and backend.takes_k_rope(torch.bfloat16)
+
+
 def _upload(host: np.ndarray, device) -> torch.Tensor:
     """``host`` (int32) on ``device`` in one copy that does not make the host wait for the
     device: from pinned memory on CUDA (torch's pinned allocator keeps the block until the
@@ -219,9 +227,8 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     block_table, meta = _chunk_metadata(x, device, keys_last)
     ws_dtype = FP8 if x.gather_raw_fp8 else torch.bfloat16
     # bf16 prefill on the fused path: K's two parts go to attention where they lie (no pack
-    # stage, no K buffer) when the backend reads them apart; fp8 prefill must quantize them
-    unpacked = (fused and x.unpacked_keys and not x.fp8_prefill and ws_dtype == q.dtype
-                and backend.takes_k_rope(q.dtype))
+    # stage, no K buffer) when the backend reads them apart
+    unpacked = keys_apart(backend, fused, x.unpacked_keys, x.fp8_prefill)
     width = x.latent + 64
     direct = [not c.is_continuation for c in x.chunks]
     # Rows some direct (non-continuation) chunk writes: the union of their row slices
