@@ -521,7 +521,8 @@ def mla_context_attention(
     if q.device.type != "cuda" and not _interpreting():
         raise RuntimeError("the triton backend runs CPU tensors only under Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before ctxprefill.backends.triton_attention is imported")
-    use_tma = (bool(cfg.get("USE_TMA", False)) and _tma_ok_strides(zip((q, k, v, kr), strides)) and (not v_t or cu_seqlens_v is not None)
+    use_tma = (bool(cfg.get("USE_TMA", False)) and _tma_ok_strides(zip((q, k, v, kr), strides))
+               and (not v_t or cu_seqlens_v is not None)
                and _capability(q.device) >= (9, 0)
                and grid[0] * grid[1] * grid[2] * _TMA_SCRATCH_PER_PROGRAM <= _TMA_SCRATCH_CAP)
     if use_tma and q.device.type == "cuda":
