@@ -319,16 +319,16 @@ def test_keys_last_v_gives_the_same_bits(dtype, pv_fp8, causal, tma):
         mla_context_attention(q, k, v, cu_q, cu_k, 37, 50, 0.07, config=cfg, v_layout="hdt")
 
 
-def _apart(k, H, dtype, device, noise=True):
+def _apart(k, H, dtype, device):
     """k [Tk, H, 192] as the engine's unpacked keys hold it: k_nope the first half of a
     ``kv_b_proj``-like output [Tk, H, 256] (V's columns after it), k_rope the last 64
     columns of a workspace-like [Tk, 576] row shared by every head (a head stride of 0).
     The rope part of ``k`` is made equal across heads first (MLA's is): returns
-    (packed k, k_nope view, k_rope view). ``noise``: NaN where the kernels must not read."""
+    (packed k, k_nope view, k_rope view); NaN wherever the kernels must not read."""
     k = k.clone()
     k[..., 128:] = k[:, :1, 128:]
     Tk = k.shape[0]
-    fill = float("nan") if noise else 0.0
+    fill = float("nan")
     kv = torch.full((Tk, H, 256), fill, dtype=torch.float32, device=device).to(dtype)
     kv[..., :128] = k[..., :128]
     ws = torch.full((Tk, 576), fill, dtype=torch.float32, device=device).to(dtype)

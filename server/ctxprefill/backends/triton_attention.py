@@ -521,7 +521,7 @@ def mla_context_attention(
     if q.device.type != "cuda" and not _interpreting():
         raise RuntimeError("the triton backend runs CPU tensors only under Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before ctxprefill.backends.triton_attention is imported")
-    use_tma = (bool(cfg.get("USE_TMA", False)) and _tma_ok_strides(zip((q, k, v, kr), strides))
+    use_tma = (bool(cfg.get("USE_TMA", False)) and _tma_ok(q, k, v, kr, strides=strides)
                and (not v_t or cu_seqlens_v is not None)
                and _capability(q.device) >= (9, 0)
                and grid[0] * grid[1] * grid[2] * _TMA_SCRATCH_PER_PROGRAM <= _TMA_SCRATCH_CAP)
@@ -621,14 +621,10 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _tma_ok(*ts: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned bases and row/head strides; otherwise the pointer path."""
-    return _tma_ok_strides((t, t.stride()) for t in ts)
-
-
-def _tma_ok_strides(pairs) -> bool:
-    """``_tma_ok`` over (tensor, its strides) pairs, the strides already read."""
-    for t, st in pairs:
+def _tma_ok(*ts: torch.Tensor, strides=None) -> bool:
+    """TMA needs 16-byte aligned bases and row/head strides; otherwise the pointer path.
+    ``strides``: the tensors' strides when the caller has read them already."""
+    for t, st in zip(ts, strides or [t.stride() for t in ts]):
         e = t.element_size()
         if t.data_ptr() % 16 or any(x * e % 16 for x in st[:-1]):
             return False

@@ -263,8 +263,10 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
             if rows not in ws_views:
                 ws = x.workspace[: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
                 k_pe = ws[:, x.latent :]
-                # unpacked keys: k_pe as every head's rope keys, a head stride of 0
-                ws_views[rows] = ws, ws[:, : x.latent], k_pe, k_pe.unsqueeze(1).expand(rows, H, k_pe.shape[1])
+                # unpacked keys: k_pe as every head's rope keys, a head stride of 0 (a view
+                # made only where it is used: each costs the host microseconds)
+                k_rope = k_pe.unsqueeze(1).expand(rows, H, k_pe.shape[1]) if unpacked else None
+                ws_views[rows] = ws, ws[:, : x.latent], k_pe, k_rope
             ws, latent, k_pe, k_rope = ws_views[rows]
             bt = block_table if c.num_sequences == block_table.shape[0] else \
                 block_table[c.first_sequence : c.first_sequence + c.num_sequences]
