@@ -18,6 +18,8 @@ GPU. The probe tests use stand-in backend classes and timings.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from collections import Counter
 
@@ -470,6 +472,18 @@ def test_probe_not_used_on_cpu_or_without_a_shape(monkeypatch):
     measured = _fakes(monkeypatch, triton=(1.0, True, BF16), **{"cudnn-frontend": (0.5, True, BF16)})
     be, why = registry.create("auto", torch.device("cuda"), torch.bfloat16)  # no probe shape: static order
     assert measured == [] and be.name == "triton"
+
+
+def test_probe_with_the_k_pack_says_so(monkeypatch):
+    # the engine passes its K pack when its fused path reads K apart (bf16 prefill): the
+    # measurement (GPU: tests/gpu/test_backend_cudnn_frontend_gpu.py) then times each
+    # candidate as that path runs it, and the reason says so
+    _fakes(monkeypatch, triton=(1.0, True, BF16), **{"cudnn-frontend": (1.2, True, BF16)})
+    shape = dataclasses.replace(PROBE, pack=lambda k_nope, k_pe: None)
+    be, why = registry.create("auto", torch.device("cuda"), torch.bfloat16, probe=shape)
+    assert be.name == "triton" and "K packed in the timing" in why, why
+    assert shape == PROBE  # the pack function is not part of the shape's identity
+    assert "K packed" not in registry.create("auto", torch.device("cuda"), torch.bfloat16, probe=PROBE)[1]
 
 
 def test_probe_shape_validation():

@@ -83,3 +83,27 @@ def test_a_nested_request_parses_to_the_plain_wrapper():
     plain = pb.PrefillContextRequest(request_id="p")
     wrapped = nest(pb.PrefillContextStreamRequest(), "request", plain)
     assert isinstance(wrapped, pb.PrefillContextStreamRequest) and wrapped.request == plain
+
+
+@pytest.mark.parametrize("table, want", [
+    ([2, 7, 1], [2, 7, 1]),  # a list of ints: protobuf takes it as it is
+    (np.array([2, 7, 1], np.int32), [2, 7, 1]),  # arrays through numpy's tolist
+    (np.array([[2, 7], [1, 9]]), [2, 7, 1, 9]),  # flattened
+    ((2, 7, 1), [2, 7, 1]),
+    ([np.int64(2), np.int32(7), 1], [2, 7, 1]),  # numpy ints in a list
+    ([2.0, 7.9, 1], [2, 7, 1]),  # floats in a list: int() each, as before the list fast path
+    ([True, 3], [1, 3]),  # bools likewise (protobuf alone refuses them)
+])
+def test_block_tables_of_every_form_give_the_same_field(table, want):
+    req = build_prefill_request(np.zeros((1, 4, 192), np.uint16), [(1, 3, table)], request_id=None,
+                                workspace_tokens=None, plan=None, expected=None, q_dtype=None,
+                                server_prefill_dtype=None)
+    assert list(req.sequences[0].block_table) == want
+
+
+def test_a_block_table_entry_out_of_int32_range_is_refused():
+    for table in ([1, 2**40], np.array([1, 2**40])):
+        with pytest.raises(ValueError):
+            build_prefill_request(np.zeros((1, 4, 192), np.uint16), [(1, 3, table)], request_id=None,
+                                  workspace_tokens=None, plan=None, expected=None, q_dtype=None,
+                                  server_prefill_dtype=None)

@@ -243,3 +243,36 @@ def test_gpu_auto_probe(record_property):
     assert "triton" in why and "cudnn-frontend" in why, why  # both measured (or the failure given)
     be8, why8 = registry.create("auto", torch.device("cuda"), torch.float8_e4m3fn, probe=probe)
     assert be8.name == "triton" and "only candidate" in why8, why8
+
+
+def test_gpu_auto_probe_times_the_k_pack_only_where_a_backend_needs_it():
+    """With the engine's fused path reading K apart (ProbeShape.pack), Triton (takes_k_rope)
+    is timed over the two parts with no pack, cudnn-frontend behind the pack on every call;
+    and the pack's time is in cudnn-frontend's figure (a slow pack makes it slower)."""
+    from ctxprefill.ops.pack import fused_mla_kv_concat
+    from ctxprefill.backends.triton_attention import TritonAttentionBackend
+
+    packed = []
+
+    def pack(k_nope, k_pe):
+        packed.append(tuple(k_nope.shape))
+        return fused_mla_kv_concat(k_nope, k_pe)
+
+    def slow_pack(k_nope, k_pe):  # the same pack, then 20 more of it on the device
+        k = pack(k_nope, k_pe)
+        for _ in range(20):
+            fused_mla_kv_concat(k_nope, k_pe)
+        return k
+
+    probe = registry.ProbeShape(heads=16, q_tokens=1024, k_tokens=8192, pack=pack)
+    dev = torch.device("cuda")
+    registry._measure(TritonAttentionBackend(), dev, torch.bfloat16, probe)
+    assert packed == []  # Triton reads k_nope and k_rope where they lie
+    be = CudnnFrontendBackend()
+    fast = registry._measure(be, dev, torch.bfloat16, probe)
+    assert len(packed) == probe.warmup + probe.iters and packed[0] == (8192, 16, 128)
+    slow = registry._measure(be, dev, torch.bfloat16, registry.ProbeShape(heads=16, q_tokens=1024, k_tokens=8192,
+                                                                          pack=slow_pack))
+    assert slow > fast * 1.2, (fast, slow)
+    chosen, why = registry.create("auto", dev, torch.bfloat16, probe=probe)
+    assert "K packed in the timing" in why, why

@@ -6,6 +6,9 @@ keys under a query count, its head count) and a CUDA device, it times every usab
 candidate of ``_PROBE_ORDER`` on that chunk after a warm-up (which also pays one-time
 costs: Triton compiles, cuDNN graph builds) and keeps the first candidate unless another
 is ``_PROBE_MARGIN`` faster; a candidate whose probe raises is skipped with the reason.
+Where the engine's fused path reads K apart (bf16 prefill, unpacked keys: ``ProbeShape.pack``),
+each candidate is timed as that path would run it: a backend that takes ``k_rope`` over the
+two parts where they lie, any other behind the K pack it would need.
 A CPU device always gets ``reference``, unprobed.
 """
 
@@ -15,6 +18,7 @@ import dataclasses
 import importlib
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -49,7 +53,14 @@ log = logging.getLogger("ctxprefill.backends")
 @dataclasses.dataclass(frozen=True)
 class ProbeShape:
     """A representative chunk for ``auto``'s start-up probe: ``segments`` sequences of
-    equal length sharing ``q_tokens`` queries and ``k_tokens`` keys, ``heads`` heads."""
+    equal length sharing ``q_tokens`` queries and ``k_tokens`` keys, ``heads`` heads.
+
+    ``pack`` (the engine's K pack, ``(k_nope [Tk,H,128], k_pe [Tk,64]) -> k [Tk,H,192]``):
+    given when the engine's fused path packs no K for a backend that ``takes_k_rope``
+    (bf16 prefill, unpacked keys). Each candidate is then timed with the keys as that path
+    would hand them over: k_nope and v as views of one ``kv_b_proj``-shaped buffer, and
+    either ``k_rope=`` (head stride 0) or K packed by ``pack`` inside the timing — so that
+    a backend is not chosen for an attention the pack it needs makes slower overall."""
 
     heads: int
     q_tokens: int
@@ -58,6 +69,7 @@ class ProbeShape:
     warmup: int = 2
     iters: int = 5
     scale: float = 192**-0.5
+    pack: Callable | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if min(self.heads, self.q_tokens, self.k_tokens, self.segments, self.iters) < 1 or self.warmup < 0:
@@ -153,7 +165,8 @@ def _auto_by_probe(device: torch.device, q_dtype: torch.dtype, probe: ProbeShape
     if kept:  # not faster by the margin: keep the first candidate
         best = first
     per_q, per_k = probe.q_tokens // probe.segments, probe.k_tokens // probe.segments
-    shape = f"H={probe.heads} {probe.segments}x({per_q}q/{per_k}k)"
+    shape = f"H={probe.heads} {probe.segments}x({per_q}q/{per_k}k)" + (
+        "; K packed in the timing where a backend cannot read it apart" if probe.pack is not None else "")
     why = (f"auto: {', '.join(f'{n} {ms:.3f} ms' for ms, _, n, _ in timed)} -> {best[2]} ({shape}"
            + (f"; others must be {_PROBE_MARGIN:.0%} faster to replace {first[2]})" if kept else ")")
            + (f" (skipped {'; '.join(skipped)})" if skipped else ""))
@@ -177,10 +190,23 @@ def _measure(be: AttentionBackend, device: torch.device, q_dtype: torch.dtype, p
         return x.clamp(-448, 448).to(q_dtype)
 
     with torch.cuda.device(device):
-        q, k, v = rnd(probe.q_tokens, H, 192), rnd(probe.k_tokens, H, 192), rnd(probe.k_tokens, H, 128)
-        (cu_q, max_q), (cu_k, max_k) = split(probe.q_tokens), split(probe.k_tokens)
+        Tk = probe.k_tokens
+        q = rnd(probe.q_tokens, H, 192)
+        (cu_q, max_q), (cu_k, max_k) = split(probe.q_tokens), split(Tk)
         out = torch.empty(probe.q_tokens, H, 128, dtype=torch.bfloat16, device=device) if be.supports_out() else None
-        run = lambda: be.run_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, probe.scale, out=out)
+        if probe.pack is None:
+            k, v = rnd(Tk, H, 192), rnd(Tk, H, 128)
+            run = lambda: be.run_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, probe.scale, out=out)
+        else:  # as the fused path hands them over: kv_b_proj's output and the workspace's k_pe
+            kv, k_pe = rnd(Tk, H, 256), rnd(Tk, 64)
+            k_nope, v = kv[..., :128], kv[..., 128:]
+            if be.takes_k_rope(q_dtype):
+                k_rope = k_pe.unsqueeze(1).expand(Tk, H, 64)
+                run = lambda: be.run_context_chunk(q, k_nope, v, cu_q, cu_k, max_q, max_k, probe.scale, out=out,
+                                                   k_rope=k_rope)
+            else:
+                run = lambda: be.run_context_chunk(q, probe.pack(k_nope, k_pe), v, cu_q, cu_k, max_q, max_k,
+                                                   probe.scale, out=out)
         for _ in range(probe.warmup):
             run()
         torch.cuda.synchronize(device)

@@ -25,6 +25,7 @@ from ..config import EngineConfig
 from ..errors import InvalidArgument, OutOfRange
 from ..ops import _cuda
 from ..ops.fp8 import FP8
+from ..ops.pack import fused_mla_kv_concat
 from ..weights import KvBProjWeights
 from .loop import LoopInputs, Observer, PendingLoop, keys_apart, start_chunk_loop
 from .plan import ContextChunk, plan_chunks, validate_plan
@@ -112,11 +113,14 @@ class Engine:
         if backend is None:
             # auto on a GPU: time the candidates on a chunk like the ones this engine will run
             # (its workspace of keys, capped at 16k to bound the probe's memory, under 1,024
-            # queries); on a CPU, or with a named backend, no probe
+            # queries); on a CPU, or with a named backend, no probe. Where the fused path reads
+            # K apart (bf16 prefill), a backend that cannot is timed with the K pack it needs.
             probe = None
             if config.backend == "auto" and self.device.type == "cuda":
+                apart = config.fused and config.unpacked_keys and config.prefill_dtype != "fp8"
                 probe = registry.ProbeShape(heads=shape.heads, q_tokens=min(1024, config.workspace_tokens),
-                                            k_tokens=min(16384, config.workspace_tokens))
+                                            k_tokens=min(16384, config.workspace_tokens),
+                                            pack=fused_mla_kv_concat if apart else None)
             with self._on_device():
                 backend, self.backend_reason = registry.create(config.backend, self.device, self.q_dtype,
                                                                probe=probe)
