@@ -20,6 +20,25 @@ from ctxprefill_client.wire import serialize_request
 BF16 = pb.DATA_TYPE_BF16
 
 
+@pytest.fixture(autouse=True)
+def _cut_every_size(monkeypatch):
+    """The walk over messages of every size (the server leaves those under MIN_CUT_BYTES to
+    protobuf: test_small_messages_go_to_protobuf_as_they_are)."""
+    monkeypatch.setattr(inline_views, "MIN_CUT_BYTES", 0)
+
+
+def test_small_messages_go_to_protobuf_as_they_are(monkeypatch):
+    monkeypatch.undo()  # the server's threshold
+    n = inline_views.MIN_CUT_BYTES
+    for rows, cut in ((1, False), (n // (4 * 192 * 2) + 1, True)):
+        raw = serialize_request(build_prefill_request(
+            np.ones((rows, 4, 192), np.uint16), [(rows, 0, [])], request_id=None, workspace_tokens=None, plan=None,
+            expected=None, q_dtype=None, server_prefill_dtype=None))
+        r = parse(pb.PrefillContextRequest, raw)
+        assert isinstance(r, InlineRequest) is cut and (len(raw) >= n) is cut
+        assert _restored(r, pb.PrefillContextRequest) == pb.PrefillContextRequest.FromString(raw)
+
+
 def _restored(r, cls):
     """``r`` as protobuf would have parsed it: the views put back as ``data``."""
     if not isinstance(r, InlineRequest):

@@ -43,6 +43,10 @@ LAYOUTS = {
 #: many small fields (a legal one has up to 65,536 sequences; a hostile one could pack a
 #: gigabyte of two-byte fields) goes to protobuf's C parser instead, with its copies
 MAX_FIELDS = 1024
+#: messages shorter than this are parsed by protobuf as they are: the walk costs a small
+#: request (a shared-memory one: block tables, references) 10-25 us of Python, more than
+#: protobuf's two copies of at most this many tensor bytes (a few us)
+MIN_CUT_BYTES = 64 << 10
 
 
 class _GiveUp(Exception):
@@ -162,8 +166,10 @@ def _cut(buf: memoryview, start: int, end: int, layout, path: tuple, views: dict
 
 def parse(cls, raw: bytes):
     """``cls.FromString(raw)``, as an :class:`InlineRequest` when tensor bytes were cut out
-    (see the module's docstring); the plain message when there were none or the bytes are
-    not what the cut expects."""
+    (see the module's docstring); the plain message when there were none, the bytes are
+    not what the cut expects, or the message is shorter than ``MIN_CUT_BYTES``."""
+    if len(raw) < MIN_CUT_BYTES:
+        return cls.FromString(raw)
     layout = LAYOUTS[cls]
     views: dict = {}
     try:
