@@ -474,7 +474,6 @@ def main(argv=None) -> int:
             same = _same_bits(rf, rg)
             # unpacked keys (bf16 prefill): the fused path with its K pack beside it, the
             # pack's share of the fused request measured in the same process
-            fp = None
             if rf.stats.unpacked_keys:
                 fp = time_request(engine, q, seqs, True, dev, unpacked_keys=False, **it)
                 same = same and _same_bits(fp["result"], rg)
@@ -497,7 +496,7 @@ def main(argv=None) -> int:
         packs = not rf.stats.unpacked_keys
         fl = floor_seconds(engine.config, ctx_lens, new_lens, ceil, pack=packs)
         floor = fl["total_s"]
-        floor_packed = floor_seconds(engine.config, ctx_lens, new_lens, ceil)["total_s"]
+        floor_packed = floor if packs else floor_seconds(engine.config, ctx_lens, new_lens, ceil)["total_s"]
         held = None
         if "matmul_sustained_flops_per_s" in ceil:
             held = floor_seconds(engine.config, ctx_lens, new_lens, ceil,

@@ -274,5 +274,5 @@ def test_gpu_auto_probe_times_the_k_pack_only_where_a_backend_needs_it():
     slow = registry._measure(be, dev, torch.bfloat16, registry.ProbeShape(heads=16, q_tokens=1024, k_tokens=8192,
                                                                           pack=slow_pack))
     assert slow > fast * 1.2, (fast, slow)
-    chosen, why = registry.create("auto", dev, torch.bfloat16, probe=probe)
+    _, why = registry.create("auto", dev, torch.bfloat16, probe=probe)
     assert "K packed in the timing" in why, why

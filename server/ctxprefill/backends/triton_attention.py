@@ -457,8 +457,8 @@ def mla_context_attention(
     if q.dtype not in CONFIGS or k.dtype != q.dtype or v.dtype != q.dtype or kr.dtype != q.dtype:
         raise ValueError(f"q/k/v (and k_rope) must share one dtype of {list(CONFIGS)}; got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}" + ("" if k_rope is None else f", {k_rope.dtype}"))
-    # each tensor's strides read once: a request's host time is mostly calls like these
-    # (docs/DESIGN.md: 16-head requests are bound by the host issuing their kernels)
+    # each tensor's strides read once, for the checks and the launch: a request's host time
+    # is mostly calls like these (docs/DESIGN.md: 16-head requests are host-bound)
     strides = (q.stride(), k.stride(), v.stride(), kr.stride())
     for name, st in zip(("q", "k", "v", "k_rope"), strides):
         if st[-1] != 1:
@@ -540,11 +540,12 @@ def mla_context_attention(
                    0 if ordered else sort_b, v_t, ws_cfg, order=tile_order.codes if ordered else None,
                    m_tiles=tile_order.m_tiles if ordered else 0)
         return out, lse
+    sq, sk, sv, sr = strides
     _mla_ctx_attn_fwd[grid](
         q, k, kr, v, out, lse, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v,
         float(scale) * _LOG2E, B,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), kr.stride(0), kr.stride(1),
-        v.stride(1) if v_t else v.stride(0), v.stride(0) if v_t else v.stride(1),  # stride_vt, stride_vh
+        sq[0], sq[1], sk[0], sk[1], sr[0], sr[1],
+        sv[1] if v_t else sv[0], sv[0] if v_t else sv[1],  # stride_vt, stride_vh
         out.stride(0), out.stride(1), lse.stride(0),
         CAUSAL=bool(causal), BLOCK_M=BM, BLOCK_N=BN, IS_FP8=is_fp8,
         PV_FP8=pv_fp8, USE_TMA=use_tma, UPCAST=q.device.type != "cuda", SORT_B=sort_b, V_T=v_t,

@@ -27,7 +27,7 @@ from ..ops import _cuda
 from ..ops.fp8 import FP8
 from ..ops.pack import fused_mla_kv_concat
 from ..weights import KvBProjWeights
-from .loop import LoopInputs, Observer, PendingLoop, keys_apart, start_chunk_loop
+from .loop import LoopInputs, Observer, PendingLoop, keys_apart, keys_apart_wanted, start_chunk_loop
 from .plan import ContextChunk, plan_chunks, validate_plan
 
 
@@ -117,7 +117,7 @@ class Engine:
             # K apart (bf16 prefill), a backend that cannot is timed with the K pack it needs.
             probe = None
             if config.backend == "auto" and self.device.type == "cuda":
-                apart = config.fused and config.unpacked_keys and config.prefill_dtype != "fp8"
+                apart = keys_apart_wanted(config.fused, config.unpacked_keys, config.prefill_dtype == "fp8")
                 probe = registry.ProbeShape(heads=shape.heads, q_tokens=min(1024, config.workspace_tokens),
                                             k_tokens=min(16384, config.workspace_tokens),
                                             pack=fused_mla_kv_concat if apart else None)

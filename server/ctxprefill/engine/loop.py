@@ -84,12 +84,17 @@ class LoopResult:
 Observer = Callable[[int, ContextChunk, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+def keys_apart_wanted(fused: bool, unpacked_keys: bool, fp8_prefill: bool) -> bool:
+    """Whether the path would hand attention K's two parts where they lie, given a backend
+    that takes k_rope: the fused path with unpacked keys on and bf16 prefill (fp8's pack
+    is also its quantization; with bf16 prefill the workspace's k_pe is bf16 too: only fp8
+    prefill gathers raw fp8)."""
+    return fused and unpacked_keys and not fp8_prefill
+
+
 def keys_apart(backend: AttentionBackend, fused: bool, unpacked_keys: bool, fp8_prefill: bool) -> bool:
-    """Whether the chunk loop hands attention K's two parts where they lie (no K pack):
-    the fused path with unpacked keys on, bf16 prefill (fp8's pack is also its
-    quantization; with bf16 prefill the workspace's k_pe is bf16 too: only fp8 prefill
-    gathers raw fp8), and a backend that takes k_rope."""
-    return fused and unpacked_keys and not fp8_prefill and backend.takes_k_rope(torch.bfloat16)
+    """Whether the chunk loop hands attention K's two parts where they lie (no K pack)."""
+    return keys_apart_wanted(fused, unpacked_keys, fp8_prefill) and backend.takes_k_rope(torch.bfloat16)
 
 
 def _upload(host: np.ndarray, device) -> torch.Tensor:

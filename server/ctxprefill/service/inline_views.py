@@ -70,7 +70,7 @@ class InlineRequest:
 def data_views(request, *prefix: str) -> dict[str, memoryview]:
     """``{tensor field name: its inline bytes}`` of the submessage at ``prefix`` (empty for
     a plain message: its tensors' ``data`` are in the message itself)."""
-    inline = getattr(request, "inline", None) if isinstance(request, InlineRequest) else None
+    inline = request.inline if isinstance(request, InlineRequest) else None
     if not inline:
         return {}
     n = len(prefix)

@@ -309,7 +309,8 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                     msg = await anext(requests, None)
                     if msg is None:
                         break
-                    pending.put_nowait(asyncio.ensure_future(self._stream_one(inline_views.submessage(msg, "request"), context)))
+                    request = inline_views.submessage(msg, "request")  # with its inline tensors' views
+                    pending.put_nowait(asyncio.ensure_future(self._stream_one(request, context)))
             finally:
                 pending.put_nowait(end)
 
