@@ -86,7 +86,7 @@ def make(q_lens, k_lens, H, seed=0):
 
 
 def to_fp8(x):
-    return x.float().clamp(-448, 448).to(FP8)  # saturating cast (SPEC §6)
+    return x.float().clamp(-448, 448).to(FP8)  # saturating cast (CONTRACT §6)
 
 
 def bench_ms(fn, rep):

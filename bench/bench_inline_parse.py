@@ -27,8 +27,8 @@ import numpy as np  # noqa: E402
 from ctxprefill.config import CacheConfig, EngineConfig, ModelShape  # noqa: E402
 from ctxprefill.service import inline_views, validate  # noqa: E402
 from ctxprefill_client._common import build_prefill_request  # noqa: E402
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb  # noqa: E402
-from ctxprefill_client.wire import serialize_request  # noqa: E402
+from ctxprefill_api import pb  # noqa: E402
+from ctxprefill_api.wire import serialize_request  # noqa: E402
 
 
 def main(argv=None) -> int:

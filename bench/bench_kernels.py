@@ -27,7 +27,7 @@ as many bytes per byte read as the kernel does (``bench/mix_copy.py``, scaled so
 1:1 copy gives torch's): the memory's ceiling for that mix, which a 50/50 copy does not
 give.
 Effective bandwidth counts every input read once and every output written once.
-Targets (SPEC §6, issue 3): the fused pack >= 90 % of the copy bandwidth for T·H >= 2**20
+Targets (CONTRACT §6, issue 3): the fused pack >= 90 % of the copy bandwidth for T·H >= 2**20
 (the V keys-last fp8 pack included: the engine runs it for fp8 prefill on Hopper);
 gather and merge >= 85 % at the same scale — gathers of >= 2**18 rows, merges of
 T·H >= 2**20 — where a copy of the same bytes reaches the copy bandwidth (docs/DESIGN.md,

@@ -241,8 +241,8 @@ def run_system(ns, client, w: Workload, over_ring: bool = False):
 def stream_rpc(client, timeout: float):
     """An rpc(request) -> response for :func:`timed` over one PrefillContextStream call
     (the same request message, wrapped; the split of encode / RPC / decode stays)."""
-    from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-    from ctxprefill_client.wire import nest
+    from ctxprefill_api import pb
+    from ctxprefill_api.wire import nest
 
     stream = client.prefill_stream(timeout=timeout)
 

@@ -1,4 +1,4 @@
-// Cache insert and gather (SPEC §2, §5): warps over rows, 16-byte accesses.
+// Cache insert and gather (CONTRACT §2, §5): warps over rows, 16-byte accesses.
 //
 // Insert (mirrors slot_format.encode_slots, byte for byte):
 //   auto       : bf16_rn(x) (fp32 input) or a copy (bf16 input)           1152 B/slot

@@ -1,7 +1,7 @@
 // Shared device helpers: 16/8-byte memory access with a compile-time alignment
 // guarantee, the saturating fp8 e4m3 casts, bf16 conversions, launch sizing.
 //
-// The one fp8 cast of this project (SPEC §6): round to nearest even, finite
+// The one fp8 cast of this project (CONTRACT §6): round to nearest even, finite
 // overflow and +-inf saturate to +-448, NaN stays NaN — i.e. torch's
 // `x.clamp(-448, 448).to(torch.float8_e4m3fn)`. On sm_89+ it is one
 // `cvt.rn.satfinite.e4m3x2.{f32,f16x2}` instruction per pair of values.

@@ -38,7 +38,7 @@ constexpr int kV = 128;          // V, v_head_dim
 constexpr int kQK = kNope + kRope;  // 192
 constexpr int kDsTile = 128;     // fp8_ds_mla tile of latent values sharing one scale
 
-// Bytes per cache slot (SPEC §2): auto 1152, fp8 576, fp8_ds_mla 656.
+// Bytes per cache slot (CONTRACT §2): auto 1152, fp8 576, fp8_ds_mla 656.
 CTXPREFILL_HD constexpr int64_t slot_bytes(CacheDtype d) {
   return d == CacheDtype::Auto ? 2 * (kLatent + kRope)
        : d == CacheDtype::Fp8  ? (kLatent + kRope)

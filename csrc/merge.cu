@@ -1,4 +1,4 @@
-// LSE merge of two attention partials, in place (SPEC §3, §5), mirroring
+// LSE merge of two attention partials, in place (CONTRACT §3, §5), mirroring
 // ops/merge.py:merge_reference operation by operation so that the bytes equal the
 // torch reference run on CUDA:
 //

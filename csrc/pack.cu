@@ -1,4 +1,4 @@
-// The fused MLA K/V pack (SPEC §5, §6): one launch per chunk, reading the strided
+// The fused MLA K/V pack (CONTRACT §5, §6): one launch per chunk, reading the strided
 // halves of the kv_b_proj output and the strided k_pe view of the workspace
 // directly — no expand, no cat, no intermediate copies.
 //

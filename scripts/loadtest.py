@@ -45,7 +45,7 @@ import grpc.aio  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ctxprefill_client import encode_tensor, float32_to_bf16_bits, float32_to_fp8_e4m3_bits  # noqa: E402
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb  # noqa: E402
+from ctxprefill_api import pb  # noqa: E402
 
 METHOD = "/ctxprefill.v1.PrefillContextService/PrefillContext"
 

@@ -15,8 +15,8 @@ purpose (NaN/inf in q, all-skipped writes of NaN latents, the server's own plan 
 back as an explicit plan): they must succeed, bit for bit.
 
 NaN and inf (decided in docs/RELIABILITY.md): they are values, not malformed input.
-q may hold them — only the rows that hold them are affected (SPEC §3: "nothing is NaN
-unless an input is"); kv_c / k_pe may hold them — the cache stores them per SPEC §2
+q may hold them — only the rows that hold them are affected (CONTRACT §3: "nothing is NaN
+unless an input is"); kv_c / k_pe may hold them — the cache stores them per CONTRACT §2
 (NaN stays NaN, fp8 saturates ±inf). No request field but tensor data is a float.
 """
 
@@ -36,14 +36,14 @@ import numpy as np
 
 try:
     from ctxprefill_client import encode_tensor, float32_to_bf16_bits, float32_to_fp8_e4m3_bits
-    from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+    from ctxprefill_api import pb
 except ImportError:  # run as a script from the repository root
     import os
 
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.join(_root, "client"))
     from ctxprefill_client import encode_tensor, float32_to_bf16_bits, float32_to_fp8_e4m3_bits
-    from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+    from ctxprefill_api import pb
 
 SERVICE = "/ctxprefill.v1.PrefillContextService/"
 IA = grpc.StatusCode.INVALID_ARGUMENT

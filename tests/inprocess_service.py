@@ -12,8 +12,8 @@ from ctxprefill.service.engine_worker import EngineWorker
 from ctxprefill.service.servicer import PrefillContextServicer
 from ctxprefill.settings import ServeSettings, build_engine
 from ctxprefill_client import encode_tensor, float32_to_bf16_bits
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+from ctxprefill_api import pb
+from ctxprefill_api import pb_grpc
 from service_process import parse_metrics, sample_sum
 
 SETTINGS = ServeSettings(device="cpu", heads=1, block_size=16, num_blocks=8, workspace_tokens=64)

@@ -1,4 +1,4 @@
-"""The chunked result against one unchunked float64 computation (SPEC §3, §10)."""
+"""The chunked result against one unchunked float64 computation (CONTRACT §3, §10)."""
 
 import pytest
 import torch

@@ -78,7 +78,7 @@ def make_batch(q_lens, k_lens, H, dtype, device="cpu", seed=0):
     def rnd(*shape):
         x = torch.randn(*shape, generator=g)
         if dtype == FP8:
-            return x.clamp(-448, 448).to(FP8).to(device)  # saturating cast (SPEC §6)
+            return x.clamp(-448, 448).to(FP8).to(device)  # saturating cast (CONTRACT §6)
         return x.to(dtype).to(device)
 
     q, k, v = rnd(Tq, H, 192), rnd(Tk, H, 192), rnd(Tk, H, 128)

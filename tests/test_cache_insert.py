@@ -1,4 +1,4 @@
-"""Insert writes exactly the bytes SPEC §2 prescribes; gather/dequantize reads them back.
+"""Insert writes exactly the bytes CONTRACT §2 prescribes; gather/dequantize reads them back.
 
 The expected bytes here are computed independently of ops/slot_format.py: the
 spec's torch formulas for bf16 and fp8, and a per-tile float64/struct computation

@@ -18,7 +18,7 @@ import torch
 from ctxprefill.settings import ServeSettings, build_engine
 from ctxprefill_client import encode_tensor, float32_to_bf16_bits
 from ctxprefill_client._common import build_prefill_request
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 from inprocess_service import Harness
 from service_process import parse_metrics, sample_sum
 

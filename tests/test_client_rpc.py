@@ -29,8 +29,8 @@ from ctxprefill_client import (
     float32_to_bf16_bits,
 )
 from ctxprefill_client import tensors as T
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+from ctxprefill_api import pb
+from ctxprefill_api import pb_grpc
 from ctxprefill_client.examples import orchestrator
 
 H, L, P, R, V = 2, 512, 128, 64, 128
@@ -391,7 +391,7 @@ def test_bad_response_is_reported():
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8", "fp8_ds_mla"])
 def test_orchestrator_reads_every_cache_layout(cache_dtype):
-    """Slot bytes built with torch per SPEC §2 decode to the right values in the example."""
+    """Slot bytes built with torch per CONTRACT §2 decode to the right values in the example."""
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(4)
     t, k_scale = 9, (0.5 if cache_dtype == "fp8" else 1.0)

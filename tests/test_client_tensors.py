@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ctxprefill_client import tensors as T
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 
 torch = pytest.importorskip("torch")
 
@@ -286,7 +286,7 @@ def test_client_imports_without_torch():
         import ctxprefill_client
         import ctxprefill_client.aio, ctxprefill_client.client, ctxprefill_client.merge
         import ctxprefill_client.tensors, ctxprefill_client.examples.orchestrator
-        from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2, ctxprefill_pb2_grpc
+        from ctxprefill_api import pb as ctxprefill_pb2, pb_grpc as ctxprefill_pb2_grpc
         import numpy as np
         out, lse = ctxprefill_client.merge_partials(
             np.zeros((2, 1, 3), np.float32), np.zeros((1, 2), np.float32),

@@ -8,8 +8,8 @@ import pytest
 
 from ctxprefill_client import BF16, FP8_E4M3, FP32, RawTensor
 from ctxprefill_client._common import build_prefill_request, build_write_request
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-from ctxprefill_client.wire import NestedMessage, OutgoingMessage, nest, serialize_request
+from ctxprefill_api import pb
+from ctxprefill_api.wire import NestedMessage, OutgoingMessage, nest, serialize_request
 
 SEQS = [(3, 40, [2, 7, 1]), (2, 0, [])]
 

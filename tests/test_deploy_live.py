@@ -69,7 +69,7 @@ SERVERS = {
     "fp8_ds_mla-fp8": ({**COMMON, "cache_dtype": "fp8_ds_mla", "kv_b_proj_dtype": "fp8", "prefill_dtype": "fp8"},
                        {}),
 }
-# the seed's case (SPEC §10): continuation chunks and an empty sequence
+# the seed's case (CONTRACT §10): continuation chunks and an empty sequence
 CONTEXTS, QUERIES = [200, 48, 32, 0], [8, 4, 6, 5]
 # alerts that must find nothing on a healthy CPU set-up
 QUIET_ALERTS = ("CtxprefillDown", "CtxprefillTargetMissing", "CtxprefillNotReady", "CtxprefillErrorRatioHigh",

@@ -570,7 +570,7 @@ def test_dashboard_and_rules_use_only_exported_metrics():
         for name in set(re.findall(r"\b((?:ctxprefill|grpc_server)_[a-z0-9_]+)", text)):
             assert name in exported or (where == "rules" and name in PROPOSED_METRICS), \
                 f"{where} uses {name}, which the service does not export"
-    # the SPEC §9 families are all on the dashboard
+    # the CONTRACT §9 families are all on the dashboard
     for name in ("ctxprefill_kernel_launches_total", "ctxprefill_fp8_path_total", "ctxprefill_chunks_total",
                  "ctxprefill_context_tokens_total", "ctxprefill_query_tokens_total",
                  "ctxprefill_request_duration_seconds_bucket", "ctxprefill_stage_duration_seconds",

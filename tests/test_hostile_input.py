@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import hostile_cases as hc
 from ctxprefill_client import encode_tensor
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 from service_process import ServerProcess, http_get, parse_metrics, sample_sum
 
 #: hostile requests the test must send at least (CTXPREFILL_HOSTILE_COUNT raises it)

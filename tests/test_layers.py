@@ -20,7 +20,7 @@ from ctxprefill.errors import ConfigError, InvalidArgument, OutOfRange
 from ctxprefill.settings import ServeSettings, build_engine
 from ctxprefill.weights import random_kv_b_proj, save_weights
 from ctxprefill_client import encode_tensor, float32_to_bf16_bits
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 from context_layout import tables_and_slots
 from engine_helpers import bits
 from inprocess_service import Harness

@@ -1,4 +1,4 @@
-"""Fused vs generic, chunk by chunk, bit for bit (SPEC §5, §10) — on the CPU.
+"""Fused vs generic, chunk by chunk, bit for bit (CONTRACT §5, §10) — on the CPU.
 
 The seed's method: q, k, v handed to attention and each chunk's output and LSE must
 be identical between the paths, and so must the merged result, for every

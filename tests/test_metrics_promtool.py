@@ -1,4 +1,4 @@
-"""The scraped /metrics page against the Prometheus tools (SPEC §9).
+"""The scraped /metrics page against the Prometheus tools (CONTRACT §9).
 
 - ``promtool check metrics`` must pass on the page of a server that has served
   requests (all metric families present, gRPC codes other than OK included).

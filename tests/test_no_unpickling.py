@@ -1,5 +1,5 @@
 """Weights come only through safetensors; nothing in the shipped code unpickles
-(SPEC §8): a grep of every tracked or new source file outside ``tests/`` for the ways
+(CONTRACT §8): a grep of every tracked or new source file outside ``tests/`` for the ways
 Python code deserializes pickles."""
 
 from __future__ import annotations

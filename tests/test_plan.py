@@ -1,4 +1,4 @@
-"""The chunk planner (SPEC §4) and the plan validator (SPEC §7)."""
+"""The chunk planner (CONTRACT §4) and the plan validator (CONTRACT §7)."""
 
 import pytest
 from hypothesis import given

@@ -1,4 +1,4 @@
-"""The checked-in generated code (client/ctxprefill_client/_proto) is what
+"""The checked-in generated code (client/ctxprefill_api/ctxprefill) is what
 scripts/gen_proto.sh makes from proto/, and it imports on both machines: this one
 (grpcio 1.85) and the GPU machine (grpcio 1.84.0, protobuf 7.36.2)."""
 
@@ -17,8 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTO = ROOT / "proto" / "ctxprefill" / "v1" / "ctxprefill.proto"
-GEN = ROOT / "client" / "ctxprefill_client" / "_proto"
-GEN_V1 = GEN / "ctxprefill" / "v1"
+GEN = ROOT / "client" / "ctxprefill_api" / "ctxprefill"
+GEN_V1 = GEN / "v1"
 GENERATOR_GRPC_TOOLS = "1.84.0"
 # The oldest runtimes the generated code must import under (the GPU machine's).
 MIN_GRPCIO = (1, 84, 0)
@@ -63,7 +63,7 @@ def test_regenerated_code_equals_checked_in():
             capture_output=True, text=True, env=env, timeout=300,
         )  # fmt: skip
         assert r.returncode == 0, r.stderr
-        fresh = Path(tmp) / "ctxprefill_client" / "_proto"
+        fresh = Path(tmp) / "ctxprefill_api" / "ctxprefill"
         names = sorted(p.relative_to(fresh).as_posix() for p in fresh.rglob("*") if p.is_file())
         have = sorted(
             p.relative_to(GEN).as_posix() for p in GEN.rglob("*") if p.is_file() and "__pycache__" not in p.parts
@@ -98,10 +98,10 @@ def test_protobuf_gencode_version_fits_runtime():
 
 def test_grpc_module_imports_as_a_package():
     text = (GEN_V1 / "ctxprefill_pb2_grpc.py").read_text()
-    assert "from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as " in text
+    assert "from ctxprefill_api.ctxprefill.v1 import ctxprefill_pb2 as " in text
     assert not re.search(r"^from ctxprefill\.v1 import", text, re.M)  # would hit the server package
-    from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-    from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+    from ctxprefill_api import pb
+    from ctxprefill_api import pb_grpc
 
     assert pb.DESCRIPTOR.name == "ctxprefill/v1/ctxprefill.proto"
     assert pb.DESCRIPTOR.package == "ctxprefill.v1"
@@ -149,7 +149,7 @@ def test_checked_in_descriptor_matches_proto_source():
     pytest.importorskip("grpc_tools")
     from google.protobuf import descriptor_pb2
 
-    from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+    from ctxprefill_api import pb
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "set.pb")

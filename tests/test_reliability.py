@@ -27,8 +27,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ctxprefill_client import PrefillContextClient, ServerRestartedError, encode_tensor, float32_to_bf16_bits
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+from ctxprefill_api import pb
+from ctxprefill_api import pb_grpc
 from service_process import ServerProcess, http_get, parse_metrics, sample_sum
 
 SERVICE = "ctxprefill.v1.PrefillContextService"

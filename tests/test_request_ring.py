@@ -32,8 +32,8 @@ from ctxprefill_client import (
     SystemSharedMemoryRegion,
     float32_to_bf16_bits,
 )
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-from ctxprefill_client.request_ring import HEADER_BYTES, REQUEST, slot_fields
+from ctxprefill_api import pb
+from ctxprefill_api.ring import HEADER_BYTES, REQUEST, slot_fields
 from context_layout import tables_and_slots
 from rpc_errors import expect
 from service_process import ServerProcess, http_get, parse_metrics, sample_sum

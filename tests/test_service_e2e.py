@@ -4,7 +4,7 @@ For each cache dtype (auto; fp8 with bf16 weights — the seed's crash combinati
 and k_scale 0.5; fp8_ds_mla with fp8 weights and fp8 prefill):
 - outputs, LSE and stats equal an in-process Engine built from the same settings,
   bit for bit (server-planned, other workspace sizes, an explicit plan);
-- ReadCache bytes equal ``encode_slots`` of what was written (SPEC §2);
+- ReadCache bytes equal ``encode_slots`` of what was written (CONTRACT §2);
 - bad requests get the documented status codes with the field named, and the server
   keeps serving;
 - health (overall and per service), reflection, /healthz, /readyz;
@@ -46,8 +46,8 @@ from ctxprefill_client import (
     float32_to_bf16_bits,
     float32_to_fp8_e4m3_bits,
 )
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+from ctxprefill_api import pb
+from ctxprefill_api import pb_grpc
 from service_process import ServerProcess, http_get, parse_metrics, sample_sum
 
 SERVICE = "ctxprefill.v1.PrefillContextService"
@@ -58,7 +58,7 @@ CONFIGS = {
     "fp8": {"cache_dtype": "fp8", "kv_b_proj_dtype": "bf16", "prefill_dtype": "bf16", "k_scale": 0.5},
     "fp8_ds_mla": {"cache_dtype": "fp8_ds_mla", "kv_b_proj_dtype": "fp8", "prefill_dtype": "fp8"},
 }
-# the seed's case (SPEC §10): continuation chunks, an empty sequence, W = 128
+# the seed's case (CONTRACT §10): continuation chunks, an empty sequence, W = 128
 CONTEXTS = [200, 48, 32, 0]
 QUERIES = [8, 4, 6, 5]
 

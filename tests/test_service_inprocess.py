@@ -23,7 +23,7 @@ from ctxprefill.service.interceptors import INTERNAL_MESSAGE, RpcStatusError
 from ctxprefill.service.metrics import Metrics
 from ctxprefill.service.engine_worker import EngineWorker
 from ctxprefill_client import encode_tensor, float32_to_bf16_bits
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 from inprocess_service import Harness, prefill_req, read_req, small_engine
 from service_process import parse_metrics, sample_sum
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ctxprefill_client import AsyncPrefillContextClient, CtxPrefillError, CtxPrefillRpcError, ServerRestartedError
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 from service_process import parse_metrics, sample_sum
 from ctxprefill.service.interceptors import INTERNAL_MESSAGE
 from inprocess_service import Harness, prefill_req, small_engine

@@ -1,4 +1,4 @@
-"""Weights from safetensors (SPEC §8) and configuration checks that refuse to start."""
+"""Weights from safetensors (CONTRACT §8) and configuration checks that refuse to start."""
 
 import pytest
 import torch

@@ -17,8 +17,8 @@ protobuf only; no torch).
   :class:`CudaSharedMemoryRegion` (a torch CUDA tensor by its IPC handle; torch imported
   lazily), registered with ``register_system_shared_memory`` /
   ``register_cuda_shared_memory`` (docs/TRANSPORT.md).
-- Generated protobuf/gRPC code lives in ``ctxprefill_client._proto.ctxprefill.v1``
-  (``ctxprefill_pb2``, ``ctxprefill_pb2_grpc``), made by ``scripts/gen_proto.sh``.
+- The messages and stubs themselves are the ``ctxprefill_api`` package (``pb``, ``pb_grpc``),
+  which ships beside this one and which the server imports too.
 """
 
 from ._common import (

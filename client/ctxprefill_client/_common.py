@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 from .shared_memory import (
     CudaSharedMemoryRegion,
     SharedMemoryRef,
@@ -33,7 +33,7 @@ from .tensors import (
     storage_dtype,
     tensor_bits,
 )
-from .wire import finish, place_tensor
+from ctxprefill_api.wire import finish, place_tensor
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
@@ -398,7 +398,7 @@ def _as_chunk(c: Any, i: int) -> pb.ContextChunk:
 def _latent_tensor(x: Any, name: str) -> Any:
     """kv_c / k_pe: RawTensor (BF16/FP32) as is; uint16 -> BF16 bits; floats -> FP32 (exact);
     a SharedMemoryTensor (BF16/FP32) by reference. A Tensor message (a reference) or
-    ``(wire dtype, bits)`` for :func:`~ctxprefill_client.wire.place_tensor`."""
+    ``(wire dtype, bits)`` for :func:`~ctxprefill_api.wire.place_tensor`."""
     if isinstance(x, SharedMemoryTensor):
         if x.dtype not in (BF16, FP32):
             raise ValueError(f"{name}: must be BF16 or FP32")
@@ -437,7 +437,7 @@ def _slot_tensor(slot_mapping: Any) -> pb.Tensor:
 
 def build_write_request(slot_mapping: Any, kv_c: Any, k_pe: Any, expected: str | None,
                         layer: int | None = None) -> Any:
-    """A WriteCacheRequest (an :class:`~ctxprefill_client.wire.OutgoingMessage` when the
+    """A WriteCacheRequest (an :class:`~ctxprefill_api.wire.OutgoingMessage` when the
     latents are inline)."""
     req = pb.WriteCacheRequest()
     if layer is not None:
@@ -516,7 +516,7 @@ def build_prefill_request(
     layer: int | None = None,
     cache_write: Any = None,
 ) -> Any:
-    """A PrefillContextRequest (an :class:`~ctxprefill_client.wire.OutgoingMessage` when q is
+    """A PrefillContextRequest (an :class:`~ctxprefill_api.wire.OutgoingMessage` when q is
     inline: its bytes are appended at serialization, not copied into the message)."""
     req = pb.PrefillContextRequest(request_id=request_id or "")
     if layer is not None:

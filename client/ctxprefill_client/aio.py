@@ -40,8 +40,8 @@ from ._common import (
     tls_channel_options,
 )
 from ._common import channel_options as _channel_options
-from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-from ._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+from ctxprefill_api import pb
+from ctxprefill_api import pb_grpc
 from .shared_memory import (
     SharedMemoryRef,
     SharedMemoryRegionStatus,
@@ -49,7 +49,7 @@ from .shared_memory import (
     register_system_request,
 )
 from .stream import AsyncPrefillStream
-from .wire import use_outgoing_requests
+from ctxprefill_api.wire import use_outgoing_requests
 
 __all__ = ["AsyncPrefillContextClient"]
 

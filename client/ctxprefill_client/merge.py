@@ -1,4 +1,4 @@
-"""Merging two attention partials by their log-sum-exp (the caller's side of SPEC §3/§7).
+"""Merging two attention partials by their log-sum-exp (the caller's side of CONTRACT §3/§7).
 
 A partial is the attention of the same query rows over a disjoint set of keys:
 ``out [T, H, V]`` and ``lse [H, T]`` (heads first, **natural** log). Two partials

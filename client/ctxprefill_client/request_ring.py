@@ -51,48 +51,27 @@ import grpc
 import numpy as np
 
 from ._common import CtxPrefillError, CtxPrefillRpcError, PrefillResult, map_rpc_error
-from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 from .shared_memory import SharedMemoryRef, SystemSharedMemoryRegion
 from .stream import Pending, answer_to_result, prefill_request
 
 __all__ = ["RequestRing", "FREE", "REQUEST", "TAKEN", "ANSWER", "HEADER_BYTES", "MIN_SLOT_BYTES",
            "MAX_SLOT_BYTES", "MAX_SLOTS", "memory_fence", "slot_fields"]
 
-METHOD = "AttachRequestRing"
-FREE, REQUEST, TAKEN, ANSWER = 0, 1, 2, 3
-HEADER_BYTES = 64
-MIN_SLOT_BYTES = 4096
-MAX_SLOT_BYTES = 64 << 20
-MAX_SLOTS = 1024
-
-_fence_lock = threading.Lock()
-
-
-def memory_fence() -> None:
-    """A full memory barrier: taking and releasing a lock is one on every platform
-    Python runs on (x86's stores are ordered anyway; ARM's are not)."""
-    _fence_lock.acquire()
-    _fence_lock.release()
-
-
-def slot_fields(buf: np.ndarray, num_slots: int, slot_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Strided views of every slot's state, seq (uint32) and length (uint64) in ``buf``
-    (uint8, the ring's bytes; its start 8-byte aligned)."""
-    states = np.ndarray((num_slots,), np.uint32, buffer=buf, offset=0, strides=(slot_bytes,))
-    seqs = np.ndarray((num_slots,), np.uint32, buffer=buf, offset=4, strides=(slot_bytes,))
-    lengths = np.ndarray((num_slots,), np.uint64, buffer=buf, offset=8, strides=(slot_bytes,))
-    return states, seqs, lengths
-
-
-def check_geometry(num_slots: int, slot_bytes: int, offset: int = 0) -> None:
-    """The ring's shape as the server accepts it (ValueError naming the argument)."""
-    if not 1 <= num_slots <= MAX_SLOTS:
-        raise ValueError(f"num_slots: must be in [1, {MAX_SLOTS}], got {num_slots}")
-    if not MIN_SLOT_BYTES <= slot_bytes <= MAX_SLOT_BYTES or slot_bytes % 64:
-        raise ValueError(f"slot_bytes: must be a multiple of 64 in [{MIN_SLOT_BYTES}, {MAX_SLOT_BYTES}], "
-                         f"got {slot_bytes}")
-    if offset < 0 or offset % 64:
-        raise ValueError(f"offset: must be a multiple of 64, >= 0, got {offset}")
+from ctxprefill_api.ring import (  # noqa: F401  (re-exported: the ring's layout is part of this module's API)
+    ANSWER,
+    FREE,
+    HEADER_BYTES,
+    MAX_SLOT_BYTES,
+    MAX_SLOTS,
+    METHOD,
+    MIN_SLOT_BYTES,
+    REQUEST,
+    TAKEN,
+    check_geometry,
+    memory_fence,
+    slot_fields,
+)
 
 
 class RequestRing:

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 from .tensors import BF16, FP8_E4M3, FP16, FP32, INT32, INT64, UINT8, dtype_name, storage_dtype, tensor_bits
 
 __all__ = [

@@ -38,9 +38,9 @@ from ._common import (
     map_rpc_error,
     parse_prefill_response,
 )
-from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 from .shared_memory import SharedMemoryRef
-from .wire import nest
+from ctxprefill_api.wire import nest
 
 __all__ = ["AsyncPrefillStream", "PrefillStream"]
 

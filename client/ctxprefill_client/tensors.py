@@ -1,7 +1,7 @@
 """numpy <-> ``ctxprefill.v1.Tensor`` and exact bf16 / fp8 e4m3 bit conversions.
 
 A ``Tensor`` message is row-major, little-endian, unpadded bytes plus a dtype and a
-shape (SPEC §7). numpy has no bfloat16 and no float8, so those travel as their raw
+shape (CONTRACT §7). numpy has no bfloat16 and no float8, so those travel as their raw
 bits: a :class:`RawTensor` holds a numpy array in the *storage* dtype (``uint16`` for
 BF16, ``uint8`` for FP8_E4M3, the natural dtype otherwise) together with the wire
 ``DataType``. The conversions below are exact, pure numpy, and equal torch's:
@@ -9,7 +9,7 @@ BF16, ``uint8`` for FP8_E4M3, the natural dtype otherwise) together with the wir
 - :func:`float32_to_bf16_bits`: round to nearest even (overflow goes to ±inf as in
   torch); NaN stays NaN (quieted, sign kept).
 - :func:`bf16_bits_to_float32`: exact widening.
-- :func:`float32_to_fp8_e4m3_bits`: the project's *saturating* cast (SPEC §6): round to
+- :func:`float32_to_fp8_e4m3_bits`: the project's *saturating* cast (CONTRACT §6): round to
   nearest even, finite overflow and ±inf go to ±448, NaN stays NaN — torch's
   ``x.clamp(-448, 448).to(torch.float8_e4m3fn)``.
 - :func:`fp8_e4m3_bits_to_float32`: exact widening (a 256-entry table).
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 
 __all__ = [
     "BF16",
@@ -161,7 +161,7 @@ def fp8_e4m3_bits_to_float32(bits: Any) -> np.ndarray:
 
 
 def float32_to_fp8_e4m3_bits(x: Any) -> np.ndarray:
-    """float8 e4m3fn bits (``uint8``, same shape) of ``x``, the saturating cast of SPEC §6.
+    """float8 e4m3fn bits (``uint8``, same shape) of ``x``, the saturating cast of CONTRACT §6.
 
     Round to nearest even; finite values past ±448 and ±inf saturate to ±448; NaN gives
     NaN (0x7F with the input's sign bit, i.e. 0x7F or 0xFF); the sign of zero is kept.

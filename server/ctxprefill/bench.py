@@ -47,7 +47,7 @@ GRIDS = {
 }
 STAGES = ("gather", "cast", "kv_b_proj", "pack", "attention", "merge")
 _ABBR = {"gather": "gat", "cast": "cst", "kv_b_proj": "kvb", "pack": "pck", "attention": "att", "merge": "mrg"}
-L, P, R, V = 512, 128, 64, 128  # latent, nope, rope, value dims (SPEC: the only ones supported)
+L, P, R, V = 512, 128, 64, 128  # latent, nope, rope, value dims (CONTRACT §1: the only ones supported)
 
 
 def _sync(dev):

@@ -1,4 +1,4 @@
-"""The paged latent cache: ``num_blocks × block_size`` slots of raw bytes (SPEC §2).
+"""The paged latent cache: ``num_blocks × block_size`` slots of raw bytes (CONTRACT §2).
 
 Storage is one uint8 tensor ``[num_slots, bytes_per_slot]``; the slot formats live in
 ``ops/slot_format.py``. Every slot index is checked here, on the host, before a

@@ -1,4 +1,4 @@
-"""Validated settings: model shape, cache, dtypes, workspace (SPEC §1, §2, §5).
+"""Validated settings: model shape, cache, dtypes, workspace (CONTRACT §1, §2, §5).
 
 Everything is checked here, up front, so that a server that cannot serve correctly
 refuses to start with a message naming the setting, instead of failing per request.

@@ -1,4 +1,4 @@
-"""The answer without chunks: float64 attention from the dequantized cache (SPEC §10).
+"""The answer without chunks: float64 attention from the dequantized cache (CONTRACT §10).
 
 The yardstick for the chunked engine: every sequence's whole context is decoded from
 its slots, projected with the dequantized ``kv_b_proj`` weight and attended to in

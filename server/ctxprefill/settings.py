@@ -1,4 +1,4 @@
-"""Server settings (SPEC §8): one typed object built from flags or the environment,
+"""Server settings (CONTRACT §8): one typed object built from flags or the environment,
 and the engine it describes.
 
 Every flag ``--some-flag`` can also be set as ``CTXPREFILL_SOME_FLAG``; a flag given

@@ -1,4 +1,4 @@
-"""``kv_b_proj`` weights from safetensors (SPEC §8), and a writer of random ones.
+"""``kv_b_proj`` weights from safetensors (CONTRACT §8), and a writer of random ones.
 
 Keys, with an optional prefix (a real checkpoint uses e.g.
 ``model.layers.0.self_attn.``):

@@ -1,5 +1,5 @@
-"""The fused chunk loop equals the generic one on the GPU, bit for bit (SPEC §5, §10),
-and the launch metric equals the CUDA profiler's kernel count (SPEC §9).
+"""The fused chunk loop equals the generic one on the GPU, bit for bit (CONTRACT §5, §10),
+and the launch metric equals the CUDA profiler's kernel count (CONTRACT §9).
 
 Fused vs generic: q, k, v, out and LSE of every chunk and the merged result, atol =
 rtol = 0, over cache {auto, fp8, fp8_ds_mla} x kv_b_proj {bf16, fp8} x prefill

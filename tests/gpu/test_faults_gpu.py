@@ -32,7 +32,7 @@ GiB, MiB = 1 << 30, 1 << 20
 
 def _prefill_req(rows: int, context: int, H: int, bs: int, seed: int = 0):
     from ctxprefill_client import encode_tensor, float32_to_bf16_bits
-    from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+    from ctxprefill_api import pb
 
     x = np.random.default_rng(seed).standard_normal((rows, H, 192)).astype(np.float32)
     return pb.PrefillContextRequest(
@@ -47,8 +47,8 @@ def test_device_out_of_memory_is_resource_exhausted_and_the_server_goes_on(cuda_
     from ctxprefill.service.servicer import PrefillContextServicer
     from ctxprefill.settings import ServeSettings, build_engine
     from ctxprefill_client import encode_tensor
-    from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-    from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+    from ctxprefill_api import pb
+    from ctxprefill_api import pb_grpc
     from service_process import parse_metrics, sample_sum
 
     H, bs = 16, 64

@@ -12,12 +12,12 @@
 - merge with -inf / +inf / both-empty rows and strided (transposed-storage) LSEs.
 
 Equality is on the bytes. The only relaxation: a NaN equals any NaN (the sign and
-payload of a NaN are not part of the contract, SPEC §6).
+payload of a NaN are not part of the contract, CONTRACT §6).
 
 One known difference that is torch's, not the kernel's: torch on CUDA computes
 ``tensor / python_scalar`` as ``tensor * (1 / scalar)`` (pytorch/pytorch#191495), so
 ``insert_reference`` on CUDA rounds ``x / k_scale`` differently from IEEE division for
-some k_scale that are not powers of two. The kernel divides (SPEC §2: ``x /
+some k_scale that are not powers of two. The kernel divides (CONTRACT §2: ``x /
 k_scale``), which equals the reference run on the CPU; the CUDA-reference comparison
 for such a k_scale is reported as an xfail when they differ.
 """
@@ -390,7 +390,7 @@ def test_insert(cuda_ext, cache_dtype, kv_dtype, pe_dtype, k_scale):
 
 @pytest.mark.parametrize("k_scale", [0.7, 3.0, 1.1])
 def test_insert_fp8_k_scale_not_power_of_two(cuda_ext, k_scale):
-    """x / k_scale with IEEE division (SPEC §2), as the reference computes it on the CPU."""
+    """x / k_scale with IEEE division (CONTRACT §2), as the reference computes it on the CPU."""
     cache0, kv, pe, slots = insert_case("fp8", F32, BF16, seed=3)
     got = cache0.clone()
     cuda_ext.insert(got, kv, pe, slots, "fp8", k_scale)

@@ -1,4 +1,4 @@
-"""The service's metrics on the GPU (SPEC §9, issue 5): for one PrefillContext RPC, the
+"""The service's metrics on the GPU (CONTRACT §9, issue 5): for one PrefillContext RPC, the
 increase of ``ctxprefill_kernel_launches_total`` equals the kernels the CUDA profiler
 records while the request runs, and ``ctxprefill_fp8_path_total`` moves by the number
 of chunks under the request's dtype combination."""
@@ -32,8 +32,8 @@ def test_launch_metric_equals_profiler_and_fp8_path_counts_chunks(cache_dtype, p
     from ctxprefill.service.servicer import PrefillContextServicer
     from ctxprefill.settings import ServeSettings, build_engine
     from ctxprefill_client import encode_tensor, float32_to_bf16_bits, float32_to_fp8_e4m3_bits
-    from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-    from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+    from ctxprefill_api import pb
+    from ctxprefill_api import pb_grpc
     from service_process import parse_metrics, sample_sum
 
     s = ServeSettings(device="cuda", heads=4, block_size=16, num_blocks=64, workspace_tokens=64,

@@ -168,7 +168,7 @@ def test_cuda_ipc_bit_identical_to_inline(served):
     slots_t = torch.from_numpy(SLOTS).to(dev)
     rs = cc.CudaSharedMemoryRegion("slots", slots_t)
     c.register_cuda_shared_memory(rs)
-    from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+    from ctxprefill_api import pb
 
     req = pb.WriteCacheRequest(slot_mapping=rs.input().to_proto(), kv_c=rk.input().to_proto(),
                                k_pe=rp.input().to_proto())

@@ -1,7 +1,7 @@
 """A disaggregated-prefill orchestrator in miniature (numpy only).
 
 For a batch of sequences it computes full prefill attention the way an orchestrator
-does with ctxprefill (SPEC §3, §7):
+does with ctxprefill (CONTRACT §3, §7):
 
 1. asks the server for its shapes (``server_info``);
 2. writes random context latents (``c``, ``k_pe``) into random blocks of the
@@ -35,7 +35,7 @@ It overwrites the blocks it picks: point it at a server no one else is using.
 Tolerance: max |error| / max |reference| and max |LSE error| (natural log) both at
 most 2e-2 for bf16 prefill, 1e-1 for fp8 prefill (k and v are quantized to e4m3
 there); ``--rtol`` overrides. It also checks the bytes the cache stored for the
-latents it wrote (SPEC §2). Exit status 0 when everything is within tolerance.
+latents it wrote (CONTRACT §2). Exit status 0 when everything is within tolerance.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def write_safetensors(path: str, tensors: dict[str, tuple[str, np.ndarray]]) -> 
 
 
 def load_kv_b_proj(path: str, prefix: str = "") -> np.ndarray:
-    """The dequantized ``kv_b_proj`` weight ``[H*(P+V), L]`` in float64 (SPEC §8 formats)."""
+    """The dequantized ``kv_b_proj`` weight ``[H*(P+V), L]`` in float64 (CONTRACT §8 formats)."""
     tensors = read_safetensors(path)
     key = f"{prefix}kv_b_proj.weight"
     if key not in tensors:
@@ -163,7 +163,7 @@ def make_random_weights(path: str, heads: int, *, kv_lora_rank: int = 512, nope:
 
 
 def dequantize_slots(raw: np.ndarray, cache_dtype: str, L: int, R: int, k_scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """(c ``[T, L]``, k_pe ``[T, R]``) in float64 from ReadCache bytes (SPEC §2 layouts)."""
+    """(c ``[T, L]``, k_pe ``[T, R]``) in float64 from ReadCache bytes (CONTRACT §2 layouts)."""
     raw = np.ascontiguousarray(raw)
     t = raw.shape[0]
     if cache_dtype == "auto":
@@ -185,7 +185,7 @@ def dequantize_slots(raw: np.ndarray, cache_dtype: str, L: int, R: int, k_scale:
 
 def check_cache_bytes(raw: np.ndarray, cache_dtype: str, c_bits: np.ndarray, kpe_bits: np.ndarray,
                       k_scale: float) -> int:
-    """Bytes of ReadCache output that differ from what SPEC §2's insert must store for the
+    """Bytes of ReadCache output that differ from what CONTRACT §2's insert must store for the
     bf16 latents written (bit-exact for "auto" and "fp8"; only k_pe for "fp8_ds_mla",
     whose latent bytes depend on the tile scales)."""
     raw = np.ascontiguousarray(raw)

@@ -3,9 +3,9 @@
 A backend computes, for one chunk, the attention of the chunk's query rows over the
 chunk's packed keys and values. Sequences are ragged and given by cumulative lengths;
 query segment i attends to key segment i only. A segment with no keys yields
-``out = 0`` and ``lse = -inf`` for its rows (SPEC §3).
+``out = 0`` and ``lse = -inf`` for its rows (CONTRACT §3).
 
-The ``out`` contract (SPEC §5): a backend whose ``supports_out()`` is True writes its
+The ``out`` contract (CONTRACT §5): a backend whose ``supports_out()`` is True writes its
 result into the ``out`` tensor it is given (same data pointer) and returns it; the
 engine checks the pointer and fails loudly if a backend claims it but did not.
 """

@@ -23,7 +23,7 @@ Stats (cuDNN's natural-log LSE, fp32) are declared either
   ``B·H·S_q`` floats of scratch per call.
 
 One Triton kernel then writes our ``lse [H, Tq]`` from either layout and enforces the
-SPEC's empty rows exactly: a row that sees no key (its segment has no keys, or — causal —
+the contract's empty rows exactly: a row that sees no key (its segment has no keys, or — causal —
 nothing is visible yet) gets ``lse = -inf`` and ``out = 0``, whatever cuDNN left there.
 
 Per call, with no host synchronisation (max_q / max_k are given as ints):

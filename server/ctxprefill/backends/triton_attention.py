@@ -1,5 +1,5 @@
 """Triton flash-attention backend: ragged, non-causal (or bottom-right causal) MLA
-context attention with a natural-log LSE, one launch per call (SPEC §3, §5).
+context attention with a natural-log LSE, one launch per call (CONTRACT §3, §5).
 
 Shapes are fixed by the model: q/k ``[T, H, 192]`` = ``[nope 128 | rope 64]``,
 v ``[T, H, 128]`` (never padded to 192). 192 is not a power of two, so the q·k

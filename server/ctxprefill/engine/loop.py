@@ -1,4 +1,4 @@
-"""The chunk loop (SPEC §5): gather → cast → kv_b_proj → pack → attention → accumulate.
+"""The chunk loop (CONTRACT §5): gather → cast → kv_b_proj → pack → attention → accumulate.
 
 The generic and the fused path differ only in the pack; everything else is the same
 code, so a difference in results can only come from the pack. With bf16 prefill and a

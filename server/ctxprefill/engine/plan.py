@@ -1,4 +1,4 @@
-"""The chunk planner (SPEC §4) and the validator of caller-supplied plans (SPEC §7).
+"""The chunk planner (CONTRACT §4) and the validator of caller-supplied plans (CONTRACT §7).
 
 Pure Python, no torch: a chunk is a contiguous run of sequences whose context rows
 fit the workspace together. Walking the sequences in order, a sequence that does not

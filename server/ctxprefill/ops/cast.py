@@ -1,4 +1,4 @@
-"""Cast the gathered latent to the dtype ``kv_b_proj`` consumes (SPEC §5).
+"""Cast the gathered latent to the dtype ``kv_b_proj`` consumes (CONTRACT §5).
 
 Done every chunk: a no-op (no launch) when the latent already has that dtype, so the
 fp8-weight + fp8-prefill path pays nothing, and the bf16-weight + fp8-cache path (the

@@ -1,4 +1,4 @@
-"""The one fp8 e4m3 cast of this project (SPEC §6).
+"""The one fp8 e4m3 cast of this project (CONTRACT §6).
 
 Round to nearest even; finite overflow and ±inf saturate to ±448; NaN stays NaN.
 A bare ``.to(torch.float8_e4m3fn)`` is *not* this cast everywhere: torch 2.11 turns

@@ -5,7 +5,7 @@ cu_seq_lens[b+1]``; it is context token ``j = seq_starts[b] + r - cu_seq_lens[b]
 that sequence, stored in slot ``block_table[b, j // block_size] * block_size + j %
 block_size``. The engine checked every block id before this runs.
 
-Output dtype decides the conversion (SPEC §5): bf16 dequantizes (``auto`` copies,
+Output dtype decides the conversion (CONTRACT §5): bf16 dequantizes (``auto`` copies,
 ``fp8`` multiplies by ``k_scale``, ``fp8_ds_mla`` by its tile scales); fp8 copies the
 raw bytes of an ``fp8`` cache.
 """

@@ -1,4 +1,4 @@
-"""Insert: write latents into cache slots (SPEC §2).
+"""Insert: write latents into cache slots (CONTRACT §2).
 
 Slot -1 means skip. The caller (cache.py) has already rejected every other slot out
 of range, before this op runs: an out-of-range write on the GPU would corrupt or

@@ -1,4 +1,4 @@
-"""``kv_b_proj``: latent [rows, L] -> [rows, H*(P+V)] in bf16 (SPEC §5).
+"""``kv_b_proj``: latent [rows, L] -> [rows, H*(P+V)] in bf16 (CONTRACT §5).
 
 Numerically always ``bf16(c · W_deqᵀ)`` accumulated in fp32, where ``W_deq`` is the
 weight times its tensor or 128×128 block scale; activations are never re-quantized.

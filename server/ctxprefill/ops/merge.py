@@ -1,4 +1,4 @@
-"""Merge two attention partials by their LSE, in place (SPEC §3, §5).
+"""Merge two attention partials by their LSE, in place (CONTRACT §3, §5).
 
 ``out`` [T, H, V] and ``lse`` [H, T] (any strides, unit last stride for ``out``) are
 updated with the partial ``(part_out, part_lse)``:

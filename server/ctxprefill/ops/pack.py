@@ -1,4 +1,4 @@
-"""Pack the chunk's keys (and for fp8 prefill, k and v) for attention (SPEC §5, §6).
+"""Pack the chunk's keys (and for fp8 prefill, k and v) for attention (CONTRACT §5, §6).
 
 Two forms with the same results, byte for byte:
 - generic: ordinary tensor ops (slice views, concat, the saturating cast), as vLLM's

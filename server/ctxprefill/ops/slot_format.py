@@ -1,4 +1,4 @@
-"""Byte layout of one cache slot, per cache dtype (SPEC §2), as pure torch functions.
+"""Byte layout of one cache slot, per cache dtype (CONTRACT §2), as pure torch functions.
 
 ``encode_slots`` is the reference for insert, ``decode_slots`` for gather: the CUDA
 kernels must produce the same bytes and the same values.

@@ -1,11 +1,11 @@
 """``ctxprefill.v1.Tensor`` <-> torch tensors, without extra copies.
 
 A Tensor message is row-major, little-endian, unpadded bytes plus a dtype and a shape
-(SPEC §7, the KServe v2 raw-content rule). Decoding wraps the message's bytes with
+(CONTRACT §7, the KServe v2 raw-content rule). Decoding wraps the message's bytes with
 ``torch.frombuffer`` (no copy: the tensor is a read-only view of the request's bytes,
 which the engine never writes into); bf16 and fp8 e4m3 are byte-reinterpretations
 (``.view``), so their bits arrive untouched. Results leave as ``(dtype, numpy array)``
-(:func:`encode_parts`): ``ctxprefill_client.wire`` appends their bytes when gRPC
+(:func:`encode_parts`): ``ctxprefill_api.wire`` appends their bytes when gRPC
 serializes the response, one copy, none into the message.
 
 Shapes are checked before anything is allocated: a dtype we know, at most
@@ -32,7 +32,7 @@ import warnings
 import numpy as np
 import torch
 
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 
 from ..errors import InvalidArgument
 from ..ops.fp8 import FP8
@@ -135,7 +135,7 @@ def encode(t: torch.Tensor) -> pb.Tensor:
 
 def encode_parts(t: torch.Tensor) -> tuple[int, np.ndarray]:
     """``(wire dtype, numpy array of the stored bits)`` of ``t`` (moved to the host, made
-    contiguous; the array views that host memory): for ``ctxprefill_client.wire.place_tensor``,
+    contiguous; the array views that host memory): for ``ctxprefill_api.wire.place_tensor``,
     which sends the bytes at serialization instead of copying them into the message."""
     wire = _FROM_TORCH.get(t.dtype)
     if wire is None:

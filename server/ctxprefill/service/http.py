@@ -1,4 +1,4 @@
-"""The HTTP side (SPEC §8, §9): ``/metrics``, ``/healthz``, ``/readyz``, nothing else.
+"""The HTTP side (CONTRACT §8, §9): ``/metrics``, ``/healthz``, ``/readyz``, nothing else.
 
 A bare ASGI callable (no framework), served by uvicorn in the gRPC server's event
 loop. uvicorn is imported only by :func:`make_uvicorn_server`, so that the rest of

@@ -17,13 +17,13 @@ field with the wrong wire type, more than ``MAX_FIELDS`` fields) gives up and le
 protobuf parse the original bytes — which then answers exactly as it would have (the
 request, or INVALID_ARGUMENT for bytes that do not parse). Protobuf's merge rules are
 kept: a submessage field that occurs twice is one message (the client sends
-``q {dtype shape}`` then ``q {data}``: ``ctxprefill_client.wire``), and of several
+``q {dtype shape}`` then ``q {data}``: ``ctxprefill_api.wire``), and of several
 ``data`` occurrences the last one wins.
 """
 
 from __future__ import annotations
 
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 
 _LEN, _VARINT, _I64, _I32 = 2, 0, 1, 5
 _DATA = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number

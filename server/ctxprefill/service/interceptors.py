@@ -41,8 +41,8 @@ import time
 
 import grpc
 
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-from ctxprefill_client.wire import NestedMessage, OutgoingMessage
+from ctxprefill_api import pb
+from ctxprefill_api.wire import NestedMessage, OutgoingMessage
 
 from ..errors import (
     AlreadyExists,
@@ -142,7 +142,7 @@ def _safe_deserializer(deserialize):
 
 
 def _outgoing_aware(serialize):
-    """``serialize`` that also takes a ``ctxprefill_client.wire.OutgoingMessage`` (a response
+    """``serialize`` that also takes a ``ctxprefill_api.wire.OutgoingMessage`` (a response
     whose tensor bytes are appended at serialization instead of copied into it)."""
     if serialize is None:
         return None

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the service (SPEC §9), in one dedicated registry.
+"""Prometheus metrics of the service (CONTRACT §9), in one dedicated registry.
 
 Nothing here touches the global ``prometheus_client.REGISTRY``: a process may hold
 several servers (tests do), each with its own :class:`Metrics`. Base units (seconds,
@@ -80,7 +80,7 @@ class Metrics:
         self.cache_slots_used = Gauge(
             "ctxprefill_cache_slots_used", "Cache slots written at least once since the start.", registry=r
         )
-        # A constant, but SPEC §9 names it `_total`, and promtool accepts that suffix only on a
+        # A constant, but CONTRACT §9 names it `_total`, and promtool accepts that suffix only on a
         # counter: so it is a counter, incremented once by the cache size when the cache exists.
         self.cache_slots_total = Counter(
             "ctxprefill_cache_slots_total", "Cache slots (num_blocks * block_size), counted once when allocated.",

@@ -22,7 +22,7 @@ import uuid
 
 import numpy as np
 
-from ctxprefill_client.request_ring import (
+from ctxprefill_api.ring import (
     ANSWER,
     FREE,
     HEADER_BYTES,

@@ -40,7 +40,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
+from ctxprefill_api import pb_grpc
 
 from .. import __version__
 from ..engine.engine import Engine, SequenceSpec

@@ -31,9 +31,9 @@ from collections import Counter
 import grpc
 import torch
 
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2_grpc as pb_grpc
-from ctxprefill_client.wire import finish, nest, place_tensor
+from ctxprefill_api import pb
+from ctxprefill_api import pb_grpc
+from ctxprefill_api.wire import finish, nest, place_tensor
 
 from .. import __version__
 from ..engine.engine import Engine
@@ -73,7 +73,7 @@ def versions() -> pb.Versions:
 
 class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
     """The service; owns the engine. PrefillContext and ReadCache may answer with a
-    ``ctxprefill_client.wire.OutgoingMessage`` (inline tensor bytes appended at
+    ``ctxprefill_api.wire.OutgoingMessage`` (inline tensor bytes appended at
     serialization): serve it behind :class:`~.interceptors.ServerInterceptor`, whose
     response serializer takes those."""
 

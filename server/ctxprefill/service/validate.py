@@ -1,4 +1,4 @@
-"""Every check of a request, in one place, before any work (SPEC §7).
+"""Every check of a request, in one place, before any work (CONTRACT §7).
 
 Each function takes a request message and the engine's configuration and returns
 what the engine takes (CPU tensors viewing the request's bytes, ``SequenceSpec``s,
@@ -27,7 +27,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 
 from ..config import EngineConfig
 from ..engine.engine import MAX_BLOCK_TABLE_ENTRIES, SequenceSpec

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ctxprefill_client._proto.ctxprefill.v1 import ctxprefill_pb2 as ctxprefill_dot_v1_dot_ctxprefill__pb2
+from ctxprefill_api.ctxprefill.v1 import ctxprefill_pb2 as ctxprefill_dot_v1_dot_ctxprefill__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -104,7 +104,7 @@ class PrefillContextServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WriteCache(self, request, context):
-        """Writes token latents into cache slots (the "insert" of SPEC §2).
+        """Writes token latents into cache slots (the "insert" of CONTRACT §2).
         Idempotent: writing the same slots again writes the same bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -112,7 +112,7 @@ class PrefillContextServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReadCache(self, request, context):
-        """Reads the raw bytes of cache slots, exactly as stored (SPEC §2 layouts).
+        """Reads the raw bytes of cache slots, exactly as stored (CONTRACT §2 layouts).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -120,7 +120,7 @@ class PrefillContextServiceServicer:
 
     def PrefillContext(self, request, context):
         """The attention of a batch of new prefill tokens over their cached context,
-        chunk by chunk, with the natural-log LSE (SPEC §3, §4, §5).
+        chunk by chunk, with the natural-log LSE (CONTRACT §3, §4, §5).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ._proto.ctxprefill.v1 import ctxprefill_pb2 as pb
+from ctxprefill_api import pb
 
 _DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 _LEN = 2  # wire type of bytes and submessages
