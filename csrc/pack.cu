@@ -9,7 +9,7 @@
 // bf16/fp16 (kv_concat_kernel): a warp per segment of a token's k rows; each warp
 // instruction stores 512 contiguous bytes, as a copy does, every load of the segment in
 // flight before its first store, each lane's one k_pe chunk held in a register
-// (measured on the H200: 90.6-91.2 % of copy at T*H >= 2^20; see the kernel).
+// (90.6-91.2 % of copy bandwidth at T*H >= 2^20 on an H200; see the kernel).
 //
 // fp8 work decomposition. One work item = (token t, 16-byte output chunk c of one head
 // row). A thread owns an item and walks the heads h = 0..H-1 with HB heads in
@@ -42,13 +42,13 @@ using dev::st16;
 // contiguous bytes of the token's 24 * H chunks. Chunk qc of a token is head qc / 24,
 // column c = qc % 24; since 32 = 8 (mod 24) and a segment starts at a multiple of 32
 // chunks, c = lane (mod 8) in every instruction of lane `lane`: the only k_pe chunk a
-// lane ever writes is chunk lane % 8, loaded once per segment into a register (the flat
-// kernel this replaced reloaded it per head: a third of its load instructions, cache
+// lane ever writes is chunk lane % 8, loaded once per segment into a register (a flat
+// run of chunks would reload it per head: a third of the load instructions, cache
 // hits). A work item is one segment of U instructions, not a whole token, so that the
-// grid-stride loop balances finely at any H. Measured on the H200 (twelfth session,
-// bench_kernels side by side in one call): U = 4 segments 90.6-91.2 % of copy at
-// T*H >= 2^20, whole tokens 88.1-90.7, the flat kernel 87.1-87.4; non-coherent /
-// no-allocate loads with evict-first stores and U = 16 measured no better.
+// grid-stride loop balances finely at any H. On an H200 (bench_kernels, side by side):
+// U = 4 segments 90.6-91.2 % of copy at T*H >= 2^20, whole tokens 88.1-90.7, a flat
+// run 87.1-87.4; non-coherent / no-allocate loads with evict-first stores and U = 16
+// were no better.
 template <int A, int U>
 __global__ void __launch_bounds__(dev::kThreads, 3)  // as measured (60 registers, 4 blocks per SM)
 kv_concat_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn_s1,
@@ -69,9 +69,9 @@ kv_concat_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t kn_s1,
     const uint4 p = ld16<A>(pe + t * pe_s0 + (lane & 7) * 8);
     const uint16_t* src = kn + t * kn_s0;
     uint16_t* dst = k + t * (int64_t)Q * 8;
-    // one pass of U instructions; written as a loop as measured (the compiler schedules
-    // it differently from straight-line code: 60 registers against 45, and it was the
-    // 60-register build that measured 90.6-91.2 %)
+    // one pass of U instructions, written as a loop: the compiler schedules it
+    // differently from straight-line code (60 registers against 45), and the
+    // 60-register build is the one that reaches 90.6-91.2 %
     const int i_end = min(I, (s + 1) * U);
     for (int i0 = s * U; i0 < i_end; i0 += U) {
       uint4 v[U];
@@ -187,7 +187,7 @@ kv_concat_quant_kernel(const uint16_t* __restrict__ kn, int64_t kn_s0, int64_t k
 // 64+dc*8..64+dc*8+7 of its token rows, so that each of its two 16-byte load
 // instructions covers 128 contiguous bytes of a row per 8 lanes (whole 32-byte sectors;
 // 16 consecutive values put one instruction's loads 32 bytes apart, half of every sector;
-// on the H200 the two differed by -0.1 to +0.4 points, within one call's noise) — converts, and packs each value's 4 bytes into one word
+// on an H200 the two differ by less than the noise) — converts, and packs each value's 4 bytes into one word
 // of the tile [128][columns] (+1 word per row: a 4-way bank conflict at worst); then
 // every thread stores 16-byte pieces of tile rows (8 lanes = 128 contiguous bytes of one
 // v8t row). k8 is written as the row-major kernel does, in the same launch.
@@ -256,8 +256,8 @@ __device__ __forceinline__ void v_keys_last_tiles(const uint16_t* __restrict__ v
 
 // One grid-stride over both kinds of work unit: k8 units of kThreads * IB items first,
 // then V tiles. Why not a fixed split of the wave between the two kinds (each part
-// striding over its own): measured on the H200, one part idles at its end and no split
-// reached 90 % of copy for every shape (86-90 %; this: 90-93 %). A unit's threads all
+// striding over its own): one part idles at its end, and on an H200 no split reaches
+// 90 % of copy for every shape (86-90 %; this: 90-93 %). A unit's threads all
 // take the same kind, so the V tile's __syncthreads stay uniform. At IB = 1, 4 blocks per
 // SM hold it to 64 registers (72 without, and 2 blocks).
 template <int A, bool FP16, bool PE_FP8, int IB, int HB>
