@@ -17,9 +17,9 @@ Per head count H and batch shape, side by side in one process:
   flex bf16/fp8 flex_attention compiled (document mask for ragged), if it works
   flashinfer    (--flashinfer) FlashInfer 0.6.13's FA3 ragged prefill, checked against ours
 The ragged batch does (within ~1 %) the same work as the equal-length one. A table run
-ends with issue 4's verdict lines (``target_lines``), also stored in the JSON's meta.
+ends with the attention targets' verdict lines (``target_lines``), also stored in the JSON's meta.
 
-  python bench/bench_attention.py --out bench/results/attention.json
+  python bench/bench_attention.py --out bench/results/bench_attention.json
   python bench/bench_attention.py --sweep --out bench/results/attention_sweep.json
   python bench/bench_attention.py --sweep ws --out bench/results/attention_sweep_ws.json
 Stays within --budget-s seconds (optional competitors are skipped past it).
@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
 from progress import elapsed, log  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -154,8 +155,8 @@ def prov_cudnn(q, k, v, cq, ck, ql, kl, scale):
 def prov_cudnn_frontend(q, k, v, cq, ck, ql, kl, scale, stats_layout=None):
     from ctxprefill.backends.cudnn_frontend import CudnnFrontendBackend
 
-    ok, why = CudnnFrontendBackend.is_available(q.device)
-    if not ok:
+    why = CudnnFrontendBackend.unavailable_reason(q.device, q.dtype)
+    if why is not None:
         raise RuntimeError(f"unavailable: {why}")
     be = CudnnFrontendBackend(stats_layout=stats_layout)
     out = torch.empty(q.shape[0], q.shape[1], 128, device="cuda", dtype=torch.bfloat16)
@@ -228,10 +229,11 @@ class ProviderError(RuntimeError):
 def prov_flashinfer(q, k, v, cq, ck, ql, kl, scale, backend="fa3"):
     """FlashInfer 0.6.13's ragged prefill (``--flashinfer``; its kernels compile with nvcc on
     the first call, reported as first_call_ms). Same layouts as ours: q/k [T, H, 192], v
-    [T, H, 128], bf16 out. Its LSE is base 2 (GPU-NOTES); ``fn.check()`` compares output
+    [T, H, 128], bf16 out. Its LSE is base 2; ``fn.check()`` compares output
     and natural-log LSE with our kernel's."""
     global _FI_WORKSPACE
     import flashinfer
+
     from ctxprefill.backends.triton_attention import mla_context_attention
 
     if _FI_WORKSPACE is None:
@@ -390,7 +392,8 @@ def run_table(args):
             for ph, prov, dt, causal, mk in provs:
                 if ph != phase:
                     continue
-                label = prov + ("" if equal or prov.startswith(("triton", "flex", "cudnn-frontend", "flashinfer")) else " loop")
+                varlen = prov.startswith(("triton", "flex", "cudnn-frontend", "flashinfer"))
+                label = prov + ("" if equal or varlen else " loop")
                 rec = dict(H=H, case=name, q_lens=ql, k_lens=kl, provider=label, dtype=dt, causal=causal)
                 if phase > 0 and elapsed() > args.budget_s:
                     rec["skipped"] = "time budget"
@@ -425,7 +428,7 @@ def print_table(results):
               f"| {first} |")
 
 
-#: issue 4's targets, on our default kernels ("triton": bf16; keys-last fp8, what the engine
+#: the attention targets, on our default kernels ("triton": bf16; keys-last fp8, what the engine
 #: runs): TFLOP/s at the long chunk, and ragged batches against equal lengths of the same work
 TARGETS = {"bf16": ("triton", 600.0), "fp8": ("triton pv_fp8 v-keys-last", 850.0)}
 LONG_CASE, RAGGED_CASE, EQUAL_CASE, RAGGED_MIN = "1x8192q/16384k", "ragged4", "4x1024q/16384k", 0.9
@@ -459,7 +462,7 @@ def target_lines(results) -> list[tuple[str, bool]]:
 
 
 def verdict_rounds(args, data, provs) -> list[dict]:
-    """Issue 4's ragged/equal ratio measured ``--verdict-rounds`` times, the two shapes
+    """The ragged/equal ratio measured ``--verdict-rounds`` times, the two shapes
     alternating, on our default kernels: the same kernel on the same shape moves 5-12 %
     between two measurements of one process on the H200 (the table's "triton" and
     "triton longest-first" rows run one code path on equal lengths), so one pair of table
@@ -503,7 +506,7 @@ def _c(BM, BN, w, s, tma=True, **kw):
 
 
 # in priority order (the sweep stops at --budget-s); regs/smem from an sm_90 cross-compile
-# (the first sweep, 2026-11-29: the default beat 128x128, 64x64/4 warps, pointer loads and
+# (a sweep on the H200, 2026-11-29: the default beat 128x128, 64x64/4 warps, pointer loads and
 # P·V in fp8; this one tries two 8-warp programs per SM: registers capped at 128 with
 # maxnreg — 2 x 256 threads x 128 = the whole register file — and smem <= 113 KiB each)
 SWEEP = {
@@ -511,8 +514,8 @@ SWEEP = {
              _c(128, 32, 8, 3, maxnreg=128),        # 128 regs, 109 KiB: 2 programs/SM
              _c(128, 32, 8, 2, maxnreg=128),        # 127 regs, 88 KiB
              _c(128, 32, 8, 3)],                    # 147 regs: the tile alone, 1 program/SM
-    "fp8": [_c(128, 64, 8, 3, PV_FP8=False),        # no register cap (the first default); 174 regs, 93 KiB
-            _c(128, 64, 8, 3, PV_FP8=False, maxnreg=128),  # the default now: 128 regs, no spill, 2 programs/SM
+    "fp8": [_c(128, 64, 8, 3, PV_FP8=False),        # no register cap; 174 regs, 93 KiB
+            _c(128, 64, 8, 3, PV_FP8=False, maxnreg=128),  # the default: 128 regs, no spill, 2 programs/SM
             _c(128, 64, 8, 2, PV_FP8=False, maxnreg=128),  # 73 KiB
             _c(128, 32, 8, 3, PV_FP8=False, maxnreg=128),  # 59 KiB
             # keys-last V, P·V in fp8 (2026-12-01): 127 registers under the cap, 87 KiB, the V
@@ -529,8 +532,8 @@ def _ws(pipe, bn, stages, EARLY_K=True, **kw):  # noqa: N803 - the kernel's own 
 # shared-memory stages (bf16 208 KiB at 128 x 2 and 64 x 4; fp8 with P through shared
 # memory). Measured on the H200 (2026-12-01, s6-ws-explore/, s6-pingpong/, with one release
 # barrier for a K/V slot): serial 128 x 2 (bf16) and 128 x 3-4 (fp8) best, 64-key blocks
-# slower. K and V slots are now freed apart (K after the scores, EARLY_K; False = K freed
-# with V, the earlier release), which pipelining needs.
+# slower. K and V slots are freed apart (K after the scores, EARLY_K; False = K freed
+# with V), which pipelining needs.
 _FP8_KL = dict(PV_FP8=True, v_layout="hdt")
 SWEEP_WS = {
     "bf16": [_ws(False, 128, 2), _ws(True, 128, 2), _ws(False, 128, 2, EARLY_K=False)],
@@ -548,7 +551,8 @@ SWEEP_WS_SHORT = {
 SWEEP_SHORT_SHAPES = [(16, "1x1024q/16384k"), (128, "1x1024q/16384k"), (16, "4x1024q/16384k"),
                       (128, "4x1024q/16384k"), (16, "ragged4"), (128, "ragged4")]
 #: --sweep NAME -> (configs per dtype, shapes)
-SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES), "ws-short": (SWEEP_WS_SHORT, SWEEP_SHORT_SHAPES)}
+SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),
+          "ws-short": (SWEEP_WS_SHORT, SWEEP_SHORT_SHAPES)}
 
 
 def run_sweep(args):
@@ -597,7 +601,7 @@ def main():
     # import this module for its verdict lines and run the rest under the interpreter)
     os.environ["TRITON_INTERPRET"] = "0"
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results/attention.json", help="JSON results path")
+    ap.add_argument("--out", default="bench/results/bench_attention.json", help="JSON results path")
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     ap.add_argument("--rep", type=int, default=100, help="do_bench time per measurement, ms")
     ap.add_argument("--budget-s", type=float, default=120.0, help="skip optional work after this many seconds")
@@ -635,7 +639,10 @@ def main():
         targets = target_lines(results)
         for line, _ in targets:
             print(f"  target {line}")
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    from ctxprefill_bench import run_info
+
+    meta = dict(device=torch.cuda.get_device_name(), date=run_info.utc_now(), commit=run_info.commit(),
+                torch=torch.__version__, triton=triton.__version__,
                 configs={str(k): v for k, v in CONFIGS.items()}, flops_rule="2*visible_pairs*H*(192+128)",
                 mode="sweep" if args.sweep else "table", wall_s=elapsed(),
                 targets=[dict(line=line, met=met) for line, met in targets])

@@ -42,7 +42,7 @@ Started servers get ``--shared-memory system|cuda|all`` as the transports need (
 inline alone). Before the timed runs, one request per shared-memory transport is checked
 bit for bit against the inline answer (``check_matches_inline`` in its rows).
 
-    PYTHONPATH=server:client python3 bench/bench_concurrency.py --out bench/results/concurrency.json
+    PYTHONPATH=server:client python3 bench/bench_concurrency.py --out bench/results/bench_concurrency.json
     # also H=128:  --shape 16:1024:65536 128:1024:65536
     # transports side by side on a GPU:  --transport inline system cuda
 
@@ -77,9 +77,9 @@ for _sub in ("client", "server", "bench"):
         sys.path.insert(0, os.path.join(ROOT, _sub))
 
 import numpy as np  # noqa: E402
+
 from progress import T0, elapsed, log  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
-
 
 # ----------------------------------------------------------------------------- shapes
 
@@ -93,7 +93,7 @@ class Shape:
     prefill_dtype: str = "bf16"
 
     @classmethod
-    def parse(cls, text: str, cache_dtype: str, prefill_dtype: str) -> "Shape":
+    def parse(cls, text: str, cache_dtype: str, prefill_dtype: str) -> Shape:
         """``H:NEW:CTX`` or ``H:NEW:CTX:CACHE:PREFILL``."""
         p = text.split(":")
         if len(p) not in (3, 5):
@@ -177,7 +177,7 @@ class TransportSession:
         self._tensors: tuple = ()
 
     @classmethod
-    def open(cls, transport: str, client, q_spec: tuple, opts: dict) -> "TransportSession":
+    def open(cls, transport: str, client, q_spec: tuple, opts: dict) -> TransportSession:
         s = cls(transport)
         try:
             if transport == "inline":
@@ -306,7 +306,7 @@ def _drive_calls(client, session, seqs: list, end_at: float, recs: list, first_e
             time.sleep(0.01)  # do not spin on a refusing server
             continue
         _record(recs, first_errors, t, r)
-        del r  # results placed in shared memory are views of it: none may outlive the session
+        del r  # results placed in shared memory are views of it: none may outlive the transport's regions
 
 
 def _drive_pipelined(channel, session, seqs: list, end_at: float, depth: int, recs: list, first_errors: list,
@@ -650,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     level_s = {t: ns.warmup_s + ns.seconds + lead_s(ns.processes, t) + 2.0 for t in transports}  # with slack
 
     result: dict = {"meta": {
-        "kind": "concurrency", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "kind": "concurrency", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": commit(), "gpu": None, "torch": None, "device": None, "target": ns.target,
         "spawned_servers": ns.target is None, "client_mode": "processes" if ns.processes else "threads",
         "client_host_cpus": os.cpu_count(), "queue_size": queue_size if ns.target is None else None,

@@ -1,5 +1,5 @@
 """The server's per-request work on an inline PrefillContext before the engine, side by
-side: protobuf's parse plus the checks (``FromString``, then ``validate_prefill`` reading
+side: protobuf's parse plus the checks (``FromString``, then ``codec.decode_prefill`` and ``validate_prefill`` reading
 ``q.data``: two copies of q) against ``service/inline_views.parse`` (q a view of the
 received bytes). This runs on the server's event loop, one request at a time, so it bounds
 how many inline requests per second the server can take in; the CPU time is the host's,
@@ -15,20 +15,21 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "server"), os.path.join(ROOT, "client")]
+sys.path[:0] = [os.path.join(ROOT, "server"), os.path.join(ROOT, "client"), os.path.join(ROOT, "bench")]
 
 import numpy as np  # noqa: E402
 
 from ctxprefill.config import CacheConfig, EngineConfig, ModelShape  # noqa: E402
-from ctxprefill.service import inline_views, validate  # noqa: E402
-from ctxprefill_client._common import build_prefill_request  # noqa: E402
+from ctxprefill.engine.request import validate_prefill  # noqa: E402
+from ctxprefill.service import codec, inline_views  # noqa: E402
 from ctxprefill_api import pb  # noqa: E402
 from ctxprefill_api.wire import serialize_request  # noqa: E402
+from ctxprefill_bench import run_info  # noqa: E402
+from ctxprefill_client._common import build_prefill_request  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -40,7 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     ns = p.parse_args(argv)
     bs = 64
-    cfg = EngineConfig(shape=ModelShape(heads=ns.heads), cache=CacheConfig(block_size=bs, num_blocks=ns.context // bs + 1),
+    cfg = EngineConfig(shape=ModelShape(heads=ns.heads),
+                       cache=CacheConfig(block_size=bs, num_blocks=ns.context // bs + 1),
                        workspace_tokens=16384)
     rows = []
     for T in ns.tokens:
@@ -52,10 +54,10 @@ def main(argv=None) -> int:
         ways = {"protobuf": lambda: pb.PrefillContextRequest.FromString(raw),
                 "views": lambda: inline_views.parse(pb.PrefillContextRequest, raw)}
         times = {k: [] for k in ways}
-        for i in range(ns.iters + 2):  # alternating, the first two of each dropped (warm-up)
+        for _i in range(ns.iters + 2):  # alternating, the first two of each dropped (warm-up)
             for name, parse in ways.items():
                 t = time.perf_counter()
-                args = validate.validate_prefill(parse(), cfg, 1 << 30)
+                args = validate_prefill(codec.decode_prefill(parse()).request, cfg, "")
                 times[name].append(time.perf_counter() - t)
                 assert args.q.shape == (T, ns.heads, 192)
                 del args
@@ -67,11 +69,9 @@ def main(argv=None) -> int:
               f"{med['protobuf']:.3f} ms with protobuf's copies, {med['views']:.3f} ms with views "
               f"({med['protobuf'] / med['views']:.1f}x)", flush=True)
     if ns.out:
-        commit = os.environ.get("CTXPREFILL_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
         meta = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                "python": platform.python_version(), "commit": commit, "args": vars(ns),
-                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                "python": platform.python_version(), "commit": run_info.commit(), "args": vars(ns),
+                "date": run_info.utc_now(), "gpu": run_info.gpu_name()}
         with open(ns.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0

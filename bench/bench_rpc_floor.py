@@ -11,7 +11,7 @@ host: 0.75 ms for our cheapest RPC). This measures, in one run, against a bare
 - the same Python work (a fixed small workload) run back to back and after a 5 ms sleep
   each time: how much a thread that wakes from idle loses (CPU frequency, C-states).
 
-  python3 bench/bench_rpc_floor.py [--out floor.json] [--cpu-latency-us 0]
+  python3 bench/bench_rpc_floor.py [--out bench/results/bench_rpc_floor.json] [--cpu-latency-us 0]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pm_qos  # noqa: E402
+from ctxprefill_bench import run_info  # noqa: E402
 
 
 def _ident(b):
@@ -115,6 +116,7 @@ def main(argv=None) -> int:
         print(f"CPU wake-up latency: {qos}")
         res = _measure(ns)
     res["cpu_latency"] = qos
+    res.update(date=run_info.utc_now(), commit=run_info.commit(), gpu=run_info.gpu_name())
     for k, v in res.items():
         print(f"{k:>30}: {v:.0f}" if isinstance(v, float) else f"{k:>30}: {v}")
     if ns.out:

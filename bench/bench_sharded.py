@@ -14,7 +14,7 @@ requests of ``--new-tokens`` query tokens over the whole context. Reports
 requests/s, context tokens/s, latency percentiles and the server-side time per
 request (Stats.total_nanos; for the shards the slowest shard's), and writes JSON.
 
-  PYTHONPATH=server:client python3 bench/bench_sharded.py --num-shards 2 --out bench/results/sharded.json
+  PYTHONPATH=server:client python3 bench/bench_sharded.py --num-shards 2 --out bench/results/bench_sharded.json
 
 Only numpy and the client package are imported here (no torch, no CUDA context in this
 process); the GPUs are described by nvidia-smi and the servers' GetServerInfo. Finishes
@@ -42,9 +42,9 @@ for _sub in ("client", "server", "bench"):
         sys.path.insert(0, os.path.join(ROOT, _sub))
 
 import numpy as np  # noqa: E402
+
 from progress import elapsed, log  # noqa: E402
 from server_process import ServerProcess, wait_all_ready  # noqa: E402
-
 
 # ----------------------------------------------------------------------------- workload
 
@@ -191,7 +191,7 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="every worker on the CPU (a smoke test of this script)")
     ap.add_argument("--start-timeout", type=float, default=150.0, help="seconds for the servers to become ready")
     ap.add_argument("--budget-s", type=float, default=225.0, help="the timed phases shrink to end by then")
-    ap.add_argument("--out", default="bench/results/sharded.json", help="JSON results path")
+    ap.add_argument("--out", default="bench/results/bench_sharded.json", help="JSON results path")
     args = ap.parse_args()
     N = args.num_shards
     if N < 1 or args.heads % N:
@@ -283,7 +283,7 @@ def main() -> int:
             f"{phases[1]['requests_per_s']:.2f} req/s ({phases[1]['context_tokens_per_s'] / 1e6:.1f} M ctx tok/s); "
             f"speedup {speedup:.2f}x" if speedup else "RESULT: no completed requests in the unsharded phase")
         result = dict(
-            meta=dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            meta=dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                       gpus=gpu_list, torch=info.versions.get("torch"), cuda=info.versions.get("cuda"),
                       server_version=info.versions.get("server"), python=info.versions.get("python"),
                       **commit(), device_whole=info.device, devices_shards=[i.device for i in infos],
@@ -296,7 +296,7 @@ def main() -> int:
         log(f"FAILED: {type(e).__name__}: {e}")
         for s in servers:
             log(f"--- log tail of {s.name}\n{s.tail(15)}")
-        result = dict(meta=dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        result = dict(meta=dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                                 gpus=gpu_list, **commit(), args=vars(args)),
                       error=f"{type(e).__name__}: {e}"[:2000], **({} if not result else result))
         ok = False

@@ -1,4 +1,4 @@
-"""Benchmark: what the transport costs on top of the engine (issue 8, docs/TRANSPORT.md).
+"""Benchmark: what the transport costs on top of the engine (docs/TRANSPORT.md).
 
 One request shape (default: one sequence of 4,096 new tokens over 65,536 cached tokens,
 16 heads, ``auto`` (bf16) cache, bf16 prefill), measured in ONE run seven ways:
@@ -25,7 +25,7 @@ The server is started here as a subprocess on the chosen device (``python -m
 ctxprefill.cli serve``, same seed and settings as the in-process engine, ``--shared-memory
 all``). On a CPU it runs with small shapes too (tests/test_bench_transport.py):
 
-  PYTHONPATH=server:client python3 bench/bench_transport.py --out bench/results/transport.json
+  PYTHONPATH=server:client python3 bench/bench_transport.py --out bench/results/bench_transport.json
   PYTHONPATH=server:client python3 bench/bench_transport.py --device cpu --heads 2 --new 8 --context 256 \\
       --block-size 16 --workspace-tokens 128 --iters 2
 """
@@ -50,6 +50,7 @@ for _sub in ("client", "server", "bench"):
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
 import pm_qos  # noqa: E402
 from progress import log  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
@@ -114,8 +115,9 @@ def settings_kw(ns, w: Workload) -> dict:
 
 
 def run_engine(ns, w: Workload, dev: torch.device) -> dict:
+    from ctxprefill.app import build_engine
     from ctxprefill.engine.engine import SequenceSpec
-    from ctxprefill.settings import ServeSettings, build_engine
+    from ctxprefill.settings import ServeSettings
 
     log("in-process engine: building, writing the context")
     engine = build_engine(ServeSettings(device=str(dev), **settings_kw(ns, w)))
@@ -332,7 +334,8 @@ def main(argv=None) -> int:
     p.add_argument("--workspace-tokens", type=int, default=16384)
     p.add_argument("--backend", default="auto")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--iters", type=int, default=40, help="timed requests per mode (10 varied by ~1 ms on the H200 host)")
+    p.add_argument("--iters", type=int, default=40,
+                   help="timed requests per mode (10 varied by ~1 ms on the H200 host)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--modes", nargs="+", default=["inline", "system", "system-ring", "cuda", "cuda-stream",
                                                     "cuda-ring"],
@@ -452,7 +455,7 @@ def _measure(ns, w: Workload, dev: torch.device, gpu: str | None, qos: str) -> i
                 ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
         except OSError:
             commit = ""
-        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": str(dev), "gpu": gpu,
+        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "device": str(dev), "gpu": gpu,
                 "cpu_latency": qos,
                 "torch": torch.__version__, "commit": commit, "args": vars(ns),
                 "request": {"q_bytes": w.q_bytes, "output_bytes": w.out_bytes, "lse_bytes": w.lse_bytes}}

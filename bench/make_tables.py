@@ -1,38 +1,74 @@
-"""Markdown tables of the benchmark JSON files, for bench/results/README.md.
+"""bench/results/README.md and the top-level README's results block, made from the JSON in bench/results/.
 
-- a ``ctxprefill bench`` JSON: one row per configuration — H, new, ctx, cache, prefill,
-  chunks, generic ms, fused ms, speed-up, floor ms, fused/floor, launches per chunk
-  (generic → fused), bit-identical; rows that failed or were skipped (time budget)
-  listed below the table;
-- a ``bench/bench_concurrency.py`` JSON: one row per shape, transport (inline, system,
-  cuda; files from before ``--transport`` are inline; "(stream, N in flight)" with
-  ``--stream-depth``) and client count.
+bench/results/ holds one run per benchmark: ``<file>.json`` is what ``scripts/gpu_run.sh``
+writes to ``$OUT/<file>.json`` for the step named in ``BENCHMARKS``. Each table names the
+run's GPU, date and commit (read from the JSON: ``meta`` or its top level).
 
-Each table starts with a line naming the run (date, GPU, torch, commit).
-
-    python bench/make_tables.py bench/results/<run>/engine.json bench/results/<run>/concurrency.json
+    python bench/make_tables.py                      # write bench/results/README.md
+    python bench/make_tables.py --readme README.md   # rewrite the block between the results markers
+    python bench/make_tables.py --check [--readme README.md]   # exit 1 where a file differs from the JSON
+    python bench/make_tables.py bench/results/bench_engine.json   # print one file's table
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from plot_engine import ctx_label, kind, run_line  # noqa: E402
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+Doc = dict[str, Any]
 
-def _num(x, fmt: str) -> str:
+
+def _num(x: Any, fmt: str) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "n/a"
     return format(x, fmt)
 
 
-def _per_chunk(r: dict, path: str):
+def _ms(s: float | None, fmt: str = ".2f") -> str:
+    return _num(None if s is None else s * 1e3, fmt)
+
+
+def run_of(d: Doc) -> dict[str, str]:
+    """date (YYYY-MM-DD), gpu, torch, commit of a result file, wherever its script put them."""
+    meta = d.get("meta") if isinstance(d.get("meta"), dict) else {}
+
+    def get(k: str) -> Any:
+        return meta.get(k) if meta.get(k) is not None else d.get(k)
+
+    gpu = get("gpu")
+    if not gpu and get("gpus"):
+        names = [g["name"] for g in get("gpus")]
+        gpu = f"{len(names)}× {names[0]}" if len(set(names)) == 1 else ", ".join(names)
+    dev = get("device")
+    if not gpu and isinstance(dev, str) and not dev.startswith(("cuda", "cpu")):
+        gpu = dev
+    return {"date": str(get("date") or "?")[:10], "gpu": str(gpu or "cpu"), "torch": str(get("torch") or "?"),
+            "commit": str(get("commit") or "?")}
+
+
+def _run_line(d: Doc) -> str:
+    """'_2026-12-02 · NVIDIA H200 · torch 2.11.0+cu130 · commit 3412ee5_' (no torch where the file names none)."""
+    r = run_of(d)
+    return f"_{r['date']} · {r['gpu']} · " + (f"torch {r['torch']} · " if r["torch"] != "?" else "") + \
+        f"commit {r['commit']}_"
+
+
+# ------------------------------------------------------------------------------- engine
+
+
+def _per_chunk(r: dict, path: str) -> float | None:
     v = r.get(f"{path}_launches_per_chunk")
     if v is None and r.get(f"{path}_launches") is not None and r.get("chunks"):
         v = sum(r[f"{path}_launches"].values()) / r["chunks"]
@@ -40,6 +76,7 @@ def _per_chunk(r: dict, path: str):
 
 
 def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
+    """A ``ctxprefill bench`` JSON: one row per configuration; failed or skipped rows listed below."""
     meta = d.get("meta", {})
     lines = [f"_{run_line(meta)}_", ""]
     ceil = meta.get("ceilings") or {}
@@ -69,7 +106,7 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
             sp = f"**{sp}**"
         lg, lf = _per_chunk(r, "generic"), _per_chunk(r, "fused")
         gap = r.get("fused_host_gap_s")
-        if gap is None and r.get("fused_stage_s") is not None:  # runs before the field existed
+        if gap is None and r.get("fused_stage_s") is not None:  # files without the field
             gap = r["fused_s"] - sum(r["fused_stage_s"].values())
         lines.append(
             f"| {r['heads']} | {r['new']} | {ctx_label(r['context'])} | {r['cache_dtype']} | {r['prefill_dtype']} "
@@ -77,13 +114,18 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
             + (f"{_num(r['fused_packed_s'] * 1e3 if 'fused_packed_s' in r else None, '.2f')} | " if packed else "")
             + f"{r['fused_s'] * 1e3:.2f} | {sp} "
             f"| {_num(floor * 1e3 if floor else None, '.2f')} | {_num(ratio, '.2f')} "
-            f"| {_num(gap * 1e3 if gap is not None else None, '.2f')} | {_num(lg, '.0f')} → {_num(lf, '.0f')} | {'yes' if r.get('bit_identical') else '**NO**'} |")
+            f"| {_num(gap * 1e3 if gap is not None else None, '.2f')} | {_num(lg, '.0f')} → {_num(lf, '.0f')} "
+            f"| {'yes' if r.get('bit_identical') else '**NO**'} |")
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"
 
 
+# -------------------------------------------------------------------------- concurrency
+
+
 def concurrency_table(d: dict) -> str:
+    """A ``bench/bench_concurrency.py`` JSON: one row per shape, transport and client count."""
     meta = d.get("meta", {})
     qs = meta.get("queue_size")
     lines = [f"_{run_line(meta)}_; clients: {meta.get('client_mode', 'threads')}"
@@ -92,7 +134,11 @@ def concurrency_table(d: dict) -> str:
              "| p99 ms | server p50 ms | compute p50 ms | device busy | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d.get("rows", []):
-        tr = r.get("transport", "inline") + (f" (stream, {r['stream_depth']} in flight)" if r.get("stream_depth") else "")
+        tr = r.get("transport", "inline")
+        if r.get("stream_depth"):
+            tr += f" (stream, {r['stream_depth']} in flight)"
+        elif r.get("ring_depth"):
+            tr += f" (ring, {r['ring_depth']} in flight)"
         if "requests_per_s" not in r:
             lines.append(f"| {r['shape_label']} | {tr} | {r['clients']} | skipped ({r.get('skipped', '?')}) "
                          "| | | | | | | | | | |")
@@ -114,25 +160,474 @@ def concurrency_table(d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def table(d: dict) -> str:
+# ------------------------------------------------------------------------------ kernels
+
+
+def kernels_table(d: Doc) -> str:
+    """``bench/bench_kernels.py``: pack, gather and merge against the copy bandwidth."""
+    mix = ", ".join(f"{w}: {t:.2f}" for w, t in d.get("mix_copies_tbps", {}).items())
+    lines = [_run_line(d), "",
+             f"Copy {d['copy_tbps']:.2f} TB/s (read + written), read only {d['read_only_tbps']:.2f}, write only "
+             f"{d['write_only_tbps']:.2f}; plain copies by bytes written per byte read: {mix} TB/s. "
+             f"Time: {d['method']}. Every kernel row bit-equal to its reference: "
+             f"{'yes' if d.get('all_bit_equal') else '**NO**'}; every target met: "
+             f"{'yes' if d.get('targets_met') else '**NO**'}.", "",
+             "| op | variant | shape | ms | TB/s | % of copy | % of same-size copy | % of mix copy | target % "
+             "| × generic/torch |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        shape = f"{r['rows']:,} rows" if "rows" in r else f"H={r['H']} T={r['T']:,}"
+        target = ""
+        if "target_pct" in r:
+            target = f"{r['target_pct']:.0f}" + ("" if r.get("meets_target") else " **missed**")
+        x = r.get("speedup_vs_generic", r.get("speedup_vs_torch"))
+        eq = " **not bit-equal**" if r.get("bit_equal_to_reference") is False else ""
+        lines.append(f"| {r['op']} | {r['variant']}{eq} | {shape} | {r['ms']:.4f} | {r['tbps']:.2f} "
+                     f"| {r['pct_copy']:.1f} | {r['pct_same_size_copy']:.1f} | {r['pct_mix_roofline']:.1f} "
+                     f"| {target} | {_num(x, '.2f') if x is not None else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_table(d: Doc) -> str:
+    """``bench/probe_write_bandwidth.py``: every way to stream writes, and the bf16 pack's."""
+    lines = [_run_line(d), "", "| way | shape | ms | TB/s | values right |", "|---|---|---|---|---|"]
+    for r in d["rows"]:
+        shape = f"H={r['H']} T={r['T']:,} ({r['layout']})" if "T" in r else ""
+        ok = "" if "values_ok" not in r else ("yes" if r["values_ok"] else "**NO**")
+        lines.append(f"| {r['way']} | {shape} | {r['ms']:.4f} | {r['tbps']:.2f} | {ok} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+def _provider(r: dict) -> str:
+    return f"{r['provider']} {r['dtype']}" + (" causal" if r.get("causal") else "")
+
+
+def _pivot(rows: list[dict], row_key: Callable[[dict], str], col_key: Callable[[dict], str],
+           first: str) -> list[str]:
+    """A TFLOP/s table: one row per ``row_key``, one column per ``col_key``, in order of appearance."""
+    rks: list[str] = []
+    cks: list[str] = []
+    cell: dict[tuple[str, str], float] = {}
+    for r in rows:
+        rk, ck = row_key(r), col_key(r)
+        rks += [rk] if rk not in rks else []
+        cks += [ck] if ck not in cks else []
+        cell[(rk, ck)] = r["tflops"]
+    out = [f"| {first} | " + " | ".join(cks) + " |", "|---|" + "---|" * len(cks)]
+    for rk in rks:
+        out.append(f"| {rk} | " + " | ".join(_num(cell.get((rk, ck)), ".1f") if (rk, ck) in cell else "–"
+                                            for ck in cks) + " |")
+    return out
+
+
+def attention_table(d: Doc) -> str:
+    """``bench/bench_attention.py``: TFLOP/s of useful work by provider and shape, and the verdict lines."""
+    meta = d["meta"]
+    rows = [r for r in d["results"] if "tflops" in r and "case" in r]
+    lines = [_run_line(d), "", f"TFLOP/s (FLOPs counted as {meta['flops_rule']}); \"triton\" is the engine's "
+             "attention (the warp-specialized kernel where it applies); – : not run (no such path, or past the "
+             "run's time budget).", ""]
+    lines += _pivot(rows, _provider, lambda r: f"H={r['H']} {r['case']}", "provider")
+    verdict = [r for r in d["results"] if "verdict" in r]
+    if verdict:
+        lines += ["", "Ragged ×4 over 4×1024 of equal work (interleaved rounds):", "",
+                  "| H | dtype | provider | rounds | median | min | max |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['H']} | {r['dtype']} | {r['provider']} | {r['rounds']} | {r['ratio_median']:.3f} "
+                  f"| {r['ratio_min']:.3f} | {r['ratio_max']:.3f} |" for r in verdict]
+    if meta.get("targets"):
+        lines += ["", "Targets (CONTRACT §6):", ""]
+        lines += [f"- {t['line']}" + ("" if t["met"] else " — **missed**") for t in meta["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def _config(c: dict) -> str:
+    return ", ".join(f"{k}({_config(v)})" if isinstance(v, dict) else f"{k}={v}" for k, v in c.items())
+
+
+def sweep_table(d: Doc) -> str:
+    """``bench/bench_attention.py --sweep``: TFLOP/s by kernel configuration and shape."""
+    rows = [r for r in d["results"] if "tflops" in r]
+    dflt = "; ".join(f"{k.split('.')[-1]}: {_config(v)}" for k, v in d["meta"]["configs"].items())
+    lines = [_run_line(d), "", f"TFLOP/s; configurations as the kernel takes them. The backend's defaults in this "
+             f"run: {dflt}.", ""]
+    lines += _pivot(rows, lambda r: f"{r['dtype']} {_config(r['config'])}", lambda r: f"H={r['H']} {r['case']}",
+                    "config")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- transport
+
+
+def transport_table(d: Doc) -> str:
+    """``bench/bench_transport.py``: one request through each transport against the in-process engine."""
+    meta, req = d["meta"], d["meta"]["request"]
+    a = meta["args"]
+    floor = d.get("rpc_floor_s")
+    lines = [_run_line(d), "",
+             f"One request: {a['new']:,} new tokens × {a['heads']} heads over {a['context']:,} context, "
+             f"{a['cache_dtype']}/{a['prefill_dtype']}, {a['iters']} requests per mode (median); q "
+             f"{req['q_bytes'] / 2**20:.1f} MiB, output {req['output_bytes'] / 2**20:.1f} MiB. In-process engine "
+             f"{_ms(d['engine']['median_s'], '.3f')} ms"
+             + (f"; an empty RPC {_ms(floor, '.3f')} ms" if floor is not None else "")
+             + f"; idle CPUs: {meta.get('cpu_latency', 'not requested')}"
+             + ("; system regions page-locked" if a.get("pin", True) else "; system regions pageable") + ".", "",
+             "| mode | total ms | / engine | client encode ms | RPC ms | client decode ms | server ms "
+             "| server validate ms | server compute ms | outside the handler ms | bit-identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, m in d["modes"].items():
+        same = d.get("bit_identical", {}).get(mode)
+        lines.append(f"| {mode} | {_ms(m['total_s'], '.3f')} | {m['ratio_to_engine']:.3f} "
+                     f"| {_ms(m['encode_s'], '.3f')} "
+                     f"| {_ms(m['rpc_s'], '.3f')} | {_ms(m['decode_s'], '.3f')} | {_ms(m.get('server_s'), '.3f')} "
+                     f"| {_ms(m.get('server_validate_s'), '.3f')} | {_ms(m.get('server_compute_s'), '.3f')} "
+                     f"| {_ms(m.get('outside_handler_s'), '.3f')} | {'yes' if same else '**NO**'} |")
+    for mode, why in d.get("skipped", {}).items():
+        lines.append(f"| {mode} | skipped ({why}) | | | | | | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def rpc_floor_table(d: Doc) -> str:
+    """``bench/bench_rpc_floor.py``: an empty gRPC call on this host, µs (median)."""
+    keys = [("sync_unary_us", "sync unary"), ("sync_stream_us", "sync stream"), ("aio_unary_us", "asyncio unary"),
+            ("aio_stream_us", "asyncio stream"), ("python_work_hot_us", "Python work, hot"),
+            ("python_work_after_5ms_idle_us", "the same after 5 ms idle")]
+    return "\n".join([
+        _run_line(d), "", f"{d['cpus']} CPUs; idle CPUs: {d.get('cpu_latency', 'not held')}. µs, median.", "",
+        "| " + " | ".join(t for _, t in keys) + " |", "|" + "---|" * len(keys),
+        "| " + " | ".join(f"{d[k]:.1f}" for k, _ in keys) + " |"]) + "\n"
+
+
+def inline_parse_table(d: Doc) -> str:
+    """``bench/bench_inline_parse.py``: the event loop's parse of an inline request."""
+    meta = d["meta"]
+    lines = [_run_line(d), "", f"The host's CPU ({meta['cpu']}, {meta['cores']} cores), Python {meta['python']}; "
+             "context and heads as the request would carry them.", "",
+             "| new tokens | heads | q MB | protobuf parse ms | inline views ms |", "|---|---|---|---|---|"]
+    lines += [f"| {r['tokens']:,} | {r['heads']} | {r['q_bytes'] / 1e6:.1f} | {r['protobuf_ms']:.3f} "
+              f"| {r['views_ms']:.3f} |" for r in d["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------- host, shards
+
+_STEPS = ("validate", "plan", "inputs", "metadata+upload", "to first stage", "issue+device", "sync+readout", "return")
+
+
+def host_table(d: Doc) -> str:
+    """``bench/probe_host_issue.py``: where a request's host time goes, the device held."""
+    lines = [_run_line(d), "", "ms for the request, device span and the host before the first stage; µs per "
+             "host step (median).", "",
+             "| H | new | ctx | prefill | path | request ms | device span ms | before stages ms | "
+             + " | ".join(f"{s} µs" for s in _STEPS) + " |", "|---|---|---|---|---|---|---|---|" + "---|" * len(_STEPS)]
+    for r in d["rows"]:
+        for p in ("fused", "generic"):
+            st = r[f"{p}_host_steps_us"]
+            lines.append(f"| {r['heads']} | {r['new']} | {ctx_label(r['context'])} | {r['prefill_dtype']} | {p} "
+                         f"| {_ms(r[f'{p}_request_s'], '.3f')} | {_ms(r[f'{p}_span_s'], '.3f')} "
+                         f"| {_ms(r[f'{p}_before_stages_s'], '.3f')} | "
+                         + " | ".join(_num(st.get(s), ".1f") for s in _STEPS) + " |")
+    costs = [("event_record_us", "event record"), ("event_elapsed_us", "event elapsed"), ("empty_us", "torch.empty"),
+             ("h2d_pinned_4k_us", "4 KiB H2D pinned"), ("attention_call_us", "attention call")]
+    order = ", ".join(f"H={r['heads']} {r['prefill_dtype']}" for r in d["rows"])
+    lines += ["", f"Host cost of one call, µs ({order}): " + "; ".join(
+        f"{t} " + ", ".join(_num(r.get(k), ".1f") for r in d["rows"]) for k, t in costs) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def sharded_table(d: Doc) -> str:
+    """``bench/bench_sharded.py``: one server against head-sharded workers."""
+    meta, eq, a = d["meta"], d["equality"], d["meta"]["args"]
+    lines = [_run_line(d), "",
+             f"H={a['heads']}, {a['new_tokens']:,} new over {a['context']:,} context, {a['concurrency']} clients for "
+             f"{a['seconds']:.0f} s; whole on {meta['device_whole']}, shards on {', '.join(meta['devices_shards'])}. "
+             f"Sharded = whole bit for bit: output {'yes' if eq['output_bit_equal'] else '**NO**'}, LSE "
+             f"{'yes' if eq['lse_bit_equal'] else '**NO**'}. Throughput ×{d['speedup_requests_per_s']:.2f}.", "",
+             "| mode | servers | requests | req/s | context Mtok/s | p50 s | p99 s | server ms (mean) | errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in d["phases"]:
+        lat = p["latency_s"]
+        lines.append(f"| {p['mode']} | {len(p['targets'])} | {p['requests']} | {p['requests_per_s']:.2f} "
+                     f"| {p['context_tokens_per_s'] / 1e6:.3f} | {lat['p50']:.3f} | {lat['p99']:.3f} "
+                     f"| {p['server_ms_mean']:.1f} | {p['errors']} |")
+    return "\n".join(lines) + "\n"
+
+
+def table(d: Doc) -> str:
+    """The table of any result file, by its shape."""
+    if "results" in d and "copy_tbps" in d:
+        return kernels_table(d)
+    if "results" in d:
+        return sweep_table(d) if d["meta"].get("mode") == "sweep" else attention_table(d)
+    if "modes" in d:
+        return transport_table(d)
+    if "sync_unary_us" in d:
+        return rpc_floor_table(d)
+    if "phases" in d:
+        return sharded_table(d)
+    rows = d.get("rows", [])
+    if rows and "way" in rows[0]:
+        return write_table(d)
+    if rows and "protobuf_ms" in rows[0]:
+        return inline_parse_table(d)
+    if rows and "fused_host_steps_us" in rows[0]:
+        return host_table(d)
     return concurrency_table(d) if kind(d) == "concurrency" else engine_table(d)
 
 
-def main(argv=None) -> int:
+# ---------------------------------------------------------------------------- benchmarks
+
+
+@dataclasses.dataclass(frozen=True)
+class Bench:
+    title: str
+    step: str  # the GPU_RUN_STEPS entry of scripts/gpu_run.sh that writes the files
+    files: tuple[str, ...]  # bench/results/<file>.json
+    what: str
+    env: str = ""  # more environment for gpu_run.sh
+    plots: tuple[str, ...] = ()
+    note: str = ""  # after the command
+
+
+BENCHMARKS = (
+    Bench("The whole request, fused vs generic (headline rows)", "bench_engine", ("bench_engine",),
+          "`ctxprefill bench` at 16 and 128 heads, 1,024 new tokens over 64k context, every cache and prefill dtype: "
+          "one engine in one process runs the same request through the fused and the generic path (bit for bit "
+          "the same answer), timed per stage, beside the floor (kv_b_proj and attention FLOPs at the measured GEMM "
+          "rate + gather/pack bytes at the measured copy bandwidth).",
+          plots=("engine_stages.png", "engine_speedup.png")),
+    Bench("Ragged requests", "bench_engine_ragged", ("bench_engine_ragged",),
+          "`ctxprefill bench --sequences 4 --workspace-tokens 65536`: the request split unevenly over 4 sequences "
+          "in one 64k-row chunk."),
+    Bench("The whole request, 108-shape grid", "bench_engine_full", ("bench_engine_full",),
+          "`ctxprefill bench --grid full`: H ∈ {16, 128} × new ∈ {512, 1,024, 8,192} × context ∈ {8k, 64k, 256k} × "
+          "cache {auto, fp8, fp8_ds_mla} × prefill {bf16, fp8}."),
+    Bench("Where a request's host time goes", "probe_host", ("probe_host",),
+          "`bench/probe_host_issue.py`: the engine's host steps for one request, the device held busy so that the "
+          "host never waits on it.", env='PROBE_HOST_HEADS="16 128"'),
+    Bench("Kernels against the copy bandwidth", "bench_kernels", ("bench_kernels",),
+          "`bench/bench_kernels.py`: the fused pack, gather and merge kernels against their generic / torch forms "
+          "and against a device-to-device copy (and plain copies of the same read/write mix, `bench/mix_copy.py`), "
+          "L2 flushed before every repetition."),
+    Bench("Write bandwidth by way of writing", "probe_write", ("probe_write",),
+          "`bench/probe_write_bandwidth.py`: fill, zero, memset and Triton stores against copy and read, and the "
+          "bf16 pack in CUDA against Triton packs."),
+    Bench("Attention against other kernels", "bench_attention_flashinfer", ("bench_attention",),
+          "`bench/bench_attention.py --flashinfer`: chunk attention with LSE (192-wide q·k, 128-wide v) by the "
+          "engine's Triton/Gluon kernels, FlashInfer's FA3 ragged prefill, cuDNN, torch's flash (v padded to 192) "
+          "and flex attention, on equal, single and ragged batches; the same data for every provider. "
+          "(`GPU_RUN_STEPS=bench_attention` runs it without FlashInfer.)",
+          env='GPU_RUN_FI_ARGS="--budget-s 170"'),
+    Bench("Attention kernel configurations", "attention_sweep", ("attention_sweep",),
+          "`bench/bench_attention.py --sweep`: block sizes, warps and stages of the Triton kernel."),
+    Bench("Warp-specialized attention configurations", "attention_sweep_ws", ("attention_sweep_ws",),
+          "`bench/bench_attention.py --sweep ws`: the warp-specialized (Gluon) kernel's pipelining, key block and "
+          "stages."),
+    Bench("Throughput under concurrency", "bench_concurrency", ("bench_concurrency",),
+          "`bench/bench_concurrency.py`: 1 to 16 clients against one server per shape, inline tensors and CUDA IPC "
+          "regions."),
+    Bench("Pipelining on a stream", "bench_concurrency_stream", ("bench_concurrency_stream",),
+          "`bench/bench_concurrency.py --stream-depth 2`: two requests in flight per client on one "
+          "PrefillContextStream, CUDA IPC."),
+    Bench("Request rings under load", "bench_concurrency_ring", ("bench_concurrency_ring",),
+          "`bench/bench_concurrency.py --ring-depth 2`: a CUDA IPC request ring per client, two requests in flight.",
+          plots=("concurrency.png",)),
+    Bench("The request ring's overlap, on / off / on", "bench_ring_overlap",
+          ("bench_ring_overlap_on", "bench_ring_overlap_off", "bench_ring_overlap_on2"),
+          "`bench/bench_concurrency.py --ring-depth 2` at 16 heads with the server's `--request-ring-overlap` on, "
+          "off (`--no-request-ring-overlap`) and on again, one after another (the bracketing shows the drift "
+          "between runs)."),
+    Bench("Transports against the engine", "bench_transport", ("bench_transport",),
+          "`bench/bench_transport.py`: one request through a real server by every transport (inline, system "
+          "shared memory, its request ring, CUDA IPC, on a stream, its request ring), against the same request "
+          "in process; client and server time split."),
+    Bench("System regions page-locked or pageable", "bench_transport_pin",
+          ("bench_transport_pin", "bench_transport_nopin", "bench_transport_pin2", "bench_transport_nopin2"),
+          "`bench/bench_transport.py --modes system system-ring`, the server's system regions page-locked (default) "
+          "and pageable (`--no-pin`), alternating."),
+    Bench("Transports with idle CPUs held awake", "bench_transport_awake", ("bench_transport_awake",),
+          "`bench/bench_transport.py --cpu-latency-us 0`: `/dev/cpu_dma_latency` held at 0 (`bench/pm_qos.py`)."),
+    Bench("The host's gRPC floor", "bench_rpc_floor", ("bench_rpc_floor",),
+          "`bench/bench_rpc_floor.py`: an empty unary / streaming call, sync and asyncio, on the GPU machine's "
+          "host."),
+    Bench("The host's gRPC floor, idle CPUs held awake", "bench_rpc_floor_awake", ("bench_rpc_floor_awake",),
+          "`bench/bench_rpc_floor.py --cpu-latency-us 0`."),
+    Bench("Inline request parse", "bench_inline_parse", ("bench_inline_parse",),
+          "`bench/bench_inline_parse.py`: the server's parse of an inline request (protobuf's copies against the "
+          "inline views, `server/ctxprefill/service/inline_views.py`) on the GPU machine's host."),
+    Bench("Head-sharded workers", "bench_sharded", ("bench_sharded",),
+          "`bench/bench_sharded.py --num-shards 2`: one server with every head against two workers with half the "
+          "heads each (one GPU each), the answer merged by the client.",
+          note=" on a machine with two GPUs (`SHARDED_CONCURRENCY` sets the clients)"),
+)
+
+
+def files() -> list[str]:
+    return [f for b in BENCHMARKS for f in b.files]
+
+
+def load(name: str, results: str = RESULTS) -> Doc:
+    with open(os.path.join(results, f"{name}.json")) as fh:
+        d: Doc = json.load(fh)
+    return d
+
+
+def _steps_cmd(b: Bench) -> str:
+    return f"`{b.env + ' ' if b.env else ''}GPU_RUN_STEPS={b.step} bash scripts/gpu_run.sh`{b.note}"
+
+
+def _anchor(title: str) -> str:
+    return "".join(c for c in title.lower().replace(" ", "-") if c.isalnum() or c in "-_")
+
+
+def results_readme(results: str = RESULTS) -> str:
+    """bench/results/README.md, from the JSON files beside it."""
+    docs = {f: load(f, results) for f in files()}
+    out = ["# Benchmark results", "",
+           "One run per benchmark, the JSON each benchmark wrote beside this file; every table names its GPU, date "
+           "and commit. This file is generated: `python bench/make_tables.py` (and `--check` fails where it "
+           "differs from the JSON).", "",
+           "To measure again, on the GPU machine from the repository root:", "",
+           "    CTXPREFILL_COMMIT=$(git rev-parse --short HEAD) GPU_RUN_STEPS=\"bench_engine bench_transport\" "
+           "bash scripts/gpu_run.sh", "",
+           "Each step writes `$OUT/<file>.json` (`$OUT` defaults to `./.out`) under the name it has here: copy the "
+           "files over these, then run `python bench/make_tables.py`, `python bench/make_tables.py --readme "
+           "README.md` and, for the plots, `python bench/plot_engine.py bench/results/bench_engine.json "
+           "bench/results/bench_concurrency_ring.json` (then drop the plots not listed below).", "",
+           "| benchmark | file | step | GPU | date | commit |", "|---|---|---|---|---|---|"]
+    for b in BENCHMARKS:
+        for f in b.files:
+            r = run_of(docs[f])
+            out.append(f"| [{b.title}](#{_anchor(b.title)}) | [`{f}.json`]({f}.json) | `{b.step}` | {r['gpu']} "
+                       f"| {r['date']} | {r['commit']} |")
+    for b in BENCHMARKS:
+        out += ["", f"## {b.title}", "", f"{b.what} Reproduce: {_steps_cmd(b)}.", ""]
+        for p in b.plots:
+            out += [f"![{p}]({p})", ""]
+        for f in b.files:
+            if len(b.files) > 1:
+                out += [f"`{f}.json`:", ""]
+            out += [table(docs[f]).rstrip("\n"), ""]
+        out.pop()
+    return "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------------ the README block
+
+
+def _row(records: list[dict], **kv: Any) -> dict:
+    """The one record with these fields."""
+    (r,) = [r for r in records if all(r.get(k) == v for k, v in kv.items())]
+    return r
+
+
+def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
+    """(measure, result, file) for the README block: every figure in ``result`` is a field of the file
+    (seconds shown as ms)."""
+    rows: list[tuple[str, str, str]] = []
+    eng = load("bench_engine", results)["rows"]
+    for h in (16, 128):
+        for pd in ("bf16", "fp8"):
+            r = _row(eng, heads=h, new=1024, context=65536, cache_dtype="auto", prefill_dtype=pd)
+            rows.append((f"Whole request, {h} heads, {pd} prefill, 1,024 new over 64k",
+                         f"fused {_ms(r['fused_s'])} ms, generic {_ms(r['generic_s'])} ms ({r['speedup']:.2f}×), "
+                         f"floor {_ms(r['floor_s'])} ms", "bench_engine"))
+    att = [r for r in load("bench_attention", results)["results"] if r.get("case") == "1x8192q/16384k"
+           and not r.get("causal")]
+
+    def tf(provider: str, h: int) -> str:
+        return f"{_row(att, provider=provider, H=h)['tflops']:.1f}"
+
+    rows.append(("Attention bf16, 8,192 q over 16k keys, 16 / 128 heads (TFLOP/s)",
+                 f"ours {tf('triton', 16)} / {tf('triton', 128)}, FlashInfer FA3 {tf('flashinfer fa3', 16)} / "
+                 f"{tf('flashinfer fa3', 128)}", "bench_attention"))
+    rows.append(("Attention fp8 (V keys-last), same shape (TFLOP/s)",
+                 f"ours {tf('triton pv_fp8 v-keys-last', 16)} / {tf('triton pv_fp8 v-keys-last', 128)}",
+                 "bench_attention"))
+    k = load("bench_kernels", results)
+    kr = k["results"]
+
+    def pct(**kv: Any) -> str:
+        return f"{_row(kr, **kv)['pct_copy']:.1f} %"
+
+    rows.append(("Kernels, % of copy bandwidth: pack bf16 / fp8 (128 heads, 32,768 tokens), gather fp8→bf16 "
+                 "(262,144 rows), merge (16 heads, 65,536 tokens)",
+                 f"{pct(op='pack', variant='fused bf16', H=128, T=32768)} / "
+                 f"{pct(op='pack', variant='fused fp8 v-keys-last 4 segs', H=128, T=32768)}, "
+                 f"{pct(op='gather', variant='kernel fp8->bf16', rows=262144)}, "
+                 f"{pct(op='merge', variant='kernel', H=16, T=65536)} of {k['copy_tbps']:.2f} TB/s",
+                 "bench_kernels"))
+    t = load("bench_transport", results)
+    ring, call = t["modes"]["cuda-ring"], t["modes"]["cuda"]
+    rows.append(("CUDA IPC request ring against the in-process engine (4,096 new over 64k, 16 heads)",
+                 f"{_ms(ring['total_s'], '.3f')} ms against {_ms(t['engine']['median_s'], '.3f')} ms: "
+                 f"{ring['ratio_to_engine']:.3f}× (a call each: {call['ratio_to_engine']:.3f}×)", "bench_transport"))
+    c = load("bench_concurrency_ring", results)["rows"]
+    top = max(r["clients"] for r in c)
+    rows.append((f"Request rings, {top} clients, 1,024 new over 64k, 16 / 128 heads (req/s)",
+                 f"{_row(c, heads=16, clients=top)['requests_per_s']:.1f} / "
+                 f"{_row(c, heads=128, clients=top)['requests_per_s']:.1f}", "bench_concurrency_ring"))
+    return rows
+
+
+def readme_block(readme_dir: str, results: str = RESULTS) -> str:
+    """The lines between the markers (exclusive), links relative to ``readme_dir``."""
+    rel = os.path.relpath(results, readme_dir).replace(os.sep, "/")
+    out = ["| measured | result | GPU | date | commit | data |", "|---|---|---|---|---|---|"]
+    for measure, result, f in headline_rows(results):
+        r = run_of(load(f, results))
+        out.append(f"| {measure} | {result} | {r['gpu']} | {r['date']} | {r['commit']} "
+                   f"| [`{f}.json`]({rel}/{f}.json) |")
+    return "\n".join(out) + "\n"
+
+
+def replace_block(text: str, block: str) -> str:
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"expected one {BEGIN} line followed by one {END} line")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{block}{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json", nargs="+")
-    ap.add_argument("--out", default=None, help="write the tables here (default: print)")
+    ap.add_argument("json", nargs="*", help="print the table of these files instead")
+    ap.add_argument("--results", default=RESULTS, help="the results folder (default: bench/results)")
+    ap.add_argument("--readme", default=None,
+                    help="rewrite the block between the results markers of this README (and nothing else)")
+    ap.add_argument("--check", action="store_true",
+                    help="write nothing; exit 1 where bench/results/README.md or the README's block (--readme, "
+                         "default the top-level README.md) differs from the JSON")
     ns = ap.parse_args(argv)
-    parts = []
-    for p in ns.json:
-        with open(p) as f:
-            parts.append(f"<!-- {p} -->\n" + table(json.load(f)))
-    text = "\n".join(parts)
-    if ns.out:
-        with open(ns.out, "w") as f:
-            f.write(text)
-    else:
-        sys.stdout.write(text)
+    if ns.json:
+        for p in ns.json:
+            with open(p) as fh:
+                sys.stdout.write(f"<!-- {p} -->\n" + table(json.load(fh)) + "\n")
+        return 0
+    targets: list[tuple[str, str, str, str]] = []  # path, text, text made from the JSON, command that makes it
+    if not ns.readme or ns.check:
+        path = os.path.join(ns.results, "README.md")
+        old = open(path).read() if os.path.exists(path) else ""
+        targets.append((path, old, results_readme(ns.results), "python bench/make_tables.py"))
+    readme = ns.readme or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    if ns.readme or ns.check:
+        with open(readme) as fh:
+            text = fh.read()
+        if ns.readme or BEGIN in text:
+            new = replace_block(text, readme_block(os.path.dirname(os.path.abspath(readme)), ns.results))
+            targets.append((readme, text, new, f"python bench/make_tables.py --readme {readme}"))
+    stale = [(p, cmd) for p, old, new, cmd in targets if old != new]
+    if ns.check:
+        for p, cmd in stale:
+            print(f"make_tables: {p} differs from the JSON in {ns.results}: run {cmd}", file=sys.stderr)
+        return 1 if stale else 0
+    for p, old, new, _ in targets:
+        if old != new:
+            with open(p, "w") as fh:
+                fh.write(new)
+        print(f"{p}: {'written' if old != new else 'unchanged'}")
     return 0
 
 

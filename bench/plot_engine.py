@@ -18,7 +18,7 @@ From a ``bench/bench_concurrency.py`` JSON (``meta.kind == "concurrency"``):
 Every title carries the run's date, GPU, torch version and commit (from the JSON's meta).
 Without matplotlib the script says so and exits 0 (``pip install matplotlib``).
 
-    python bench/plot_engine.py bench/results/<run>/engine.json [bench/results/<run>/concurrency.json]
+    python bench/plot_engine.py bench/results/bench_engine.json [bench/results/bench_concurrency_ring.json]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import os
 import sys
 
 STAGES = ("gather", "cast", "kv_b_proj", "pack", "attention", "merge")
-HEADLINE = (1024, 65536)  # issue 8's target shape: 1,024 new tokens over 64k context
+HEADLINE = (1024, 65536)  # the headline shape: 1,024 new tokens over 64k context
 
 
 def _plt():

@@ -11,7 +11,7 @@ so that nothing the host does waits on the device, and the host's time from the 
 the request's one synchronize is its issue time. The same for single calls of the loop's
 pieces (per call, device held the same way).
 
-  PYTHONPATH=server:client python3 bench/probe_host_issue.py --out host_issue.json
+  PYTHONPATH=server:client python3 bench/probe_host_issue.py --out bench/results/probe_host.json
 """
 
 from __future__ import annotations
@@ -27,15 +27,17 @@ import time
 from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _sub in ("client", "server"):
+for _sub in ("client", "server", "bench"):
     if os.path.join(ROOT, _sub) not in sys.path:
         sys.path.insert(0, os.path.join(ROOT, _sub))
 
 import torch  # noqa: E402
 
-from ctxprefill.bench import make_device_request, time_request  # noqa: E402
+from ctxprefill.app import build_engine  # noqa: E402
 from ctxprefill.engine import timing  # noqa: E402
-from ctxprefill.settings import ServeSettings, build_engine  # noqa: E402
+from ctxprefill.settings import ServeSettings  # noqa: E402
+from ctxprefill_bench import run_info  # noqa: E402
+from ctxprefill_bench.engine_bench import make_device_request, time_request  # noqa: E402
 
 HOLD_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: longer than anything issued behind it
 
@@ -191,7 +193,7 @@ def profile_top(fn, n: int = 200, top: int = 25) -> list[dict]:
     torch.cuda.synchronize()
     st = pstats.Stats(prof)
     rows = []
-    for (file, line, func), (cc, nc, tt, ct, _) in st.stats.items():
+    for (file, line, func), (_cc, nc, tt, ct, _) in st.stats.items():
         rows.append({"function": f"{os.path.basename(file)}:{line}:{func}", "calls_per_call": nc / n,
                      "own_us": round(tt / n * 1e6, 2), "cumulative_us": round(ct / n * 1e6, 2)})
     rows.sort(key=lambda r: -r["own_us"])
@@ -301,8 +303,8 @@ def main(argv=None) -> int:
             for e in r[key][:15]:
                 print(f"    {e['own_us']:8.2f} {e['cumulative_us']:9.2f}  x{e['calls_per_call']:<5g} {e['function']}")
     if a.out:
-        meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
-                "commit": os.environ.get("CTXPREFILL_COMMIT", ""), "no_gc": a.no_gc}
+        meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "date": run_info.utc_now(),
+                "commit": run_info.commit(), "no_gc": a.no_gc}
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How fast the H200 streams writes, by every way we can write (issue 3's bf16 pack).
+"""How fast the H200 streams writes, by every way we can write (for the bf16 pack).
 
 The bf16 pack reads 1 byte for every 1.5 it writes and measured 84-86 % of the 2 GiB
 copy's bandwidth; ``bench_kernels.py`` explains it with writes streaming at 3.38 TB/s
@@ -44,7 +44,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+
 import mix_copy  # noqa: E402
+from ctxprefill_bench import run_info  # noqa: E402
 from mix_copy import MixCopy  # noqa: E402
 from progress import log  # noqa: E402
 
@@ -159,7 +161,7 @@ def ways(y: torch.Tensor) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="write_bw.json")
+    ap.add_argument("--out", default="bench/results/probe_write.json")
     ap.add_argument("--gib", type=float, default=2.0, help="buffer size")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -237,8 +239,8 @@ def main() -> int:
                + ("" if r.get("values_ok", True) else "  WRONG VALUES")) if "tbps" in r else r["error"]
         log(f"{r['way']:<22} {shape}{got}")
     with open(a.out, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                       triton=getattr(triton, "__version__", None), rows=rows), f, indent=1)
+        json.dump(dict(device=torch.cuda.get_device_name(), date=run_info.utc_now(), commit=run_info.commit(),
+                       torch=torch.__version__, triton=getattr(triton, "__version__", None), rows=rows), f, indent=1)
     return 0
 
 

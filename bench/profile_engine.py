@@ -24,12 +24,13 @@ import pstats
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _sub in ("client", "server"):
+for _sub in ("client", "server", "bench"):
     if os.path.join(ROOT, _sub) not in sys.path:
         sys.path.insert(0, os.path.join(ROOT, _sub))
 
-from ctxprefill.bench import make_device_request, time_request  # noqa: E402
-from ctxprefill.settings import ServeSettings, build_engine  # noqa: E402
+from ctxprefill.app import build_engine  # noqa: E402
+from ctxprefill.settings import ServeSettings  # noqa: E402
+from ctxprefill_bench.engine_bench import make_device_request, time_request  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -106,7 +107,8 @@ def timeline(engine, q, seqs, fused, iters):
                 torch.cuda.synchronize()
     ev = prof.events()
     reqs = sorted((e for e in ev if e.name.startswith("request")), key=lambda e: e.time_range.start)
-    kernels = sorted((e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start)
+    kernels = sorted((e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
     cpu_ops = [e for e in ev if e.device_type == torch.autograd.DeviceType.CPU and not e.name.startswith("request")]
     before, between, after, busy, n_k = [], [], [], [], []
     idles = []  # (idle us, name of the kernel after it)

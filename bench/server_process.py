@@ -101,6 +101,6 @@ def wait_all_ready(servers: list[ServerProcess], timeout: float) -> None:
         if not pending:
             return
         if time.monotonic() > t_end:
-            raise TimeoutError("not ready after %.0f s: %s\n%s" % (
-                timeout, [s.name for s in pending], "\n".join(f"--- {s.name}\n{s.tail()}" for s in pending)))
+            tails = "\n".join(f"--- {s.name}\n{s.tail()}" for s in pending)
+            raise TimeoutError(f"not ready after {timeout:.0f} s: {[s.name for s in pending]}\n{tails}")
         time.sleep(0.2)

@@ -6,7 +6,7 @@ blocks plus a start-up allowance; the hardware hands the next program of the lau
 to whichever SM frees first. The kernels launch segments longest-first (LPT), tiles of a
 segment and head together. The model's makespan against a perfectly balanced one, for the
 ragged batch and for an equal-length batch of the same work, predicts the throughput
-ratio that ``bench_attention.py`` measures between them (issue 4: within 10 %), what
+ratio that ``bench_attention.py`` measures between them (target: within 10 %), what
 per-SM work lists packed on the host could reach, and what the launch order the kernel is
 now given (``ctxprefill.backends.tile_order``: those lists flattened by start time) reaches.
 

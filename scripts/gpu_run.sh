@@ -3,6 +3,9 @@
 #
 #   bash scripts/gpu_run.sh            # results in $OUT (default ./.out)
 #
+# A step's JSON has the name of its file in bench/results/ (bench/make_tables.py lists them):
+# copy it over that file and run python bench/make_tables.py to remake the tables.
+#
 # Steps (each runs even if an earlier one failed; rc per step in $OUT/summary.txt):
 #   0. environment facts (GPU, driver, nvcc, torch, triton)
 #   1. install carried wheels from .whl/ (if present; bash scripts/fetch_gpu_wheels.sh) into /tmp/site
@@ -12,14 +15,14 @@
 #   5. compute-sanitizer memcheck on a small subset of tests/gpu/test_kernels.py      -> sanitizer.log
 #   6. bench/bench_attention.py, if present                                           -> bench_attention.json
 # and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_ragged, bench_engine_full
-# (issue 8's 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
+# (the 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
 # bench_rpc_floor, attention_sweep, attention_sweep_ws, bench_attention_flashinfer, probe_write, hostile_sanitizer,
 # bench_sharded, profile_host, probe_host, bench_ring_overlap (request rings with and without
 # --request-ring-overlap), bench_transport_pin (system regions page-locked and pageable, alternating),
 # bench_inline_parse (the event loop's parse of an inline request, with and without protobuf's copies),
 # segv (a native backtrace of one test).
 # CTXPREFILL_COMMIT labels the results: pass it from the machine that sends the call (the
-# device's own git may report the commit the session started from, not the tree that runs).
+# device's own git may report the commit its checkout started from, not the tree that runs).
 # The device tool brings back at most 8 files from $OUT: choose steps accordingly.
 # A time budget (GPU_RUN_BUDGET_S, default 560 s: one device call is capped at 600 s)
 # caps every step; a step that no longer fits is recorded as skipped and counts as a
@@ -30,7 +33,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-./.out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-export PYTHONPATH="server:client${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="server:client:bench${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 # built extension inside the (ignored) tree: a warm machine keeps it between calls
 export CTXPREFILL_BUILD_DIR=${CTXPREFILL_BUILD_DIR:-$PWD/.ext}
@@ -181,64 +184,64 @@ want profile_host && run_step profile_host 200 5 "$OUT/profile_host.txt" bash -c
 # PROBE_HOST_HEADS: the head counts probed (default 16; "16 128" adds the 128-head request);
 # PROBE_HOST_ARGS: more of its options (e.g. --no-gc)
 want probe_host && run_step probe_host 150 5 - python3 bench/probe_host_issue.py --heads ${PROBE_HOST_HEADS:-16} \
-  ${PROBE_HOST_ARGS:-} --out "$OUT/host_issue.json"
+  ${PROBE_HOST_ARGS:-} --out "$OUT/probe_host.json"
 
 # ragged requests: 4 sequences of uneven lengths in one 64k-row chunk; where the Triton backend packs
 # the chunk's attention tiles per SM (H=16, 4,096 new: 512 tiles), the fused path also without it
 want bench_engine_ragged && run_step bench_engine_ragged 240 5 - python3 -m ctxprefill.cli bench --heads 16 128 \
   --new 1024 4096 --context 65536 --sequences 4 --workspace-tokens 65536 --out "$OUT/bench_engine_ragged.json"
 
-# ---- 7b. issue 8's whole grid (108 rows), the concurrency sweep, the transports -------------------
+# ---- 7b. the whole engine grid (108 rows), the concurrency sweep, the transports -------------------
 want bench_engine_full && run_step bench_engine_full 240 5 - python3 -m ctxprefill.cli bench --grid full \
-  --iters 20 --target-s 0.3 --budget-s 215 --out "$OUT/engine_full.json"
+  --iters 20 --target-s 0.3 --budget-s 215 --out "$OUT/bench_engine_full.json"
 want bench_concurrency && run_step bench_concurrency 240 5 - python3 bench/bench_concurrency.py \
   --shape 16:1024:65536 128:1024:65536 --clients 1 2 4 8 16 --transport inline cuda --seconds 5 --warmup-s 1 \
-  --budget-s 225 --out "$OUT/concurrency.json"
+  --budget-s 225 --out "$OUT/bench_concurrency.json"
 # requests on one PrefillContextStream per client, 2 in flight (does pipelining beat a call each?)
 want bench_concurrency_stream && run_step bench_concurrency_stream 200 5 - python3 bench/bench_concurrency.py \
   --shape 16:1024:65536 128:1024:65536 --clients 1 2 4 --transport cuda --stream-depth 2 --seconds 5 --warmup-s 1 \
-  --budget-s 190 --out "$OUT/concurrency_stream.json"
+  --budget-s 190 --out "$OUT/bench_concurrency_stream.json"
 # requests through a request ring per client, 2 in flight (serve --request-ring; not run on the GPU yet)
 want bench_concurrency_ring && run_step bench_concurrency_ring 200 5 - python3 bench/bench_concurrency.py \
   --shape 16:1024:65536 128:1024:65536 --clients 1 2 4 --transport cuda --ring-depth 2 --seconds 5 --warmup-s 1 \
-  --budget-s 190 --out "$OUT/concurrency_ring.json"
+  --budget-s 190 --out "$OUT/bench_concurrency_ring.json"
 # the request ring's overlap (--request-ring-overlap) against its baseline, same call, 16 heads:
 # on, off, on (the host's speed drifts between runs; the bracketing shows by how much)
 if want bench_ring_overlap; then
   for v in on off on2; do
     flag=(); [ "$v" = off ] && flag=(--server-flag no-request-ring-overlap)
     run_step "ring_overlap_$v" 60 5 - python3 bench/bench_concurrency.py --shape 16:1024:65536 --clients 1 2 4 \
-      --transport cuda --ring-depth 2 --seconds 5 --warmup-s 1 --budget-s 55 "${flag[@]}" --out "$OUT/ring_overlap_$v.json"
+      --transport cuda --ring-depth 2 --seconds 5 --warmup-s 1 --budget-s 55 "${flag[@]}" --out "$OUT/bench_ring_overlap_$v.json"
   done
 fi
 want bench_transport && run_step bench_transport 240 5 - python3 bench/bench_transport.py --device cuda --iters 60 \
-  --out "$OUT/transport.json"
+  --out "$OUT/bench_transport.json"
 # system regions page-locked (default) against pageable (--no-shared-memory-pin), alternating
 if want bench_transport_pin; then
   for v in pin nopin pin2 nopin2; do
     pin=(); [[ $v == nopin* ]] && pin=(--no-pin)
     run_step "transport_$v" 90 5 - python3 bench/bench_transport.py --device cuda --iters 60 \
-      --modes system system-ring "${pin[@]}" --out "$OUT/transport_$v.json"
+      --modes system system-ring "${pin[@]}" --out "$OUT/bench_transport_$v.json"
   done
 fi
 want bench_inline_parse && run_step bench_inline_parse 60 5 - python3 bench/bench_inline_parse.py \
-  --tokens 256 1024 4096 --out "$OUT/inline_parse.json"
-want bench_rpc_floor && run_step bench_rpc_floor 60 5 - python3 bench/bench_rpc_floor.py --out "$OUT/rpc_floor.json"
+  --tokens 256 1024 4096 --out "$OUT/bench_inline_parse.json"
+want bench_rpc_floor && run_step bench_rpc_floor 60 5 - python3 bench/bench_rpc_floor.py --out "$OUT/bench_rpc_floor.json"
 # the same two with idle CPUs held awake (/dev/cpu_dma_latency = 0, bench/pm_qos.py)
 want bench_transport_awake && run_step bench_transport_awake 180 5 - python3 bench/bench_transport.py --device cuda \
-  --cpu-latency-us 0 --modes cuda cuda-stream system --out "$OUT/transport_awake.json"
+  --cpu-latency-us 0 --modes cuda cuda-stream system --out "$OUT/bench_transport_awake.json"
 want bench_rpc_floor_awake && run_step bench_rpc_floor_awake 60 5 - python3 bench/bench_rpc_floor.py --cpu-latency-us 0 \
-  --out "$OUT/rpc_floor_awake.json"
+  --out "$OUT/bench_rpc_floor_awake.json"
 
 # ---- 7c. FlashInfer 0.6.13's FA3 ragged prefill next to ours (carried wheels; compiles on first use)
 # (GPU_RUN_FI_ARGS replaces the provider filter and budget, e.g. "--budget-s 175": every provider)
 want bench_attention_flashinfer && run_step bench_attention_flashinfer 420 5 - python3 bench/bench_attention.py \
   --flashinfer ${GPU_RUN_FI_ARGS:---providers triton flashinfer cudnn --no-flex --budget-s 400} \
-  --out "$OUT/attention_flashinfer.json"
+  --out "$OUT/bench_attention.json"
 
-# ---- 7d. how fast writes stream, by every way to write (issue 3's bf16 pack: is 3.38 TB/s torch's
+# ---- 7d. how fast writes stream, by every way to write (for the bf16 pack: is 3.38 TB/s torch's
 # fill kernel or the memory?), and the bf16 pack in CUDA against Triton packs with plain / TMA stores
-want probe_write && run_step probe_write 90 5 - python3 bench/probe_write_bandwidth.py --out "$OUT/write_bw.json"
+want probe_write && run_step probe_write 90 5 - python3 bench/probe_write_bandwidth.py --out "$OUT/probe_write.json"
 
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \

@@ -55,9 +55,9 @@ def test_interleaved_rounds_decide_the_ratio():
 
 
 def test_recorded_verdict_recomputes():
-    """The verdict recorded with an H200 run (2026-12-01, every provider) is what
-    ``target_lines`` computes again from that run's records."""
-    path = os.path.join(ROOT, "bench/results/2026-12-01-h200/s7-all-providers-7b09297/attention_flashinfer.json")
+    """The verdict recorded with the H200 run in bench/results/bench_attention.json (every
+    provider) is what ``target_lines`` computes again from that run's records."""
+    path = os.path.join(ROOT, "bench", "results", "bench_attention.json")
     with open(path) as f:
         d = json.load(f)
     again = [dict(line=line, met=met) for line, met in ba.target_lines(d["results"])]

@@ -30,7 +30,8 @@ def test_bench_transport_tiny(tmp_path, capsys):
     inline, system, ring = d["modes"]["inline"], d["modes"]["system"], d["modes"]["system-ring"]
     for m in (inline, system, ring):
         assert m["total_s"] >= m["rpc_s"] > 0 and m["ratio_to_engine"] > 0 and m["server_s"] > 0
-    q, o, l = d["meta"]["request"]["q_bytes"], d["meta"]["request"]["output_bytes"], d["meta"]["request"]["lse_bytes"]
-    assert inline["payload_bytes"] > q + o + l  # the tensors travel inline
+    req = d["meta"]["request"]
+    q, o, ls = req["q_bytes"], req["output_bytes"], req["lse_bytes"]
+    assert inline["payload_bytes"] > q + o + ls  # the tensors travel inline
     assert system["payload_bytes"] < 2000 and ring["payload_bytes"] < 2000  # only references travel
     assert "x engine" in printed and "skipped: not a CUDA device" in printed

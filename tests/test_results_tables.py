@@ -1,0 +1,136 @@
+"""bench/results/: one JSON per benchmark, and the tables made from them (bench/make_tables.py).
+
+The checked-in bench/results/README.md and the top-level README's results block are what the
+JSON gives; every figure in that block is a field of its JSON; the folder holds exactly the
+files make_tables lists, and scripts/gpu_run.sh writes them under those names."""
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+
+@pytest.fixture(scope="module")
+def mt():
+    import make_tables  # bench/ is on the path (conftest.py)
+
+    return make_tables
+
+
+def _readme() -> str:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read()
+
+
+def _block(text: str) -> str:
+    return text.split("<!-- results:begin -->\n", 1)[1].split("<!-- results:end -->", 1)[0]
+
+
+def test_results_readme_is_made_from_the_json(mt):
+    with open(os.path.join(RESULTS, "README.md")) as f:
+        assert f.read() == mt.results_readme(), "bench/results/README.md is stale: run python bench/make_tables.py"
+
+
+def test_readme_block_is_made_from_the_json(mt):
+    text = _readme()
+    if "<!-- results:begin -->" not in text:
+        pytest.skip("README.md has no <!-- results:begin --> / <!-- results:end --> lines yet")
+    assert _block(text) == mt.readme_block(ROOT), "README.md's results block is stale: run " \
+        "python bench/make_tables.py --readme README.md"
+    assert mt.replace_block(text, mt.readme_block(ROOT)) == text
+
+
+def _numbers(d) -> list[float]:
+    if isinstance(d, dict):
+        return [x for v in d.values() for x in _numbers(v)]
+    if isinstance(d, list):
+        return [x for v in d for x in _numbers(v)]
+    return [float(d)] if isinstance(d, (int, float)) and not isinstance(d, bool) else []
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_every_figure_in_the_readme_block_is_in_its_json(mt):
+    """Each result cell's numbers, parsed back, are fields of the row's JSON (seconds shown as ms,
+    rounded as printed); its GPU, date and commit are the JSON's."""
+    text = _readme()
+    blocks = [mt.readme_block(ROOT)] + ([_block(text)] if "<!-- results:begin -->" in text else [])
+    for block in blocks:
+        lines = [x for x in block.splitlines() if x.startswith("| ")]
+        assert _cells(lines[0]) == ["measured", "result", "GPU", "date", "commit", "data"]
+        rows = lines[2:]
+        assert 5 <= len(rows) <= 10
+        for line in rows:
+            measure, result, gpu, date, commit, data = _cells(line)
+            (path,) = re.findall(r"\]\((bench/results/[\w.]+\.json)\)", data)
+            with open(os.path.join(ROOT, path)) as f:
+                raw = f.read()
+            values = _numbers(json.loads(raw))
+            figures = re.findall(r"(?<![\w.])(\d+)(?:\.(\d+))?(?![\w.])", result)
+            assert figures, line
+            for whole, frac in figures:
+                x, tol = float(f"{whole}.{frac or 0}"), 0.5 * 10.0 ** -len(frac) + 1e-9
+                assert any(abs(v * s - x) <= tol for v in values for s in (1.0, 1e3)), \
+                    f"{x} ({measure}) is no field of {path}"
+            assert gpu in raw and commit in raw and date in raw, line
+
+
+def test_results_folder_is_flat_and_listed(mt):
+    names = set(os.listdir(RESULTS))
+    assert all(os.path.isfile(os.path.join(RESULTS, n)) for n in names)
+    plots = {p for b in mt.BENCHMARKS for p in b.plots}
+    assert names == {f"{f}.json" for f in mt.files()} | plots | {"README.md"}
+    assert len(names) < 40
+    for f in mt.files():  # every table can name its run
+        run = mt.run_of(mt.load(f))
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", run["date"]) and run["commit"] != "?" and "H200" in run["gpu"], f
+
+
+def test_gpu_run_writes_the_listed_files(mt):
+    """Every step's JSON lands in $OUT under its name in bench/results, and every file there
+    has a step that writes it."""
+    with open(os.path.join(ROOT, "scripts", "gpu_run.sh")) as f:
+        script = f.read()
+    outs = re.findall(r'--out "\$OUT/([^"]+)\.json"', script)
+    patterns = [re.compile(re.sub(r"\\\$\\\{[^}]*\\\}|\\\$\w+", ".+", re.escape(o)) + r"\Z") for o in outs]
+    for f in mt.files():
+        assert any(p.match(f) for p in patterns), f"gpu_run.sh writes no $OUT/{f}.json"
+    for o, p in zip(outs, patterns):
+        assert any(p.match(f) for f in mt.files()), f"gpu_run.sh writes $OUT/{o}.json, which bench/results lacks"
+    for b in mt.BENCHMARKS:
+        assert f"want {b.step} " in script or f"want {b.step};" in script, b.step
+
+
+def test_check_fails_on_a_changed_figure(mt, tmp_path, capsys):
+    res = tmp_path / "results"
+    shutil.copytree(RESULTS, res)
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n<!-- results:begin -->\nold\n<!-- results:end -->\n\ntail\n")
+    assert mt.main(["--check", "--results", str(res), "--readme", str(readme)]) == 1
+    assert mt.main(["--results", str(res), "--readme", str(readme)]) == 0  # rewrites the block only
+    text = readme.read_text()
+    assert text.startswith("# x\n\n<!-- results:begin -->\n| measured |")
+    assert text.endswith("<!-- results:end -->\n\ntail\n")
+    assert "](results/bench_engine.json)" in text  # links relative to that README
+    assert mt.main(["--check", "--results", str(res), "--readme", str(readme)]) == 0
+    d = json.loads((res / "bench_engine.json").read_text())
+    d["rows"][0]["fused_s"] *= 1.1
+    (res / "bench_engine.json").write_text(json.dumps(d))
+    capsys.readouterr()
+    assert mt.main(["--check", "--results", str(res), "--readme", str(readme)]) == 1
+    err = capsys.readouterr().err
+    assert "README.md differs from the JSON" in err and str(readme) in err and str(res / "README.md") in err
+
+
+def test_replace_block_needs_both_markers(mt):
+    with pytest.raises(ValueError, match="results:begin"):
+        mt.replace_block("# no markers\n", "x\n")
+    with pytest.raises(ValueError, match="results:begin"):
+        mt.replace_block("<!-- results:end -->\n<!-- results:begin -->\n", "x\n")
