@@ -26,11 +26,12 @@ from collections import Counter
 
 import pytest
 import torch
-from device_profile import device_work, fail_unless_counts_match
+
 from ctxprefill.backends import registry
 from ctxprefill.backends.cudnn_dense import CUDNN_KERNELS, CudnnDenseBackend
 from ctxprefill.backends.reference import ReferenceBackend
 from ctxprefill.ops import launches
+from device_profile import device_work, fail_unless_counts_match
 
 FP8 = torch.float8_e4m3fn
 HAS_CUDA = torch.cuda.is_available()
@@ -78,9 +79,9 @@ def reference(q, k, v, cu_q, cu_k, scale, causal=False):
         if causal:
             ar = lambda n: torch.arange(n, device=q.device)
             s = s.masked_fill(~(ar(d - c)[None, :] <= ar(b - a)[:, None] + (d - c) - (b - a)), float("-inf"))
-        l = torch.logsumexp(s, -1)
-        out[a:b] = torch.einsum("hqk,khd->qhd", torch.exp(s - l[..., None]).nan_to_num(0.0), v[c:d])
-        lse[:, a:b] = l
+        lse_i = torch.logsumexp(s, -1)
+        out[a:b] = torch.einsum("hqk,khd->qhd", torch.exp(s - lse_i[..., None]).nan_to_num(0.0), v[c:d])
+        lse[:, a:b] = lse_i
     return out.cpu(), lse.cpu()
 
 
@@ -101,7 +102,7 @@ def call(be, q, k, v, cu_q, cu_k, max_q, max_k, out=None, causal=False, scale=SC
     """(out, lse, launches the backend noted) of one call."""
     counts = Counter()
     with launches.stage(counts, "attention"):
-        launches.note(be.launches_per_call())  # as the engine does
+        launches.note(be.caps.launches_per_call)  # as the engine does
         o, lse = be.run_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale, out=out, causal=causal)
     return o, lse, counts["attention"]
 
@@ -117,11 +118,19 @@ def _triton_module():
     return ta
 
 
+def _kernel_backend(ta, dtype=torch.bfloat16):
+    """The kernel backend the cudnn backend hands its other chunks to on this GPU: gluon
+    on Hopper, else triton (``CudnnDenseBackend._delegate``)."""
+    cuda = torch.device("cuda")
+    gluon = ta.GluonAttentionBackend.unavailable_reason(cuda, dtype) is None
+    return ta.GluonAttentionBackend() if gluon else ta.TritonAttentionBackend()
+
+
 # ----------------------------------------------------------------------------- CPU
 def test_interface_and_registry_order():
     be = CudnnDenseBackend()
-    assert be.name == "cudnn" and be.supports_out()
-    assert be.launches_per_call() == 0, "the backend notes its own launches per path"
+    assert be.name == "cudnn" and be.caps.supports_out and not be.caps.unpacked_keys and not be.caps.launch_order
+    assert be.caps.launches_per_call == 0, "the backend notes its own launches per path"
     assert CUDNN_KERNELS >= 1
     assert "cudnn" in registry.names()
     assert "cudnn" not in registry._AUTO_ORDER  # opt-in: a plan build per new shape (DESIGN.md)
@@ -129,8 +138,8 @@ def test_interface_and_registry_order():
 
 
 def test_not_available_on_cpu():
-    ok, why = CudnnDenseBackend.is_available(torch.device("cpu"))
-    assert not ok and "CUDA" in why, why
+    why = CudnnDenseBackend.unavailable_reason(torch.device("cpu"), torch.bfloat16)
+    assert why and "CUDA" in why, why
     with pytest.raises(ValueError, match="not available"):
         registry.create("cudnn", torch.device("cpu"), torch.bfloat16)
 
@@ -144,12 +153,11 @@ def test_auto_on_cpu_still_picks_reference(dtype):
 
 def test_supports_bf16_only():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert not CudnnDenseBackend.supports(cuda, FP8)
-    assert not CudnnDenseBackend.supports(cpu, FP8)
-    assert not CudnnDenseBackend.supports(cpu, torch.float16)
-    assert CudnnDenseBackend.supports(cpu, torch.bfloat16)
-    if not HAS_CUDA:
-        assert CudnnDenseBackend.supports(cuda, torch.bfloat16)
+    assert CudnnDenseBackend.caps.q_dtypes == {torch.bfloat16}
+    for dev in (cpu, cuda):  # the dtype is refused before the device is looked at
+        assert "dtype not supported" in CudnnDenseBackend.unavailable_reason(dev, FP8)
+        assert "dtype not supported" in CudnnDenseBackend.unavailable_reason(dev, torch.float16)
+    assert "dtype" not in CudnnDenseBackend.unavailable_reason(cpu, torch.bfloat16)
 
 
 def _meta(q_lens, k_lens, H, dtype=torch.bfloat16):
@@ -253,7 +261,7 @@ def test_cudnn_refusal_falls_back_to_triton(monkeypatch):
     be = CudnnDenseBackend()
     q, k, v, cu_q, cu_k = make_batch([6], [11], 2, seed=4)
     ref = tri.run_context_chunk(q, k, v, cu_q, cu_k, 6, 11, 0.1)
-    for attempt in range(2):
+    for _attempt in range(2):
         o, lse, n = call(be, q, k, v, cu_q, cu_k, 6, 11, scale=0.1)
         assert be.last_path == "triton" and n == 1
         assert torch.equal(o, ref[0]) and torch.equal(lse, ref[1])
@@ -285,8 +293,8 @@ def test_cudnn_refusal_falls_back_to_triton(monkeypatch):
 
 # ----------------------------------------------------------------------------- GPU
 def gpu_backend() -> CudnnDenseBackend:
-    ok, why = CudnnDenseBackend.is_available(torch.device("cuda"))
-    assert ok, f"cudnn backend unavailable on this CUDA machine: {why}"
+    why = CudnnDenseBackend.unavailable_reason(torch.device("cuda"), torch.bfloat16)
+    assert why is None, f"cudnn backend unavailable on this CUDA machine: {why}"
     return CudnnDenseBackend()
 
 
@@ -351,8 +359,8 @@ def test_gpu_out_slice_written_in_place(layout):
 @pytest.mark.parametrize("case", ["ragged", "causal", "no_keys", "no_queries", "fp8", "ragged_one_empty"])
 def test_gpu_delegates_to_triton_bit_equal(case):
     ta = _triton_module()
-    be, tri = gpu_backend(), ta.TritonAttentionBackend()
     dtype, causal = (FP8 if case == "fp8" else torch.bfloat16), case == "causal"
+    be, tri = gpu_backend(), _kernel_backend(ta, dtype)
     q_lens, k_lens = {"ragged": ([300, 0, 40], [500, 7, 0]), "causal": ([200], [450]), "no_keys": ([9], [0]),
                       "no_queries": ([0], [64]), "fp8": ([130], [513]),
                       "ragged_one_empty": ([17, 4], [0, 33])}[case]
@@ -398,14 +406,16 @@ def test_gpu_launches_match_profiler(case, record_property):
 def test_gpu_engine_with_cudnn_backend(contexts, queries):
     """The engine with this backend (one sequence: every chunk dense cuDNN; the first
     written into out[token_slice], continuations merged) against the reference backend,
-    and its launch metric against the profiler. Auto picks cudnn for bf16, triton for fp8."""
-    from ctxprefill.workload import make_request
+    and its launch metric against the profiler. Auto picks the kernel backend (gluon on
+    Hopper, else triton) for both dtypes: cudnn is opt-in."""
+    from ctxprefill_bench.workload import make_request
     from engine_helpers import make_engine
 
     be = gpu_backend()
     assert isinstance(registry.create("cudnn", torch.device("cuda"), torch.bfloat16)[0], CudnnDenseBackend)
-    assert registry.create("auto", torch.device("cuda"), torch.bfloat16)[0].name == "triton"
-    assert registry.create("auto", torch.device("cuda"), FP8)[0].name == "triton"
+    kernel = _kernel_backend(_triton_module()).name  # gluon on Hopper, else triton
+    assert registry.create("auto", torch.device("cuda"), torch.bfloat16)[0].name == kernel
+    assert registry.create("auto", torch.device("cuda"), FP8)[0].name == kernel
     kw = {"heads": 16, "block_size": 64, "num_blocks": 64, "workspace_tokens": 1024, "device": "cuda"}
     eng = make_engine(backend=be, **kw)
     ref_eng = make_engine(backend=ReferenceBackend(), **kw)
@@ -447,7 +457,7 @@ def test_gpu_new_shape_cost_and_speed(record_property):
     cost a full build?), and the speed against Triton in the engine's layout (v inside
     the kv_b_proj output), 1 × 8192 queries over 16384 keys."""
     ta = _triton_module()
-    be, tri = gpu_backend(), ta.TritonAttentionBackend()
+    be, tri = gpu_backend(), _kernel_backend(ta)
     H = 16
     cold = {}
     for Tq, Tk in ((1531, 6007), (1532, 6007), (1531, 6008)):  # shapes no other test uses; then Tq, Tk + 1
@@ -465,7 +475,8 @@ def test_gpu_new_shape_cost_and_speed(record_property):
     res = {}
     for name, fn in (("cudnn", lambda: be.run_context_chunk(q, k, v, cu_q, cu_k, 8192, 16384, SCALE)),
                      ("cudnn+out", lambda: be.run_context_chunk(q, k, v, cu_q, cu_k, 8192, 16384, SCALE, out=out)),
-                     ("triton+out", lambda: tri.run_context_chunk(q, k, v, cu_q, cu_k, 8192, 16384, SCALE, out=out))):
+                     (f"{tri.name}+out", lambda: tri.run_context_chunk(q, k, v, cu_q, cu_k, 8192, 16384, SCALE,
+                                                                       out=out))):
         ms = _ms(fn)
         res[name] = (ms, flop / ms / 1e9)
         record_property(f"{name}_ms", round(ms, 4))
@@ -474,4 +485,4 @@ def test_gpu_new_shape_cost_and_speed(record_property):
            f"1x8192q/16384k H={H}: " + ", ".join(f"{n} {ms:.3f} ms {tf:.0f} TFLOP/s" for n, (ms, tf) in res.items())
            + f"; path {be.last_path}")
     print(msg)
-    warnings.warn(msg)
+    warnings.warn(msg, stacklevel=1)

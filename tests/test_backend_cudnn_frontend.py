@@ -19,7 +19,6 @@ GPU. The probe tests use stand-in backend classes and timings.
 from __future__ import annotations
 
 import dataclasses
-
 import os
 from collections import Counter
 
@@ -29,14 +28,13 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 triton = pytest.importorskip("triton", reason="triton is not importable; the cudnn-frontend backend's kernels need it")
 
-from test_backend_cudnn import check, make_batch, reference  # noqa: E402  (shared float64 helpers)
-
 from ctxprefill.backends import cudnn_frontend as cf  # noqa: E402
 from ctxprefill.backends import registry  # noqa: E402
-from ctxprefill.backends.base import AttentionBackend  # noqa: E402
+from ctxprefill.backends.base import AttentionBackend, BackendCaps  # noqa: E402
 from ctxprefill.backends.cudnn_frontend import CudnnFrontendBackend, GraphKey, bucket, graph_spec  # noqa: E402
 from ctxprefill.backends.reference import ReferenceBackend  # noqa: E402
 from ctxprefill.ops import launches  # noqa: E402
+from test_backend_cudnn import check, make_batch, reference  # noqa: E402  (shared float64 helpers)
 
 FP8 = torch.float8_e4m3fn
 HAS_CUDA = torch.cuda.is_available()
@@ -113,7 +111,7 @@ def call(be, q, k, v, cu_q, cu_k, max_q, max_k, out=None, causal=False, scale=SC
     """(out, lse, launches noted), as the engine calls a backend."""
     counts = Counter()
     with launches.stage(counts, "attention"):
-        launches.note(be.launches_per_call())
+        launches.note(be.caps.launches_per_call)
         o, lse = be.run_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale, out=out, causal=causal)
     return o, lse, counts["attention"]
 
@@ -148,24 +146,29 @@ def test_graph_spec(layout):
 
 def test_interface_and_availability():
     be = CudnnFrontendBackend()
-    assert be.name == "cudnn-frontend" and be.supports_out()
-    assert be.launches_per_call() == 0, "path-dependent: the backend notes its own launches"
+    assert be.name == "cudnn-frontend" and be.caps.supports_out and not be.caps.unpacked_keys
+    assert be.caps.launches_per_call == 0, "path-dependent: the backend notes its own launches"
     assert cf.CUDNN_KERNELS >= 1 and be.stats_layout == cf.STATS_LAYOUT
-    ok, why = CudnnFrontendBackend.is_available(torch.device("cpu"))
-    assert not ok and "CUDA" in why, why
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert CudnnFrontendBackend.supports(cpu, torch.bfloat16)
-    assert not CudnnFrontendBackend.supports(cpu, FP8) and not CudnnFrontendBackend.supports(cuda, FP8)
-    assert not CudnnFrontendBackend.supports(cpu, torch.float16)
+    why = CudnnFrontendBackend.unavailable_reason(cpu, torch.bfloat16)
+    assert why and "CUDA" in why, why
+    assert CudnnFrontendBackend.caps.q_dtypes == {torch.bfloat16}
+    for dev in (cpu, cuda):
+        assert "dtype not supported" in CudnnFrontendBackend.unavailable_reason(dev, FP8)
+        assert "dtype not supported" in CudnnFrontendBackend.unavailable_reason(dev, torch.float16)
     with pytest.raises(ValueError, match="stats_layout"):
         CudnnFrontendBackend(stats_layout="dense")
+    q, k, v, cu_q, cu_k = make_batch([2], [3], 1)
+    with pytest.raises(ValueError, match="packed keys"):  # not in its caps: refused, not ignored
+        be.run_context_chunk(q, k[..., :128], v, cu_q, cu_k, 2, 3, 0.1, k_rope=k[..., 128:])
 
 
 def test_registry():
     assert "cudnn-frontend" in registry.names()
     assert registry.backend_class("cudnn-frontend") is CudnnFrontendBackend
-    assert "cudnn-frontend" not in registry._AUTO_ORDER  # the static order is unchanged
-    assert registry._AUTO_ORDER == ("triton", "reference")
+    assert "cudnn-frontend" not in registry._AUTO_ORDER  # a graph build per shape bucket: probed, not static
+    assert registry._AUTO_ORDER == ("gluon", "triton", "reference")
+    assert registry._PROBE_FIRST == ("gluon", "triton") and registry._PROBE_OTHERS == ("cudnn-frontend",)
     with pytest.raises(ValueError, match="not available"):
         registry.create("cudnn-frontend", torch.device("cpu"), torch.bfloat16)
 
@@ -372,28 +375,25 @@ def test_declared_pygraph_with_the_real_frontend():
 
 # ----------------------------------------------------------------------------- auto's probe
 class _Fake(AttentionBackend):
-    avail, dtypes = True, (torch.bfloat16,)
+    avail = True
+    caps = BackendCaps(q_dtypes=frozenset({torch.bfloat16}))
 
     @classmethod
-    def is_available(cls, device):
-        return (True, "") if cls.avail else (False, f"{cls.name} not here")
-
-    @classmethod
-    def supports(cls, device, q_dtype):
-        return q_dtype in cls.dtypes
-
-    def supports_out(self):
-        return True
+    def unavailable_reason(cls, device, q_dtype):
+        return super().unavailable_reason(device, q_dtype) or (None if cls.avail else f"{cls.name} not here")
 
     def run_context_chunk(self, *a, **kw):  # pragma: no cover - the measure is faked
         raise AssertionError
 
 
 def _fakes(monkeypatch, **specs):
-    """Register fake backends under the probe's names: name=(ms or an exception, available, dtypes)."""
+    """Register fake backends under the probe's names: name=(ms or an exception, available, dtypes).
+    A probe name not given (gluon, unless a test names it) is a fake that is not available."""
     classes = {}
+    specs = {name: (0.0, False, BF16) for name in registry._PROBE_FIRST + registry._PROBE_OTHERS} | specs
     for name, (ms, avail, dtypes) in specs.items():
-        classes[name] = type(f"Fake_{name}", (_Fake,), dict(name=name, avail=avail, dtypes=dtypes, ms=ms))
+        classes[name] = type(f"Fake_{name}", (_Fake,), dict(name=name, avail=avail, ms=ms,
+                                                            caps=BackendCaps(q_dtypes=frozenset(dtypes))))
     real = registry.backend_class
 
     def backend_class(name):
@@ -431,6 +431,19 @@ def test_probe_picks_the_fastest(monkeypatch):
     assert registry.create("auto", torch.device("cuda"), torch.bfloat16, probe=PROBE)[0].name == "triton"
 
 
+def test_gluon_is_the_first_candidate_where_it_serves(monkeypatch):
+    """Where gluon serves (Hopper), it is the candidate the others must beat, statically and
+    in the probe; triton, a fallback of the same family, is not timed against it."""
+    measured = _fakes(monkeypatch, gluon=(1.0, True, BF16 + (FP8,)), triton=(0.5, True, BF16 + (FP8,)),
+                      **{"cudnn-frontend": (0.95, True, BF16)})
+    be, why = registry.create("auto", torch.device("cuda"), torch.bfloat16, probe=PROBE)
+    assert be.name == "gluon" and measured == ["gluon", "cudnn-frontend"], (measured, why)
+    assert "10% faster to replace gluon" in why and "triton" not in why, why
+    assert registry.create("auto", torch.device("cuda"), torch.bfloat16)[0].name == "gluon"  # no probe shape
+    be, why = registry.create("auto", torch.device("cuda"), FP8, probe=PROBE)
+    assert be.name == "gluon" and why.startswith("auto: gluon, the only candidate"), why
+
+
 def test_probe_keeps_the_first_unless_another_is_faster_by_the_margin(monkeypatch):
     # 5 % faster: not enough to replace triton (graph builds per shape bucket are not in the probe)
     _fakes(monkeypatch, triton=(1.0, True, BF16), **{"cudnn-frontend": (0.95, True, BF16)})
@@ -465,7 +478,7 @@ def test_probe_skips_failures_unavailable_and_dtypes(monkeypatch):
 def test_probe_not_used_on_cpu_or_without_a_shape(monkeypatch):
     measured = _fakes(monkeypatch, triton=(1.0, True, BF16), **{"cudnn-frontend": (0.5, True, BF16)})
     be, why = registry.create("auto", torch.device("cpu"), torch.bfloat16, probe=PROBE)
-    assert measured == [] and be.name == "triton" and why == "auto"  # the static order, unprobed
+    assert measured == [] and be.name == "triton" and why == "auto (skipped gluon: gluon not here)"  # static
     monkeypatch.undo()
     be, why = registry.create("auto", torch.device("cpu"), torch.bfloat16, probe=PROBE)
     assert isinstance(be, ReferenceBackend) and "triton" in why  # CPU: reference, as before
@@ -475,7 +488,7 @@ def test_probe_not_used_on_cpu_or_without_a_shape(monkeypatch):
 
 
 def test_probe_with_the_k_pack_says_so(monkeypatch):
-    # the engine passes its K pack when its fused path reads K apart (bf16 prefill): the
+    # the engine passes its K pack when its fused path reads the keys unpacked (bf16 prefill): the
     # measurement (GPU: tests/gpu/test_backend_cudnn_frontend_gpu.py) then times each
     # candidate as that path runs it, and the reason says so
     _fakes(monkeypatch, triton=(1.0, True, BF16), **{"cudnn-frontend": (1.2, True, BF16)})

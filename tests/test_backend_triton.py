@@ -25,7 +25,12 @@ triton = pytest.importorskip("triton", reason="triton is not importable; the Tri
 
 from ctxprefill.backends import gluon_attention as ga  # noqa: E402
 from ctxprefill.backends import triton_attention as ta  # noqa: E402
-from ctxprefill.backends.triton_attention import TritonAttentionBackend, mla_context_attention  # noqa: E402
+from ctxprefill.backends.base import LaunchOrder  # noqa: E402
+from ctxprefill.backends.triton_attention import (  # noqa: E402
+    GluonAttentionBackend,
+    TritonAttentionBackend,
+    mla_context_attention,
+)
 
 FP8 = torch.float8_e4m3fn
 HAS_CUDA = torch.cuda.is_available()
@@ -64,10 +69,10 @@ def reference(q, k, v, cu_q, cu_k, scale, causal=False):
             ar = lambda n: torch.arange(n, device=q.device)
             vis = ar(kl)[None, :] <= ar(ql)[:, None] + (kl - ql)
             s = s.masked_fill(~vis, float("-inf"))
-        l = torch.logsumexp(s, -1)  # [H, ql]
-        p = torch.exp(s - l[..., None]).nan_to_num(0.0)  # rows seeing nothing: l=-inf -> 0
+        lse_i = torch.logsumexp(s, -1)  # [H, ql]
+        p = torch.exp(s - lse_i[..., None]).nan_to_num(0.0)  # rows seeing nothing: lse=-inf -> 0
         out[a:b] = torch.einsum("hqk,khd->qhd", p, v[c:d])
-        lse[:, a:b] = l
+        lse[:, a:b] = lse_i
     return out.cpu(), lse.cpu()
 
 
@@ -135,11 +140,13 @@ def test_many_segments_longest_first_and_past_the_sort_limit(B):
 
 
 @cpu_interp
+@pytest.mark.parametrize("backend", [TritonAttentionBackend, GluonAttentionBackend], ids=["triton", "gluon"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-def test_warm_up_runs_every_variant(dtype, monkeypatch):
+def test_warm_up_runs_every_variant(dtype, backend, monkeypatch):
     """The backend's warm-up runs the kernel with 1 and 2 segments (program order by
     length or not), on grids below and at least ``programs`` programs (the register
-    cap applies or not), with the default config — here in the interpreter."""
+    cap applies or not), with the backend's config (triton: the warp-specialized kernel
+    off) — here in the interpreter."""
     calls = []
     real = ta.mla_context_attention
 
@@ -147,15 +154,16 @@ def test_warm_up_runs_every_variant(dtype, monkeypatch):
         calls.append((cu_q.diff().tolist(), -(-max_q // ta.BLOCK_M_MAX) * q.shape[1] * (cu_q.numel() - 1),
                       "k_rope" if kw.get("k_rope") is not None else kw.get("v_layout", "thd"),
                       kw.get("tile_order") is not None))
+        assert kw["config"] == backend.config
         return real(q, k, v, cu_q, cu_k, max_q, max_k, scale, **kw)
 
     monkeypatch.setattr(ta, "mla_context_attention", spy)
-    TritonAttentionBackend().warm_up(torch.device(DEV), heads=2, q_dtype=dtype, programs=5)
+    backend().warm_up(torch.device(DEV), heads=2, q_dtype=dtype, programs=5)
     # fp8: every variant also with V keys-last (what the engine's fp8 pack gives); bf16: also
-    # with K's rope part apart (the engine's unpacked keys); on a GPU the several-segment
-    # ones also with a launch order (the kernel's 1-D variant)
+    # with the keys unpacked (the engine's unpacked keys); gluon on a GPU: the several-segment
+    # ones also with a launch order (the warp-specialized kernel's 1-D variant)
     layouts = ["thd", "hdt"] if dtype == FP8 else ["thd", "k_rope"]
-    orders = [False, True] if DEV == "cuda" else [False]
+    orders = [False, True] if DEV == "cuda" and backend.caps.launch_order else [False]
     want = [(ql, lay, o) for ql in ([1], [1, 1], [384], [384, 384])  # 3 x 128 rows x 2 heads >= 5
             for o in (orders if len(ql) > 1 else [False]) for lay in layouts]
     assert [(c[0], c[2], c[3]) for c in calls] == want
@@ -340,7 +348,7 @@ def _apart(k, H, dtype, device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
-def test_k_rope_apart_gives_the_same_bits(dtype, causal, tma):
+def test_unpacked_keys_give_the_same_bits(dtype, causal, tma):
     """k as k_nope + k_rope where the engine's unpacked keys lie (the kv_b_proj output's
     nope half, the workspace's rope columns with a 0 head stride) computes exactly what
     the packed k does; a wrong shape or dtype of k_rope is a ValueError."""
@@ -368,24 +376,30 @@ def test_k_rope_apart_gives_the_same_bits(dtype, causal, tma):
 
 
 @cpu_interp
-def test_backend_interface():
-    be = TritonAttentionBackend()
-    assert be.name == "triton" and be.supports_out() and be.launches_per_call() == 1
-    ok, why = TritonAttentionBackend.is_available(torch.device("cpu"))
-    assert not ok and "CUDA" in why
-    assert TritonAttentionBackend.supports(torch.device("cuda"), torch.bfloat16)
-    assert TritonAttentionBackend.supports(torch.device("cuda"), FP8)
-    assert not TritonAttentionBackend.supports(torch.device("cuda"), torch.float16)
+@pytest.mark.parametrize("backend", [TritonAttentionBackend, GluonAttentionBackend], ids=["triton", "gluon"])
+def test_backend_interface(backend):
+    be = backend()
+    caps = backend.caps
+    assert be.name == {TritonAttentionBackend: "triton", GluonAttentionBackend: "gluon"}[backend]
+    assert caps.supports_out and caps.launches_per_call == 1 and caps.q_dtypes == {torch.bfloat16, FP8}
+    assert caps.unpacked_keys == {torch.bfloat16, FP8} and caps.v_keys_last == {FP8}
+    assert caps.launch_order == (backend is GluonAttentionBackend)  # only the Gluon kernel takes one
+    assert "CUDA" in backend.unavailable_reason(torch.device("cpu"), torch.bfloat16)
+    assert "dtype not supported" in backend.unavailable_reason(torch.device("cuda"), torch.float16)
     q, k, v, cu_q, cu_k = make_batch([3, 4], [5, 0], 1, torch.bfloat16, DEV)
     out = torch.empty(7, 1, 128, dtype=torch.bfloat16, device=DEV)
     got, lse = be.run_context_chunk(q, k, v, cu_q, cu_k, 4, 5, 0.1, out=out)
     assert got is out
     check(got, lse, *reference(q, k, v, cu_q, cu_k, 0.1))
+    order = LaunchOrder(torch.zeros(1, dtype=torch.int32, device=DEV), 1)
+    if backend is TritonAttentionBackend:  # not a capability of the Triton kernel: refused
+        with pytest.raises(ValueError, match="launch order"):
+            be.run_context_chunk(q, k, v, cu_q, cu_k, 4, 5, 0.1, launch_order=order)
 
 
 @cpu_interp
 def test_nothing_to_compute():
-    # still one (empty) launch per call, as launches_per_call() says
+    # still one (empty) launch per call, as caps.launches_per_call says
     q, k, v, cu_q, cu_k = make_batch([0, 0], [3, 2], 2, torch.bfloat16, DEV)
     out, lse = mla_context_attention(q, k, v, cu_q, cu_k, 0, 3, 0.1)
     assert out.shape == (0, 2, 128) and lse.shape == (2, 0)
@@ -470,16 +484,20 @@ def test_gpu_other_configs(cfg):
 
 
 @needs_cuda
+@pytest.mark.parametrize("backend", [TritonAttentionBackend, GluonAttentionBackend], ids=["triton", "gluon"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-def test_gpu_out_pointer_and_untouched_rows(dtype):
+def test_gpu_out_pointer_and_untouched_rows(dtype, backend):
+    why = backend.unavailable_reason(torch.device("cuda"), dtype)
+    if backend is GluonAttentionBackend and why is not None:
+        pytest.skip(f"gluon unavailable here: {why}")
+    assert why is None, why
     H = 16
     q, k, v, cu_q, cu_k = make_batch([700, 5, 0, 130], [2000, 0, 9, 64], H, dtype, device="cuda", seed=4)
     Tq = q.shape[0]
     big = torch.full((Tq + 300, H, 128), 3.0, dtype=torch.bfloat16, device="cuda")
     out = big[100 : 100 + Tq]
     ptr = out.data_ptr()
-    be = TritonAttentionBackend()
-    assert TritonAttentionBackend.is_available(torch.device("cuda"))[0]
+    be = backend()
     got, lse = be.run_context_chunk(q, k, v, cu_q, cu_k, 700, 2000, 0.07, out=out)
     torch.cuda.synchronize()
     assert got is out and got.data_ptr() == ptr
@@ -494,10 +512,27 @@ def test_gpu_one_launch_per_call(tma):
     q, k, v, cu_q, cu_k = make_batch([300, 0, 40], [500, 7, 0], 16, torch.bfloat16, device="cuda")
     kernels = _kernel_names(lambda: mla_context_attention(q, k, v, cu_q, cu_k, 300, 500, 0.07,
                                                           config=dict(USE_TMA=tma)))
-    assert len(kernels) == TritonAttentionBackend().launches_per_call() == 1, kernels
+    assert len(kernels) == TritonAttentionBackend.caps.launches_per_call == 1, kernels
     # TMA-ready bf16 on Hopper runs the warp-specialized kernel (the default WS config)
     ws = tma and ga.gluon is not None and torch.cuda.get_device_capability()[0] == 9
     assert ("_mla_attn_ws_fwd" if ws else "_mla_ctx_attn_fwd") in kernels[0], kernels
+
+
+@needs_cuda
+def test_gpu_each_backend_runs_its_kernel():
+    """On a TMA-ready bf16 chunk, ``gluon`` (Hopper only) runs the warp-specialized kernel
+    and ``triton`` the Triton kernel, one launch each."""
+    q, k, v, cu_q, cu_k = make_batch([300, 0, 40], [500, 7, 0], 16, torch.bfloat16, device="cuda")
+    cuda = torch.device("cuda")
+    cases = [(TritonAttentionBackend(), "_mla_ctx_attn_fwd")]
+    if ga.gluon is not None and torch.cuda.get_device_capability()[0] == 9:
+        cases.append((GluonAttentionBackend(), "_mla_attn_ws_fwd"))
+    else:
+        assert GluonAttentionBackend.unavailable_reason(cuda, torch.bfloat16) is not None
+    for be, kernel in cases:
+        assert be.unavailable_reason(cuda, torch.bfloat16) is None
+        names = _kernel_names(lambda: be.run_context_chunk(q, k, v, cu_q, cu_k, 300, 500, 0.07))  # noqa: B023
+        assert len(names) == 1 and kernel in names[0], (be.name, names)
 
 
 # ----------------------------------------------------------------------------- no-GPU compile check
@@ -548,8 +583,8 @@ out = []
 for dt, cfg, causal in json.loads(sys.argv[1]):
     sig = {}
     for n in names:
-        sig[n] = {"Q": "*" + dt, "K": "*" + dt, "KR": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32", "cu_q": "*i32",
-                  "cu_k": "*i32", "cu_v": "*i32", "qk_scale": "fp32"}.get(n, "i32")
+        sig[n] = {"Q": "*" + dt, "K": "*" + dt, "KR": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32",
+                  "cu_q": "*i32", "cu_k": "*i32", "cu_v": "*i32", "qk_scale": "fp32"}.get(n, "i32")
     const = dict(CAUSAL=causal, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], IS_FP8=dt != "bf16",
                  PV_FP8=cfg.get("PV_FP8", False), USE_TMA=cfg.get("USE_TMA", False), UPCAST=False,
                  SORT_B=cfg.get("SORT_B", 0), V_T=cfg.get("V_T", False))
@@ -563,7 +598,8 @@ for dt, cfg, causal in json.loads(sys.argv[1]):
                                     **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {})))
     regs, stack = resources(k)
     out.append(dict(dt=dt, causal=causal, v_t=cfg.get("V_T", False), pv_fp8=cfg.get("PV_FP8", False),
-                    prmt=len(re.findall(r"\bprmt\b", k.asm["ptx"])), st_shared=len(re.findall(r"st\.shared", k.asm["ptx"])),
+                    prmt=len(re.findall(r"\bprmt\b", k.asm["ptx"])),
+                    st_shared=len(re.findall(r"st\.shared", k.asm["ptx"])),
                     wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
                     mma_sync=len(re.findall(r"\bmma\.sync", k.asm["ptx"])), regs=regs, stack=stack,
                     smem=k.metadata.shared))
@@ -605,8 +641,9 @@ fn = ga._mla_attn_ws_fwd
 names = fn.arg_names
 out = []
 for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
-    sig = {n: {"Q": "*" + dt, "K": "*" + dt, "KR": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32", "cu_q": "*i32",
-               "cu_k": "*i32", "cu_v": "*i32", "ORDER": "*i32", "qk_scale": "fp32"}.get(n, "i32") for n in names}
+    sig = {n: {"Q": "*" + dt, "K": "*" + dt, "KR": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32",
+               "cu_q": "*i32", "cu_k": "*i32", "cu_v": "*i32", "ORDER": "*i32", "qk_scale": "fp32"}.get(n, "i32")
+           for n in names}
     const = dict(BLOCK_M=128, BLOCK_N=ws["BLOCK_N"], STAGES=ws["STAGES"], PIPE=ws["PIPE"], SORT_B=sort_b,
                  IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True), USE_ORDER=use_order)
     # every compile-time parameter given (one left out would compile as a runtime value)
@@ -671,7 +708,7 @@ def test_gpu_warp_specialized_ragged(ws):
 
 @needs_ws
 @pytest.mark.parametrize("ws", ["ws_pipe", "ws_serial"])
-def test_gpu_warp_specialized_k_rope_apart(ws):
+def test_gpu_warp_specialized_unpacked_keys(ws):
     """The Gluon kernel over the unpacked keys (k_nope in a kv_b_proj-like output, k_rope
     in a workspace-like row with a 0 head stride): the same bits as over the packed k,
     NaN in every column it must not read; fp8 keys-last too."""
@@ -746,7 +783,8 @@ def test_gpu_warp_specialized_launch_order(dtype):
     got = ta.tile_order_codes(q_lens, k_lens, H, dtype, "cuda")
     assert got is not None
     order = ta.device_tile_order(q_lens, k_lens, H, dtype, "cuda")
-    assert order.codes.tolist() == list(got[0]) and order.m_tiles == got[1] == 14
+    assert order.codes.tolist() == list(got.codes) and order.m_tiles == got.m_tiles == 14
+    assert GluonAttentionBackend().launch_order(q_lens, k_lens, H, dtype, torch.device("cuda")) == got
     assert order.codes.numel() == H * sum(-(-n // 128) for n in q_lens)  # no empty programs
     q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, dtype, device="cuda", seed=H)
     kw = {}

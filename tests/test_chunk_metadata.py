@@ -2,8 +2,11 @@
 the planner's chunks say, equal vectors uploaded once and shared, the block table after
 them — on the CPU (the CUDA upload from pinned memory: tests/gpu/test_upload_gpu.py)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
+import torch
 
 from ctxprefill.engine.loop import LoopInputs, _chunk_metadata
 from ctxprefill.engine.plan import plan_chunks
@@ -33,13 +36,16 @@ def test_each_chunk_gets_its_own_values(query_lens, context_lens, workspace, key
     assert np.array_equal(bt.numpy(), x.block_table)
     q_off = np.concatenate([[0], np.cumsum(query_lens)])
     assert len(meta) == len(x.chunks)
-    for c, (cu_k, starts, cu_q, q0, q1, max_q, layout) in zip(x.chunks, meta):
+    for c, m in zip(x.chunks, meta, strict=True):
         want_k = np.concatenate([[0], np.cumsum(c.context_lens)])
         want_q = np.concatenate([[0], np.cumsum([query_lens[s] for s in c.sequences])])
-        assert cu_k.tolist() == want_k.tolist() and cu_q.tolist() == want_q.tolist()
-        assert starts.tolist() == list(c.context_starts)
-        assert (q0, q1) == (q_off[c.first_sequence], q_off[c.first_sequence + c.num_sequences])
-        assert max_q == max([query_lens[s] for s in c.sequences], default=0)
+        assert m.cu_seqlens_k.tolist() == want_k.tolist() and m.cu_seqlens_q.tolist() == want_q.tolist()
+        assert m.cu_seqlens_k.dtype == m.cu_seqlens_q.dtype == m.context_starts.dtype == torch.int32
+        assert m.context_starts.tolist() == list(c.context_starts)
+        assert (m.q0, m.q1) == (q_off[c.first_sequence], q_off[c.first_sequence + c.num_sequences])
+        assert m.max_q == max([query_lens[s] for s in c.sequences], default=0)
+        assert m.max_k == max(c.context_lens) > 0
+        layout = m.keys_last
         if keys_last:
             assert layout.cu_k == want_k.tolist() and layout.cu_v == keys_last_starts(want_k.tolist())
             assert layout.cu_v_dev.tolist() == layout.cu_v and layout.cu_k_dev.tolist() == layout.cu_k
@@ -51,6 +57,13 @@ def test_equal_vectors_are_one_tensor():
     x = _inputs([1024], [65536], 16384)
     _, meta = _chunk_metadata(x, "cpu")
     assert len(meta) == 4
-    assert all(m[0] is meta[0][0] and m[2] is meta[0][2] for m in meta)  # cu_k, cu_q: one view each
-    assert len({id(m[1]) for m in meta}) == 4  # the starts differ
-    assert [m[1].item() for m in meta] == [0, 16384, 32768, 49152]
+    # cu_k, cu_q: one view each
+    assert all(m.cu_seqlens_k is meta[0].cu_seqlens_k and m.cu_seqlens_q is meta[0].cu_seqlens_q for m in meta)
+    assert len({id(m.context_starts) for m in meta}) == 4  # the starts differ
+    assert [m.context_starts.item() for m in meta] == [0, 16384, 32768, 49152]
+
+
+def test_metadata_is_frozen():
+    _, meta = _chunk_metadata(_inputs([3, 5], [40, 90], 64), "cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        meta[0].q0 = 1

@@ -5,14 +5,15 @@ be identical between the paths, and so must the merged result, for every
 combination of cache dtype × kv_b_proj dtype × out mode × prefill dtype.
 """
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
+from ctxprefill.backends.base import HostLaunchOrder
 from ctxprefill.backends.reference import ReferenceBackend
-from ctxprefill.workload import make_request
-
+from ctxprefill_bench.workload import make_request
 from engine_helpers import bits, make_engine, record_chunks
 
 COMBOS = list(itertools.product(["auto", "fp8", "fp8_ds_mla"], ["bf16", "fp8"], [True, False], ["bf16", "fp8"]))
@@ -79,7 +80,7 @@ def test_out_modes_agree_bit_for_bit():
 
 
 class LyingBackend(ReferenceBackend):
-    """Claims supports_out() but returns a buffer of its own."""
+    """Claims caps.supports_out but returns a buffer of its own."""
 
     def run_context_chunk(self, *args, out=None, **kw):
         return super().run_context_chunk(*args, out=None, **kw)
@@ -123,8 +124,8 @@ def test_fresh_sequence_inside_a_continuation_chunk_starts_from_zero():
     """contexts [200, 0, 32], W=128: chunk 2 is a continuation of seq 0 that also holds
     all of seq 2 — seq 2's rows are reached only by a merge, so they must be
     initialised to 0 / -inf first (a trap for planners of this shape)."""
-    from ctxprefill.reference64 import prefill_context_float64
-    from ctxprefill.workload import relative_error
+    from ctxprefill_bench.reference64 import prefill_context_float64
+    from ctxprefill_bench.workload import relative_error
 
     eng = make_engine(workspace_tokens=128)
     q, seqs = make_request(eng, [200, 0, 32], [4, 2, 3])
@@ -148,18 +149,16 @@ def test_caller_plan_listing_an_empty_sequence_twice_still_initialises_the_rest(
 
 
 class KeysLastReference(ReferenceBackend):
-    """The reference attention behind the keys-last V interface (what the Triton backend
-    takes for fp8): V [H, 128, columns], segment s from column cu_seqlens_v[s]."""
+    """The reference attention behind the keys-last V interface (what the kernel backends
+    take for fp8): V [H, 128, columns], segment s from column cu_seqlens_v[s]."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
+        self.caps = dataclasses.replace(self.caps, v_keys_last=frozenset({torch.float8_e4m3fn}))
         self.layouts = []
 
-    def v_keys_last(self, q_dtype):
-        return q_dtype == torch.float8_e4m3fn
-
-    def run_context_chunk(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, out=None, causal=False, v_layout="thd",
-                          cu_seqlens_v=None):
+    def run_context_chunk(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, *, out=None, causal=False, k_rope=None,
+                          v_layout="thd", cu_seqlens_v=None, launch_order=None):
         if v_layout == "hdt":
             cu_v = cu_seqlens_v.tolist()
             assert all(c % 16 == 0 for c in cu_v), cu_v  # 16-byte aligned fp8 segment starts
@@ -168,7 +167,10 @@ class KeysLastReference(ReferenceBackend):
             for a, b, c in zip(cu_k.tolist(), cu_k.tolist()[1:], cu_v):
                 thd[a:b] = v[:, :, c : c + b - a].permute(2, 0, 1)
             v = thd
-        return super().run_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale, out=out, causal=causal)
+        else:
+            assert cu_seqlens_v is None
+        return super().run_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale, out=out, causal=causal,
+                                         k_rope=k_rope, launch_order=launch_order)
 
 
 @pytest.mark.parametrize("case", ["seed", "larger", "single"])
@@ -201,30 +203,32 @@ def test_keys_last_v_fused_equals_generic_and_the_row_major_result(case, cache_d
 
 
 class OrderedReference(ReferenceBackend):
-    """The reference attention with a launch order (as the Triton backend has one): codes
+    """The reference attention with a launch order (as the gluon backend has one): codes
     made from the chunk's lengths, so that the test can tell them apart."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
+        self.caps = dataclasses.replace(self.caps, launch_order=True)
         self.asked, self.given = [], []
 
     def launch_order(self, q_lens, k_lens, heads, q_dtype, device):
         self.asked.append((list(q_lens), list(k_lens), heads, q_dtype))
         if len(q_lens) < 2:
             return None
-        return tuple(1000 * q + k for q, k in zip(q_lens, k_lens)), len(q_lens)
+        return HostLaunchOrder(tuple(1000 * q + k for q, k in zip(q_lens, k_lens, strict=True)), len(q_lens))
 
-    def run_context_chunk(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, out=None, causal=False, launch_order=None):
-        self.given.append(None if launch_order is None else (launch_order[0].tolist(), launch_order[1],
-                                                                  launch_order[0].dtype, launch_order[0].device))
-        return super().run_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale, out=out, causal=causal)
+    def run_context_chunk(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, *, launch_order=None, **kw):
+        self.given.append(None if launch_order is None else (launch_order.codes.tolist(), launch_order.m_tiles,
+                                                                  launch_order.codes.dtype, launch_order.codes.device))
+        return super().run_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale, **kw)
 
 
 def test_launch_order_asked_per_chunk_and_given_on_the_device():
     """The engine asks the backend for a launch order per chunk with the chunk's host-side
     lengths (after launching the chunk's gather, kv_b_proj and pack), copies it to the
-    device, and hands it to that chunk's attention call; a backend with none (None) is
-    called without the argument. The result does not change."""
+    device, and hands it to that chunk's attention call; where it gives none (None) the
+    call has none; a backend without caps.launch_order is never asked. The result does
+    not change."""
     c = CASES["larger"]
     kw = dict(heads=c["heads"], block_size=c["block"], num_blocks=c["blocks"], workspace_tokens=c["W"])
     be = OrderedReference(honor_out=True)
@@ -242,16 +246,21 @@ def test_launch_order_asked_per_chunk_and_given_on_the_device():
             assert given == ([1000 * a + b for a, b in zip(q_lens, ch.context_lens)], len(q_lens), torch.int32,
                              q.device)
     assert any(g is not None for g in be.given)
+    be.asked.clear()
+    be.caps = dataclasses.replace(be.caps, launch_order=False)  # not a capability: never asked
+    r2 = eng.prefill_context(q, seqs)
+    assert be.asked == [] and be.given[-len(chunks):] == [None] * len(chunks)
     eng.backend = ReferenceBackend(honor_out=True)  # the same cache, no launch order
     plain = eng.prefill_context(q, seqs)
-    assert torch.equal(bits(r.out), bits(plain.out)) and torch.equal(bits(r.lse), bits(plain.lse))
+    for x in (r, r2):
+        assert torch.equal(bits(x.out), bits(plain.out)) and torch.equal(bits(x.lse), bits(plain.lse))
 
 
-class _RecordingApart(ReferenceBackend):
-    """The reference backend taking K's rope part apart; notes what each call was given."""
+class _RecordingUnpacked(ReferenceBackend):
+    """The reference backend reading the keys unpacked; notes what each call was given."""
 
     def __init__(self, honor_out: bool):
-        super().__init__(honor_out=honor_out, k_rope_apart=True)
+        super().__init__(honor_out=honor_out, unpacked_keys=True)
         self.calls = []
 
     def run_context_chunk(self, q, k, v, *args, k_rope=None, **kw):
@@ -264,12 +273,12 @@ class _RecordingApart(ReferenceBackend):
 # unpacked keys change nothing in the accumulation, which test above covers in full)
 @pytest.mark.parametrize("cache_dtype,kvb,honor_out,prefill", [c for c in COMBOS if c[2] or c[0] == "fp8"])
 def test_unpacked_keys_equal_generic_chunk_by_chunk(case, cache_dtype, kvb, honor_out, prefill):
-    """Fused path with a backend that takes k_rope apart: bf16 prefill packs no K (no pack
+    """Fused path with a backend that reads the keys unpacked: bf16 prefill packs no K (no pack
     stage, no pack launch; attention gets k_nope [rows, H, 128] and k_pe with a 0 head
     stride) and equals the generic path chunk by chunk, bit for bit; fp8 prefill still
     packs (it quantizes); unpacked_keys=False packs K with the fused kernel, same bits."""
     c = CASES[case]
-    be = _RecordingApart(honor_out)
+    be = _RecordingUnpacked(honor_out)
     eng = make_engine(cache_dtype, kvb, prefill, heads=c["heads"], block_size=c["block"], num_blocks=c["blocks"],
                       workspace_tokens=c["W"], backend=be)
     q, seqs = make_request(eng, c["contexts"], c["queries"], seed=1)

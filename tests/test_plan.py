@@ -53,7 +53,7 @@ def test_plan_properties(lens, block, w_blocks, extra):
     for c in chunks:
         assert 0 < c.rows <= W  # no empty chunk, none over the workspace
         assert c.context_lens[0] > 0  # a chunk starts with a sequence that has rows
-        for k, (s, n) in enumerate(zip(c.context_starts, c.context_lens)):
+        for k, (s, n) in enumerate(zip(c.context_starts, c.context_lens, strict=True)):
             seq = c.first_sequence + k
             if k > 0:
                 assert s == 0  # only the first sequence may be a continuation

@@ -10,12 +10,13 @@ the CUDA gather / merge / insert both paths run) inside the real loop.
 Launch count: one ``prefill_context`` under torch.profiler (CUDA activity); device
 kernels (host transfers and memsets excluded; device-to-device copies, which torch
 runs as a DtoD memcpy, counted) against ``sum(result.stats.launches.values())``,
-with a test backend of exactly two fill kernels per call, and with the Triton backend
-where it imports and runs here.
+with a test backend of exactly two fill kernels per call, and with the kernel backend
+``auto`` takes here (gluon on Hopper, else triton).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -24,7 +25,7 @@ import sys
 import pytest
 import torch
 
-from ctxprefill.backends.base import AttentionBackend
+from ctxprefill.backends.base import AttentionBackend, BackendCaps
 from ctxprefill.backends.reference import ReferenceBackend
 from ctxprefill.config import CacheConfig, EngineConfig, ModelShape
 from ctxprefill.engine.engine import Engine, SequenceSpec
@@ -148,14 +149,14 @@ class FillBackend(AttentionBackend):
     launch count is known, so that the count of everything else is tested exactly."""
 
     name = "fill-test"
+    caps = BackendCaps(q_dtypes=frozenset({torch.bfloat16, torch.float8_e4m3fn}), launches_per_call=2)
 
     def __init__(self, honor_out: bool = True):
         self.honor_out = honor_out
+        self.caps = dataclasses.replace(type(self).caps, supports_out=honor_out)
 
-    def supports_out(self) -> bool:
-        return self.honor_out
-
-    def run_context_chunk(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, out=None, causal=False):
+    def run_context_chunk(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, *, out=None, causal=False,
+                          k_rope=None, v_layout="thd", cu_seqlens_v=None, launch_order=None):
         Tq, H = q.shape[0], q.shape[1]
         if out is not None and self.honor_out:
             out.fill_(0.25)
@@ -164,17 +165,19 @@ class FillBackend(AttentionBackend):
         lse = torch.full((H, Tq), 1.5, dtype=torch.float32, device=q.device)
         return out, lse
 
-    def launches_per_call(self) -> int:
-        return 2
-
 
 def _triton_backend():
+    """The kernel backend ``auto`` takes here: gluon on Hopper (the warp-specialized kernel,
+    with the Triton kernel for the chunks it does not take), else triton."""
     try:
-        from ctxprefill.backends.triton_attention import TritonAttentionBackend
+        from ctxprefill.backends.triton_attention import GluonAttentionBackend, TritonAttentionBackend
     except Exception as e:  # noqa: BLE001
         return None, f"ctxprefill.backends.triton_attention does not import: {e!r}"
-    ok, why = TritonAttentionBackend.is_available(torch.device("cuda"))
-    if not ok:
+    cuda = torch.device("cuda")
+    if GluonAttentionBackend.unavailable_reason(cuda, torch.bfloat16) is None:
+        return GluonAttentionBackend(), ""
+    why = TritonAttentionBackend.unavailable_reason(cuda, torch.bfloat16)
+    if why is not None:
         return None, why
     return TritonAttentionBackend(), ""
 
@@ -227,19 +230,19 @@ def test_launch_count_matches_profiler(case, cache_dtype, kvb, prefill, fused, h
 @pytest.mark.parametrize("cache_dtype,kvb,prefill", [("auto", "bf16", "bf16"), ("fp8", "fp8", "fp8")],
                          ids=["bf16", "fp8"])
 def test_packed_launch_order_in_the_engine_changes_no_bit(cache_dtype, kvb, prefill):
-    """A ragged request whose chunk the Triton backend gives a packed launch order (4
+    """A ragged request whose chunk the gluon backend gives a packed launch order (4
     sequences in one 32k-row chunk at H=16: 512 tiles) — the engine copies it to the device
     before the chunk's attention — gives the same bits, fused and generic, as the same
     backend with no order (every tile computes the same either way), and one launch of
     attention."""
     backend, why = _triton_backend()
-    if backend is None:
-        pytest.skip(f"Triton backend unavailable: {why}")
+    if backend is None or not backend.caps.launch_order:
+        pytest.skip(f"no backend with a launch order here (gluon needs Hopper): {why or backend.name}")
     case = dict(contexts=[6960, 2320, 9280, 3472], queries=[256, 1792, 640, 1408], W=32768, block=64, heads=16,
                 blocks=400)
     eng = make_engine(case, cache_dtype, kvb, prefill, backend)
     q, seqs = make_request(eng, case)
-    from ctxprefill.bench import launch_orders_given
+    from ctxprefill_bench.engine_bench import launch_orders_given
 
     runs = [launch_orders_given(eng, q, seqs, fused=f) for f in (True, False)]
     given, ordered = [g for gave, _ in runs for g in gave], [r for _, r in runs]
@@ -258,10 +261,11 @@ UNPACKED_COMBOS = list(itertools.product(["auto", "fp8", "fp8_ds_mla"], ["bf16",
 @pytest.mark.parametrize("cache_dtype,kvb", UNPACKED_COMBOS, ids=["-".join(c) for c in UNPACKED_COMBOS])
 @pytest.mark.parametrize("case", list(CASES) + ["long"])
 def test_unpacked_keys_with_triton_equal_generic(case, cache_dtype, kvb):
-    """bf16 prefill with the Triton backend: the fused path packs no K (attention reads
-    k_nope from the kv_b_proj output and k_pe from the workspace, a 0 head stride) and
-    gives, chunk by chunk, the generic path's out and LSE bit for bit — and the fused
-    path with its K pack (unpacked_keys=False) the same; no pack launch when unpacked."""
+    """bf16 prefill with the kernel backend (gluon on Hopper, else triton): the fused path
+    packs no K (attention reads k_nope from the kv_b_proj output and k_pe from the
+    workspace, a 0 head stride) and gives, chunk by chunk, the generic path's out and LSE
+    bit for bit — and the fused path with its K pack (unpacked_keys=False) the same; no
+    pack launch when unpacked."""
     backend, why = _triton_backend()
     if backend is None:
         pytest.skip(f"Triton backend unavailable: {why}")

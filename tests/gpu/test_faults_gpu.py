@@ -31,8 +31,8 @@ GiB, MiB = 1 << 30, 1 << 20
 
 
 def _prefill_req(rows: int, context: int, H: int, bs: int, seed: int = 0):
-    from ctxprefill_client import encode_tensor, float32_to_bf16_bits
     from ctxprefill_api import pb
+    from ctxprefill_client import encode_tensor, float32_to_bf16_bits
 
     x = np.random.default_rng(seed).standard_normal((rows, H, 192)).astype(np.float32)
     return pb.PrefillContextRequest(
@@ -41,14 +41,14 @@ def _prefill_req(rows: int, context: int, H: int, bs: int, seed: int = 0):
 
 
 def test_device_out_of_memory_is_resource_exhausted_and_the_server_goes_on(cuda_ext):
-    from ctxprefill.service.interceptors import ServerInterceptor
-    from ctxprefill.service.metrics import Metrics
+    from ctxprefill.app import build_engine
     from ctxprefill.service.engine_worker import EngineWorker
+    from ctxprefill.service.interceptors import server_interceptors
+    from ctxprefill.service.metrics import Metrics
     from ctxprefill.service.servicer import PrefillContextServicer
-    from ctxprefill.settings import ServeSettings, build_engine
+    from ctxprefill.settings import ServeSettings
+    from ctxprefill_api import pb, pb_grpc
     from ctxprefill_client import encode_tensor
-    from ctxprefill_api import pb
-    from ctxprefill_api import pb_grpc
     from service_process import parse_metrics, sample_sum
 
     H, bs = 16, 64
@@ -71,7 +71,7 @@ def test_device_out_of_memory_is_resource_exhausted_and_the_server_goes_on(cuda_
         servicer = PrefillContextServicer(settings, metrics, worker, GiB, 4)
         servicer.attach_engine(engine)
         servicer.set_ready()
-        server = grpc.aio.server(interceptors=[ServerInterceptor(metrics)],
+        server = grpc.aio.server(interceptors=server_interceptors(metrics),
                                  options=[("grpc.max_receive_message_length", GiB),
                                           ("grpc.max_send_message_length", GiB)])
         pb_grpc.add_PrefillContextServiceServicer_to_server(servicer, server)

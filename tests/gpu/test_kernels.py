@@ -44,8 +44,9 @@ from ctxprefill.ops.pack import (
 )
 from ctxprefill.ops.slot_format import bytes_per_slot
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                  reason="no CUDA device: the CUDA kernel tests run on the GPU machine")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="no CUDA device: the CUDA kernel tests run on the GPU machine")]
 
 DEV = "cuda"
 FP8 = torch.float8_e4m3fn
@@ -629,11 +630,11 @@ def test_merge_generic_path(cuda_ext, V):
 
 def test_merge_errors_and_empty(cuda_ext):
     out_full, lse_full, part, plse, pad = merge_case(4, 2)
-    o, l = _view(out_full, lse_full, pad, 4)
+    o, lse = _view(out_full, lse_full, pad, 4)
     with pytest.raises(RuntimeError, match="lse"):
-        cuda_ext.merge(o, l.t(), part, plse)
+        cuda_ext.merge(o, lse.t(), part, plse)
     with pytest.raises(RuntimeError, match="part_out"):
-        cuda_ext.merge(o, l, part[:3], plse)
+        cuda_ext.merge(o, lse, part[:3], plse)
     with pytest.raises(RuntimeError, match="bfloat16|BFloat16"):
-        cuda_ext.merge(o.float(), l, part, plse)
-    cuda_ext.merge(o[:0], l[:, :0], part[:0], plse[:, :0])
+        cuda_ext.merge(o.float(), lse, part, plse)
+    cuda_ext.merge(o[:0], lse[:, :0], part[:0], plse[:, :0])

@@ -1,4 +1,4 @@
-"""The service's metrics on the GPU (CONTRACT §9, issue 5): for one PrefillContext RPC, the
+"""The service's metrics on the GPU (CONTRACT §9): for one PrefillContext RPC, the
 increase of ``ctxprefill_kernel_launches_total`` equals the kernels the CUDA profiler
 records while the request runs, and ``ctxprefill_fp8_path_total`` moves by the number
 of chunks under the request's dtype combination."""
@@ -15,8 +15,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: service_process
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                  reason="no CUDA device: the GPU service tests run on the GPU machine")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="no CUDA device: the GPU service tests run on the GPU machine")]
 
 COMBOS = [("auto", "bf16"), ("fp8", "bf16"), ("fp8", "fp8"), ("fp8_ds_mla", "bf16"), ("fp8_ds_mla", "fp8")]
 
@@ -26,18 +27,18 @@ def test_launch_metric_equals_profiler_and_fp8_path_counts_chunks(cache_dtype, p
     import grpc
     from torch.profiler import ProfilerActivity, profile
 
-    from ctxprefill.service.interceptors import ServerInterceptor
-    from ctxprefill.service.metrics import Metrics
+    from ctxprefill.app import build_engine
     from ctxprefill.service.engine_worker import EngineWorker
+    from ctxprefill.service.interceptors import server_interceptors
+    from ctxprefill.service.metrics import Metrics
     from ctxprefill.service.servicer import PrefillContextServicer
-    from ctxprefill.settings import ServeSettings, build_engine
+    from ctxprefill.settings import ServeSettings
+    from ctxprefill_api import pb, pb_grpc
     from ctxprefill_client import encode_tensor, float32_to_bf16_bits, float32_to_fp8_e4m3_bits
-    from ctxprefill_api import pb
-    from ctxprefill_api import pb_grpc
     from service_process import parse_metrics, sample_sum
 
     s = ServeSettings(device="cuda", heads=4, block_size=16, num_blocks=64, workspace_tokens=64,
-                      cache_dtype=cache_dtype, prefill_dtype=prefill, backend="triton")
+                      cache_dtype=cache_dtype, prefill_dtype=prefill, backend="gluon")  # the H200's kernel
     engine = build_engine(s)
     metrics = Metrics()
     worker = EngineWorker(metrics)
@@ -52,7 +53,7 @@ def test_launch_metric_equals_profiler_and_fp8_path_counts_chunks(cache_dtype, p
         return sum(v for labels, v in m.get("ctxprefill_kernel_launches_total", []) if labels.get("stage") != "insert")
 
     async def main():
-        server = grpc.aio.server(interceptors=[ServerInterceptor(metrics)])
+        server = grpc.aio.server(interceptors=server_interceptors(metrics))
         pb_grpc.add_PrefillContextServiceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()

@@ -1,4 +1,4 @@
-"""The shared-memory transport on the GPU (issue 8, docs/TRANSPORT.md): CUDA IPC.
+"""The shared-memory transport on the GPU (docs/TRANSPORT.md): CUDA IPC.
 
 A ``ctxprefill serve --device cuda --shared-memory all`` subprocess; this test process
 is the client (``cudaIpcOpenMemHandle`` refuses a handle made in its own process, so
@@ -22,12 +22,14 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: service_process, context_layout
+# tests/: service_process, context_layout
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from context_layout import tables_and_slots  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                  reason="no CUDA device: the GPU transport tests run on the GPU machine")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="no CUDA device: the GPU transport tests run on the GPU machine")]
 
 BS, NB, H, D, V, L, R = 16, 64, 4, 192, 128, 512, 64
 CONTEXTS, QUERIES = [100, 0, 37, 64], [5, 3, 7, 1]
@@ -46,9 +48,8 @@ SEQS = list(zip(QUERIES, CONTEXTS, TABLES))
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def served(request, cuda_ext):  # cuda_ext: the extension is built (and cached) before the server needs it
-    from service_process import ServerProcess
-
     from ctxprefill_client import PrefillContextClient
+    from service_process import ServerProcess
 
     flags = {"device": f"cuda:{torch.cuda.current_device()}", "heads": H, "block_size": BS, "num_blocks": NB,
              "workspace_tokens": 64, "seed": 9, "shared_memory": "all", **CONFIGS[request.param]}
@@ -191,7 +192,6 @@ def test_system_region_is_page_locked_by_the_cuda_runtime_and_unlocked_when_drop
     pinned (cudaPointerGetAttributes), copies both ways through it are exact, and after
     unregistering a view still held reports pageable memory again."""
     from ctxprefill.service.shared_memory import SharedMemoryRegistry
-
     from ctxprefill_client import SystemSharedMemoryRegion
 
     dev = torch.device("cuda", torch.cuda.current_device())

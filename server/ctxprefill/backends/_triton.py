@@ -2,6 +2,8 @@
 cudnn_frontend's metadata kernel). They stay importable where Triton is absent and
 report ``TRITON_ERR`` as the reason they are unavailable."""
 
+__all__ = ["TRITON_ERR", "tl", "triton"]
+
 try:
     import triton
     import triton.language as tl

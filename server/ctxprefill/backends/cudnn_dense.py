@@ -1,13 +1,13 @@
-"""cuDNN dense attention for single-segment bf16 chunks; Triton for everything else.
+"""cuDNN dense attention for single-segment bf16 chunks; a kernel backend for everything else.
 
 The common production chunk is one long sequence (B = 1). For it, torch's dense cuDNN
 SDPA (``aten._scaled_dot_product_cudnn_attention``; d_qk 192 / d_v 128, natural-log
 LSE ``[B, H, S, 1]``) measured 594–632 useful TFLOP/s on the H200 against 510–545 for
 our Triton kernel. It has no ragged form that is fast (torch's varlen entry point
-costs ~45 ms per call, GPU-NOTES), so only a chunk that is exactly one segment goes
-to cuDNN; ragged batches, causal calls, empty segments and fp8 inputs go to an
-internal :class:`TritonAttentionBackend` (fp8: cuDNN's fp8 SDPA needs an fp8 output
-on Hopper).
+costs ~45 ms per call, measured on the H200), so only a chunk that is exactly one segment goes
+to cuDNN; ragged batches, causal calls and empty segments go to an internal kernel
+backend: ``gluon`` where it is available (Hopper), else ``triton``. bf16 only (cuDNN's
+fp8 SDPA needs an fp8 output on Hopper).
 
 The choice is made from shapes only, never from device values (no host sync):
 ``cu_seqlens_q`` and ``cu_seqlens_k`` of two entries (one segment; by the interface
@@ -19,9 +19,9 @@ copy; cuDNN takes the strides, including v's row stride of 256 inside the
 ``[S, H, 128]`` in memory, so without an ``out`` it is returned as a view; with an
 ``out`` (the engine's ``out[token_slice]``) it is copied there: one more launch, a
 device-to-device copy of Tq·H·128 bf16 (under 1 % of the attention time at the
-shapes of GPU-NOTES). The LSE ``[1, H, Tq, 1]`` is returned as an ``[H, Tq]`` view.
+shapes measured on the H200). The LSE ``[1, H, Tq, 1]`` is returned as an ``[H, Tq]`` view.
 
-Launches: the number depends on the path, so :meth:`launches_per_call` is 0 (what
+Launches: the number depends on the path, so ``caps.launches_per_call`` is 0 (what
 the engine notes for the call) and :meth:`run_context_chunk` notes the real count
 itself (``ops.launches.note``; the engine calls it inside its "attention" stage).
 
@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import Any
 
 import torch
 
 from ..ops import launches
-from .base import AttentionBackend, bf16_on_hopper
+from .base import AttentionBackend, BackendCaps, LaunchOrder, VLayout, cuda_reason, dtype_reason, hopper_reason
 
 log = logging.getLogger("ctxprefill.backends")
 
@@ -67,7 +68,7 @@ _MAX_REFUSED = 8
 _MAX_SHAPES = 4096
 
 
-def _cudnn_op():
+def _cudnn_op() -> Any:
     """The aten op, or None where this torch build does not have it."""
     try:
         return getattr(torch.ops.aten, _OP_NAME)
@@ -79,7 +80,7 @@ def _extent(t: torch.Tensor) -> int:
     """Elements spanned from the tensor's first to its last element, plus one."""
     if t.numel() == 0:
         return 0
-    return 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    return 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
 
 
 class _Refused(RuntimeError):
@@ -87,72 +88,68 @@ class _Refused(RuntimeError):
 
 
 class CudnnDenseBackend(AttentionBackend):
-    """Dense cuDNN SDPA for one-segment bf16 chunks; Triton for the rest."""
+    """Dense cuDNN SDPA for one-segment bf16 chunks; gluon or triton for the rest."""
 
     name = "cudnn"
+    # bf16 only: on Hopper cuDNN's fp8 SDPA builds only with an fp8 output, so
+    # fp8 prefill is left to the kernel backends. Launches: path-dependent, noted by the call.
+    caps = BackendCaps(q_dtypes=frozenset({torch.bfloat16}), supports_out=True, launches_per_call=0)
 
     #: devices whose tensors may take the cuDNN path (meta: the CPU tests of the plumbing)
     _DENSE_DEVICES = ("cuda", "meta")
 
-    def __init__(self):
-        self._triton = None
-        #: "cudnn" or "triton": the path the last call took (tests read it)
+    def __init__(self) -> None:
+        self._kernel: AttentionBackend | None = None  # the backend of the chunks cuDNN does not take
+        #: "cudnn" or "triton" (a kernel backend): the path the last call took (tests read it)
         self.last_path = ""
         #: calls per path
-        self.paths: Counter = Counter()
+        self.paths: Counter[str] = Counter()
         #: why the cuDNN path is off for this instance ("" while it is on)
         self.disabled_reason = ""
-        self._refused: set = set()
-        self._shapes: set = set()  # shapes cuDNN has run (one cached plan each)
+        self._refused: set[tuple[Any, ...]] = set()
+        self._shapes: set[tuple[Any, ...]] = set()  # shapes cuDNN has run (one cached plan each)
 
     # -- selection ----------------------------------------------------------------------
     @classmethod
-    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+    def unavailable_reason(cls, device: torch.device, q_dtype: torch.dtype) -> str | None:
         device = torch.device(device)
-        if device.type != "cuda":
-            return False, f"cudnn backend needs a CUDA device, got {device}"
-        if not torch.cuda.is_available():
-            return False, "torch.cuda.is_available() is False"
+        why = dtype_reason(cls.caps, q_dtype) or cuda_reason(cls.name, device) or hopper_reason(device)
+        if why:
+            return why
         if _cudnn_op() is None:
-            return False, f"this torch ({torch.__version__}) has no aten.{_OP_NAME}"
-        if not torch.backends.cudnn.is_available():
-            return False, "cuDNN is not available in this torch build (torch.backends.cudnn.is_available() is False)"
+            return f"this torch ({torch.__version__}) has no aten.{_OP_NAME}"
+        if not torch.backends.cudnn.is_available():  # type: ignore[no-untyped-call]  # (unannotated in torch)
+            return "cuDNN is not available in this torch build (torch.backends.cudnn.is_available() is False)"
         if not torch.backends.cudnn.enabled:
-            return False, "cuDNN is disabled (torch.backends.cudnn.enabled is False)"
-        try:  # ragged / causal / fp8 chunks are delegated: Triton must work here too
+            return "cuDNN is disabled (torch.backends.cudnn.enabled is False)"
+        try:  # ragged / causal chunks are delegated: a kernel backend must work here too
             from .triton_attention import TritonAttentionBackend
         except Exception as e:  # noqa: BLE001
-            return False, f"cudnn backend delegates ragged chunks to triton, which does not import: {e!r}"
-        ok, why = TritonAttentionBackend.is_available(device)
-        if not ok:
-            return False, f"cudnn backend delegates ragged chunks to triton, which is unavailable: {why}"
-        return True, ""
+            return f"cudnn backend delegates ragged chunks to triton, which does not import: {e!r}"
+        why = TritonAttentionBackend.unavailable_reason(device, q_dtype)
+        if why:
+            return f"cudnn backend delegates ragged chunks to triton, which is unavailable: {why}"
+        return None
 
-    @classmethod
-    def supports(cls, device: torch.device, q_dtype: torch.dtype) -> bool:
-        return bf16_on_hopper(device, q_dtype)
-
-    def supports_out(self) -> bool:
-        return True
-
-    def launches_per_call(self) -> int:
-        # path-dependent: run_context_chunk notes its own launches
-        return 0
-
-    def warm_up(self, device, heads, q_dtype) -> None:
-        # ragged, causal and fp8 chunks go to Triton: its variants, not cuDNN plans
+    def warm_up(self, device: torch.device, heads: int, q_dtype: torch.dtype) -> None:
+        # ragged and causal chunks go to a kernel backend: its variants, not cuDNN plans
         # (those are per length pair and cannot be built ahead)
-        self._delegate().warm_up(device, heads, q_dtype)
+        self._delegate(torch.device(device), q_dtype).warm_up(device, heads, q_dtype)
 
     # -- the call -------------------------------------------------------------------------
-    def _delegate(self):
-        if self._triton is None:
-            from .triton_attention import TritonAttentionBackend
+    def _delegate(self, device: torch.device, q_dtype: torch.dtype) -> AttentionBackend:
+        """The kernel backend of the chunks cuDNN does not take: ``gluon`` where it serves
+        this device and dtype, else ``triton`` (built once, for the first call's)."""
+        if self._kernel is None:
+            from .triton_attention import GluonAttentionBackend, TritonAttentionBackend
 
-            self._triton = TritonAttentionBackend()
-        return self._triton
+            gluon = device.type == "cuda" and GluonAttentionBackend.unavailable_reason(device, q_dtype) is None
+            self._kernel = GluonAttentionBackend() if gluon else TritonAttentionBackend()
+        return self._kernel
 
-    def _dense_blocker(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, out, causal) -> str:
+    def _dense_blocker(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor, max_q: int, max_k: int, out: torch.Tensor | None,
+                       causal: bool) -> str:
         """Why this call cannot take the dense cuDNN path ("" when it can). Shapes only."""
         if self.disabled_reason:
             return "cuDNN path disabled"
@@ -188,10 +185,11 @@ class CudnnDenseBackend(AttentionBackend):
         return ""
 
     @staticmethod
-    def _key(q, k, v):
+    def _key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, ...]:
         return (q.shape[0], k.shape[0], q.shape[1], q.stride(), k.stride(), v.stride())
 
-    def _run_dense(self, q, k, v, scale, out):
+    def _run_dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(out, lse [H, Tq], launches) from one dense cuDNN call with B = 1."""
         Tq, H = q.shape[0], q.shape[1]
         # the exact call of bench/bench_attention.py, on [1, H, S, D] views (no copy)
@@ -201,7 +199,7 @@ class CudnnDenseBackend(AttentionBackend):
         n = CUDNN_KERNELS
         if tuple(o4.shape) != (1, H, Tq, D_V) or o4.dtype != torch.bfloat16:
             raise _Refused(f"cuDNN output {o4.dtype} {tuple(o4.shape)}, expected bf16 (1, {H}, {Tq}, {D_V})")
-        # natural log, float32 (GPU-NOTES; the GPU test compares it with a float64 reference)
+        # natural log, float32 (the GPU test compares it with a float64 reference)
         if l_raw.dtype != torch.float32 or tuple(l_raw.shape) not in ((1, H, Tq, 1), (1, H, Tq)):
             raise _Refused(f"cuDNN LSE {l_raw.dtype} {tuple(l_raw.shape)}, expected float32 (1, {H}, {Tq}, 1)")
         lse = l_raw[0]
@@ -220,7 +218,26 @@ class CudnnDenseBackend(AttentionBackend):
             n += 1
         return o, lse, n
 
-    def run_context_chunk(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, out=None, causal=False):
+    def run_context_chunk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        scale: float,
+        *,
+        out: torch.Tensor | None = None,
+        causal: bool = False,
+        k_rope: torch.Tensor | None = None,
+        v_layout: VLayout = "thd",
+        cu_seqlens_v: torch.Tensor | None = None,
+        launch_order: LaunchOrder | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if k_rope is not None or v_layout != "thd" or cu_seqlens_v is not None or launch_order is not None:
+            raise ValueError("the cudnn backend takes packed keys, V [Tk, H, 128] and no launch order (its caps)")
         if not self._dense_blocker(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, out, causal):
             try:
                 o, lse, n = self._run_dense(q, k, v, scale, out)
@@ -238,14 +255,14 @@ class CudnnDenseBackend(AttentionBackend):
                 self.last_path = "cudnn"
                 self.paths["cudnn"] += 1
                 return o, lse
-        tri = self._delegate()
-        launches.note(tri.launches_per_call())
+        tri = self._delegate(q.device, q.dtype)
+        launches.note(tri.caps.launches_per_call)
         self.last_path = "triton"
         self.paths["triton"] += 1
         return tri.run_context_chunk(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, out=out,
                                      causal=causal)
 
-    def _refuse(self, q, k, v, e: Exception) -> None:
+    def _refuse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: Exception) -> None:
         key = self._key(q, k, v)
         self._refused.add(key)
         msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"

@@ -11,7 +11,7 @@ seq_len_q, seq_len_kv)`` takes the per-sequence lengths (int32 ``[B, 1, 1, 1]``)
 B, max_q and max_k (at least 64 for the S dims, which keeps cuDNN off its special s_q == 1
 path) — and a batch smaller than its B bucket is padded with empty sequences (length 0,
 offset at the end; ``BUCKET_B = False`` keys on the exact B instead). A graph build costs
-~1.3 s on the H200 (GPU-NOTES); an LRU keeps ``_MAX_GRAPHS`` of them, and a key whose build
+~1.3 s on the H200; an LRU keeps ``_MAX_GRAPHS`` of them, and a key whose build
 failed is not built again (the error is raised at once).
 
 Stats (cuDNN's natural-log LSE, fp32) are declared either
@@ -19,7 +19,7 @@ Stats (cuDNN's natural-log LSE, fp32) are declared either
 * ``packed`` (default): ``[B, H, S_q, 1]`` with strides ``(S_q·H, 1, H, 1)`` and the
   ragged offset ``cu_seqlens_q · H`` — written token-major, exactly ``[Tq, H]``; the same
   layout the frontend's own varlen op (``cudnn.sdpa.fwd.torch_op``) declares; or
-* ``padded``: dense ``[B, H, S_q, 1]`` (the layout measured in GPU-NOTES), which costs
+* ``padded``: dense ``[B, H, S_q, 1]`` (the layout cuDNN measures fastest), which costs
   ``B·H·S_q`` floats of scratch per call.
 
 One Triton kernel then writes our ``lse [H, Tq]`` from either layout and enforces the
@@ -38,15 +38,15 @@ Per call, with no host synchronisation (max_q / max_k are given as ints):
 
 So ``2 + CUDNN_KERNELS`` launches (plus one copy when ``out`` is a view cuDNN cannot
 address, or an input has to be copied first). The count depends on the path, so
-:meth:`launches_per_call` is 0 and :meth:`run_context_chunk` notes its real count
+``caps.launches_per_call`` is 0 and :meth:`run_context_chunk` notes its real count
 (``ops.launches.note``), as the dense cudnn backend does. A call with no query rows
 launches nothing; a call with no keys at all (max_k 0) only the fix-up kernel.
 
 ``causal=True`` uses ``diagonal_alignment=BOTTOM_RIGHT, diagonal_band_right_bound=0``
 (per-sequence alignment through the padding mask); tests only.
 
-fp8 is not supported (``supports`` is False): on Hopper cuDNN's fp8 SDPA builds only with an
-fp8 output (GPU-NOTES), and our contract is a bf16 output.
+fp8 is not supported (not in ``caps.q_dtypes``): on Hopper cuDNN's fp8 SDPA builds only with an
+fp8 output, and our contract is a bf16 output.
 
 Threads: graph builds are serialized by a lock; a built graph is immutable and is executed
 with the calling thread's own cuDNN handle (cuDNN handles are not thread-safe), bound to
@@ -78,13 +78,15 @@ import logging
 import os
 import threading
 import time
+from types import ModuleType
+from typing import Any, no_type_check
 
 import torch
 
 from ..ops import launches
 from ._triton import TRITON_ERR as _TRITON_ERR
 from ._triton import tl, triton
-from .base import AttentionBackend, bf16_on_hopper
+from .base import AttentionBackend, BackendCaps, LaunchOrder, VLayout, cuda_reason, dtype_reason, hopper_reason
 
 log = logging.getLogger("ctxprefill.backends")
 
@@ -131,7 +133,7 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _cudnn_module():
+def _cudnn_module() -> tuple[ModuleType | None, str]:
     """(module, "") or (None, why)."""
     try:
         import cudnn  # nvidia-cudnn-frontend
@@ -172,7 +174,7 @@ def graph_spec(key: GraphKey) -> dict[str, TensorSpec]:
     """The cuDNN tensor descriptions of a graph (pure; the CPU tests check it)."""
     B, H, Sq, Sk = key.B, key.H, key.S_q, key.S_kv
 
-    def packed(S, D, st, ragged):
+    def packed(S: int, D: int, st: tuple[int, int], ragged: str) -> TensorSpec:
         row, head = st
         return TensorSpec((B, H, S, D), (S * row, head, row, 1), ragged)
 
@@ -196,7 +198,7 @@ def graph_spec(key: GraphKey) -> dict[str, TensorSpec]:
     return spec
 
 
-def make_pygraph(cudnn, key: GraphKey, handle=None):
+def make_pygraph(cudnn: Any, key: GraphKey, handle: Any = None) -> tuple[Any, tuple[int, ...]]:
     """The cuDNN frontend graph of ``key``, declared but not validated or built.
     Returns ``(graph, uids)``: the variant-pack uids in the order :meth:`_execute` passes
     buffers (``_buffer_names(key)``)."""
@@ -205,7 +207,7 @@ def make_pygraph(cudnn, key: GraphKey, handle=None):
     i32, i64 = cudnn.data_type.INT32, cudnn.data_type.INT64
     g = cudnn.pygraph(io_data_type=bf16, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
     dtypes = dict(q=bf16, k=bf16, v=bf16, seq_len_q=i32, seq_len_kv=i32)
-    t = {}
+    t: dict[str, Any] = {}
     for name in ("q", "k", "v", "seq_len_q", "seq_len_kv", *_OFFSET_COLUMNS):
         if name not in spec:
             continue
@@ -213,7 +215,7 @@ def make_pygraph(cudnn, key: GraphKey, handle=None):
         t[name] = g.tensor(name=name, dim=list(s.dim), stride=list(s.stride), data_type=dtypes.get(name, i64),
                            uid=_UID[name])
     for name in ("q", "k", "v"):
-        t[name].set_ragged_offset(t[spec[name].ragged])
+        t[name].set_ragged_offset(t[f"ragged_{name}"])
     mask = {}
     if key.causal:  # bottom-right aligned, per sequence (padding mask lengths)
         mask = dict(diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT, diagonal_band_right_bound=0)
@@ -238,7 +240,7 @@ def _buffer_names(key: GraphKey) -> tuple[str, ...]:
 @dataclasses.dataclass
 class _Graph:
     key: GraphKey
-    graph: object  # cudnn.pygraph (or a test double)
+    graph: Any  # cudnn.pygraph (or a test double)
     uids: tuple[int, ...]
     workspace_bytes: int
     build_s: float
@@ -250,6 +252,7 @@ class _Graph:
 if triton is not None:
 
     @triton.jit
+    @no_type_check  # device code: Triton's compiler types it, not mypy
     def _prep(cu_q, cu_k, offs, lens, B, NB, P_OFF, P_LEN, sq, sk, sv, so, sst, BLOCK: tl.constexpr):
         """offs[c, i] = cu[min(i, B)]·stride_c (int64) for i ≤ NB; lens[0|1, i] = the q|k
         length of sequence i (0 for the padding sequences B ≤ i < NB). Grid: cdiv(NB+1, BLOCK)."""
@@ -272,6 +275,7 @@ if triton is not None:
         tl.store(lens + P_LEN + i, tl.where(real, ck1 - ck, 0).to(tl.int32), mask=ml)
 
     @triton.jit
+    @no_type_check
     def _finish(stats, lse, out, cu_q, cu_k, Tq, st_b, st_h, st_s, so_t, so_h,
                 HAS_STATS: tl.constexpr, PACKED: tl.constexpr, CAUSAL: tl.constexpr,
                 BLOCK_M: tl.constexpr, DV: tl.constexpr):
@@ -326,6 +330,8 @@ class CudnnFrontendBackend(AttentionBackend):
     """cuDNN SDPA through the cuDNN frontend's graph API, ragged (THD) layout, bf16."""
 
     name = "cudnn-frontend"
+    # bf16 only (module docstring); launches: path-dependent, noted by the call
+    caps = BackendCaps(q_dtypes=frozenset({torch.bfloat16}), supports_out=True, launches_per_call=0)
 
     def __init__(self, stats_layout: str | None = None, max_graphs: int = _MAX_GRAPHS):
         self.stats_layout = stats_layout or STATS_LAYOUT
@@ -346,35 +352,23 @@ class CudnnFrontendBackend(AttentionBackend):
 
     # -- selection ----------------------------------------------------------------------
     @classmethod
-    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+    def unavailable_reason(cls, device: torch.device, q_dtype: torch.dtype) -> str | None:
         device = torch.device(device)
-        if device.type != "cuda":
-            return False, f"cudnn-frontend backend needs a CUDA device, got {device}"
-        if not torch.cuda.is_available():
-            return False, "torch.cuda.is_available() is False"
+        why = dtype_reason(cls.caps, q_dtype) or cuda_reason(cls.name, device) or hopper_reason(device)
+        if why:
+            return why
         if triton is None:  # the metadata and LSE kernels are Triton
-            return False, _TRITON_ERR
+            return _TRITON_ERR
         cudnn, why = _cudnn_module()
         if cudnn is None:
-            return False, why
+            return why
         try:
             ver = int(cudnn.backend_version())
         except Exception as e:  # noqa: BLE001
-            return False, f"the cuDNN library is not loadable by the cuDNN frontend: {e!r}"
+            return f"the cuDNN library is not loadable by the cuDNN frontend: {e!r}"
         if ver < 90000:
-            return False, f"cuDNN {ver} is older than 9.0 (ragged SDPA needs cuDNN 9)"
-        return True, ""
-
-    @classmethod
-    def supports(cls, device: torch.device, q_dtype: torch.dtype) -> bool:
-        return bf16_on_hopper(device, q_dtype)
-
-    def supports_out(self) -> bool:
-        return True
-
-    def launches_per_call(self) -> int:
-        # path-dependent (see the module docstring): run_context_chunk notes its own launches
-        return 0
+            return f"cuDNN {ver} is older than 9.0 (ragged SDPA needs cuDNN 9)"
+        return None
 
     # -- graphs -------------------------------------------------------------------------
     def graphs(self) -> list[GraphKey]:
@@ -382,7 +376,7 @@ class CudnnFrontendBackend(AttentionBackend):
         with self._lock:
             return list(self._graphs)
 
-    def _handle(self, device: torch.device):
+    def _handle(self, device: torch.device) -> Any:
         """This thread's cuDNN handle for ``device``, bound to torch's current stream."""
         cudnn, why = _cudnn_module()
         if cudnn is None:
@@ -449,7 +443,8 @@ class CudnnFrontendBackend(AttentionBackend):
 
     # -- the call -------------------------------------------------------------------------
     @staticmethod
-    def _check(q, k, v, cu_q, cu_k, out):
+    def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+               out: torch.Tensor | None) -> None:
         if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype:
             raise ValueError(f"cudnn-frontend: q/k/v must be bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
         if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
@@ -475,7 +470,26 @@ class CudnnFrontendBackend(AttentionBackend):
             raise ValueError(f"cudnn-frontend: out must be bf16 [{Tq},{H},{D_V}] with unit last stride on "
                              f"{q.device}; got {out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}")
 
-    def run_context_chunk(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, out=None, causal=False):
+    def run_context_chunk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        scale: float,
+        *,
+        out: torch.Tensor | None = None,
+        causal: bool = False,
+        k_rope: torch.Tensor | None = None,
+        v_layout: VLayout = "thd",
+        cu_seqlens_v: torch.Tensor | None = None,
+        launch_order: LaunchOrder | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if k_rope is not None or v_layout != "thd" or cu_seqlens_v is not None or launch_order is not None:
+            raise ValueError("cudnn-frontend takes packed keys, V [Tk, H, 128] and no launch order (its caps)")
         self._check(q, k, v, cu_seqlens_q, cu_seqlens_k, out)
         if q.device.type != "cuda" and not _interpreting():
             raise RuntimeError("cudnn-frontend runs CUDA tensors (CPU tensors only in the tests, under "
@@ -487,7 +501,9 @@ class CudnnFrontendBackend(AttentionBackend):
             return self._run(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_q), int(max_k), float(scale), out,
                              bool(causal))
 
-    def _run(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, out, causal):
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+             max_q: int, max_k: int, scale: float, out: torch.Tensor | None,
+             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
         dev = q.device
         Tq, H = q.shape[0], q.shape[1]
         B = cu_q.numel() - 1

@@ -30,10 +30,18 @@ Semantics are those of ``triton_attention.mla_context_attention`` (non-causal): 
 segments through per-(segment, head) device-side tensor descriptors, so a tile's rows
 past its segment's end read zeros, not the next segment (whose values, inf included,
 must not leak into this one); rows with no keys give out 0 and lse -inf; the LSE is a
-natural log. The caller (``triton_attention``) validates inputs and picks this kernel.
+natural log. ``triton_attention.mla_context_attention`` validates the inputs and picks this
+kernel for the chunks it takes; the registry serves it as the ``"gluon"`` backend
+(``triton_attention.GluonAttentionBackend``).
 """
 
 from __future__ import annotations
+
+from typing import Any, no_type_check
+
+import torch
+
+__all__ = ["CONFIG", "GLUON_ERR", "gluon", "launch"]
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel is used
     from triton.experimental import gluon
@@ -55,7 +63,7 @@ _P_SHIFT = 8.0  # fp8 P·V: P scaled by 2**8 before its e4m3 cast (as triton_att
 
 #: Tiles, stages, pipelining. 2 consumers x 64 query rows = BLOCK_M 128 (fixed). The
 #: caller's defaults per dtype are in ``triton_attention`` (measured there).
-CONFIG = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True)
+CONFIG: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True)
 #: Warps: 4 (consumer 0, the default partition) + 4 (consumer 1) + 1 (loader): 3
 #: warpgroups at launch with 168 registers a thread (3 x 128 x 168 <= 65,536, an SM's
 #: file); ``setmaxnreg`` then moves them: loader 24, consumers 240.
@@ -65,6 +73,7 @@ if gluon is not None:
     _P_SHIFT_C = gl.constexpr(_P_SHIFT)  # globals read inside jit code must be constexpr
 
     @gluon.jit
+    @no_type_check  # device code: Triton's compiler types it, not mypy
     def _ws_loader(qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
                    q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr):
@@ -93,6 +102,7 @@ if gluon is not None:
                 tma.async_copy_global_to_shared(v_d, [j * BLOCK_N, 0], vb, v_s.index(s))
 
     @gluon.jit
+    @no_type_check
     def _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """K of block j (nope and rope) into its slot, once the consumers freed it."""
         s = j % STAGES
@@ -103,6 +113,7 @@ if gluon is not None:
         tma.async_copy_global_to_shared(kr_d, [j * BLOCK_N, 0], kb, kr_s.index(s))
 
     @gluon.jit
+    @no_type_check
     def _free_k(k_free, s, now: gl.constexpr):
         """This consumer's release of K slot s, where ``now`` (EARLY_K: right after the
         scores; otherwise with V, after P·V: the release before K and V were freed apart)."""
@@ -110,12 +121,14 @@ if gluon is not None:
             mbarrier.arrive(k_free.index(s), count=1)
 
     @gluon.jit
+    @no_type_check
     def _qk(qn, qr, kn_s, kr_s, s, zero_s):
         """S = q_nope·k_noperᵀ + q_rope·k_ropeᵀ of slot s, issued asynchronously."""
         acc = warpgroup_mma(qn, kn_s.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         return warpgroup_mma(qr, kr_s.index(s).permute((1, 0)), acc, is_async=True)
 
     @gluon.jit
+    @no_type_check
     def _softmax(sc, m_i, l_i, start_n, k_len, qk_scale, offs_n, IS_FP8: gl.constexpr):
         """Online-softmax step on raw scores ``sc`` (scale folded into exp2's FMA).
         Returns (p, alpha, l, m): m in raw score units."""
@@ -133,6 +146,7 @@ if gluon is not None:
 
 
     @gluon.jit
+    @no_type_check
     def _pv(p, v_s, s, acc, p_layout: gl.constexpr, p_smem, V_T: gl.constexpr, IS_FP8: gl.constexpr):
         """acc += P·V of slot s, issued asynchronously. Returns (token, P operand).
         bf16: P from registers. fp8: P through shared memory (``p_smem``; the MMA wait
@@ -152,6 +166,7 @@ if gluon is not None:
         return tok, keep
 
     @gluon.jit
+    @no_type_check
     def _pv_wait(o_tok, keep, IS_FP8: gl.constexpr):
         """Wait for the P·V in flight; bf16 keeps its register P alive until then."""
         if IS_FP8:
@@ -161,8 +176,10 @@ if gluon is not None:
         return acc
 
     @gluon.jit
+    @no_type_check
     def _ws_consumer(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free,
-                     O, LSE, q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
+                     O, LSE,  # noqa: E741  (the output, as in BLAS)
+                     q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                      C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
@@ -248,8 +265,9 @@ if gluon is not None:
     # the order's bounds vary per batch: not specialized (a value of 1 or a multiple of 16
     # would otherwise compile another variant on a request's path)
     @gluon.jit(do_not_specialize=["n_heads", "m_tiles"])
+    @no_type_check
     def _mla_attn_ws_fwd(
-        Q, K, KR, V, O, LSE, cu_q, cu_k, cu_v, qk_scale, B,
+        Q, K, KR, V, O, LSE, cu_q, cu_k, cu_v, qk_scale, B,  # noqa: E741  (the output, as in BLAS)
         stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh, ORDER, n_heads, m_tiles,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
@@ -310,10 +328,10 @@ if gluon is not None:
         kn_d = tma.make_tensor_descriptor(k_seg, [k_rows, 128], [stride_kt, 1], [BLOCK_N, 128], kn_l)
         kr_d = tma.make_tensor_descriptor(kr_seg, [k_rows, 64], [stride_rt, 1], [BLOCK_N, 64], kr_l)
         if V_T:  # V [H, 128, Tv], keys contiguous from column cu_v[b] (16-byte aligned: the caller's)
-            v_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, BLOCK_N], dt)
+            vt_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, BLOCK_N], dt)
             v_seg = V + gl.load(cu_v + b).to(gl.int64) + h.to(gl.int64) * stride_vh
-            v_d = tma.make_tensor_descriptor(v_seg, [128, k_rows], [stride_vt, 1], [128, BLOCK_N], v_l)
-            v_s = gl.allocate_shared_memory(dt, [STAGES, 128, BLOCK_N], v_l)
+            v_d = tma.make_tensor_descriptor(v_seg, [128, k_rows], [stride_vt, 1], [128, BLOCK_N], vt_l)
+            v_s = gl.allocate_shared_memory(dt, [STAGES, 128, BLOCK_N], vt_l)
         else:
             v_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], dt)
             v_seg = V + k_start.to(gl.int64) * stride_vt + h.to(gl.int64) * stride_vh
@@ -345,11 +363,11 @@ if gluon is not None:
             mbarrier.init(v_free.index(i), count=2)
 
         gl.warp_specialize([
-            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, O, LSE, q_start, q_len, m0,
-                            k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
+            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, O, LSE,
+                            q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                             0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K)),
-            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, O, LSE, q_start, q_len, m0,
-                            k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
+            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, O, LSE,
+                            q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                             1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K)),
             (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
                           q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks, BLOCK_M, BLOCK_N, STAGES, V_T)),
@@ -357,8 +375,10 @@ if gluon is not None:
 
 
 
-def launch(q, k, kr, v, out, lse, cu_q, cu_k, cu_v, qk_scale: float, grid, sort_b: int, v_t: bool,
-           config: dict | None = None, order=None, m_tiles: int = 0) -> None:
+def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+           lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, cu_v: torch.Tensor, qk_scale: float,
+           grid: tuple[int, int, int], sort_b: int, v_t: bool, config: dict[str, Any] | None = None,
+           order: torch.Tensor | None = None, m_tiles: int = 0) -> None:
     """Launch the kernel on inputs ``triton_attention.mla_context_attention`` validated
     (non-causal; q/k/v with 16-byte aligned bases and strides; ``k`` read for its first
     128 columns, ``kr`` [Tk, H, 64] the rope keys; ``qk_scale`` in log2

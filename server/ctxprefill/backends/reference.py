@@ -2,18 +2,25 @@
 
 Per sequence, in float32: scores, natural-log LSE, softmax, P·V. fp8 inputs are
 widened exactly (unscaled e4m3). ``honor_out`` selects the two sides of the ``out``
-contract so that the engine's two accumulation modes are both exercised.
+contract so that the engine's two accumulation modes are both exercised;
+``unpacked_keys`` makes it read the keys unpacked (``k_rope``), as the engine's fused
+path hands them to a kernel backend that does.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from .base import AttentionBackend
+from .base import FP8, AttentionBackend, BackendCaps, LaunchOrder, VLayout
 
 
-def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale: float, causal: bool = False):
-    """(out [Tq, H, Dv] float32, lse [H, Tq] float32) of ragged attention."""
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor, scale: float,
+                        causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [Tq, H, Dv] float32, lse [H, Tq] float32) of ragged attention; q [Tq, H, D],
+    k [Tk, H, D], v [Tk, H, Dv]."""
     Tq, H, _ = q.shape
     out = torch.zeros((Tq, H, v.shape[-1]), dtype=torch.float32, device=q.device)
     lse = torch.full((H, Tq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -39,33 +46,46 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale: float, causa
     return out, lse
 
 
+_DTYPES = frozenset({torch.bfloat16, FP8, torch.float16, torch.float32, torch.float64})
+
+
 class ReferenceBackend(AttentionBackend):
     name = "reference"
+    # Not a kernel: a torch loop whose launch count depends on the batch. Counted as one
+    # call so that the metric stays meaningful; the GPU launch test uses a one-kernel backend.
+    caps = BackendCaps(q_dtypes=_DTYPES, supports_out=True, launches_per_call=1)
 
-    def __init__(self, honor_out: bool = True, k_rope_apart: bool = False):
-        self.honor_out = honor_out
-        self.k_rope_apart = k_rope_apart  # take K's rope part apart (the engine's unpacked keys)
+    def __init__(self, honor_out: bool = True, unpacked_keys: bool = False):
+        self.caps = dataclasses.replace(type(self).caps, supports_out=honor_out,
+                                        unpacked_keys=_DTYPES if unpacked_keys else frozenset())
 
-    def supports_out(self) -> bool:
-        return self.honor_out
-
-    def takes_k_rope(self, q_dtype: torch.dtype) -> bool:
-        return self.k_rope_apart
-
-    def run_context_chunk(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, out=None, causal=False,
-                          k_rope=None):
+    def run_context_chunk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        scale: float,
+        *,
+        out: torch.Tensor | None = None,
+        causal: bool = False,
+        k_rope: torch.Tensor | None = None,
+        v_layout: VLayout = "thd",
+        cu_seqlens_v: torch.Tensor | None = None,
+        launch_order: LaunchOrder | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if v_layout != "thd" or cu_seqlens_v is not None:
+            raise ValueError(f"the reference backend takes V [Tk, H, Dv] only (v_layout 'thd'), got {v_layout!r}")
         if k_rope is not None:
-            if not self.k_rope_apart:
-                raise ValueError("k_rope given to a reference backend built without k_rope_apart")
+            if q.dtype not in self.caps.unpacked_keys:
+                raise ValueError("k_rope given to a reference backend built without unpacked_keys")
             k = torch.cat([k, k_rope], dim=-1)  # the reference computes over the packed keys
+        # (a launch order changes no result: ignored)
         o, lse = attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
-        if out is not None and self.honor_out:
+        if out is not None and self.caps.supports_out:
             out.copy_(o.to(out.dtype))
             return out, lse
         return o.to(torch.bfloat16), lse
-
-    def launches_per_call(self) -> int:
-        # Not a kernel: a torch loop whose launch count depends on the batch. Reported
-        # as one call so that the metric stays meaningful; the GPU launch test uses a
-        # single-kernel backend.
-        return 1

@@ -34,6 +34,10 @@ from __future__ import annotations
 
 import functools
 import heapq
+from collections.abc import Sequence
+
+#: SM lists alike, as ``pack_lists`` groups them: (lists, load, ((segment, tiles), ...))
+Group = tuple[int, float, tuple[tuple[int, int], ...]]
 
 #: a program's start-up (queries in, descriptors, epilogue) in units of one key block
 STARTUP_BLOCKS = 1.5
@@ -47,7 +51,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def tile_order(q_lens, k_lens, heads: int, sms: int, block_m: int = 128,
+def tile_order(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, sms: int, block_m: int = 128,
                block_n: int = 128) -> tuple[tuple[int, ...], int] | None:
     """(tile codes in launch order, the ``m_tiles`` they are coded with) for segments of
     ``q_lens`` query rows over ``k_lens`` keys, or None where the kernel's own order
@@ -88,12 +92,13 @@ def _cached(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int,
     # A list that ends early takes, in the hardware's hands, the next program planned for
     # another list, which can undo the packing: kept only where the list-scheduling model
     # says it beats longest first (random batches: better in most, up to 4 % worse in 5 %)
-    if _span([(cost[i], events[t, i]) for t, i in order], sms) >= _span(list(zip(cost, count)), sms):
+    if _span([(cost[i], events[t, i]) for t, i in order], sms) >= _span(list(zip(cost, count, strict=True)), sms):
         return None
     # the j-th program of a segment runs its j-th tile, head-major: the query tiles of one
     # head (the same K/V, in L2) start together
     tiles = [[(b * m_tiles + m) * heads + h for h in range(heads) for m in range(q_tiles[b])] for b in segs]
-    codes, used = [], [0] * len(segs)
+    codes: list[int] = []
+    used = [0] * len(segs)
     for t, i in order:
         j = used[i]
         used[i] = j + events[t, i]
@@ -101,15 +106,15 @@ def _cached(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int,
     return tuple(codes), m_tiles
 
 
-def pack_lists(cost: list[float], count: list[int], sms: int, tol: float = 2e-3) -> list:
+def pack_lists(cost: list[float], count: list[int], sms: int, tol: float = 2e-3) -> list[Group]:
     """SM lists packed first fit, costliest segment first, under the least capacity
     (bisected to ``tol``) at which every tile fits. Lists that end up alike are kept as one
     group: ``[(lists, load, ((segment, tiles), ...)), ...]`` (a few groups per segment)."""
 
-    def fill(cap: float):
-        groups = [(sms, 0.0, ())]
-        for i, (c, n) in enumerate(zip(cost, count)):
-            nxt = []
+    def fill(cap: float) -> list[Group] | None:
+        groups: list[Group] = [(sms, 0.0, ())]
+        for i, (c, n) in enumerate(zip(cost, count, strict=True)):
+            nxt: list[Group] = []
             for lists, load, runs in groups:  # first fit: lists in order, each as full as it gets
                 room = int((cap - load) // c)
                 if n == 0 or room <= 0:
@@ -130,7 +135,7 @@ def pack_lists(cost: list[float], count: list[int], sms: int, tol: float = 2e-3)
             groups = nxt
         return groups
 
-    lo = max(sum(c * n for c, n in zip(cost, count)) / sms, max(cost))
+    lo = max(sum(c * n for c, n in zip(cost, count, strict=True)) / sms, max(cost))
     hi = lo * 1.25
     best = fill(hi)
     while best is None:

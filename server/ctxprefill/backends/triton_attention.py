@@ -52,10 +52,17 @@ precision, Triton's default). For P·V two modes, per config key ``PV_FP8``:
   the default for keys-last fp8 (``KEYS_LAST_FP8``), the layout the engine's fp8 pack
   writes for this backend.
 
-On Hopper (sm_90), non-causal bf16 chunks and keys-last fp8 chunks whose inputs can go
-through TMA run a warp-specialized kernel instead (``gluon_attention``: a TMA loader
-warp and two consumer warpgroups sharing K/V; config key ``WS``), same contract, 5-28 %
-faster on the H200 (docs/DESIGN.md); everything else runs the kernel below.
+On Hopper (sm_90), with the config key ``WS`` set (the default configs), non-causal bf16
+chunks and keys-last fp8 chunks whose inputs can go through TMA run a warp-specialized
+kernel instead (``gluon_attention``: a TMA loader warp and two consumer warpgroups sharing
+K/V), same contract, 5-28 % faster on the H200 (docs/DESIGN.md); everything else runs the
+kernel below. ``mla_context_attention`` validates the inputs once for both kernels.
+
+Two registered backends front it (``registry``): ``"triton"`` (:class:`TritonAttentionBackend`)
+runs the kernel below on every chunk (``WS`` off), on any GPU from sm_80; ``"gluon"``
+(:class:`GluonAttentionBackend`, Hopper only) runs the warp-specialized kernel on the chunks
+it takes, in a launch order packed per SM on the host (``tile_order``), and this kernel on
+the rest.
 
 The kernel is also callable on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1`` set before this module is imported), which is how the
@@ -64,10 +71,12 @@ CPU tests run it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, ClassVar, no_type_check
 
 import torch
 
@@ -75,7 +84,15 @@ from . import gluon_attention as _ws
 from . import tile_order as _tile_order
 from ._triton import TRITON_ERR as _TRITON_ERR
 from ._triton import tl, triton
-from .base import AttentionBackend
+from .base import (
+    AttentionBackend,
+    BackendCaps,
+    HostLaunchOrder,
+    LaunchOrder,
+    VLayout,
+    cuda_reason,
+    dtype_reason,
+)
 
 D_NOPE, D_ROPE, D_V = 128, 64, 128
 D_QK = D_NOPE + D_ROPE
@@ -99,11 +116,11 @@ _P_SHIFT = 8.0  # P·V in fp8: P scaled by 2**8 (≤ 256 < 448) before the e4m3 
 #: the warp-specialized Gluon kernel instead (``gluon_attention``: a TMA loader warp, two
 #: consumer warpgroups sharing each K/V tile). Measured on the H200 (2026-12-01,
 #: ``bench_attention.py --sweep ws``): bf16 568-635 TFLOP/s against this kernel's 441-554.
-#: Since K slots are freed right after the scores (``EARLY_K``, seventh session), FA3's
+#: Since K slots are freed right after the scores (``EARLY_K``), FA3's
 #: intra-warpgroup pipelining (PIPE) pays: 591-654 against 565-634 serial, 555-600 with K
 #: freed together with V (one process, ``s7-ws-sweep``). Causal chunks and pointer-path
 #: inputs keep the kernel below.
-CONFIGS: dict[torch.dtype, dict] = {
+CONFIGS: dict[torch.dtype, dict[str, Any]] = {
     torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, USE_TMA=True,
                          WS=dict(PIPE=True, BLOCK_N=128, STAGES=2)),
     _FP8: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, PV_FP8=False, USE_TMA=True, maxnreg=128),
@@ -119,7 +136,7 @@ CONFIGS: dict[torch.dtype, dict] = {
 #: early 802-879 against 757-824 in one process (``s7-ws-sweep``), where pipelining (PIPE)
 #: loses (754-816: P's trip through shared memory sits on its critical path) and a 4th
 #: stage gains nothing (802-875).
-KEYS_LAST_FP8 = dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=128, STAGES=3))
+KEYS_LAST_FP8: dict[str, Any] = dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=128, STAGES=3))
 
 if triton is not None:
     # globals read inside @triton.jit code must be constexpr
@@ -129,6 +146,7 @@ if triton is not None:
     _C_SHIFT = tl.constexpr(_P_SHIFT)
 
     @triton.jit
+    @no_type_check  # device code: Triton's compiler types it, not mypy
     def _mm(x, UPCAST: tl.constexpr):
         # Triton's CPU interpreter multiplies bf16 as raw uint16 bits; it gets fp32
         # operands instead (values already rounded to the operand dtype, so the numerics
@@ -138,6 +156,7 @@ if triton is not None:
         return x
 
     @triton.jit
+    @no_type_check
     def _rnd(x, dtype: tl.constexpr, DROP: tl.constexpr, UPCAST: tl.constexpr):
         """fp32 x rounded to nearest even in ``dtype``. Compiled: the hardware cast.
         Interpreted: the interpreter's own casts truncate (and its RTNE mis-carries), so
@@ -152,6 +171,7 @@ if triton is not None:
         return x.to(dtype)
 
     @triton.jit
+    @no_type_check
     def _load_kv(kn_src, kr_src, v_src, k_ptr, kr_ptr, v_ptr, start_n, k_len, stride_kt, stride_rt, stride_vt,
                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr, V_T: tl.constexpr):
         """K (nope from ``k_ptr``, rope from ``kr_ptr``) and V tiles of keys start_n ..
@@ -196,6 +216,7 @@ if triton is not None:
         return k_nope, k_rope, v
 
     @triton.jit
+    @no_type_check
     def _attn_step(acc, l_i, m_i, q_nope, q_pe, k_nope, k_rope, v, offs_n, rows_vis, k_len, qk_scale,
                    MASK: tl.constexpr, CAUSAL: tl.constexpr,
                    IS_FP8: tl.constexpr, PV_FP8: tl.constexpr, UPCAST: tl.constexpr, V_T: tl.constexpr):
@@ -235,8 +256,9 @@ if triton is not None:
         return acc, l_i, m_new
 
     @triton.jit
+    @no_type_check
     def _mla_ctx_attn_fwd(
-        Q, K, KR, V, O, LSE, cu_q, cu_k, cu_v, qk_scale, B,
+        Q, K, KR, V, O, LSE, cu_q, cu_k, cu_v, qk_scale, B,  # noqa: E741  (the output, as in BLAS)
         stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -370,11 +392,11 @@ def _fix_interpreter_for_numpy2() -> None:
     if orig is None or getattr(orig, "_ctxprefill_fix", False):
         return
 
-    def patched(tensor, scope):
+    def patched(tensor: Any, scope: Any) -> None:
         orig(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
-    patched._ctxprefill_fix = True
+    patched._ctxprefill_fix = True  # type: ignore[attr-defined]
     _interp._patch_lang_tensor = patched
 
 
@@ -393,15 +415,15 @@ def mla_context_attention(
     scale: float,
     out: torch.Tensor | None = None,
     causal: bool = False,
-    config: dict | None = None,
-    v_layout: str = "thd",
+    config: dict[str, Any] | None = None,
+    v_layout: VLayout | str = "thd",
     cu_seqlens_v: torch.Tensor | None = None,
-    tile_order: "TileOrder | None" = None,
+    tile_order: TileOrder | None = None,
     k_rope: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention, one launch. Returns ``(out [Tq,H,128] bf16, lse [H,Tq] f32, ln)``.
 
-    ``k_rope``: the keys' rope part apart from ``k``, which is then the nope part alone,
+    ``k_rope``: the keys unpacked — their rope part here, ``k`` then the nope part alone,
     ``[Tk, H, 128]``: ``k_rope`` is ``[Tk, H, 64]`` of the same dtype, unit last stride,
     and may have a head stride of 0 — MLA's rope keys are one row per key shared by every
     head, so the engine passes the workspace's ``k_pe`` columns and the ``kv_b_proj``
@@ -409,7 +431,7 @@ def mla_context_attention(
     two parts either way (a packed ``k`` is read as ``k[..., :128]`` and ``k[..., 128:]``),
     into the same shared-memory tiles and the same MMAs: the result is the same bits.
 
-    ``v_layout``: ``"thd"`` — v is ``[Tk, H, 128]`` (what the pack writes today); ``"hdt"``
+    ``v_layout``: ``"thd"`` — v is ``[Tk, H, 128]`` (the ``kv_b_proj`` output's half, or a row-major pack); ``"hdt"``
     — v is ``[H, 128, Tk]`` with the keys contiguous (unit last stride). Hopper's fp8 MMA
     takes its B operand K-major only, and for P·V the K dimension is the keys: with
     ``"thd"`` Triton transposes every fp8 V tile through registers, with ``"hdt"`` the
@@ -429,8 +451,9 @@ def mla_context_attention(
     computes the tiles it names only.
 
     ``config`` overrides ``CONFIGS[q.dtype]`` (BLOCK_M, BLOCK_N, num_warps, num_stages,
-    PV_FP8, USE_TMA, and optionally maxnreg: a register cap per thread, e.g. 128 so that
-    two 8-warp programs fit on one SM and one's softmax overlaps the other's MMAs). ``max_k`` is accepted for the interface; the kernel does not need it.
+    PV_FP8, USE_TMA, WS — None: the Triton kernel on every chunk —, and optionally maxnreg:
+    a register cap per thread, e.g. 128 so that two 8-warp programs fit on one SM and one's
+    softmax overlaps the other's MMAs). ``max_k`` is accepted for the interface; the kernel does not need it.
     USE_TMA loads q/k/v through per-(segment, head) device-side tensor descriptors (Hopper
     TMA); inputs whose base or strides are not 16-byte aligned silently use the pointer path.
     """
@@ -460,7 +483,7 @@ def mla_context_attention(
     # each tensor's strides read once, for the checks and the launch: a request's host time
     # is mostly calls like these (docs/DESIGN.md: 16-head requests are host-bound)
     strides = (q.stride(), k.stride(), v.stride(), kr.stride())
-    for name, st in zip(("q", "k", "v", "k_rope"), strides):
+    for name, st in zip(("q", "k", "v", "k_rope"), strides, strict=True):
         if st[-1] != 1:
             raise ValueError(f"{name} must have unit last stride, got strides {st}")
     if cu_seqlens_v is not None and not v_t:
@@ -537,8 +560,8 @@ def mla_context_attention(
         ordered = tile_order is not None  # then a 1-D launch in that order, no in-kernel sort
         _ws.launch(q, k, kr, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                    cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v, float(scale) * _LOG2E, ws_grid,
-                   0 if ordered else sort_b, v_t, ws_cfg, order=tile_order.codes if ordered else None,
-                   m_tiles=tile_order.m_tiles if ordered else 0)
+                   0 if ordered else sort_b, v_t, ws_cfg, order=None if tile_order is None else tile_order.codes,
+                   m_tiles=0 if tile_order is None else tile_order.m_tiles)
         return out, lse
     sq, sk, sv, sr = strides
     _mla_ctx_attn_fwd[grid](
@@ -555,20 +578,22 @@ def mla_context_attention(
     return out, lse
 
 
-class TileOrder(NamedTuple):
+@dataclasses.dataclass(frozen=True, slots=True)
+class TileOrder:
     """A launch order for the warp-specialized kernel (``tile_order.tile_order``'s codes,
     on the device) and the batch it was built for."""
 
-    codes: torch.Tensor  # int32 [programs], (b * m_tiles + m) * heads + h
-    segments: int
-    heads: int
-    m_tiles: int
+    codes: torch.Tensor  # int32 [programs] on the device, (b * m_tiles + m) * heads + h
+    segments: int  # B
+    heads: int  # H
+    m_tiles: int  # query tiles per segment the codes count with
 
 
-def tile_order_codes(q_lens, k_lens, heads: int, q_dtype: torch.dtype, device) -> tuple[tuple[int, ...], int] | None:
-    """(codes, m_tiles) of the warp-specialized kernel's launch order for segments of
-    ``q_lens`` query rows over ``k_lens`` keys on ``device`` (host lists, no sync), or None
-    where its own order serves (not CUDA, one segment, no tail to pack): ``tile_order``."""
+def tile_order_codes(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, q_dtype: torch.dtype,
+                     device: torch.device | str) -> HostLaunchOrder | None:
+    """The warp-specialized kernel's launch order for segments of ``q_lens`` query rows over
+    ``k_lens`` keys on ``device`` (host lists, no sync), or None where its own order serves
+    (not CUDA, one segment, no tail to pack): ``tile_order``."""
     if len(q_lens) < 2:  # (the engine asks for every chunk: a short request's host time)
         return None
     device = torch.device(device)
@@ -577,21 +602,22 @@ def tile_order_codes(q_lens, k_lens, heads: int, q_dtype: torch.dtype, device) -
     ws = (KEYS_LAST_FP8 if q_dtype == _FP8 else CONFIGS[q_dtype]).get("WS") or {}
     block_m = _ws.CONFIG["BLOCK_M"]
     block_n = (ws if isinstance(ws, dict) else {}).get("BLOCK_N", _ws.CONFIG["BLOCK_N"])
-    return _tile_order.tile_order(q_lens, k_lens, heads, _sms(device), block_m, block_n)
+    got = _tile_order.tile_order(q_lens, k_lens, heads, _sms(device), block_m, block_n)
+    return None if got is None else HostLaunchOrder(*got)
 
 
-def device_tile_order(q_lens, k_lens, heads: int, q_dtype: torch.dtype, device) -> TileOrder | None:
+def device_tile_order(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, q_dtype: torch.dtype,
+                      device: torch.device | str) -> TileOrder | None:
     """``tile_order_codes`` copied to the device (one small copy) for ``mla_context_attention``."""
     got = tile_order_codes(q_lens, k_lens, heads, q_dtype, device)
     if got is None:
         return None
-    codes, m_tiles = got
-    return TileOrder(torch.tensor(codes, dtype=torch.int32).to(device), len(q_lens), heads, m_tiles)
+    return TileOrder(torch.tensor(got.codes, dtype=torch.int32).to(device), len(q_lens), heads, got.m_tiles)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 # Segments per call up to which programs are ordered longest-first (one compiled variant
@@ -607,14 +633,14 @@ _TMA_SCRATCH_PER_PROGRAM = 5 * 128
 _TMA_SCRATCH_CAP = 64 << 20
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def uncapped_below(device: torch.device) -> int:
     """Grids with fewer programs than this run without the default register cap: two
     programs for every multiprocessor."""
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
     """CUDA compute capability; CPU (the interpreter) counts as Hopper, to test every path."""
     if device.type != "cuda":
@@ -622,109 +648,146 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _tma_ok(*ts: torch.Tensor, strides=None) -> bool:
+def _tma_ok(*ts: torch.Tensor, strides: Sequence[tuple[int, ...]] | None = None) -> bool:
     """TMA needs 16-byte aligned bases and row/head strides; otherwise the pointer path.
     ``strides``: the tensors' strides when the caller has read them already."""
-    for t, st in zip(ts, strides or [t.stride() for t in ts]):
+    for t, st in zip(ts, strides or [t.stride() for t in ts], strict=True):
         e = t.element_size()
         if t.data_ptr() % 16 or any(x * e % 16 for x in st[:-1]):
             return False
     return True
 
 
-def _tma_scratch(size: int, alignment: int, stream):
+def _tma_scratch(size: int, alignment: int, stream: object) -> torch.Tensor:
     # global scratch for the device-side tensor descriptors (128 B each per program);
     # from torch's caching allocator, so no extra launch
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+#: both kernels load K's nope and rope columns as two tiles anyway: from two tensors they
+#: are the same loads (unpacked keys, either dtype); fp8's P·V in fp8 wants V keys-last (no
+#: tile transposes), bf16 gains nothing from it
+_CAPS = BackendCaps(q_dtypes=frozenset(CONFIGS), supports_out=True, unpacked_keys=frozenset(CONFIGS),
+                    v_keys_last=frozenset({_FP8}), launches_per_call=1, launch_order=False)
+
+
 class TritonAttentionBackend(AttentionBackend):
-    """Our own Triton flash-attention kernel (bf16 and fp8 e4m3 inputs, bf16 out)."""
+    """Our own Triton flash-attention kernel (bf16 and fp8 e4m3 inputs, bf16 out) on every
+    chunk: CUDA from sm_80 (fp8 from sm_89)."""
 
     name = "triton"
+    caps = _CAPS
+    #: overrides of ``CONFIGS`` for every call: the warp-specialized kernel off
+    config: ClassVar[dict[str, Any] | None] = {"WS": None}
 
     @classmethod
-    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+    def unavailable_reason(cls, device: torch.device, q_dtype: torch.dtype) -> str | None:
         device = torch.device(device)
-        if triton is None:
-            return False, _TRITON_ERR
-        if device.type != "cuda":
-            return False, f"triton backend needs a CUDA device, got {device}"
-        if not torch.cuda.is_available():
-            return False, "torch.cuda.is_available() is False"
-        return True, ""
+        why = dtype_reason(cls.caps, q_dtype)
+        if why is None and triton is None:
+            why = _TRITON_ERR
+        why = why or cuda_reason(cls.name, device)
+        if why:
+            return why
+        # bf16 tensor cores from sm_80, fp8 (e4m3) ones from sm_89
+        need = (8, 9) if q_dtype == _FP8 else (8, 0)
+        cap = _capability(device)
+        if cap < need:
+            return f"{q_dtype} needs sm_{need[0]}{need[1]} or later, {device} is sm_{cap[0]}{cap[1]}"
+        return None
 
-    @classmethod
-    def supports(cls, device: torch.device, q_dtype: torch.dtype) -> bool:
-        # bf16 tensor cores from sm_80, fp8 (e4m3) ones from sm_89; off CUDA: the dtype only
-        device = torch.device(device)
-        if q_dtype not in CONFIGS:
-            return False
-        if device.type != "cuda" or not torch.cuda.is_available():
-            return True
-        return _capability(device) >= ((8, 9) if q_dtype == _FP8 else (8, 0))
-
-    def supports_out(self) -> bool:
-        return True
-
-    def run_context_chunk(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale,
-                          out=None, causal=False, v_layout="thd", cu_seqlens_v=None, launch_order=None,
-                          k_rope=None):
+    def run_context_chunk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        scale: float,
+        *,
+        out: torch.Tensor | None = None,
+        causal: bool = False,
+        k_rope: torch.Tensor | None = None,
+        v_layout: VLayout = "thd",
+        cu_seqlens_v: torch.Tensor | None = None,
+        launch_order: LaunchOrder | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         order = None
         if launch_order is not None:
-            codes, m_tiles = launch_order
-            order = TileOrder(codes, cu_seqlens_q.numel() - 1, q.shape[1], m_tiles)
+            if not self.caps.launch_order:
+                raise ValueError(f"the {self.name} backend takes no launch order (its caps.launch_order is False)")
+            order = TileOrder(launch_order.codes, cu_seqlens_q.numel() - 1, q.shape[1], launch_order.m_tiles)
         return mla_context_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale,
-                                     out=out, causal=causal, v_layout=v_layout, cu_seqlens_v=cu_seqlens_v,
-                                     tile_order=order, k_rope=k_rope)
-
-    def takes_k_rope(self, q_dtype: torch.dtype) -> bool:
-        # both kernels load K's nope and rope columns as two tiles anyway: from two tensors
-        # they are the same loads (mla_context_attention)
-        return q_dtype in CONFIGS
-
-    def launch_order(self, q_lens, k_lens, heads: int, q_dtype: torch.dtype, device):
-        return tile_order_codes(q_lens, k_lens, heads, q_dtype, device)
-
-    def v_keys_last(self, q_dtype: torch.dtype) -> bool:
-        # fp8: P·V in fp8 wants V keys-last (no tile transposes); bf16 gains nothing from it
-        return q_dtype == _FP8
-
-    def launches_per_call(self) -> int:
-        return 1
+                                     out=out, causal=causal, config=self.config, v_layout=v_layout,
+                                     cu_seqlens_v=cu_seqlens_v, tile_order=order, k_rope=k_rope)
 
     def warm_up(self, device: torch.device, heads: int, q_dtype: torch.dtype, programs: int | None = None) -> None:
         """Compile every variant of the kernel a chunk can pick: program order by segment
         length or not (1 or 2 segments), and for configs with a register cap, grids below
         and above ``programs`` (default: two programs per SM) — a variant compiled on a
-        request's path costs that request seconds; for fp8 both V layouts. Keys of length 1,
-        zero inputs."""
+        request's path costs that request seconds; bf16 also with the keys unpacked, fp8
+        with both V layouts; with a launch order too where the backend builds them. Keys
+        of length 1, zero inputs."""
         device = torch.device(device)
         if programs is None:
             if device.type != "cuda":
                 return
             programs = uncapped_below(device)
         big = BLOCK_M_MAX * -(-programs // heads)  # query rows whose tiles x heads reach `programs`
+
+        def cu(lens: list[int]) -> torch.Tensor:
+            return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+
         for q_lens in ([1], [1, 1], [big], [big, big]):
             n = len(q_lens)
             q = torch.zeros(sum(q_lens), heads, D_QK, dtype=q_dtype, device=device)
             k = torch.zeros(n, heads, D_QK, dtype=q_dtype, device=device)
             v = torch.zeros(n, heads, D_V, dtype=q_dtype, device=device)
-            cu = lambda ls: torch.tensor([0] + list(itertools.accumulate(ls)), dtype=torch.int32, device=device)
-            # several segments: with a launch order too (the kernel's 1-D variant, which the
-            # engine's packed orders run): here every tile in grid order
-            orders = [None]
-            if n > 1 and device.type == "cuda":
+            # several segments: with a launch order too (the warp-specialized kernel's 1-D
+            # variant, which the engine's packed orders run): here every tile in grid order
+            orders: list[TileOrder | None] = [None]
+            if n > 1 and device.type == "cuda" and self.caps.launch_order:
                 m_tiles = -(-max(q_lens) // _ws.CONFIG["BLOCK_M"])
                 orders.append(TileOrder(torch.arange(n * m_tiles * heads, dtype=torch.int32, device=device), n, heads,
                                         m_tiles))
             for order in orders:
-                mla_context_attention(q, k, v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, tile_order=order)
+                mla_context_attention(q, k, v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, config=self.config,
+                                      tile_order=order)
                 if q_dtype == torch.bfloat16:  # the engine's unpacked keys: k_rope shared by the heads
                     kr = torch.zeros(n, 1, D_ROPE, dtype=q_dtype, device=device).expand(n, heads, D_ROPE)
                     mla_context_attention(q, k[..., :D_NOPE], v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0,
-                                          tile_order=order, k_rope=kr)
-                if self.v_keys_last(q_dtype):  # as the engine's pack gives it: segments 16 columns apart
+                                          config=self.config, tile_order=order, k_rope=kr)
+                if q_dtype in self.caps.v_keys_last:  # as the engine's pack gives it: segments 16 columns apart
                     vt = torch.zeros(heads, D_V, 16 * n, dtype=q_dtype, device=device)
-                    mla_context_attention(q, k, vt, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, v_layout="hdt",
-                                          cu_seqlens_v=cu([16] * n), tile_order=order)
+                    mla_context_attention(q, k, vt, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, config=self.config,
+                                          v_layout="hdt", cu_seqlens_v=cu([16] * n), tile_order=order)
+
+
+class GluonAttentionBackend(TritonAttentionBackend):
+    """The warp-specialized Gluon kernel (``gluon_attention``) on Hopper, for the chunks it
+    takes — non-causal, bf16 or fp8 with V keys-last, inputs TMA can read (the engine's) —
+    in a launch order packed per SM on the host (``tile_order``); the Triton kernel for
+    the rest. Same contract and caps as ``triton``, plus the launch order."""
+
+    name = "gluon"
+    caps = dataclasses.replace(_CAPS, launch_order=True)
+    config = None  # CONFIGS as they are: ``WS`` on
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device, q_dtype: torch.dtype) -> str | None:
+        device = torch.device(device)
+        why = super().unavailable_reason(device, q_dtype)
+        if why:
+            return why
+        if _ws.gluon is None:
+            return _ws.GLUON_ERR
+        cap = _capability(device)
+        if cap[0] != 9:
+            return f"the Gluon kernel is written for Hopper (sm_90), {device} is sm_{cap[0]}{cap[1]}"
+        return None
+
+    def launch_order(self, q_lens: Sequence[int], k_lens: Sequence[int], heads: int, q_dtype: torch.dtype,
+                     device: torch.device) -> HostLaunchOrder | None:
+        return tile_order_codes(q_lens, k_lens, heads, q_dtype, device)

@@ -2,11 +2,12 @@
 
 The generic and the fused path differ only in the pack; everything else is the same
 code, so a difference in results can only come from the pack. With bf16 prefill and a
-backend that ``takes_k_rope``, the fused path packs no K at all (``unpacked_keys``):
-attention reads k_nope from the ``kv_b_proj`` output and k_pe from the workspace where
-they lie, loading the same tiles a packed K gives it (docs/DESIGN.md "Unpacked keys").
+backend with unpacked keys (``BackendCaps.unpacked_keys``), the fused path packs no K at
+all (:func:`use_unpacked_keys`): attention reads k_nope from the ``kv_b_proj`` output and
+k_pe from the workspace where they lie, loading the same tiles a packed K gives it
+(docs/DESIGN.md "Unpacked keys").
 The ``out`` contract:
-with a backend that ``supports_out()``, the output buffers exist before any chunk,
+with a backend whose ``caps.supports_out``, the output buffers exist before any chunk,
 rows no direct write will reach are set to 0 / -inf, each non-continuation chunk is
 computed straight into ``out[token_slice]``, and a continuation chunk computes into
 scratch and is merged in. Every backend that claims ``supports_out`` is checked to
@@ -18,11 +19,12 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
+from types import TracebackType
 
 import numpy as np
 import torch
 
-from ..backends.base import AttentionBackend
+from ..backends.base import AttentionBackend, LaunchOrder, VLayout
 from ..ops import launches
 from ..ops.cast import cast_latent
 from ..ops.fp8 import FP8
@@ -30,15 +32,15 @@ from ..ops.gather import gather
 from ..ops.kv_b_proj import kv_b_proj
 from ..ops.merge import merge
 from ..ops.pack import (
+    KeysLast,
     fused_mla_kv_concat,
     fused_mla_kv_concat_quant_fp8,
     generic_kv_concat,
     generic_kv_concat_quant_fp8,
-    KeysLast,
     keys_last_starts,
 )
 from .plan import ContextChunk
-from .timing import StageTimer
+from .timing import StageTimer, Started
 
 STAGES = ("gather", "cast", "kv_b_proj", "pack", "attention", "merge")
 
@@ -48,7 +50,7 @@ class LoopInputs:
     """Everything one request's chunk loop reads; tensors on the engine's device."""
 
     q: torch.Tensor  # [Tq, H, 192] bf16, or fp8 for fp8 prefill
-    query_lens: Sequence[int]
+    query_lens: Sequence[int]  # [B] query rows per sequence
     block_table: np.ndarray  # int32 [B, max_blocks] on the host, every used entry checked (uploaded with the metadata)
     chunks: Sequence[ContextChunk]
     cache: torch.Tensor  # uint8 [num_slots, bytes_per_slot]
@@ -62,21 +64,62 @@ class LoopInputs:
     fp8_prefill: bool
     scale: float
     heads: int
-    unpacked_keys: bool = False  # fused bf16 prefill: no K pack where the backend takes k_rope apart
+    unpacked_keys: bool = False  # fused bf16 prefill: no K pack where the backend reads the keys unpacked
     latent: int = 512
     nope: int = 128
     v_dim: int = 128
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkMeta:
+    """One chunk's metadata (:func:`_chunk_metadata`): device vectors are views of the
+    request's one upload (B: the chunk's sequences)."""
+
+    cu_seqlens_k: torch.Tensor  # int32 [B+1]: the chunk's workspace rows (keys) per sequence
+    context_starts: torch.Tensor  # int32 [B]: each sequence's first context token in the chunk
+    cu_seqlens_q: torch.Tensor  # int32 [B+1]: the chunk's query rows per sequence, from 0
+    q0: int  # the chunk's query rows are the request's [q0, q1)
+    q1: int
+    max_q: int  # the longest query segment of the chunk
+    max_k: int  # the longest key segment of the chunk
+    keys_last: KeysLast | None  # V keys-last layout of the chunk (fp8 P·V), or None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _HostChunk:
+    """A chunk's metadata on the host, and where its vectors lie in the request's upload."""
+
+    q0: int
+    q1: int
+    max_q: int
+    max_k: int
+    cu_k: list[int]  # [B+1]
+    cu_v: list[int]  # [B+1] V keys-last column starts; empty without keys-last
+    part_k: int  # indices of cu_k, the context starts, cu_q and cu_v among the uploaded parts
+    part_starts: int
+    part_q: int
+    part_v: int  # -1 without keys-last
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _WorkspaceViews:
+    """The workspace as a chunk of ``rows`` rows uses it (views shared by equal-size chunks)."""
+
+    ws: torch.Tensor  # [rows, latent + 64] in the gather's dtype
+    latent: torch.Tensor  # [rows, latent]
+    k_pe: torch.Tensor  # [rows, 64]
+    k_rope: torch.Tensor | None  # [rows, H, 64], k_pe with a 0 head stride (unpacked keys only)
 
 
 @dataclasses.dataclass
 class LoopResult:
     out: torch.Tensor  # [Tq, H, V] bf16
     lse: torch.Tensor  # [H, Tq] float32
-    launches: Counter
+    launches: Counter[str]
     stage_ns: dict[str, int]
     total_ns: int
     span_ns: int = 0  # first stage's start to last stage's end (engine/timing.py)
-    unpacked_keys: bool = False  # attention read K's two parts where they lie (no pack)
+    unpacked_keys: bool = False  # attention read the keys unpacked, where they lie (no K pack)
 
 
 #: observer(chunk_index, chunk, q, k, v, out, lse) — tests compare paths chunk by chunk
@@ -84,20 +127,20 @@ class LoopResult:
 Observer = Callable[[int, ContextChunk, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def keys_apart_wanted(fused: bool, unpacked_keys: bool, fp8_prefill: bool) -> bool:
-    """Whether the path would hand attention K's two parts where they lie, given a backend
-    that takes k_rope: the fused path with unpacked keys on and bf16 prefill (fp8's pack
-    is also its quantization; with bf16 prefill the workspace's k_pe is bf16 too: only fp8
-    prefill gathers raw fp8)."""
+def unpacked_keys_wanted(fused: bool, unpacked_keys: bool, fp8_prefill: bool) -> bool:
+    """Whether the path would hand attention the keys unpacked, given a backend that reads
+    them so: the fused path with unpacked keys on and bf16 prefill (fp8's pack is also its
+    quantization; with bf16 prefill the workspace's k_pe is bf16 too: only fp8 prefill
+    gathers raw fp8)."""
     return fused and unpacked_keys and not fp8_prefill
 
 
-def keys_apart(backend: AttentionBackend, fused: bool, unpacked_keys: bool, fp8_prefill: bool) -> bool:
-    """Whether the chunk loop hands attention K's two parts where they lie (no K pack)."""
-    return keys_apart_wanted(fused, unpacked_keys, fp8_prefill) and backend.takes_k_rope(torch.bfloat16)
+def use_unpacked_keys(backend: AttentionBackend, fused: bool, unpacked_keys: bool, fp8_prefill: bool) -> bool:
+    """Whether the chunk loop hands attention the keys unpacked, where they lie (no K pack)."""
+    return unpacked_keys_wanted(fused, unpacked_keys, fp8_prefill) and torch.bfloat16 in backend.caps.unpacked_keys
 
 
-def _upload(host: np.ndarray, device) -> torch.Tensor:
+def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
     """``host`` (int32) on ``device`` in one copy that does not make the host wait for the
     device: from pinned memory on CUDA (torch's pinned allocator keeps the block until the
     copy is done). A copy from pageable memory waits for the work queued before it (cache
@@ -110,19 +153,22 @@ def _upload(host: np.ndarray, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _chunk_metadata(x: LoopInputs, device, keys_last: bool = False) -> tuple[torch.Tensor, list[tuple]]:
-    """(the block table on the device, and per chunk: (cu_seq_lens, seq_starts, cu_seqlens_q,
-    q0, q1, max_q, V keys-last layout or None)), built on the host and moved to the device
-    in one copy for the whole request. Equal metadata vectors are uploaded once and shared
-    (the chunks of one long sequence differ only in their starts): a view costs the host
-    1-5 us, and host time before the first stage adds to the request's latency."""
+def _chunk_metadata(x: LoopInputs, device: torch.device | str,
+                    keys_last: bool = False) -> tuple[torch.Tensor, list[ChunkMeta]]:
+    """(the block table on the device ``[B, max_blocks]``, and every chunk's
+    :class:`ChunkMeta`), built on the host and moved to the device in one copy for the whole
+    request. Equal metadata vectors are uploaded once and shared (the chunks of one long
+    sequence differ only in their starts): a view costs the host 1-5 us, and host time
+    before the first stage adds to the request's latency."""
     q_offsets = [0]
     for n in x.query_lens:
         q_offsets.append(q_offsets[-1] + n)
-    host, sizes, spans = [], [], []
-    slot: dict[tuple, int] = {}  # a vector's values -> its index among the uploaded parts
+    host: list[int] = []
+    sizes: list[int] = []
+    spans: list[_HostChunk] = []
+    slot: dict[tuple[int, ...], int] = {}  # a vector's values -> its index among the uploaded parts
 
-    def part(values: list) -> int:
+    def part(values: Sequence[int]) -> int:
         key = tuple(values)
         i = slot.get(key)
         if i is None:
@@ -133,27 +179,31 @@ def _chunk_metadata(x: LoopInputs, device, keys_last: bool = False) -> tuple[tor
 
     for c in x.chunks:
         cu_k, cu_q = [0], [0]
-        for s, n in zip(c.sequences, c.context_lens):
+        for s, n in zip(c.sequences, c.context_lens, strict=True):
             cu_k.append(cu_k[-1] + n)
             cu_q.append(cu_q[-1] + x.query_lens[s])
         cu_v = keys_last_starts(cu_k) if keys_last else []
-        idx = (part(cu_k), part(list(c.context_starts)), part(cu_q), part(cu_v) if keys_last else -1)
-        n = c.num_sequences
-        spans.append((q_offsets[c.first_sequence], q_offsets[c.first_sequence + n],
-                      max((x.query_lens[s] for s in c.sequences), default=0), cu_k, cu_v, idx))
+        spans.append(_HostChunk(
+            q0=q_offsets[c.first_sequence], q1=q_offsets[c.first_sequence + c.num_sequences],
+            max_q=max((x.query_lens[s] for s in c.sequences), default=0), max_k=max(c.context_lens),
+            cu_k=cu_k, cu_v=cu_v, part_k=part(cu_k), part_starts=part(c.context_starts), part_q=part(cu_q),
+            part_v=part(cu_v) if keys_last else -1))
     bt = np.ascontiguousarray(x.block_table, dtype=np.int32)
-    dev = _upload(np.concatenate([np.asarray(host, dtype=np.int32), bt.ravel()]), device)
+    dev = _upload(np.concatenate([np.asarray(host, dtype=np.int32), bt.ravel()]), torch.device(device))
     # the per-chunk tensors as views of the one upload, made in one call
     parts = dev.split_with_sizes(sizes + [bt.size])
-    meta = []
-    for q0, q1, max_q, cu_k_host, cu_v_host, (ik, i_s, iq, iv) in spans:
-        layout = KeysLast(cu_k_host, cu_v_host, parts[ik], parts[iv]) if keys_last else None
-        meta.append((parts[ik], parts[i_s], parts[iq], q0, q1, max_q, layout))
+    meta = [
+        ChunkMeta(cu_seqlens_k=parts[h.part_k], context_starts=parts[h.part_starts], cu_seqlens_q=parts[h.part_q],
+                  q0=h.q0, q1=h.q1, max_q=h.max_q, max_k=h.max_k,
+                  keys_last=KeysLast(h.cu_k, h.cu_v, parts[h.part_k], parts[h.part_v]) if keys_last else None)
+        for h in spans
+    ]
     block_table = parts[-1].view(bt.shape)
     return block_table, meta
 
 
-def _launch_order(backend: AttentionBackend, x: LoopInputs, c: ContextChunk, heads: int, q_dtype, device):
+def _launch_order(backend: AttentionBackend, x: LoopInputs, c: ContextChunk, heads: int, q_dtype: torch.dtype,
+                  device: torch.device) -> LaunchOrder | None:
     """The backend's launch order for chunk ``c`` on the device, or None. Built on the
     host after the chunk's gather, kv_b_proj and pack are launched, so that it runs while
     the device does them (a ragged chunk's packing, tile_order: typically 0.01-0.2 ms of host,
@@ -164,9 +214,9 @@ def _launch_order(backend: AttentionBackend, x: LoopInputs, c: ContextChunk, hea
                                q_dtype=q_dtype, device=device)
     if got is None:
         return None
-    codes, extra = got
-    cuda = torch.device(device).type == "cuda"
-    return torch.tensor(codes, dtype=torch.int32, pin_memory=cuda).to(device, non_blocking=cuda), extra
+    cuda = device.type == "cuda"
+    codes = torch.tensor(got.codes, dtype=torch.int32, pin_memory=cuda).to(device, non_blocking=cuda)
+    return LaunchOrder(codes, got.m_tiles)
 
 
 class _Stage:
@@ -177,10 +227,13 @@ class _Stage:
 
     __slots__ = ("counts", "timer", "name", "token", "started")
 
-    def __init__(self, counts: Counter, timer: StageTimer):
+    def __init__(self, counts: Counter[str], timer: StageTimer):
         self.counts, self.timer = counts, timer
+        self.name = ""
+        self.token: object = None
+        self.started: Started | None = None
 
-    def __call__(self, name: str) -> "_Stage":
+    def __call__(self, name: str) -> _Stage:
         self.name = name
         return self
 
@@ -188,8 +241,9 @@ class _Stage:
         self.token = launches.enter(self.counts, self.name)
         self.started = self.timer.begin(self.name)
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None and self.started is not None:
             self.timer.end(self.started)
         launches.leave(self.token)
 
@@ -202,7 +256,8 @@ class PendingLoop:
 
     __slots__ = ("out", "lse", "counts", "timer", "unpacked_keys")
 
-    def __init__(self, out, lse, counts: Counter, timer: StageTimer, unpacked_keys: bool = False):
+    def __init__(self, out: torch.Tensor, lse: torch.Tensor, counts: Counter[str], timer: StageTimer,
+                 unpacked_keys: bool = False):
         self.out, self.lse, self.counts, self.timer = out, lse, counts, timer
         self.unpacked_keys = unpacked_keys
 
@@ -212,7 +267,8 @@ class PendingLoop:
                           self.unpacked_keys)
 
 
-def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool, observer: Observer | None = None) -> LoopResult:
+def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
+                   observer: Observer | None = None) -> LoopResult:
     return start_chunk_loop(x, backend, fused, observer).finish()
 
 
@@ -222,29 +278,33 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     q = x.q
     device = q.device
     Tq, H = q.shape[0], x.heads
-    counts: Counter = Counter()
+    caps = backend.caps
+    counts: Counter[str] = Counter()
     timer = StageTimer(device)
     stage = _Stage(counts, timer)  # stages do not nest
 
     # fp8 P·V reads V keys-last ([H, 128, columns]) when the backend takes it: the pack
     # writes it so, each segment from a 16-aligned column (KeysLast)
-    keys_last = x.fp8_prefill and backend.v_keys_last(q.dtype)
+    keys_last = x.fp8_prefill and q.dtype in caps.v_keys_last
+    v_layout: VLayout = "hdt" if keys_last else "thd"
     block_table, meta = _chunk_metadata(x, device, keys_last)
     ws_dtype = FP8 if x.gather_raw_fp8 else torch.bfloat16
     # bf16 prefill on the fused path: K's two parts go to attention where they lie (no pack
-    # stage, no K buffer) when the backend reads them apart
-    unpacked = keys_apart(backend, fused, x.unpacked_keys, x.fp8_prefill)
+    # stage, no K buffer) when the backend reads the keys unpacked
+    unpacked = use_unpacked_keys(backend, fused, x.unpacked_keys, x.fp8_prefill)
     width = x.latent + 64
     direct = [not c.is_continuation for c in x.chunks]
     # Rows some direct (non-continuation) chunk writes: the union of their row slices
     # (a caller's plan may list a context-less sequence in two chunks, so they can overlap)
     written, end = 0, 0
-    for q0, q1 in sorted((m[3], m[4]) for m, d in zip(meta, direct) if d):
+    for q0, q1 in sorted((m.q0, m.q1) for m, d in zip(meta, direct, strict=True) if d):
         written += max(0, q1 - max(q0, end))
         end = max(end, q1)
-    single = len(x.chunks) == 1 and direct[0] and meta[0][3] == 0 and meta[0][4] == Tq
+    single = len(x.chunks) == 1 and direct[0] and meta[0].q0 == 0 and meta[0].q1 == Tq
 
-    out = lse = None
+    # the request's result; a single chunk's is the backend's own
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
     if not single:
         out = torch.empty((Tq, H, x.v_dim), dtype=torch.bfloat16, device=device)
         lse = torch.empty((H, Tq), dtype=torch.float32, device=device)
@@ -257,25 +317,30 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     # A 16-head request's host issues it in about the device's time (docs/DESIGN.md), and a
     # tensor view costs the host 2-5 us: chunks of equal size share their workspace views, and
     # a chunk whose query rows are all of the request's uses the whole tensors, not slices.
-    ws_views: dict[int, tuple[torch.Tensor, ...]] = {}
-    for i, (c, (cu_k, starts, cu_q, q0, q1, max_q, layout)) in enumerate(zip(x.chunks, meta)):
-        kw = {} if layout is None else {"v_layout": "hdt", "cu_seqlens_v": layout.cu_v_dev}
+    ws_views: dict[int, _WorkspaceViews] = {}
+    for i, (c, m) in enumerate(zip(x.chunks, meta, strict=True)):
         rows = c.rows
         # this chunk's query rows of q, out and lse (out/lse are None only when single, and
         # then the chunk is the whole request)
-        q_c, out_c, lse_c = (q, out, lse) if q0 == 0 and q1 == Tq else (q[q0:q1], out[q0:q1], lse[:, q0:q1])
+        if m.q0 == 0 and m.q1 == Tq:
+            q_c, out_c, lse_c = q, out, lse
+        else:
+            q_c = q[m.q0 : m.q1]
+            out_c = None if out is None else out[m.q0 : m.q1]
+            lse_c = None if lse is None else lse[:, m.q0 : m.q1]
         with stage("gather"):
-            if rows not in ws_views:
+            views = ws_views.get(rows)
+            if views is None:
                 ws = x.workspace[: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
                 k_pe = ws[:, x.latent :]
                 # unpacked keys: k_pe as every head's rope keys, a head stride of 0 (a view
                 # made only where it is used: each costs the host microseconds)
                 k_rope = k_pe.unsqueeze(1).expand(rows, H, k_pe.shape[1]) if unpacked else None
-                ws_views[rows] = ws, ws[:, : x.latent], k_pe, k_rope
-            ws, latent, k_pe, k_rope = ws_views[rows]
+                views = ws_views[rows] = _WorkspaceViews(ws, ws[:, : x.latent], k_pe, k_rope)
             bt = block_table if c.num_sequences == block_table.shape[0] else \
                 block_table[c.first_sequence : c.first_sequence + c.num_sequences]
-            gather(x.cache, bt, cu_k, starts, ws, x.cache_dtype, x.k_scale, x.block_size)
+            gather(x.cache, bt, m.cu_seqlens_k, m.context_starts, views.ws, x.cache_dtype, x.k_scale, x.block_size)
+        latent = views.latent
         if x.kv_b_proj_bf16 and latent.dtype != torch.bfloat16:  # else no cast, and no stage:
             with stage("cast"):  # its two events and bookkeeping were ~10 us of host per chunk
                 latent = cast_latent(latent, torch.bfloat16)
@@ -284,39 +349,35 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
         k_nope, v = kv[..., : x.nope], kv[..., x.nope :]
         if unpacked:
             k = k_nope
-            kw["k_rope"] = k_rope
         else:
             with stage("pack"):
                 if x.fp8_prefill:
                     k, v = (fused_mla_kv_concat_quant_fp8 if fused else generic_kv_concat_quant_fp8)(
-                        k_nope, k_pe, v, v_keys_last=layout)
+                        k_nope, views.k_pe, v, v_keys_last=m.keys_last)
                 else:
-                    k = (fused_mla_kv_concat if fused else generic_kv_concat)(k_nope, k_pe)
-        max_k = max(c.context_lens)
-        # the backend's launch order (triton: tiles packed per SM), if it gives one here: host
+                    k = (fused_mla_kv_concat if fused else generic_kv_concat)(k_nope, views.k_pe)
+        # the backend's launch order (gluon: tiles packed per SM), if it gives one here: host
         # work outside the stages (a device idle while it runs shows as the request's gap)
-        order = _launch_order(backend, x, c, H, q.dtype, device)
-        if order is not None:
-            kw["launch_order"] = order
+        order = _launch_order(backend, x, c, H, q.dtype, device) if caps.launch_order else None
+        # a direct chunk with a backend that writes in place: straight into out[token_slice]
+        dest = out_c if direct[i] and caps.supports_out else None
         with stage("attention"):
-            launches.note(backend.launches_per_call())
-            if single:
-                out, lse = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, **kw)
-                o_c, l_c = out, lse
-            elif direct[i] and backend.supports_out():
-                o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, out=out_c,
-                                                     **kw)
-                if o_c.data_ptr() != out_c.data_ptr():
-                    raise RuntimeError(
-                        f"attention backend {backend.name!r} claims supports_out() but did not write into the "
-                        f"out buffer it was given (chunk {i})"
-                    )
-            else:
-                o_c, l_c = backend.run_context_chunk(q_c, k, v, cu_q, cu_k, max_q, max_k, x.scale, **kw)
-        if not single:
+            launches.note(caps.launches_per_call)
+            o_c, l_c = backend.run_context_chunk(
+                q_c, k, v, m.cu_seqlens_q, m.cu_seqlens_k, m.max_q, m.max_k, x.scale, out=dest,
+                k_rope=views.k_rope, v_layout=v_layout,
+                cu_seqlens_v=None if m.keys_last is None else m.keys_last.cu_v_dev, launch_order=order)
+            if dest is not None and o_c.data_ptr() != dest.data_ptr():
+                raise RuntimeError(
+                    f"attention backend {backend.name!r} claims supports_out but did not write into the "
+                    f"out buffer it was given (chunk {i})"
+                )
+        if out_c is None or lse_c is None:  # single: the backend's result is the request's
+            out, lse = o_c, l_c
+        else:
             with stage("merge"):
                 if direct[i]:
-                    if not backend.supports_out():
+                    if not caps.supports_out:
                         launches.note(1)
                         out_c.copy_(o_c)
                     launches.note(1)
@@ -324,6 +385,8 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
                 else:
                     merge(out_c, lse_c, o_c, l_c)
         if observer is not None:
-            observer(i, c, q_c, generic_kv_concat(k_nope, k_pe) if unpacked else k, v, o_c, l_c)
+            observer(i, c, q_c, generic_kv_concat(k_nope, views.k_pe) if unpacked else k, v, o_c, l_c)
 
+    if out is None or lse is None:  # set above: allocated, or (single) the backend's result
+        raise AssertionError("the chunk loop ended without its result tensors")
     return PendingLoop(out, lse, counts, timer, unpacked)

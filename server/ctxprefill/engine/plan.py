@@ -44,9 +44,11 @@ def plan_chunks(context_lens: Sequence[int], workspace_tokens: int, block_size: 
     if workspace_tokens < block_size:
         raise InvalidArgument("workspace_tokens", f"{workspace_tokens} is less than one block ({block_size})")
     chunks: list[ContextChunk] = []
-    first, starts, lens, used = -1, [], [], 0
+    starts: list[int] = []  # the open chunk's, per sequence
+    lens: list[int] = []
+    first, used = -1, 0
 
-    def close():
+    def close() -> None:
         nonlocal first, starts, lens, used
         if lens:
             chunks.append(ContextChunk(first, tuple(starts), tuple(lens)))
@@ -89,18 +91,20 @@ def validate_plan(
         if not (0 <= c.first_sequence and c.first_sequence + c.num_sequences <= nseq):
             raise InvalidArgument(
                 f"{where}.first_sequence",
-                f"sequences [{c.first_sequence}, {c.first_sequence + c.num_sequences}) are outside the request's {nseq}",
+                f"sequences [{c.first_sequence}, {c.first_sequence + c.num_sequences}) are outside the "
+                f"request's {nseq}",
             )
         if c.rows == 0:
             raise InvalidArgument(where, "is empty (no context rows)")
         if c.rows > workspace_tokens:
             raise InvalidArgument(where, f"has {c.rows} rows, more than workspace_tokens={workspace_tokens}")
-        for k, (s, n) in enumerate(zip(c.context_starts, c.context_lens)):
+        for k, (s, n) in enumerate(zip(c.context_starts, c.context_lens, strict=True)):
             seq = c.first_sequence + k
             if n < 0 or s < 0:
                 raise InvalidArgument(f"{where}.context_len[{k}]", "context starts and lengths must be >= 0")
             if k > 0 and s != 0:
-                raise InvalidArgument(f"{where}.context_start[{k}]", "only a chunk's first sequence may be a continuation")
+                raise InvalidArgument(f"{where}.context_start[{k}]",
+                                      "only a chunk's first sequence may be a continuation")
             if n == 0 and context_lens[seq] != 0:
                 raise InvalidArgument(
                     f"{where}.context_len[{k}]", f"sequence {seq} has context but is listed with none in this chunk"
@@ -108,11 +112,13 @@ def validate_plan(
             if s != covered[seq]:  # also when n == 0: a start past 0 would mark a continuation
                 raise InvalidArgument(
                     f"{where}.context_start[{k}]",
-                    f"sequence {seq}: expected to continue at {covered[seq]}, got {s} (tokens must be covered once, in order)",
+                    f"sequence {seq}: expected to continue at {covered[seq]}, got {s} (tokens must be covered "
+                    f"once, in order)",
                 )
             covered[seq] += n
             if covered[seq] > context_lens[seq]:
-                raise InvalidArgument(f"{where}.context_len[{k}]", f"goes past sequence {seq}'s context_len {context_lens[seq]}")
-    for seq, (got, want) in enumerate(zip(covered, context_lens)):
+                raise InvalidArgument(f"{where}.context_len[{k}]",
+                                      f"goes past sequence {seq}'s context_len {context_lens[seq]}")
+    for seq, (got, want) in enumerate(zip(covered, context_lens, strict=True)):
         if got != want:
             raise InvalidArgument(field, f"covers {got} of sequence {seq}'s {want} context tokens")

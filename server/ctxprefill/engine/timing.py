@@ -23,37 +23,48 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 
 from ..ops import _cuda
 
+#: a point in time of a stage: a recorded CUDA event on a GPU, ``perf_counter_ns`` on the CPU
+Mark = torch.cuda.Event | int
+#: what :meth:`StageTimer.begin` returns and :meth:`StageTimer.end` takes: (stage, its start).
+#: A pair, not a dataclass: 24 of them per 4-chunk request, and a frozen dataclass costs the
+#: host ~1 us more each
+Started = tuple[str, Mark]
+
 # device index -> events ready for reuse (list append/pop are atomic under the GIL)
-_POOLS: dict[int, list] = defaultdict(list)
+_POOLS: dict[int, list[torch.cuda.Event]] = defaultdict(list)
 
 
 class StageTimer:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device | str):
         device = torch.device(device)
         self.cuda = device.type == "cuda"
-        self._events: list[tuple[str, object, object]] = []
+        self._events: list[tuple[str, Mark, Mark]] = []  # (stage, start event, end event) on a GPU
         self._ns: dict[str, int] = defaultdict(int)
         self._t0 = time.perf_counter_ns()
-        self._first = self._last = None  # the first stage's start, the last one's end
+        self._first: Mark | None = None  # the first stage's start
+        self._last: Mark | None = None  # the last stage's end
         self.span_ns = 0
         if self.cuda:
             self._stream = torch.cuda.current_stream(device)
             self._pool = _POOLS[self._stream.device_index]
 
-    def _event(self):
+    def _event(self) -> torch.cuda.Event:
         try:
             return self._pool.pop()
         except IndexError:
-            return torch.cuda.Event(enable_timing=True)
+            return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # (torch's is unannotated)
 
-    def begin(self, name: str):
+    def begin(self, name: str) -> Started:
         """Start timing stage ``name``; returns what :meth:`end` takes. A stage that raises
         is never ended: its start event is dropped, not returned to the pool."""
+        a: Mark
         if self.cuda:
             a = self._event()
             a.record(self._stream)
@@ -63,19 +74,20 @@ class StageTimer:
             self._first = a
         return name, a
 
-    def end(self, started) -> None:
+    def end(self, started: Started) -> None:
         name, a = started
+        b: Mark
         if self.cuda:
             b = self._event()
             b.record(self._stream)
             self._events.append((name, a, b))
         else:
             b = time.perf_counter_ns()
-            self._ns[name] += b - a
+            self._ns[name] += b - cast(int, a)
         self._last = b
 
     @contextlib.contextmanager
-    def stage(self, name: str):
+    def stage(self, name: str) -> Iterator[None]:
         started = self.begin(name)
         yield
         self.end(started)
@@ -88,25 +100,28 @@ class StageTimer:
             if self._last is None:
                 torch.cuda.synchronize(self._stream.device)
             else:
-                self._last.synchronize()
-                pairs = [(self._first, self._last)] + [(a, b) for _, a, b in self._events]
-                ms = _elapsed_ms(pairs)
+                # on a GPU every mark is an event
+                events = cast(list[tuple[str, torch.cuda.Event, torch.cuda.Event]], self._events)
+                first, last = cast(torch.cuda.Event, self._first), cast(torch.cuda.Event, self._last)
+                last.synchronize()
+                ms = _elapsed_ms([(first, last)] + [(a, b) for _, a, b in events])
                 self.span_ns = int(ms[0] * 1e6)
-                for (name, a, b), t in zip(self._events, ms[1:]):
+                for (name, a, b), t in zip(events, ms[1:], strict=True):
                     self._ns[name] += int(t * 1e6)
                     self._pool.extend((a, b))  # read: free to record again
             self._events.clear()
         elif self._last is not None:
-            self.span_ns = self._last - self._first
+            self.span_ns = cast(int, self._last) - cast(int, self._first)
         self._first = self._last = None
         return dict(self._ns), time.perf_counter_ns() - self._t0
 
 
-def _elapsed_ms(pairs) -> list[float]:
+def _elapsed_ms(pairs: Sequence[tuple[torch.cuda.Event, torch.cuda.Event]]) -> list[float]:
     """Milliseconds between each (start, end) pair of recorded events: in one call into
     the CUDA extension when it is loaded (~25 pairs per 4-chunk request; torch's
     ``Event.elapsed_time`` costs ~4 us of host each), else torch's one by one."""
     ext = _cuda.load()
     if ext is not None:
-        return ext.events_elapsed_ms([e.cuda_event for pair in pairs for e in pair])
+        got: list[float] = ext.events_elapsed_ms([e.cuda_event for pair in pairs for e in pair])
+        return got
     return [a.elapsed_time(b) for a, b in pairs]

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -171,7 +172,7 @@ def build(arch: str | None = None, verbose: bool = False):
     return mod, bdir
 
 
-def load():
+def load() -> ModuleType | None:
     """The extension module, or None (see ``why_not()``). Cached; never raises."""
     if _state["done"]:
         return _state["module"]

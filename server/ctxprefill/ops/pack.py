@@ -29,7 +29,9 @@ def _flat_pe(k_pe: torch.Tensor) -> torch.Tensor:
 
 def _check_pack_inputs(k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor | None = None) -> None:
     if k_nope.dim() != 3 or k_pe.dim() not in (2, 3) or k_pe.shape[0] != k_nope.shape[0]:
-        raise ValueError(f"pack: k_nope [T,H,P] and k_pe [T,R] expected, got {tuple(k_nope.shape)}, {tuple(k_pe.shape)}")
+        raise ValueError(
+            f"pack: k_nope [T,H,P] and k_pe [T,R] expected, got {tuple(k_nope.shape)}, {tuple(k_pe.shape)}"
+        )
     if k_nope.stride(-1) != 1 or k_pe.stride(-1) != 1 or (v is not None and v.stride(-1) != 1):
         raise ValueError("pack: inputs need unit last stride")
     if v is not None and (v.shape[:2] != k_nope.shape[:2]):
@@ -129,7 +131,8 @@ def fused_mla_kv_concat(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tenso
     if k_pe.dtype != k_nope.dtype:
         raise ValueError(f"fused_mla_kv_concat: k_pe dtype {k_pe.dtype} != k_nope dtype {k_nope.dtype}")
     if k_nope.shape[0] == 0:
-        return torch.empty((0, k_nope.shape[1], k_nope.shape[2] + k_pe.shape[-1]), dtype=k_nope.dtype, device=k_nope.device)
+        shape = (0, k_nope.shape[1], k_nope.shape[2] + k_pe.shape[-1])
+        return torch.empty(shape, dtype=k_nope.dtype, device=k_nope.device)
     launches.note(1)
     if _cuda.use_cuda(k_nope):
         return _cuda.load().fused_mla_kv_concat(k_nope, _flat_pe(k_pe))

@@ -62,7 +62,8 @@ def encode_slots(kv_c: torch.Tensor, k_pe: torch.Tensor, cache_dtype: str, k_sca
         # divide by a tensor, not a Python scalar: torch's CUDA kernels turn ``x / scalar``
         # into ``x * (1 / scalar)``, which is not the exact division the spec (and the
         # insert kernel) use; tensor / tensor divides exactly on every device
-        x = torch.cat([kv_c.float(), k_pe.float()], dim=1) / torch.tensor(k_scale, dtype=torch.float32, device=kv_c.device)
+        scale = torch.tensor(k_scale, dtype=torch.float32, device=kv_c.device)
+        x = torch.cat([kv_c.float(), k_pe.float()], dim=1) / scale
         return _sat_fp8(x).view(torch.uint8).reshape(T, L + R)
     if cache_dtype == "fp8_ds_mla":
         scales = ds_mla_tile_scales(kv_c)  # [T, L/128]
