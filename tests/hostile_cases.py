@@ -35,15 +35,15 @@ import grpc
 import numpy as np
 
 try:
-    from ctxprefill_client import encode_tensor, float32_to_bf16_bits, float32_to_fp8_e4m3_bits
     from ctxprefill_api import pb
+    from ctxprefill_client import encode_tensor, float32_to_bf16_bits, float32_to_fp8_e4m3_bits
 except ImportError:  # run as a script from the repository root
     import os
 
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.join(_root, "client"))
-    from ctxprefill_client import encode_tensor, float32_to_bf16_bits, float32_to_fp8_e4m3_bits
     from ctxprefill_api import pb
+    from ctxprefill_client import encode_tensor, float32_to_bf16_bits, float32_to_fp8_e4m3_bits
 
 SERVICE = "/ctxprefill.v1.PrefillContextService/"
 IA = grpc.StatusCode.INVALID_ARGUMENT

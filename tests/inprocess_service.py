@@ -1,19 +1,19 @@
 """A small in-process ctxprefill gRPC server on the CPU (a real Engine of one head, the
-servicer, the interceptor, an aio channel to it) for the service-layer tests."""
+servicer, the interceptors, an aio channel to it) for the service-layer tests."""
 
 from __future__ import annotations
 
 import grpc
 import numpy as np
 
-from ctxprefill.service.interceptors import ServerInterceptor
-from ctxprefill.service.metrics import Metrics
+from ctxprefill.app import build_engine
 from ctxprefill.service.engine_worker import EngineWorker
+from ctxprefill.service.interceptors import server_interceptors
+from ctxprefill.service.metrics import Metrics
 from ctxprefill.service.servicer import PrefillContextServicer
-from ctxprefill.settings import ServeSettings, build_engine
+from ctxprefill.settings import ServeSettings
+from ctxprefill_api import pb, pb_grpc
 from ctxprefill_client import encode_tensor, float32_to_bf16_bits
-from ctxprefill_api import pb
-from ctxprefill_api import pb_grpc
 from service_process import parse_metrics, sample_sum
 
 SETTINGS = ServeSettings(device="cpu", heads=1, block_size=16, num_blocks=8, workspace_tokens=64)
@@ -35,7 +35,7 @@ class Harness:
             self.servicer.set_ready()
 
     async def __aenter__(self):
-        self.server = grpc.aio.server(interceptors=[ServerInterceptor(self.metrics)])
+        self.server = grpc.aio.server(interceptors=server_interceptors(self.metrics))
         pb_grpc.add_PrefillContextServiceServicer_to_server(self.servicer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from ctxprefill.settings import ServeSettings, build_engine
+from ctxprefill.app import build_engine
+from ctxprefill.settings import ServeSettings
+from ctxprefill_api import pb
 from ctxprefill_client import encode_tensor, float32_to_bf16_bits
 from ctxprefill_client._common import build_prefill_request
-from ctxprefill_api import pb
 from inprocess_service import Harness
 from service_process import parse_metrics, sample_sum
 
@@ -150,12 +151,13 @@ def test_a_one_layer_server_takes_cache_write_without_a_layer():
 def test_a_ring_request_whose_cache_write_reads_shared_memory_waits_for_the_device_before_release(monkeypatch):
     """A ring request's regions are released after its answer (deferred). Its results'
     copies are waited for before the answer, but a cache_write reading its latents from
-    shared memory is queued after them: that release goes through ``_end_shared`` (which
+    shared memory is queued after them: that release goes through ``Lease.end`` (which
     waits for the device when the regions can still be read by it), an inline one's not."""
-    from ctxprefill.service import validate
     from ctxprefill.service.engine_worker import EngineWorker
     from ctxprefill.service.metrics import Metrics
+    from ctxprefill.service.prefill import PrefillCall
     from ctxprefill.service.servicer import PrefillContextServicer
+    from ctxprefill.service.shared_memory import Lease
     from ctxprefill_client import SystemSharedMemoryRegion
 
     s = dataclasses.replace(S, shared_memory="system")
@@ -163,20 +165,20 @@ def test_a_ring_request_whose_cache_write_reads_shared_memory_waits_for_the_devi
     servicer = PrefillContextServicer(s, Metrics(), EngineWorker(Metrics()), 64 << 20, 4)
     servicer.attach_engine(engine)
     ended = []
-    monkeypatch.setattr(servicer, "_end_shared", lambda lease, device: (ended.append(lease), lease.finish()))
+    monkeypatch.setattr(Lease, "end", lambda lease, device: (ended.append(lease), lease.finish()))
     kv, pe = _latents(2, 5)
     with SystemSharedMemoryRegion("cw", 8192) as shm:
         servicer.shm.register_system("cw", shm.key, 0, 8192)
         for shared in (False, True):
             latents = (shm.write(kv, 0), shm.write(pe, 4096)) if shared else (kv, pe)
-            lease = servicer._lease()
-            args = validate.validate_prefill(_prefill(0, ([40, 41], *latents)), engine.config, 64 << 20, lease)
-            assert bool(args.cache_write.shared) == shared
+            call = PrefillCall.open(engine, servicer.metrics, _prefill(0, ([40, 41], *latents)), "r", servicer.shm,
+                                    64 << 20, 0)
+            assert bool(call.decoded.shared) == shared  # the latents view the region
             defer: list = []
-            servicer._prefill_start(engine, lease, args, 0, 0, defer)()
+            call.start(defer)()
             assert ended == [] and defer  # nothing released before the answer
             for f in defer:
                 f()
-            assert ended == ([lease] if shared else [])
+            assert ended == ([call.lease] if shared else [])
             assert servicer.shm.status("cw")[0]["requests_in_flight"] == 0  # released either way
         servicer.shm.unregister("cw")

@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hostile_cases as hc
-from ctxprefill_client import encode_tensor
 from ctxprefill_api import pb
+from ctxprefill_client import encode_tensor
 from service_process import ServerProcess, http_get, parse_metrics, sample_sum
 
 #: hostile requests the test must send at least (CTXPREFILL_HOSTILE_COUNT raises it)

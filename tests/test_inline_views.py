@@ -13,9 +13,9 @@ import pytest
 
 from ctxprefill.service import inline_views
 from ctxprefill.service.inline_views import InlineRequest, data_views, parse
-from ctxprefill_client._common import build_prefill_request
 from ctxprefill_api import pb
 from ctxprefill_api.wire import serialize_request
+from ctxprefill_client._common import build_prefill_request
 
 BF16 = pb.DATA_TYPE_BF16
 

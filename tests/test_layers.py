@@ -14,14 +14,15 @@ import numpy as np
 import pytest
 import torch
 
+from context_layout import tables_and_slots
+from ctxprefill.app import build_engine
 from ctxprefill.config import EngineConfig, ModelShape
 from ctxprefill.engine.engine import Engine, SequenceSpec
 from ctxprefill.errors import ConfigError, InvalidArgument, OutOfRange
-from ctxprefill.settings import ServeSettings, build_engine
+from ctxprefill.settings import ServeSettings
 from ctxprefill.weights import random_kv_b_proj, save_weights
-from ctxprefill_client import encode_tensor, float32_to_bf16_bits
 from ctxprefill_api import pb
-from context_layout import tables_and_slots
+from ctxprefill_client import encode_tensor, float32_to_bf16_bits
 from engine_helpers import bits
 from inprocess_service import Harness
 from service_process import parse_metrics, sample_sum
@@ -110,7 +111,8 @@ def test_a_layer_not_held_or_not_named_is_refused_and_changes_nothing(two_layers
 
 
 def test_layer_settings_are_checked_up_front(tmp_path):
-    for kw, flag in (({"layers": 0}, "--layers"), ({"layers": 2000}, "--layers"), ({"first_layer": -1}, "--first-layer")):
+    cases = (({"layers": 0}, "--layers"), ({"layers": 2000}, "--layers"), ({"first_layer": -1}, "--first-layer"))
+    for kw, flag in cases:
         with pytest.raises(ConfigError, match=flag):
             build_engine(dataclasses.replace(BASE, **kw))
     with pytest.raises(ConfigError, match="--layers"):
@@ -348,12 +350,13 @@ def test_the_example_orchestrator_on_one_layer_of_two(tmp_path, capsys):
                                   "--weights-prefix", "model.layers.5.self_attn."]) == 1
         # ctxprefill demo --target reads the first layer's weight from the file by the same prefix;
         # without {layer} it cannot know which, and says so instead of checking against a wrong one
-        from ctxprefill.service.remote_demo import run_remote_demo
+        from ctxprefill_bench.remote_demo import run_remote_demo
 
         assert run_remote_demo(proc.target, ServeSettings(weights=path,
                                                           weights_prefix="model.layers.{layer}.self_attn.")) == 0
         assert "error vs float64 within 0.01: True" in capsys.readouterr().out
-        assert run_remote_demo(proc.target, ServeSettings(weights=path, weights_prefix="model.layers.5.self_attn.")) == 0
+        one_layer = ServeSettings(weights=path, weights_prefix="model.layers.5.self_attn.")
+        assert run_remote_demo(proc.target, one_layer) == 0
         assert "float64 check skipped" in capsys.readouterr().out
     finally:
         proc.terminate(15)
@@ -361,25 +364,25 @@ def test_the_example_orchestrator_on_one_layer_of_two(tmp_path, capsys):
 
 
 def test_caches_that_cannot_fit_refuse_to_start(monkeypatch):
-    from ctxprefill import settings
+    from ctxprefill import app
 
     with pytest.raises(ConfigError, match="--num-blocks, --layers") as ei:
         build_engine(dataclasses.replace(BASE, num_blocks=2**31 // 16 - 1, layers=2))
     assert "2 layer(s)" in str(ei.value)
     # what the device says is free decides, not a fixed limit
     cfg = build_engine(BASE).config
-    need = sum(settings.memory_bytes(cfg))
-    monkeypatch.setattr(settings, "available_bytes", lambda device: need - 1)
+    need = sum(app.memory_bytes(cfg))
+    monkeypatch.setattr(app, "available_bytes", lambda device: need - 1)
     with pytest.raises(ConfigError, match="GiB free"):
         build_engine(BASE)
-    monkeypatch.setattr(settings, "available_bytes", lambda device: need)
+    monkeypatch.setattr(app, "available_bytes", lambda device: need)
     build_engine(BASE)
-    monkeypatch.setattr(settings, "available_bytes", lambda device: None)  # unknown: the allocation decides
+    monkeypatch.setattr(app, "available_bytes", lambda device: None)  # unknown: the allocation decides
     build_engine(BASE)
 
 
 def test_the_remote_demo_uses_the_first_layer_of_several(capsys):
-    from ctxprefill.service.remote_demo import run_remote_demo
+    from ctxprefill_bench.remote_demo import run_remote_demo
     from service_process import ServerProcess
 
     proc = ServerProcess({"heads": 2, "block_size": 16, "num_blocks": 64, "workspace_tokens": 128,

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ctxprefill_client import CtxPrefillRpcError, PrefillContextClient, float32_to_bf16_bits
 from context_layout import tables_and_slots
+from ctxprefill_client import CtxPrefillRpcError, PrefillContextClient, float32_to_bf16_bits
 from service_process import ServerProcess, free_port, http_get, parse_metrics, sample_sum, stop_process
 
 PROMTOOL = shutil.which("promtool")

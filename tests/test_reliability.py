@@ -26,9 +26,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ctxprefill_api import pb, pb_grpc
 from ctxprefill_client import PrefillContextClient, ServerRestartedError, encode_tensor, float32_to_bf16_bits
-from ctxprefill_api import pb
-from ctxprefill_api import pb_grpc
 from service_process import ServerProcess, http_get, parse_metrics, sample_sum
 
 SERVICE = "ctxprefill.v1.PrefillContextService"
@@ -246,8 +245,8 @@ def test_worker_bookkeeping_of_cancelled_calls():
     counted by reason; it never runs."""
     import asyncio
 
-    from ctxprefill.service.metrics import Metrics
     from ctxprefill.service.engine_worker import EngineWorker
+    from ctxprefill.service.metrics import Metrics
 
     async def main():
         m = Metrics()

@@ -22,8 +22,11 @@ import grpc
 import numpy as np
 import pytest
 
+from context_layout import tables_and_slots
 from ctxprefill.errors import ConfigError
 from ctxprefill.settings import ServeSettings, shared_memory_kinds
+from ctxprefill_api import pb
+from ctxprefill_api.ring import HEADER_BYTES, REQUEST, slot_fields
 from ctxprefill_client import (
     BF16,
     CtxPrefillError,
@@ -32,9 +35,6 @@ from ctxprefill_client import (
     SystemSharedMemoryRegion,
     float32_to_bf16_bits,
 )
-from ctxprefill_api import pb
-from ctxprefill_api.ring import HEADER_BYTES, REQUEST, slot_fields
-from context_layout import tables_and_slots
 from rpc_errors import expect
 from service_process import ServerProcess, http_get, parse_metrics, sample_sum
 

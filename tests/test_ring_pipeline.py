@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 
-from ctxprefill.service.metrics import Metrics
 from ctxprefill.service.engine_worker import EngineWorker
+from ctxprefill.service.metrics import Metrics
 
 
 class FakeRing:

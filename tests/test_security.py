@@ -28,9 +28,11 @@ from ctxprefill.errors import ConfigError  # noqa: E402
 from ctxprefill.service.interceptors import check_bearer  # noqa: E402
 from ctxprefill.service.security import load_security, load_token  # noqa: E402
 from ctxprefill.settings import ServeSettings  # noqa: E402
+from ctxprefill_api import (
+    pb,  # noqa: E402
+    pb_grpc,  # noqa: E402
+)
 from ctxprefill_client import AsyncPrefillContextClient, CtxPrefillRpcError, PrefillContextClient  # noqa: E402
-from ctxprefill_api import pb  # noqa: E402
-from ctxprefill_api import pb_grpc  # noqa: E402
 from service_process import ROOT, ServerProcess, http_get, parse_metrics, sample_sum  # noqa: E402
 
 SERVICE = "ctxprefill.v1.PrefillContextService"

@@ -30,13 +30,15 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from ctxprefill.app import build_engine
 from ctxprefill.engine.engine import SequenceSpec
 from ctxprefill.engine.plan import plan_chunks
 from ctxprefill.ops import launches
 from ctxprefill.ops.fp8 import FP8
 from ctxprefill.ops.slot_format import encode_slots
-from ctxprefill.service.remote_demo import run_remote_demo
-from ctxprefill.settings import ServeSettings, build_engine
+from ctxprefill.settings import ServeSettings
+from ctxprefill_api import pb, pb_grpc
+from ctxprefill_bench.remote_demo import run_remote_demo
 from ctxprefill_client import (
     FP32,
     ContextChunk,
@@ -46,8 +48,6 @@ from ctxprefill_client import (
     float32_to_bf16_bits,
     float32_to_fp8_e4m3_bits,
 )
-from ctxprefill_api import pb
-from ctxprefill_api import pb_grpc
 from service_process import ServerProcess, http_get, parse_metrics, sample_sum
 
 SERVICE = "ctxprefill.v1.PrefillContextService"

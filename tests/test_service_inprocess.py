@@ -1,7 +1,8 @@
 """The service layer in-process (CPU, a small real Engine): what is hard to provoke in
 a separate process — a full queue, a deadline that passes while queued, a device
 out-of-memory error, starting and draining, an unexpected exception — plus the
-codec, the validators and the HTTP app on their own."""
+codec, the request checks (decoding, the transport's, the engine's) and the HTTP app on
+their own."""
 
 from __future__ import annotations
 
@@ -15,15 +16,16 @@ import numpy as np
 import pytest
 import torch
 
+from ctxprefill.engine.request import validate_prefill, validate_read, validate_write
 from ctxprefill.errors import InvalidArgument, OutOfRange
 from ctxprefill.ops.fp8 import FP8
-from ctxprefill.service import codec, validate
+from ctxprefill.service import codec, transport
+from ctxprefill.service.engine_worker import EngineWorker
 from ctxprefill.service.http import HttpApp
 from ctxprefill.service.interceptors import INTERNAL_MESSAGE, RpcStatusError
 from ctxprefill.service.metrics import Metrics
-from ctxprefill.service.engine_worker import EngineWorker
-from ctxprefill_client import encode_tensor, float32_to_bf16_bits
 from ctxprefill_api import pb
+from ctxprefill_client import encode_tensor, float32_to_bf16_bits
 from inprocess_service import Harness, prefill_req, read_req, small_engine
 from service_process import parse_metrics, sample_sum
 
@@ -51,15 +53,16 @@ async def code_of(coro) -> grpc.StatusCode:
 
 
 def blocking_read(engine, monkeypatch, gate: threading.Event, ran: list):
-    orig = engine.read_cache
+    orig = engine.read  # what the service calls
 
-    def read_cache(slots, layer=None):
-        ran.append(int(slots[0]))
-        if int(slots[0]) == 0:
+    def read(request):
+        slot = int(request.slot_mapping[0])
+        ran.append(slot)
+        if slot == 0:
             assert gate.wait(20)
-        return orig(slots, layer=layer)
+        return orig(request)
 
-    monkeypatch.setattr(engine, "read_cache", read_cache)
+    monkeypatch.setattr(engine, "read", read)
 
 
 def test_queue_full_is_refused_at_once(engine, monkeypatch):
@@ -123,16 +126,16 @@ def test_worker_skips_an_expired_deadline():
 
 
 def test_out_of_memory_is_resource_exhausted_and_the_server_goes_on(engine, monkeypatch):
-    orig = engine.prefill_context_start  # what the service calls
+    orig = engine.start_prefill  # what the service calls
     calls = []
 
-    def prefill_context(*a, **kw):
+    def start_prefill(*a, **kw):
         calls.append(1)
         if len(calls) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return orig(*a, **kw)
 
-    monkeypatch.setattr(engine, "prefill_context_start", prefill_context)
+    monkeypatch.setattr(engine, "start_prefill", start_prefill)
 
     async def main():
         async with Harness(engine) as h:
@@ -149,10 +152,10 @@ def test_out_of_memory_is_resource_exhausted_and_the_server_goes_on(engine, monk
 
 
 def test_unexpected_errors_are_internal_with_a_generic_message(engine, monkeypatch, caplog):
-    def boom(slots, layer=None):
+    def boom(request):
         raise ValueError("secret detail")
 
-    monkeypatch.setattr(engine, "read_cache", boom)
+    monkeypatch.setattr(engine, "read", boom)
 
     async def main():
         async with Harness(engine) as h:
@@ -246,21 +249,31 @@ def test_codec_refuses_unknown_and_unwanted_dtypes():
                      (pb.DATA_TYPE_INT64,))
 
 
-# ---------------------------------------------------------------------------- validate
+# ------------------------------------------------------------------------ request checks
 
 
-def test_validate_prefill_messages(engine):
+def _checked_prefill(msg, cfg, max_bytes=64 << 20):
+    """A PrefillContext message the way the service takes it to the device: decoded (the
+    codec's checks), the transport's checks, then the engine's."""
+    request = codec.decode_prefill(msg).request
+    transport.prefill_placements(msg, request, cfg, None, max_bytes)
+    return validate_prefill(request, cfg, "this-instance")
+
+
+def test_prefill_checks_name_the_field(engine):
     cfg = engine.config
     ok = prefill_req()
-    args = validate.validate_prefill(ok, cfg, 64 << 20)
-    assert args.q.dtype == torch.bfloat16 and list(args.sequences[0].block_table) == [3, 4] and args.plan is None
+    assert codec.decode_prefill(ok).request.plan is None
+    checked = _checked_prefill(ok, cfg)
+    assert checked.q.dtype == torch.bfloat16 and checked.block_table[0].tolist() == [3, 4]
+    assert [(c.context_starts, c.context_lens) for c in checked.chunks] == [((0,), (20,))]  # planned
 
     def fails(mutate, exc=InvalidArgument, max_bytes=64 << 20):
         r = pb.PrefillContextRequest()
         r.CopyFrom(ok)
         mutate(r)
         with pytest.raises(exc) as ei:
-            validate.validate_prefill(r, cfg, max_bytes)
+            _checked_prefill(r, cfg, max_bytes)
         return ei.value.field
 
     assert fails(lambda r: r.sequences[0].block_table.__setitem__(1, 8), OutOfRange) == "sequences[0].block_table[1]"
@@ -279,29 +292,33 @@ def test_validate_prefill_messages(engine):
     r.CopyFrom(ok)
     r.plan.add(first_sequence=0, num_sequences=1, context_start=[0], context_len=[16])
     r.plan.add(first_sequence=0, num_sequences=1, context_start=[16], context_len=[4])
-    plan = validate.validate_prefill(r, cfg, 64 << 20).plan
+    plan = _checked_prefill(r, cfg).chunks
     assert [(c.context_starts, c.context_lens) for c in plan] == [((0,), (16,)), ((16,), (4,))]
 
 
-def test_validate_write_and_read(engine):
+def test_write_and_read_checks(engine):
     cfg = engine.config
     n = cfg.cache.num_slots
+
+    def checked_write(req):
+        return validate_write(codec.decode_write(req).request, cfg, "this-instance")
+
     req = pb.WriteCacheRequest(slot_mapping=encode_tensor(np.array([-1, n - 1], np.int64)),
                                kv_c=encode_tensor(np.zeros((2, 512), np.float32)),
                                k_pe=encode_tensor(float32_to_bf16_bits(np.zeros((2, 64), np.float32)),
                                                   pb.DATA_TYPE_BF16))
-    a = validate.validate_write(req, cfg)
-    assert a.tokens == 2 and a.kv_c.dtype == torch.float32 and a.k_pe.dtype == torch.bfloat16
+    a = checked_write(req)
+    assert a.slot_mapping.shape[0] == 2 and a.kv_c.dtype == torch.float32 and a.k_pe.dtype == torch.bfloat16
     req.slot_mapping.CopyFrom(encode_tensor(np.array([0, n], np.int64)))
     with pytest.raises(OutOfRange) as ei:
-        validate.validate_write(req, cfg)
+        checked_write(req)
     assert ei.value.field == "slot_mapping[1]"
     req.slot_mapping.CopyFrom(encode_tensor(np.array([0], np.int64)))
     with pytest.raises(InvalidArgument) as ei:
-        validate.validate_write(req, cfg)
+        checked_write(req)
     assert ei.value.field == "kv_c"
     with pytest.raises(OutOfRange):
-        validate.validate_read(read_req(-1), cfg, 64 << 20)
+        validate_read(codec.decode_read(read_req(-1)), cfg, "this-instance")
 
 
 # -------------------------------------------------------------------------------- http
@@ -381,8 +398,8 @@ def test_cancel_code_counts_a_call_cancelled_at_its_deadline_as_expired():
 def test_unpacked_keys_in_server_info_and_stats():
     """GetServerInfo says whether the fused path packs K; each response's Stats says
     whether its request did (no "pack" launches then), and the result is the packed
-    path's bit for bit. The CPU's reference backend packs; one built to take k_rope
-    apart does not."""
+    path's bit for bit. The CPU's reference backend packs; one built to read the keys
+    unpacked does not."""
     from ctxprefill.backends.reference import ReferenceBackend
 
     async def run(eng):
@@ -397,10 +414,10 @@ def test_unpacked_keys_in_server_info_and_stats():
     packed_engine.write_cache(slots, kv_c, k_pe)  # blocks 3 and 4: prefill_req's context
     info, r = asyncio.run(run(packed_engine))
     assert not info.unpacked_keys and not r.stats.unpacked_keys and r.stats.kernel_launches["pack"] >= 1
-    apart = small_engine()
-    apart.backend = ReferenceBackend(k_rope_apart=True)
-    apart.write_cache(slots, kv_c, k_pe)
-    info2, r2 = asyncio.run(run(apart))
+    unpacked_engine = small_engine()
+    unpacked_engine.backend = ReferenceBackend(unpacked_keys=True)
+    unpacked_engine.write_cache(slots, kv_c, k_pe)
+    info2, r2 = asyncio.run(run(unpacked_engine))
     assert info2.unpacked_keys and r2.stats.unpacked_keys and "pack" not in r2.stats.kernel_launches
     assert r2.stats.path == "fused" and r2.output.data == r.output.data and r2.lse.data == r.lse.data
     assert any(r.output.data)  # a result of the written context, not zeros

@@ -25,12 +25,13 @@ import numpy as np
 import pytest
 import torch
 
+from ctxprefill.app import build_engine
 from ctxprefill.backends.reference import ReferenceBackend
 from ctxprefill.config import CacheConfig, EngineConfig, ModelShape
 from ctxprefill.engine.engine import Engine, SequenceSpec
 from ctxprefill.errors import ConfigError
 from ctxprefill.ops.fp8 import FP8
-from ctxprefill.settings import ServeSettings, build_engine, shard_spec
+from ctxprefill.settings import ServeSettings, shard_spec
 from ctxprefill.weights import BLOCK, dequantize, prepare, random_kv_b_proj, shard_kv_b_proj
 from ctxprefill_client import (
     AsyncShardedPrefillClient,
@@ -82,8 +83,9 @@ def test_shard_weights_are_the_rows_of_the_full_ones(dtype, scale_kind, H, n):
                   kv_b_proj_dtype=dtype, backend="reference")
         if (dtype == "fp8" and scale_kind == "tensor") or H > 16:
             continue  # random serve weights are block-scaled; the tensor form and H = 128 are covered above
-        e = build_engine(ServeSettings(**kw, num_shards=n, shard_index=i))
-        assert e.config.shape.heads == per and e.shard.head_start == i * per and e.shard.total_heads == H
+        s = ServeSettings(**kw, num_shards=n, shard_index=i)
+        e = build_engine(s)
+        assert e.config.shape.heads == per and shard_spec(s).head_start == i * per and shard_spec(s).total_heads == H
         assert _same_bits(e.weights.compute, full.compute[r0:r1])
 
 

@@ -1,4 +1,4 @@
-"""The same-host shared-memory transport (issue 8, docs/TRANSPORT.md) on the CPU.
+"""The same-host shared-memory transport (docs/TRANSPORT.md) on the CPU.
 
 Against real ``ctxprefill serve`` processes (``--shared-memory system`` and the default
 ``off``), through the client package:
@@ -22,16 +22,20 @@ import asyncio
 import mmap
 import os
 import uuid
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
 import pytest
 import torch
 
-from ctxprefill.engine.engine import SequenceSpec
+from context_layout import tables_and_slots
+from ctxprefill.app import build_engine
+from ctxprefill.engine.engine import Engine, SequenceSpec
 from ctxprefill.errors import FailedPrecondition, NotFound, ResourceExhausted
 from ctxprefill.service.shared_memory import SharedMemoryRegistry
-from ctxprefill.settings import ServeSettings, build_engine
+from ctxprefill.settings import ServeSettings
+from ctxprefill_api import pb
 from ctxprefill_client import (
     BF16,
     INT64,
@@ -42,8 +46,6 @@ from ctxprefill_client import (
     SystemSharedMemoryRegion,
     float32_to_bf16_bits,
 )
-from ctxprefill_api import pb
-from context_layout import tables_and_slots
 from rpc_errors import expect
 from service_process import ServerProcess, http_get, parse_metrics, sample_sum
 
@@ -569,7 +571,8 @@ def test_registry_refuses_a_non_regular_object(tmp_path):
 
 def test_cuda_registration_logic_with_a_fake_extension(monkeypatch):
     """The Python side of RegisterCudaSharedMemory, with ``ipc_open`` faked (the real one
-    needs two processes on a GPU: tests/gpu/test_transport_gpu.py)."""
+    needs two processes on a GPU: tests/gpu/test_transport_gpu.py). The engine hands the
+    registry its opener (the CUDA extension's ``ipc_open``), or why there is none."""
     from ctxprefill.errors import InvalidArgument, OutOfRange, Unimplemented
     from ctxprefill.ops import _cuda
 
@@ -586,8 +589,11 @@ def test_cuda_registration_logic_with_a_fake_extension(monkeypatch):
             return torch.arange(byte_size, dtype=torch.uint8)
 
     monkeypatch.setattr(_cuda, "load", lambda: FakeExt)
+    engine = SimpleNamespace(device=torch.device("cuda", 0))
+    opener = Engine.cuda_ipc_opener(engine)  # what the servicer attaches
+    assert opener == (FakeExt.ipc_open, "")
     reg = SharedMemoryRegistry(("system", "cuda"), max_regions=4, max_bytes=1 << 20)
-    reg.attach(torch.device("cuda", 0))
+    reg.attach(torch.device("cuda", 0), *opener)
     assert reg.kinds == ("system", "cuda") and reg.cuda_unusable == ""
     r = reg.register_cuda("g", b"\x01" * 64, 0, 16, 64)
     assert calls == [(b"\x01" * 64, 0, 64, 16)]
@@ -616,12 +622,16 @@ def test_cuda_registration_logic_with_a_fake_extension(monkeypatch):
     monkeypatch.setattr(_cuda, "load", lambda: None)
     monkeypatch.setattr(_cuda, "why_not", lambda: "no nvcc")
     broken = SharedMemoryRegistry(("cuda",))
-    broken.attach(torch.device("cuda", 0))
+    broken.attach(torch.device("cuda", 0), *Engine.cuda_ipc_opener(engine))
     assert broken.kinds == ()
     with pytest.raises(FailedPrecondition, match="no nvcc"):
         broken.register_cuda("g", b"\x01" * 64, 0, 0, 8)
     with pytest.raises(Unimplemented, match="--shared-memory"):
         SharedMemoryRegistry(("system",)).register_cuda("g", b"\x01" * 64, 0, 0, 8)
+    # a CPU engine opens no CUDA memory, and says why
+    on_cpu = SharedMemoryRegistry(("cuda",))
+    on_cpu.attach(torch.device("cpu"), *Engine.cuda_ipc_opener(SimpleNamespace(device=torch.device("cpu"))))
+    assert on_cpu.kinds == () and "not on a CUDA device" in on_cpu.cuda_unusable
 
 
 def test_settings_validate_the_flag():

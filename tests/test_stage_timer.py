@@ -39,8 +39,9 @@ def test_no_stage_no_span():
 
 
 def test_the_engine_reports_the_span():
-    from ctxprefill.settings import ServeSettings, build_engine
-    from ctxprefill.bench import make_device_request
+    from ctxprefill.app import build_engine
+    from ctxprefill.settings import ServeSettings
+    from ctxprefill_bench.engine_bench import make_device_request
 
     eng = build_engine(ServeSettings(device="cpu", heads=2, block_size=16, num_blocks=64, workspace_tokens=128))
     q, seqs = make_device_request(eng, [300], [4], seed=0)

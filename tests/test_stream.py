@@ -14,11 +14,11 @@ import grpc
 import numpy as np
 import pytest
 
-from ctxprefill_client import AsyncPrefillContextClient, CtxPrefillError, CtxPrefillRpcError, ServerRestartedError
-from ctxprefill_api import pb
-from service_process import parse_metrics, sample_sum
 from ctxprefill.service.interceptors import INTERNAL_MESSAGE
+from ctxprefill_api import pb
+from ctxprefill_client import AsyncPrefillContextClient, CtxPrefillError, CtxPrefillRpcError, ServerRestartedError
 from inprocess_service import Harness, prefill_req, small_engine
+from service_process import parse_metrics, sample_sum
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
 
@@ -161,7 +161,7 @@ def test_a_stream_ends_with_unavailable_when_the_server_drains(engine, monkeypat
     """Draining: a request running on the stream is answered, then the stream ends at once
     with UNAVAILABLE (not when the grace period runs out); an idle stream ends at once."""
     gate, started = threading.Event(), threading.Event()
-    orig = engine.prefill_context_start  # what the service calls
+    orig = engine.start_prefill  # what the service calls
 
     def slow(*a, **kw):
         started.set()
@@ -174,7 +174,7 @@ def test_a_stream_ends_with_unavailable_when_the_server_drains(engine, monkeypat
             await idle.write(pb.PrefillContextStreamRequest(request=prefill_req()))
             assert not (await idle.read()).HasField("error")
             busy = h.stub.PrefillContextStream(timeout=30)
-            monkeypatch.setattr(engine, "prefill_context_start", slow)
+            monkeypatch.setattr(engine, "start_prefill", slow)
             await busy.write(pb.PrefillContextStreamRequest(request=prefill_req(rows=3)))
             await asyncio.get_running_loop().run_in_executor(None, started.wait, 20)
             t = time.monotonic()
@@ -202,13 +202,13 @@ def test_a_stream_reads_no_more_than_the_queue_holds(engine, monkeypatch):
     requests of the stream ahead (the rest wait in gRPC flow control, not in our memory),
     none is refused for a full queue, and all are answered in order once the engine runs."""
     gate = threading.Event()
-    orig = engine.prefill_context_start  # what the service calls
+    orig = engine.start_prefill  # what the service calls
 
     def slow(*a, **kw):
         assert gate.wait(20)
         return orig(*a, **kw)
 
-    monkeypatch.setattr(engine, "prefill_context_start", slow)
+    monkeypatch.setattr(engine, "start_prefill", slow)
 
     def received(h) -> float:
         return sample_sum(parse_metrics(h.metrics.render().decode())["grpc_server_msg_received_total"],
@@ -242,7 +242,7 @@ def test_a_stream_reads_no_more_than_the_queue_holds(engine, monkeypatch):
 def test_an_unexpected_error_is_internal_in_band_and_the_stream_goes_on(engine, monkeypatch, caplog):
     """As for a unary call (test_service_inprocess): INTERNAL with a generic message, the
     details only in the server log; the next request on the stream is answered."""
-    orig = engine.prefill_context_start  # what the service calls
+    orig = engine.start_prefill  # what the service calls
     calls = []
 
     def flaky(*a, **kw):
@@ -251,7 +251,7 @@ def test_an_unexpected_error_is_internal_in_band_and_the_stream_goes_on(engine, 
             raise ValueError("secret detail")
         return orig(*a, **kw)
 
-    monkeypatch.setattr(engine, "prefill_context_start", flaky)
+    monkeypatch.setattr(engine, "start_prefill", flaky)
 
     async def main():
         async with Harness(engine) as h:

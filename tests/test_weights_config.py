@@ -67,7 +67,10 @@ def test_weights_file_is_never_unpickled(tmp_path):
 @pytest.mark.parametrize(
     "make, msg",
     [
-        (lambda: EngineConfig(cache=CacheConfig("fp8", k_scale=0.5), prefill_dtype="fp8"), "exact only with --k-scale 1.0"),
+        (
+            lambda: EngineConfig(cache=CacheConfig("fp8", k_scale=0.5), prefill_dtype="fp8"),
+            "exact only with --k-scale 1.0",
+        ),
         (lambda: CacheConfig("fp16"), "--cache-dtype"),
         (lambda: CacheConfig(block_size=0), "--block-size"),
         (lambda: CacheConfig(k_scale=float("nan")), "--k-scale"),
@@ -91,12 +94,13 @@ def test_serve_refuses_to_start_with_a_clear_message(capsys):
     assert "--k-scale 1.0" in capsys.readouterr().err
 
 
-def test_packed_keys_flag_reaches_the_engine(monkeypatch):
-    """`serve --packed-keys` (or CTXPREFILL_PACKED_KEYS) turns the fused path's unpacked
-    keys off; by default they are on (docs/DESIGN.md "Unpacked keys")."""
+def test_unpacked_keys_flag_reaches_the_engine(monkeypatch):
+    """`serve --no-unpacked-keys` (or CTXPREFILL_UNPACKED_KEYS=0) turns the fused path's
+    unpacked keys off; by default they are on (docs/DESIGN.md "Unpacked keys")."""
     import argparse
 
-    from ctxprefill.settings import ServeSettings, add_arguments, build_engine, from_args
+    from ctxprefill.app import build_engine
+    from ctxprefill.settings import ServeSettings, add_arguments, from_args
 
     def engine(argv):
         p = argparse.ArgumentParser()
@@ -104,8 +108,10 @@ def test_packed_keys_flag_reaches_the_engine(monkeypatch):
         return build_engine(from_args(p.parse_args(["--device", "cpu", "--heads", "1", "--num-blocks", "4",
                                                     "--workspace-tokens", "64", "--backend", "reference", *argv])))
 
-    assert ServeSettings().packed_keys is False
+    assert ServeSettings().unpacked_keys is True
     assert engine([]).config.unpacked_keys is True
-    assert engine(["--packed-keys"]).config.unpacked_keys is False
-    monkeypatch.setenv("CTXPREFILL_PACKED_KEYS", "1")
+    assert engine(["--no-unpacked-keys"]).config.unpacked_keys is False
+    assert engine(["--unpacked-keys"]).config.unpacked_keys is True
+    monkeypatch.setenv("CTXPREFILL_UNPACKED_KEYS", "0")
     assert engine([]).config.unpacked_keys is False
+    assert engine(["--unpacked-keys"]).config.unpacked_keys is True  # the flag wins over the environment

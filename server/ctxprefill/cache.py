@@ -24,7 +24,9 @@ class PagedLatentCache:
         self._used = torch.zeros(config.num_slots, dtype=torch.bool)
         self.slots_used = 0  # kept up to date by write(): the gauge reads it after every write
 
-    def check_slots(self, slot_mapping: torch.Tensor, field: str = "slot_mapping", allow_skip: bool = True) -> torch.Tensor:
+    def check_slots(
+        self, slot_mapping: torch.Tensor, field: str = "slot_mapping", allow_skip: bool = True
+    ) -> torch.Tensor:
         """Validate an int64 [T] slot list (on the host); returns it on the host."""
         if slot_mapping.dim() != 1:
             raise InvalidArgument(field, f"must be 1-D, got shape {list(slot_mapping.shape)}")
@@ -49,7 +51,9 @@ class PagedLatentCache:
         T = slots.numel()
         for name, t, width in (("kv_c", kv_c, self.latent), ("k_pe", k_pe, self.rope)):
             if tuple(t.shape) != (T, width):
-                raise InvalidArgument(name, f"must have shape [{T}, {width}] (T from slot_mapping), got {list(t.shape)}")
+                raise InvalidArgument(
+                    name, f"must have shape [{T}, {width}] (T from slot_mapping), got {list(t.shape)}"
+                )
             if t.dtype not in (torch.bfloat16, torch.float32):
                 raise InvalidArgument(name, f"must be bf16 or float32, got {t.dtype}")
         keep = slots >= 0

@@ -1,4 +1,4 @@
-"""``ctxprefill``: serve | demo | bench | make-weights."""
+"""``ctxprefill``: serve | demo | bench | make-weights | make-model."""
 
 from __future__ import annotations
 
@@ -21,12 +21,23 @@ def _make_weights(ns) -> int:
     return 0
 
 
+def _make_model(ns) -> int:
+    from .checkpoint_writer import TinyModel, write_model
+
+    m = TinyModel(layers=ns.layers, heads=ns.heads, dtype=ns.dtype, shards=ns.shards, seed=ns.seed, yarn=ns.yarn)
+    index = write_model(ns.dir, m)
+    print(f"wrote {ns.dir}: DeepSeek-V3 architecture, {m.layers} layers x {m.heads} heads, {m.dtype}"
+          f"{', yarn' if m.yarn else ''}, {len(index['weight_map'])} tensors in {m.shards} shard(s), "
+          f"{index['metadata']['total_size']} bytes")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .settings import add_arguments, from_args
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its own parser: a grid of shapes, not server settings
-        from .bench import main as bench_main
+        from ctxprefill_bench.engine_bench import main as bench_main
 
         return bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="ctxprefill", description=__doc__)
@@ -53,22 +64,34 @@ def main(argv: list[str] | None = None) -> int:
     mw.add_argument("--prefix", default="", help="key prefix, e.g. model.layers.0.self_attn.")
     mw.add_argument("--seed", type=int, default=0)
 
+    mm = sub.add_parser("make-model", help="write a small random DeepSeek-V3 checkpoint directory (serve --model DIR)")
+    mm.add_argument("dir", help="directory to write (created; must be empty if it exists)")
+    mm.add_argument("--layers", type=int, default=4)
+    mm.add_argument("--heads", type=int, default=16)
+    mm.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                    help="fp8: linear weights in e4m3 with 128x128 weight_scale_inv, as DeepSeek-V3's release")
+    mm.add_argument("--shards", type=int, default=2, help="safetensors files the tensors are split into")
+    mm.add_argument("--seed", type=int, default=0, help="layer i's kv_b_proj is the random weight of seed + i")
+    mm.add_argument("--yarn", action="store_true", help="DeepSeek-V3's rope_scaling (YaRN, factor 40)")
+
     ns = p.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), stream=sys.stderr,
                         format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}')
     try:
         if ns.cmd == "make-weights":
             return _make_weights(ns)
+        if ns.cmd == "make-model":
+            return _make_model(ns)
         settings = from_args(ns)
         if ns.cmd == "demo":
             if ns.target:
-                from .service.remote_demo import run_remote_demo
+                from ctxprefill_bench.remote_demo import run_remote_demo
 
                 return run_remote_demo(ns.target, settings)
-            from .demo import run_demo
+            from ctxprefill_bench.demo import run_demo
 
             return run_demo(settings)
-        from .service.server import serve
+        from .app import serve
 
         return serve(settings)
     except ConfigError as e:

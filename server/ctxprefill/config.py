@@ -94,7 +94,7 @@ class EngineConfig:
     workspace_tokens: int = 65536
     fused: bool = True  # fused pack kernels (False: the generic path)
     # fused path, bf16 prefill: attention reads k_nope and k_pe where they lie, no K pack,
-    # when the backend takes them apart (False: the fused pack kernel packs K)
+    # when the backend reads the keys unpacked (False: the fused pack kernel packs K)
     unpacked_keys: bool = True
     backend: str = "auto"
     num_layers: int = 1  # model layers held, each with its own cache and kv_b_proj
@@ -108,7 +108,8 @@ class EngineConfig:
             raise ConfigError(f"--prefill-dtype must be one of {', '.join(PREFILL_DTYPES)}, got {self.prefill_dtype!r}")
         if not isinstance(self.workspace_tokens, int) or self.workspace_tokens < self.cache.block_size:
             raise ConfigError(
-                f"--workspace-tokens must be at least one block ({self.cache.block_size}), got {self.workspace_tokens!r}"
+                f"--workspace-tokens must be at least one block ({self.cache.block_size}), "
+                f"got {self.workspace_tokens!r}"
             )
         if self.prefill_dtype == "fp8" and self.cache.dtype == "fp8" and self.cache.k_scale != 1.0:
             raise ConfigError(
@@ -141,4 +142,5 @@ class EngineConfig:
 
     @property
     def fp8_path_labels(self) -> dict[str, str]:
-        return {"cache_dtype": self.cache.dtype, "kv_b_proj_dtype": self.kv_b_proj_dtype, "prefill_dtype": self.prefill_dtype}
+        return {"cache_dtype": self.cache.dtype, "kv_b_proj_dtype": self.kv_b_proj_dtype,
+                "prefill_dtype": self.prefill_dtype}

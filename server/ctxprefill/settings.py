@@ -1,5 +1,6 @@
 """Server settings (CONTRACT §8): one typed object built from flags or the environment,
-and the engine it describes.
+and its checks (ConfigError naming the flag). The engine and the server it describes are
+built by the composition root (``ctxprefill.app``).
 
 Every flag ``--some-flag`` can also be set as ``CTXPREFILL_SOME_FLAG``; a flag given
 on the command line wins over the environment.
@@ -14,9 +15,9 @@ import os
 
 import torch
 
-from .config import CacheConfig, EngineConfig, ModelShape, check_layers
+from .checkpoint import MODEL_FIELDS, resolve_model
+from .config import CacheConfig, EngineConfig, ModelShape
 from .errors import ConfigError
-from .weights import load_kv_b_proj, prepare, random_kv_b_proj, shard_kv_b_proj
 
 log = logging.getLogger("ctxprefill")
 
@@ -41,10 +42,11 @@ class ServeSettings:
     workspace_tokens: int = 65536
     weights: str | None = None
     weights_prefix: str = ""
+    model: str | None = None  # a Hugging Face checkpoint directory (DeepSeek-V2/V3 architecture)
     seed: int = 0
     kv_b_proj_dtype: str = "bf16"  # random weights only; a file decides its own
     generic: bool = False  # run the generic (unfused) pack path
-    packed_keys: bool = False  # fused bf16 prefill: pack K with the fused kernel even where attention reads it apart
+    unpacked_keys: bool = True  # fused bf16 prefill: no K pack where the attention backend reads the keys unpacked
     softmax_scale: float | None = None
     grace_seconds: float = 25.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 1 << 30  # gRPC send/receive limit
@@ -81,18 +83,23 @@ _HELP = {
     "cache_dtype": "auto (bf16), fp8 or fp8_ds_mla",
     "k_scale": "per-tensor scale of the fp8 cache",
     "prefill_dtype": "bf16 or fp8 (q arrives in fp8; k, v quantized)",
-    "backend": "attention backend: auto (on a GPU: the faster of triton and cudnn-frontend, timed at start-up "
-               "on a workspace-sized chunk), triton, cudnn-frontend, cudnn or reference",
+    "backend": "attention backend: auto (on a GPU: gluon on Hopper, else triton, unless cudnn-frontend, timed "
+               "against it at start-up on a workspace-sized chunk, is 10%% faster), gluon, triton, cudnn-frontend, "
+               "cudnn or reference (ctxprefill.backends.registry)",
     "workspace_tokens": "rows of the gather workspace (the largest chunk)",
     "weights": "safetensors file holding {prefix}kv_b_proj.weight (random weights when absent)",
     "weights_prefix": "key prefix in the weights file, e.g. model.layers.0.self_attn.; {layer} in it stands for "
                       "each layer's model index (model.layers.{layer}.self_attn.)",
+    "model": "Hugging Face checkpoint directory of a DeepSeek-V2/V3-architecture model (config.json, safetensors "
+             "shards): heads, layers, softmax scale and each layer's kv_b_proj come from it; --heads, --layers, "
+             "--first-layer, --softmax-scale given explicitly override its config.json",
     "seed": "seed of the random weights used when --weights is not given (model layer i gets seed + i)",
     "kv_b_proj_dtype": "dtype of random weights (bf16 or fp8); a weights file decides its own",
     "generic": "use the generic (unfused) pack path instead of the fused kernels",
-    "packed_keys": "fused path, bf16 prefill: pack K = [k_nope | k_pe] with the fused kernel every chunk; by default, "
-                   "with an attention backend that reads the two apart (triton), K is not packed: attention reads "
-                   "k_nope from the kv_b_proj output and k_pe from the workspace (same bits; docs/DESIGN.md)",
+    "unpacked_keys": "fused path, bf16 prefill, with an attention backend that reads the keys unpacked (gluon, "
+                     "triton): pack no K, attention reads k_nope from the kv_b_proj output and k_pe from the "
+                     "workspace (same bits; docs/DESIGN.md); --no-unpacked-keys packs K = [k_nope | k_pe] with the "
+                     "fused kernel every chunk",
     "softmax_scale": "softmax scale (default (P+R)**-0.5; pass the final one, yarn mscale included)",
     "grace_seconds": "on SIGTERM/SIGINT: seconds in-flight requests get to finish before the server exits",
     "max_message_bytes": "largest gRPC message the server receives or sends, in bytes",
@@ -138,12 +145,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             if f.type == "bool":
                 default = default.lower() in ("1", "true", "yes", "on")
         if f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f"{_HELP[f.name]} [{env}]")
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                           help=f"{_HELP[f.name]} [{env}]")
             continue
         typ = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], str)
         if f.name == "softmax_scale":
             typ = float
-        p.add_argument(flag, type=typ, default=default, help=f"{_HELP[f.name]} (default: %(default)s) [{env}]")
+        shown = "%(default)s"
+        if f.name in MODEL_FIELDS and env not in os.environ:  # unset: --model's config.json decides
+            default = None
+            shown = f"{f.default}" + ("" if f.name == "first_layer" else "; with --model, config.json's")
+        p.add_argument(flag, type=typ, default=default, help=f"{_HELP[f.name]} (default: {shown}) [{env}]")
 
 
 def from_args(ns: argparse.Namespace) -> ServeSettings:
@@ -155,7 +167,9 @@ def from_args(ns: argparse.Namespace) -> ServeSettings:
                 kw[f.name] = int(v) if f.type == "int" else float(v)
             except ValueError:
                 raise ConfigError(f"CTXPREFILL_{f.name.upper()}={v!r} is not a number") from None
-    return ServeSettings(**kw)
+    explicit = {k for k in MODEL_FIELDS if kw.get(k) is not None}  # given as a flag or in the environment
+    kw = {k: v for k, v in kw.items() if not (k in MODEL_FIELDS and v is None)}
+    return resolve_model(ServeSettings(**kw), explicit)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -237,110 +251,40 @@ def shard_spec(s: ServeSettings) -> ShardSpec:
     return ShardSpec(i, n, h)
 
 
+def check_serve_settings(s: ServeSettings) -> None:
+    """The server's own limits and ports."""
+    if not (s.grace_seconds >= 0):
+        raise ConfigError(f"--grace-seconds must be >= 0, got {s.grace_seconds}")
+    if not (4 << 20 <= s.max_message_bytes <= 2**31 - 1):
+        raise ConfigError(f"--max-message-bytes must be in [{4 << 20}, {2**31 - 1}], got {s.max_message_bytes}")
+    if s.queue_size < 1:
+        raise ConfigError(f"--queue-size must be >= 1, got {s.queue_size}")
+    for name in ("port", "metrics_port"):
+        v = getattr(s, name)
+        if not 0 <= v <= 65535:
+            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 65535], got {v}")
+
+
+def check_engine_settings(s: ServeSettings) -> None:
+    """The engine's cheap configuration checks, before any port is bound (the full build,
+    weights included, runs after binding so that liveness answers while it loads)."""
+    shape = ModelShape(heads=s.heads, softmax_scale=s.softmax_scale)
+    cache = CacheConfig(s.cache_dtype, s.block_size, s.num_blocks, s.k_scale)
+    EngineConfig(shape=shape, cache=cache, kv_b_proj_dtype="bf16" if s.weights else s.kv_b_proj_dtype,
+                 prefill_dtype=s.prefill_dtype, workspace_tokens=s.workspace_tokens, fused=not s.generic,
+                 backend=s.backend)
+    resolve_device(s.device)
+    shard_spec(s)  # --shard-index / --num-shards against --heads
+    if s.weights and not os.path.isfile(s.weights):
+        raise ConfigError(f"--weights: no such file {s.weights!r}")
+
+
 def layer_prefix(prefix: str, layer: int, num_layers: int) -> str:
-    """The weights-file key prefix of model layer ``layer``: ``{layer}`` in ``prefix``
-    replaced by its index; without one, the prefix as it is, for one layer only."""
+    """The weights-file key prefix of model layer ``layer`` (``--weights-prefix``): ``{layer}``
+    in ``prefix`` replaced by its index; without one, the prefix as it is, for one layer only."""
     if "{layer}" in prefix:
         return prefix.replace("{layer}", str(layer))
     if num_layers > 1:
         raise ConfigError(f"--weights-prefix {prefix!r} has no {{layer}}: with --layers {num_layers} each layer needs "
                           f"its own kv_b_proj, e.g. --weights-prefix 'model.layers.{{layer}}.self_attn.'")
     return prefix
-
-
-def layer_weights(s: ServeSettings, shape: ModelShape, layer: int):
-    """Model layer ``layer``'s prepared kv_b_proj (all of the model's heads)."""
-    if s.weights:
-        return load_kv_b_proj(s.weights, shape, layer_prefix(s.weights_prefix, layer, s.layers))
-    t = random_kv_b_proj(shape, s.kv_b_proj_dtype, s.seed + layer)
-    return prepare(s.kv_b_proj_dtype, t["kv_b_proj.weight"], t.get("kv_b_proj.weight_scale_inv"))
-
-
-def memory_bytes(config: EngineConfig) -> tuple[int, int]:
-    """Bytes of the caches (every layer's) and of the workspace."""
-    c = config.cache
-    return (config.num_layers * c.num_slots * c.bytes_per_slot,
-            config.workspace_tokens * (config.shape.kv_lora_rank + config.shape.qk_rope_head_dim) * 2)
-
-
-def memory_needs(config: EngineConfig) -> str:
-    """What the caches and the workspace take, in words, with the flags that size them."""
-    c = config.cache
-    cache, ws = memory_bytes(config)
-    return (f"the cache takes {cache / 2**30:.2f} GiB ({config.num_layers} layer(s) x --num-blocks {c.num_blocks} x "
-            f"--block-size {c.block_size} x {c.bytes_per_slot} B) and the workspace {ws / 2**30:.2f} GiB "
-            f"(--workspace-tokens {config.workspace_tokens})")
-
-
-def available_bytes(device: torch.device) -> int | None:
-    """Memory free for the caches: the GPU's free memory, or the host's MemAvailable (None
-    where it cannot be read)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def check_memory(config: EngineConfig, device: torch.device) -> None:
-    """Refuse to start (ConfigError naming the flags) when the caches and the workspace
-    cannot fit in what the device has free: a clear message instead of an allocator's
-    error halfway through the layers, or the kernel's OOM killer on the host."""
-    need = sum(memory_bytes(config))
-    free = available_bytes(device)
-    if free is not None and need > free:
-        raise ConfigError(f"{memory_needs(config)}: {need / 2**30:.2f} GiB, and {device} has {free / 2**30:.2f} GiB "
-                          f"free; lower --num-blocks, --layers or --workspace-tokens")
-
-
-def build_engine(s: ServeSettings):
-    """Validated config + weights -> Engine (raises ConfigError with the flag at fault)."""
-    from .engine.engine import Engine
-
-    shard = shard_spec(s)
-    shape = ModelShape(heads=s.heads, softmax_scale=s.softmax_scale)  # the whole model's heads
-    check_layers(s.layers, s.first_layer)  # before loading a weight per layer
-    weights = [layer_weights(s, shape, layer) for layer in range(s.first_layer, s.first_layer + s.layers)]
-    if shard.num_shards > 1:  # rows of the full prepared weights: equal to the unsharded worker's, head by head
-        weights = [shard_kv_b_proj(w, shard.total_heads, shard.shard_index, shard.num_shards,
-                                   shape.qk_nope_head_dim + shape.v_head_dim) for w in weights]
-        shape = dataclasses.replace(shape, heads=shard.heads)
-    dtypes = sorted({w.dtype for w in weights})
-    if len(dtypes) > 1:
-        raise ConfigError(f"--weights: the layers' kv_b_proj weights differ in dtype ({', '.join(dtypes)}); one dtype "
-                          f"for all layers")
-    config = EngineConfig(
-        shape=shape,
-        cache=CacheConfig(s.cache_dtype, s.block_size, s.num_blocks, s.k_scale),
-        kv_b_proj_dtype=weights[0].dtype,
-        prefill_dtype=s.prefill_dtype,
-        workspace_tokens=s.workspace_tokens,
-        fused=not s.generic,
-        unpacked_keys=not s.packed_keys,
-        backend=s.backend,
-        num_layers=s.layers,
-        first_layer=s.first_layer,
-    )
-    device = resolve_device(s.device)
-    check_memory(config, device)
-    try:
-        engine = Engine(config, weights, device)
-    except ValueError as e:  # backend selection
-        raise ConfigError(f"--backend {s.backend}: {e}") from None
-    except (torch.OutOfMemoryError, MemoryError) as e:
-        raise ConfigError(f"{memory_needs(config)}: allocating it failed on {device} ({str(e)[:200]})") from None
-    engine.shard = shard
-    log.info(
-        "engine ready",
-        extra={"device": str(device), "backend": engine.backend.name, "backend_reason": engine.backend_reason,
-               "fused_kernels": engine.fused_kernels_active, "cache_dtype": s.cache_dtype,
-               "kv_b_proj_dtype": config.kv_b_proj_dtype, "prefill_dtype": s.prefill_dtype,
-               "layers": f"[{s.first_layer}, {s.first_layer + s.layers})",
-               "cache_bytes": config.cache.num_slots * config.cache.bytes_per_slot * s.layers},
-    )
-    return engine

@@ -9,44 +9,53 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-import numpy as np
 import torch
 
 from ..backends import registry
 from ..backends.base import AttentionBackend
 from ..cache import PagedLatentCache
 from ..config import EngineConfig
-from ..errors import InvalidArgument, OutOfRange
-from ..ops import _cuda
+from ..ops import _cuda, launches
 from ..ops.fp8 import FP8
 from ..ops.pack import fused_mla_kv_concat
 from ..weights import KvBProjWeights
-from .loop import LoopInputs, Observer, PendingLoop, keys_apart, keys_apart_wanted, start_chunk_loop
-from .plan import ContextChunk, plan_chunks, validate_plan
+from .loop import LoopInputs, Observer, PendingLoop, start_chunk_loop, unpacked_keys_wanted, use_unpacked_keys
+from .plan import ContextChunk
+from .request import (
+    MAX_BLOCK_TABLE_ENTRIES,
+    CheckedWrite,
+    PrefillRequest,
+    ReadRequest,
+    SequenceSpec,
+    WriteRequest,
+    validate_prefill,
+    validate_read,
+    validate_write,
+)
 
+__all__ = ["MAX_BLOCK_TABLE_ENTRIES", "Engine", "PendingPrefill", "PrefillResult", "PrefillStats", "SequenceSpec",
+           "WriteResult"]
 
-#: entries of the padded block-table matrix built per request (sequences x the longest
-#: used table): 16 Mi int32 = 64 MiB; a larger request must be split by the caller
-MAX_BLOCK_TABLE_ENTRIES = 1 << 24
+#: opens a cudaIpcMemHandle_t of the engine's device: (raw handle, device, bytes, offset) -> uint8 tensor
+IpcOpen = Callable[[bytes, int, int, int], torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
-class SequenceSpec:
-    query_len: int
-    context_len: int
-    block_table: Sequence[int] = ()
+class WriteResult:
+    slots_written: int
+    launches: int  # device kernels the insert launched (the ``insert`` stage)
 
 
 @dataclasses.dataclass
 class PrefillStats:
     chunks: list[ContextChunk]
-    launches: Counter
+    launches: Counter[str]
     path: str  # "fused" | "generic"
     fp8_path: dict[str, str]
     stage_ns: dict[str, int]
@@ -65,17 +74,30 @@ class PrefillResult:
 
 
 class PendingPrefill:
-    """A request whose device work is queued (:meth:`Engine.prefill_context_start`).
+    """A request whose device work is queued (:meth:`Engine.start_prefill`).
     ``out`` / ``lse`` are its result tensors, final once the queued work is done:
     work queued on the same stream after this point (e.g. copying them elsewhere) sees
-    them complete. :meth:`result` waits for the request only and returns its result
-    with the stats; call it once."""
+    them complete. :meth:`write_cache` queues the request's ``cache_write`` behind
+    that (the caller's copies of the results first, then the write: the copies do not
+    wait for it); :meth:`result` does it when the caller did not, waits for the request
+    only and returns its result with the stats; call it once."""
 
-    def __init__(self, engine: "Engine", pending: PendingLoop, stats: dict):
+    def __init__(self, engine: Engine, pending: PendingLoop, stats: dict[str, Any],
+                 write: CheckedWrite | None = None):
         self._engine, self._pending, self._stats = engine, pending, stats
+        self._write = write
         self.out, self.lse = pending.out, pending.lse
+        self.written: WriteResult | None = None if write is not None else WriteResult(0, 0)
+
+    def write_cache(self) -> WriteResult:
+        """The request's ``cache_write``, queued now (once; 0 slots without one)."""
+        if self.written is None:
+            assert self._write is not None
+            self.written = self._engine._write_checked(self._write)
+        return self.written
 
     def result(self) -> PrefillResult:
+        self.write_cache()
         with self._engine._on_device():
             r = self._pending.finish()
         stats = PrefillStats(**self._stats, launches=r.launches, stage_ns=r.stage_ns, total_ns=r.total_ns,
@@ -114,13 +136,13 @@ class Engine:
             # auto on a GPU: time the candidates on a chunk like the ones this engine will run
             # (its workspace of keys, capped at 16k to bound the probe's memory, under 1,024
             # queries); on a CPU, or with a named backend, no probe. Where the fused path reads
-            # K apart (bf16 prefill), a backend that cannot is timed with the K pack it needs.
+            # the keys unpacked (bf16 prefill), a backend that cannot is timed with the K pack it needs.
             probe = None
             if config.backend == "auto" and self.device.type == "cuda":
-                apart = keys_apart_wanted(config.fused, config.unpacked_keys, config.prefill_dtype == "fp8")
+                unpacked = unpacked_keys_wanted(config.fused, config.unpacked_keys, config.prefill_dtype == "fp8")
                 probe = registry.ProbeShape(heads=shape.heads, q_tokens=min(1024, config.workspace_tokens),
                                             k_tokens=min(16384, config.workspace_tokens),
-                                            pack=fused_mla_kv_concat if apart else None)
+                                            pack=fused_mla_kv_concat if unpacked else None)
             with self._on_device():
                 backend, self.backend_reason = registry.create(config.backend, self.device, self.q_dtype,
                                                                probe=probe)
@@ -132,7 +154,7 @@ class Engine:
         self.instance_id = uuid.uuid4().hex
         self._lock = threading.Lock()
 
-    def _on_device(self):
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         """Make the engine's GPU the current one: Triton launches and CUDA events use the
         current device, which on a worker serving cuda:1 is not the default cuda:0."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
@@ -145,10 +167,34 @@ class Engine:
 
     @property
     def unpacked_keys_active(self) -> bool:
-        """The fused path packs no K for this engine's requests (``loop.keys_apart``, which
-        the chunk loop asks per request)."""
+        """The fused path packs no K for this engine's requests (``loop.use_unpacked_keys``,
+        which the chunk loop asks per request)."""
         cfg = self.config
-        return keys_apart(self.backend, cfg.fused, cfg.unpacked_keys, cfg.prefill_dtype == "fp8")
+        return use_unpacked_keys(self.backend, cfg.fused, cfg.unpacked_keys, cfg.prefill_dtype == "fp8")
+
+    @property
+    def fused_kernels_reason(self) -> str:
+        """Why the fused kernels are not in use ("" when they are)."""
+        if self.fused_kernels_active:
+            return ""
+        if not self.config.fused:
+            return "generic path selected (--generic)"
+        if self.device.type != "cuda":
+            return "no CUDA device: the torch reference ops run on the CPU"
+        return _cuda.why_not()
+
+    def cuda_ipc_opener(self) -> tuple[IpcOpen | None, str]:
+        """``(open, "")`` where CUDA memory of another process can be opened on this
+        engine's device (the CUDA extension's ``ipc_open``), else ``(None, why not)``."""
+        if self.device.type != "cuda":
+            return None, f"the server computes on {self.device}, not on a CUDA device"
+        ext = _cuda.load()
+        if ext is None:
+            return None, f"the ctxprefill CUDA extension is not loaded: {_cuda.why_not()}"
+        if not hasattr(ext, "ipc_open"):
+            return None, "the loaded ctxprefill CUDA extension predates ipc_open (a stale build)"
+        opener: IpcOpen = ext.ipc_open
+        return opener, ""
 
     # -- layers -----------------------------------------------------------------------
     @property
@@ -167,79 +213,35 @@ class Engine:
         return sum(c.slots_used for c in self.caches)
 
     # -- cache ------------------------------------------------------------------------
+    def write(self, request: WriteRequest) -> WriteResult:
+        """Check (``request.validate_write``) and insert the latents; the slots written
+        and the kernels launched."""
+        return self._write_checked(validate_write(request, self.config, self.instance_id))
+
+    def _write_checked(self, w: CheckedWrite) -> WriteResult:
+        counts: Counter[str] = Counter()
+        with self._lock, self._on_device(), launches.stage(counts, "insert"):
+            n = self.caches[w.layer_position].write(w.slot_mapping, w.kv_c, w.k_pe)
+        launches.note(counts["insert"])  # the caller's stage, when it opened one, counts them too
+        return WriteResult(n, counts["insert"])
+
+    def read(self, request: ReadRequest) -> torch.Tensor:
+        """Check (``request.validate_read``) and read the slots: uint8 ``[T, bytes_per_slot]`` on the host."""
+        position, slots = validate_read(request, self.config, self.instance_id)
+        with self._lock, self._on_device():
+            return self.caches[position].read(slots)
+
     def write_cache(self, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                     layer: int | None = None) -> int:
-        cache = self.caches[self.config.layer_position(layer)]
-        with self._lock, self._on_device():
-            return cache.write(slot_mapping, kv_c, k_pe)
+        return self.write(WriteRequest(slot_mapping, kv_c, k_pe, layer)).slots_written
+
+    def read_cache(self, slot_mapping: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        return self.read(ReadRequest(slot_mapping, layer))
 
     def warm_up_backend(self) -> None:
         """The attention backend's own warm-up (kernel variants no warm-up request reaches)."""
         with self._lock, self._on_device():
             self.backend.warm_up(self.device, self.config.shape.heads, self.q_dtype)
-
-    def read_cache(self, slot_mapping: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        cache = self.caches[self.config.layer_position(layer)]
-        with self._lock, self._on_device():
-            return cache.read(slot_mapping)
-
-    # -- validation -------------------------------------------------------------------
-    def _check_request(self, q: torch.Tensor, seqs: Sequence[SequenceSpec], workspace_tokens: int) -> np.ndarray:
-        """Checks everything about a request on the host; returns the int32 block table (host)."""
-        shape, cache = self.config.shape, self.config.cache
-        if workspace_tokens < cache.block_size:
-            raise InvalidArgument("workspace_tokens", f"{workspace_tokens} is less than one block ({cache.block_size})")
-        if workspace_tokens > self.config.workspace_tokens:
-            raise InvalidArgument(
-                "workspace_tokens", f"{workspace_tokens} exceeds the server's workspace ({self.config.workspace_tokens})"
-            )
-        if q.dtype != self.q_dtype:
-            raise InvalidArgument(
-                "q", f"dtype {q.dtype} does not match the server's prefill dtype {self.config.prefill_dtype} "
-                     f"(expects {self.q_dtype})"
-            )
-        if q.dim() != 3 or q.shape[1] != shape.heads or q.shape[2] != shape.qk_head_dim:
-            raise InvalidArgument("q", f"shape {list(q.shape)} is not [Tq, {shape.heads}, {shape.qk_head_dim}]")
-        total_q = 0
-        max_blocks = 0
-        for i, s in enumerate(seqs):
-            if s.query_len < 0:
-                raise InvalidArgument(f"sequences[{i}].query_len", f"must be >= 0, got {s.query_len}")
-            if s.context_len < 0:
-                raise InvalidArgument(f"sequences[{i}].context_len", f"must be >= 0, got {s.context_len}")
-            need = math.ceil(s.context_len / cache.block_size)
-            if len(s.block_table) < need:
-                raise InvalidArgument(
-                    f"sequences[{i}].block_table",
-                    f"has {len(s.block_table)} blocks, context_len {s.context_len} needs {need} of {cache.block_size}",
-                )
-            total_q += s.query_len
-            max_blocks = max(max_blocks, need)
-        if total_q != q.shape[0]:
-            raise InvalidArgument("sequences", f"query_len values sum to {total_q} but q has {q.shape[0]} rows")
-        if len(seqs) * max_blocks > MAX_BLOCK_TABLE_ENTRIES:
-            raise InvalidArgument(
-                "sequences", f"{len(seqs)} sequences with up to {max_blocks} blocks each exceed "
-                             f"{MAX_BLOCK_TABLE_ENTRIES} block-table entries per request; split the request")
-        # numpy, not torch.as_tensor, for the Python lists: 1,024 blocks (64k tokens) took
-        # ~140 µs through torch and ~25 µs this way, host time of every request
-        bt = np.zeros((len(seqs), max(max_blocks, 1)), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            need = math.ceil(s.context_len / cache.block_size)
-            if need:
-                table = s.block_table[:need]  # a list, tuple, numpy array (from validation) or tensor
-                if isinstance(table, torch.Tensor):
-                    row = table.to("cpu", torch.int64).numpy()
-                else:
-                    row = np.asarray(table, dtype=np.int64)
-                bad = (row < 0) | (row >= cache.num_blocks)
-                if bad.any():
-                    j = int(np.flatnonzero(bad)[0])
-                    raise OutOfRange(
-                        f"sequences[{i}].block_table[{j}]", f"block {int(row[j])} is outside [0, {cache.num_blocks})"
-                    )
-                bt[i, :need] = row
-        return bt
 
     # -- the request ------------------------------------------------------------------
     def prefill_context(
@@ -267,28 +269,28 @@ class Engine:
         layer: int | None = None,
         unpacked_keys: bool | None = None,
     ) -> PendingPrefill:
-        """Validate the request and queue its device work; return without waiting for it.
-        The next request can be validated and queued before this one's result is taken
-        (the workspace is reused in stream order), so that the device does not idle
-        between requests while the host prepares the next one. A host ``q`` is copied to
-        the device in stream order too: page-locked, it must not change until the result
-        is taken. ``fused`` and ``unpacked_keys``: the config's unless given (benchmarks
-        compare the paths on one engine)."""
+        """:meth:`start_prefill` of the request these arguments make."""
+        request = PrefillRequest(q, sequences, workspace_tokens, plan, layer)
+        return self.start_prefill(request, fused=fused, observer=observer, unpacked_keys=unpacked_keys)
+
+    def start_prefill(self, request: PrefillRequest, *, fused: bool | None = None, observer: Observer | None = None,
+                      unpacked_keys: bool | None = None) -> PendingPrefill:
+        """Check the request (``request.validate_prefill``) and queue its device work;
+        return without waiting for it. The next request can be checked and queued before
+        this one's result is taken (the workspace is reused in stream order), so that the
+        device does not idle between requests while the host prepares the next one. A
+        host ``q`` is copied to the device in stream order too: page-locked, it must not
+        change until the result is taken. ``fused`` and ``unpacked_keys``: the config's
+        unless given (benchmarks compare the paths on one engine)."""
         cfg = self.config
-        li = self.config.layer_position(layer)  # checked before anything is touched
-        W = cfg.workspace_tokens if workspace_tokens is None else int(workspace_tokens)
-        bt = self._check_request(q, sequences, W)
-        context_lens = [s.context_len for s in sequences]
-        if plan is None:
-            plan = plan_chunks(context_lens, W, cfg.cache.block_size)
-        else:
-            validate_plan(plan, context_lens, W)
+        checked = validate_prefill(request, cfg, self.instance_id)
+        li = checked.layer_position
         fused = cfg.fused if fused is None else fused
         inputs = LoopInputs(
-            q=q.to(self.device, non_blocking=True),
-            query_lens=[s.query_len for s in sequences],
-            block_table=bt,
-            chunks=list(plan),
+            q=checked.q.to(self.device, non_blocking=True),
+            query_lens=checked.query_lens,
+            block_table=checked.block_table,
+            chunks=checked.chunks,
             cache=self.caches[li].storage,
             cache_dtype=cfg.cache.dtype,
             k_scale=cfg.cache.k_scale,
@@ -305,5 +307,5 @@ class Engine:
         with self._lock, self._on_device():
             pending = start_chunk_loop(inputs, self.backend, fused, observer)
         return PendingPrefill(self, pending, dict(
-            chunks=list(plan), path="fused" if fused else "generic", fp8_path=cfg.fp8_path_labels,
-            context_tokens=sum(context_lens), query_tokens=int(q.shape[0])))
+            chunks=checked.chunks, path="fused" if fused else "generic", fp8_path=cfg.fp8_path_labels,
+            context_tokens=sum(checked.context_lens), query_tokens=int(checked.q.shape[0])), checked.cache_write)

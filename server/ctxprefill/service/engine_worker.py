@@ -8,18 +8,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import dataclasses
 import gc
 import logging
 import os
 import queue
 import threading
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 import torch
 
 from .interceptors import DEADLINE_SLACK_S, RpcStatusError
 from .metrics import Metrics
+from .request_ring import AttachedRing
 
 log = logging.getLogger("ctxprefill.service")
 
@@ -33,6 +37,35 @@ def _is_oom(e: BaseException) -> bool:
     if isinstance(e, _OOM_TYPES):
         return True
     return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _OOM_MESSAGES)
+
+
+T = TypeVar("T")
+#: what runs a ring request: (ring, its payload or None when it did not fit, a list of what
+#: may run once the answer is written) -> a function that returns the answer's bytes (the
+#: request's device work queued in between)
+RingHandler = Callable[[AttachedRing, bytes | None, list[Callable[[], None]]], Callable[[], bytes]]
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    """A call queued for the engine thread."""
+
+    future: concurrent.futures.Future[Any]
+    context: contextvars.Context
+    fn: Callable[[], Any]
+    deadline: float | None  # time.monotonic() seconds
+    left_queue: bool = False  # counted out of the waiting requests
+
+
+@dataclasses.dataclass(eq=False)
+class _RingTurn:
+    """A ring request started (its device work queued) and not answered yet."""
+
+    ring: AttachedRing
+    slot: int
+    seq: int
+    answer: Callable[[], bytes]
+    after: list[Callable[[], None]]  # what runs once the answer is written
 
 
 class EngineWorker:
@@ -50,14 +83,12 @@ class EngineWorker:
     def __init__(self, metrics: Metrics, ring_spin_s: float = 0.02, ring_poll_s: float = 100e-6,
                  ring_overlap: bool = True):
         self.metrics = metrics
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[_Job | object | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._waiting = 0
         # request rings (request_ring.py): polled by this thread between queued calls
-        self._rings: tuple = ()
-        # (ring, payload or None, defer list) -> a function returning the answer's bytes, the
-        # request's device work queued in between; set by the servicer
-        self.ring_handler = None
+        self._rings: tuple[AttachedRing, ...] = ()
+        self.ring_handler: RingHandler | None = None  # set by the servicer
         self.ring_spin_s, self.ring_poll_s = float(ring_spin_s), float(ring_poll_s)
         self.ring_overlap = bool(ring_overlap)  # False: each ring request is answered before the next starts
         self._thread = threading.Thread(target=self._run, name="ctxprefill-engine", daemon=True)
@@ -67,37 +98,37 @@ class EngineWorker:
     def waiting(self) -> int:
         return self._waiting
 
-    def _leave_queue(self, item: list) -> bool:
-        """Take ``item`` out of the waiting count once; False if it already left."""
+    def _leave_queue(self, job: _Job) -> bool:
+        """Take ``job`` out of the waiting count once; False if it already left."""
         with self._lock:
-            if item[4]:
+            if job.left_queue:
                 return False
-            item[4] = True
+            job.left_queue = True
             self._waiting -= 1
             self.metrics.queue_depth.set(self._waiting)
             return True
 
-    def submit(self, fn, deadline: float | None = None) -> asyncio.Future:
-        cf: concurrent.futures.Future = concurrent.futures.Future()
-        item = [cf, contextvars.copy_context(), fn, deadline, False]  # [..., left the queue]
+    def submit(self, fn: Callable[[], T], deadline: float | None = None) -> asyncio.Future[T]:
+        cf: concurrent.futures.Future[T] = concurrent.futures.Future()
+        job = _Job(cf, contextvars.copy_context(), fn, deadline)
         with self._lock:
             self._waiting += 1
             self.metrics.queue_depth.set(self._waiting)
 
-        def on_done(f: concurrent.futures.Future) -> None:
-            if f.cancelled() and self._leave_queue(item):
+        def on_done(f: concurrent.futures.Future[T]) -> None:
+            if f.cancelled() and self._leave_queue(job):
                 # gRPC cancels a call when its deadline passes; allow for the two clocks
                 expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
                 self.metrics.rejected.labels(reason="deadline" if expired else "cancelled").inc()
 
         cf.add_done_callback(on_done)
-        self._q.put(item)
+        self._q.put(job)
         return asyncio.wrap_future(cf)
 
     def stop(self) -> None:
         self._q.put(None)
 
-    def add_ring(self, ring) -> None:
+    def add_ring(self, ring: AttachedRing) -> None:
         """Poll ``ring`` from now on (until it reports itself stopped)."""
         with self._lock:
             self._rings = (*self._rings, ring)
@@ -122,7 +153,7 @@ class EngineWorker:
                     item = _WAKE
             if item is None:
                 return
-            if item is not _WAKE:
+            if isinstance(item, _Job):
                 self._call(item)
             if rings and self._poll_rings(rings):
                 hot_until = time.monotonic() + self.ring_spin_s
@@ -130,15 +161,16 @@ class EngineWorker:
     #: requests served per poll of the rings at most, before queued calls get a turn
     RING_BURST = 16
 
-    def _poll_rings(self, rings) -> bool:
+    def _poll_rings(self, rings: tuple[AttachedRing, ...]) -> bool:
         """Serve the rings' waiting requests, round robin, at most ``RING_BURST``; True when
         one was served. They are pipelined: the next request is started (validated, its
         device work queued) before the previous one is waited for and answered, so that
         the device goes from one request's work to the next instead of waiting for the
         host in between (one ring with two requests in flight keeps it busy). Without
         ``ring_overlap`` each request is answered before the next is started."""
+        assert self.ring_handler is not None
         served, live = 0, list(rings)
-        pending = None  # (ring, slot, seq, answer function, defer list)
+        pending: _RingTurn | None = None
         took = True
         while took and served < self.RING_BURST:
             took = False
@@ -152,57 +184,62 @@ class EngineWorker:
                 if got is None:
                     continue
                 slot, seq, payload = got
-                after: list = []
-                started = (ring, slot, seq, self.ring_handler(ring, payload, after), after)
+                after: list[Callable[[], None]] = []
+                started = _RingTurn(ring, slot, seq, self.ring_handler(ring, payload, after), after)
                 if pending is not None:
-                    self._answer_ring(*pending)
+                    self._answer_ring(pending)
                 pending = started
                 if not self.ring_overlap:
-                    self._answer_ring(*pending)
+                    self._answer_ring(pending)
                     pending = None
                 served += 1
                 took = True
         if pending is not None:
-            self._answer_ring(*pending)
+            self._answer_ring(pending)
         if len(live) != len(rings):
             with self._lock:  # add_ring runs on the event loop
                 self._rings = tuple(r for r in self._rings if r not in rings or r in live)
         return served > 0
 
     @staticmethod
-    def _answer_ring(ring, slot: int, seq: int, answer, after: list) -> None:
-        data = answer()  # always: it waits for the request and releases what it holds
-        if not ring.stopped.done():  # the ring may have been let go since the request was taken
-            ring.answer(slot, seq, data)
-        for fn in after:  # metrics, releasing regions: while the caller reads its answer
+    def _answer_ring(turn: _RingTurn) -> None:
+        data = turn.answer()  # always: it waits for the request and releases what it holds
+        if not turn.ring.stopped.done():  # the ring may have been let go since the request was taken
+            turn.ring.answer(turn.slot, turn.seq, data)
+        for fn in turn.after:  # metrics, releasing regions: while the caller reads its answer
             fn()
 
-    def _call(self, item: list) -> None:
+    def _call(self, job: _Job) -> None:
         """Run one queued call (unless it was cancelled or its deadline passed)."""
-        cf, ctx, fn, deadline, _ = item
+        cf = job.future
         if not cf.set_running_or_notify_cancel():
             return  # cancelled while queued (client gone, deadline passed): counted by on_done
-        self._leave_queue(item)
-        if deadline is not None and time.monotonic() >= deadline:
+        self._leave_queue(job)
+        if job.deadline is not None and time.monotonic() >= job.deadline:
             self.metrics.rejected.labels(reason="deadline").inc()
             cf.set_exception(RpcStatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                             "the deadline passed while the request was queued; it was not run",
                                             "deadline"))
             return
         try:
-            result = ctx.run(oom_guarded, fn, self.metrics)
+            result = job.context.run(oom_guarded, job.fn, self.metrics)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
             cf.set_exception(e)
         else:
             cf.set_result(result)
         finally:
-            del item, cf, ctx, fn
+            job.fn = _done  # the request's closures (and the tensors they hold) go now, not with the job
+            del job, cf
+
+
+def _done() -> None:
+    return None
 
 
 _WAKE = object()  # a queue item that only wakes the engine thread (a ring was attached)
 
 
-def oom_guarded(fn, metrics: Metrics):
+def oom_guarded(fn: Callable[[], T], metrics: Metrics) -> T:
     """Run ``fn``; a device (or host) out-of-memory error becomes RESOURCE_EXHAUSTED after
     the memory the failed request held is freed, so that the server goes on."""
     oom = None

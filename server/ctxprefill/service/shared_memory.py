@@ -1,4 +1,4 @@
-"""Shared-memory regions of the same-host transport (docs/TRANSPORT.md; issue 8).
+"""Shared-memory regions of the same-host transport (docs/TRANSPORT.md).
 
 Modelled on Triton Inference Server's shared-memory extension: a caller on the same
 host registers a region once — a POSIX shared-memory object (``/dev/shm/<key>``) or
@@ -27,7 +27,7 @@ references get NOT_FOUND) and drops the table's reference when no lease holds it
 Pinned system regions. On a CUDA server a system region's mapping is page-locked
 (``cudaHostRegister``) when it is registered, so that q's copy to the device and the
 results' copy into the region run as DMA at the link's rate, queued on the stream,
-instead of through CUDA's pageable staging buffer (measured on the H200 before this:
+instead of through CUDA's pageable staging buffer (measured on the H200 without it:
 4 ms for a 25 MB q, 6 GB/s). It is unlocked (``cudaHostUnregister``) when the region is
 dropped — no request holds it then. A region that cannot be locked (the call fails,
 e.g. locked-memory limits) still works, pageable: ``pinned`` in its status says which.
@@ -43,6 +43,7 @@ import re
 import stat
 import threading
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -69,6 +70,8 @@ _KEY_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}\Z")
 #: a device tensor used in place whose address is not a multiple of this is copied first
 #: (vectorized kernels load 16 bytes at a time)
 DEVICE_ALIGNMENT = 16
+#: opens a cudaIpcMemHandle_t of the engine's device: (raw handle, device, bytes, offset) -> uint8 tensor
+IpcOpen = Callable[[bytes, int, int, int], torch.Tensor]
 FLAG_HINT = "start the server with --shared-memory system, cuda or all (CTXPREFILL_SHARED_MEMORY)"
 
 
@@ -208,6 +211,7 @@ class SharedMemoryRegistry:
         self.max_regions, self.max_bytes = int(max_regions), int(max_bytes)
         self.device: torch.device | None = None
         self.cuda_unusable = "" if CUDA not in self.configured else "no CUDA device attached yet"
+        self._ipc_open: IpcOpen | None = None
         self._on_change = on_change
         self._lock = threading.Lock()
         self._regions: dict[str, Region] = {}
@@ -222,26 +226,16 @@ class SharedMemoryRegistry:
         """The kinds a caller can register now (CUDA only with the extension loaded)."""
         return tuple(k for k in self.configured if k != CUDA or not self.cuda_unusable)
 
-    def attach(self, device: torch.device) -> None:
-        """Bind to the engine's device; find out whether CUDA regions can be opened."""
+    def attach(self, device: torch.device, ipc_open: IpcOpen | None = None, ipc_why_not: str = "") -> None:
+        """Bind to the engine's device and its opener of CUDA memory handles
+        (``Engine.cuda_ipc_opener``: None, and why not, where there is none)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        if CUDA not in self.configured:
-            return
-        if device.type != "cuda":
-            self.cuda_unusable = f"the server computes on {device}, not on a CUDA device"
-            return
-        from ..ops import _cuda
-
-        ext = _cuda.load()
-        if ext is None:
-            self.cuda_unusable = f"the ctxprefill CUDA extension is not loaded: {_cuda.why_not()}"
-        elif not hasattr(ext, "ipc_open"):
-            self.cuda_unusable = "the loaded ctxprefill CUDA extension predates ipc_open (a stale build)"
-        else:
-            self.cuda_unusable = ""
+        self._ipc_open = ipc_open
+        if CUDA in self.configured:
+            self.cuda_unusable = "" if ipc_open is not None else (ipc_why_not or "no CUDA IPC on this server")
 
     def require(self, kind: str) -> None:
         """UNIMPLEMENTED when ``kind`` is off; FAILED_PRECONDITION when it is on but
@@ -353,11 +347,9 @@ class SharedMemoryRegistry:
         _check_extent(offset, byte_size)
         with self._lock:
             self._check_room(name, byte_size)
-        from ..ops import _cuda
-
-        ext = _cuda.load()
+        assert self._ipc_open is not None  # require(CUDA) passed
         try:
-            tensor = ext.ipc_open(bytes(raw_handle), int(device_id), int(byte_size), int(offset))
+            tensor = self._ipc_open(bytes(raw_handle), int(device_id), int(byte_size), int(offset))
         except (IndexError, ValueError, RuntimeError) as e:
             first = (str(e).splitlines() or [type(e).__name__])[0][:500]
             # std::out_of_range (IndexError): the range is past the end of the allocation
@@ -411,14 +403,14 @@ class SharedMemoryRegistry:
     def __len__(self) -> int:
         return len(self._regions)
 
-    def lease(self) -> "Lease":
+    def lease(self) -> Lease:
         return Lease(self)
 
 
 class Lease:
-    """The regions one request uses, from validation until its work is done.
+    """The regions one request uses, from decoding until its work is done.
 
-    ``resolve`` (on the event loop, while validating) checks a reference and returns a
+    ``resolve`` (on the event loop, while decoding) checks a reference and returns a
     view of its bytes, holding the region. The work on the engine thread calls
     ``begin`` first (False: the handler gave up on the request; do nothing) and
     ``finish`` when done; the handler calls ``abandon`` when it ends, which releases
@@ -459,7 +451,8 @@ class Lease:
         if size < 0:
             raise InvalidArgument(f"{field}.byte_size", f"must be >= 0, got {size}")
         if exact and size != nbytes:
-            raise InvalidArgument(f"{field}.byte_size", f"is {size}, but the tensor's shape and dtype make {nbytes} bytes")
+            raise InvalidArgument(f"{field}.byte_size",
+                                  f"is {size}, but the tensor's shape and dtype make {nbytes} bytes")
         if not exact and size < nbytes:
             raise InvalidArgument(f"{field}.byte_size", f"is {size} bytes, too small: the result takes {nbytes} bytes")
         if off % itemsize:
@@ -472,15 +465,17 @@ class Lease:
                 raise OutOfRange(field, f"bytes [{off}, {off + size}) are outside region {name!r} "
                                         f"({region.byte_size} bytes)")
             if region.kind == CUDA and not allow_cuda:
-                raise InvalidArgument(f"{field}.region", f"region {name!r} is CUDA memory; this tensor holds indices that "
-                                                         f"are checked on the host: send it inline or in system memory")
+                raise InvalidArgument(f"{field}.region",
+                                      f"region {name!r} is CUDA memory; this tensor holds indices that are checked "
+                                      f"on the host: send it inline or in system memory")
             region.check_backing(field)
             tensor = region.tensor
             view = region.view((off, nbytes), lambda: tensor[off : off + nbytes])
             if view.data_ptr() % itemsize:
-                raise InvalidArgument(f"{field}.offset", f"{off} puts the tensor at an address that is not a multiple of "
-                                                         f"its element size {itemsize} (region {name!r} starts at "
-                                                         f"offset {region.offset} of its memory)")
+                raise InvalidArgument(f"{field}.offset",
+                                      f"{off} puts the tensor at an address that is not a multiple of its element "
+                                      f"size {itemsize} (region {name!r} starts at offset {region.offset} of its "
+                                      f"memory)")
             if region not in self._regions:
                 region.in_flight += 1
                 self._regions.append(region)
@@ -503,6 +498,17 @@ class Lease:
                 return
             self._state = self.DONE
         self._release()
+
+    def end(self, device: torch.device) -> None:
+        """On the engine thread, after the request's work (done or failed): wait for the
+        device work that may still touch CUDA or page-locked regions, then release."""
+        try:
+            if self.device_copies and device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception:  # noqa: BLE001 - a failed device; the regions are released anyway
+            log.exception("device synchronize before releasing shared-memory regions failed")
+        finally:
+            self.finish()
 
     def abandon(self) -> None:
         with self._lock:

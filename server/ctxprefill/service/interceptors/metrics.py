@@ -1,0 +1,146 @@
+"""The go-grpc-prometheus metrics of every RPC of every service on the server (health and
+reflection included): ``grpc_server_started_total``,
+``grpc_server_handled_total{grpc_code}``, ``grpc_server_msg_received_total``,
+``grpc_server_msg_sent_total`` and ``grpc_server_handling_seconds``. Outermost of the
+interceptors, it records the status a call ends with (a refusal's too) before gRPC
+sends it, so that a client reading the metrics as soon as it has its answer finds the
+call counted. (Messages a streaming handler sends with ``context.write`` instead of
+``yield`` are not counted.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from ..metrics import Metrics
+from .handlers import Behavior, behavior_of, kind_of, rebuild, split_method
+from .status import cancel_code, status_of
+
+
+class _MethodMetrics:
+    """One method's labelled metric children, looked up once: ``labels(**...)`` takes a
+    lock and a dict lookup per call, four times per RPC otherwise."""
+
+    __slots__ = ("started", "received", "sent", "handling", "_handled", "_m", "_labels")
+
+    def __init__(self, m: Metrics, labels: dict[str, str]):
+        self._m, self._labels = m, labels
+        self.started = m.grpc_started.labels(**labels)
+        self.received = m.grpc_msg_received.labels(**labels)
+        self.sent = m.grpc_msg_sent.labels(**labels)
+        self.handling = m.grpc_handling.labels(**labels)
+        self._handled: dict[str, Any] = {}
+
+    def handled(self, code: str) -> Any:
+        child = self._handled.get(code)
+        if child is None:
+            child = self._handled[code] = self._m.grpc_handled.labels(**self._labels, grpc_code=code)
+        return child
+
+
+class _Call:
+    """Bookkeeping of one RPC."""
+
+    __slots__ = ("mm", "t0", "code")
+
+    def __init__(self, mm: _MethodMetrics):
+        self.mm = mm
+        self.t0 = time.perf_counter()
+        self.code = "OK"
+        mm.started.inc()
+
+    def failed(self, exc: BaseException, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """The status of a call its handler left with ``exc``."""
+        if isinstance(exc, asyncio.CancelledError):
+            self.code = cancel_code(context.time_remaining())
+        elif isinstance(exc, grpc.aio.AbortError):  # context.abort() inside the handler
+            code = context.code()
+            self.code = code.name if code is not None else "UNKNOWN"
+        else:  # KeyboardInterrupt, ... (the status interceptor maps every Exception)
+            mapped = status_of(exc) if isinstance(exc, Exception) else None
+            self.code = mapped[0].name if mapped is not None else "INTERNAL"
+
+    def ended(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """The status of a call its handler returned from (set on the context, or OK)."""
+        code = context.code()
+        if code is not None and code != grpc.StatusCode.OK:
+            self.code = code.name
+
+    def finish(self) -> None:
+        self.mm.handled(self.code).inc()
+        self.mm.handling.observe(time.perf_counter() - self.t0)
+
+
+def _counted(behavior: Behavior, mm: _MethodMetrics, request_streaming: bool) -> Behavior:
+    def requests_of(request: Any) -> Any:
+        if not request_streaming:
+            mm.received.inc()
+            return request
+
+        async def counted() -> AsyncIterator[Any]:
+            async for r in request:
+                mm.received.inc()
+                yield r
+
+        return counted()
+
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+            call = _Call(mm)
+            try:
+                async for response in behavior(requests_of(request), context):
+                    mm.sent.inc()
+                    yield response
+                call.ended(context)
+            except BaseException as e:
+                call.failed(e, context)
+                raise
+            finally:
+                call.finish()
+
+        return stream
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        call = _Call(mm)
+        try:
+            response = behavior(requests_of(request), context)
+            if inspect.isawaitable(response):
+                response = await response
+            call.ended(context)
+            if response is not None and call.code == "OK":
+                mm.sent.inc()
+            return response
+        except BaseException as e:
+            call.failed(e, context)
+            raise
+        finally:
+            call.finish()
+
+    return unary
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self._method_metrics: dict[tuple[str, str, str], _MethodMetrics] = {}
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
+        kind = kind_of(handler)
+        if handler is None or kind is None:
+            return handler
+        service, method = split_method(handler_call_details.method)
+        key = (kind, service, method)
+        mm = self._method_metrics.get(key)
+        if mm is None:
+            labels = {"grpc_type": kind, "grpc_service": service, "grpc_method": method}
+            mm = self._method_metrics[key] = _MethodMetrics(self.metrics, labels)
+        return rebuild(handler, kind, behavior=_counted(behavior_of(handler, kind), mm, handler.request_streaming))

@@ -1,0 +1,192 @@
+"""One PrefillContext request through the service — a unary call, a stream's request or a
+request ring's — as a :class:`PrefillCall`:
+
+1. :meth:`PrefillCall.open` (event loop; the engine thread for a ring request): decode
+   the message into the engine's ``PrefillRequest`` (``codec``), check what the
+   transport adds (``transport``: the answer fits a message, the output placements),
+   and hold the shared-memory regions it names (a ``Lease``) until its work is done;
+2. :meth:`PrefillCall.start` (engine thread): bring q from shared memory, one engine
+   call (``Engine.start_prefill``: the request's checks, its device work queued),
+   queue the results' copies (into their regions, or to pinned host memory), then the
+   ``cache_write``; it returns the function that finishes the request:
+3. finish (engine thread): wait for the request and its results' copies, account the
+   metrics and release the regions (or hand both to ``defer``: a ring answers first);
+4. :meth:`PrefillCall.response`: the response message (``codec``).
+
+``Stats.validate_nanos`` ... ``output_nanos`` are the spans between those steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..engine.engine import Engine, PendingPrefill, PrefillStats
+from ..engine.request import PrefillRequest
+from . import codec, transport
+from .metrics import Metrics
+from .shared_memory import Lease, SharedMemoryRegistry
+
+log = logging.getLogger("ctxprefill.service")
+
+#: validate, queue, input, compute, output: the five parts of Stats.total_nanos
+Phases = tuple[int, int, int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillDone:
+    out: codec.Result
+    lse: codec.Result
+    stats: PrefillStats
+    total_ns: int
+    phases: Phases
+    slots_written: int  # by the request's cache_write
+
+
+@dataclasses.dataclass(frozen=True)
+class _Started:
+    """A request whose device work, results' copies and cache_write are queued."""
+
+    pending: PendingPrefill
+    results: codec.PlacedResults
+    placed: torch.cuda.Event | None  # recorded after the results' copies (CUDA)
+    slots_written: int
+    t_start: int  # the engine thread took it
+    t_in: int  # q is on the device
+    defer: list[Callable[[], None]] | None
+    cache_write_shared: bool  # its cache_write reads shared memory
+
+
+@dataclasses.dataclass(eq=False)
+class PrefillCall:
+    """One request from its decoding to its response (the module's steps)."""
+
+    engine: Engine
+    metrics: Metrics
+    decoded: codec.Decoded[PrefillRequest]
+    request_id: str
+    lease: Lease | None  # the shared-memory regions it uses (None: shared memory off)
+    output_to: transport.Placement | None  # output_region, when set
+    lse_to: transport.Placement | None  # lse_region, when set
+    t0: int  # perf_counter_ns at the handler's start
+    t_valid: int  # ... once decoded and checked
+
+    @classmethod
+    def open(cls, engine: Engine, metrics: Metrics, msg: Any, request_id: str, shm: SharedMemoryRegistry,
+             max_message_bytes: int, t0: int) -> PrefillCall:
+        """Decode and check ``msg`` (a PrefillContextRequest or its ``InlineRequest``); on
+        failure nothing is held."""
+        lease = shm.lease() if shm.enabled else None
+        try:
+            decoded = codec.decode_prefill(msg, lease)
+            out_to, lse_to = transport.prefill_placements(msg, decoded.request, engine.config, lease,
+                                                          max_message_bytes)
+        except BaseException:
+            if lease is not None:
+                lease.abandon()
+            raise
+        return cls(engine, metrics, decoded, request_id, lease, out_to, lse_to, t0, time.perf_counter_ns())
+
+    def abandon(self) -> None:
+        """The handler is done with the request: its regions are released here if its work
+        never started (else by the work)."""
+        if self.lease is not None:
+            self.lease.abandon()
+
+    def run(self) -> PrefillDone | None:
+        """On the engine thread: start and finish; None when the handler gave up first."""
+        finish = self.start()
+        return None if finish is None else finish()
+
+    def _release(self) -> None:
+        if self.lease is not None:
+            self.lease.end(self.engine.device)
+
+    def start(self, defer: list[Callable[[], None]] | None = None) -> Callable[[], PrefillDone] | None:
+        """On the engine thread: queue the request's device work, its results' copies and
+        its cache_write, and return the function that waits for them (None when the
+        handler gave up first). Between the two the engine thread can start the next
+        request (request rings), so that the device is not idle while the host prepares
+        it. ``defer`` takes what may wait until the answer is out (metrics, releasing the
+        regions, once the device is synchronized) — what a request ring does; without
+        it that is done by the finish."""
+        engine, lease, shared = self.engine, self.lease, self.decoded.shared
+        t_start = time.perf_counter_ns()
+        if lease is not None and not lease.begin():
+            return None  # the handler gave up on this request
+        try:
+            request = codec.with_inputs(self.decoded.request, shared & {"q"}, engine.device)
+            if "q" in shared and not self.decoded.request.q.is_cuda and engine.device.type == "cuda":
+                torch.cuda.current_stream(engine.device).synchronize()  # input_nanos: the copy itself
+            t_in = time.perf_counter_ns()
+            request = codec.with_inputs(request, shared - {"q"}, engine.device)
+            pending = engine.start_prefill(request)
+            results = codec.place_results(pending.out, pending.lse, self.output_to, self.lse_to, lease)
+            # the copies are queued before the next ring request's work (request rings start
+            # it before this one is answered): waiting for them waits for this request only
+            placed = None
+            if engine.device.type == "cuda":
+                placed = torch.cuda.Event()
+                placed.record(torch.cuda.current_stream(engine.device))
+            # the cache write is queued behind the attention that reads the cache (and behind
+            # the results' copies, which do not wait for it)
+            written = pending.write_cache()
+            if request.cache_write is not None:
+                self.metrics.observe_insert(written.launches, "fused" if engine.config.fused else "generic",
+                                            engine.cache_slots_used)
+        except BaseException:
+            self._release()
+            raise
+        started = _Started(pending, results, placed, written.slots_written, t_start, t_in, defer,
+                           any(name.startswith("cache_write.") for name in shared))
+        return functools.partial(self._finish, started)
+
+    def _finish(self, s: _Started) -> PrefillDone:
+        done = False
+        try:
+            r = s.pending.result()
+            t_done = time.perf_counter_ns()
+            if s.placed is not None:
+                s.placed.synchronize()  # the results are in place (and ready to copy)
+            out, lse = s.results.wire()
+            t_end = time.perf_counter_ns()
+            phases = (self.t_valid - self.t0, s.t_start - self.t_valid, s.t_in - s.t_start, t_done - s.t_in,
+                      t_end - t_done)
+            account = functools.partial(self._account, r.stats, (t_end - self.t0) / 1e9)
+            if s.defer is None:
+                account()
+            else:
+                s.defer.append(account)
+            done = True
+            return PrefillDone(out, lse, r.stats, t_end - self.t0, phases, s.slots_written)
+        finally:
+            if done and s.defer is not None:
+                if self.lease is not None:
+                    # the results' copies are waited for above; a cache_write reading its
+                    # latents from CUDA regions may still run (queued after them): then the
+                    # release waits for the device, as a failed request's does
+                    s.defer.append(functools.partial(self.lease.end, self.engine.device) if s.cache_write_shared
+                                   else self.lease.finish)
+            else:
+                self._release()
+
+    def _account(self, stats: PrefillStats, seconds: float) -> None:
+        self.metrics.observe_prefill(stats, seconds)
+        if self.lease is not None:
+            self.metrics.observe_shared_memory(self.lease.transferred)
+
+    def response(self, done: PrefillDone | None) -> Any:
+        """The PrefillContextResponse of a finished request."""
+        assert done is not None, "the request was given up before it ran"
+        st = done.stats
+        log.info("prefill done", extra={"chunks": len(st.chunks), "context_tokens": st.context_tokens,
+                                        "query_tokens": st.query_tokens, "total_ms": round(done.total_ns / 1e6, 3)})
+        return codec.prefill_response(out=done.out, lse=done.lse, stats=st, total_ns=done.total_ns,
+                                      phases=done.phases, slots_written=done.slots_written,
+                                      instance_id=self.engine.instance_id, request_id=self.request_id)
