@@ -25,6 +25,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   log "installing $TORCH_SPEC"
   "$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
 fi
-log "installing ctxprefill and its test dependencies"
-"$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
+log "installing ctxprefill-client (client/), ctxprefill and its test dependencies"
+# one command: the server's pin on ctxprefill-client is met by ./client (pyproject.toml)
+"$PY" -m pip install -q --disable-pip-version-check -e ./client -e ".[test]"
 "$PY" -c "import ctxprefill, ctxprefill_client, torch; print('[install] ctxprefill', ctxprefill.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())" >&2

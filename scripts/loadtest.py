@@ -44,8 +44,8 @@ import grpc  # noqa: E402
 import grpc.aio  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ctxprefill_client import encode_tensor, float32_to_bf16_bits, float32_to_fp8_e4m3_bits  # noqa: E402
 from ctxprefill_api import pb  # noqa: E402
+from ctxprefill_client import encode_tensor, float32_to_bf16_bits, float32_to_fp8_e4m3_bits  # noqa: E402
 
 METHOD = "/ctxprefill.v1.PrefillContextService/PrefillContext"
 
@@ -198,7 +198,7 @@ async def sample_rss(pid: int, out: list[tuple[float, int]], stop: asyncio.Event
         out.append((time.monotonic() - t0, rss_bytes(pid)))
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
     out.append((time.monotonic() - t0, rss_bytes(pid)))
 

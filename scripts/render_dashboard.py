@@ -110,7 +110,7 @@ def render(data: dict, out: str, ncols: int = 3) -> None:
         ax.set_title(panel["title"], fontsize=9, loc="left", fontweight="bold")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    when = datetime.datetime.fromtimestamp(float(data.get("end", 0.0)), datetime.timezone.utc)
+    when = datetime.datetime.fromtimestamp(float(data.get("end", 0.0)), datetime.UTC)
     fig.suptitle(f"Grafana dashboard \"{data.get('dashboard', '')}\" — {data.get('source', '')} "
                  f"({when:%Y-%m-%d %H:%M} UTC)", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.98))

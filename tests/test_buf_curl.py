@@ -1,5 +1,5 @@
 """`buf curl` — a client that knows nothing of our proto files — calls GetServerInfo on a
-running server through gRPC server reflection (issue 5)."""
+running server through gRPC server reflection."""
 
 from __future__ import annotations
 

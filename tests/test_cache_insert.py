@@ -1,7 +1,7 @@
 """Insert writes exactly the bytes CONTRACT §2 prescribes; gather/dequantize reads them back.
 
 The expected bytes here are computed independently of ops/slot_format.py: the
-spec's torch formulas for bf16 and fp8, and a per-tile float64/struct computation
+CONTRACT §2's torch formulas for bf16 and fp8, and a per-tile float64/struct computation
 for fp8_ds_mla.
 """
 
@@ -144,7 +144,8 @@ def test_ds_mla_dequantization_is_exact():
                                              ("fp8_ds_mla", torch.bfloat16)])
 def test_gather_reads_the_right_slots(dtype, out_dtype):
     bs = 4
-    cache = PagedLatentCache(CacheConfig(dtype, block_size=bs, num_blocks=8, k_scale=0.5 if out_dtype != FP8 else 1.0), "cpu")
+    k_scale = 0.5 if out_dtype != FP8 else 1.0
+    cache = PagedLatentCache(CacheConfig(dtype, block_size=bs, num_blocks=8, k_scale=k_scale), "cpu")
     T = 32
     c, pe = torch.randn(T, 512), torch.randn(T, 64)
     cache.write(torch.arange(T), c, pe)

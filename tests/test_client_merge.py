@@ -125,7 +125,8 @@ def test_strided_inputs():
     assert not out_a.flags.c_contiguous and not lse_a.flags.c_contiguous and not lse_b.flags.c_contiguous
     out, lse = _check(out_a, lse_a, out_b, lse_b)
     out_c, lse_c = merge_partials(
-        np.ascontiguousarray(out_a), np.ascontiguousarray(lse_a), np.ascontiguousarray(out_b), np.ascontiguousarray(lse_b)
+        np.ascontiguousarray(out_a), np.ascontiguousarray(lse_a),
+        np.ascontiguousarray(out_b), np.ascontiguousarray(lse_b),
     )
     np.testing.assert_array_equal(out, out_c)
     np.testing.assert_array_equal(lse, lse_c)
@@ -166,12 +167,15 @@ def test_merge_of_partials_equals_attention_over_union(split):
     full_out, full_lse = _attn_f64(q, k, v, scale)
     oa, la = _attn_f64(q, k[:split], v[:split], scale)
     ob, lb = _attn_f64(q, k[split:], v[split:], scale)
-    out, lse = merge_partials(oa.astype(np.float32), la.astype(np.float32), ob.astype(np.float32), lb.astype(np.float32))
+    out, lse = merge_partials(
+        oa.astype(np.float32), la.astype(np.float32), ob.astype(np.float32), lb.astype(np.float32)
+    )
     np.testing.assert_allclose(out, full_out, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lse, full_lse, rtol=1e-6, atol=1e-6)
     # a base-2 LSE fed to this natural-log merge would be wrong: guard the convention
     if 0 < split < s:
         bad, _ = merge_partials(
-            oa.astype(np.float32), (la / np.log(2)).astype(np.float32), ob.astype(np.float32), (lb / np.log(2)).astype(np.float32)
+            oa.astype(np.float32), (la / np.log(2)).astype(np.float32),
+            ob.astype(np.float32), (lb / np.log(2)).astype(np.float32),
         )
         assert np.abs(bad - full_out).max() > 1e-3

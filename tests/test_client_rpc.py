@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
+from ctxprefill_api import pb, pb_grpc
 from ctxprefill_client import (
     AsyncPrefillContextClient,
     ContextChunk,
@@ -29,8 +30,6 @@ from ctxprefill_client import (
     float32_to_bf16_bits,
 )
 from ctxprefill_client import tensors as T
-from ctxprefill_api import pb
-from ctxprefill_api import pb_grpc
 from ctxprefill_client.examples import orchestrator
 
 H, L, P, R, V = 2, 512, 128, 64, 128

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ctxprefill_client import tensors as T
 from ctxprefill_api import pb
+from ctxprefill_client import tensors as T
 
 torch = pytest.importorskip("torch")
 
@@ -22,7 +22,8 @@ ALL_U16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 
 
 def _torch_bf16_bits(x32: np.ndarray) -> np.ndarray:
-    return torch.from_numpy(np.ascontiguousarray(x32, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    t = torch.from_numpy(np.ascontiguousarray(x32, dtype=np.float32)).to(torch.bfloat16)
+    return t.view(torch.int16).numpy().view(np.uint16)
 
 
 def _torch_fp8_sat_bits(x: np.ndarray) -> np.ndarray:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ctxprefill_client import BF16, FP8_E4M3, FP32, RawTensor
-from ctxprefill_client._common import build_prefill_request, build_write_request
 from ctxprefill_api import pb
 from ctxprefill_api.wire import NestedMessage, OutgoingMessage, nest, serialize_request
+from ctxprefill_client import BF16, FP8_E4M3, FP32, RawTensor
+from ctxprefill_client._common import build_prefill_request, build_write_request
 
 SEQS = [(3, 40, [2, 7, 1]), (2, 0, [])]
 

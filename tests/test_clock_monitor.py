@@ -85,7 +85,7 @@ def test_bench_records_why_there_are_no_clocks(tmp_path):
 def test_bench_clock_pass_runs_enough_requests():
     """--clocks-s: the pass runs at least that long (requests of the timed median's length)
     under the monitor, and says how many it ran."""
-    from ctxprefill import bench
+    from ctxprefill_bench import engine_bench as bench
 
     calls = []
 

@@ -35,12 +35,12 @@ import urllib.parse
 import numpy as np
 import pytest
 
-yaml = pytest.importorskip("yaml", reason="PyYAML not installed (pip install pyyaml)")
-
+from context_layout import tables_and_slots
 from ctxprefill_client import BF16, CtxPrefillRpcError, PrefillContextClient
 from ctxprefill_client.shared_memory import SystemSharedMemoryRegion
-from context_layout import tables_and_slots
 from service_process import ROOT, ServerProcess, env_with_sources, free_port, http_get, stop_process
+
+yaml = pytest.importorskip("yaml", reason="PyYAML not installed (pip install pyyaml)")
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(

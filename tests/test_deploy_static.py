@@ -437,7 +437,8 @@ def test_compose_services_gpu_and_mounts():
     # Grafana: the provider's path is where compose mounts the dashboard
     with open(os.path.join(DEPLOY, "grafana", "provisioning", "dashboards", "ctxprefill.yaml")) as f:
         (provider,) = yaml.safe_load(f)["providers"]
-    mounted = [v.split(":")[1] for v in c["services"]["grafana"]["volumes"] if v.startswith("./grafana/ctxprefill.json")]
+    mounted = [v.split(":")[1] for v in c["services"]["grafana"]["volumes"]
+               if v.startswith("./grafana/ctxprefill.json")]
     assert mounted == [provider["options"]["path"] + "/ctxprefill.json"]
     with open(os.path.join(DEPLOY, "grafana", "provisioning", "datasources", "prometheus.yaml")) as f:
         (ds,) = yaml.safe_load(f)["datasources"]
@@ -539,8 +540,9 @@ def test_dashboard_structure():
             if "rate(" in t["expr"]:
                 assert "[$__rate_interval]" in t["expr"], p["title"]
     # what the dashboard must show
-    want = ("Requests/s", "latency p50 / p99", "Errors/s by gRPC code", "Chunks/s", "Kernel launches/s by stage and path",
-            "launches per chunk", "fp8 path", "tokens/s", "Queue depth", "Cache slots used")
+    want = ("Requests/s", "latency p50 / p99", "Errors/s by gRPC code", "Chunks/s",
+            "Kernel launches/s by stage and path", "launches per chunk", "fp8 path", "tokens/s", "Queue depth",
+            "Cache slots used")
     for w in want:
         assert any(w.lower() in t.lower() for t in titles), w
 

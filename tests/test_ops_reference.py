@@ -12,7 +12,6 @@ from ctxprefill.ops.pack import (
     generic_kv_concat,
     generic_kv_concat_quant_fp8,
 )
-
 from engine_helpers import bits
 
 FP8 = torch.float8_e4m3fn
@@ -33,8 +32,8 @@ def test_saturating_cast_on_every_bit_pattern(dtype):
     big = ~nan & (f.abs() >= 464)
     assert bool((got[big].abs() == 448).all())
     # everything else is round-to-nearest-even of the value: compare against float64 rounding
-    grid = torch.tensor(sorted({float(v) for v in torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float().tolist()
-                                if v == v}), dtype=torch.float64)
+    every_fp8 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float().tolist()
+    grid = torch.tensor(sorted({float(v) for v in every_fp8 if v == v}), dtype=torch.float64)
     ok = ~nan & ~big
     fv = f[ok].double().clamp(-448, 448)
     idx = torch.searchsorted(grid, fv).clamp(1, grid.numel() - 1)
@@ -75,7 +74,8 @@ def test_fused_pack_on_every_bit_pattern_equals_generic():
     gk8, gv8 = generic_kv_concat_quant_fp8(k_nope, k_pe, k_nope)
     nan = torch.isnan(gk8.float())
     assert torch.equal(torch.isnan(k8.float()), nan)
-    assert torch.equal(bits(k8)[~nan.view(-1).reshape(bits(k8).shape)], bits(gk8)[~nan.view(-1).reshape(bits(gk8).shape)])
+    assert torch.equal(bits(k8)[~nan.view(-1).reshape(bits(k8).shape)],
+                       bits(gk8)[~nan.view(-1).reshape(bits(gk8).shape)])
 
 
 def test_pack_rejects_bad_inputs():

@@ -1,16 +1,18 @@
-"""Overload, the CI version of ``scripts/loadtest.py`` (the full figure — 64 clients for
-60 s per phase — is in docs/RELIABILITY.md): a real server with ``--queue-size 8``;
-8 closed-loop clients (at capacity) for a few seconds, then 64 (far above it).
+"""Overload, the CI version of ``scripts/loadtest.py`` (docs/RELIABILITY.md): a real CPU
+server with ``--queue-size 8``, driven by the script's closed-loop clients, 8 (at
+capacity) for a few seconds, then 64 (far above it). Behaviour only:
 
 - at capacity no request fails;
-- above it, the only failures are RESOURCE_EXHAUSTED, p99 of their latency < 50 ms;
+- above it the overflow is refused with RESOURCE_EXHAUSTED (the server counts each as
+  ``rejected{reason="queue_full"}``) and nothing else fails;
+- every admitted request is answered: each PrefillContext call the server started has
+  ended, and its OK count is the clients' own;
+- the queue depth is back to 0 once the clients stop;
 - the server's resident memory does not grow after the warm-up (16 MiB / 5 % slack);
-- the server drains and exits 0 afterwards.
+- the server drains and exits 0.
 
-A latency criterion on a shared 2-core machine can be hit by a neighbour's burst: when
-that is the only criterion that failed, the run is repeated once (both reports are
-printed); on a host that runs torch ops at under half their usual speed, the latency
-bound is skipped with the figures as its reason (``USUAL_OP_US``), the rest still judged.
+The latency figures (the refusals' p99 among them) are a benchmark's:
+``bench/bench_overload.py``.
 """
 
 from __future__ import annotations
@@ -19,78 +21,96 @@ import json
 import os
 import subprocess
 import sys
+import time
+from typing import Any
 
 import pytest
-from service_process import ROOT
+
+from service_process import ROOT, ServerProcess, http_get, parse_metrics, sample_sum
 
 SCRIPT = os.path.join(ROOT, "scripts", "loadtest.py")
+QUEUE = 8
+METHOD = {"grpc_service": "ctxprefill.v1.PrefillContextService", "grpc_method": "PrefillContext"}
 
 
-def _run(tmp_path, attempt: int) -> dict:
-    out = tmp_path / f"report{attempt}.json"
-    r = subprocess.run([sys.executable, SCRIPT, "--duration", "4", "--queue-size", "8", "--clients", "64",
-                        "--json", str(out), "--server-log", str(tmp_path / f"server{attempt}.log")],
-                       capture_output=True, text=True, timeout=180, cwd=ROOT)
-    assert out.exists(), f"no report (exit {r.returncode}):\n{r.stderr[-3000:]}"
-    report = json.loads(out.read_text())
-    report["_exit"] = r.returncode
-    print(f"attempt {attempt}: {json.dumps(report['phases'])} rss={report.get('rss')} failures={report['failures']}")
-    return report
+def _scrape(srv: ServerProcess) -> dict[str, list[tuple[dict[str, str], float]]]:
+    status, page = http_get(srv.metrics_url + "/metrics")
+    assert status == 200, page[-2000:]
+    return parse_metrics(page)
 
 
-#: What a tiny torch op costs on this CI machine type at its usual speed (us), where the
-#: 50 ms bound on refusals was set (docs/RELIABILITY.md: 473 answered/s at capacity). The
-#: server's engine is mostly such ops, and a refusal waits for the GIL behind them. On
-#: 2026-12-01 a host ran them in 5.8-6.4 us, answered 160-236/s (0.4-0.5x) and refused
-#: with p99 55-176 ms at every commit tried, the session's first included — hence ~2.5 us
-#: usual. Past twice that the bound says nothing about the server: not judged, visibly.
-USUAL_OP_US = 2.5
-
-
-def _op_cost_us() -> float:
-    """Median cost of a tiny in-place torch op on one thread, in microseconds."""
-    import statistics
-    import time
-
-    import torch
-
-    x = torch.zeros(100)
-    runs = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(2000):
-            x.add_(1)
-        runs.append((time.perf_counter() - t) / 2000 * 1e6)
-    return statistics.median(runs)
+def _settled(srv: ServerProcess, limit_s: float = 60.0) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The metrics once no PrefillContext call is in progress (every started one handled,
+    nothing queued), or the last page after ``limit_s``: the assertions then say what is off."""
+    t_end = time.monotonic() + limit_s
+    while True:
+        m = _scrape(srv)
+        started = sample_sum(m["grpc_server_started_total"], **METHOD)
+        handled = sample_sum(m["grpc_server_handled_total"], **METHOD)
+        if (started == handled and sample_sum(m["ctxprefill_queue_depth"]) == 0) or time.monotonic() > t_end:
+            return m
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
-def load_report(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("overload")
-    before = _op_cost_us()
-    report = _run(tmp_path, 1)
-    if report["failures"] and all(f.startswith("refusals not prompt") for f in report["failures"]):
-        report = _run(tmp_path, 2)
-    report["op_cost_us"] = min(before, _op_cost_us())  # slow only if slow before and after
-    return report
+def overload(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("overload")
+    # OMP_NUM_THREADS=1: the clients run on the same cores (docs/RELIABILITY.md)
+    srv = ServerProcess({"heads": 1, "block_size": 16, "num_blocks": 64, "workspace_tokens": 256,
+                         "queue_size": QUEUE}, grace_seconds=30, env={"OMP_NUM_THREADS": "1"})
+    try:
+        srv.wait_ready()
+        out = tmp / "report.json"
+        # the script judges refusal latency too: unbounded here, that figure is the benchmark's
+        r = subprocess.run([sys.executable, SCRIPT, "--target", srv.target, "--pid", str(srv.proc.pid),
+                            "--duration", "4", "--queue-size", str(QUEUE), "--clients", "64",
+                            "--max-reject-p99-ms", "inf", "--json", str(out)],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert out.exists(), f"no report (exit {r.returncode}):\n{r.stderr[-3000:]}"
+        report = json.loads(out.read_text())
+        print(f"phases: {json.dumps(report['phases'])} rss={report.get('rss')} failures={report['failures']}")
+        metrics = _settled(srv)
+        exit_code = srv.terminate(60)
+        return {"report": report, "metrics": metrics, "exit_code": exit_code, "log": srv.log()[-3000:]}
+    finally:
+        srv.terminate(10)
+        srv.kill()
 
 
-def test_bounded_load_degrades_only_into_resource_exhausted(load_report):
-    report = load_report
-    below, above = report["phases"]["below"], report["phases"]["above"]
-    assert below["clients"] == 8 and above["clients"] == 64
+def test_at_capacity_nothing_fails(overload: dict[str, Any]) -> None:
+    below = overload["report"]["phases"]["below"]
+    assert below["clients"] == QUEUE
     assert set(below["codes"]) == {"OK"} and below["codes"]["OK"] > 0, below
+
+
+def test_overflow_is_refused_with_resource_exhausted(overload: dict[str, Any]) -> None:
+    above = overload["report"]["phases"]["above"]
+    assert above["clients"] == 64
     assert set(above["codes"]) == {"OK", "RESOURCE_EXHAUSTED"}, above
-    assert report["rss"]["growth_mib"] <= max(16.0, 0.05 * report["rss"]["after_warmup_mib"]), report["rss"]
-    assert report["server_exit_code"] == 0
-    others = [f for f in report["failures"] if not f.startswith("refusals not prompt")]
-    assert others == [], others
+    refused = above["codes"]["RESOURCE_EXHAUSTED"]
+    m = overload["metrics"]
+    assert sample_sum(m["grpc_server_handled_total"], grpc_code="RESOURCE_EXHAUSTED", **METHOD) == refused
+    assert sample_sum(m["ctxprefill_rejected_requests_total"], reason="queue_full") == refused
 
 
-def test_refusals_are_prompt(load_report):
-    above = load_report["phases"]["above"]
-    cost = load_report["op_cost_us"]
-    if cost > 2 * USUAL_OP_US:
-        pytest.skip(f"this host runs a tiny torch op in {cost:.1f} us, over twice the {USUAL_OP_US} us the 50 ms "
-                    f"refusal bound was set on: not judged (measured refusal p99 {above['rejected_p99_ms']} ms)")
-    assert above["rejected_p99_ms"] < 50.0, above
+def test_every_admitted_request_is_answered(overload: dict[str, Any]) -> None:
+    phases = overload["report"]["phases"]
+    answered = phases["below"]["codes"]["OK"] + phases["above"]["codes"]["OK"]
+    m = overload["metrics"]
+    started = sample_sum(m["grpc_server_started_total"], **METHOD)
+    assert sample_sum(m["grpc_server_handled_total"], **METHOD) == started
+    assert sample_sum(m["grpc_server_handled_total"], grpc_code="OK", **METHOD) == answered
+    assert started == sum(p["requests"] for p in phases.values())
+
+
+def test_queue_drains_to_zero(overload: dict[str, Any]) -> None:
+    m = overload["metrics"]
+    assert sample_sum(m["ctxprefill_queue_depth"]) == 0
+    assert sample_sum(m["ctxprefill_queue_capacity"]) == QUEUE
+
+
+def test_memory_stays_flat_and_the_server_exits_cleanly(overload: dict[str, Any]) -> None:
+    rss = overload["report"]["rss"]
+    assert rss["growth_mib"] <= max(16.0, 0.05 * rss["after_warmup_mib"]), rss
+    assert overload["report"]["failures"] == []
+    assert overload["exit_code"] == 0, overload["log"]

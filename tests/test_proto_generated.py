@@ -100,8 +100,7 @@ def test_grpc_module_imports_as_a_package():
     text = (GEN_V1 / "ctxprefill_pb2_grpc.py").read_text()
     assert "from ctxprefill_api.ctxprefill.v1 import ctxprefill_pb2 as " in text
     assert not re.search(r"^from ctxprefill\.v1 import", text, re.M)  # would hit the server package
-    from ctxprefill_api import pb
-    from ctxprefill_api import pb_grpc
+    from ctxprefill_api import pb, pb_grpc
 
     assert pb.DESCRIPTOR.name == "ctxprefill/v1/ctxprefill.proto"
     assert pb.DESCRIPTOR.package == "ctxprefill.v1"
@@ -128,7 +127,7 @@ def test_grpc_module_imports_as_a_package():
         "DATA_TYPE_INT64": 6,
         "DATA_TYPE_UINT8": 7,
     }
-    # the shared-memory transport (issue 8): extensions only, with new field numbers
+    # the shared-memory transport: extensions only, with new field numbers
     assert pb.Tensor.DESCRIPTOR.fields_by_name["shared_memory"].number == 4
     assert [f.name for f in pb.SharedMemoryRef.DESCRIPTOR.fields] == ["region", "offset", "byte_size"]
     req = pb.PrefillContextRequest.DESCRIPTOR.fields_by_name

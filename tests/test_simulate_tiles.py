@@ -39,7 +39,7 @@ def test_bench_ragged_case_prediction():
 
 def test_packing_beats_the_launch_order_on_the_ragged_case():
     """Work lists packed per SM (what a persistent kernel could run) against the hardware's
-    greedy assignment in launch order, for the batch whose tail misses issue 4 at H=16."""
+    greedy assignment in launch order, for the batch whose tail misses the ragged target at H=16."""
     costs = st.programs([256, 1792, 640, 1408], [27840, 9280, 37120, 13888], 16, 128, 128, 1.5)
     greedy, packed = st.makespan(costs, 132), st.packed_makespan(costs, 132)
     assert packed <= greedy

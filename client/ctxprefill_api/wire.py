@@ -44,9 +44,9 @@ def _header(field_number: int, nbytes: int) -> bytes:
     return _varint((field_number << 3) | _LEN) + _varint(len(inner) + nbytes) + inner
 
 
-def _data_field(field_number: int, bits: np.ndarray) -> list:
+def _data_field(field_number: int, bits: np.ndarray) -> list[bytes | memoryview]:
     """``field_number { data: bits }`` on the wire: the header, then the buffer itself."""
-    buf = memoryview(np.ascontiguousarray(bits)).cast("B")
+    buf = np.ascontiguousarray(bits).data.cast("B")
     return [_header(field_number, buf.nbytes), buf]
 
 
@@ -66,9 +66,9 @@ class OutgoingMessage:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.msg, name)
 
-    def parts(self) -> list:
+    def parts(self) -> list[bytes | memoryview]:
         """The serialized message as buffers to join: the message, then each tensor's bytes."""
-        parts = [self.msg.SerializeToString()]
+        parts: list[bytes | memoryview] = [self.msg.SerializeToString()]
         for number, bits in self._payloads:
             parts += _data_field(number, bits)
         return parts
@@ -78,8 +78,8 @@ class OutgoingMessage:
 
     def ByteSize(self) -> int:  # noqa: N802
         """The serialized size, computed (nothing is copied)."""
-        return self.msg.ByteSize() + sum(len(_header(number, bits.nbytes)) + bits.nbytes
-                                         for number, bits in self._payloads)
+        size: int = self.msg.ByteSize()
+        return size + sum(len(_header(number, bits.nbytes)) + bits.nbytes for number, bits in self._payloads)
 
     def full_message(self) -> Any:
         """The same request as one protobuf message (copies the bytes in: for tests)."""
@@ -104,7 +104,8 @@ class NestedMessage:
         return b"".join([self.outer.SerializeToString(), self._head(), *self.inner.parts()])
 
     def ByteSize(self) -> int:  # noqa: N802
-        return self.outer.ByteSize() + len(self._head()) + self.inner.ByteSize()
+        size: int = self.outer.ByteSize()
+        return size + len(self._head()) + self.inner.ByteSize()
 
 
 def nest(outer: Any, field: str, inner: Any) -> Any:
@@ -137,7 +138,8 @@ def finish(msg: Any, payloads: list[tuple[int, np.ndarray]]) -> Any:
 
 def serialize_request(request: Any) -> bytes:
     """The stubs' request serializer: a protobuf message or an :class:`OutgoingMessage`."""
-    return request.SerializeToString()
+    data: bytes = request.SerializeToString()
+    return data
 
 
 _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["PrefillContextService"].full_name + "/"

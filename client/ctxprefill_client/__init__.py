@@ -34,9 +34,8 @@ from ._common import (
 from .aio import AsyncPrefillContextClient
 from .client import PrefillContextClient
 from .merge import merge_partials
-from .sharded import AsyncShardedPrefillClient, ShardedPrefillClient
 from .request_ring import RequestRing
-from .stream import AsyncPrefillStream, PrefillStream
+from .sharded import AsyncShardedPrefillClient, ShardedPrefillClient
 from .shared_memory import (
     CudaSharedMemoryRegion,
     SharedMemoryRef,
@@ -45,6 +44,7 @@ from .shared_memory import (
     SystemSharedMemoryRegion,
     cuda_ipc_handle,
 )
+from .stream import AsyncPrefillStream, PrefillStream
 from .tensors import (
     BF16,
     FP8_E4M3,

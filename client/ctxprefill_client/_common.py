@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence as _SeqABC
+from collections.abc import Iterable, Mapping
+from collections.abc import Sequence as _SeqABC
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,8 @@ import grpc
 import numpy as np
 
 from ctxprefill_api import pb
+from ctxprefill_api.wire import finish, place_tensor
+
 from .shared_memory import (
     CudaSharedMemoryRegion,
     SharedMemoryRef,
@@ -33,7 +36,6 @@ from .tensors import (
     storage_dtype,
     tensor_bits,
 )
-from ctxprefill_api.wire import finish, place_tensor
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
@@ -120,7 +122,8 @@ def _int_list(xs: Any) -> list[int]:
     table: ~190 µs by ``int()`` one by one, ~35 µs this way), else ``int()`` each."""
     a = np.asarray(xs)
     if a.dtype.kind in "iu" and a.ndim == 1:
-        return a.tolist()
+        ints: list[int] = a.tolist()
+        return ints
     return [int(b) for b in xs]
 
 
@@ -142,7 +145,7 @@ class ContextChunk:
         )
 
     @classmethod
-    def from_proto(cls, m: pb.ContextChunk) -> "ContextChunk":
+    def from_proto(cls, m: pb.ContextChunk) -> ContextChunk:
         return cls(m.first_sequence, m.num_sequences, tuple(m.context_start), tuple(m.context_len))
 
 
@@ -187,7 +190,7 @@ class ServerInfo:
     # model layers held (serve --layers, --first-layer): [first_layer, first_layer + num_layers)
     num_layers: int = 1
     first_layer: int = 0
-    # the fused path packs no K (bf16 prefill, a backend reading k_nope / k_pe apart; serve --packed-keys)
+    # the fused path packs no K (bf16 prefill, a backend reading the keys unpacked; serve --no-unpacked-keys)
     unpacked_keys: bool = False
 
     @property
@@ -214,7 +217,7 @@ class ServerInfo:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @classmethod
-    def from_proto(cls, m: pb.GetServerInfoResponse) -> "ServerInfo":
+    def from_proto(cls, m: pb.GetServerInfoResponse) -> ServerInfo:
         v = m.versions
         return cls(
             instance_id=m.instance_id,
@@ -359,6 +362,7 @@ def _add_sequence(field: Any, s: Any, i: int) -> None:
     if isinstance(s, pb.Sequence):
         field.append(s)
         return
+    bt: Any  # a block table: a tuple, list, array or any iterable of ints
     if isinstance(s, Sequence):
         q, c, bt = s.query_len, s.context_len, s.block_table
     elif isinstance(s, Mapping):
@@ -420,7 +424,8 @@ def _slot_tensor(slot_mapping: Any) -> pb.Tensor:
         if slot_mapping.dtype != INT64 or len(slot_mapping.shape) != 1:
             raise ValueError("slot_mapping: a shared-memory slot_mapping must be INT64 [T]")
         if isinstance(slot_mapping.ref.local, CudaSharedMemoryRegion):
-            raise ValueError("slot_mapping: must be inline or in system shared memory (the server checks it on the host)")
+            raise ValueError("slot_mapping: must be inline or in system shared memory "
+                             "(the server checks it on the host)")
         return slot_mapping.to_proto()
     arr = np.asarray(slot_mapping)
     if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
@@ -443,7 +448,7 @@ def build_write_request(slot_mapping: Any, kv_c: Any, k_pe: Any, expected: str |
     if layer is not None:
         req.layer = int(layer)
     req.slot_mapping.CopyFrom(_slot_tensor(slot_mapping))
-    payloads: list = []
+    payloads: list[tuple[int, np.ndarray]] = []
     place_tensor(req, "kv_c", _latent_tensor(kv_c, "kv_c"), payloads)
     place_tensor(req, "k_pe", _latent_tensor(k_pe, "k_pe"), payloads)
     if expected is not None:
@@ -523,7 +528,7 @@ def build_prefill_request(
         req.layer = int(layer)
     for i, s in enumerate(sequences):
         _add_sequence(req.sequences, s, i)
-    payloads: list = []
+    payloads: list[tuple[int, np.ndarray]] = []
     place_tensor(req, "q", _q_tensor(q, q_dtype, server_prefill_dtype), payloads)
     if workspace_tokens is not None:
         req.workspace_tokens = int(workspace_tokens)
@@ -577,7 +582,8 @@ class _Placed:
     def __init__(self, msg: pb.Tensor, name: str, dtypes: tuple[int, ...], ndim: int, asked: SharedMemoryRef | None):
         sm = msg.shared_memory
         if asked is None:
-            raise ResponseDecodeError(f"{name}: the server placed it in shared memory, the request did not ask for that")
+            raise ResponseDecodeError(f"{name}: the server placed it in shared memory, "
+                                      "the request did not ask for that")
         if sm.region != asked.region or sm.offset != asked.offset:
             raise ResponseDecodeError(f"{name}: written to {sm.region!r} at {sm.offset}, asked for "
                                       f"{asked.region!r} at {asked.offset}")
@@ -592,11 +598,15 @@ class _Placed:
 
     def system_view(self) -> np.ndarray | None:
         local = self.ref.local
-        return local.view(self.dtype, self.shape, self.ref.offset) if isinstance(local, SystemSharedMemoryRegion) else None
+        if not isinstance(local, SystemSharedMemoryRegion):
+            return None
+        return local.view(self.dtype, self.shape, self.ref.offset)
 
     def cuda_view(self) -> Any:
         local = self.ref.local
-        return local.view(self.dtype, self.shape, self.ref.offset) if isinstance(local, CudaSharedMemoryRegion) else None
+        if not isinstance(local, CudaSharedMemoryRegion):
+            return None
+        return local.view(self.dtype, self.shape, self.ref.offset)
 
 
 def parse_prefill_response(resp: pb.PrefillContextResponse, num_query_rows: int,

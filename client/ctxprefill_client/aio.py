@@ -18,6 +18,9 @@ import grpc
 import grpc.aio
 import numpy as np
 
+from ctxprefill_api import pb, pb_grpc
+from ctxprefill_api.wire import use_outgoing_requests
+
 from ._common import (
     DEFAULT_BACKOFF_BASE_S,
     DEFAULT_BACKOFF_MAX_S,
@@ -40,8 +43,6 @@ from ._common import (
     tls_channel_options,
 )
 from ._common import channel_options as _channel_options
-from ctxprefill_api import pb
-from ctxprefill_api import pb_grpc
 from .shared_memory import (
     SharedMemoryRef,
     SharedMemoryRegionStatus,
@@ -49,7 +50,6 @@ from .shared_memory import (
     register_system_request,
 )
 from .stream import AsyncPrefillStream
-from ctxprefill_api.wire import use_outgoing_requests
 
 __all__ = ["AsyncPrefillContextClient"]
 
@@ -111,7 +111,7 @@ class AsyncPrefillContextClient:
         if self._owns_channel:
             await self._channel.close()
 
-    async def __aenter__(self) -> "AsyncPrefillContextClient":
+    async def __aenter__(self) -> AsyncPrefillContextClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -251,7 +251,8 @@ class AsyncPrefillContextClient:
         resp = await self._call("UnregisterSharedMemory", self._stub.UnregisterSharedMemory, req, timeout, None)
         return list(resp.names)
 
-    async def shared_memory_status(self, name: str = "", *, timeout: float | None = None) -> list[SharedMemoryRegionStatus]:
+    async def shared_memory_status(self, name: str = "", *,
+                                   timeout: float | None = None) -> list[SharedMemoryRegionStatus]:
         """GetSharedMemoryStatus of region ``name`` ("": all)."""
         req = pb.GetSharedMemoryStatusRequest(name=name)
         resp = await self._call("GetSharedMemoryStatus", self._stub.GetSharedMemoryStatus, req, timeout, None)

@@ -25,6 +25,9 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from ctxprefill_api import pb, pb_grpc
+from ctxprefill_api.wire import use_outgoing_requests
+
 from ._common import (
     DEFAULT_BACKOFF_BASE_S,
     DEFAULT_BACKOFF_MAX_S,
@@ -47,17 +50,14 @@ from ._common import (
     tls_channel_options,
 )
 from ._common import channel_options as _channel_options
-from ctxprefill_api import pb
-from ctxprefill_api import pb_grpc
+from .request_ring import RequestRing
 from .shared_memory import (
     SharedMemoryRef,
     SharedMemoryRegionStatus,
     register_cuda_request,
     register_system_request,
 )
-from .request_ring import RequestRing
 from .stream import PrefillStream
-from ctxprefill_api.wire import use_outgoing_requests
 
 __all__ = ["PrefillContextClient"]
 
@@ -140,7 +140,7 @@ class PrefillContextClient:
         if self._owns_channel:
             self._channel.close()
 
-    def __enter__(self) -> "PrefillContextClient":
+    def __enter__(self) -> PrefillContextClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -157,7 +157,8 @@ class PrefillContextClient:
         self._tracker.reset(instance_id)
         self._info = None
 
-    def _call(self, method: str, rpc: Callable[..., _R], request: Any, timeout: float | None, expected: str | None) -> _R:
+    def _call(self, method: str, rpc: Callable[..., _R], request: Any, timeout: float | None,
+              expected: str | None) -> _R:
         deadline = self.timeout if timeout is None else float(timeout)
         attempt = 0
         while True:

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import collections
 import os
-import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -50,8 +49,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from ._common import CtxPrefillError, CtxPrefillRpcError, PrefillResult, map_rpc_error
 from ctxprefill_api import pb
+
+from ._common import CtxPrefillError, CtxPrefillRpcError, PrefillResult, map_rpc_error
 from .shared_memory import SharedMemoryRef, SystemSharedMemoryRegion
 from .stream import Pending, answer_to_result, prefill_request
 
@@ -242,9 +242,9 @@ class RequestRing:
             self._closed = True
             self._call.cancel()
         # views of the segment would keep the region's close() from unmapping it
-        self._buf = self._states = self._seqs = self._lengths = None
+        self._buf = self._states = self._seqs = self._lengths = np.empty(0, np.uint8)
 
-    def __enter__(self) -> "RequestRing":
+    def __enter__(self) -> RequestRing:
         return self
 
     def __exit__(self, *exc: Any) -> None:

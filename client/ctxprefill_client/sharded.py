@@ -33,8 +33,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -48,6 +48,8 @@ from .tensors import (
     float32_to_bf16_bits,
     float32_to_fp8_e4m3_bits,
 )
+
+_T = TypeVar("_T")
 
 __all__ = [
     "AsyncShardedPrefillClient",
@@ -125,7 +127,7 @@ def check_layout(targets: list[str], infos: list[ServerInfo]) -> list[int]:
     if not infos:
         raise ShardLayoutError("no shard targets")
     ref = infos[0]
-    for t, info in zip(targets, infos):
+    for t, info in zip(targets, infos, strict=True):
         for f in SAME_FIELDS:
             a, b = getattr(ref, f), getattr(info, f)
             if a != b:
@@ -200,7 +202,7 @@ def concat_results(results: list[PrefillResult], targets: list[str], infos: list
         bits = np.concatenate([r.output_bits for r in results], axis=1)
     lse = np.concatenate([r.lse for r in results], axis=0)
     s0 = results[0].stats
-    for t, r in zip(targets[1:], results[1:]):
+    for t, r in zip(targets[1:], results[1:], strict=True):
         for key in ("chunks", "path", "fp8_path", "context_tokens", "query_tokens"):
             if r.stats[key] != s0[key]:
                 raise CtxPrefillError(f"shard {t} reports {key}={r.stats[key]!r}, shard {targets[0]} {s0[key]!r}")
@@ -212,7 +214,7 @@ def concat_results(results: list[PrefillResult], targets: list[str], infos: list
         for k, v in r.stats["stage_nanos"].items():
             stage[k] = max(stage.get(k, 0), int(v))
     shards = []
-    for t, info, r in zip(targets, infos, results):
+    for t, info, r in zip(targets, infos, results, strict=True):
         shards.append({**r.stats, "target": t, "shard_index": info.shard_index,
                        "heads": (info.head_start, info.head_end), "instance_id": r.instance_id})
     stats = {
@@ -243,6 +245,11 @@ def _annotate(err: BaseException, target: str, info: ServerInfo | None, position
     return err
 
 
+def _info_of(layout: tuple[list[ServerInfo], list[int]] | None, target: int) -> ServerInfo | None:
+    """The ServerInfo of target index ``target``, once the layout is known."""
+    return None if layout is None else layout[0][layout[1].index(target)]
+
+
 def _materialize(sequences: Iterable[Any]) -> list[Any]:
     return sequences if isinstance(sequences, list) else list(sequences)
 
@@ -269,11 +276,12 @@ class ShardedPrefillClient:
         if len(ids) != len(targets):
             raise ValueError(f"{len(ids)} expected_instance_ids for {len(targets)} targets")
         self.targets = list(targets)
-        self.clients = [PrefillContextClient(t, expected_instance_id=i, **client_kwargs) for t, i in zip(targets, ids)]
+        self.clients = [PrefillContextClient(t, expected_instance_id=i, **client_kwargs)
+                        for t, i in zip(targets, ids, strict=True)]
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_workers or 2 * len(targets), thread_name_prefix="ctxprefill-shard")
-        self._infos: list[ServerInfo] | None = None  # in head order
-        self._order: list[int] | None = None  # head order -> index into targets
+        # (infos in head order, head order -> index into targets), from the first server_info()
+        self._layout: tuple[list[ServerInfo], list[int]] | None = None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -282,36 +290,38 @@ class ShardedPrefillClient:
         for c in self.clients:
             c.close()
 
-    def __enter__(self) -> "ShardedPrefillClient":
+    def __enter__(self) -> ShardedPrefillClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _all(self, fn, indices: list[int]) -> list[Any]:
+    def _all(self, fn: Callable[[int], _T], indices: list[int]) -> list[_T]:
         """fn(i) for each target index, concurrently; the first failure (in the given
         order) is raised, annotated with its shard, after all have finished."""
         futures = [self._pool.submit(fn, i) for i in indices]
         concurrent.futures.wait(futures)
-        for i, f in zip(indices, futures):
+        for i, f in zip(indices, futures, strict=True):
             e = f.exception()
             if e is not None:
-                info = self._infos[self._order.index(i)] if self._infos is not None else None
-                raise _annotate(e, self.targets[i], info, i)
+                raise _annotate(e, self.targets[i], _info_of(self._layout, i), i)
         return [f.result() for f in futures]
+
+    def _shards(self) -> tuple[list[ServerInfo], list[int]]:
+        if self._layout is None:
+            self.server_info()
+        assert self._layout is not None
+        return self._layout
 
     @property
     def infos(self) -> list[ServerInfo]:
         """The shards' ServerInfo in head order (discovered on first use)."""
-        if self._infos is None:
-            self.server_info()
-        return self._infos  # type: ignore[return-value]
+        return self._shards()[0]
 
     @property
     def shard_targets(self) -> list[str]:
         """The targets in head order."""
-        self.infos  # noqa: B018
-        return [self.targets[i] for i in self._order]  # type: ignore[union-attr]
+        return [self.targets[i] for i in self._shards()[1]]
 
     @property
     def total_heads(self) -> int:
@@ -332,7 +342,7 @@ class ShardedPrefillClient:
         for i, c in enumerate(self.clients):
             if shard is None or i == shard:
                 c.reset_instance()
-        self._infos = self._order = None
+        self._layout = None
 
     # ------------------------------------------------------------------ RPCs
 
@@ -341,32 +351,33 @@ class ShardedPrefillClient:
         idx = list(range(len(self.targets)))
         infos = self._all(lambda i: self.clients[i].server_info(timeout=timeout), idx)
         order = check_layout(self.targets, infos)
-        self._order, self._infos = order, [infos[i] for i in order]
-        return self._infos
+        self._layout = ([infos[i] for i in order], order)
+        return self._layout[0]
 
     def write_cache(self, slot_mapping: Any, kv_c: Any, k_pe: Any, *, timeout: float | None = None,
                     layer: int | None = None) -> int:
         """The same latents to every shard (concurrently); returns the slots written (checked equal)."""
-        self.infos  # noqa: B018
+        _, order = self._shards()
         n = self._all(lambda i: self.clients[i].write_cache(slot_mapping, kv_c, k_pe, timeout=timeout, layer=layer),
-                      self._order)
+                      order)
         if len(set(n)) != 1:
-            raise CtxPrefillError(f"shards wrote different numbers of slots: {dict(zip(self.shard_targets, n))}")
+            written = dict(zip(self.shard_targets, n, strict=True))
+            raise CtxPrefillError(f"shards wrote different numbers of slots: {written}")
         return n[0]
 
     def read_cache(self, slot_mapping: Any, *, verify: bool = False, shard: int = 0,
                    timeout: float | None = None, layer: int | None = None) -> np.ndarray:
         """ReadCache from shard ``shard`` (head order); ``verify=True`` reads every shard and
         raises :class:`ShardedReadMismatchError` unless all hold the same bytes."""
-        self.infos  # noqa: B018
+        infos, order = self._shards()
         if not verify:
-            i = self._order[shard]  # type: ignore[index]
+            i = order[shard]
             try:
                 return self.clients[i].read_cache(slot_mapping, timeout=timeout, layer=layer)
             except Exception as e:
-                raise _annotate(e, self.targets[i], self._infos[shard], i) from None  # type: ignore[index]
-        res = self._all(lambda i: self.clients[i].read_cache(slot_mapping, timeout=timeout, layer=layer), self._order)
-        for t, r in zip(self.shard_targets[1:], res[1:]):
+                raise _annotate(e, self.targets[i], infos[shard], i) from None
+        res = self._all(lambda i: self.clients[i].read_cache(slot_mapping, timeout=timeout, layer=layer), order)
+        for t, r in zip(self.shard_targets[1:], res[1:], strict=True):
             if not np.array_equal(r, res[0]):
                 raise ShardedReadMismatchError(f"shard {t} holds other bytes than shard {self.shard_targets[0]}")
         return res[shard]
@@ -388,13 +399,12 @@ class ShardedPrefillClient:
         shard run concurrently, ``output``/``lse`` concatenated along heads. Arguments as
         ``PrefillContextClient.prefill_context``. Shards of different default workspaces
         all get the smallest, so that they plan the same chunks."""
-        infos = self.infos
+        infos, order = self._shards()
         seqs = _materialize(sequences)
         plan = None if plan is None else _materialize(plan)
         if workspace_tokens is None and len({i.workspace_tokens for i in infos}) > 1:
             workspace_tokens = min(i.workspace_tokens for i in infos)
         parts = split_q(q, infos[0].total_heads, self.head_ranges, infos[0].prefill_dtype, q_dtype)
-        order = self._order
 
         def one(k: int) -> PrefillResult:
             part, qd = parts[k]
@@ -405,8 +415,9 @@ class ShardedPrefillClient:
         futures = [self._pool.submit(one, k) for k in range(len(order))]
         concurrent.futures.wait(futures)
         for k, f in enumerate(futures):
-            if f.exception() is not None:
-                raise _annotate(f.exception(), self.targets[order[k]], infos[k], order[k])
+            e = f.exception()
+            if e is not None:
+                raise _annotate(e, self.targets[order[k]], infos[k], order[k])
         return concat_results([f.result() for f in futures], self.shard_targets, infos)
 
 
@@ -428,31 +439,32 @@ class AsyncShardedPrefillClient:
             raise ValueError(f"{len(ids)} expected_instance_ids for {len(targets)} targets")
         self.targets = list(targets)
         self.clients = [AsyncPrefillContextClient(t, expected_instance_id=i, **client_kwargs)
-                        for t, i in zip(targets, ids)]
-        self._infos: list[ServerInfo] | None = None
-        self._order: list[int] | None = None
+                        for t, i in zip(targets, ids, strict=True)]
+        self._layout: tuple[list[ServerInfo], list[int]] | None = None  # as ShardedPrefillClient's
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
 
-    async def __aenter__(self) -> "AsyncShardedPrefillClient":
+    async def __aenter__(self) -> AsyncShardedPrefillClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    async def _all(self, fn, indices: list[int]) -> list[Any]:
+    async def _all(self, fn: Callable[[int], Awaitable[_T]], indices: list[int]) -> list[_T]:
         res = await asyncio.gather(*(fn(i) for i in indices), return_exceptions=True)
-        for i, r in zip(indices, res):
+        out: list[_T] = []
+        for i, r in zip(indices, res, strict=True):
             if isinstance(r, BaseException):
-                info = self._infos[self._order.index(i)] if self._infos is not None else None
-                raise _annotate(r, self.targets[i], info, i)
-        return list(res)
+                raise _annotate(r, self.targets[i], _info_of(self._layout, i), i)
+            out.append(r)
+        return out
 
-    async def _ensure(self) -> list[ServerInfo]:
-        if self._infos is None:
+    async def _shards(self) -> tuple[list[ServerInfo], list[int]]:
+        if self._layout is None:
             await self.server_info()
-        return self._infos  # type: ignore[return-value]
+        assert self._layout is not None
+        return self._layout
 
     @property
     def instance_ids(self) -> list[str | None]:
@@ -462,28 +474,28 @@ class AsyncShardedPrefillClient:
         for i, c in enumerate(self.clients):
             if shard is None or i == shard:
                 c.reset_instance()
-        self._infos = self._order = None
+        self._layout = None
 
     async def server_info(self, *, timeout: float | None = None) -> list[ServerInfo]:
         infos = await self._all(lambda i: self.clients[i].server_info(timeout=timeout), list(range(len(self.targets))))
         order = check_layout(self.targets, infos)
-        self._order, self._infos = order, [infos[i] for i in order]
-        return self._infos
+        self._layout = ([infos[i] for i in order], order)
+        return self._layout[0]
 
     async def write_cache(self, slot_mapping: Any, kv_c: Any, k_pe: Any, *, timeout: float | None = None,
                           layer: int | None = None) -> int:
-        await self._ensure()
+        _, order = await self._shards()
         n = await self._all(lambda i: self.clients[i].write_cache(slot_mapping, kv_c, k_pe, timeout=timeout,
-                                                                  layer=layer), self._order)
+                                                                  layer=layer), order)
         if len(set(n)) != 1:
             raise CtxPrefillError(f"shards wrote different numbers of slots: {n}")
         return n[0]
 
     async def read_cache(self, slot_mapping: Any, *, verify: bool = False, shard: int = 0,
                          timeout: float | None = None, layer: int | None = None) -> np.ndarray:
-        await self._ensure()
-        order = self._order if verify else [self._order[shard]]  # type: ignore[index]
-        res = await self._all(lambda i: self.clients[i].read_cache(slot_mapping, timeout=timeout, layer=layer), order)
+        _, order = await self._shards()
+        read = order if verify else [order[shard]]
+        res = await self._all(lambda i: self.clients[i].read_cache(slot_mapping, timeout=timeout, layer=layer), read)
         if verify:
             for r in res[1:]:
                 if not np.array_equal(r, res[0]):
@@ -504,21 +516,22 @@ class AsyncShardedPrefillClient:
         layer: int | None = None,
         cache_write: Any = None,
     ) -> ShardedPrefillResult:
-        infos = await self._ensure()
+        infos, order = await self._shards()
         seqs = _materialize(sequences)
         plan = None if plan is None else _materialize(plan)
         if workspace_tokens is None and len({i.workspace_tokens for i in infos}) > 1:
             workspace_tokens = min(i.workspace_tokens for i in infos)
         ranges = [(i.head_start, i.head_end) for i in infos]
         parts = split_q(q, infos[0].total_heads, ranges, infos[0].prefill_dtype, q_dtype)
-        order = self._order
         res = await asyncio.gather(
             *(self.clients[order[k]].prefill_context(part, seqs, request_id=request_id,
                                                     workspace_tokens=workspace_tokens, plan=plan, q_dtype=qd,
                                                     timeout=timeout, layer=layer, cache_write=cache_write)
               for k, (part, qd) in enumerate(parts)),
             return_exceptions=True)
+        results: list[PrefillResult] = []
         for k, r in enumerate(res):
             if isinstance(r, BaseException):
                 raise _annotate(r, self.targets[order[k]], infos[k], order[k])
-        return concat_results(list(res), [self.targets[i] for i in order], infos)
+            results.append(r)
+        return concat_results(results, [self.targets[i] for i in order], infos)

@@ -38,13 +38,18 @@ the memory alive until it has unregistered the region.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from ctxprefill_api import pb
+
 from .tensors import BF16, FP8_E4M3, FP16, FP32, INT32, INT64, UINT8, dtype_name, storage_dtype, tensor_bits
+
+if TYPE_CHECKING:
+    import torch  # CUDA regions only; imported where they need it
 
 __all__ = [
     "CudaSharedMemoryRegion",
@@ -58,7 +63,7 @@ __all__ = [
 
 CUDA_IPC_HANDLE_SIZE = 64
 SYSTEM, CUDA = "system", "cuda"
-_KIND_NAMES = {pb.SHARED_MEMORY_KIND_SYSTEM: SYSTEM, pb.SHARED_MEMORY_KIND_CUDA: CUDA}
+_KIND_NAMES: dict[int, str] = {pb.SHARED_MEMORY_KIND_SYSTEM: SYSTEM, pb.SHARED_MEMORY_KIND_CUDA: CUDA}
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,8 @@ class SharedMemoryTensor:
     ref: SharedMemoryRef
 
     def to_proto(self) -> pb.Tensor:
-        return pb.Tensor(dtype=self.dtype, shape=[int(s) for s in self.shape], shared_memory=self.ref.to_proto())
+        return pb.Tensor(dtype=cast(pb.DataType, self.dtype), shape=[int(s) for s in self.shape],
+                         shared_memory=self.ref.to_proto())
 
 
 @dataclass(frozen=True)
@@ -105,16 +111,16 @@ class SharedMemoryRegionStatus:
     pinned: bool = False
 
     @classmethod
-    def from_proto(cls, m: pb.SharedMemoryRegion) -> "SharedMemoryRegionStatus":
+    def from_proto(cls, m: pb.SharedMemoryRegion) -> SharedMemoryRegionStatus:
         return cls(m.name, _KIND_NAMES.get(m.kind, str(m.kind)), m.key, m.offset, m.byte_size, m.device,
                    m.requests_in_flight, m.pinned)
 
 
-def kind_names(kinds) -> tuple[str, ...]:
+def kind_names(kinds: Iterable[int]) -> tuple[str, ...]:
     return tuple(_KIND_NAMES.get(k, str(k)) for k in kinds)
 
 
-def _nbytes(dtype: int, shape) -> int:
+def _nbytes(dtype: int, shape: Iterable[int]) -> int:
     return math.prod(int(s) for s in shape) * storage_dtype(dtype).itemsize
 
 
@@ -146,7 +152,10 @@ class SystemSharedMemoryRegion:
     @property
     def buf(self) -> memoryview:
         """The segment's bytes."""
-        return self._shm.buf
+        buf = self._shm.buf
+        if buf is None:
+            raise ValueError(f"region {self.name!r} is closed")
+        return buf
 
     def _check(self, offset: int, nbytes: int, itemsize: int) -> None:
         if offset < 0 or offset + nbytes > self.byte_size:
@@ -155,14 +164,14 @@ class SystemSharedMemoryRegion:
         if offset % itemsize:
             raise ValueError(f"offset {offset} is not a multiple of the element size {itemsize}")
 
-    def ndarray(self, dtype: Any, shape, offset: int = 0) -> np.ndarray:
+    def ndarray(self, dtype: Any, shape: Iterable[int], offset: int = 0) -> np.ndarray:
         """A writable numpy view of the segment (numpy ``dtype``) at ``offset``."""
         dt = np.dtype(dtype)
-        shape = tuple(int(s) for s in shape)
-        self._check(offset, math.prod(shape) * dt.itemsize, dt.itemsize)
-        return np.ndarray(shape, dtype=dt, buffer=self._shm.buf, offset=offset)
+        dims = tuple(int(s) for s in shape)
+        self._check(offset, math.prod(dims) * dt.itemsize, dt.itemsize)
+        return np.ndarray(dims, dtype=dt, buffer=self.buf, offset=offset)
 
-    def view(self, dtype: int, shape, offset: int = 0) -> np.ndarray:
+    def view(self, dtype: int, shape: Iterable[int], offset: int = 0) -> np.ndarray:
         """The bits of a tensor of wire ``dtype`` at ``offset``: uint16 for BF16, uint8 for
         FP8_E4M3, the natural numpy dtype otherwise (as :class:`~ctxprefill_client.RawTensor`)."""
         return self.ndarray(storage_dtype(dtype), shape, offset)
@@ -176,12 +185,12 @@ class SystemSharedMemoryRegion:
         del view
         return self.input(wire, bits.shape, offset)
 
-    def input(self, dtype: int, shape, offset: int = 0) -> SharedMemoryTensor:
+    def input(self, dtype: int, shape: Iterable[int], offset: int = 0) -> SharedMemoryTensor:
         """A request input of wire ``dtype`` and ``shape`` whose bytes are already at ``offset``."""
-        shape = tuple(int(s) for s in shape)
-        nbytes = _nbytes(dtype, shape)
+        dims = tuple(int(s) for s in shape)
+        nbytes = _nbytes(dtype, dims)
         self._check(offset, nbytes, storage_dtype(dtype).itemsize)
-        return SharedMemoryTensor(dtype, shape, SharedMemoryRef(self.name, offset, nbytes, self))
+        return SharedMemoryTensor(dtype, dims, SharedMemoryRef(self.name, offset, nbytes, self))
 
     def ref(self, offset: int = 0, byte_size: int | None = None) -> SharedMemoryRef:
         """A byte range for a result (``output_region`` / ``lse_region``); ``byte_size``
@@ -202,7 +211,7 @@ class SystemSharedMemoryRegion:
         """Remove the segment's name (the memory goes when every process unmapped it)."""
         self._shm.unlink()
 
-    def __enter__(self) -> "SystemSharedMemoryRegion":
+    def __enter__(self) -> SystemSharedMemoryRegion:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -217,21 +226,23 @@ class SystemSharedMemoryRegion:
 # --------------------------------------------------------------------------- CUDA memory
 
 
-def _torch_dtype(wire: int):
+def _torch_dtype(wire: int) -> torch.dtype:
     import torch
 
-    table = {BF16: torch.bfloat16, FP16: torch.float16, FP32: torch.float32, FP8_E4M3: torch.float8_e4m3fn,
-             INT32: torch.int32, INT64: torch.int64, UINT8: torch.uint8}
+    table: dict[int, torch.dtype] = {
+        BF16: torch.bfloat16, FP16: torch.float16, FP32: torch.float32, FP8_E4M3: torch.float8_e4m3fn,
+        INT32: torch.int32, INT64: torch.int64, UINT8: torch.uint8}
     if wire not in table:
         raise ValueError(f"unsupported tensor dtype {dtype_name(wire)}")
     return table[wire]
 
 
-def _wire_dtype(torch_dtype) -> int:
+def _wire_dtype(torch_dtype: torch.dtype) -> int:
     import torch
 
-    table = {torch.bfloat16: BF16, torch.float16: FP16, torch.float32: FP32, torch.float8_e4m3fn: FP8_E4M3,
-             torch.int32: INT32, torch.int64: INT64, torch.uint8: UINT8}
+    table: dict[torch.dtype, int] = {
+        torch.bfloat16: BF16, torch.float16: FP16, torch.float32: FP32, torch.float8_e4m3fn: FP8_E4M3,
+        torch.int32: INT32, torch.int64: INT64, torch.uint8: UINT8}
     if torch_dtype not in table:
         raise ValueError(f"no wire dtype for {torch_dtype}")
     return table[torch_dtype]
@@ -256,7 +267,7 @@ def raw_cuda_ipc_handle(handle: bytes) -> bytes:
     raise ValueError(f"unknown torch CUDA IPC handle format ({len(h)} bytes)")
 
 
-def cuda_ipc_handle(tensor: Any) -> tuple[int, bytes, int, int]:
+def cuda_ipc_handle(tensor: torch.Tensor) -> tuple[int, bytes, int, int]:
     """``(device index, raw_handle, offset, byte_size)`` that register ``tensor``'s bytes
     as a CUDA region (``RegisterCudaSharedMemory``).
 
@@ -275,7 +286,8 @@ def cuda_ipc_handle(tensor: Any) -> tuple[int, bytes, int, int]:
         raise ValueError("cuda_ipc_handle: the tensor must be a CUDA tensor")
     if not tensor.is_contiguous():
         raise ValueError("cuda_ipc_handle: the tensor must be contiguous")
-    device, handle, _storage_bytes, storage_offset, *_ = tensor.untyped_storage()._share_cuda_()
+    storage: Any = tensor.untyped_storage()  # _share_cuda_ is private and unannotated in torch
+    device, handle, _storage_bytes, storage_offset, *_ = storage._share_cuda_()
     offset = int(storage_offset) + int(tensor.storage_offset()) * tensor.element_size()
     return int(device), raw_cuda_ipc_handle(handle), offset, tensor.numel() * tensor.element_size()
 
@@ -294,41 +306,45 @@ class CudaSharedMemoryRegion:
     #: 0.07 ms on the H200, bench_transport.py)
     _VIEW_CACHE = 64
 
-    def __init__(self, name: str, tensor: Any, *, device_id: int | None = None) -> None:
+    def __init__(self, name: str, tensor: torch.Tensor, *, device_id: int | None = None) -> None:
         self.name = name
         self.tensor = tensor
         dev, self.raw_handle, self.offset, self.byte_size = cuda_ipc_handle(tensor)
         self.device_id = dev if device_id is None else int(device_id)
-        self._views: dict = {}
+        self._views: dict[tuple[int, tuple[int, ...], int], torch.Tensor] = {}
 
-    def _bytes(self):
-        return self.tensor.reshape(-1).view(__import__("torch").uint8)
+    def _bytes(self) -> torch.Tensor:
+        import torch
 
-    def view(self, dtype: int, shape, offset: int = 0):
+        return self.tensor.reshape(-1).view(torch.uint8)
+
+    def view(self, dtype: int, shape: Iterable[int], offset: int = 0) -> torch.Tensor:
         """A torch view (on the GPU) of a tensor of wire ``dtype`` and ``shape`` at ``offset``."""
-        shape = tuple(int(s) for s in shape)
-        key = (dtype, shape, offset)
+        dims = tuple(int(s) for s in shape)
+        key = (dtype, dims, offset)
         v = self._views.get(key)
         if v is not None:
             return v
         td = _torch_dtype(dtype)
         n = math.prod(shape) * td.itemsize
         if offset < 0 or offset + n > self.byte_size:
-            raise ValueError(f"bytes [{offset}, {offset + n}) are outside region {self.name!r} ({self.byte_size} bytes)")
-        v = self._bytes()[offset : offset + n].view(td).view(shape)
+            raise ValueError(f"bytes [{offset}, {offset + n}) are outside region {self.name!r} "
+                             f"({self.byte_size} bytes)")
+        v = self._bytes()[offset : offset + n].view(td).view(dims)
         if len(self._views) >= self._VIEW_CACHE:
             self._views.clear()
         self._views[key] = v
         return v
 
-    def input(self, dtype: int | None = None, shape=None, offset: int = 0) -> SharedMemoryTensor:
+    def input(self, dtype: int | None = None, shape: Iterable[int] | None = None,
+              offset: int = 0) -> SharedMemoryTensor:
         """A request input: by default the whole tensor, as its own dtype and shape."""
-        dtype = _wire_dtype(self.tensor.dtype) if dtype is None else dtype
-        shape = tuple(self.tensor.shape) if shape is None else tuple(int(s) for s in shape)
-        nbytes = _nbytes(dtype, shape)
+        wire = _wire_dtype(self.tensor.dtype) if dtype is None else dtype
+        dims = tuple(self.tensor.shape) if shape is None else tuple(int(s) for s in shape)
+        nbytes = _nbytes(wire, dims)
         if offset < 0 or offset + nbytes > self.byte_size:
             raise ValueError(f"bytes [{offset}, {offset + nbytes}) are outside region {self.name!r}")
-        return SharedMemoryTensor(dtype, shape, SharedMemoryRef(self.name, offset, nbytes, self))
+        return SharedMemoryTensor(wire, dims, SharedMemoryRef(self.name, offset, nbytes, self))
 
     def ref(self, offset: int = 0, byte_size: int | None = None) -> SharedMemoryRef:
         """A byte range for a result; by default the whole tensor."""

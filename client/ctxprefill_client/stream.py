@@ -30,6 +30,9 @@ from typing import Any
 
 import grpc
 
+from ctxprefill_api import pb
+from ctxprefill_api.wire import nest
+
 from ._common import (
     CtxPrefillError,
     PrefillResult,
@@ -38,9 +41,7 @@ from ._common import (
     map_rpc_error,
     parse_prefill_response,
 )
-from ctxprefill_api import pb
 from .shared_memory import SharedMemoryRef
-from ctxprefill_api.wire import nest
 
 __all__ = ["AsyncPrefillStream", "PrefillStream"]
 
@@ -53,7 +54,8 @@ class Pending:
 
     __slots__ = ("rows", "output_region", "lse_region", "float_output", "expected")
 
-    def __init__(self, rows, output_region, lse_region, float_output, expected):
+    def __init__(self, rows: int, output_region: SharedMemoryRef | None, lse_region: SharedMemoryRef | None,
+                 float_output: bool, expected: str | None) -> None:
         self.rows, self.output_region, self.lse_region = rows, output_region, lse_region
         self.float_output, self.expected = float_output, expected
 
@@ -97,7 +99,7 @@ class PrefillStream:
 
     def __init__(self, client: Any, timeout: float | None = None) -> None:
         self._client = client
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending: collections.deque[Pending] = collections.deque()
         deadline = client.timeout if timeout is None else float(timeout)
         # gRPC's thread takes requests from the queue as they are put
@@ -165,7 +167,7 @@ class PrefillStream:
         except grpc.RpcError:
             pass
 
-    def __enter__(self) -> "PrefillStream":
+    def __enter__(self) -> PrefillStream:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -240,7 +242,7 @@ class AsyncPrefillStream:
         except grpc.RpcError:
             pass
 
-    async def __aenter__(self) -> "AsyncPrefillStream":
+    async def __aenter__(self) -> AsyncPrefillStream:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -74,7 +74,7 @@ _INFER: dict[np.dtype, int] = {
     np.dtype(np.uint8): UINT8,
 }
 
-_NAMES = {
+_NAMES: dict[int, str] = {
     BF16: "BF16",
     FP16: "FP16",
     FP32: "FP32",
@@ -157,7 +157,8 @@ def fp8_e4m3_bits_to_float32(bits: Any) -> np.ndarray:
         if not np.issubdtype(b.dtype, np.integer):
             raise ValueError(f"fp8 bits must be an integer array, got {b.dtype}")
         b = b.astype(np.uint8)
-    return _FP8_TABLE[b]
+    values: np.ndarray = _FP8_TABLE[b]
+    return values
 
 
 def float32_to_fp8_e4m3_bits(x: Any) -> np.ndarray:
@@ -183,7 +184,8 @@ def float32_to_fp8_e4m3_bits(x: Any) -> np.ndarray:
     # a = k * 2**qexp with k in [0, 16]; its e4m3 code is (qexp + 9) * 8 + k
     code = ((qexp + 9) * 8 + k.astype(np.int32)).astype(np.uint8)
     code = np.where(is_nan, np.uint8(0x7F), code)
-    return code | (np.signbit(x).astype(np.uint8) << np.uint8(7))
+    bits: np.ndarray = code | (np.signbit(x).astype(np.uint8) << np.uint8(7))
+    return bits
 
 
 # --------------------------------------------------------------------------- tensors
@@ -226,7 +228,7 @@ class RawTensor:
         return self.bits
 
     @classmethod
-    def from_float(cls, x: Any, dtype: int) -> "RawTensor":
+    def from_float(cls, x: Any, dtype: int) -> RawTensor:
         """Round float values to ``dtype`` (BF16 by RNE, FP8_E4M3 by the saturating cast, ...)."""
         arr = np.asarray(x)
         if dtype == BF16:
@@ -248,7 +250,7 @@ def encode_tensor(x: Any, dtype: int | None = None, *, name: str = "tensor") -> 
     wire, bits = tensor_bits(x, dtype, name=name)
     storage = storage_dtype(wire)
     data = np.ascontiguousarray(bits, dtype=storage).tobytes()
-    return pb.Tensor(dtype=wire, shape=[int(s) for s in np.shape(bits)], data=data)
+    return pb.Tensor(dtype=cast(pb.DataType, wire), shape=[int(s) for s in np.shape(bits)], data=data)
 
 
 def tensor_bits(x: Any, dtype: int | None = None, *, name: str = "tensor") -> tuple[int, np.ndarray]:

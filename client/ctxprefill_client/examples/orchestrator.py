@@ -46,6 +46,7 @@ import math
 import os
 import struct
 import sys
+from collections.abc import Callable
 from collections.abc import Sequence as _Seq
 from typing import Any
 
@@ -55,6 +56,7 @@ from ctxprefill_client import (
     BF16,
     FP8_E4M3,
     PrefillContextClient,
+    PrefillResult,
     RawTensor,
     Sequence,
     SystemSharedMemoryRegion,
@@ -70,7 +72,7 @@ from ctxprefill_client import (
 # JSON header, raw little-endian data). safetensors.numpy cannot hold bf16 or fp8 (numpy
 # has neither), so bf16 is read as uint16 bits and fp8 as uint8 bits. Nothing is unpickled.
 
-_ST_DTYPES = {
+_ST_DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype("<u2"),
     "F8_E4M3": np.dtype("u1"),
     "F16": np.dtype("<f2"),
@@ -144,7 +146,8 @@ def load_kv_b_proj(path: str, prefix: str = "") -> np.ndarray:
         s = s.astype(np.float64)
         rows, cols = wq.shape
         full = np.repeat(np.repeat(s, 128, axis=0), 128, axis=1)[:rows, :cols]
-        return wq * full
+        scaled: np.ndarray = wq * full
+        return scaled
     if f"{prefix}kv_b_proj.weight_scale" in tensors:
         _, s = tensors[f"{prefix}kv_b_proj.weight_scale"]
         return wq * float(np.asarray(s, dtype=np.float64).reshape(-1)[0])
@@ -162,7 +165,8 @@ def make_random_weights(path: str, heads: int, *, kv_lora_rank: int = 512, nope:
 # --------------------------------------------------------------------------- cache bytes
 
 
-def dequantize_slots(raw: np.ndarray, cache_dtype: str, L: int, R: int, k_scale: float) -> tuple[np.ndarray, np.ndarray]:
+def dequantize_slots(raw: np.ndarray, cache_dtype: str, L: int, R: int,
+                     k_scale: float) -> tuple[np.ndarray, np.ndarray]:
     """(c ``[T, L]``, k_pe ``[T, R]``) in float64 from ReadCache bytes (CONTRACT §2 layouts)."""
     raw = np.ascontiguousarray(raw)
     t = raw.shape[0]
@@ -207,7 +211,8 @@ def check_cache_bytes(raw: np.ndarray, cache_dtype: str, c_bits: np.ndarray, kpe
 # --------------------------------------------------------------------------- attention
 
 
-def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, mask: np.ndarray | None = None):
+def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+                  mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """q [Tq,H,D], k [Tk,H,D], v [Tk,H,Dv] -> (out [Tq,H,Dv], lse [H,Tq]) in float64, natural log.
     ``mask`` [Tq, Tk] bool (True = attend). Rows with no key: out 0, lse -inf."""
     z = np.einsum("thd,shd->hts", q, k) * scale  # [H, Tq, Tk]
@@ -241,7 +246,7 @@ def run(
     rtol: float | None = None,
     shared_memory: bool = False,
     layer: int | None = None,
-    log=print,
+    log: Callable[[str], object] = print,
 ) -> dict[str, Any]:
     """Run the whole example against ``client``; returns a report dict (``ok`` is the verdict).
 
@@ -314,7 +319,7 @@ def run(
     v_new = bf16_bits_to_float32(float32_to_bf16_bits(rng.standard_normal((tq, H, V)))).astype(np.float64)
 
     # -- the context part, on the server
-    seqs = [Sequence(ql, cl, tuple(bt)) for ql, cl, bt in zip(query_lens, context_lens, tables)]
+    seqs = [Sequence(ql, cl, tuple(bt)) for ql, cl, bt in zip(query_lens, context_lens, tables, strict=True)]
     if shared_memory:
         res = _prefill_through_shared_memory(client, q_raw, seqs, workspace_tokens, f"orchestrator-{seed}", H, V, log,
                                              layer)
@@ -333,7 +338,7 @@ def run(
     out_full = np.zeros((tq, H, V))
     lse_full = np.full((H, tq), -np.inf)
     row, ctx_at = 0, 0
-    for ql, cl in zip(query_lens, context_lens):
+    for ql, cl in zip(query_lens, context_lens, strict=True):
         rows = slice(row, row + ql)
         causal = np.tril(np.ones((ql, ql), dtype=bool))
         out_new[rows], lse_new[:, rows] = attention_f64(q[rows], k_new[rows], v_new[rows], scale, causal)
@@ -346,6 +351,8 @@ def run(
         out_full[rows], lse_full[:, rows] = attention_f64(q[rows], k_all, v_all, scale, mask)
         row += ql
         ctx_at += cl
+    if res.output is None or res.lse is None:  # only results placed in CUDA regions lack them
+        raise RuntimeError("the PrefillContext result has no output or LSE arrays")
     merged, merged_lse = merge_partials(res.output, res.lse, out_new.astype(np.float32), lse_new.astype(np.float32))
 
     err = np.abs(merged.astype(np.float64) - out_full)
@@ -371,8 +378,9 @@ def run(
     }
 
 
-def _prefill_through_shared_memory(client: PrefillContextClient, q_raw: RawTensor, seqs, workspace_tokens, request_id,
-                                   H: int, V: int, log, layer: int | None = None):
+def _prefill_through_shared_memory(client: PrefillContextClient, q_raw: RawTensor, seqs: list[Sequence],
+                                   workspace_tokens: int | None, request_id: str, H: int, V: int,
+                                   log: Callable[[str], object], layer: int | None = None) -> PrefillResult:
     """prefill_context with q, output and LSE in one POSIX shared-memory region: q at 0,
     the output and the LSE after it (64-byte aligned); the region is registered for the
     call and removed after. The result's arrays are copied out of the region first."""
