@@ -26,6 +26,7 @@ from ctxprefill.engine.engine import SequenceSpec
 from ctxprefill.errors import ConfigError
 from ctxprefill.ops.fp8 import FP8
 from ctxprefill.settings import ServeSettings, layer_prefix
+from ctxprefill.checkpoint import load_model_kv_b_proj
 from ctxprefill.weights import load_kv_b_proj, prepare, random_kv_b_proj
 
 from .demo import DEMO_CONTEXTS, DEMO_QUERIES
@@ -43,7 +44,14 @@ def _local_weights(info, s: ServeSettings, shape: ModelShape, layer: int):
                           f"this command has --kv-b-proj-dtype {s.kv_b_proj_dtype}")
         t = random_kv_b_proj(shape, s.kv_b_proj_dtype, s.seed + layer)  # as settings.layer_weights
         return prepare(s.kv_b_proj_dtype, t["kv_b_proj.weight"], t.get("kv_b_proj.weight_scale_inv")), ""
-    path = s.weights or info.weights_source
+    path = s.model or s.weights or info.weights_source
+    if path and os.path.isdir(path):  # a checkpoint directory (serve --model): this shard's heads of that layer
+        try:
+            (w,) = load_model_kv_b_proj(path, layer, 1, info.total_heads or info.num_heads, info.shard_index,
+                                        max(info.num_shards, 1))
+            return w, ""
+        except ConfigError as e:
+            return None, str(e)
     if path and os.path.isfile(path):
         try:  # a server of several layers: the prefix must say where each layer's weight is
             return load_kv_b_proj(path, shape, layer_prefix(s.weights_prefix, layer, info.num_layers)), ""
