@@ -159,7 +159,7 @@ def cuda_index(device: str) -> int | None:
     return int(head.split(":", 1)[1]) if ":" in head else 0
 
 
-class TransportSession:
+class TransportHandles:
     """One client's side of a transport, set up once (per client and client count):
     ``q`` is what every request passes as q, ``kwargs`` the rest (where output and LSE
     go); :meth:`close` unregisters the regions and frees the memory.
@@ -177,7 +177,7 @@ class TransportSession:
         self._tensors: tuple = ()
 
     @classmethod
-    def open(cls, transport: str, client, q_spec: tuple, opts: dict) -> TransportSession:
+    def open(cls, transport: str, client, q_spec: tuple, opts: dict) -> TransportHandles:
         s = cls(transport)
         try:
             if transport == "inline":
@@ -295,12 +295,12 @@ def _record(recs: list, first_errors: list, t: float, result) -> None:
                  int(st["context_tokens"]), int(st["query_tokens"])))
 
 
-def _drive_calls(client, session, seqs: list, end_at: float, recs: list, first_errors: list) -> None:
+def _drive_calls(client, handles, seqs: list, end_at: float, recs: list, first_errors: list) -> None:
     """A PrefillContext call per request, back to back, until ``end_at``."""
     while time.time() < end_at:
         t = time.time()
         try:
-            r = client.prefill_context(session.q, seqs, **session.kwargs)
+            r = client.prefill_context(handles.q, seqs, **handles.kwargs)
         except Exception as e:  # noqa: BLE001 - counted by code and reported
             _record(recs, first_errors, t, e)
             time.sleep(0.01)  # do not spin on a refusing server
@@ -309,7 +309,7 @@ def _drive_calls(client, session, seqs: list, end_at: float, recs: list, first_e
         del r  # results placed in shared memory are views of it: none may outlive the transport's regions
 
 
-def _drive_pipelined(channel, session, seqs: list, end_at: float, depth: int, recs: list, first_errors: list,
+def _drive_pipelined(channel, handles, seqs: list, end_at: float, depth: int, recs: list, first_errors: list,
                      reopen=None) -> None:
     """Requests through ``channel`` (a PrefillContextStream or a request ring: submit /
     result / is_open), ``depth`` in flight, until ``end_at``. A request that fails in-band
@@ -319,7 +319,7 @@ def _drive_pipelined(channel, session, seqs: list, end_at: float, depth: int, re
     while True:
         while len(sent) < depth and time.time() < end_at:
             sent.append(time.time())
-            channel.submit(session.q, seqs, **session.kwargs)
+            channel.submit(handles.q, seqs, **handles.kwargs)
         if not sent:
             return
         t = sent.popleft()
@@ -339,7 +339,7 @@ def _drive_pipelined(channel, session, seqs: list, end_at: float, depth: int, re
         del r
 
 
-def _drive_stream(client, session, seqs: list, end_at: float, depth: int, recs: list, first_errors: list) -> None:
+def _drive_stream(client, handles, seqs: list, end_at: float, depth: int, recs: list, first_errors: list) -> None:
     """Requests on one PrefillContextStream (reopened if it breaks), ``depth`` in flight."""
     streams = [client.prefill_stream()]
 
@@ -348,7 +348,7 @@ def _drive_stream(client, session, seqs: list, end_at: float, depth: int, recs: 
         return streams[-1]
 
     try:
-        _drive_pipelined(streams[0], session, seqs, end_at, depth, recs, first_errors, reopen)
+        _drive_pipelined(streams[0], handles, seqs, end_at, depth, recs, first_errors, reopen)
     finally:
         streams[-1].close()
 
@@ -375,13 +375,13 @@ def drive(target: str, q_spec: tuple, seqs: list, start_at: float, end_at: float
     recs: list[tuple] = []
     first_errors: list[str] = []
     setup_s = ready_at = setup_error = None
-    session = ring = ring_region = None
+    handles = ring = ring_region = None
     client = PrefillContextClient(target, timeout=timeout, retries=0, **client_kwargs)
     try:
         client.server_info()  # connect (and remember the instance) before the clock starts
         t = time.time()
         try:
-            session = TransportSession.open(transport, client, q_spec, transport_opts or {})
+            handles = TransportHandles.open(transport, client, q_spec, transport_opts or {})
             if ring_depth:
                 from ctxprefill_client import SystemSharedMemoryRegion
 
@@ -395,16 +395,16 @@ def drive(target: str, q_spec: tuple, seqs: list, start_at: float, end_at: float
         ready_at = time.time()
         setup_s = ready_at - t
         delay = start_at - time.time()
-        if session is not None and delay > 0:
+        if handles is not None and delay > 0:
             time.sleep(delay)
         if ring is not None:
-            _drive_pipelined(ring, session, seqs, end_at, ring_depth, recs, first_errors)
-        elif session is not None and ring_depth:
+            _drive_pipelined(ring, handles, seqs, end_at, ring_depth, recs, first_errors)
+        elif handles is not None and ring_depth:
             pass  # the ring did not attach: recorded above
-        elif session is not None and stream_depth:
-            _drive_stream(client, session, seqs, end_at, stream_depth, recs, first_errors)
-        elif session is not None:
-            _drive_calls(client, session, seqs, end_at, recs, first_errors)
+        elif handles is not None and stream_depth:
+            _drive_stream(client, handles, seqs, end_at, stream_depth, recs, first_errors)
+        elif handles is not None:
+            _drive_calls(client, handles, seqs, end_at, recs, first_errors)
     finally:
         try:
             if ring_region is not None:
@@ -417,9 +417,9 @@ def drive(target: str, q_spec: tuple, seqs: list, start_at: float, end_at: float
                 finally:
                     ring_region.close()
                     ring_region.unlink()
-            if session is not None:
+            if handles is not None:
                 try:
-                    session.close(client)
+                    handles.close(client)
                 except Exception as e:  # noqa: BLE001 - reported with the row
                     first_errors.append(f"{transport} tear-down: {type(e).__name__}: {e}"[:300])
         finally:
@@ -502,7 +502,7 @@ def check_transport(client, transport: str, q_spec: tuple, seqs: list, opts: dic
                     ref_lse: np.ndarray) -> tuple[bool, float]:
     """One request through ``transport`` (its own regions, unregistered after); whether its
     output bits and LSE equal the inline answer's, and its client time in s."""
-    s = TransportSession.open(transport, client, q_spec, {**opts, "name": f"bench-check-{uuid.uuid4().hex[:12]}"})
+    s = TransportHandles.open(transport, client, q_spec, {**opts, "name": f"bench-check-{uuid.uuid4().hex[:12]}"})
     try:
         t = time.monotonic()
         r = client.prefill_context(s.q, seqs, request_id=f"bench-check-{transport}", **s.kwargs)

@@ -21,12 +21,12 @@ import types
 import numpy as np
 import torch
 
+from ctxprefill.checkpoint import load_model_kv_b_proj
 from ctxprefill.config import CacheConfig, ModelShape
 from ctxprefill.engine.engine import SequenceSpec
 from ctxprefill.errors import ConfigError
 from ctxprefill.ops.fp8 import FP8
 from ctxprefill.settings import ServeSettings, layer_prefix
-from ctxprefill.checkpoint import load_model_kv_b_proj
 from ctxprefill.weights import load_kv_b_proj, prepare, random_kv_b_proj
 
 from .demo import DEMO_CONTEXTS, DEMO_QUERIES
