@@ -355,6 +355,37 @@ def sharded_table(d: Doc) -> str:
     return "\n".join(lines) + "\n"
 
 
+def growth_table(d: Doc) -> str:
+    """Least-squares fit ``t = a + b · context`` of the fused request and of its floor, per (H, new, prefill
+    dtype) with three or more context lengths: the growth per context token and the largest distance of a
+    measured point from the line (a step from re-allocation or re-planning shows there)."""
+    groups: dict[tuple[int, int, str, str], list[dict]] = {}
+    for r in d.get("rows", []):
+        if "fused_s" in r:
+            groups.setdefault((r["heads"], r["new"], r["cache_dtype"], r["prefill_dtype"]), []).append(r)
+    lines = ["| H | new | cache | prefill | contexts | fused ns / context token | floor ns / context token "
+             "| fused / floor growth | largest distance from the line |", "|---|---|---|---|---|---|---|---|---|"]
+    for (h, new, cache, prefill), rows in sorted(groups.items()):
+        if len({r["context"] for r in rows}) < 3:
+            continue
+        xs = [float(r["context"]) for r in rows]
+
+        def fit(ys: list[float], xs: list[float] = xs) -> tuple[float, float, float]:
+            n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+            b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            a = my - b * mx
+            worst = max(abs(y - (a + b * x)) / (a + b * x) for x, y in zip(xs, ys)) if n else 0.0
+            return a, b, worst
+
+        _, bf, worst = fit([r["fused_s"] for r in rows])
+        floors = [r.get("floor_s") for r in rows]
+        bl = fit([f for f in floors if f is not None])[1] if None not in floors else float("nan")
+        ctx = f"{min(xs) / 1024:.0f}k–{max(xs) / 1024:.0f}k ({len(xs)})"
+        lines.append(f"| {h} | {new:,} | {cache} | {prefill} | {ctx} | {bf * 1e9:.2f} | {bl * 1e9:.2f} "
+                     f"| {bf / bl:.2f} | {worst * 100:.1f} % |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
 def table(d: Doc) -> str:
     """The table of any result file, by its shape."""
     if "results" in d and "copy_tbps" in d:
@@ -374,7 +405,11 @@ def table(d: Doc) -> str:
         return inline_parse_table(d)
     if rows and "fused_host_steps_us" in rows[0]:
         return host_table(d)
-    return concurrency_table(d) if kind(d) == "concurrency" else engine_table(d)
+    if kind(d) == "concurrency":
+        return concurrency_table(d)
+    growth = growth_table(d)
+    return engine_table(d) + ("\nGrowth with context (least squares over the rows above):\n\n" + growth
+                              if growth else "")
 
 
 # ---------------------------------------------------------------------------- benchmarks

@@ -169,6 +169,14 @@ fi
 # power, clock-event reasons — is the fused path's compute slower because it is power-capped?)
 want bench_engine && run_step bench_engine 240 5 - python3 -m ctxprefill.cli bench --heads 16 128 --new 1024 \
   --context 65536 --clocks-s 1 --out "$OUT/bench_engine.json"
+# cost against work: request time and floor from 8k to 1M context tokens (1,024 new), and from 128 to 16k new
+# tokens (64k context); make_tables.py fits the growth per context token
+want bench_engine_scaling && run_step bench_engine_scaling 240 5 - python3 -m ctxprefill.cli bench --heads 16 128 \
+  --new 1024 --context 8192 32768 131072 262144 524288 1048576 --cache-dtype auto --prefill-dtype bf16 fp8 \
+  --iters 3 --budget-s 225 --out "$OUT/bench_engine_scaling.json"
+want bench_engine_new && run_step bench_engine_new 200 5 - python3 -m ctxprefill.cli bench --heads 16 128 \
+  --new 128 1024 4096 16384 --context 65536 --cache-dtype auto --prefill-dtype bf16 fp8 \
+  --iters 3 --budget-s 185 --out "$OUT/bench_engine_new.json"
 
 # where a 16-head request's host time goes (the gap column above): the host's CPUs and load, then
 # profile_engine.py --timeline for each path and prefill dtype, into one file
