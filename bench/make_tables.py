@@ -386,8 +386,46 @@ def growth_table(d: Doc) -> str:
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
+def model_prefill_table(d: Doc) -> str:
+    """``bench/bench_model_prefill.py``: a DeepSeek-V3 model's chunked prefill through ctxprefill, per chunk."""
+    meta, m, srv = d["meta"], d["meta"]["model"], d["meta"].get("server") or {}
+    tr = d["transports"]
+    lines = [_run_line(d), "",
+             f"A random DeepSeek-V3 model (transformers {meta['transformers']}): {m['layers']} layers × {m['heads']} "
+             f"heads, hidden {m['hidden']:,}, q LoRA {m['q_lora_rank']}, YaRN RoPE, bf16, a {m['shards']}-shard "
+             f"checkpoint served by `serve --model` ({srv.get('attention_backend', '?')} backend, workspace "
+             f"{_num(srv.get('workspace_tokens'), ',')} tokens); one prompt of {meta['prompt_tokens']:,} tokens in "
+             f"chunks of {meta['chunk_tokens']:,}. Per chunk, ms: local = the model's own work (device synchronized), "
+             f"remote = the client's wall time in its {m['layers']} ctxprefill calls, server = their Stats (total, "
+             f"compute). The last of {meta['args']['repeats']} prefills per transport.", "",
+             "| transport | chunk | context tokens | local ms | remote ms | server total ms | server compute ms "
+             "| remote − server ms |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in tr.items():
+        for row in [*r["rows"], {"chunk": "**all**", "context_tokens": "", **r["totals"]}]:
+            ctx = f"{row['context_tokens']:,}" if row["context_tokens"] != "" else ""
+            lines.append(f"| {name} | {row['chunk']} | {ctx} | {row['local_ms']:.2f} | {row['remote_ms']:.2f} "
+                         f"| {row['server_total_ms']:.2f} | {row['server_compute_ms']:.2f} "
+                         f"| {row['remote_ms'] - row['server_total_ms']:.2f} |")
+    tol = d["tolerances"]
+    lines += ["", f"Relative error ‖a − b‖ / ‖b‖ against transformers' forward of the whole prompt "
+              f"({m['reference_attention']} attention; limits {tol['attention']:g} per layer, {tol['logits']:g} "
+              f"logits); the control is every chunk alone, without its context.", "",
+              "| | largest layer attention | logits | within limits |", "|---|---|---|---|"]
+    for name, r in tr.items():
+        ok = d["within_tolerance"].get(name)
+        lines.append(f"| {name} | {r['max_attention_error']:.2e} | {r['errors']['logits']:.2e} "
+                     f"| {'yes' if ok else '**NO**'} |")
+    c = d.get("control_errors")
+    if c:
+        worst = max(v for k, v in c.items() if k != "logits")
+        lines.append(f"| control | {worst:.2e} | {c['logits']:.2e} | |")
+    return "\n".join(lines) + "\n"
+
+
 def table(d: Doc) -> str:
     """The table of any result file, by its shape."""
+    if kind(d) == "model_prefill":
+        return model_prefill_table(d)
     if "results" in d and "copy_tbps" in d:
         return kernels_table(d)
     if "results" in d:
@@ -424,6 +462,7 @@ class Bench:
     env: str = ""  # more environment for gpu_run.sh
     plots: tuple[str, ...] = ()
     note: str = ""  # after the command
+    pending: bool = False  # no run recorded yet: listed (and tabled) once its JSON is in bench/results
 
 
 BENCHMARKS = (
@@ -496,10 +535,34 @@ BENCHMARKS = (
           "`bench/bench_sharded.py --num-shards 2`: one server with every head against two workers with half the "
           "heads each (one GPU each), the answer merged by the client.",
           note=" on a machine with two GPUs (`SHARDED_CONCURRENCY` sets the clients)"),
+    Bench("Cost against context length", "bench_engine_scaling", ("bench_engine_scaling",),
+          "`ctxprefill bench --context 8192 … 1048576`: 1,024 new tokens over 8k to 1M context, 16 and 128 heads, "
+          "bf16 and fp8 prefill; the growth per context token fitted below.", pending=True),
+    Bench("Cost against new tokens", "bench_engine_new", ("bench_engine_new",),
+          "`ctxprefill bench --new 128 1024 4096 16384`: 128 to 16k new tokens over 64k context, 16 and 128 heads.",
+          pending=True),
+    Bench("A DeepSeek-V3 model's chunked prefill over CUDA IPC", "bench_model_prefill", ("bench_model_prefill",),
+          "`bench/bench_model_prefill.py`: a random transformers DeepSeek-V3 model (4 layers, 16 heads) prefills "
+          "an 8,192-token prompt in 1,024-token chunks, every layer's context attention from a `serve --model` "
+          "server through one registered CUDA region (`DeepseekV3ChunkedPrefill(transport=\"cuda\")`), and "
+          "inline for comparison; each chunk's time split into local and remote work; every layer's attention "
+          "output and the logits against transformers' forward of the whole prompt.", pending=True),
 )
 
 
-def files() -> list[str]:
+def recorded(results: str = RESULTS) -> list[Bench]:
+    """The benchmarks with a run in ``results``: all but the pending ones whose JSON is not there yet."""
+    return [b for b in BENCHMARKS
+            if not b.pending or all(os.path.exists(os.path.join(results, f"{f}.json")) for f in b.files)]
+
+
+def files(results: str = RESULTS) -> list[str]:
+    """The JSON files (names without .json) of the runs in ``results``."""
+    return [f for b in recorded(results) for f in b.files]
+
+
+def step_files() -> list[str]:
+    """Every file a step of scripts/gpu_run.sh writes for bench/results, the pending ones' included."""
     return [f for b in BENCHMARKS for f in b.files]
 
 
@@ -519,7 +582,7 @@ def _anchor(title: str) -> str:
 
 def results_readme(results: str = RESULTS) -> str:
     """bench/results/README.md, from the JSON files beside it."""
-    docs = {f: load(f, results) for f in files()}
+    docs = {f: load(f, results) for f in files(results)}
     out = ["# Benchmark results", "",
            "One run per benchmark, the JSON each benchmark wrote beside this file; every table names its GPU, date "
            "and commit. This file is generated: `python bench/make_tables.py` (and `--check` fails where it "
@@ -532,12 +595,13 @@ def results_readme(results: str = RESULTS) -> str:
            "README.md` and, for the plots, `python bench/plot_engine.py bench/results/bench_engine.json "
            "bench/results/bench_concurrency_ring.json` (then drop the plots not listed below).", "",
            "| benchmark | file | step | GPU | date | commit |", "|---|---|---|---|---|---|"]
-    for b in BENCHMARKS:
+    benches = recorded(results)
+    for b in benches:
         for f in b.files:
             r = run_of(docs[f])
             out.append(f"| [{b.title}](#{_anchor(b.title)}) | [`{f}.json`]({f}.json) | `{b.step}` | {r['gpu']} "
                        f"| {r['date']} | {r['commit']} |")
-    for b in BENCHMARKS:
+    for b in benches:
         out += ["", f"## {b.title}", "", f"{b.what} Reproduce: {_steps_cmd(b)}.", ""]
         for p in b.plots:
             out += [f"![{p}]({p})", ""]

@@ -1,5 +1,8 @@
 """Progress lines of the benchmark scripts: ``[  12.3s] message``, seconds since the
-script started (since this module was imported, at the script's top)."""
+script started (since this module was imported, at the script's top).
+
+Plain lines, not a tqdm/rich bar: the runs' output is a log file (no terminal), where a bar's
+redraws are noise; ``elapsed()`` is also the scripts' budget clock."""
 
 from __future__ import annotations
 

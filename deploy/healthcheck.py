@@ -1,44 +1,48 @@
-"""Container health check: ask the server's ``grpc.health.v1`` service; exit 0 if SERVING.
+"""Container health check: ask the server's HTTP port; exit 0 if the answer is 200.
 
-    python deploy/healthcheck.py [SERVICE]
+    python deploy/healthcheck.py [ready|live]
 
-SERVICE defaults to ``ctxprefill.v1.PrefillContextService`` (readiness: the engine is
-built and warm, the server is not draining); pass ``""`` for the overall status
-(liveness: the process serves gRPC). The target is ``$CTXPREFILL_HEALTH_TARGET``, else
-``127.0.0.1:$CTXPREFILL_PORT`` (default port 50051), so that it follows the same
-environment variable as ``ctxprefill serve``. Exit codes: 0 SERVING, 1 anything else
-(NOT_SERVING, unknown service, no answer within ``$CTXPREFILL_HEALTH_TIMEOUT`` s, default 3).
-Used by the image's HEALTHCHECK; Kubernetes uses its native gRPC probes instead.
+``ready`` (the default) asks ``/readyz`` (the engine is built and warm, the server is not
+draining); ``live`` asks ``/healthz`` (the process serves). The HTTP port carries no
+credentials, so the check works whatever the gRPC port requires (a token, TLS, mutual
+TLS). The URL is ``$CTXPREFILL_HEALTH_URL``, else ``http://127.0.0.1:$CTXPREFILL_METRICS_PORT``
+(default port 9400), so that it follows the same environment variable as ``ctxprefill
+serve``. Exit codes: 0 for 200, 1 for anything else (503, no answer within
+``$CTXPREFILL_HEALTH_TIMEOUT`` s, default 3). Used by the image's HEALTHCHECK;
+Kubernetes uses its native HTTP probes on the same paths.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import urllib.error
+import urllib.request
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-SERVICE = "ctxprefill.v1.PrefillContextService"
+PATHS = {"ready": "/readyz", "live": "/healthz"}
 
 
-def check(target: str, service: str, timeout: float) -> tuple[bool, str]:
+def check(url: str, timeout: float) -> tuple[bool, str]:
     try:
-        with grpc.insecure_channel(target) as channel:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                             timeout=timeout)
-    except grpc.RpcError as e:
-        return False, f"{e.code().name}: {e.details()}"
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-    return resp.status == health_pb2.HealthCheckResponse.SERVING, status
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200, f"{r.status} {r.read(200).decode(errors='replace').strip()}"
+    except urllib.error.HTTPError as e:
+        return False, f"{e.code} {e.read(200).decode(errors='replace').strip()}"
+    except (OSError, ValueError) as e:
+        return False, f"no answer: {e}"
 
 
 def main(argv: list[str]) -> int:
-    service = argv[1] if len(argv) > 1 else SERVICE
-    target = os.environ.get("CTXPREFILL_HEALTH_TARGET") or f"127.0.0.1:{os.environ.get('CTXPREFILL_PORT', '50051')}"
+    which = argv[1] if len(argv) > 1 else "ready"
+    if which not in PATHS:
+        print(f"usage: healthcheck.py [{'|'.join(PATHS)}]", file=sys.stderr)
+        return 2
+    port = os.environ.get("CTXPREFILL_METRICS_PORT", "9400")
+    base = os.environ.get("CTXPREFILL_HEALTH_URL") or f"http://127.0.0.1:{port}"
     timeout = float(os.environ.get("CTXPREFILL_HEALTH_TIMEOUT", "3"))
-    ok, what = check(target, service, timeout)
-    print(f"{target} {service or '(overall)'}: {what}")
+    url = base.rstrip("/") + PATHS[which]
+    ok, what = check(url, timeout)
+    print(f"{url}: {what}")
     return 0 if ok else 1
 
 

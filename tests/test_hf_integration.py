@@ -12,6 +12,8 @@ output, o_proj included, of both prompts) and over the logits of both prompts.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -29,12 +31,18 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
-from ctxprefill_client import PrefillContextClient, ServerRestartedError, ShardedPrefillClient  # noqa: E402
+from ctxprefill_client import (  # noqa: E402
+    PrefillContextClient,
+    ServerRestartedError,
+    ShardedPrefillClient,
+    merge_partials,
+)
 from ctxprefill_client.integrations.transformers_deepseek import (  # noqa: E402
     BlockAllocator,
     DeepseekV3ChunkedPrefill,
     IncompatibleServerError,
     OutOfBlocksError,
+    merge_partials_torch,
 )
 from service_process import ServerProcess, env_with_sources  # noqa: E402
 
@@ -345,6 +353,108 @@ def test_importing_the_integration_imports_neither_torch_nor_transformers() -> N
     out = subprocess.run([sys.executable, "-c", code], env=env_with_sources(), capture_output=True, text=True,
                          check=True, timeout=60).stdout
     assert out.strip() == "[]"
+
+
+def test_each_chunk_reports_its_time_split(setup: Setup, servers: dict[str, ServerProcess]) -> None:
+    """prefill() of both prompts: one ChunkTiming per chunk, its local and remote parts summing to
+    its total; the remote part (the client's wall time of the calls) holds the server's time,
+    which holds its compute; the context grows by a chunk per sequence each time."""
+    with PrefillContextClient(servers["bf16"].target, timeout=60, retries=0) as client:
+        runner = DeepseekV3ChunkedPrefill(setup.model, client)
+        logits, seqs = runner.prefill(setup.prompts, chunk_size=CHUNK)
+        runner.release(seqs)
+    assert rel(logits, setup.reference[id(setup.model)][1].logits) <= BF16_TOL["logits"]
+    n = PROMPT // CHUNK
+    assert [t.index for t in runner.timings] == list(range(n))
+    assert [t.context_tokens for t in runner.timings] == [2 * i * CHUNK for i in range(n)]
+    for t in runner.timings:
+        assert t.tokens == 2 * CHUNK and t.calls == LAYERS
+        assert t.local_s + t.remote_s == pytest.approx(t.total_s, rel=1e-9, abs=1e-12)
+        assert t.local_s > 0 and t.remote_s >= t.server_total_s >= t.server_compute_s >= 0
+        assert t.server_total_s > 0
+
+
+def test_the_cuda_transport_is_checked(setup: Setup, servers: dict[str, ServerProcess]) -> None:
+    """transport="cuda" needs a server offering CUDA regions, then a model on a CUDA device."""
+    with PrefillContextClient(servers["bf16"].target, timeout=60, retries=0) as client:
+        with pytest.raises(ValueError, match="transport must be one of inline, cuda"):
+            DeepseekV3ChunkedPrefill(setup.model, client, transport="system")
+        with pytest.raises(IncompatibleServerError, match="shared_memory_kinds: .*--shared-memory cuda"):
+            DeepseekV3ChunkedPrefill(setup.model, client, transport="cuda")
+
+        class OffersCuda:  # the same server, as one with --shared-memory cuda would answer
+            def server_info(self, timeout: float | None = None) -> Any:
+                return dataclasses.replace(client.server_info(timeout=timeout), shared_memory_kinds=("cuda",))
+
+            def register_cuda_shared_memory(self, region: Any) -> None:
+                raise AssertionError("nothing is registered for a model on the CPU")
+
+        with pytest.raises(ValueError, match="the model is on cpu"):
+            DeepseekV3ChunkedPrefill(setup.model, OffersCuda(), transport="cuda")
+
+
+def test_the_merge_on_torch_tensors_is_merge_partials() -> None:
+    """merge_partials_torch (the integration's merge, on the model's device) against the numpy
+    merge_partials, with rows empty on one side (-inf, +inf: the other side's out is garbage)
+    and on both."""
+    g = torch.Generator().manual_seed(3)
+    T, H, V = 12, 3, 8
+    out_a, out_b = torch.randn((T, H, V), generator=g), torch.randn((T, H, V), generator=g)
+    lse_a, lse_b = torch.randn((H, T), generator=g) * 4, torch.randn((H, T), generator=g) * 4
+    lse_b[:, :3] = float("-inf")
+    out_b[:3] = float("nan")  # the rows whose lse_b is -inf
+    lse_a[1, 5] = float("inf")
+    lse_a[0, 7] = lse_b[0, 7] = float("-inf")
+    got = merge_partials_torch(out_a.to(torch.bfloat16), lse_a, out_b.to(torch.bfloat16), lse_b)
+    want, _ = merge_partials(out_a.to(torch.bfloat16).float().numpy(), lse_a.numpy(),
+                             out_b.to(torch.bfloat16).float().numpy(), lse_b.numpy())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.from_numpy(want), rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[7, 0], torch.zeros(V))
+    with pytest.raises(ValueError, match="lse"):
+        merge_partials_torch(out_a, lse_a.T, out_b, lse_b)
+
+
+def test_bench_model_prefill_runs_on_the_cpu(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/bench_model_prefill.py end to end with tiny shapes (inline: CUDA IPC needs a GPU): a
+    row per chunk whose local and remote parts sum to its total, errors within the limits and
+    the control far above them; make_tables lists the run once its JSON is in bench/results."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_model_prefill",
+                                                  os.path.join(root, "bench", "bench_model_prefill.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "bench_model_prefill.json"
+    rc = mod.main(["--device", "cpu", "--hidden", "64", "--prompt", "96", "--chunk", "32", "--layers", "2",
+                   "--heads", "2", "--vocab", "256", "--intermediate", "128", "--q-lora-rank", "96",
+                   "--block-size", "16", "--backend", "reference", "--repeats", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    d = json.loads(out.read_text())
+    assert d["meta"]["kind"] == "model_prefill" and d["meta"]["model"]["shards"] >= 4
+    assert list(d["transports"]) == ["inline"] and d["within_tolerance"] == {"inline": True}
+    r = d["transports"]["inline"]
+    assert [row["context_tokens"] for row in r["rows"]] == [0, 32, 64]
+    for row in r["rows"]:
+        assert row["calls"] == 2
+        assert row["local_ms"] + row["remote_ms"] == pytest.approx(row["total_ms"])
+        assert row["remote_ms"] >= row["server_total_ms"] >= row["server_compute_ms"] >= 0
+    assert r["totals"]["remote_ms"] == pytest.approx(sum(row["remote_ms"] for row in r["rows"]))
+    assert min(d["control_errors"].values()) > 10 * max(r["errors"].values())
+
+    import make_tables  # bench/ is on the path (conftest.py)
+
+    (b,) = [b for b in make_tables.BENCHMARKS if b.step == "bench_model_prefill"]
+    results = tmp_path / "results"
+    shutil.copytree(make_tables.RESULTS, results)
+    if not (results / "bench_model_prefill.json").exists():
+        assert b.pending and "bench_model_prefill" not in make_tables.files(str(results))
+        assert make_tables.results_readme(str(results)) == make_tables.results_readme()
+    shutil.copy(out, results / "bench_model_prefill.json")
+    assert "bench_model_prefill" in make_tables.files(str(results))
+    readme = make_tables.results_readme(str(results))
+    assert f"## {b.title}" in readme and "| inline | **all** |" in readme
 
 
 def test_block_allocator() -> None:

@@ -79,11 +79,35 @@ def test_metrics_page_passes_promtool(server_with_traffic):
                    "ctxprefill_queue_depth", "ctxprefill_cache_slots_used", "ctxprefill_cache_slots_total",
                    "ctxprefill_build_info", "grpc_server_started_total", "grpc_server_handled_total",
                    "grpc_server_msg_received_total", "grpc_server_msg_sent_total",
-                   "grpc_server_handling_seconds_bucket"):
+                   "grpc_server_handling_seconds_bucket", "ctxprefill_cache_usage_ratio", "process_cpu_seconds_total",
+                   "process_resident_memory_bytes", "process_open_fds", "process_start_time_seconds"):
         assert f"\n{family}" in page, family
     assert 'grpc_code="INVALID_ARGUMENT"' in page and 'grpc_code="OUT_OF_RANGE"' in page
     r = subprocess.run([PROMTOOL, "check", "metrics"], input=page, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, f"promtool check metrics failed:\n{r.stdout}\n{r.stderr}"
+
+
+def test_zero_series_carry_each_methods_grpc_type_and_the_cache_gauges_follow_writes():
+    from ctxprefill.service.metrics import Metrics
+    from ctxprefill_api import pb
+
+    m = Metrics()
+    m.init_grpc_methods(pb.DESCRIPTOR.services_by_name["PrefillContextService"])
+    m.init_engine(version="v", backend="reference", device="cpu", num_slots=1000, path="generic",
+                  fp8_path={"cache_dtype": "bf16", "kv_b_proj_dtype": "bf16", "prefill_dtype": "bf16"})
+    m.observe_insert(1, "generic", 250)
+    page = parse_metrics(m.render().decode())
+    types = {}
+    for labels, _ in page["grpc_server_started_total"]:
+        types.setdefault(labels["grpc_method"], set()).add(labels["grpc_type"])
+    assert types["PrefillContextStream"] == {"bidi_stream"}
+    assert types["AttachRequestRing"] == {"server_stream"}
+    assert types["PrefillContext"] == types["WriteCache"] == {"unary"}
+    assert all(len(t) == 1 for t in types.values()), types
+    assert sample_sum(page["ctxprefill_cache_slots_total"]) == 1000
+    assert sample_sum(page["ctxprefill_cache_slots_used"]) == 250
+    assert sample_sum(page["ctxprefill_cache_usage_ratio"]) == 0.25
+    assert sample_sum(page["process_resident_memory_bytes"]) > 0
 
 
 def _query(prom_url: str, expr: str) -> float | None:

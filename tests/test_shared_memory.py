@@ -13,7 +13,9 @@ Against real ``ctxprefill serve`` processes (``--shared-memory system`` and the 
   an object truncated under a registered region;
 - unregister one and all, status, the metrics.
 And the registry on its own: a region unregistered while a request holds it stays
-mapped until the request ends.
+open until the request ends; system regions are read through the object's descriptor
+(a request's view is a ``meta`` tensor carrying its span). The peer checks and a
+shrinking object under load are tests/test_shared_memory_safety.py's.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from context_layout import tables_and_slots
 from ctxprefill.app import build_engine
 from ctxprefill.engine.engine import Engine, SequenceSpec
 from ctxprefill.errors import FailedPrecondition, NotFound, ResourceExhausted
-from ctxprefill.service.shared_memory import SharedMemoryRegistry
+from ctxprefill.service.shared_memory import SharedMemoryRegistry, span_of
 from ctxprefill.settings import ServeSettings
 from ctxprefill_api import pb
 from ctxprefill_client import (
@@ -429,31 +431,33 @@ def test_cuda_slot_mapping_is_refused_by_the_client():
 # ----------------------------------------------------------------------------- the registry
 
 
-def test_unregister_while_in_use_keeps_the_mapping_until_the_request_ends():
+def test_unregister_while_in_use_keeps_the_region_until_the_request_ends():
     reg = SharedMemoryRegistry(("system",), max_regions=4, max_bytes=1 << 20)
     reg.attach(torch.device("cpu"))
     with SystemSharedMemoryRegion("r", 4096) as shm:
         shm.ndarray(np.uint8, (4096,))[:] = 7
         reg.register_system("r", shm.key, 0, 4096)
-        lease = reg.lease()
+        lease = reg.lease("unix:")
         region, view = lease.resolve(pb.SharedMemoryRef(region="r", offset=64, byte_size=128), "q.shared_memory", 128)
+        assert view.device.type == "meta" and span_of(view) is not None  # no mapping: read through the descriptor
         assert reg.status("r")[0]["requests_in_flight"] == 1
         assert reg.unregister("r") == ["r"]
         with pytest.raises(NotFound):
-            reg.lease().resolve(pb.SharedMemoryRef(region="r", offset=0, byte_size=8), "q.shared_memory", 8)
+            reg.lease("unix:").resolve(pb.SharedMemoryRef(region="r", offset=0, byte_size=8), "q.shared_memory", 8)
         assert region.tensor is not None  # still held by the request
         assert lease.begin()
-        assert int(view.sum()) == 7 * 128  # readable while the request runs
+        assert int(span_of(view).read("q.shared_memory").sum()) == 7 * 128  # readable while the request runs
         lease.finish()
         lease.abandon()  # the handler's own release after the work released: nothing more
         assert region.tensor is None and region.in_flight == 0
-        assert int(view.sum()) == 7 * 128  # the view itself keeps the mapping until it is gone
+        with pytest.raises(NotFound, match="q.shared_memory.region"):  # its descriptor is closed
+            span_of(view).read("q.shared_memory")
         del view, region
 
     # a request abandoned before its work started releases at once; its work then does nothing
     with SystemSharedMemoryRegion("s", 4096) as shm:
         reg.register_system("s", shm.key, 0, 4096)
-        lease = reg.lease()
+        lease = reg.lease("ipv4:127.0.0.1:5000")
         lease.resolve(pb.SharedMemoryRef(region="s", offset=0, byte_size=8), "x", 8)
         lease.abandon()
         assert reg.status("s")[0]["requests_in_flight"] == 0
@@ -494,8 +498,10 @@ def test_system_regions_are_page_locked_on_a_cuda_server_and_unlocked_when_dropp
         assert calls == [("register", base, 4096 + 8192, 1)] and base % mmap.PAGESIZE == 0  # portable
         assert reg.status("a")[0]["pinned"] is True
         assert gauges[-1] == {"system": (1, 8192, 4096 + 8192)}  # the whole mapping is locked
-        lease = reg.lease()
-        lease.resolve(pb.SharedMemoryRef(region="a", offset=0, byte_size=64), "q.shared_memory", 64)
+        lease = reg.lease("unix:")
+        _, pinned_view = lease.resolve(pb.SharedMemoryRef(region="a", offset=0, byte_size=64), "q.shared_memory", 64)
+        assert pinned_view.device.type == "cpu" and span_of(pinned_view).dma  # the device copies from the mapping
+        del pinned_view
         assert lease.device_copies and not lease.uses_cuda  # its copies are queued: wait before release
         reg.unregister("a")
         assert len(calls) == 1  # a request holds it: still locked
@@ -508,8 +514,9 @@ def test_system_regions_are_page_locked_on_a_cuda_server_and_unlocked_when_dropp
 
         rt.fail = True
         region = reg.register_system("b", shm.key, 0, 4096)
-        assert reg.status("b")[0]["pinned"] is False and int(region.tensor.sum()) == 5 * 4096
-        pageable = reg.lease()
+        assert reg.status("b")[0]["pinned"] is False and region.tensor.device.type == "meta"  # no mapping kept
+        assert int(region.read(0, 4096, "q.shared_memory").sum()) == 5 * 4096
+        pageable = reg.lease("unix:")
         pageable.resolve(pb.SharedMemoryRef(region="b", offset=0, byte_size=8), "q.shared_memory", 8)
         assert not pageable.device_copies  # its copies finish before they return
         pageable.abandon()
@@ -542,12 +549,13 @@ def test_region_views_are_made_once_per_place_and_dropped_with_the_region():
         shm.ndarray(np.uint8, (4096,))[:] = np.arange(4096) % 251
         reg.register_system("r", shm.key, 0, 4096)
         ref = lambda off, n: pb.SharedMemoryRef(region="r", offset=off, byte_size=n)  # noqa: E731
-        leases = [reg.lease() for _ in range(3)]
+        leases = [reg.lease("unix:") for _ in range(3)]
         region, a = leases[0].resolve(ref(64, 128), "q.shared_memory", 128)
         _, b = leases[1].resolve(ref(64, 128), "q.shared_memory", 128)
         _, c = leases[2].resolve(ref(256, 128), "q.shared_memory", 128)
         assert a is b and c is not a
-        assert a.tolist() == [i % 251 for i in range(64, 192)] and c.tolist() == [i % 251 for i in range(256, 384)]
+        assert span_of(a).read("q").tolist() == [i % 251 for i in range(64, 192)]
+        assert span_of(c).read("q").tolist() == [i % 251 for i in range(256, 384)]
         assert len(region.views) == 2
         for lease in leases:
             lease.abandon()
@@ -608,7 +616,7 @@ def test_cuda_registration_logic_with_a_fake_extension(monkeypatch):
     with pytest.raises(InvalidArgument, match="raw_handle.*cudaIpcOpenMemHandle"):
         reg.register_cuda("h", b"\x03" * 64, 0, 0, 9)
     assert [d["name"] for d in reg.status()] == ["g"]  # failures registered nothing
-    lease = reg.lease()
+    lease = reg.lease("unix:")
     with pytest.raises(InvalidArgument, match="slot_mapping.shared_memory.region.*CUDA memory"):
         lease.resolve(pb.SharedMemoryRef(region="g", offset=0, byte_size=8), "slot_mapping.shared_memory", 8, 8,
                       allow_cuda=False)

@@ -440,7 +440,7 @@ def main(argv=None) -> int:
            f"{'fused ms':>9} {'speedup':>7} {'floor ms':>8} {'fused/floor':>11} {'launch/chunk g|f':>16} "
            f"{'it g|f':>6}  "
            + " ".join(f"{_ABBR[s]:>7}" for s in STAGES) + f" {'gap':>7} {'in-span':>7} {'t s':>6}")
-    print(hdr, flush=True)
+    print(hdr, flush=True)  # each row is printed as it is measured: the table is the progress (no tqdm bar in a log)
     for i, (H, new, ctx, cd, pd) in enumerate(grid):
         key = {"heads": H, "new": new, "context": ctx, "cache_dtype": cd, "prefill_dtype": pd}
         ctx_lens = split_ragged(ctx, ns.sequences, RAGGED_CONTEXT_WEIGHTS)

@@ -71,9 +71,13 @@ def _fit(contexts: list[int], block_size: int, num_blocks: int) -> list[int]:
 
 def run_remote_demo(target: str, s: ServeSettings, contexts=DEMO_CONTEXTS, queries=DEMO_QUERIES,
                     workspace_tokens: int | None = None) -> int:
+    from ctxprefill.service.security import load_token
     from ctxprefill_client import FP8_E4M3, PrefillContextClient, RawTensor
 
-    with PrefillContextClient(target, timeout=120.0) as client:
+    # a server with credentials: its token (--auth-token-file / CTXPREFILL_AUTH_TOKEN) and, for TLS, the
+    # certificate to trust (--tls-cert: the server's own, or the CA that signed it)
+    with PrefillContextClient(target, timeout=120.0, token=load_token(s.auth_token_file),
+                              root_certificates=s.tls_cert) as client:
         info = client.server_info()
         layer = info.first_layer  # of a server of several layers, the first
         bs, nb, H = info.block_size, info.num_blocks, info.num_heads

@@ -43,6 +43,7 @@ from ._common import (
     tls_channel_options,
 )
 from ._common import channel_options as _channel_options
+from ._trace_context import with_trace_context
 from .shared_memory import (
     SharedMemoryRef,
     SharedMemoryRegionStatus,
@@ -139,7 +140,7 @@ class AsyncPrefillContextClient:
         attempt = 0
         while True:
             try:
-                return await rpc(request, timeout=deadline, metadata=self._metadata)
+                return await rpc(request, timeout=deadline, metadata=with_trace_context(self._metadata))
             except grpc.RpcError as err:
                 code = err.code() if hasattr(err, "code") else None
                 if code in RETRYABLE_CODES and attempt < self.retries:

@@ -52,6 +52,7 @@ import numpy as np
 from ctxprefill_api import pb
 
 from ._common import CtxPrefillError, CtxPrefillRpcError, PrefillResult, map_rpc_error
+from ._trace_context import with_trace_context
 from .shared_memory import SharedMemoryRef, SystemSharedMemoryRegion
 from .stream import Pending, answer_to_result, prefill_request
 
@@ -110,7 +111,7 @@ class RequestRing:
         if expected is not None:
             req.expected_instance_id = expected
         # the call lives as long as the ring: its deadline (``timeout``) ends the ring
-        self._call = client._stub.AttachRequestRing(req, timeout=timeout, metadata=client._metadata)
+        self._call = client._stub.AttachRequestRing(req, timeout=timeout, metadata=with_trace_context(client._metadata))
         try:
             first = next(self._call)
         except grpc.RpcError as err:

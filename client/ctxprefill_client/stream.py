@@ -41,6 +41,7 @@ from ._common import (
     map_rpc_error,
     parse_prefill_response,
 )
+from ._trace_context import with_trace_context
 from .shared_memory import SharedMemoryRef
 
 __all__ = ["AsyncPrefillStream", "PrefillStream"]
@@ -104,7 +105,7 @@ class PrefillStream:
         deadline = client.timeout if timeout is None else float(timeout)
         # gRPC's thread takes requests from the queue as they are put
         self._call = client._stub.PrefillContextStream(iter(self._outbox.get, _END), timeout=deadline,
-                                                       metadata=client._metadata)
+                                                       metadata=with_trace_context(client._metadata))
         self._closed = False
 
     def submit(self, q: Any, sequences: Iterable[Any], *, request_id: str | None = None,
@@ -182,7 +183,7 @@ class AsyncPrefillStream:
         self._client = client
         self._pending: collections.deque[Pending] = collections.deque()
         deadline = client.timeout if timeout is None else float(timeout)
-        self._call = client._stub.PrefillContextStream(timeout=deadline, metadata=client._metadata)
+        self._call = client._stub.PrefillContextStream(timeout=deadline, metadata=with_trace_context(client._metadata))
         self._closed = False
 
     async def submit(self, q: Any, sequences: Iterable[Any], *, request_id: str | None = None,

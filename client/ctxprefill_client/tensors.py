@@ -1,10 +1,10 @@
 """numpy <-> ``ctxprefill.v1.Tensor`` and exact bf16 / fp8 e4m3 bit conversions.
 
 A ``Tensor`` message is row-major, little-endian, unpadded bytes plus a dtype and a
-shape (CONTRACT §7). numpy has no bfloat16 and no float8, so those travel as their raw
-bits: a :class:`RawTensor` holds a numpy array in the *storage* dtype (``uint16`` for
-BF16, ``uint8`` for FP8_E4M3, the natural dtype otherwise) together with the wire
-``DataType``. The conversions below are exact, pure numpy, and equal torch's:
+shape (CONTRACT §7). BF16 and FP8_E4M3 travel as their raw bits: a :class:`RawTensor`
+holds a numpy array in the *storage* dtype (``uint16`` for BF16, ``uint8`` for FP8_E4M3,
+the natural dtype otherwise) together with the wire ``DataType``. The conversions below
+go through ml_dtypes' ``bfloat16`` / ``float8_e4m3fn`` numpy dtypes, are exact, and equal torch's:
 
 - :func:`float32_to_bf16_bits`: round to nearest even (overflow goes to ±inf as in
   torch); NaN stays NaN (quieted, sign kept).
@@ -12,7 +12,7 @@ BF16, ``uint8`` for FP8_E4M3, the natural dtype otherwise) together with the wir
 - :func:`float32_to_fp8_e4m3_bits`: the project's *saturating* cast (CONTRACT §6): round to
   nearest even, finite overflow and ±inf go to ±448, NaN stays NaN — torch's
   ``x.clamp(-448, 448).to(torch.float8_e4m3fn)``.
-- :func:`fp8_e4m3_bits_to_float32`: exact widening (a 256-entry table).
+- :func:`fp8_e4m3_bits_to_float32`: exact widening.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, cast
 
+import ml_dtypes
 import numpy as np
 
 from ctxprefill_api import pb
@@ -110,13 +111,13 @@ def float32_to_bf16_bits(x: Any) -> np.ndarray:
     top 16 bits are rounded to nearest, ties to even; values past the bf16 range round
     to ±inf. NaN stays NaN: its sign and top payload bits are kept and the quiet bit set.
     """
-    u = np.asarray(x, dtype=np.float32).view(np.uint32)
-    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(
-        np.uint16
-    )
-    is_nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    f = np.asarray(x, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to ±inf and NaN are meant
+        rounded: np.ndarray = f.astype(ml_dtypes.bfloat16).view(np.uint16)
+    is_nan = np.isnan(f)
     if is_nan.any():
-        quiet = ((u >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+        # ml_dtypes gives every NaN the canonical 0x7FC0 (sign kept); the top payload bits are kept here
+        quiet = ((f.view(np.uint32) >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
         rounded = np.where(is_nan, quiet, rounded)
     return rounded
 
@@ -128,25 +129,13 @@ def bf16_bits_to_float32(bits: Any) -> np.ndarray:
         if not np.issubdtype(b.dtype, np.integer):
             raise ValueError(f"bf16 bits must be an integer array, got {b.dtype}")
         b = b.astype(np.uint16)
-    return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    values: np.ndarray = b.view(ml_dtypes.bfloat16).astype(np.float32)
+    return values
 
 
 # --------------------------------------------------------------------------- fp8 e4m3
 
 
-def _fp8_e4m3_table() -> np.ndarray:
-    code = np.arange(256, dtype=np.int64)
-    sign = code >> 7
-    exp = (code >> 3) & 0xF
-    man = code & 0x7
-    mag = np.where(exp == 0, man * 2.0**-9, (8 + man) * np.exp2(exp - 10.0))
-    mag = np.where((exp == 15) & (man == 7), np.nan, mag)
-    table = np.where(sign == 1, -mag, mag).astype(np.float32)
-    table.setflags(write=False)
-    return table
-
-
-_FP8_TABLE = _fp8_e4m3_table()
 FP8_E4M3_MAX = 448.0
 
 
@@ -157,7 +146,7 @@ def fp8_e4m3_bits_to_float32(bits: Any) -> np.ndarray:
         if not np.issubdtype(b.dtype, np.integer):
             raise ValueError(f"fp8 bits must be an integer array, got {b.dtype}")
         b = b.astype(np.uint8)
-    values: np.ndarray = _FP8_TABLE[b]
+    values: np.ndarray = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     return values
 
 
@@ -173,18 +162,10 @@ def float32_to_fp8_e4m3_bits(x: Any) -> np.ndarray:
     x = np.asarray(x)
     if x.dtype not in (np.float16, np.float32, np.float64):
         x = x.astype(np.float64)
-    work = np.float64 if x.dtype == np.float64 else np.float32
-    a = np.abs(x.astype(work, copy=False))
-    is_nan = np.isnan(a)
-    a = np.where(is_nan, 0.0, np.minimum(a, FP8_E4M3_MAX)).astype(work, copy=False)
-    _, e = np.frexp(a)  # a = f * 2**e, f in [0.5, 1); e = 0 for a = 0
-    # quantum of the e4m3 grid around a: 2**(e-4) for normals, 2**-9 below 2**-6 (and at 0)
-    qexp = np.where(a == 0, -9, np.maximum(e.astype(np.int32) - 4, -9))
-    k = np.rint(np.ldexp(a, -qexp))  # exact scaling by a power of two, then RNE to an integer
-    # a = k * 2**qexp with k in [0, 16]; its e4m3 code is (qexp + 9) * 8 + k
-    code = ((qexp + 9) * 8 + k.astype(np.int32)).astype(np.uint8)
-    code = np.where(is_nan, np.uint8(0x7F), code)
-    bits: np.ndarray = code | (np.signbit(x).astype(np.uint8) << np.uint8(7))
+    # ml_dtypes turns a finite overflow into NaN: clamp first (np.clip keeps NaN and the sign of zero)
+    clamped = np.clip(x, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    with np.errstate(invalid="ignore"):  # NaN -> NaN is meant
+        bits: np.ndarray = clamped.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     return bits
 
 

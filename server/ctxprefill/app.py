@@ -10,8 +10,10 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+import psutil
 import torch
 
+from . import __version__
 from .checkpoint import load_model_kv_b_proj
 from .config import CacheConfig, EngineConfig, ModelShape, check_layers
 from .engine.engine import Engine, SequenceSpec
@@ -30,8 +32,11 @@ from .weights import KvBProjWeights, load_kv_b_proj, prepare, random_kv_b_proj, 
 if TYPE_CHECKING:  # the server's modules load with the server (an engine alone needs no gRPC)
     from .service.security import Security
     from .service.server import ServerParts
+    from .service.tracing import Tracing
 
 log = logging.getLogger("ctxprefill")
+#: the weights' loading, shown by default (a child of the lifecycle logger, as the checkpoint loader's)
+weights_log = logging.getLogger("ctxprefill.lifecycle.model")
 
 # ------------------------------------------------------------------------------ engine
 
@@ -61,19 +66,13 @@ def memory_needs(config: EngineConfig) -> str:
 
 
 def available_bytes(device: torch.device) -> int | None:
-    """Memory free for the caches: the GPU's free memory, or the host's MemAvailable (None
-    where it cannot be read)."""
+    """Memory free for the caches: the GPU's free memory, or the host's available memory
+    (psutil: MemAvailable on Linux)."""
     if device.type == "cuda":
         free: int = torch.cuda.mem_get_info(device)[0]
         return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    available: int = psutil.virtual_memory().available
+    return available
 
 
 def check_memory(config: EngineConfig, device: torch.device) -> None:
@@ -87,8 +86,10 @@ def check_memory(config: EngineConfig, device: torch.device) -> None:
                           f"free; lower --num-blocks, --layers or --workspace-tokens")
 
 
-def build_engine(s: ServeSettings) -> Engine:
-    """Validated config + weights -> Engine (raises ConfigError with the flag at fault)."""
+def load_weights(s: ServeSettings) -> list[KvBProjWeights]:
+    """Each held layer's kv_b_proj, this shard's heads, prepared and checked on the host
+    (ConfigError naming the flag or tensor at fault); logged with the time it took."""
+    t0 = time.perf_counter()
     shard = shard_spec(s)
     shape = ModelShape(heads=s.heads, softmax_scale=s.softmax_scale)  # the whole model's heads
     check_layers(s.layers, s.first_layer)  # before loading a weight per layer
@@ -101,11 +102,26 @@ def build_engine(s: ServeSettings) -> Engine:
         if not s.model:
             weights = [shard_kv_b_proj(w, shard.total_heads, shard.shard_index, shard.num_shards,
                                        shape.qk_nope_head_dim + shape.v_head_dim) for w in weights]
-        shape = dataclasses.replace(shape, heads=shard.heads)
     dtypes = sorted({w.dtype for w in weights})
     if len(dtypes) > 1:
         raise ConfigError(f"--weights: the layers' kv_b_proj weights differ in dtype ({', '.join(dtypes)}); one dtype "
                           f"for all layers")
+    if not s.model:  # the checkpoint's loader logs its own ("model loaded")
+        weights_log.info("weights loaded", extra={
+            "weights": s.weights or f"random(seed={s.seed})", "layers": s.layers, "kv_b_proj_dtype": dtypes[0],
+            "seconds": round(time.perf_counter() - t0, 3)})
+    return weights
+
+
+def build_engine(s: ServeSettings, weights: list[KvBProjWeights] | None = None) -> Engine:
+    """Validated config + weights (``load_weights``' when not given) -> Engine (raises
+    ConfigError with the flag at fault)."""
+    shard = shard_spec(s)
+    shape = ModelShape(heads=s.heads, softmax_scale=s.softmax_scale)  # the whole model's heads
+    if weights is None:
+        weights = load_weights(s)
+    if shard.num_shards > 1:
+        shape = dataclasses.replace(shape, heads=shard.heads)
     config = EngineConfig(
         shape=shape,
         cache=CacheConfig(s.cache_dtype, s.block_size, s.num_blocks, s.k_scale),
@@ -117,6 +133,7 @@ def build_engine(s: ServeSettings) -> Engine:
         backend=s.backend,
         num_layers=s.layers,
         first_layer=s.first_layer,
+        max_context_token_heads=s.max_context_token_heads,
     )
     device = resolve_device(s.device)
     check_memory(config, device)
@@ -159,9 +176,9 @@ def warm_up(engine: Engine) -> None:
         torch.cuda.synchronize(engine.device)
 
 
-def build_and_warm(s: ServeSettings) -> tuple[Engine, float]:
+def build_and_warm(s: ServeSettings, weights: list[KvBProjWeights] | None = None) -> tuple[Engine, float]:
     t = time.perf_counter()
-    engine = build_engine(s)
+    engine = build_engine(s, weights)
     warm_up(engine)
     return engine, time.perf_counter() - t
 
@@ -176,21 +193,21 @@ def build_and_warm(s: ServeSettings) -> tuple[Engine, float]:
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-async def build_server(s: ServeSettings, security: Security) -> ServerParts:
+async def build_server(s: ServeSettings, security: Security, tracing: Tracing | None = None) -> ServerParts:
     """The service's parts, wired: metrics, the engine thread, the servicer, the gRPC
-    server (interceptors, PrefillContextService, health, reflection). Call on the loop
-    that will serve."""
+    server (interceptors — the RPC spans with ``tracing`` —, PrefillContextService,
+    health, reflection). Call on the loop that will serve."""
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    from ctxprefill_api import pb_grpc
+    from ctxprefill_api import pb, pb_grpc
 
     from .service.engine_worker import EngineWorker
     from .service.interceptors import server_interceptors
     from .service.metrics import Metrics
-    from .service.server import ServerParts
-    from .service.servicer import METHODS, SERVICE_NAME, PrefillContextServicer
+    from .service.server import ServerParts, grpc_options, memory_limits
+    from .service.servicer import SERVICE_NAME, PrefillContextServicer
 
     metrics = Metrics()
     worker = EngineWorker(metrics, ring_spin_s=s.request_ring_spin_us / 1e6, ring_poll_s=s.request_ring_poll_us / 1e6,
@@ -199,37 +216,46 @@ async def build_server(s: ServeSettings, security: Security) -> ServerParts:
     health_servicer = health.aio.HealthServicer()  # overall "" starts SERVING: the process is live
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     grpc_server = grpc.aio.server(
-        interceptors=server_interceptors(metrics, auth_token=security.token),
-        options=[
-            ("grpc.max_send_message_length", s.max_message_bytes),
-            ("grpc.max_receive_message_length", s.max_message_bytes),
-            ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
-        ],
+        interceptors=server_interceptors(metrics, auth_token=security.token, limits=memory_limits(s), tracing=tracing),
+        options=grpc_options(s),
     )
     pb_grpc.add_PrefillContextServiceServicer_to_server(servicer, grpc_server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server)
-    metrics.init_grpc_methods(SERVICE_NAME, METHODS)
+    metrics.init_grpc_methods(pb.DESCRIPTOR.services_by_name["PrefillContextService"])
     return ServerParts(metrics, worker, servicer, grpc_server, health_servicer)
 
 
-async def _serve(s: ServeSettings, security: Security) -> int:
+async def _serve(s: ServeSettings, security: Security, weights: list[KvBProjWeights],
+                 tracing: Tracing | None) -> int:
     from .service import server
 
-    parts = await build_server(s, security)
-    return await server.run(s, security, parts, build=lambda: build_and_warm(s))
+    parts = await build_server(s, security, tracing)
+    return await server.run(s, security, parts, build=lambda: build_and_warm(s, weights))
 
 
 def serve(settings: ServeSettings) -> int:
-    """Run the server until SIGTERM/SIGINT; 0 after a clean drain. ConfigError propagates."""
+    """Run the server until SIGTERM/SIGINT; 0 after a clean drain. ConfigError propagates,
+    and every one the settings and the weights can raise comes before a port is bound:
+    the weights are loaded (and checked) first; the engine (device memory, kernels) is
+    built and warmed up after, while liveness answers."""
     import asyncio
 
+    from .service.exposure import check_exposure
     from .service.logs import setup_logging
     from .service.security import load_security
+    from .service.tracing import from_settings
 
     setup_logging()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     check_serve_settings(settings)
     check_engine_settings(settings)
     security = load_security(settings)
-    return asyncio.run(_serve(settings, security))
+    check_exposure(settings, security)  # beyond loopback: a credential or --allow-insecure, before anything starts
+    tracing = from_settings(settings.otlp_endpoint, __version__)
+    try:
+        weights = load_weights(settings)
+        return asyncio.run(_serve(settings, security, weights, tracing))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # the spans still batched go out

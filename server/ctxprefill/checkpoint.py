@@ -29,9 +29,29 @@ from .config import MAX_LAYERS
 from .errors import ConfigError
 from .weights import BLOCK, KvBProjWeights, check_finite, dequantize, exact_in_bf16, prepare
 
-#: the loader's lines: per-shard and per-layer progress at DEBUG, summaries at INFO (shown
-#: by default once the server has set up logging: a child of the lifecycle logger)
+#: the loader's lines: per-shard and per-layer lines at DEBUG; progress of a long load and
+#: the summary at INFO (shown by default once the server has set up logging: a child of the
+#: lifecycle logger)
 log = logging.getLogger("ctxprefill.lifecycle.model")
+#: a load still going logs a progress line this often (seconds): a short one logs none
+PROGRESS_EVERY_S = 5.0
+
+
+class _Progress:
+    """``loading model`` INFO lines while a step (reading the shard files, preparing the
+    layers) goes on: one every :data:`PROGRESS_EVERY_S` seconds, with how far it is."""
+
+    def __init__(self, step: str, total: int, t0: float):
+        self.step, self.total, self.t0 = step, total, t0
+        self.last = time.perf_counter()
+
+    def done(self, n: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            log.info("loading model", extra={"step": self.step, "done": n, "of": self.total,
+                                             "percent": round(100 * n / max(1, self.total)),
+                                             "seconds": round(now - self.t0, 1)})
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -353,7 +373,8 @@ def load_model_kv_b_proj(path: str, first_layer: int, num_layers: int, heads: in
         raise ConfigError(f"kv_b_proj shard rows [{rows[0]}, {rows[1]}) do not align with the {BLOCK}-row scale blocks")
     read: dict[str, _Read] = {}
     total_bytes = 0
-    for file, keys in files.items():
+    progress = _Progress("reading shard files", len(files), t0)
+    for n_read, (file, keys) in enumerate(files.items(), 1):
         t = time.perf_counter()
         nbytes = 0
         try:
@@ -367,12 +388,15 @@ def load_model_kv_b_proj(path: str, first_layer: int, num_layers: int, heads: in
         total_bytes += nbytes
         log.debug("read shard", extra={"file": os.path.basename(file), "tensors": len(keys), "bytes": nbytes,
                                        "seconds": round(time.perf_counter() - t, 3)})
+        progress.done(n_read)
     out = []
+    progress = _Progress("preparing layers", len(layers), t0)
     for layer in layers:
         w = _layer(model, layer, read, heads, rows, num_shards, files)
         out.append(w)
         log.debug("layer loaded", extra={"layer": layer, "dtype": w.dtype, "rows": f"[{rows[0]}, {rows[1]})",
                                          "compute_dtype": str(w.compute.dtype).removeprefix("torch.")})
+        progress.done(len(out))
     dtypes = sorted({w.dtype for w in out})
     if len(dtypes) > 1:
         raise ConfigError(f"--model {model.path}: the layers' kv_b_proj weights differ in dtype ({', '.join(dtypes)})")

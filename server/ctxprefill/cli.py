@@ -1,9 +1,13 @@
-"""``ctxprefill``: serve | demo | bench | make-weights | make-model."""
+"""``ctxprefill``: serve | demo | bench | make-weights | make-model.
+
+Every command logs JSON lines on stderr (``service/logs.py``) at ``--log-level`` (before
+or after the subcommand) or ``CTXPREFILL_LOG_LEVEL``, WARNING by default.
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 
 from . import __version__
@@ -32,30 +36,59 @@ def _make_model(ns) -> int:
     return 0
 
 
+def _log_level(argv: list[str]) -> tuple[str, list[str]]:
+    """(the level ``--log-level`` gives anywhere in ``argv``, else ``CTXPREFILL_LOG_LEVEL``,
+    else WARNING; ``argv`` without it). Exits 2 naming the flag or the variable when the
+    level is not one."""
+    from .service.logs import DEFAULT_LEVEL, LEVEL_ENV, parse_level
+
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--log-level")
+    ns, rest = pre.parse_known_args(argv)
+    value, where = (ns.log_level, "--log-level") if ns.log_level is not None else \
+        (os.environ.get(LEVEL_ENV, DEFAULT_LEVEL), LEVEL_ENV)
+    try:
+        return parse_level(value, where), rest
+    except ValueError as e:
+        print(f"ctxprefill: configuration error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .service.logs import DEFAULT_LEVEL, LEVEL_ENV, LEVELS, setup_logging
     from .settings import add_arguments, from_args
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # its own parser: a grid of shapes, not server settings
+    level, rest = _log_level(argv)
+    setup_logging(level)
+    if rest[:1] == ["bench"]:  # its own parser: a grid of shapes, not server settings
         from ctxprefill_bench.engine_bench import main as bench_main
 
-        return bench_main(argv[1:])
-    p = argparse.ArgumentParser(prog="ctxprefill", description=__doc__)
+        return bench_main(rest[1:])
+    # --log-level is read above, wherever it stands; each parser lists it for --help
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS, metavar="LEVEL",
+                        help=f"{', '.join(LEVELS)}, any case (default: {DEFAULT_LEVEL}: quiet but for the lifecycle "
+                             f"lines) [{LEVEL_ENV}]")
+    p = argparse.ArgumentParser(prog="ctxprefill", description=__doc__, parents=[common],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=__version__)
-    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING: quiet)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    serve = sub.add_parser("serve", help="start the gRPC server and the metrics/health HTTP server")
+    serve = sub.add_parser("serve", parents=[common], help="start the gRPC server and the metrics/health HTTP server")
     add_arguments(serve)
 
-    demo = sub.add_parser("demo", help="run one request in-process (or against --target) and check it against float64")
+    demo = sub.add_parser("demo", parents=[common],
+                          help="run one request in-process (or against --target) and check it against float64")
     add_arguments(demo)
     demo.add_argument("--target", default=None, help="host:port of a running server to drive instead")
     demo.set_defaults(num_blocks=256)
 
-    sub.add_parser("bench", help="fused vs generic path over a grid of shapes, in-process (see bench --help)")
+    sub.add_parser("bench", parents=[common],
+                   help="fused vs generic path over a grid of shapes, in-process (see bench --help)")
 
-    mw = sub.add_parser("make-weights", help="write random kv_b_proj weights in the checkpoint layout")
+    mw = sub.add_parser("make-weights", parents=[common],
+                        help="write random kv_b_proj weights in the checkpoint layout")
     mw.add_argument("--out", required=True, help="safetensors file to write")
     mw.add_argument("--heads", type=int, default=16)
     mw.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
@@ -64,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     mw.add_argument("--prefix", default="", help="key prefix, e.g. model.layers.0.self_attn.")
     mw.add_argument("--seed", type=int, default=0)
 
-    mm = sub.add_parser("make-model", help="write a small random DeepSeek-V3 checkpoint directory (serve --model DIR)")
+    mm = sub.add_parser("make-model", parents=[common],
+                        help="write a small random DeepSeek-V3 checkpoint directory (serve --model DIR)")
     mm.add_argument("dir", help="directory to write (created; must be empty if it exists)")
     mm.add_argument("--layers", type=int, default=4)
     mm.add_argument("--heads", type=int, default=16)
@@ -75,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     mm.add_argument("--yarn", action="store_true", help="DeepSeek-V3's rope_scaling (YaRN, factor 40)")
 
     ns = p.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), stream=sys.stderr,
-                        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}')
     try:
         if ns.cmd == "make-weights":
             return _make_weights(ns)

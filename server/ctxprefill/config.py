@@ -16,6 +16,8 @@ KV_B_PROJ_DTYPES = ("bf16", "fp8")
 #: model layers a server may hold (DeepSeek-V3 has 61, Kimi K2 61)
 MAX_LAYERS = 1024
 PREFILL_DTYPES = ("bf16", "fp8")
+#: default --max-context-token-heads: 1 Mi context tokens over 128 heads (DeepSeek-V3's all)
+MAX_CONTEXT_TOKEN_HEADS = 1 << 27
 
 
 def check_layers(num_layers, first_layer) -> None:
@@ -99,9 +101,15 @@ class EngineConfig:
     backend: str = "auto"
     num_layers: int = 1  # model layers held, each with its own cache and kv_b_proj
     first_layer: int = 0  # model index of the first of them
+    # one request's context tokens x heads served at most (its gather and kv_b_proj work)
+    max_context_token_heads: int = MAX_CONTEXT_TOKEN_HEADS
 
     def __post_init__(self):
         check_layers(self.num_layers, self.first_layer)
+        m = self.max_context_token_heads
+        if not isinstance(m, int) or m < self.shape.heads * self.cache.block_size:
+            raise ConfigError(f"--max-context-token-heads must be an integer >= one block over the heads "
+                              f"({self.shape.heads * self.cache.block_size}), got {m!r}")
         if self.kv_b_proj_dtype not in KV_B_PROJ_DTYPES:
             raise ConfigError(f"kv_b_proj dtype must be one of {KV_B_PROJ_DTYPES}, got {self.kv_b_proj_dtype!r}")
         if self.prefill_dtype not in PREFILL_DTYPES:

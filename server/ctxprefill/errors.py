@@ -40,8 +40,35 @@ class ResourceExhausted(CtxPrefillError):
     """A configured limit (e.g. shared-memory regions or bytes) would be exceeded."""
 
 
+class Stopped(CtxPrefillError):
+    """A request's work stopped between two chunks (``reason``: deadline, cancelled):
+    ``chunks_done`` of ``chunks_planned`` were queued on the device; nothing was written."""
+
+    reason = ""
+
+    def __init__(self, message: str, chunks_done: int, chunks_planned: int):
+        super().__init__("", message)
+        self.chunks_done, self.chunks_planned = chunks_done, chunks_planned
+
+
+class DeadlineExceeded(Stopped):
+    """The request's deadline passed while it ran."""
+
+    reason = "deadline"
+
+
+class Cancelled(Stopped):
+    """The caller went away (cancelled its call, let go of its ring) while the request ran."""
+
+    reason = "cancelled"
+
+
 class Unimplemented(CtxPrefillError):
     """A feature this server was not started with (e.g. --shared-memory off)."""
+
+
+class PermissionDenied(CtxPrefillError):
+    """The caller may not do this from where it is (e.g. shared memory from another host)."""
 
 
 class ConfigError(ValueError):

@@ -3,7 +3,9 @@ and its checks (ConfigError naming the flag). The engine and the server it descr
 built by the composition root (``ctxprefill.app``).
 
 Every flag ``--some-flag`` can also be set as ``CTXPREFILL_SOME_FLAG``; a flag given
-on the command line wins over the environment.
+on the command line wins over the environment. The value goes through the flag's own type
+and choices (a boolean: 1/0, true/false, yes/no, on/off); argparse refuses a bad one,
+naming the variable.
 """
 
 from __future__ import annotations
@@ -12,21 +14,27 @@ import argparse
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .checkpoint import MODEL_FIELDS, resolve_model
-from .config import CacheConfig, EngineConfig, ModelShape
+from .config import KV_B_PROJ_DTYPES, MAX_CONTEXT_TOKEN_HEADS, PREFILL_DTYPES, CacheConfig, EngineConfig, ModelShape
 from .errors import ConfigError
+from .ops.slot_format import CACHE_DTYPES
 
 log = logging.getLogger("ctxprefill")
 
 
 @dataclasses.dataclass(frozen=True)
 class ServeSettings:
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback only unless a credential (or --allow-insecure) says otherwise
     port: int = 50051
+    metrics_host: str = ""  # "": the same as host
+    unix_socket: str | None = None  # also serve gRPC on this unix-domain socket (same-host callers)
     metrics_port: int = 9400
+    allow_insecure: bool = False  # listen beyond loopback without credentials (or with a token over plaintext)
     device: str = "auto"
     heads: int = 16
     shard_index: int = 0  # this worker's head shard (tensor parallelism over heads)
@@ -50,7 +58,11 @@ class ServeSettings:
     softmax_scale: float | None = None
     grace_seconds: float = 25.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 1 << 30  # gRPC send/receive limit
+    max_inflight_bytes: int = 4 << 30  # messages being read, requests held and answers being sent, all calls
+    max_answer_bytes: int = 256 << 20  # tensor bytes one answer may carry (capped by max_message_bytes)
+    receive_timeout_s: float = 60.0  # a unary request's message must be in within this
     queue_size: int = 64  # requests admitted at once (running + waiting); more get RESOURCE_EXHAUSTED
+    max_context_token_heads: int = MAX_CONTEXT_TOKEN_HEADS  # one request's context tokens x heads, at most
     tls_cert: str | None = None  # PEM certificate chain of the gRPC port (TLS on when set)
     tls_key: str | None = None  # PEM private key of tls_cert
     tls_client_ca: str | None = None  # PEM CA bundle: require and verify client certificates (mutual TLS)
@@ -64,12 +76,20 @@ class ServeSettings:
     request_ring_spin_us: int = 20000  # after a ring request, the engine thread polls without sleeping this long
     request_ring_poll_us: int = 100  # then it checks the rings this often
     request_ring_overlap: bool = True  # start the next ring request before answering the previous one
+    otlp_endpoint: str | None = None  # OpenTelemetry traces to this OTLP/gRPC collector (service/tracing.py)
 
 
 _HELP = {
-    "host": "address to bind the gRPC server to",
+    "host": "address to bind the gRPC server to; any address but loopback needs a bearer token over TLS or mutual "
+            "TLS, or --allow-insecure",
     "port": "gRPC port",
+    "unix_socket": "also serve gRPC on this unix-domain socket path (same credentials and token as --port): callers "
+                   "on this host, e.g. other containers that mount it; shared memory is served to such callers and "
+                   "to loopback ones only; the socket file's permissions decide who can connect",
+    "metrics_host": "address to bind the HTTP server (/metrics, /healthz, /readyz) to; empty: --host's",
     "metrics_port": "HTTP port for /metrics, /healthz and /readyz",
+    "allow_insecure": "allow listening beyond loopback with no credentials, or with a bearer token over plaintext: "
+                      "anyone who reaches the gRPC port then reads and overwrites every cache slot",
     "device": "auto (cuda if present, else cpu), cpu, cuda or cuda:N",
     "heads": "attention heads on this worker (128 / tensor-parallel size); with --num-shards > 1 the model's "
              "total heads, of which this worker serves its shard",
@@ -103,16 +123,29 @@ _HELP = {
     "softmax_scale": "softmax scale (default (P+R)**-0.5; pass the final one, yarn mscale included)",
     "grace_seconds": "on SIGTERM/SIGINT: seconds in-flight requests get to finish before the server exits",
     "max_message_bytes": "largest gRPC message the server receives or sends, in bytes",
+    "max_inflight_bytes": "bytes that all calls together may hold: each message being read reserves "
+                          "--max-message-bytes until it is in, then holds its size until it is answered; each answer "
+                          "holds twice its size until the client has taken it. Over it: RESOURCE_EXHAUSTED (a read "
+                          "first waits its turn, for --receive-timeout-s or the call's deadline at most)",
+    "max_answer_bytes": "largest tensor data one answer carries (ReadCache's slots, PrefillContext's inline output "
+                        "and LSE), in bytes, capped by --max-message-bytes; a request for more is refused with "
+                        "RESOURCE_EXHAUSTED before anything is allocated",
+    "receive_timeout_s": "seconds a unary request's message has to arrive once the server reads it "
+                         "(DEADLINE_EXCEEDED after)",
     "queue_size": "requests admitted at once (the running one and those waiting for the device); "
                   "more are refused with RESOURCE_EXHAUSTED",
+    "max_context_token_heads": "the work one PrefillContext may ask for: its context tokens (summed over its "
+                               "sequences) times the heads this worker serves; more is refused up front with "
+                               "RESOURCE_EXHAUSTED naming the figure (2**27: 1 Mi tokens over 128 heads)",
     "tls_cert": "PEM certificate (chain) of the gRPC port; with --tls-key, the port speaks TLS only",
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM CA bundle: require a client certificate signed by it (mutual TLS; needs --tls-cert)",
     "auth_token_file": "file holding a bearer token: every RPC but grpc.health.v1 must send "
                        "'authorization: Bearer <token>' (or set the token itself in CTXPREFILL_AUTH_TOKEN)",
     "shared_memory": "same-host tensor transport (docs/TRANSPORT.md): off, system (POSIX shared memory), cuda "
-                     "(CUDA IPC handles; needs a CUDA device) or all (system, and cuda on a CUDA device); any local "
-                     "process that can open a registered segment can read and change what flows through it",
+                     "(CUDA IPC handles; needs a CUDA device) or all (system, and cuda on a CUDA device); served to "
+                     "loopback and --unix-socket callers only; any local process that can open a registered segment "
+                     "can read and change what flows through it",
     "shared_memory_max_regions": "shared-memory regions registered at once (more: RESOURCE_EXHAUSTED)",
     "shared_memory_max_bytes": "bytes of all registered shared-memory regions together (more: RESOURCE_EXHAUSTED)",
     "shared_memory_pin": "on a CUDA server, page-lock each system region when it is registered (cudaHostRegister), "
@@ -129,44 +162,93 @@ _HELP = {
                             "previous one is waited for and answered, so that the device goes from one request to "
                             "the next; --no-request-ring-overlap runs each to its answer first (the baseline of "
                             "bench/bench_concurrency.py's A/B)",
+    "otlp_endpoint": "send OpenTelemetry traces (a span per RPC, PrefillContext's stages under it) to this OTLP/gRPC "
+                     "collector, e.g. http://otel-collector:4317 (https:// for TLS); off by default. The standard "
+                     "OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, ... are read too "
+                     "(docs/DEPLOY.md, Tracing)",
 }
 
 #: --shared-memory value -> the region kinds it enables (``all``: cuda only on a CUDA device)
 SHARED_MEMORY_MODES = {"off": (), "system": ("system",), "cuda": ("cuda",), "all": ("system", "cuda")}
 
 
+#: flags whose value is one of a fixed set (argparse ``choices``; an environment value is held to them too)
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "cache_dtype": CACHE_DTYPES, "prefill_dtype": PREFILL_DTYPES, "kv_b_proj_dtype": KV_B_PROJ_DTYPES,
+    "shared_memory": tuple(SHARED_MEMORY_MODES),
+}
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+class _EnvValue(str):
+    """A flag's default taken from ``CTXPREFILL_<NAME>``: argparse runs a string default
+    through the flag's ``type=`` when the flag is not given, and the converter names the variable."""
+
+    env: str
+
+    def __new__(cls, env: str, value: str) -> _EnvValue:
+        self = super().__new__(cls, value)
+        self.env = env
+        return self
+
+
+def _strict_bool(value: str) -> bool:
+    try:
+        return _BOOLS[value.strip().lower()]
+    except KeyError:
+        raise ValueError(value) from None
+
+
+def _converter(typ: Callable[[str], Any], choices: tuple[str, ...] | None) -> Callable[[str], Any]:
+    """``typ`` for argparse; a value from the environment that it or ``choices`` refuses is
+    reported as ``CTXPREFILL_<NAME>=...`` (argparse then exits with status 2)."""
+    what = {int: "an integer", float: "a number", _strict_bool: "a boolean (1/0, true/false, yes/no, on/off)"}
+
+    def convert(value: str) -> Any:
+        try:
+            out = typ(value)
+        except ValueError:
+            if isinstance(value, _EnvValue):
+                raise argparse.ArgumentTypeError(f"{value.env}={str(value)!r} is not {what.get(typ, typ)}") from None
+            raise
+        if choices is not None and isinstance(value, _EnvValue) and out not in choices:
+            raise argparse.ArgumentTypeError(f"{value.env}={str(value)!r} must be one of {', '.join(choices)}")
+        return out
+
+    convert.__name__ = getattr(typ, "__name__", "value")  # argparse's "invalid int value: 'x'" for a flag
+    return convert
+
+
+class _BoolFlag(argparse.BooleanOptionalAction):
+    """``--flag`` / ``--no-flag``; ``type`` converts only a default from the environment
+    (the flag itself takes no value)."""
+
+    def __init__(self, *args: Any, env_type: Callable[[str], Any], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.type = env_type
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(ServeSettings):
         flag = "--" + f.name.replace("_", "-")
         env = "CTXPREFILL_" + f.name.upper()
-        default = f.default
-        if env in os.environ:
-            default = os.environ[env]
-            if f.type == "bool":
-                default = default.lower() in ("1", "true", "yes", "on")
+        default: Any = _EnvValue(env, os.environ[env]) if env in os.environ else f.default
         if f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+            p.add_argument(flag, action=_BoolFlag, env_type=_converter(_strict_bool, None), default=default,
                            help=f"{_HELP[f.name]} [{env}]")
             continue
-        typ = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], str)
-        if f.name == "softmax_scale":
-            typ = float
+        typ = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        choices = _CHOICES.get(f.name)
         shown = "%(default)s"
         if f.name in MODEL_FIELDS and env not in os.environ:  # unset: --model's config.json decides
             default = None
             shown = f"{f.default}" + ("" if f.name == "first_layer" else "; with --model, config.json's")
-        p.add_argument(flag, type=typ, default=default, help=f"{_HELP[f.name]} (default: {shown}) [{env}]")
+        p.add_argument(flag, type=_converter(typ, choices), choices=choices, default=default,
+                       help=f"{_HELP[f.name]} (default: {shown}) [{env}]")
 
 
 def from_args(ns: argparse.Namespace) -> ServeSettings:
     kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServeSettings) if hasattr(ns, f.name)}
-    for f in dataclasses.fields(ServeSettings):  # environment strings -> types
-        v = kw.get(f.name)
-        if isinstance(v, str) and f.type in ("int", "float", "float | None"):
-            try:
-                kw[f.name] = int(v) if f.type == "int" else float(v)
-            except ValueError:
-                raise ConfigError(f"CTXPREFILL_{f.name.upper()}={v!r} is not a number") from None
     explicit = {k for k in MODEL_FIELDS if kw.get(k) is not None}  # given as a flag or in the environment
     kw = {k: v for k, v in kw.items() if not (k in MODEL_FIELDS and v is None)}
     return resolve_model(ServeSettings(**kw), explicit)
@@ -259,6 +341,13 @@ def check_serve_settings(s: ServeSettings) -> None:
         raise ConfigError(f"--max-message-bytes must be in [{4 << 20}, {2**31 - 1}], got {s.max_message_bytes}")
     if s.queue_size < 1:
         raise ConfigError(f"--queue-size must be >= 1, got {s.queue_size}")
+    if not s.max_message_bytes <= s.max_inflight_bytes <= 2**50:
+        raise ConfigError(f"--max-inflight-bytes must be in [--max-message-bytes ({s.max_message_bytes}), {2**50}] "
+                          f"(one message must fit), got {s.max_inflight_bytes}")
+    if s.max_answer_bytes < 1:
+        raise ConfigError(f"--max-answer-bytes must be >= 1, got {s.max_answer_bytes}")
+    if not 0 < s.receive_timeout_s <= 86400:
+        raise ConfigError(f"--receive-timeout-s must be in (0, 86400] seconds, got {s.receive_timeout_s}")
     for name in ("port", "metrics_port"):
         v = getattr(s, name)
         if not 0 <= v <= 65535:
@@ -272,7 +361,7 @@ def check_engine_settings(s: ServeSettings) -> None:
     cache = CacheConfig(s.cache_dtype, s.block_size, s.num_blocks, s.k_scale)
     EngineConfig(shape=shape, cache=cache, kv_b_proj_dtype="bf16" if s.weights else s.kv_b_proj_dtype,
                  prefill_dtype=s.prefill_dtype, workspace_tokens=s.workspace_tokens, fused=not s.generic,
-                 backend=s.backend)
+                 backend=s.backend, max_context_token_heads=s.max_context_token_heads)
     resolve_device(s.device)
     shard_spec(s)  # --shard-index / --num-shards against --heads
     if s.weights and not os.path.isfile(s.weights):

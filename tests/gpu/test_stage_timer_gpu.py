@@ -79,3 +79,32 @@ def test_batched_readout_equals_torch_event_by_event():
         ext.events_elapsed_ms([evs[0].cuda_event])
     with pytest.raises(ValueError, match="never recorded"):
         ext.events_elapsed_ms([evs[0].cuda_event, 0])
+
+
+def test_detailed_timer_places_stages_by_device_offsets():
+    """DetailedStageTimer on the GPU: each stage's start is its device offset from the
+    first stage's, read with the durations in the one sync; the events go back to the pool."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    pool = timing._POOLS[dev.index]
+    pool.clear()
+    t = timing.DetailedStageTimer(dev)
+    with t.stage("merge"):
+        pass
+    for i in range(2):
+        t.chunk = i
+        with t.stage("gather"):
+            x @ x
+        with t.stage("attention"):
+            for _ in range(4):
+                x @ x
+    ns, _ = t.finish()
+    assert t.stages is not None
+    assert [(s.stage, s.chunk) for s in t.stages] == [("merge", -1), ("gather", 0), ("attention", 0),
+                                                      ("gather", 1), ("attention", 1)]
+    for a, b in zip(t.stages, t.stages[1:]):  # one stream: each stage starts after the one before ends
+        assert a.start_ns + a.duration_ns <= b.start_ns + 2_000, (a, b)
+    for name, total in ns.items():
+        assert sum(s.duration_ns for s in t.stages if s.stage == name) == total
+    assert t.stages[2].duration_ns > t.stages[1].duration_ns  # 4 products against 1
+    assert len(pool) == 10  # 5 stages x 2 events, returned after they were read

@@ -432,7 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rtol", type=float, default=None, help="max |err| / max |ref| allowed")
     ap.add_argument("--timeout", type=float, default=120.0, help="deadline of each call, seconds")
     ap.add_argument("--token", default=None, help="bearer token")
+    ap.add_argument("--token-file", default=None, help="file holding the bearer token (instead of --token)")
     ap.add_argument("--tls", action="store_true", help="use TLS with the default roots")
+    ap.add_argument("--tls-ca", default=None, help="PEM file of the roots that sign the server's certificate "
+                                                   "(turns TLS on)")
     ap.add_argument("--write-weights", metavar="PATH", help="write a random bf16 kv_b_proj file and exit")
     ap.add_argument("--heads", type=int, default=16, help="heads for --write-weights")
     ap.add_argument("--shared-memory", choices=["off", "system"], default="off",
@@ -454,7 +457,12 @@ def main(argv: list[str] | None = None) -> int:
     if "{layer}" in args.weights_prefix and args.layer is None:
         ap.error("--weights-prefix has {layer}: give --layer")
     w_deq = load_kv_b_proj(args.weights, args.weights_prefix.replace("{layer}", str(args.layer)))
-    with PrefillContextClient(args.target, timeout=args.timeout, token=args.token, tls=args.tls) as client:
+    token = args.token
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    with PrefillContextClient(args.target, timeout=args.timeout, token=token, tls=args.tls,
+                              root_certificates=args.tls_ca) as client:
         report = run(
             client,
             w_deq,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from .request import (
     validate_read,
     validate_write,
 )
+from .timing import StageSpan
 
 __all__ = ["MAX_BLOCK_TABLE_ENTRIES", "Engine", "PendingPrefill", "PrefillResult", "PrefillStats", "SequenceSpec",
            "WriteResult"]
@@ -64,6 +66,9 @@ class PrefillStats:
     query_tokens: int
     span_ns: int = 0  # first stage's start to last stage's end, on the device's clock on a GPU
     unpacked_keys: bool = False  # fused bf16: attention read k_nope / k_pe where they lie, no pack
+    # start_prefill(timeline=True): when the request's checks and plan ran (perf_counter_ns), and each stage
+    checked_ns: tuple[int, int] | None = None
+    stages: list[StageSpan] | None = None
 
 
 @dataclasses.dataclass
@@ -101,7 +106,7 @@ class PendingPrefill:
         with self._engine._on_device():
             r = self._pending.finish()
         stats = PrefillStats(**self._stats, launches=r.launches, stage_ns=r.stage_ns, total_ns=r.total_ns,
-                             span_ns=r.span_ns, unpacked_keys=r.unpacked_keys)
+                             span_ns=r.span_ns, unpacked_keys=r.unpacked_keys, stages=r.stages)
         return PrefillResult(r.out, r.lse, stats)
 
 
@@ -274,16 +279,20 @@ class Engine:
         return self.start_prefill(request, fused=fused, observer=observer, unpacked_keys=unpacked_keys)
 
     def start_prefill(self, request: PrefillRequest, *, fused: bool | None = None, observer: Observer | None = None,
-                      unpacked_keys: bool | None = None) -> PendingPrefill:
+                      unpacked_keys: bool | None = None, timeline: bool = False) -> PendingPrefill:
         """Check the request (``request.validate_prefill``) and queue its device work;
         return without waiting for it. The next request can be checked and queued before
         this one's result is taken (the workspace is reused in stream order), so that the
         device does not idle between requests while the host prepares the next one. A
         host ``q`` is copied to the device in stream order too: page-locked, it must not
         change until the result is taken. ``fused`` and ``unpacked_keys``: the config's
-        unless given (benchmarks compare the paths on one engine)."""
+        unless given (benchmarks compare the paths on one engine). ``timeline``: keep when
+        its checks and plan ran and each stage's place (``PrefillStats.checked_ns`` and
+        ``stages``: what a traced request's spans show)."""
         cfg = self.config
+        t_check = time.perf_counter_ns() if timeline else 0
         checked = validate_prefill(request, cfg, self.instance_id)
+        checked_ns = (t_check, time.perf_counter_ns()) if timeline else None
         li = checked.layer_position
         fused = cfg.fused if fused is None else fused
         inputs = LoopInputs(
@@ -303,9 +312,12 @@ class Engine:
             scale=cfg.shape.scale,
             heads=cfg.shape.heads,
             unpacked_keys=cfg.unpacked_keys if unpacked_keys is None else unpacked_keys,
+            stop=checked.stop,
+            stage_places=timeline,
         )
         with self._lock, self._on_device():
             pending = start_chunk_loop(inputs, self.backend, fused, observer)
         return PendingPrefill(self, pending, dict(
             chunks=checked.chunks, path="fused" if fused else "generic", fp8_path=cfg.fp8_path_labels,
-            context_tokens=sum(checked.context_lens), query_tokens=int(checked.q.shape[0])), checked.cache_write)
+            context_tokens=sum(checked.context_lens), query_tokens=int(checked.q.shape[0]), checked_ns=checked_ns),
+            checked.cache_write)

@@ -1,5 +1,10 @@
 """The chunk loop (CONTRACT §5): gather → cast → kv_b_proj → pack → attention → accumulate.
 
+Before each chunk the loop asks the request's ``StopSignal`` (a flag and the clock) and
+stops there once its deadline passed or its caller went away. On a GPU the host, which
+only queues the work, then stays at most ``STOP_AHEAD`` chunks ahead of the device, so
+that a stop ends the device's work too within that many chunks.
+
 The generic and the fused path differ only in the pack; everything else is the same
 code, so a difference in results can only come from the pack. With bf16 prefill and a
 backend with unpacked keys (``BackendCaps.unpacked_keys``), the fused path packs no K at
@@ -20,6 +25,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
 from types import TracebackType
+from typing import cast
 
 import numpy as np
 import torch
@@ -40,9 +46,13 @@ from ..ops.pack import (
     keys_last_starts,
 )
 from .plan import ContextChunk
-from .timing import StageTimer, Started
+from .request import StopSignal
+from .timing import DetailedStageTimer, StageSpan, StageTimer, Started
 
 STAGES = ("gather", "cast", "kv_b_proj", "pack", "attention", "merge")
+#: with a stop signal on a GPU: chunks queued past the last one the device finished, at
+#: most (the device always has work queued; a stop ends its work within that many chunks)
+STOP_AHEAD = 4
 
 
 @dataclasses.dataclass
@@ -65,6 +75,8 @@ class LoopInputs:
     scale: float
     heads: int
     unpacked_keys: bool = False  # fused bf16 prefill: no K pack where the backend reads the keys unpacked
+    stop: StopSignal | None = None  # asked before each chunk (request.StopSignal)
+    stage_places: bool = False  # keep each stage's chunk, start and duration (a traced request's timeline)
     latent: int = 512
     nope: int = 128
     v_dim: int = 128
@@ -120,6 +132,7 @@ class LoopResult:
     total_ns: int
     span_ns: int = 0  # first stage's start to last stage's end (engine/timing.py)
     unpacked_keys: bool = False  # attention read the keys unpacked, where they lie (no K pack)
+    stages: list[StageSpan] | None = None  # with LoopInputs.stage_places: each stage's place
 
 
 #: observer(chunk_index, chunk, q, k, v, out, lse) — tests compare paths chunk by chunk
@@ -264,7 +277,7 @@ class PendingLoop:
     def finish(self) -> LoopResult:
         stage_ns, total_ns = self.timer.finish()
         return LoopResult(self.out, self.lse, self.counts, stage_ns, total_ns, self.timer.span_ns,
-                          self.unpacked_keys)
+                          self.unpacked_keys, self.timer.stages)
 
 
 def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
@@ -274,13 +287,14 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
 
 def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
                      observer: Observer | None = None) -> PendingLoop:
-    """Queue the chunk loop's work on the device and return without waiting for it."""
+    """Queue the chunk loop's work on the device and return without waiting for it (with a
+    stop signal on a GPU: for all but its last ``STOP_AHEAD`` chunks)."""
     q = x.q
     device = q.device
     Tq, H = q.shape[0], x.heads
     caps = backend.caps
     counts: Counter[str] = Counter()
-    timer = StageTimer(device)
+    timer = DetailedStageTimer(device) if x.stage_places else StageTimer(device)
     stage = _Stage(counts, timer)  # stages do not nest
 
     # fp8 P·V reads V keys-last ([H, 128, columns]) when the backend takes it: the pack
@@ -318,7 +332,14 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     # tensor view costs the host 2-5 us: chunks of equal size share their workspace views, and
     # a chunk whose query rows are all of the request's uses the whole tensors, not slices.
     ws_views: dict[int, _WorkspaceViews] = {}
+    stop, planned = x.stop, len(x.chunks)
+    ends: list[torch.cuda.Event] = []  # each chunk's last end event, with a stop signal on a GPU
     for i, (c, m) in enumerate(zip(x.chunks, meta, strict=True)):
+        timer.chunk = i
+        if stop is not None:
+            if i >= STOP_AHEAD and ends:
+                ends[i - STOP_AHEAD].synchronize()  # the device is STOP_AHEAD chunks behind at most
+            stop.check(i, planned)
         rows = c.rows
         # this chunk's query rows of q, out and lse (out/lse are None only when single, and
         # then the chunk is the whole request)
@@ -386,6 +407,8 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
                     merge(out_c, lse_c, o_c, l_c)
         if observer is not None:
             observer(i, c, q_c, generic_kv_concat(k_nope, views.k_pe) if unpacked else k, v, o_c, l_c)
+        if stop is not None and timer.cuda:
+            ends.append(cast(torch.cuda.Event, timer.last))
 
     if out is None or lse is None:  # set above: allocated, or (single) the backend's result
         raise AssertionError("the chunk loop ended without its result tensors")

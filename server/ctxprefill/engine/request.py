@@ -12,7 +12,13 @@ explicit plan, the layer, the expected instance. Each failure raises the
   table too short, a workspace outside ``[block_size, the engine's]``, a plan that does
   not cover the context once and in order;
 - ``OutOfRange``: a slot, block id or layer outside what the engine holds;
-- ``FailedPrecondition``: ``expected_instance_id`` set and not this engine's.
+- ``FailedPrecondition``: ``expected_instance_id`` set and not this engine's;
+- ``ResourceExhausted``: more context tokens × heads than ``max_context_token_heads``
+  (the work of one request: CONTRACT §8, ``--max-context-token-heads``).
+
+A request may carry a :class:`StopSignal`: the chunk loop asks it between chunks and
+stops (``DeadlineExceeded`` / ``Cancelled``) once its deadline passed or its caller went
+away; nothing is written then.
 
 What the wire adds (a tensor's byte length, message size limits, shared-memory
 placement) is the service's to check before it builds these.
@@ -21,13 +27,14 @@ placement) is the service's to check before it builds these.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from ..config import EngineConfig
-from ..errors import FailedPrecondition, InvalidArgument, OutOfRange
+from ..errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted
 from .plan import ContextChunk, plan_chunks, validate_plan
 
 #: entries of the padded block-table matrix built per request (sequences x the longest
@@ -44,6 +51,48 @@ _LATENT_DTYPES = (torch.bfloat16, torch.float32)
 
 def dtype_name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES.get(dtype, str(dtype))
+
+
+class StopSignal:
+    """Whether a request's work should stop, asked by the chunk loop before each chunk:
+    its ``deadline`` (``time.monotonic()`` seconds) passed, :meth:`cancel` was called (from
+    any thread: the caller went away), or ``gone()`` says the caller went away. It reads a
+    flag and the clock: no device sync."""
+
+    __slots__ = ("deadline", "gone", "_reason")
+
+    def __init__(self, deadline: float | None = None, gone: Callable[[], bool] | None = None):
+        self.deadline = deadline
+        self.gone = gone
+        self._reason: str | None = None
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop at the next chunk; ``reason``: "cancelled", or "deadline" where the caller
+        knows its deadline passed (gRPC cancels a call whose deadline passes)."""
+        if self._reason is None:
+            self._reason = reason
+
+    def reason(self) -> str | None:
+        """"deadline", "cancelled", or None while the work goes on."""
+        if self._reason is not None:
+            return self._reason
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return "deadline"
+        if self.gone is not None and self.gone():
+            return "cancelled"
+        return None
+
+    def check(self, done: int, planned: int) -> None:
+        """Raise ``DeadlineExceeded`` / ``Cancelled`` when the work should stop, ``done`` of
+        ``planned`` chunks queued."""
+        why = self.reason()
+        if why is None:
+            return
+        if why == "deadline":
+            raise DeadlineExceeded(f"the deadline passed after {done} of {planned} chunks; the request was stopped "
+                                   f"and wrote nothing", done, planned)
+        raise Cancelled(f"the caller went away after {done} of {planned} chunks; the request was stopped and "
+                        f"wrote nothing", done, planned)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +159,8 @@ class PrefillRequest:
     expected_instance_id: when set, the engine's ``instance_id`` it must be.
     cache_write: latents written into the same layer's cache after the attention
         (which never sees them); its ``layer`` and ``expected_instance_id`` are unused.
+    stop: asked between chunks; when it says stop, the request ends with
+        ``DeadlineExceeded`` / ``Cancelled`` and its ``cache_write`` is not written.
 
     The result (``PrefillResult``): out bf16 ``[Tq, H, V]`` (V = 128) and lse float32
     ``[H, Tq]``, natural log; a row without context is 0 / -inf.
@@ -122,6 +173,7 @@ class PrefillRequest:
     layer: int | None = None
     expected_instance_id: str | None = None
     cache_write: WriteRequest | None = None
+    stop: StopSignal | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +198,7 @@ class CheckedPrefill:
     block_table: np.ndarray  # int32 [S, max(1, longest used table)], every used entry in range
     chunks: list[ContextChunk]
     cache_write: CheckedWrite | None
+    stop: StopSignal | None = None
 
 
 def check_instance(expected: str | None, instance_id: str) -> None:
@@ -257,6 +310,7 @@ def validate_prefill(request: PrefillRequest, config: EngineConfig, instance_id:
     query_lens: list[int] = []
     context_lens: list[int] = []
     max_need = 0
+    total_context, max_work = 0, config.max_context_token_heads
     for i, s in enumerate(seqs):
         ql, cl = int(s.query_len), int(s.context_len)
         if ql < 0:
@@ -274,6 +328,14 @@ def validate_prefill(request: PrefillRequest, config: EngineConfig, instance_id:
         if len(s.block_table) < need:
             raise InvalidArgument(f"sequences[{i}].block_table",
                                   f"has {len(s.block_table)} blocks; context_len {cl} needs {need} blocks of {bs}")
+        total_context += cl
+        if total_context * H > max_work:  # a well-formed request's work; before its table is read
+            raise ResourceExhausted(
+                f"sequences[{i}].context_len",
+                f"sequences[0..{i}] hold {total_context} context tokens: x {H} heads = {total_context * H} "
+                f"context-token-heads, over this server's --max-context-token-heads {max_work}; split the request "
+                f"(at most {max_work // H} context tokens each here)",
+            )
         used = _used_blocks(s.block_table, need)
         if need and (used.min() < 0 or used.max() >= num_blocks):
             j = int(np.flatnonzero((used < 0) | (used >= num_blocks))[0])
@@ -300,4 +362,4 @@ def validate_prefill(request: PrefillRequest, config: EngineConfig, instance_id:
     write = None
     if request.cache_write is not None:
         write = _checked_write(request.cache_write, config, position, "cache_write.")
-    return CheckedPrefill(q, position, W, query_lens, context_lens, block_table, chunks, write)
+    return CheckedPrefill(q, position, W, query_lens, context_lens, block_table, chunks, write, request.stop)

@@ -16,11 +16,16 @@ on the device's clock on a GPU. A request's wall time minus its span is host wor
 and after the device's; the span minus the stages' sum is time between stages (device
 work outside them, or the device waiting on the host) — how ``ctxprefill bench`` splits
 the gap it reports.
+
+:class:`DetailedStageTimer` also keeps where each stage lies — its chunk, its start and
+its duration (:class:`StageSpan`), read with the durations, in the same sync: what a
+request's trace shows (``ctxprefill.service.tracing``). The plain timer keeps none.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -37,11 +42,29 @@ Mark = torch.cuda.Event | int
 #: host ~1 us more each
 Started = tuple[str, Mark]
 
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageSpan:
+    """One stage of a request's chunk loop, as :class:`DetailedStageTimer` saw it."""
+
+    stage: str
+    chunk: int  # the chunk's index in the plan; -1: before the first chunk (the output's initialisation)
+    start_ns: int  # perf_counter_ns clock; on a GPU the first stage's issue time plus its device offset
+    duration_ns: int  # on the device's clock on a GPU
+
+
 # device index -> events ready for reuse (list append/pop are atomic under the GIL)
 _POOLS: dict[int, list[torch.cuda.Event]] = defaultdict(list)
 
 
 class StageTimer:
+    #: set by the chunk loop to the index of the chunk it runs (DetailedStageTimer files stages under it)
+    chunk = -1
+    #: DetailedStageTimer: every stage's place, once finished; the plain timer keeps none
+    stages: list[StageSpan] | None = None
+    #: read each stage's start (from the first stage's) with the durations, on a GPU
+    _offsets = False
+
     def __init__(self, device: torch.device | str):
         device = torch.device(device)
         self.cuda = device.type == "cuda"
@@ -86,6 +109,11 @@ class StageTimer:
             self._ns[name] += b - cast(int, a)
         self._last = b
 
+    @property
+    def last(self) -> Mark | None:
+        """The last stage's end: a recorded CUDA event on a GPU (valid until :meth:`finish`)."""
+        return self._last
+
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
         started = self.begin(name)
@@ -104,16 +132,71 @@ class StageTimer:
                 events = cast(list[tuple[str, torch.cuda.Event, torch.cuda.Event]], self._events)
                 first, last = cast(torch.cuda.Event, self._first), cast(torch.cuda.Event, self._last)
                 last.synchronize()
-                ms = _elapsed_ms([(first, last)] + [(a, b) for _, a, b in events])
+                pairs = [(first, last)] + [(a, b) for _, a, b in events]
+                if self._offsets:
+                    pairs += [(first, a) for _, a, _ in events]
+                ms = _elapsed_ms(pairs)
                 self.span_ns = int(ms[0] * 1e6)
-                for (name, a, b), t in zip(events, ms[1:], strict=True):
+                n = len(events)
+                for (name, a, b), t in zip(events, ms[1 : n + 1], strict=True):
                     self._ns[name] += int(t * 1e6)
                     self._pool.extend((a, b))  # read: free to record again
+                if self._offsets:
+                    self._place([int(t * 1e6) for t in ms[n + 1 :]], [int(t * 1e6) for t in ms[1 : n + 1]])
             self._events.clear()
         elif self._last is not None:
             self.span_ns = cast(int, self._last) - cast(int, self._first)
+            if self._offsets:
+                self._place(*self._host_marks())
         self._first = self._last = None
         return dict(self._ns), time.perf_counter_ns() - self._t0
+
+    def _host_marks(self) -> tuple[list[int], list[int]]:
+        """(each stage's start from the first stage's, its duration) on the CPU (DetailedStageTimer)."""
+        raise NotImplementedError
+
+    def _place(self, offsets_ns: list[int], durations_ns: list[int]) -> None:
+        """Keep each ended stage's place (DetailedStageTimer)."""
+        raise NotImplementedError
+
+
+class DetailedStageTimer(StageTimer):
+    """A :class:`StageTimer` that also keeps each stage's :class:`StageSpan` (in
+    :attr:`stages` after :meth:`finish`): the chunk it belongs to (``chunk``, set by the
+    loop), its start and its duration. On a GPU the starts are read as device offsets
+    from the first stage's start, with the durations and in the same sync, and placed
+    from the host time the first stage was issued."""
+
+    _offsets = True
+
+    def __init__(self, device: torch.device | str):
+        super().__init__(device)
+        self._ended: list[tuple[str, int, int, int]] = []  # (stage, chunk, start, end); the marks on the CPU
+        self._first_host_ns = 0
+        self.stages: list[StageSpan] | None = None
+
+    def begin(self, name: str) -> Started:
+        if self._first is None:
+            self._first_host_ns = time.perf_counter_ns()
+        return super().begin(name)
+
+    def end(self, started: Started) -> None:
+        super().end(started)
+        name, a = started
+        if self.cuda:
+            self._ended.append((name, self.chunk, 0, 0))
+        else:
+            self._ended.append((name, self.chunk, cast(int, a), cast(int, self._last)))
+
+    def _host_marks(self) -> tuple[list[int], list[int]]:
+        first = cast(int, self._first)
+        self._first_host_ns = first
+        return [a - first for _, _, a, _ in self._ended], [b - a for _, _, a, b in self._ended]
+
+    def _place(self, offsets_ns: list[int], durations_ns: list[int]) -> None:
+        self.stages = [StageSpan(name, chunk, self._first_host_ns + off, dur)
+                       for (name, chunk, _, _), off, dur in zip(self._ended, offsets_ns, durations_ns, strict=True)]
+        self._ended.clear()
 
 
 def _elapsed_ms(pairs: Sequence[tuple[torch.cuda.Event, torch.cuda.Event]]) -> list[float]:

@@ -19,8 +19,11 @@ Shared memory (``--shared-memory``, ``shared_memory.py``): a Tensor with
 ``shared_memory`` set is decoded, given the request's :class:`Lease`, into a view of
 the region's bytes after the reference is checked (``<field>.shared_memory...``);
 nothing is read then. ``from_shared`` makes what the engine uses of it on the engine
-thread (system memory: one copy to the device; CUDA memory: used in place), and
-``write_shared`` / ``encode_shared`` put a result into a region and describe it.
+thread (system memory: one copy, read through the object's descriptor, or by DMA from
+a page-locked mapping; CUDA memory: used in place), and ``write_shared`` /
+``encode_shared`` put a result into a region and describe it. The CPU never loads or
+stores a system region's mapping (a shrunk object would make that SIGBUS): an object
+shrunk under a request fails the request (FAILED_PRECONDITION naming the region).
 An index tensor (``index=True``) is copied out of shared memory at once, so that the
 values checked are the values used.
 
@@ -51,7 +54,7 @@ from ..engine.plan import ContextChunk
 from ..engine.request import PrefillRequest, ReadRequest, SequenceSpec, WriteRequest
 from ..errors import InvalidArgument
 from .inline_views import data_views
-from .shared_memory import DEVICE_ALIGNMENT, Lease, off_message
+from .shared_memory import DEVICE_ALIGNMENT, Lease, off_message, span_of, with_span
 from .transport import Placement
 
 # frombuffer on an immutable `bytes` warns that writes would be undefined; we never write.
@@ -193,14 +196,16 @@ def _decode_shared(msg: pb.Tensor, field: str, shape: tuple[int, ...], value_dty
         raise InvalidArgument(f"{field}.data", f"has {data_len} bytes; it must be empty when {where} is set")
     region, raw = shm.resolve(msg.shared_memory, where, need, storage_dtype.itemsize, allow_cuda=not index)
     shm.count(region.kind, "in", need)
-    if index:
-        raw = raw.clone()  # the values checked are the values used, whatever the caller writes meanwhile
+    span = span_of(raw)
     if need == 0:
-        return torch.empty(shape, dtype=value_dtype, device=raw.device)
+        return torch.empty(shape, dtype=value_dtype, device=raw.device if raw.is_cuda else "cpu")
+    if index:
+        # the values checked are the values used, whatever the caller writes meanwhile
+        raw = span.read(where) if span is not None else raw.clone()
 
     def typed() -> torch.Tensor:
         t = raw.view(storage_dtype).view(shape)
-        return t.view(value_dtype) if storage_dtype != value_dtype else t
+        return with_span(t.view(value_dtype) if storage_dtype != value_dtype else t, None if index else span)
 
     if index:  # a private copy: nothing to reuse
         return typed()
@@ -208,29 +213,47 @@ def _decode_shared(msg: pb.Tensor, field: str, shape: tuple[int, ...], value_dty
     return region.view((int(ref.offset), need, storage_dtype, value_dtype, tuple(shape)), typed)
 
 
-def from_shared(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def from_shared(t: torch.Tensor, device: torch.device, field: str = "") -> torch.Tensor:
     """What the engine uses of a tensor that views shared memory (call on the engine
-    thread): system memory is copied once (to the device, or to private host memory on
-    a CPU server, so that the caller cannot change it under the computation); CUDA
-    memory is used in place, unless its address is not 16-byte aligned (then copied
-    on the device)."""
+    thread; ``field``: the tensor's, for errors): system memory is copied once — read
+    through the object's descriptor into private host memory (page-locked on a CUDA
+    server, then copied to the device), or by DMA from a page-locked mapping — so that
+    the caller cannot change it under the computation; CUDA memory is used in place,
+    unless its address is not 16-byte aligned (then copied on the device)."""
     if t.is_cuda:
         return t if t.numel() == 0 or t.data_ptr() % DEVICE_ALIGNMENT == 0 else t.clone()
+    span = span_of(t)
+    if span is not None and not (span.dma and device.type == "cuda"):
+        cuda = device.type == "cuda"
+        host = span.read(f"{field}.shared_memory" if field else "shared_memory", pin=cuda).view(t.dtype).view(t.shape)
+        return host.to(device, non_blocking=True) if cuda else host
+    if t.device.type == "meta":  # pragma: no cover - every meta view carries its span
+        raise AssertionError("a shared-memory placeholder without its span")
     if device.type == "cpu":
         return t.clone()
     return t.to(device)
 
 
-def write_shared(dst: torch.Tensor, src: torch.Tensor) -> None:
+def write_shared(dst: torch.Tensor, src: torch.Tensor, field: str = "") -> None:
     """Copy ``src``'s bytes (row-major) into ``dst``, a uint8 view of a region of the same
-    byte size: a device copy into CUDA memory, one device-to-host copy (or a memcpy on a
-    CPU server) into system memory. Queued on the current stream without waiting when
-    ``dst`` is device or page-locked memory (CUDA makes a copy into pageable memory wait
-    by itself); the caller waits for the stream before the bytes are read."""
+    byte size (``field``: the placement's, for errors): a device copy into CUDA memory
+    or a page-locked mapping, queued on the current stream without waiting (the caller
+    waits for the stream before the bytes are read); into other system memory, written
+    through the object's descriptor once the device has produced ``src`` (an object
+    shrunk under the range: FAILED_PRECONDITION naming ``<field>.region``)."""
     src = src.detach().contiguous()
     if src.numel() == 0:
         return
-    dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+    bits = src.reshape(-1).view(torch.uint8)
+    span = span_of(dst)
+    if span is not None and not (span.dma and bits.is_cuda):
+        if bits.is_cuda:
+            host = to_host_queued(bits)  # by DMA into pinned memory, then written once it is there
+            torch.cuda.current_stream(bits.device).synchronize()
+            bits = host
+        span.write(bits, field or "shared_memory")
+        return
+    dst.copy_(bits, non_blocking=True)
 
 
 def encode_shared(dtype: torch.dtype, shape: Sequence[int], region: str, offset: int, nbytes: int) -> pb.Tensor:
@@ -344,9 +367,9 @@ def with_inputs(request: R, names: frozenset[str], device: torch.device) -> R:
         if owner:
             inner = getattr(out, owner)
             out = dataclasses.replace(out, **{owner: dataclasses.replace(
-                inner, **{field: from_shared(getattr(inner, field), device)})})
+                inner, **{field: from_shared(getattr(inner, field), device, name)})})
         else:
-            out = dataclasses.replace(out, **{field: from_shared(getattr(out, field), device)})
+            out = dataclasses.replace(out, **{field: from_shared(getattr(out, field), device, name)})
     result: R = out
     return result
 
@@ -384,7 +407,7 @@ def place_results(out: torch.Tensor, lse: torch.Tensor, out_to: Placement | None
             placed.append(to_host_queued(t))
             continue
         nbytes = t.numel() * t.element_size()
-        write_shared(to.view, t)
+        write_shared(to.view, t, "output_region" if t is out else "lse_region")
         assert lease is not None  # it holds the placement's region
         lease.count(to.kind, "out", nbytes)
         placed.append(encode_shared(t.dtype, t.shape, to.region, to.offset, nbytes))

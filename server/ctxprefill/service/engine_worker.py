@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from ..engine.request import StopSignal
 from .interceptors import DEADLINE_SLACK_S, RpcStatusError
 from .metrics import Metrics
 from .request_ring import AttachedRing
@@ -74,7 +75,8 @@ class EngineWorker:
     ``submit`` returns an asyncio future; cancelling it before the call starts drops
     the call at once: it leaves the queue depth right away (not when its turn would
     have come) and is counted as ``rejected{reason="deadline"}`` when its deadline had
-    passed, ``rejected{reason="cancelled"}`` otherwise. A call whose ``deadline``
+    passed, ``rejected{reason="cancelled"}`` otherwise; cancelling it while it runs
+    cancels its ``stop`` signal, which the chunk loop asks between chunks. A call whose ``deadline``
     (``time.monotonic()`` seconds) has passed when its turn comes is not run either
     (``reason="deadline"``). The thread is a daemon so that a call still running after
     the drain's grace period cannot keep the process alive.
@@ -108,22 +110,32 @@ class EngineWorker:
             self.metrics.queue_depth.set(self._waiting)
             return True
 
-    def submit(self, fn: Callable[[], T], deadline: float | None = None) -> asyncio.Future[T]:
+    def submit(self, fn: Callable[[], T], deadline: float | None = None,
+               stop: StopSignal | None = None) -> asyncio.Future[T]:
         cf: concurrent.futures.Future[T] = concurrent.futures.Future()
         job = _Job(cf, contextvars.copy_context(), fn, deadline)
         with self._lock:
             self._waiting += 1
             self.metrics.queue_depth.set(self._waiting)
 
+        def expired() -> bool:
+            # gRPC cancels a call when its deadline passes; allow for the two clocks
+            return deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
+
         def on_done(f: concurrent.futures.Future[T]) -> None:
             if f.cancelled() and self._leave_queue(job):
-                # gRPC cancels a call when its deadline passes; allow for the two clocks
-                expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
-                self.metrics.rejected.labels(reason="deadline" if expired else "cancelled").inc()
+                self.metrics.rejected.labels(reason="deadline" if expired() else "cancelled").inc()
 
         cf.add_done_callback(on_done)
         self._q.put(job)
-        return asyncio.wrap_future(cf)
+        awaited = asyncio.wrap_future(cf)
+        if stop is not None:
+            def on_cancel(f: asyncio.Future[T]) -> None:
+                if f.cancelled():  # the caller went away: a running call stops at its next chunk
+                    stop.cancel("deadline" if expired() else "cancelled")
+
+            awaited.add_done_callback(on_cancel)
+        return awaited
 
     def stop(self) -> None:
         self._q.put(None)
@@ -155,6 +167,7 @@ class EngineWorker:
                 return
             if isinstance(item, _Job):
                 self._call(item)
+                item = None  # its future holds the result (an answer's tensor): not until the next job
             if rings and self._poll_rings(rings):
                 hot_until = time.monotonic() + self.ring_spin_s
 

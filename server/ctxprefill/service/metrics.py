@@ -11,8 +11,10 @@ the gRPC metrics (go-grpc-prometheus names) are fed by the server interceptor.
 
 from __future__ import annotations
 
+from typing import Any
+
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 # `_created` series only double the page; they are process-global in prometheus_client.
 prometheus_client.disable_created_metrics()
@@ -26,19 +28,30 @@ DURATION_BUCKETS = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )
 
+#: the ``grpc_type`` label, indexed by client_streaming + 2 * server_streaming
 GRPC_TYPES = ("unary", "client_stream", "server_stream", "bidi_stream")
+
+
+def grpc_type(client_streaming: bool, server_streaming: bool) -> str:
+    """The go-grpc-prometheus ``grpc_type`` of a method."""
+    return GRPC_TYPES[int(client_streaming) + 2 * int(server_streaming)]
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
 
+#: why a running PrefillContext stopped between chunks (ctxprefill_stopped_requests_total)
+STOP_REASONS = ("deadline", "cancelled")
 REJECT_REASONS = ("queue_full", "draining", "starting", "deadline", "cancelled", "out_of_memory",
-                  "unauthenticated", "permission_denied")
+                  "unauthenticated", "permission_denied", "inflight_bytes", "answer_bytes", "receive_timeout")
 
 
 class Metrics:
     def __init__(self) -> None:
         self._children: dict = {}
+        self._num_slots = 0  # the cache's slots, every layer's (init_engine)
         r = self.registry = CollectorRegistry(auto_describe=True)
+        # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ... (Linux /proc)
+        ProcessCollector(registry=r)
         # -- engine ---------------------------------------------------------------------
         self.kernel_launches = Counter(
             "ctxprefill_kernel_launches_total",
@@ -74,17 +87,30 @@ class Metrics:
         self.rejected = Counter(
             "ctxprefill_rejected_requests_total",
             "Requests refused without being run, by reason (queue_full, draining, starting, deadline, cancelled, "
-            "out_of_memory, unauthenticated, permission_denied).",
+            "out_of_memory, unauthenticated, permission_denied, inflight_bytes, answer_bytes, receive_timeout).",
+            ["reason"], registry=r,
+        )
+        self.stopped = Counter(
+            "ctxprefill_stopped_requests_total",
+            "PrefillContext requests stopped between two chunks while they ran, by reason (deadline, cancelled); "
+            "the chunks they computed count in ctxprefill_chunks_total.",
             ["reason"], registry=r,
         )
         self.cache_slots_used = Gauge(
             "ctxprefill_cache_slots_used", "Cache slots written at least once since the start.", registry=r
         )
-        # A constant, but CONTRACT §9 names it `_total`, and promtool accepts that suffix only on a
-        # counter: so it is a counter, incremented once by the cache size when the cache exists.
+        # A constant, but CONTRACT §9 names it `_total`, and `promtool check metrics` (which §9 also
+        # requires to pass) refuses that suffix on anything but a counter ('non-counter metrics should not
+        # have "_total" suffix'): so it is a counter, incremented once by the cache size when the cache
+        # exists. ctxprefill_cache_usage_ratio is the gauge to read.
         self.cache_slots_total = Counter(
             "ctxprefill_cache_slots_total", "Cache slots (num_blocks * block_size), counted once when allocated.",
             registry=r,
+        )
+        self.cache_usage = Gauge(
+            "ctxprefill_cache_usage_ratio",
+            "Fraction of the cache's slots written at least once since the start (ctxprefill_cache_slots_used / "
+            "ctxprefill_cache_slots_total; 0 until the cache exists).", registry=r,
         )
         self.build_info = Gauge(
             "ctxprefill_build_info", "Constant 1, labelled with the server version, attention backend and device.",
@@ -167,7 +193,11 @@ class Metrics:
         self.fused_kernels_active.set(1 if fused_kernels_active else 0)
         for reason in REJECT_REASONS:  # zero series, so that rate() and alerts see them from the start
             self.rejected.labels(reason=reason)
+        for reason in STOP_REASONS:
+            self.stopped.labels(reason=reason)
         self.cache_slots_total.inc(num_slots)
+        self._num_slots = num_slots
+        self.cache_usage.set(0)
         for stage in STAGES:
             self.kernel_launches.labels(stage=stage, path=path)
         self.chunks.labels(path=path)
@@ -195,10 +225,12 @@ class Metrics:
             if n:
                 self.shm_transfer.labels(kind=kind, direction=direction).inc(n)
 
-    def init_grpc_methods(self, service: str, methods: list[str]) -> None:
-        """Zero series for every method of ``service`` (as go-grpc-prometheus's InitializeMetrics)."""
-        for m in methods:
-            lab = {"grpc_type": "unary", "grpc_service": service, "grpc_method": m}
+    def init_grpc_methods(self, service: Any) -> None:
+        """Zero series for every method of ``service`` (a protobuf ``ServiceDescriptor``), each
+        with its own ``grpc_type`` (as go-grpc-prometheus's InitializeMetrics)."""
+        for m in service.methods:
+            lab = {"grpc_type": grpc_type(m.client_streaming, m.server_streaming), "grpc_service": service.full_name,
+                   "grpc_method": m.name}
             self.grpc_started.labels(**lab)
             self.grpc_handled.labels(**lab, grpc_code="OK")
             self.grpc_msg_received.labels(**lab)
@@ -230,10 +262,18 @@ class Metrics:
             self._child(self.stage_duration, stage).observe(ns / 1e9)
         self.request_duration.observe(total_seconds)
 
+    def observe_stopped(self, reason: str, chunks_done: int, path: str) -> None:
+        """A PrefillContext request stopped after ``chunks_done`` chunks (``errors.Stopped``)."""
+        self._child(self.stopped, reason).inc()
+        if chunks_done:
+            self._child(self.chunks, path).inc(chunks_done)
+
     def observe_insert(self, launches: int, path: str, slots_used: int) -> None:
         if launches:
             self.kernel_launches.labels(stage="insert", path=path).inc(launches)
         self.cache_slots_used.set(slots_used)
+        if self._num_slots:
+            self.cache_usage.set(slots_used / self._num_slots)
 
     def render(self) -> bytes:
         """The page served at /metrics (Prometheus text format 0.0.4)."""

@@ -11,6 +11,8 @@ request ring's — as a :class:`PrefillCall`:
    ``cache_write``; it returns the function that finishes the request:
 3. finish (engine thread): wait for the request and its results' copies, account the
    metrics and release the regions (or hand both to ``defer``: a ring answers first);
+   a request whose ``stop`` signal fires (deadline, caller gone) ends between two chunks
+   with ``errors.Stopped``, counted, its cache_write not written;
 4. :meth:`PrefillCall.response`: the response message (``codec``).
 
 ``Stats.validate_nanos`` ... ``output_nanos`` are the spans between those steps.
@@ -28,8 +30,9 @@ from typing import Any
 import torch
 
 from ..engine.engine import Engine, PendingPrefill, PrefillStats
-from ..engine.request import PrefillRequest
-from . import codec, transport
+from ..engine.request import PrefillRequest, StopSignal
+from ..errors import Stopped
+from . import codec, tracing, transport
 from .metrics import Metrics
 from .shared_memory import Lease, SharedMemoryRegistry
 
@@ -76,6 +79,8 @@ class PrefillCall:
     lse_to: transport.Placement | None  # lse_region, when set
     t0: int  # perf_counter_ns at the handler's start
     t_valid: int  # ... once decoded and checked
+    stop: StopSignal = dataclasses.field(default_factory=StopSignal)  # asked between chunks
+    trace: tracing.RpcTrace | None = None  # the sampled RPC span its stage spans go under (tracing on)
 
     @classmethod
     def open(cls, engine: Engine, metrics: Metrics, msg: Any, request_id: str, shm: SharedMemoryRegistry,
@@ -91,7 +96,8 @@ class PrefillCall:
             if lease is not None:
                 lease.abandon()
             raise
-        return cls(engine, metrics, decoded, request_id, lease, out_to, lse_to, t0, time.perf_counter_ns())
+        return cls(engine, metrics, decoded, request_id, lease, out_to, lse_to, t0, time.perf_counter_ns(),
+                   trace=tracing.current())
 
     def abandon(self) -> None:
         """The handler is done with the request: its regions are released here if its work
@@ -126,7 +132,8 @@ class PrefillCall:
                 torch.cuda.current_stream(engine.device).synchronize()  # input_nanos: the copy itself
             t_in = time.perf_counter_ns()
             request = codec.with_inputs(request, shared - {"q"}, engine.device)
-            pending = engine.start_prefill(request)
+            pending = engine.start_prefill(dataclasses.replace(request, stop=self.stop),
+                                           timeline=self.trace is not None)
             results = codec.place_results(pending.out, pending.lse, self.output_to, self.lse_to, lease)
             # the copies are queued before the next ring request's work (request rings start
             # it before this one is answered): waiting for them waits for this request only
@@ -140,8 +147,10 @@ class PrefillCall:
             if request.cache_write is not None:
                 self.metrics.observe_insert(written.launches, "fused" if engine.config.fused else "generic",
                                             engine.cache_slots_used)
-        except BaseException:
+        except BaseException as e:
             self._release()
+            if isinstance(e, Stopped):
+                self.metrics.observe_stopped(e.reason, e.chunks_done, "fused" if engine.config.fused else "generic")
             raise
         started = _Started(pending, results, placed, written.slots_written, t_start, t_in, defer,
                            any(name.startswith("cache_write.") for name in shared))
@@ -187,6 +196,9 @@ class PrefillCall:
         st = done.stats
         log.info("prefill done", extra={"chunks": len(st.chunks), "context_tokens": st.context_tokens,
                                         "query_tokens": st.query_tokens, "total_ms": round(done.total_ns / 1e6, 3)})
+        if self.trace is not None:
+            tracing.record_prefill(self.trace, request_id=self.request_id, t0=self.t0, phases=done.phases, stats=st,
+                                   device_clock=self.engine.device.type == "cuda")
         return codec.prefill_response(out=done.out, lse=done.lse, stats=st, total_ns=done.total_ns,
                                       phases=done.phases, slots_written=done.slots_written,
                                       instance_id=self.engine.instance_id, request_id=self.request_id)

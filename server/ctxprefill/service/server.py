@@ -1,9 +1,10 @@
 """``ctxprefill serve``'s lifecycle: the gRPC server and the HTTP server, in one event loop
 (the parts are built by the composition root, ``ctxprefill.app``).
 
-Start-up: bind the gRPC port (PrefillContextService, ``grpc.health.v1`` and
-reflection) and the metrics port (uvicorn: /metrics, /healthz, /readyz), so that
-liveness answers at once; then build the engine (weights, cache, backend) and run a
+Start-up (the weights already loaded and checked by ``app.serve``: a weights error
+exits before anything listens): bind the gRPC port (PrefillContextService,
+``grpc.health.v1`` and reflection) and the metrics port (uvicorn: /metrics, /healthz,
+/readyz), so that liveness answers at once; then build the engine (cache, backend) and run a
 warm-up request through it on the engine thread, so that kernels are built or
 compiled before the first real request. Only then is the server ready: health
 ``ctxprefill.v1.PrefillContextService`` = SERVING, ``/readyz`` = 200. Until then the
@@ -38,7 +39,9 @@ from ..engine.engine import Engine
 from ..errors import ConfigError
 from ..settings import ServeSettings
 from .engine_worker import EngineWorker
-from .http import HttpApp, bind_socket, make_uvicorn_server
+from .exposure import check_exposure, describe_exposure, metrics_host
+from .http import HttpApp, bind_socket, make_uvicorn_server, rate_limit_logs
+from .interceptors import MemoryLimits
 from .logs import lifecycle
 from .metrics import Metrics
 from .security import Security
@@ -58,6 +61,32 @@ class ServerParts:
     health: health.aio.HealthServicer  # ctxprefill.v1.PrefillContextService: NOT_SERVING until ready
 
 
+def memory_limits(s: ServeSettings) -> MemoryLimits:
+    """What the memory interceptor enforces (``interceptors/memory.py``)."""
+    answer = min(s.max_answer_bytes, s.max_message_bytes)
+    return MemoryLimits(max_message_bytes=s.max_message_bytes, max_inflight_bytes=s.max_inflight_bytes,
+                        max_answer_bytes=answer, receive_timeout_s=s.receive_timeout_s)
+
+
+#: streams one connection may have open at once (a client's further calls wait for one to end)
+MAX_CONCURRENT_STREAMS = 256
+
+
+def grpc_options(s: ServeSettings) -> list[tuple[str, int]]:
+    """The gRPC server's channel arguments. Flow control: gRPC opens a stream's window to
+    a whole message only once the message is read (``interceptors/memory.py`` decides
+    when); until then a stream may send the initial window, 64 KiB with BDP probing off
+    (with it on, gRPC grows the initial window of every stream to tens of MiB, which a
+    client can fill on streams never read)."""
+    return [
+        ("grpc.max_send_message_length", s.max_message_bytes),
+        ("grpc.max_receive_message_length", s.max_message_bytes),
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+        ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
+    ]
+
+
 def grpc_address(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
@@ -72,6 +101,8 @@ async def run(s: ServeSettings, security: Security, parts: ServerParts,
     t_start = time.perf_counter()
     server, servicer, worker = parts.grpc_server, parts.servicer, parts.worker
     address = grpc_address(s.host, s.port)
+    exposure = check_exposure(s, security)  # ConfigError where it needs --allow-insecure
+    rate_limit_logs()  # a flood of connections must not flood the log too
     try:
         if security.credentials is not None:
             grpc_port = server.add_secure_port(address, security.credentials)
@@ -79,10 +110,20 @@ async def run(s: ServeSettings, security: Security, parts: ServerParts,
             grpc_port = server.add_insecure_port(address)
     except RuntimeError as e:
         raise ConfigError(f"--port {s.port}: cannot bind gRPC to {address}: {e}") from None
+    if s.unix_socket:  # same-host callers (containers mounting it); served like the port
+        try:
+            if security.credentials is not None:
+                server.add_secure_port(f"unix:{s.unix_socket}", security.credentials)
+            else:
+                server.add_insecure_port(f"unix:{s.unix_socket}")
+        except RuntimeError as e:
+            raise ConfigError(f"--unix-socket {s.unix_socket}: cannot bind gRPC to it (a file that is not a socket "
+                              f"is never replaced; the path must be at most 107 bytes): {e}") from None
+    http_host = metrics_host(s)
     try:
-        sock = bind_socket(s.host, s.metrics_port)
+        sock = bind_socket(http_host, s.metrics_port)
     except OSError as e:
-        raise ConfigError(f"--metrics-port {s.metrics_port}: cannot bind {s.host}:{s.metrics_port}: {e}") from None
+        raise ConfigError(f"--metrics-port {s.metrics_port}: cannot bind {http_host}:{s.metrics_port}: {e}") from None
     metrics_port = sock.getsockname()[1]
     app = HttpApp(parts.metrics, is_ready=lambda: servicer.state == servicer.READY, state=lambda: servicer.state)
     http = make_uvicorn_server(app, sock)
@@ -106,8 +147,13 @@ async def run(s: ServeSettings, security: Security, parts: ServerParts,
 
     await server.start()
     http_task = asyncio.create_task(http.serve(sockets=[sock]), name="uvicorn")
-    lifecycle.info("listening", extra={"grpc_port": grpc_port, "metrics_port": metrics_port, "host": s.host,
-                                       "transport": security.transport, "auth_token": security.token is not None})
+    # one line says who can reach what; beyond loopback without credentials it is a warning
+    lifecycle.log(logging.WARNING if exposure.insecure else logging.INFO, "listening", extra={
+        "grpc_port": grpc_port, "metrics_port": metrics_port, "host": s.host, "metrics_host": http_host,
+        "unix_socket": s.unix_socket,
+        "transport": security.transport, "auth_token": security.token is not None,
+        "exposure": describe_exposure(exposure, grpc_address(s.host, grpc_port), grpc_address(http_host, metrics_port)),
+    })
 
     try:
         # -- build the engine and warm it up, on the engine thread (it owns the device)

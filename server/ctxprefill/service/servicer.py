@@ -11,7 +11,8 @@ request (RESOURCE_EXHAUSTED), after freeing what it held. PrefillContext's steps
 ``prefill.py``'s; its stream and request rings answer in-band (``streams.py``).
 
 Shared memory (``--shared-memory``; ``shared_memory.py``, docs/TRANSPORT.md): the four
-region RPCs, and tensors and outputs placed in registered regions. A request holds a
+region RPCs, and tensors and outputs placed in registered regions, for callers on this
+host only (``context.peer()`` a unix-domain socket or loopback; else PERMISSION_DENIED). A request holds a
 lease on the regions it uses from decoding until its work on the engine thread is done
 (device synchronized), so that unregistering never pulls memory from under it.
 
@@ -34,7 +35,7 @@ from ctxprefill_api import pb, pb_grpc
 
 from .. import __version__
 from ..engine.engine import Engine
-from ..engine.request import WriteRequest, check_instance
+from ..engine.request import StopSignal, WriteRequest, check_instance
 from ..settings import ServeSettings, shared_memory_kinds
 from . import codec, streams, transport
 from .engine_worker import EngineWorker
@@ -44,7 +45,7 @@ from .logs import request_id_for_logs, request_id_var
 from .metrics import Metrics
 from .prefill import PrefillCall
 from .request_ring import RingTable
-from .shared_memory import CUDA, SYSTEM, Lease, SharedMemoryRegistry
+from .shared_memory import CUDA, SYSTEM, Lease, SharedMemoryRegistry, caller_peer, require_local
 
 log = logging.getLogger("ctxprefill.service")
 
@@ -133,20 +134,24 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                                f"queue full ({self._admitted} requests admitted, limit {self.queue_size}); retry later",
                                "queue_full")
 
-    async def _run(self, fn: Callable[[], T], context: Context) -> T:
-        """Admit (or refuse at once), queue, await the worker's result."""
+    async def _run(self, fn: Callable[[], T], context: Context, stop: StopSignal | None = None) -> T:
+        """Admit (or refuse at once), queue, await the worker's result. ``stop`` gets the
+        call's deadline, and is cancelled when the call is (the work stops between chunks)."""
         self._check_room()
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
+        if stop is not None:
+            stop.deadline = deadline
         self._admitted += 1
         try:
-            return await self.worker.submit(fn, deadline)
+            return await self.worker.submit(fn, deadline, stop)
         finally:
             self._admitted -= 1
 
-    def _lease(self) -> Lease | None:
-        """A lease on shared-memory regions for one request (None when shared memory is off)."""
-        return self.shm.lease() if self.shm.enabled else None
+    def _lease(self, context: Context) -> Lease | None:
+        """A lease on shared-memory regions for one request of this call's peer (None when
+        shared memory is off)."""
+        return self.shm.lease(context.peer()) if self.shm.enabled else None
 
     @staticmethod
     def _path(engine: Engine) -> str:
@@ -160,7 +165,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
 
     async def WriteCache(self, request: Any, context: Context) -> pb.WriteCacheResponse:
         engine = self._gate(admit=True)
-        lease = self._lease()
+        lease = self._lease(context)
         try:
             decoded = codec.decode_write(request, lease)
             n = await self._run(functools.partial(self._write, engine, decoded, lease), context)
@@ -185,7 +190,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
 
     async def ReadCache(self, request: pb.ReadCacheRequest, context: Context) -> Any:
         engine = self._gate(admit=True)
-        lease = self._lease()
+        lease = self._lease(context)
         try:
             read = codec.decode_read(request, lease)
             transport.check_read(read, engine.config, self.max_message_bytes)
@@ -204,9 +209,10 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         t0 = time.perf_counter_ns()
         request_id_var.set(request_id_for_logs(request_id))
         engine = self._gate(admit=True)
+        caller_peer.set(context.peer())  # the regions it names are used as this peer's
         call = PrefillCall.open(engine, self.metrics, request, request_id, self.shm, self.max_message_bytes, t0)
         try:
-            done = await self._run(call.run, context)
+            done = await self._run(call.run, context, call.stop)
         finally:
             call.abandon()
         return call.response(done)
@@ -241,7 +247,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         check_instance(request.expected_instance_id if request.HasField("expected_instance_id") else None,
                        engine.instance_id)
         ring = self.rings.attach(request.region, int(request.offset), int(request.num_slots),
-                                 int(request.slot_bytes))
+                                 int(request.slot_bytes), context.peer())
         self.worker.add_ring(ring)
         self.metrics.request_rings.set(len(self.rings.rings))
         log.info("request ring attached", extra={"ring": ring.ring_id, "region": request.region,
@@ -270,6 +276,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                                          context: Context) -> pb.RegisterSystemSharedMemoryResponse:
         self._gate()
         self.shm.require(SYSTEM)  # refuse cheaply on the event loop; page-locking the mapping takes a while
+        require_local(context.peer())
         r = await asyncio.to_thread(self.shm.register_system, request.name, request.key, request.offset,
                                     request.byte_size)
         return pb.RegisterSystemSharedMemoryResponse(region=region_pb(r.status()))
@@ -278,6 +285,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                                        context: Context) -> pb.RegisterCudaSharedMemoryResponse:
         self._gate()
         self.shm.require(CUDA)  # refuse cheaply on the event loop; opening the handle is a driver call
+        require_local(context.peer())
         r = await asyncio.to_thread(self.shm.register_cuda, request.name, request.raw_handle, request.device_id,
                                     request.offset, request.byte_size)
         return pb.RegisterCudaSharedMemoryResponse(region=region_pb(r.status()))
@@ -285,9 +293,13 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
     async def UnregisterSharedMemory(self, request: pb.UnregisterSharedMemoryRequest,
                                      context: Context) -> pb.UnregisterSharedMemoryResponse:
         self._gate()
+        self.shm.require_any()
+        require_local(context.peer())
         return pb.UnregisterSharedMemoryResponse(names=self.shm.unregister(request.name))
 
     async def GetSharedMemoryStatus(self, request: pb.GetSharedMemoryStatusRequest,
                                     context: Context) -> pb.GetSharedMemoryStatusResponse:
         self._gate()
+        self.shm.require_any()
+        require_local(context.peer())
         return pb.GetSharedMemoryStatusResponse(regions=[region_pb(d) for d in self.shm.status(request.name)])

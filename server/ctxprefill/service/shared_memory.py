@@ -7,41 +7,62 @@ request tensors in it (``Tensor.shared_memory``) and asks for the outputs to be
 written into it (``PrefillContextRequest.output_region`` / ``lse_region``), instead
 of sending megabytes inline through protobuf. Off unless ``--shared-memory``.
 
+This host only. Registering, unregistering, listing and every use of a region (a
+request naming one, a request ring) need a local peer (:func:`peer_is_local`: a
+unix-domain socket, or loopback); any other is PERMISSION_DENIED naming it. A request's
+:class:`Lease` carries the peer of the call it came in on (:data:`caller_peer`).
+
 :class:`SharedMemoryRegistry` is the thread-safe table of regions (the event loop
 registers and resolves; the engine thread releases). Everything a request names is
 checked here before any kernel sees it: the region exists, the range lies inside it,
 the byte size equals the tensor's, the start is aligned to the element size, and a
-system object still covers the region (a caller that shrank it would otherwise turn a
-read into SIGBUS). A failed check raises an error naming the field; nothing changes.
+system object still covers the region. A failed check raises an error naming the
+field; nothing changes.
 
-Lifetimes. A region's bytes are a ``uint8`` tensor: for a system region a view of an
-``mmap`` of the object (``os.open`` with ``O_NOFOLLOW`` + ``mmap``; never
-``multiprocessing.shared_memory``, whose resource tracker on Python <= 3.12 would
-unlink the caller's segment when the server exits); for a CUDA region the tensor
-``ipc_open`` of the CUDA extension returns, whose deleter calls
-``cudaIpcCloseMemHandle``. Views of it keep the mapping alive, so memory is released
-when the last view is gone, never under a reader. A request holds a :class:`Lease`
-on the regions it uses; unregistering removes a region from the table at once (later
-references get NOT_FOUND) and drops the table's reference when no lease holds it.
+System regions are read and written through the object's descriptor (``os.preadv`` /
+``os.pwritev``), never by touching a mapping from the CPU: a caller may shrink its
+object at any moment, and a load or store past the end of a mapping is SIGBUS, which
+kills the process, while a read past the end of a file is short and a write is checked
+first (:meth:`Region.read`, :meth:`Region.write`: FAILED_PRECONDITION naming the
+region). A request's view of a system region is a ``meta`` tensor (shape and dtype,
+no memory) carrying its :class:`Span`; ``codec.from_shared`` / ``write_shared`` copy
+through it.
 
-Pinned system regions. On a CUDA server a system region's mapping is page-locked
-(``cudaHostRegister``) when it is registered, so that q's copy to the device and the
-results' copy into the region run as DMA at the link's rate, queued on the stream,
-instead of through CUDA's pageable staging buffer (measured on the H200 without it:
-4 ms for a 25 MB q, 6 GB/s). It is unlocked (``cudaHostUnregister``) when the region is
-dropped — no request holds it then. A region that cannot be locked (the call fails,
-e.g. locked-memory limits) still works, pageable: ``pinned`` in its status says which.
+Lifetimes. A system region holds the object's descriptor (``os.open`` with
+``O_NOFOLLOW``; never ``multiprocessing.shared_memory``, whose resource tracker on
+Python <= 3.12 would unlink the caller's segment when the server exits); a CUDA region
+the tensor ``ipc_open`` of the CUDA extension returns, whose deleter calls
+``cudaIpcCloseMemHandle``. A request holds a :class:`Lease` on the regions it uses;
+unregistering removes a region from the table at once (later references get
+NOT_FOUND) and drops it (closes the descriptor, unlocks the mapping) when no lease
+holds it. A request ring reads its slots through a descriptor of its own.
+
+Pinned system regions. On a CUDA server a system region is also mapped and the mapping
+page-locked (``cudaHostRegister``) when it is registered, so that q's copy to the
+device and the results' copy into the region run as DMA at the link's rate, queued on
+the stream (H200: 0.49 ms for a 25 MB q, against 3.0 ms through the descriptor). Only the
+device touches that mapping: DMA to pages the driver holds locked raises no signal in
+this process when the object shrinks (the copy then reads or fills pages the object
+no longer has). Index tensors and everything the CPU reads still go through the
+descriptor. It is unlocked (``cudaHostUnregister``) when the region is dropped. A
+region that cannot be locked works through the descriptor alone: ``pinned`` in its
+status says which.
 """
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import errno
+import functools
+import ipaddress
 import logging
 import mmap
 import os
 import re
 import stat
 import threading
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 
@@ -53,6 +74,7 @@ from ..errors import (
     InvalidArgument,
     NotFound,
     OutOfRange,
+    PermissionDenied,
     ResourceExhausted,
     Unimplemented,
 )
@@ -79,6 +101,49 @@ def off_message(what: str = "shared memory") -> str:
     return f"{what} is off on this server; {FLAG_HINT}"
 
 
+# ---------------------------------------------------------------------------- this host only
+
+#: the gRPC peer (``context.peer()``) of the call whose requests are being decoded; the
+#: servicer sets it per call, a request ring's request gets the peer that attached the ring
+caller_peer: contextvars.ContextVar[str | None] = contextvars.ContextVar("ctxprefill_shm_peer", default=None)
+
+
+@functools.lru_cache(maxsize=1024)  # a connection's requests ask again and again
+def peer_is_local(peer: str | None) -> bool:
+    """Whether a gRPC peer is on this host: a unix-domain socket (``unix:...``,
+    ``unix-abstract:...``) or a loopback address (``ipv4:127.x.y.z:port``,
+    ``ipv6:[::1]:port``, ``ipv6:[::ffff:127.x.y.z]:port``; gRPC may percent-encode the
+    brackets). Anything else, or nothing, is not."""
+    if not peer:
+        return False
+    scheme, _, rest = urllib.parse.unquote(peer).partition(":")
+    if scheme in ("unix", "unix-abstract"):
+        return True
+    if scheme == "ipv4":
+        host = rest.rpartition(":")[0]
+    elif scheme == "ipv6":
+        if not rest.startswith("[") or "]" not in rest:
+            return False
+        host = rest[1 : rest.index("]")].partition("%")[0]  # a zone (fe80::1%eth0) is no loopback
+    else:
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def require_local(peer: str | None, field: str = "") -> None:
+    """PERMISSION_DENIED naming ``peer`` unless it is on this host."""
+    if not peer_is_local(peer):
+        raise PermissionDenied(field, f"shared memory is for processes on this host; this call comes from "
+                                      f"{(peer or 'no gRPC peer')[:200]!r}: connect over loopback or the server's "
+                                      f"--unix-socket, or send tensors inline")
+
+
 def _check_name(name: str, field: str = "name") -> None:
     if not _NAME_RE.match(name or ""):
         raise InvalidArgument(field, f"{name[:140]!r} is not a region name: 1 to 128 characters of [A-Za-z0-9._:-]")
@@ -103,15 +168,19 @@ def _check_extent(offset: int, byte_size: int) -> None:
 
 
 class Region:
-    """One registered region; ``tensor`` is its bytes (uint8 ``[byte_size]``)."""
+    """One registered region. ``tensor`` is its bytes (uint8 ``[byte_size]``): CUDA memory,
+    a system region's page-locked mapping (only the device copies from or into it), or,
+    for a system region read through its descriptor, a ``meta`` tensor (no memory);
+    None once dropped."""
 
     def __init__(self, name: str, kind: str, key: str, offset: int, byte_size: int, device: str,
-                 tensor: torch.Tensor, mm: mmap.mmap | None = None, pinned_at: int | None = None,
-                 pinned_for: torch.device | None = None):
+                 tensor: torch.Tensor, fd: int | None = None, mm: mmap.mmap | None = None,
+                 pinned_at: int | None = None, pinned_for: torch.device | None = None):
         self.name, self.kind, self.key = name, kind, key
         self.offset, self.byte_size, self.device = offset, byte_size, device
         self.tensor: torch.Tensor | None = tensor
-        self._mm = mm
+        self._fd = fd  # system regions: the object's descriptor, read-write (closed when dropped)
+        self._mm = mm  # the page-locked mapping (system regions on a CUDA server)
         self._pinned_at = pinned_at  # the page-locked mapping's start (system regions on a CUDA server)
         self._pinned_for = pinned_for  # the device whose copies use it
         self.in_flight = 0  # leases holding it (guarded by the registry's lock)
@@ -129,31 +198,98 @@ class Region:
             v = self.views[key] = make()
         return v
 
-    def check_backing(self, field: str) -> None:
-        """System regions: the object must still cover the region (a caller that
-        truncated it would turn our next read or write into SIGBUS)."""
-        if self._mm is None:
-            return
+    # -- system regions: through the descriptor ----------------------------------------
+    def _descriptor(self, field: str) -> int:
+        if self._fd is None:
+            raise NotFound(f"{field}.region", f"shared-memory region {self.name!r} is no longer registered")
+        return self._fd
+
+    def _shrank(self, field: str, size: int, start: int, end: int) -> FailedPrecondition:
+        """The error of an object that no longer covers ``[start, end)`` of the region."""
+        return FailedPrecondition(
+            f"{field}.region", f"region {self.name!r}: shared-memory object {self.key!r} shrank to {size} bytes, "
+                               f"below the bytes [{self.offset + start}, {self.offset + end}) this request uses "
+                               f"(the region is [{self.offset}, {self.offset + self.byte_size})); unregister it and "
+                               f"register it again")
+
+    def object_size(self, field: str) -> int:
         try:
-            size = self._mm.size()
-        except (OSError, ValueError) as e:
-            raise FailedPrecondition(f"{field}.region", f"region {self.name!r}: cannot stat its object: {e}") from None
-        if size < self.offset + self.byte_size:
-            raise FailedPrecondition(
-                f"{field}.region", f"region {self.name!r}: shared-memory object {self.key!r} shrank to {size} bytes, "
-                                   f"below the registered range [{self.offset}, {self.offset + self.byte_size}); "
-                                   f"unregister it and register it again")
+            return os.fstat(self._descriptor(field)).st_size
+        except OSError as e:
+            raise FailedPrecondition(f"{field}.region", f"region {self.name!r}: cannot stat its object: "
+                                                        f"{e.strerror}") from None
+
+    def check_backing(self, field: str, start: int = 0, end: int | None = None) -> None:
+        """System regions: the object must still cover bytes ``[start, end)`` of the region
+        (all of it by default). A check, not a guarantee: reads and writes stay safe when
+        the object shrinks right after it (:meth:`read`, :meth:`write`)."""
+        if self.kind != SYSTEM:
+            return
+        end = self.byte_size if end is None else end
+        size = self.object_size(field)
+        if size < self.offset + end:
+            raise self._shrank(field, size, start, end)
+
+    def read(self, start: int, nbytes: int, field: str, pin: bool = False) -> torch.Tensor:
+        """A private copy (uint8 ``[nbytes]``, page-locked with ``pin``) of bytes ``[start,
+        start + nbytes)`` of a system region, read from the descriptor: an object shrunk
+        under them makes the read short, FAILED_PRECONDITION naming ``<field>.region``."""
+        fd = self._descriptor(field)
+        out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        buf = out.numpy().data
+        done, at = 0, self.offset + start
+        while done < nbytes:
+            try:
+                got = os.preadv(fd, [buf[done:]], at + done)
+            except OSError as e:
+                raise FailedPrecondition(f"{field}.region", f"region {self.name!r}: reading its object failed: "
+                                                            f"{e.strerror}") from None
+            if got == 0:
+                raise self._shrank(field, self.object_size(field), start, start + nbytes)
+            done += got
+        return out
+
+    def write(self, start: int, data: torch.Tensor, field: str) -> None:
+        """``data`` (uint8, host, contiguous) into bytes ``[start, start + len)`` of a system
+        region, through the descriptor, after checking that the object still covers them
+        (FAILED_PRECONDITION naming ``<field>.region``; a write past the end would grow the
+        object back). An object shrunk between the check and the write grows back to the
+        written end; no signal either way."""
+        n = data.numel()
+        self.check_backing(field, start, start + n)
+        fd = self._descriptor(field)
+        buf = data.numpy().data
+        done, at = 0, self.offset + start
+        while done < n:
+            try:
+                done += os.pwritev(fd, [buf[done:]], at + done)
+            except OSError as e:
+                raise FailedPrecondition(f"{field}.region", f"region {self.name!r}: writing its object failed: "
+                                                            f"{e.strerror}") from None
+
+    def dup_descriptor(self) -> int:
+        """A descriptor of the object for a user that may outlive the region (a request ring)."""
+        return os.dup(self._descriptor("region"))
+
+    @property
+    def device_copies(self) -> bool:
+        """The device copies from or into its memory on its own time (queued, not waited for)."""
+        return self.kind == CUDA or self._pinned_at is not None
 
     def drop(self) -> None:
-        """Let go of the memory: the mapping (or IPC handle) is released when the last
-        view of it is gone. A page-locked mapping is unlocked first, once the device has
-        finished every copy queued from or into it: no request holds the region now, but
-        one that failed after queuing q's copy may have answered before the copy ran."""
+        """Let go of the memory: the descriptor is closed, and the mapping (or IPC handle)
+        is released when the last view of it is gone. A page-locked mapping is unlocked
+        first, once the device has finished every copy queued from or into it: no
+        request holds the region now, but one that failed after queuing q's copy may have
+        answered before the copy ran."""
         if self._pinned_at is not None:
             if self._pinned_for is not None:
                 torch.cuda.synchronize(self._pinned_for)
             _host_unregister(self._pinned_at, self.name)
             self._pinned_at = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self.tensor = None
         self._mm = None
         self.views = {}
@@ -167,6 +303,42 @@ class Region:
         return {"name": self.name, "kind": self.kind, "key": self.key, "offset": self.offset,
                 "byte_size": self.byte_size, "device": self.device, "requests_in_flight": self.in_flight,
                 "pinned": self._pinned_at is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Bytes ``[offset, offset + nbytes)`` of a system region, as a request uses them."""
+
+    region: Region
+    offset: int
+    nbytes: int
+
+    @property
+    def dma(self) -> bool:
+        """The region's page-locked mapping may be the device's source or destination."""
+        return self.region.device_copies
+
+    def read(self, field: str, pin: bool = False) -> torch.Tensor:
+        return self.region.read(self.offset, self.nbytes, field, pin)
+
+    def write(self, data: torch.Tensor, field: str) -> None:
+        self.region.write(self.offset, data, field)
+
+
+_SPAN = "_ctxprefill_shm_span"
+
+
+def with_span(t: torch.Tensor, span: Span | None) -> torch.Tensor:
+    """``t`` marked as standing for ``span`` (a view of a system region; see :func:`span_of`)."""
+    if span is not None:
+        setattr(t, _SPAN, span)
+    return t
+
+
+def span_of(t: torch.Tensor) -> Span | None:
+    """The system-region bytes ``t`` stands for (None: ``t`` is memory to use as it is)."""
+    span: Span | None = getattr(t, _SPAN, None)
+    return span
 
 
 def _host_register(base: int, length: int) -> str:
@@ -308,28 +480,33 @@ class SharedMemoryRegistry:
             if offset + byte_size > st.st_size:
                 raise OutOfRange("byte_size", f"offset {offset} + byte_size {byte_size} = {offset + byte_size} is past "
                                               f"the end of shared-memory object {k!r} ({st.st_size} bytes)")
-            try:
-                mm = mmap.mmap(fd, offset + byte_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            except (OSError, ValueError) as e:
-                raise FailedPrecondition("key", f"cannot map {path}: {e}") from None
-        finally:
-            os.close(fd)  # the mmap holds its own descriptor
-        tensor = torch.frombuffer(mm, dtype=torch.uint8, count=byte_size, offset=offset)
-        pinned_at = None
-        if self.pin and self.device is not None and self.device.type == "cuda":
-            base = tensor.data_ptr() - offset  # the mapping's start (page-aligned)
-            why = _host_register(base, offset + byte_size)
-            if why:
-                log.warning("shared-memory region stays pageable", extra={"region": name, "error": why})
-            else:
-                pinned_at = base
-        region = Region(name, SYSTEM, k, offset, byte_size, "host", tensor, mm, pinned_at,
-                        self.device if pinned_at is not None else None)
+            region = self._system_region(name, k, path, fd, offset, byte_size)
+        except BaseException:
+            os.close(fd)
+            raise
         try:
             return self._add(region)
         except Exception:
-            region.drop()  # another call took the name or the room meanwhile: unlock it again
+            region.drop()  # another call took the name or the room meanwhile: unlock it again, close it
             raise
+
+    def _system_region(self, name: str, key: str, path: str, fd: int, offset: int, byte_size: int) -> Region:
+        """The region over ``fd``: read and written through it, and on a CUDA server (with
+        pinning on) also mapped and page-locked for the device's copies."""
+        placeholder = torch.empty(byte_size, dtype=torch.uint8, device="meta")
+        if not (self.pin and self.device is not None and self.device.type == "cuda"):
+            return Region(name, SYSTEM, key, offset, byte_size, "host", placeholder, fd)
+        try:
+            mm = mmap.mmap(fd, offset + byte_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as e:
+            raise FailedPrecondition("key", f"cannot map {path}: {e}") from None
+        tensor = torch.frombuffer(mm, dtype=torch.uint8, count=byte_size, offset=offset)
+        base = tensor.data_ptr() - offset  # the mapping's start (page-aligned)
+        why = _host_register(base, offset + byte_size)  # faults its pages in: a shrunk object fails here
+        if why:
+            log.warning("shared-memory region stays pageable", extra={"region": name, "error": why})
+            return Region(name, SYSTEM, key, offset, byte_size, "host", placeholder, fd)
+        return Region(name, SYSTEM, key, offset, byte_size, "host", tensor, fd, mm, base, self.device)
 
     def register_cuda(self, name: str, raw_handle: bytes, device_id: int, offset: int, byte_size: int) -> Region:
         """Opens the handle (cudaIpcOpenMemHandle through the CUDA extension; a blocking
@@ -403,15 +580,17 @@ class SharedMemoryRegistry:
     def __len__(self) -> int:
         return len(self._regions)
 
-    def lease(self) -> Lease:
-        return Lease(self)
+    def lease(self, peer: str | None = None) -> Lease:
+        """A lease for one request of ``peer`` (default: :data:`caller_peer`, the call's)."""
+        return Lease(self, caller_peer.get() if peer is None else peer)
 
 
 class Lease:
     """The regions one request uses, from decoding until its work is done.
 
     ``resolve`` (on the event loop, while decoding) checks a reference and returns a
-    view of its bytes, holding the region. The work on the engine thread calls
+    view of its bytes, holding the region; it refuses every reference of a ``peer``
+    that is not on this host (PERMISSION_DENIED). The work on the engine thread calls
     ``begin`` first (False: the handler gave up on the request; do nothing) and
     ``finish`` when done; the handler calls ``abandon`` when it ends, which releases
     only if the work never started. So the regions are released exactly once, after
@@ -420,8 +599,9 @@ class Lease:
 
     IDLE, RUNNING, DONE = 0, 1, 2
 
-    def __init__(self, registry: SharedMemoryRegistry):
+    def __init__(self, registry: SharedMemoryRegistry, peer: str | None):
         self._registry = registry
+        self.peer = peer
         self._regions: list[Region] = []
         self._lock = threading.Lock()
         self._state = self.IDLE
@@ -435,14 +615,16 @@ class Lease:
     def device_copies(self) -> bool:
         """The device may read or write its regions on its own time: CUDA regions, and
         page-locked system regions (their copies are queued, not waited for)."""
-        return any(r.kind == CUDA or r.pinned_bytes for r in self._regions)
+        return any(r.device_copies for r in self._regions)
 
     def resolve(self, ref, field: str, nbytes: int, itemsize: int = 1, *, exact: bool = True,
                 allow_cuda: bool = True) -> tuple[Region, torch.Tensor]:
         """Check ``ref`` (a ``SharedMemoryRef``) for ``nbytes`` bytes of elements of
         ``itemsize`` bytes; returns the region and a uint8 view of those bytes.
         ``exact``: ref.byte_size must equal nbytes (inputs), else be at least nbytes
-        (output placements)."""
+        (output placements). A system region's view is a ``meta`` tensor carrying its
+        :class:`Span` (:func:`span_of`), or, page-locked, its mapping with the span too."""
+        require_local(self.peer, f"{field}.region")  # before anything that tells whether the region exists
         name, off, size = ref.region, int(ref.offset), int(ref.byte_size)
         if not name:
             raise InvalidArgument(f"{field}.region", "is empty: name a registered shared-memory region")
@@ -468,10 +650,11 @@ class Lease:
                 raise InvalidArgument(f"{field}.region",
                                       f"region {name!r} is CUDA memory; this tensor holds indices that are checked "
                                       f"on the host: send it inline or in system memory")
-            region.check_backing(field)
+            region.check_backing(field, off, off + nbytes)
             tensor = region.tensor
-            view = region.view((off, nbytes), lambda: tensor[off : off + nbytes])
-            if view.data_ptr() % itemsize:
+            span = Span(region, off, nbytes) if region.kind == SYSTEM else None
+            view = region.view((off, nbytes), lambda: with_span(tensor[off : off + nbytes], span))
+            if view.device.type != "meta" and view.data_ptr() % itemsize:
                 raise InvalidArgument(f"{field}.offset",
                                       f"{off} puts the tensor at an address that is not a multiple of its element "
                                       f"size {itemsize} (region {name!r} starts at offset {region.offset} of its "

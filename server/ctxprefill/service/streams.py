@@ -26,6 +26,7 @@ from .logs import request_id_for_logs, request_id_var
 from .metrics import Metrics
 from .prefill import PrefillCall
 from .request_ring import AttachedRing
+from .shared_memory import caller_peer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillContextService"].full_name
 STREAM_METHOD = f"/{SERVICE_NAME}/PrefillContextStream"  # what an in-band error's log line names
@@ -139,7 +140,9 @@ def start_ring_request(ring: AttachedRing, payload: bytes | None, defer: list[Ca
                                  "the slot does not hold a serialized PrefillContextRequest", "invalid") from None
         request_id = msg.request_id or uuid.uuid4().hex
         request_id_var.set(request_id_for_logs(request_id))
+        caller_peer.set(ring.peer)  # the regions it names are used as the attaching caller's
         call = open_call(msg, request_id, t0)
+        call.stop.gone = ring.stopped.done  # the ring let go: the request stops between chunks
         try:
             finish = oom_guarded(functools.partial(call.start, defer), metrics)
         finally:

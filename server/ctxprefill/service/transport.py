@@ -1,11 +1,14 @@
-"""What the transport adds to a request's checks (CONTRACT §7; docs/TRANSPORT.md): the
-answer must fit a gRPC message, and results asked into shared memory must have room
-there. Everything about the request itself is the engine's to check
-(``engine/request.py``), once.
+"""What the transport adds to a request's checks (CONTRACT §7, §8; docs/TRANSPORT.md):
+the answer must fit a gRPC message and the server's answer limits, and results asked
+into shared memory must have room there. Everything about the request itself is the
+engine's to check (``engine/request.py``), once.
 
 - ``InvalidArgument`` naming the field: a response over the message size limit (``q``,
   ``slot_mapping``), ``output_region`` / ``lse_region`` set with shared memory off, a
   placement too small or overlapping the other;
+- RESOURCE_EXHAUSTED naming the field and the flag, before anything is allocated: a
+  response over ``--max-answer-bytes``, or more than ``--max-inflight-bytes`` has free
+  (``interceptors.answer_room``);
 - ``NotFound`` / ``OutOfRange`` naming ``<field>.region`` / ``<field>``: a placement
   in no registered region, or outside it.
 """
@@ -20,6 +23,7 @@ import torch
 from ..config import EngineConfig
 from ..engine.request import PrefillRequest, ReadRequest
 from ..errors import InvalidArgument
+from .interceptors import answer_room
 from .shared_memory import Lease, off_message
 
 #: room left in a response for everything that is not tensor data (stats, ids, framing)
@@ -43,6 +47,7 @@ def check_response_size(field: str, nbytes: int, max_message_bytes: int) -> None
             f"the response would carry {nbytes} bytes of tensor data, over the server's message size limit "
             f"({max_message_bytes} bytes); split the request",
         )
+    answer_room(field, nbytes)
 
 
 def check_read(request: ReadRequest, config: EngineConfig, max_message_bytes: int) -> None:

@@ -2,9 +2,11 @@
 ``CTXPREFILL_AUTH_TOKEN``) every RPC must carry ``authorization: Bearer <token>``
 metadata — none (or another scheme) is UNAUTHENTICATED, a wrong token
 PERMISSION_DENIED (compared in constant time) — except the ``grpc.health.v1.Health``
-service, which load balancers and orchestrators probe without credentials. A refused
-call's request bytes are not even parsed, and it is counted in
-``ctxprefill_rejected_requests_total{reason}``. Reflection needs the token like any RPC.
+service, which load balancers and orchestrators probe without credentials. The check
+runs when a call's metadata arrives: a refused call is answered without its message
+ever being read (``memory.py`` drives the calls), so that whatever it sends costs the
+server no memory; it is counted in ``ctxprefill_rejected_requests_total{reason}``.
+Reflection needs the token like any RPC.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def check_bearer(metadata: Sequence[tuple[str, str | bytes]] | None, token: byte
 
 
 def _discard(raw: bytes) -> None:
-    """Deserializer of a refused call: its bytes are never parsed."""
+    """Deserializer of a refused call (its message is not read: this never runs)."""
     return None
 
 
@@ -80,4 +82,5 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if refusal is None:
             return handler
         self.metrics.rejected.labels(reason=refusal.reason).inc()
-        return rebuild(handler, kind, behavior=_refusing(refusal, handler.response_streaming), deserializer=_discard)
+        return rebuild(handler, behavior=_refusing(refusal, handler.response_streaming), deserializer=_discard,
+                       reads=False)

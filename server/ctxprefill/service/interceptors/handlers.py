@@ -1,47 +1,97 @@
 """Taking an ``RpcMethodHandler`` apart and putting it together again, for the
-interceptors (each replaces the behavior or a (de)serializer and keeps the rest)."""
+interceptors (each replaces the behavior or a (de)serializer and keeps the rest).
+
+A handler has two kinds: the method's own (``grpc_type``: unary, server_stream, ...;
+what the metrics label and the inner interceptors see) and the shape gRPC drives it in
+(its ``request_streaming`` / ``response_streaming``). They differ only for the handler
+the memory interceptor hands to gRPC (``memory.py``): every method is driven as a
+bidirectional stream there, so that messages are read and written under its limits.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
 Behavior = Callable[..., Any]
 
-#: kind (the ``grpc_type`` label) -> the handler's attribute of that kind and its factory
-_KINDS: dict[str, tuple[str, Callable[..., grpc.RpcMethodHandler[Any, Any]]]] = {
-    "unary": ("unary_unary", grpc.unary_unary_rpc_method_handler),
-    "server_stream": ("unary_stream", grpc.unary_stream_rpc_method_handler),
-    "client_stream": ("stream_unary", grpc.stream_unary_rpc_method_handler),
-    "bidi_stream": ("stream_stream", grpc.stream_stream_rpc_method_handler),
+#: kind (the ``grpc_type`` label) -> (request streaming, response streaming, the handler's attribute of that kind)
+_KINDS: dict[str, tuple[bool, bool, str]] = {
+    "unary": (False, False, "unary_unary"),
+    "server_stream": (False, True, "unary_stream"),
+    "client_stream": (True, False, "stream_unary"),
+    "bidi_stream": (True, True, "stream_stream"),
 }
 
 
-def kind_of(handler: grpc.RpcMethodHandler[Any, Any] | None) -> str | None:
-    """``unary``, ``server_stream``, ``client_stream`` or ``bidi_stream``; None for no handler."""
-    if handler is None:
-        return None
-    for kind, (attr, _) in _KINDS.items():
+class _Fields(NamedTuple):
+    request_streaming: bool
+    response_streaming: bool
+    request_deserializer: Callable[[bytes], Any] | None
+    response_serializer: Callable[[Any], bytes] | None
+    unary_unary: Behavior | None
+    unary_stream: Behavior | None
+    stream_unary: Behavior | None
+    stream_stream: Behavior | None
+    grpc_type: str  # the method's own kind, whatever shape it is driven in
+    reads_request: bool  # False: the behavior refuses without its request, which is then never read
+
+
+class MethodHandler(_Fields, grpc.RpcMethodHandler):  # type: ignore[type-arg]
+    """An ``RpcMethodHandler`` (what gRPC reads of one) that also carries the method's
+    own kind and whether its behavior reads the request."""
+
+
+def shape_of(handler: grpc.RpcMethodHandler[Any, Any]) -> str:
+    """The kind gRPC drives ``handler`` as."""
+    for kind, (_, _, attr) in _KINDS.items():
         if getattr(handler, attr) is not None:
             return kind
-    return None
+    raise ValueError("a method handler without a behavior")
 
 
-def behavior_of(handler: grpc.RpcMethodHandler[Any, Any], kind: str) -> Behavior:
-    behavior: Behavior = getattr(handler, _KINDS[kind][0])
+def kind_of(handler: grpc.RpcMethodHandler[Any, Any] | None) -> str | None:
+    """The method's own kind: ``unary``, ``server_stream``, ``client_stream`` or
+    ``bidi_stream``; None for no handler."""
+    if handler is None:
+        return None
+    own: str | None = getattr(handler, "grpc_type", None)
+    if own is not None:
+        return own
+    try:
+        return shape_of(handler)
+    except ValueError:
+        return None
+
+
+def reads_request(handler: grpc.RpcMethodHandler[Any, Any]) -> bool:
+    return bool(getattr(handler, "reads_request", True))
+
+
+def behavior_of(handler: grpc.RpcMethodHandler[Any, Any]) -> Behavior:
+    behavior: Behavior = getattr(handler, _KINDS[shape_of(handler)][2])
     return behavior
 
 
-def rebuild(handler: grpc.RpcMethodHandler[Any, Any], kind: str, *, behavior: Behavior | None = None,
-            deserializer: Callable[[bytes], Any] | None = None,
-            serializer: Callable[[Any], bytes] | None = None) -> grpc.RpcMethodHandler[Any, Any]:
-    """``handler`` with what is given replaced (None: kept)."""
-    attr, make = _KINDS[kind]
-    return make(behavior or getattr(handler, attr),
-                request_deserializer=deserializer or handler.request_deserializer,
-                response_serializer=serializer or handler.response_serializer)
+def rebuild(handler: grpc.RpcMethodHandler[Any, Any], *, behavior: Behavior | None = None,
+            deserializer: Callable[[bytes], Any] | None = None, serializer: Callable[[Any], bytes] | None = None,
+            shape: str | None = None, reads: bool | None = None) -> MethodHandler:
+    """``handler`` with what is given replaced (None: kept); ``shape``: driven as that
+    kind (the method's own kind is kept); ``reads=False``: its behavior needs no request."""
+    own = kind_of(handler)
+    assert own is not None
+    shape = shape or shape_of(handler)
+    request_streaming, response_streaming, attr = _KINDS[shape]
+    behaviors: dict[str, Behavior | None] = {a: None for _, _, a in _KINDS.values()}
+    behaviors[attr] = behavior or behavior_of(handler)
+    return MethodHandler(request_streaming=request_streaming, response_streaming=response_streaming,
+                         request_deserializer=deserializer or handler.request_deserializer,
+                         response_serializer=serializer or handler.response_serializer,
+                         unary_unary=behaviors["unary_unary"], unary_stream=behaviors["unary_stream"],
+                         stream_unary=behaviors["stream_unary"], stream_stream=behaviors["stream_stream"],
+                         grpc_type=own, reads_request=reads_request(handler) if reads is None else reads)
 
 
 def split_method(full_method: str) -> tuple[str, str]:

@@ -80,7 +80,8 @@ class _Call:
 def _counted(behavior: Behavior, mm: _MethodMetrics, request_streaming: bool) -> Behavior:
     def requests_of(request: Any) -> Any:
         if not request_streaming:
-            mm.received.inc()
+            if request is not None:  # None: refused before its message was read (auth.py)
+                mm.received.inc()
             return request
 
         async def counted() -> AsyncIterator[Any]:
@@ -137,10 +138,23 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         kind = kind_of(handler)
         if handler is None or kind is None:
             return handler
-        service, method = split_method(handler_call_details.method)
+        mm = self._method(kind, handler_call_details.method)
+        return rebuild(handler, behavior=_counted(behavior_of(handler), mm, handler.request_streaming))
+
+    def _method(self, kind: str, full_method: str) -> _MethodMetrics:
+        service, method = split_method(full_method)
         key = (kind, service, method)
         mm = self._method_metrics.get(key)
         if mm is None:
             labels = {"grpc_type": kind, "grpc_service": service, "grpc_method": method}
             mm = self._method_metrics[key] = _MethodMetrics(self.metrics, labels)
-        return rebuild(handler, kind, behavior=_counted(behavior_of(handler, kind), mm, handler.request_streaming))
+        return mm
+
+    def record(self, full_method: str, kind: str, code: grpc.StatusCode, reason: str, counted: bool) -> None:
+        """A call the memory interceptor (outside this one) ended with ``code``: counted
+        as refused for ``reason``, and as handled unless this interceptor saw it already."""
+        self.metrics.rejected.labels(reason=reason).inc()
+        if not counted:
+            mm = self._method(kind, full_method)
+            mm.started.inc()
+            mm.handled(code.name).inc()

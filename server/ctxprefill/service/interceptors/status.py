@@ -9,6 +9,8 @@ exception into a status.
 | ``errors.NotFound`` / ``AlreadyExists``    | NOT_FOUND / ALREADY_EXISTS               |
 | ``errors.ResourceExhausted``               | RESOURCE_EXHAUSTED                       |
 | ``errors.Unimplemented``                   | UNIMPLEMENTED                            |
+| ``errors.PermissionDenied``                | PERMISSION_DENIED (shared memory from a non-local peer) |
+| ``errors.DeadlineExceeded`` / ``Cancelled`` | DEADLINE_EXCEEDED / CANCELLED (work stopped between chunks) |
 | :class:`RpcStatusError` (service states)   | its code (RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, ...) |
 | ``context.abort(...)`` inside a handler    | as given (e.g. the health service's NOT_FOUND) |
 | anything else                              | INTERNAL, generic message; traceback logged |
@@ -29,10 +31,13 @@ import grpc
 
 from ...errors import (
     AlreadyExists,
+    Cancelled,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     OutOfRange,
+    PermissionDenied,
     ResourceExhausted,
     Unimplemented,
 )
@@ -65,6 +70,9 @@ _CODES = (
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (Cancelled, grpc.StatusCode.CANCELLED),
 )
 
 
@@ -138,4 +146,4 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         kind = kind_of(handler)
         if handler is None or kind is None:
             return handler
-        return rebuild(handler, kind, behavior=_mapped(behavior_of(handler, kind), handler_call_details.method))
+        return rebuild(handler, behavior=_mapped(behavior_of(handler), handler_call_details.method))

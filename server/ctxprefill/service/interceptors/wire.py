@@ -6,7 +6,9 @@
   handler would read it (gRPC itself would answer UNKNOWN), for every method of every
   service, health and reflection included;
 - a response may be a ``ctxprefill_api.wire.OutgoingMessage`` / ``NestedMessage``
-  (tensor bytes appended at serialization instead of copied into the message).
+  (tensor bytes appended at serialization instead of copied into the message);
+- each response is charged to its call's memory (``memory.charge_answer``: refused
+  with RESOURCE_EXHAUSTED when the server's budget has no room for it).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ctxprefill_api.wire import NestedMessage, OutgoingMessage
 from ...errors import InvalidArgument
 from .. import inline_views
 from .handlers import Behavior, behavior_of, kind_of, rebuild
+from .memory import charge_answer
 
 #: methods whose inline tensor bytes are kept as views of the received buffer, not
 #: copied into the message (service/inline_views.py): their request type
@@ -90,13 +93,17 @@ def _checked(behavior: Behavior, request_streaming: bool) -> Behavior:
     if inspect.isasyncgenfunction(behavior):
         async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
             async for response in behavior(requests_of(request), context):
+                charge_answer(response)
                 yield response
 
         return stream
 
     async def call(request: Any, context: Any) -> Any:
         response = behavior(requests_of(request), context)
-        return await response if inspect.isawaitable(response) else response
+        if inspect.isawaitable(response):
+            response = await response
+        charge_answer(response)
+        return response
 
     return call
 
@@ -112,5 +119,5 @@ class WireInterceptor(grpc.aio.ServerInterceptor):
         parse_inline = INLINE_PARSED.get(handler_call_details.method)
         deserialize = (handler.request_deserializer if parse_inline is None
                        else functools.partial(inline_views.parse, parse_inline))
-        return rebuild(handler, kind, behavior=_checked(behavior_of(handler, kind), handler.request_streaming),
+        return rebuild(handler, behavior=_checked(behavior_of(handler), handler.request_streaming),
                        deserializer=_safe(deserialize), serializer=_outgoing_aware(handler.response_serializer))
