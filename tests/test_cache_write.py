@@ -148,7 +148,7 @@ def test_a_one_layer_server_takes_cache_write_without_a_layer():
     assert engine.cache.slots_used == 3
 
 
-def test_a_ring_request_whose_cache_write_reads_shared_memory_waits_for_the_device_before_release(monkeypatch):
+def test_a_ring_request_whose_cache_write_reads_shared_memory_waits_for_the_device_before_release(monkeypatch, request):
     """A ring request's regions are released after its answer (deferred). Its results'
     copies are waited for before the answer, but a cache_write reading its latents from
     shared memory is queued after them: that release goes through ``Lease.end`` (which
@@ -157,9 +157,11 @@ def test_a_ring_request_whose_cache_write_reads_shared_memory_waits_for_the_devi
     from ctxprefill.service.metrics import Metrics
     from ctxprefill.service.prefill import PrefillCall
     from ctxprefill.service.servicer import PrefillContextServicer
-    from ctxprefill.service.shared_memory import Lease
+    from ctxprefill.service.shared_memory import Lease, caller_peer
     from ctxprefill_client import SystemSharedMemoryRegion
 
+    token = caller_peer.set("ipv4:127.0.0.1:50000")  # a ring's requests use shared memory as its loopback caller
+    request.addfinalizer(lambda: caller_peer.reset(token))
     s = dataclasses.replace(S, shared_memory="system")
     engine = build_engine(s)
     servicer = PrefillContextServicer(s, Metrics(), EngineWorker(Metrics()), 64 << 20, 4)
