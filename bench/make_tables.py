@@ -537,16 +537,16 @@ BENCHMARKS = (
           note=" on a machine with two GPUs (`SHARDED_CONCURRENCY` sets the clients)"),
     Bench("Cost against context length", "bench_engine_scaling", ("bench_engine_scaling",),
           "`ctxprefill bench --context 8192 … 1048576`: 1,024 new tokens over 8k to 1M context, 16 and 128 heads, "
-          "bf16 and fp8 prefill; the growth per context token fitted below.", pending=True),
+          "bf16 and fp8 prefill, plotted on log axes; the growth per context token fitted below.",
+          plots=("engine_latency.png",)),
     Bench("Cost against new tokens", "bench_engine_new", ("bench_engine_new",),
-          "`ctxprefill bench --new 128 1024 4096 16384`: 128 to 16k new tokens over 64k context, 16 and 128 heads.",
-          pending=True),
+          "`ctxprefill bench --new 128 1024 4096 16384`: 128 to 16k new tokens over 64k context, 16 and 128 heads."),
     Bench("A DeepSeek-V3 model's chunked prefill over CUDA IPC", "bench_model_prefill", ("bench_model_prefill",),
           "`bench/bench_model_prefill.py`: a random transformers DeepSeek-V3 model (4 layers, 16 heads) prefills "
           "an 8,192-token prompt in 1,024-token chunks, every layer's context attention from a `serve --model` "
           "server through one registered CUDA region (`DeepseekV3ChunkedPrefill(transport=\"cuda\")`), and "
           "inline for comparison; each chunk's time split into local and remote work; every layer's attention "
-          "output and the logits against transformers' forward of the whole prompt.", pending=True),
+          "output and the logits against transformers' forward of the whole prompt."),
 )
 
 
