@@ -98,10 +98,9 @@ def load_weights(s: ServeSettings) -> list[KvBProjWeights]:
                                        shard.num_shards)
     else:
         weights = [layer_weights(s, shape, layer) for layer in range(s.first_layer, s.first_layer + s.layers)]
-    if shard.num_shards > 1:  # rows of the full prepared weights: equal to the unsharded worker's, head by head
-        if not s.model:
-            weights = [shard_kv_b_proj(w, shard.total_heads, shard.shard_index, shard.num_shards,
-                                       shape.qk_nope_head_dim + shape.v_head_dim) for w in weights]
+    if shard.num_shards > 1 and not s.model:  # rows of the full prepared weights: the unsharded worker's, head by head
+        weights = [shard_kv_b_proj(w, shard.total_heads, shard.shard_index, shard.num_shards,
+                                   shape.qk_nope_head_dim + shape.v_head_dim) for w in weights]
     dtypes = sorted({w.dtype for w in weights})
     if len(dtypes) > 1:
         raise ConfigError(f"--weights: the layers' kv_b_proj weights differ in dtype ({', '.join(dtypes)}); one dtype "

@@ -55,7 +55,6 @@ class _Job:
     context: contextvars.Context
     fn: Callable[[], Any]
     deadline: float | None  # time.monotonic() seconds
-    left_queue: bool = False  # counted out of the waiting requests
 
 
 @dataclasses.dataclass(eq=False)
@@ -100,15 +99,12 @@ class EngineWorker:
     def waiting(self) -> int:
         return self._waiting
 
-    def _leave_queue(self, job: _Job) -> bool:
-        """Take ``job`` out of the waiting count once; False if it already left."""
+    def _leave_queue(self) -> None:
+        """One job out of the waiting count: its future was cancelled while queued, or the
+        engine thread started it (never both: a started future cannot be cancelled)."""
         with self._lock:
-            if job.left_queue:
-                return False
-            job.left_queue = True
             self._waiting -= 1
             self.metrics.queue_depth.set(self._waiting)
-            return True
 
     def submit(self, fn: Callable[[], T], deadline: float | None = None,
                stop: StopSignal | None = None) -> asyncio.Future[T]:
@@ -123,7 +119,10 @@ class EngineWorker:
             return deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
 
         def on_done(f: concurrent.futures.Future[T]) -> None:
-            if f.cancelled() and self._leave_queue(job):
+            # not the job: the future holds this, and an answer's tensor would wait in a
+            # reference cycle for the garbage collector
+            if f.cancelled():
+                self._leave_queue()
                 self.metrics.rejected.labels(reason="deadline" if expired() else "cancelled").inc()
 
         cf.add_done_callback(on_done)
@@ -227,7 +226,7 @@ class EngineWorker:
         cf = job.future
         if not cf.set_running_or_notify_cancel():
             return  # cancelled while queued (client gone, deadline passed): counted by on_done
-        self._leave_queue(job)
+        self._leave_queue()
         if job.deadline is not None and time.monotonic() >= job.deadline:
             self.metrics.rejected.labels(reason="deadline").inc()
             cf.set_exception(RpcStatusError(grpc.StatusCode.DEADLINE_EXCEEDED,

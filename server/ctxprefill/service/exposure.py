@@ -39,7 +39,7 @@ def is_loopback(host: str) -> bool:
     if h.lower() == "localhost":
         return True
     try:
-        return _loopback_address(h)
+        return is_loopback_address(h)
     except ValueError:
         pass
     if not h:
@@ -48,10 +48,12 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(h, None, proto=socket.IPPROTO_TCP)
     except OSError:
         return False
-    return bool(infos) and all(_loopback_address(str(i[4][0])) for i in infos)
+    return bool(infos) and all(is_loopback_address(str(i[4][0])) for i in infos)
 
 
-def _loopback_address(text: str) -> bool:
+def is_loopback_address(text: str) -> bool:
+    """Whether an IP address (a zone after ``%`` ignored; IPv4-mapped IPv6 as its IPv4) is
+    loopback; ValueError for text that is no address."""
     addr = ipaddress.ip_address(text.split("%", 1)[0])
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         return addr.ipv4_mapped.is_loopback

@@ -20,7 +20,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 prometheus_client.disable_created_metrics()
 
 STAGES = ("gather", "cast", "kv_b_proj", "pack", "attention", "merge", "insert")
-PATHS = ("fused", "generic")
+
+
+def path_label(fused: bool) -> str:
+    """The ``path`` label (pack path) of an engine on the fused or the generic path."""
+    return "fused" if fused else "generic"
+
 
 #: 100 µs … 30 s (stage times sit at the short end, whole requests at the long end)
 DURATION_BUCKETS = (
@@ -35,6 +40,7 @@ GRPC_TYPES = ("unary", "client_stream", "server_stream", "bidi_stream")
 def grpc_type(client_streaming: bool, server_streaming: bool) -> str:
     """The go-grpc-prometheus ``grpc_type`` of a method."""
     return GRPC_TYPES[int(client_streaming) + 2 * int(server_streaming)]
+
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
@@ -270,7 +276,7 @@ class Metrics:
 
     def observe_insert(self, launches: int, path: str, slots_used: int) -> None:
         if launches:
-            self.kernel_launches.labels(stage="insert", path=path).inc(launches)
+            self._child(self.kernel_launches, "insert", path).inc(launches)
         self.cache_slots_used.set(slots_used)
         if self._num_slots:
             self.cache_usage.set(slots_used / self._num_slots)

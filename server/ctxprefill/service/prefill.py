@@ -33,7 +33,7 @@ from ..engine.engine import Engine, PendingPrefill, PrefillStats
 from ..engine.request import PrefillRequest, StopSignal
 from ..errors import Stopped
 from . import codec, tracing, transport
-from .metrics import Metrics
+from .metrics import Metrics, path_label
 from .shared_memory import Lease, SharedMemoryRegistry
 
 log = logging.getLogger("ctxprefill.service")
@@ -145,12 +145,12 @@ class PrefillCall:
             # the results' copies, which do not wait for it)
             written = pending.write_cache()
             if request.cache_write is not None:
-                self.metrics.observe_insert(written.launches, "fused" if engine.config.fused else "generic",
+                self.metrics.observe_insert(written.launches, path_label(engine.config.fused),
                                             engine.cache_slots_used)
         except BaseException as e:
             self._release()
             if isinstance(e, Stopped):
-                self.metrics.observe_stopped(e.reason, e.chunks_done, "fused" if engine.config.fused else "generic")
+                self.metrics.observe_stopped(e.reason, e.chunks_done, path_label(engine.config.fused))
             raise
         started = _Started(pending, results, placed, written.slots_written, t_start, t_in, defer,
                            any(name.startswith("cache_write.") for name in shared))

@@ -103,19 +103,19 @@ async def run(s: ServeSettings, security: Security, parts: ServerParts,
     address = grpc_address(s.host, s.port)
     exposure = check_exposure(s, security)  # ConfigError where it needs --allow-insecure
     rate_limit_logs()  # a flood of connections must not flood the log too
-    try:
+
+    def bind(target: str) -> int:
         if security.credentials is not None:
-            grpc_port = server.add_secure_port(address, security.credentials)
-        else:
-            grpc_port = server.add_insecure_port(address)
+            return server.add_secure_port(target, security.credentials)
+        return server.add_insecure_port(target)
+
+    try:
+        grpc_port = bind(address)
     except RuntimeError as e:
         raise ConfigError(f"--port {s.port}: cannot bind gRPC to {address}: {e}") from None
     if s.unix_socket:  # same-host callers (containers mounting it); served like the port
         try:
-            if security.credentials is not None:
-                server.add_secure_port(f"unix:{s.unix_socket}", security.credentials)
-            else:
-                server.add_insecure_port(f"unix:{s.unix_socket}")
+            bind(f"unix:{s.unix_socket}")
         except RuntimeError as e:
             raise ConfigError(f"--unix-socket {s.unix_socket}: cannot bind gRPC to it (a file that is not a socket "
                               f"is never replaced; the path must be at most 107 bytes): {e}") from None

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from ctxprefill_api import pb, pb_grpc
+from ctxprefill_api import SERVICE_NAME, pb, pb_grpc
 
 from .. import __version__
 from ..engine.engine import Engine
@@ -42,15 +42,14 @@ from .engine_worker import EngineWorker
 from .info import region_pb, server_info
 from .interceptors import RpcStatusError
 from .logs import request_id_for_logs, request_id_var
-from .metrics import Metrics
+from .metrics import Metrics, path_label
 from .prefill import PrefillCall
 from .request_ring import RingTable
 from .shared_memory import CUDA, SYSTEM, Lease, SharedMemoryRegistry, caller_peer, require_local
 
 log = logging.getLogger("ctxprefill.service")
 
-SERVICE_NAME = streams.SERVICE_NAME
-METHODS = [m.name for m in pb.DESCRIPTOR.services_by_name["PrefillContextService"].methods]
+__all__ = ["SERVICE_NAME", "PrefillContextServicer"]
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -90,7 +89,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                                 self.rings.max_rings if self.rings is not None else 0)
         self.metrics.init_engine(version=__version__, backend=engine.backend.name, device=self.info.device,
                                  num_slots=engine.cache.config.num_slots * engine.config.num_layers,
-                                 path=self._path(engine), fp8_path=engine.config.fp8_path_labels,
+                                 path=path_label(engine.config.fused), fp8_path=engine.config.fp8_path_labels,
                                  queue_capacity=self.queue_size, fused_kernels_active=engine.fused_kernels_active)
         self.metrics.cache_slots_used.set(engine.cache_slots_used)
 
@@ -153,10 +152,6 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         shared memory is off)."""
         return self.shm.lease(context.peer()) if self.shm.enabled else None
 
-    @staticmethod
-    def _path(engine: Engine) -> str:
-        return "fused" if engine.config.fused else "generic"
-
     # -- RPCs ----------------------------------------------------------------------------
     async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: Context) -> pb.GetServerInfoResponse:
         self._gate()
@@ -180,7 +175,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             return 0  # the handler gave up on this request
         try:
             written = engine.write(codec.with_inputs(decoded.request, decoded.shared, engine.device))
-            self.metrics.observe_insert(written.launches, self._path(engine), engine.cache_slots_used)
+            self.metrics.observe_insert(written.launches, path_label(engine.config.fused), engine.cache_slots_used)
             if lease is not None:
                 self.metrics.observe_shared_memory(lease.transferred)
             return written.slots_written

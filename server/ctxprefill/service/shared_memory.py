@@ -55,7 +55,6 @@ import contextvars
 import dataclasses
 import errno
 import functools
-import ipaddress
 import logging
 import mmap
 import os
@@ -78,6 +77,7 @@ from ..errors import (
     ResourceExhausted,
     Unimplemented,
 )
+from .exposure import is_loopback_address
 
 log = logging.getLogger("ctxprefill.service")
 
@@ -124,16 +124,13 @@ def peer_is_local(peer: str | None) -> bool:
     elif scheme == "ipv6":
         if not rest.startswith("[") or "]" not in rest:
             return False
-        host = rest[1 : rest.index("]")].partition("%")[0]  # a zone (fe80::1%eth0) is no loopback
+        host = rest[1 : rest.index("]")]
     else:
         return False
     try:
-        ip = ipaddress.ip_address(host)
+        return is_loopback_address(host)
     except ValueError:
         return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
 
 
 def require_local(peer: str | None, field: str = "") -> None:

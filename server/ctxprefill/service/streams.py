@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from prometheus_client import Counter
 
-from ctxprefill_api import pb
+from ctxprefill_api import SERVICE_NAME, pb
 from ctxprefill_api.wire import nest
 
 from . import codec, inline_views
@@ -28,7 +28,6 @@ from .prefill import PrefillCall
 from .request_ring import AttachedRing
 from .shared_memory import caller_peer
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillContextService"].full_name
 STREAM_METHOD = f"/{SERVICE_NAME}/PrefillContextStream"  # what an in-band error's log line names
 RING_METHOD = f"/{SERVICE_NAME}/AttachRequestRing"
 

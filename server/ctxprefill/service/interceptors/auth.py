@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from ..metrics import Metrics
-from .handlers import kind_of, rebuild, split_method
+from .handlers import HandlerInterceptor, rebuild, split_method
 from .status import RpcStatusError
 
 #: services callable without the bearer token (health probes carry no credentials)
@@ -66,19 +66,17 @@ def _refusing(err: RpcStatusError, response_streaming: bool) -> Callable[..., An
     return refuse
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthInterceptor(HandlerInterceptor):
     def __init__(self, token: str, metrics: Metrics):
+        super().__init__()
         self.token = token.encode("utf-8")
         self.metrics = metrics
 
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
-        kind = kind_of(handler)
-        if handler is None or kind is None or split_method(handler_call_details.method)[0] in OPEN_SERVICES:
+    def wrap(self, handler: grpc.RpcMethodHandler[Any, Any], kind: str,
+             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any]:
+        if split_method(details.method)[0] in OPEN_SERVICES:
             return handler
-        refusal = check_bearer(handler_call_details.invocation_metadata, self.token)
+        refusal = check_bearer(details.invocation_metadata, self.token)
         if refusal is None:
             return handler
         self.metrics.rejected.labels(reason=refusal.reason).inc()

@@ -1,5 +1,6 @@
 """Taking an ``RpcMethodHandler`` apart and putting it together again, for the
-interceptors (each replaces the behavior or a (de)serializer and keeps the rest).
+interceptors (each replaces the behavior or a (de)serializer and keeps the rest), and
+their common base, :class:`HandlerInterceptor`.
 
 A handler has two kinds: the method's own (``grpc_type``: unary, server_stream, ...;
 what the metrics label and the inner interceptors see) and the shape gRPC drives it in
@@ -92,6 +93,43 @@ def rebuild(handler: grpc.RpcMethodHandler[Any, Any], *, behavior: Behavior | No
                          unary_unary=behaviors["unary_unary"], unary_stream=behaviors["unary_stream"],
                          stream_unary=behaviors["stream_unary"], stream_stream=behaviors["stream_stream"],
                          grpc_type=own, reads_request=reads_request(handler) if reads is None else reads)
+
+
+class HandlerInterceptor(grpc.aio.ServerInterceptor):
+    """An interceptor that rebuilds each call's method handler (:meth:`wrap`); a call
+    without a handler, or with one without a behavior, passes untouched.
+
+    ``per_method``: what :meth:`wrap` makes depends on the method and its handler only
+    (no per-call state), so it is made once and reused while the handler it was made
+    from comes back (the servicer's handlers are built once: every call of a method
+    then costs a dict lookup here instead of a rebuild)."""
+
+    per_method = False
+
+    def __init__(self) -> None:
+        self._made: dict[str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]] = {}
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        made = self._made.get(handler_call_details.method) if self.per_method else None
+        if made is not None and made[0] is handler:
+            return made[1]
+        kind = kind_of(handler)
+        if kind is None:
+            return handler
+        wrapped = self.wrap(handler, kind, handler_call_details)
+        if self.per_method:  # one entry per registered method
+            self._made[handler_call_details.method] = (handler, wrapped)
+        return wrapped
+
+    def wrap(self, handler: grpc.RpcMethodHandler[Any, Any], kind: str,
+             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any]:
+        """The handler the call runs with (``kind``: the method's own, ``kind_of``)."""
+        raise NotImplementedError
 
 
 def split_method(full_method: str) -> tuple[str, str]:

@@ -43,7 +43,7 @@ from typing import Any
 
 import grpc
 
-from .handlers import behavior_of, kind_of, reads_request, rebuild
+from .handlers import HandlerInterceptor, behavior_of, reads_request, rebuild
 from .status import RpcStatusError
 
 log = logging.getLogger("ctxprefill.service")
@@ -127,7 +127,7 @@ class CallMemory:
         self.held = 0
         self.messages: collections.deque[int] = collections.deque()  # bytes of messages read, not yet answered
         self.answers: collections.deque[int] = collections.deque()  # bytes charged to answers not yet sent
-        self.last_size = 0  # bytes of the message read last (set by the deserializer)
+        self.inner_ran = False  # its handler ran: the inner interceptors counted the call
 
     def take_now(self, n: int) -> bool:
         if not self.budget.try_take(n):
@@ -217,13 +217,10 @@ def _passthrough(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], by
     return serialize_response
 
 
-def _sizing(deserialize: Callable[[bytes], Any] | None, call: CallMemory) -> Callable[[bytes], Any] | None:
-    if deserialize is None:
-        return None
-
-    def deserialize_request(raw: bytes) -> Any:
-        call.last_size = len(raw)
-        return deserialize(raw)
+def _sizing(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], tuple[int, Any]]:
+    """The deserializer gRPC gets: each message with its size, ``(bytes, message)``."""
+    def deserialize_request(raw: bytes) -> tuple[int, Any]:
+        return len(raw), raw if deserialize is None else deserialize(raw)
 
     return deserialize_request
 
@@ -246,51 +243,54 @@ class Refusal(Exception):
 Recorder = Callable[[str, str, grpc.StatusCode, str, bool], None]
 
 
-class MemoryInterceptor(grpc.aio.ServerInterceptor):
+class MemoryInterceptor(HandlerInterceptor):
     """Outermost: every method driven with a streamed request, its messages read and
     its answers charged under :class:`MemoryLimits`. ``record`` counts the calls it
     ends itself (the metrics interceptor's :meth:`~.metrics.MetricsInterceptor.record`)."""
 
+    per_method = True  # a call's own state is made when it starts (``_Driven._open``)
+
     def __init__(self, limits: MemoryLimits, record: Recorder):
+        super().__init__()
         self.limits = limits
         self.budget = Budget(limits.max_inflight_bytes)
         self.record = record
 
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
-        kind = kind_of(handler)
-        if handler is None or kind is None:
-            return handler
-        method = handler_call_details.method
-        call = CallMemory(self.budget, self.limits,
-                          lambda reason: self.record(method, kind, grpc.StatusCode.RESOURCE_EXHAUSTED, reason, True))
-        driven = _Driven(self, handler, kind, call, method)
-        if handler.response_streaming:
-            return rebuild(handler, behavior=driven.stream, shape="bidi_stream",
-                           deserializer=_sizing(handler.request_deserializer, call),
-                           serializer=_passthrough(handler.response_serializer))
-        return rebuild(handler, behavior=driven.unary, shape="client_stream",
-                       deserializer=_sizing(handler.request_deserializer, call),
-                       serializer=_passthrough(handler.response_serializer))
+    def wrap(self, handler: grpc.RpcMethodHandler[Any, Any], kind: str,
+             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any]:
+        driven = _Driven(self, handler, kind, details.method)
+        streaming = handler.response_streaming
+        return rebuild(handler, behavior=driven.stream if streaming else driven.unary,
+                       shape="bidi_stream" if streaming else "client_stream",
+                       deserializer=_sizing(handler.request_deserializer), serializer=driven.serialize)
 
 
 class _Driven:
-    """One call: its request read, its handler run, its answers serialized."""
+    """One method's calls: each one's request read, its handler run, its answers
+    serialized, under the call's own :class:`CallMemory`."""
 
-    def __init__(self, owner: MemoryInterceptor, handler: grpc.RpcMethodHandler[Any, Any], kind: str,
-                 call: CallMemory, method: str):
-        self.owner, self.kind, self.call, self.method = owner, kind, call, method
+    def __init__(self, owner: MemoryInterceptor, handler: grpc.RpcMethodHandler[Any, Any], kind: str, method: str):
+        self.owner, self.kind, self.method = owner, kind, method
         self.inner = behavior_of(handler)
         self.unary_request = not handler.request_streaming
         self.needs_request = reads_request(handler)
         self.serialize = _passthrough(handler.response_serializer)
-        self.inner_ran = False
 
-    async def read(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    def _answer_refused(self, reason: str) -> None:
+        self.owner.record(self.method, self.kind, grpc.StatusCode.RESOURCE_EXHAUSTED, reason, True)
+
+    def _open(self, context: grpc.aio.ServicerContext[Any, Any]) -> CallMemory:
+        """The call's memory, given back when it ends; its own task (and the tasks it
+        starts) see it (``_CALL``)."""
+        call = CallMemory(self.owner.budget, self.owner.limits, self._answer_refused)
+        context.add_done_callback(call.on_done)  # type: ignore[arg-type]  # the stubs want their own class
+        _CALL.set(call)
+        return call
+
+    async def read(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any],
+                   call: CallMemory) -> Any:
         """The next message (``_EOF`` at the end), read under the budget."""
-        lim, call = self.owner.limits, self.call
+        lim = self.owner.limits
         wait: float | None = None  # a stream's next read waits for room: its client sees flow control
         if self.unary_request:
             remaining = context.time_remaining()
@@ -300,58 +300,56 @@ class _Driven:
                           f"no room to receive the request: the server's calls hold {call.budget.held} of "
                           f"--max-inflight-bytes {call.budget.capacity}, and a message being read reserves "
                           f"--max-message-bytes ({lim.max_message_bytes}); retry later", "inflight_bytes")
-        call.last_size = 0
-        message: Any = _EOF
+        got: Any = _EOF
         try:
             if self.unary_request:
                 try:
-                    message = await asyncio.wait_for(anext(requests, _EOF), lim.receive_timeout_s)
+                    got = await asyncio.wait_for(anext(requests, _EOF), lim.receive_timeout_s)
                 except TimeoutError:
                     raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   f"the request was not received within --receive-timeout-s "
                                   f"{lim.receive_timeout_s:g}", "receive_timeout") from None
             else:
-                message = await anext(requests, _EOF)
+                got = await anext(requests, _EOF)
         finally:
-            kept = min(call.last_size, lim.max_message_bytes) if message is not _EOF else 0
+            kept = min(got[0], lim.max_message_bytes) if got is not _EOF else 0
             call.give(lim.max_message_bytes - kept)  # in: it holds its own size from now on
             if kept:
                 call.messages.append(kept)
-        return message
+        return _EOF if got is _EOF else got[1]
 
-    async def messages(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
-                       ) -> AsyncIterator[Any]:
-        while (message := await self.read(requests, context)) is not _EOF:
+    async def messages(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any],
+                       call: CallMemory) -> AsyncIterator[Any]:
+        while (message := await self.read(requests, context, call)) is not _EOF:
             yield message
 
-    async def request(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    async def request(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any],
+                      call: CallMemory) -> Any:
         """What the inner behavior gets: the unary request, or the stream's messages."""
         if not self.needs_request:
             return None if self.unary_request else _no_messages()
         if not self.unary_request:
-            return self.messages(requests, context)
-        request = await self.read(requests, context)
+            return self.messages(requests, context, call)
+        request = await self.read(requests, context, call)
         if request is _EOF:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "request: the call ended before its message",
                           "no_message")
         return request
 
-    def refused(self, context: grpc.aio.ServicerContext[Any, Any], e: Refusal) -> None:
+    def refused(self, context: grpc.aio.ServicerContext[Any, Any], e: Refusal, call: CallMemory) -> None:
         log.info("%s -> %s: %s", self.method, e.code.name, e.message, extra={"method": self.method,
                                                                             "code": e.code.name})
         context.set_code(e.code)
         context.set_details(e.message)
-        self.owner.record(self.method, self.kind, e.code, e.reason, self.inner_ran)
+        self.owner.record(self.method, self.kind, e.code, e.reason, call.inner_ran)
 
     async def unary(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         """A unary answer, serialized; its charge is given back once gRPC has sent it
         (or the call ended)."""
-        call = self.call
-        context.add_done_callback(call.on_done)  # type: ignore[arg-type]  # the stubs want their own class
-        _CALL.set(call)  # the call's own task (and the tasks it starts) see it
+        call = self._open(context)
         try:
-            request = await self.request(requests, context)
-            self.inner_ran = True
+            request = await self.request(requests, context, call)
+            call.inner_ran = True
             response = await self.inner(request, context)
             del request
             while call.messages:  # the handler is done with its request
@@ -361,19 +359,17 @@ class _Driven:
                 return None
             return self.serialize(response)  # the bytes only: the tensors they were made of go now
         except Refusal as e:
-            self.refused(context, e)
+            self.refused(context, e, call)
             return None
 
     async def stream(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
                      ) -> AsyncIterator[bytes]:
         """Streamed answers, serialized; each one's charge (and the message it answers)
         given back once gRPC has sent it."""
-        call = self.call
-        context.add_done_callback(call.on_done)  # type: ignore[arg-type]  # the stubs want their own class
-        _CALL.set(call)  # the call's own task (and the tasks it starts) see it
+        call = self._open(context)
         try:
-            request = await self.request(requests, context)
-            self.inner_ran = True
+            request = await self.request(requests, context, call)
+            call.inner_ran = True
             result = self.inner(request, context)
             del request
             if not inspect.isasyncgen(result):  # a handler that writes with context.write
@@ -386,4 +382,4 @@ class _Driven:
                 del raw
                 call.answered()
         except Refusal as e:
-            self.refused(context, e)
+            self.refused(context, e, call)

@@ -1,8 +1,9 @@
 """The go-grpc-prometheus metrics of every RPC of every service on the server (health and
 reflection included): ``grpc_server_started_total``,
 ``grpc_server_handled_total{grpc_code}``, ``grpc_server_msg_received_total``,
-``grpc_server_msg_sent_total`` and ``grpc_server_handling_seconds``. Outermost of the
-interceptors, it records the status a call ends with (a refusal's too) before gRPC
+``grpc_server_msg_sent_total`` and ``grpc_server_handling_seconds``. Outside the status
+mapping and the token check (the memory interceptor reports the calls it ends through
+:meth:`MetricsInterceptor.record`), it records the status a call ends with before gRPC
 sends it, so that a client reading the metrics as soon as it has its answer finds the
 call counted. (Messages a streaming handler sends with ``context.write`` instead of
 ``yield`` are not counted.)
@@ -10,17 +11,16 @@ call counted. (Messages a streaming handler sends with ``context.write`` instead
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
 from ..metrics import Metrics
-from .handlers import Behavior, behavior_of, kind_of, rebuild, split_method
-from .status import cancel_code, status_of
+from .handlers import Behavior, HandlerInterceptor, behavior_of, rebuild, split_method
+from .status import code_after, code_of
 
 
 class _MethodMetrics:
@@ -55,23 +55,6 @@ class _Call:
         self.code = "OK"
         mm.started.inc()
 
-    def failed(self, exc: BaseException, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        """The status of a call its handler left with ``exc``."""
-        if isinstance(exc, asyncio.CancelledError):
-            self.code = cancel_code(context.time_remaining())
-        elif isinstance(exc, grpc.aio.AbortError):  # context.abort() inside the handler
-            code = context.code()
-            self.code = code.name if code is not None else "UNKNOWN"
-        else:  # KeyboardInterrupt, ... (the status interceptor maps every Exception)
-            mapped = status_of(exc) if isinstance(exc, Exception) else None
-            self.code = mapped[0].name if mapped is not None else "INTERNAL"
-
-    def ended(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        """The status of a call its handler returned from (set on the context, or OK)."""
-        code = context.code()
-        if code is not None and code != grpc.StatusCode.OK:
-            self.code = code.name
-
     def finish(self) -> None:
         self.mm.handled(self.code).inc()
         self.mm.handling.observe(time.perf_counter() - self.t0)
@@ -98,9 +81,9 @@ def _counted(behavior: Behavior, mm: _MethodMetrics, request_streaming: bool) ->
                 async for response in behavior(requests_of(request), context):
                     mm.sent.inc()
                     yield response
-                call.ended(context)
+                call.code = code_after(context)
             except BaseException as e:
-                call.failed(e, context)
+                call.code = code_of(e, context)
                 raise
             finally:
                 call.finish()
@@ -113,12 +96,12 @@ def _counted(behavior: Behavior, mm: _MethodMetrics, request_streaming: bool) ->
             response = behavior(requests_of(request), context)
             if inspect.isawaitable(response):
                 response = await response
-            call.ended(context)
+            call.code = code_after(context)
             if response is not None and call.code == "OK":
                 mm.sent.inc()
             return response
         except BaseException as e:
-            call.failed(e, context)
+            call.code = code_of(e, context)
             raise
         finally:
             call.finish()
@@ -126,19 +109,17 @@ def _counted(behavior: Behavior, mm: _MethodMetrics, request_streaming: bool) ->
     return unary
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
+class MetricsInterceptor(HandlerInterceptor):
+    per_method = True
+
     def __init__(self, metrics: Metrics):
+        super().__init__()
         self.metrics = metrics
         self._method_metrics: dict[tuple[str, str, str], _MethodMetrics] = {}
 
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
-        kind = kind_of(handler)
-        if handler is None or kind is None:
-            return handler
-        mm = self._method(kind, handler_call_details.method)
+    def wrap(self, handler: grpc.RpcMethodHandler[Any, Any], kind: str,
+             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any]:
+        mm = self._method(kind, details.method)
         return rebuild(handler, behavior=_counted(behavior_of(handler), mm, handler.request_streaming))
 
     def _method(self, kind: str, full_method: str) -> _MethodMetrics:

@@ -11,40 +11,23 @@ stage spans: ``tracing.record_prefill``).
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
 from .. import tracing
-from .handlers import Behavior, behavior_of, kind_of, rebuild, split_method
-from .status import cancel_code, status_of
+from .handlers import Behavior, HandlerInterceptor, behavior_of, rebuild, split_method
+from .status import code_after, code_of
 
 #: codes that mark a server span as failed (OpenTelemetry's gRPC semantic conventions)
 SERVER_ERRORS = frozenset({"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"})
 
 
-def _metadata(details: grpc.HandlerCallDetails) -> dict[str, str]:
+def _carrier(context: grpc.aio.ServicerContext[Any, Any]) -> dict[str, str]:
     """The call's text metadata (what the propagators read)."""
-    return {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
-
-
-def _code_of(exc: BaseException, context: grpc.aio.ServicerContext[Any, Any]) -> str:
-    """The status a call whose handler left with ``exc`` ends with."""
-    if isinstance(exc, asyncio.CancelledError):
-        return cancel_code(context.time_remaining())
-    if isinstance(exc, grpc.aio.AbortError):
-        code = context.code()
-        return code.name if code is not None else "UNKNOWN"
-    mapped = status_of(exc) if isinstance(exc, Exception) else None
-    return mapped[0].name if mapped is not None else "INTERNAL"
-
-
-def _code_after(context: grpc.aio.ServicerContext[Any, Any]) -> str:
-    code = context.code()
-    return "OK" if code is None else code.name
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
 class _Call:
@@ -52,9 +35,9 @@ class _Call:
 
     __slots__ = ("span", "token", "otel_token")
 
-    def __init__(self, t: tracing.Tracing, name: str, attributes: dict[str, Any], carrier: dict[str, str],
-                 streaming: bool):
-        parent = t.propagate.extract(carrier)
+    def __init__(self, t: tracing.Tracing, name: str, attributes: dict[str, Any],
+                 context: grpc.aio.ServicerContext[Any, Any], streaming: bool):
+        parent = t.propagate.extract(_carrier(context))
         self.span = t.tracer.start_span(name, context=parent, kind=t.SpanKind.SERVER, attributes=attributes)
         self.otel_token = t.context.attach(t.trace.set_span_in_context(self.span, parent))
         rpc = tracing.RpcTrace(t, self.span, streaming) if self.span.is_recording() else None
@@ -74,18 +57,18 @@ class _Call:
         span.end()
 
 
-def _traced(behavior: Behavior, t: tracing.Tracing, name: str, attributes: dict[str, Any], carrier: dict[str, str],
+def _traced(behavior: Behavior, t: tracing.Tracing, name: str, attributes: dict[str, Any],
             streaming: bool) -> Behavior:
     if inspect.isasyncgenfunction(behavior):
         async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-            call = _Call(t, name, attributes, carrier, streaming)
+            call = _Call(t, name, attributes, context, streaming)
             code = "OK"
             try:
                 async for response in behavior(request, context):
                     yield response
-                code = _code_after(context)
+                code = code_after(context)
             except BaseException as e:
-                code = _code_of(e, context)
+                code = code_of(e, context)
                 raise
             finally:
                 call.end(code, t)
@@ -93,16 +76,16 @@ def _traced(behavior: Behavior, t: tracing.Tracing, name: str, attributes: dict[
         return stream
 
     async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        call = _Call(t, name, attributes, carrier, streaming)
+        call = _Call(t, name, attributes, context, streaming)
         code = "OK"
         try:
             response = behavior(request, context)
             if inspect.isawaitable(response):
                 response = await response
-            code = _code_after(context)
+            code = code_after(context)
             return response
         except BaseException as e:
-            code = _code_of(e, context)
+            code = code_of(e, context)
             raise
         finally:
             call.end(code, t)
@@ -110,19 +93,17 @@ def _traced(behavior: Behavior, t: tracing.Tracing, name: str, attributes: dict[
     return unary
 
 
-class TracingInterceptor(grpc.aio.ServerInterceptor):
+class TracingInterceptor(HandlerInterceptor):
+    per_method = True
+
     def __init__(self, t: tracing.Tracing):
+        super().__init__()
         self.tracing = t
 
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
-        kind = kind_of(handler)
-        if handler is None or kind is None:
-            return handler
-        service, method = split_method(handler_call_details.method)
+    def wrap(self, handler: grpc.RpcMethodHandler[Any, Any], kind: str,
+             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any]:
+        service, method = split_method(details.method)
         attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
         behavior = _traced(behavior_of(handler), self.tracing, f"{service}/{method}", attributes,
-                           _metadata(handler_call_details), streaming=kind in ("client_stream", "bidi_stream"))
+                           streaming=kind in ("client_stream", "bidi_stream"))
         return rebuild(handler, behavior=behavior)

@@ -20,17 +20,17 @@ from typing import Any
 
 import grpc
 
-from ctxprefill_api import pb
+from ctxprefill_api import SERVICE_NAME, pb
 from ctxprefill_api.wire import NestedMessage, OutgoingMessage
 
 from ...errors import InvalidArgument
 from .. import inline_views
-from .handlers import Behavior, behavior_of, kind_of, rebuild
+from .handlers import Behavior, HandlerInterceptor, behavior_of, rebuild
 from .memory import charge_answer
 
 #: methods whose inline tensor bytes are kept as views of the received buffer, not
 #: copied into the message (service/inline_views.py): their request type
-_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["PrefillContextService"].full_name
+_SERVICE = "/" + SERVICE_NAME
 INLINE_PARSED = {f"{_SERVICE}/PrefillContext": pb.PrefillContextRequest,
                  f"{_SERVICE}/WriteCache": pb.WriteCacheRequest,
                  f"{_SERVICE}/PrefillContextStream": pb.PrefillContextStreamRequest}
@@ -108,15 +108,12 @@ def _checked(behavior: Behavior, request_streaming: bool) -> Behavior:
     return call
 
 
-class WireInterceptor(grpc.aio.ServerInterceptor):
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
-        kind = kind_of(handler)
-        if handler is None or kind is None:
-            return handler
-        parse_inline = INLINE_PARSED.get(handler_call_details.method)
+class WireInterceptor(HandlerInterceptor):
+    per_method = True
+
+    def wrap(self, handler: grpc.RpcMethodHandler[Any, Any], kind: str,
+             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any]:
+        parse_inline = INLINE_PARSED.get(details.method)
         deserialize = (handler.request_deserializer if parse_inline is None
                        else functools.partial(inline_views.parse, parse_inline))
         return rebuild(handler, behavior=_checked(behavior_of(handler), handler.request_streaming),
