@@ -1,8 +1,10 @@
 """The paged latent cache: ``num_blocks × block_size`` slots of raw bytes (CONTRACT §2).
 
 Storage is one uint8 tensor ``[num_slots, bytes_per_slot]``; the slot formats live in
-``ops/slot_format.py``. Every slot index is checked here, on the host, before a
-kernel sees it: a bad index on the GPU would take the whole cache down with it.
+``ops/slot_format.py``. Every slot index is checked on the host before a kernel sees
+it (a bad index on the GPU would take the whole cache down with it): by :meth:`write` and
+:meth:`read`, or, for the engine, once by its request checks (``engine/request.py``, with
+:func:`host_slots`) before :meth:`write_checked` / :meth:`read_checked`.
 """
 
 from __future__ import annotations
@@ -32,18 +34,7 @@ class PagedLatentCache:
             raise InvalidArgument(field, f"must be 1-D, got shape {list(slot_mapping.shape)}")
         if slot_mapping.dtype != torch.int64:
             raise InvalidArgument(field, f"must be int64, got {slot_mapping.dtype}")
-        s = slot_mapping.cpu()
-        if s.numel():
-            lo = -1 if allow_skip else 0
-            bad = (s < lo) | (s >= self.config.num_slots)
-            if bool(bad.any()):
-                i = int(bad.nonzero()[0, 0])
-                raise OutOfRange(
-                    f"{field}[{i}]",
-                    f"slot {int(s[i])} is outside [{lo}, {self.config.num_slots})"
-                    + (" (-1 skips a token)" if allow_skip else ""),
-                )
-        return s
+        return host_slots(slot_mapping, self.config.num_slots, field, allow_skip)
 
     def write(self, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> int:
         """Insert T tokens; returns the number of slots written (slot -1 skips)."""
@@ -56,8 +47,13 @@ class PagedLatentCache:
                 )
             if t.dtype not in (torch.bfloat16, torch.float32):
                 raise InvalidArgument(name, f"must be bf16 or float32, got {t.dtype}")
+        return self.write_checked(slots, kv_c, k_pe)
+
+    def write_checked(self, slots: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> int:
+        """:meth:`write` of inputs already checked as it checks them (the engine's
+        ``request.validate_write``): ``slots`` int64 [T] on the host."""
         keep = slots >= 0
-        if T == 0 or not bool(keep.any()):
+        if slots.numel() == 0 or not bool(keep.any()):
             return 0
         up = self._to_device
         insert(self.storage, up(kv_c), up(k_pe), up(slots), self.config.dtype, self.config.k_scale)
@@ -77,5 +73,24 @@ class PagedLatentCache:
 
     def read(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """The raw bytes of the given slots, uint8 [T, bytes_per_slot] on the host."""
-        slots = self.check_slots(slot_mapping, allow_skip=False)
+        return self.read_checked(self.check_slots(slot_mapping, allow_skip=False))
+
+    def read_checked(self, slots: torch.Tensor) -> torch.Tensor:
+        """:meth:`read` of slots already checked (int64 [T] on the host, each in range)."""
         return self.storage[slots.to(self.device)].cpu()
+
+
+def host_slots(slot_mapping: torch.Tensor, num_slots: int, field: str, allow_skip: bool) -> torch.Tensor:
+    """``slot_mapping`` (int64 [T]) on the host, each slot in ``[0, num_slots)`` or, with
+    ``allow_skip``, -1: else OutOfRange naming the first one that is not."""
+    s = slot_mapping.cpu()
+    if s.numel():
+        lo = -1 if allow_skip else 0
+        bad = (s < lo) | (s >= num_slots)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise OutOfRange(
+                f"{field}[{i}]",
+                f"slot {int(s[i])} is outside [{lo}, {num_slots})" + (" (-1 skips a token)" if allow_skip else ""),
+            )
+    return s

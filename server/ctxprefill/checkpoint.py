@@ -7,7 +7,9 @@ What a server takes from it (CONTRACT §1, §8):
 - each served layer's ``model.layers.{i}.self_attn.kv_b_proj.weight`` [H*(P+V), L] (with its
   ``weight_scale_inv`` when fp8), found through ``model.safetensors.index.json``'s weight map
   (or in a single ``model.safetensors``). Only the shards holding those tensors are opened,
-  memory-mapped, and only those tensors are read: of a head shard, only its heads' rows.
+  memory-mapped, and only those tensors are read: of a head shard, only its heads' rows —
+  but for an fp8 weight whose rows there are exact in bf16, the whole weight, read to decide
+  the compute dtype as an unsharded server does (``_whole_exact``).
 Every problem is a ConfigError naming the file, the field or the tensor.
 """
 
@@ -443,10 +445,12 @@ def _layer(model: ModelConfig, layer: int, read: dict[str, _Read], heads: int, r
         raise ConfigError(f"--model: layer {layer}'s {scale_key(layer)} holds scales that are not finite and "
                           f"positive: refusing to serve it")
     weights = prepare("fp8", w.tensor, scale)
-    if num_shards > 1 and weights.compute.dtype == torch.bfloat16:
+    if num_shards > 1 and weights.compute.dtype == torch.bfloat16 \
+            and not _whole_exact(files, key, scale_key(layer)):
         # exact in bf16 on this shard's rows: the whole weight decides (as shard_kv_b_proj does), so
-        # read the rest of it; rows that are not exact make every shard's rows inexact too
-        weights = prepare("fp8", w.tensor, scale, bf16_exact=_whole_exact(files, key, scale_key(layer)))
+        # the rest of it is read; where it is not exact, neither is any shard: W_deq in float32
+        # (these rows' bf16 values, widened exactly)
+        weights = dataclasses.replace(weights, compute=weights.compute.float())
     check_finite(weights, what)
     return weights
 

@@ -54,16 +54,13 @@ def exact_in_bf16(w_deq: torch.Tensor) -> bool:
     return bool(torch.equal(w_deq.to(torch.bfloat16).float(), w_deq))
 
 
-def prepare(dtype: str, weight: torch.Tensor, scale: torch.Tensor | None,
-            bf16_exact: bool | None = None) -> KvBProjWeights:
-    """The compute form of a weight. fp8: W_deq in bf16 when exact there, else float32;
-    ``bf16_exact`` given decides it instead (a head shard takes the whole weight's decision)."""
+def prepare(dtype: str, weight: torch.Tensor, scale: torch.Tensor | None) -> KvBProjWeights:
+    """The compute form of a weight. fp8: W_deq in bf16 when exact there, else float32."""
     if dtype == "bf16":
         return KvBProjWeights("bf16", weight, None, weight)
     assert scale is not None, "an fp8 weight has a scale"
     w_deq = dequantize(weight, scale)
-    exact = exact_in_bf16(w_deq) if bf16_exact is None else bf16_exact
-    return KvBProjWeights("fp8", weight, scale, w_deq.to(torch.bfloat16) if exact else w_deq)
+    return KvBProjWeights("fp8", weight, scale, w_deq.to(torch.bfloat16) if exact_in_bf16(w_deq) else w_deq)
 
 
 def nonfinite(t: torch.Tensor) -> str | None:

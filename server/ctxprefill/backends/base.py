@@ -10,7 +10,8 @@ What a backend can do is declared once, as a :class:`BackendCaps` (the class att
 :meth:`AttentionBackend.unavailable_reason`. The chunk loop (``engine/loop.py``) reads the
 caps once per request and passes :meth:`AttentionBackend.run_context_chunk` only the
 inputs they allow (``k_rope``, ``v_layout="hdt"``, ``launch_order``); every other argument
-keeps its default.
+keeps its default. A backend refuses what its caps rule out
+(:meth:`AttentionBackend.refuse_outside_caps`), whoever the caller.
 
 The ``out`` contract (CONTRACT §5): a backend with ``caps.supports_out`` writes its result
 into the ``out`` tensor it is given (same data pointer) and returns it; the chunk loop
@@ -173,6 +174,21 @@ class AttentionBackend(abc.ABC):
         backend with ``caps.launch_order``, after the chunk's other work is launched (so
         that it runs while the device works)."""
         return None
+
+    def refuse_outside_caps(self, q_dtype: torch.dtype, k_rope: torch.Tensor | None, v_layout: VLayout,
+                            cu_seqlens_v: torch.Tensor | None, launch_order: LaunchOrder | None) -> None:
+        """ValueError naming the input of :meth:`run_context_chunk` that ``caps`` rule out for
+        ``q_dtype``: a caller outside the chunk loop (which passes only what they allow) is
+        refused, not ignored. Each backend's ``run_context_chunk`` calls it first."""
+        caps = self.caps
+        if k_rope is not None and q_dtype not in caps.unpacked_keys:
+            raise ValueError(f"the {self.name} backend takes packed keys for {q_dtype} (k_rope given; "
+                             f"caps.unpacked_keys)")
+        if (v_layout != "thd" or cu_seqlens_v is not None) and q_dtype not in caps.v_keys_last:
+            raise ValueError(f"the {self.name} backend takes V [Tk, H, 128] for {q_dtype} (v_layout {v_layout!r}"
+                             f"{', cu_seqlens_v' if cu_seqlens_v is not None else ''} given; caps.v_keys_last)")
+        if launch_order is not None and not caps.launch_order:
+            raise ValueError(f"the {self.name} backend takes no launch order (its caps.launch_order is False)")
 
     def warm_up(self, device: torch.device, heads: int, q_dtype: torch.dtype) -> None:
         """Build or compile, before the server is ready, the kernel variants that chunks

@@ -236,8 +236,7 @@ class CudnnDenseBackend(AttentionBackend):
         cu_seqlens_v: torch.Tensor | None = None,
         launch_order: LaunchOrder | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if k_rope is not None or v_layout != "thd" or cu_seqlens_v is not None or launch_order is not None:
-            raise ValueError("the cudnn backend takes packed keys, V [Tk, H, 128] and no launch order (its caps)")
+        self.refuse_outside_caps(q.dtype, k_rope, v_layout, cu_seqlens_v, launch_order)
         if not self._dense_blocker(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, out, causal):
             try:
                 o, lse, n = self._run_dense(q, k, v, scale, out)

@@ -488,8 +488,7 @@ class CudnnFrontendBackend(AttentionBackend):
         cu_seqlens_v: torch.Tensor | None = None,
         launch_order: LaunchOrder | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if k_rope is not None or v_layout != "thd" or cu_seqlens_v is not None or launch_order is not None:
-            raise ValueError("cudnn-frontend takes packed keys, V [Tk, H, 128] and no launch order (its caps)")
+        self.refuse_outside_caps(q.dtype, k_rope, v_layout, cu_seqlens_v, launch_order)
         self._check(q, k, v, cu_seqlens_q, cu_seqlens_k, out)
         if q.device.type != "cuda" and not _interpreting():
             raise RuntimeError("cudnn-frontend runs CUDA tensors (CPU tensors only in the tests, under "

@@ -77,13 +77,9 @@ class ReferenceBackend(AttentionBackend):
         cu_seqlens_v: torch.Tensor | None = None,
         launch_order: LaunchOrder | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if v_layout != "thd" or cu_seqlens_v is not None:
-            raise ValueError(f"the reference backend takes V [Tk, H, Dv] only (v_layout 'thd'), got {v_layout!r}")
+        self.refuse_outside_caps(q.dtype, k_rope, v_layout, cu_seqlens_v, launch_order)
         if k_rope is not None:
-            if q.dtype not in self.caps.unpacked_keys:
-                raise ValueError("k_rope given to a reference backend built without unpacked_keys")
             k = torch.cat([k, k_rope], dim=-1)  # the reference computes over the packed keys
-        # (a launch order changes no result: ignored)
         o, lse = attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
         if out is not None and self.caps.supports_out:
             out.copy_(o.to(out.dtype))

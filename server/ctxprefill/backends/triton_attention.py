@@ -714,11 +714,9 @@ class TritonAttentionBackend(AttentionBackend):
         cu_seqlens_v: torch.Tensor | None = None,
         launch_order: LaunchOrder | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        order = None
-        if launch_order is not None:
-            if not self.caps.launch_order:
-                raise ValueError(f"the {self.name} backend takes no launch order (its caps.launch_order is False)")
-            order = TileOrder(launch_order.codes, cu_seqlens_q.numel() - 1, q.shape[1], launch_order.m_tiles)
+        self.refuse_outside_caps(q.dtype, k_rope, v_layout, cu_seqlens_v, launch_order)
+        order = None if launch_order is None else \
+            TileOrder(launch_order.codes, cu_seqlens_q.numel() - 1, q.shape[1], launch_order.m_tiles)
         return mla_context_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale,
                                      out=out, causal=causal, config=self.config, v_layout=v_layout,
                                      cu_seqlens_v=cu_seqlens_v, tile_order=order, k_rope=k_rope)

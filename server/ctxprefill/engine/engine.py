@@ -226,7 +226,7 @@ class Engine:
     def _write_checked(self, w: CheckedWrite) -> WriteResult:
         counts: Counter[str] = Counter()
         with self._lock, self._on_device(), launches.stage(counts, "insert"):
-            n = self.caches[w.layer_position].write(w.slot_mapping, w.kv_c, w.k_pe)
+            n = self.caches[w.layer_position].write_checked(w.slot_mapping, w.kv_c, w.k_pe)
         launches.note(counts["insert"])  # the caller's stage, when it opened one, counts them too
         return WriteResult(n, counts["insert"])
 
@@ -234,7 +234,7 @@ class Engine:
         """Check (``request.validate_read``) and read the slots: uint8 ``[T, bytes_per_slot]`` on the host."""
         position, slots = validate_read(request, self.config, self.instance_id)
         with self._lock, self._on_device():
-            return self.caches[position].read(slots)
+            return self.caches[position].read_checked(slots)
 
     def write_cache(self, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                     layer: int | None = None) -> int:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from ..cache import host_slots
 from ..config import EngineConfig
 from ..errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted
 from .plan import ContextChunk, plan_chunks, validate_plan
@@ -231,15 +232,7 @@ def _host_slots(slots: torch.Tensor, num_slots: int, allow_skip: bool, field: st
     """``slots`` (int64 ``[T]``) on the host, each in ``[0, num_slots)`` (or -1 with ``allow_skip``)."""
     _check_dtype(slots, field, (torch.int64,))
     _check_ndim(slots, field, 1)
-    host = slots.cpu()
-    if host.numel():
-        lo = -1 if allow_skip else 0
-        bad = (host < lo) | (host >= num_slots)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise OutOfRange(f"{field}[{i}]", f"slot {int(host[i])} is outside [{lo}, {num_slots})"
-                                              + (" (-1 skips a token)" if allow_skip else ""))
-    return host
+    return host_slots(slots, num_slots, field, allow_skip)
 
 
 def validate_write(request: WriteRequest, config: EngineConfig, instance_id: str) -> CheckedWrite:

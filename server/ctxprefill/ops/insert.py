@@ -1,8 +1,9 @@
 """Insert: write latents into cache slots (CONTRACT §2).
 
-Slot -1 means skip. The caller (cache.py) has already rejected every other slot out
-of range, before this op runs: an out-of-range write on the GPU would corrupt or
-kill the whole cache. The CUDA kernel also skips such slots, as a second guard.
+Slot -1 means skip. The caller (cache.py, or the engine's request checks) has already
+rejected every other slot out of range, before this op runs: an out-of-range write on the
+GPU would corrupt or kill the whole cache. The CUDA kernel also skips such slots, as a
+second guard.
 """
 
 from __future__ import annotations
