@@ -58,13 +58,11 @@ import argparse
 import collections
 import concurrent.futures
 import dataclasses
-import datetime
 import json
 import math
 import multiprocessing
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -78,6 +76,7 @@ for _sub in ("client", "server", "bench"):
 
 import numpy as np  # noqa: E402
 
+from ctxprefill_bench import run_info  # noqa: E402
 from progress import T0, elapsed, log  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
@@ -525,20 +524,6 @@ def check_transport(client, transport: str, q_spec: tuple, seqs: list, opts: dic
 # ----------------------------------------------------------------------------- facts
 
 
-def commit() -> str:
-    c = os.environ.get("CTXPREFILL_COMMIT")
-    if c:
-        return c
-    try:
-        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=10).stdout.strip()
-        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=10).stdout
-        return c + ("+dirty" if c and st.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def gpu_name(device: str) -> str | None:
     """'cuda:0 (NVIDIA H200)' -> 'NVIDIA H200'; None for a CPU server."""
     if device.startswith("cuda") and "(" in device:
@@ -650,8 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     level_s = {t: ns.warmup_s + ns.seconds + lead_s(ns.processes, t) + 2.0 for t in transports}  # with slack
 
     result: dict = {"meta": {
-        "kind": "concurrency", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": commit(), "gpu": None, "torch": None, "device": None, "target": ns.target,
+        "kind": "concurrency", "date": run_info.utc_now(),
+        "commit": run_info.commit(), "gpu": None, "torch": None, "device": None, "target": ns.target,
         "spawned_servers": ns.target is None, "client_mode": "processes" if ns.processes else "threads",
         "client_host_cpus": os.cpu_count(), "queue_size": queue_size if ns.target is None else None,
         "transports": transports, "transport_skipped": transport_skipped,

@@ -38,22 +38,22 @@ and are not targets. Results go to stdout as a table and to ``--out`` as JSON.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _sub in ("server", "client"):
+for _sub in ("server", "client", "bench"):
     if os.path.join(ROOT, _sub) not in sys.path:
         sys.path.insert(0, os.path.join(ROOT, _sub))
 
 import torch  # noqa: E402
+
+from ctxprefill_bench import run_info  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -102,16 +102,6 @@ def do_bench(fn, rep_ms: float = 60.0, warmup_ms: float = 15.0, flush: bool = Tr
         ends[i].record()
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends))
-
-
-def commit() -> str:
-    if os.environ.get("CTXPREFILL_COMMIT"):
-        return os.environ["CTXPREFILL_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def bits(t):
@@ -329,8 +319,8 @@ def main() -> int:
               f"{r['pct_same_size_copy']:>6.1f}% {r['pct_mix_roofline']:>5.1f}%  "
               + " ".join(note))
     doc = dict(
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda, commit=commit(),
+        date=run_info.utc_now(),
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda, commit=run_info.commit(),
         copy_tbps=round(copy_tbps, 4), write_only_tbps=round(write_tbps, 4), read_only_tbps=round(read_tbps, 4),
         mix_model=("plain Triton streaming copies at the kernel's bytes written per byte read (bench/mix_copy.py), "
                    "interpolated, scaled so that the 1:1 copy gives the measured copy" if mix_table else

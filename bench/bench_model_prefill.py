@@ -45,77 +45,28 @@ for _sub in ("client", "server", "bench"):
 
 import torch  # noqa: E402
 
+from ctxprefill_bench import deepseek_model  # noqa: E402
+from ctxprefill_bench.deepseek_model import L, P, R, V, rel  # noqa: E402
 from ctxprefill_bench.run_info import commit, utc_now  # noqa: E402
 from progress import log  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 KIND = "model_prefill"
-L, P, R, V = 512, 128, 64, 128  # kv_lora_rank, qk_nope, qk_rope, v_head_dim: what ctxprefill serves
-
-
-def make_config(ns: argparse.Namespace) -> Any:
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(
-        vocab_size=ns.vocab, hidden_size=ns.hidden, intermediate_size=ns.intermediate,
-        num_hidden_layers=ns.layers, num_attention_heads=ns.heads, num_key_value_heads=ns.heads,
-        q_lora_rank=ns.q_lora_rank, kv_lora_rank=L, qk_nope_head_dim=P, qk_rope_head_dim=R, v_head_dim=V,
-        first_k_dense_replace=ns.layers,  # every layer dense: no MoE
-        num_mtp_layers=0, max_position_embeddings=40 * 4096,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
-                         "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
-                         "mscale": 1.0, "mscale_all_dim": 1.0},
-        dtype="bfloat16",
-    )
 
 
 def make_model(ns: argparse.Namespace, dev: torch.device) -> Any:
-    """Random bf16 weights on ``dev``, scaled as tests/test_hf_integration.py scales them: q,
-    k_pe, k_nope and v ~ N(0, 1) per element, so that attention is sharp and carries the
-    residual stream (a wrong context, position or merge shows far above the tolerances)."""
-    from transformers import DeepseekV3ForCausalLM
-
-    torch.manual_seed(ns.seed)
-    with torch.device(dev):
-        model = DeepseekV3ForCausalLM(make_config(ns)).to(torch.bfloat16).eval()
-    g = torch.Generator(device=dev).manual_seed(ns.seed + 1)
-
-    def normal(p: torch.nn.Parameter, std: float) -> None:
-        p.data = (torch.randn(p.shape, generator=g, device=dev) * std).to(torch.bfloat16)
-
-    normal(model.model.embed_tokens.weight, 1.0)
-    normal(model.lm_head.weight, ns.hidden ** -0.5)
-    for layer in model.model.layers:
-        a = layer.self_attn
-        normal(a.q_a_proj.weight, ns.hidden ** -0.5)
-        normal(a.q_b_proj.weight, ns.q_lora_rank ** -0.5)
-        normal(a.kv_a_proj_with_mqa.weight, ns.hidden ** -0.5)
-        normal(a.kv_b_proj.weight, L ** -0.5)
-        normal(a.o_proj.weight, (ns.heads * V) ** -0.5)
-        a.kv_a_layernorm.weight.data = (0.5 + torch.rand(L, generator=g, device=dev)).to(torch.bfloat16)
-        a.q_a_layernorm.weight.data = (0.5 + torch.rand(ns.q_lora_rank, generator=g, device=dev)).to(torch.bfloat16)
-    return model
+    """The random model of ``ns`` on ``dev`` (``ctxprefill_bench.deepseek_model``, as the tests build it)."""
+    config = deepseek_model.make_config(layers=ns.layers, heads=ns.heads, hidden=ns.hidden, q_lora_rank=ns.q_lora_rank,
+                                        intermediate=ns.intermediate, vocab=ns.vocab, original_max_positions=4096)
+    return deepseek_model.make_model(config, seed=ns.seed, device=dev)
 
 
 def capture(model: Any, run: Callable[[], Any]) -> tuple[list[torch.Tensor], Any]:
     """``run()`` with every layer's self_attn output recorded: (per layer: the output of the one
     call, ``run()``'s result)."""
-    outs: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
-    hooks = [layer.self_attn.register_forward_hook(lambda mod, args, out, i=i: outs[i].append(out[0].float()))
-             for i, layer in enumerate(model.model.layers)]
-    try:
-        with torch.no_grad():
-            result = run()
-    finally:
-        for h in hooks:
-            h.remove()
+    outs, result = deepseek_model.capture(model, run)
     assert all(len(o) == 1 for o in outs)
     return [o[0] for o in outs], result
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """‖a − b‖ / ‖b‖ (Frobenius, float32)."""
-    return float(torch.linalg.norm((a.float() - b.float()).flatten()) / torch.linalg.norm(b.float().flatten()))
 
 
 def control_errors(ns: argparse.Namespace, model: Any, prompt: torch.Tensor, ref_attn: list[torch.Tensor],

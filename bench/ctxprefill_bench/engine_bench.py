@@ -22,13 +22,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import itertools
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -38,11 +36,13 @@ import torch
 from ctxprefill.app import build_engine
 from ctxprefill.settings import ServeSettings
 
+from . import run_info
+
 GRIDS = {
-    # the grid of the previous runs: the issue's headline shape, every dtype combination
+    # the headline shape (1,024 new over 64k), every dtype combination
     "default": {"heads": [16, 128], "new": [1024], "context": [65536],
                 "cache_dtype": ["auto", "fp8", "fp8_ds_mla"], "prefill_dtype": ["bf16", "fp8"]},
-    # issue 8's whole grid
+    # 108 shapes: new tokens x context x every dtype combination
     "full": {"heads": [16, 128], "new": [512, 1024, 8192], "context": [8192, 65536, 262144],
              "cache_dtype": ["auto", "fp8", "fp8_ds_mla"], "prefill_dtype": ["bf16", "fp8"]},
 }
@@ -328,20 +328,6 @@ def _clean(x):
     return x
 
 
-def _commit() -> str:
-    if os.environ.get("CTXPREFILL_COMMIT"):
-        return os.environ["CTXPREFILL_COMMIT"]
-    try:
-        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                           cwd=os.path.dirname(os.path.abspath(__file__)))
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))
-        c = r.stdout.strip()
-        return c + ("+dirty" if c and dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def _write_json(path: str, meta: dict, rows: list) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -417,8 +403,8 @@ def main(argv=None) -> int:
               f"in {ext['load_s']:.1f} s", flush=True)
     grid = list(itertools.product(axes["heads"], axes["new"], axes["context"], axes["cache_dtype"],
                                   axes["prefill_dtype"]))
-    meta = {"kind": "engine", "date": datetime.datetime.now(datetime.UTC).isoformat(), "device": str(dev),
-            "gpu": gpu, "torch": torch.__version__, "commit": _commit(), "ceilings": ceil, "args": vars(ns),
+    meta = {"kind": "engine", "date": run_info.utc_now(), "device": str(dev),
+            "gpu": gpu, "torch": torch.__version__, "commit": run_info.commit(), "ceilings": ceil, "args": vars(ns),
             "grid": ns.grid, "axes": axes, "rows_planned": len(grid), "cuda_extension": ext}
     rows: list[dict] = []
     history: list[dict] = []

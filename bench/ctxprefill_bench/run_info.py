@@ -15,15 +15,18 @@ def utc_now() -> str:
 
 
 def commit() -> str:
-    """$CTXPREFILL_COMMIT (the tree the caller sent), else git's short HEAD here, else 'unknown'."""
+    """$CTXPREFILL_COMMIT (the tree the caller sent), else git's short HEAD here ('+dirty' with
+    tracked files changed), else 'unknown'."""
     if os.environ.get("CTXPREFILL_COMMIT"):
         return os.environ["CTXPREFILL_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        out = ""
-    return out or "unknown"
+        out = changed = ""
+    return out + ("+dirty" if changed else "") if out else "unknown"
 
 
 def gpu_name() -> str | None:

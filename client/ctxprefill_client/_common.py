@@ -7,7 +7,7 @@ import math
 import random
 from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as _SeqABC
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import grpc
@@ -218,43 +218,15 @@ class ServerInfo:
 
     @classmethod
     def from_proto(cls, m: pb.GetServerInfoResponse) -> ServerInfo:
-        v = m.versions
-        return cls(
-            instance_id=m.instance_id,
-            num_heads=m.num_heads,
-            kv_lora_rank=m.kv_lora_rank,
-            qk_nope_head_dim=m.qk_nope_head_dim,
-            qk_rope_head_dim=m.qk_rope_head_dim,
-            v_head_dim=m.v_head_dim,
-            softmax_scale=m.softmax_scale,
-            cache_dtype=m.cache_dtype,
-            block_size=m.block_size,
-            num_blocks=m.num_blocks,
-            k_scale=m.k_scale,
-            bytes_per_slot=m.bytes_per_slot,
-            kv_b_proj_dtype=m.kv_b_proj_dtype,
-            kv_b_proj_scale_format=m.kv_b_proj_scale_format,
-            weights_source=m.weights_source,
-            prefill_dtype=m.prefill_dtype,
-            attention_backend=m.attention_backend,
-            attention_backend_supports_out=m.attention_backend_supports_out,
-            fused_kernels_active=m.fused_kernels_active,
-            fused_kernels_reason=m.fused_kernels_reason,
-            workspace_tokens=m.workspace_tokens,
-            device=m.device,
-            versions={"server": v.server, "torch": v.torch, "cuda": v.cuda, "cudnn": v.cudnn, "python": v.python},
-            max_message_bytes=m.max_message_bytes,
-            shard_index=m.shard_index,
-            num_shards=m.num_shards or 1,  # 0: a server predating sharding (unsharded)
-            total_heads=m.total_heads or m.num_heads,
-            shared_memory_kinds=kind_names(m.shared_memory_kinds),
-            shared_memory_max_regions=m.shared_memory_max_regions,
-            shared_memory_max_bytes=m.shared_memory_max_bytes,
-            request_ring_max=m.request_ring_max,
-            num_layers=m.num_layers or 1,  # 0: a server predating layers (one layer, 0)
-            first_layer=m.first_layer,
-            unpacked_keys=m.unpacked_keys,
-        )
+        """Each field from the message field of its name, those below converted."""
+        special: dict[str, Any] = {
+            "versions": {f.name: getattr(m.versions, f.name) for f in m.versions.DESCRIPTOR.fields},
+            "num_shards": m.num_shards or 1,  # 0: a server predating sharding (unsharded)
+            "total_heads": m.total_heads or m.num_heads,
+            "shared_memory_kinds": kind_names(m.shared_memory_kinds),
+            "num_layers": m.num_layers or 1,  # 0: a server predating layers (one layer, 0)
+        }
+        return cls(**{f.name: special[f.name] if f.name in special else getattr(m, f.name) for f in fields(cls)})
 
 
 @dataclass

@@ -21,14 +21,7 @@ Put the tensors in shared memory too (a slot holds the request and the answer
 messages; inline tensors must fit in it). The server needs ``--request-ring`` and
 ``--shared-memory system`` (or ``all``).
 
-Slot layout (little-endian; ``slot_bytes`` apart from the ring's start):
-
-    0   u32  state   FREE 0 -> REQUEST 1 (caller) -> TAKEN 2 (server) -> ANSWER 3 (server) -> FREE (caller)
-    4   u32  seq     the caller's request number; the server copies it into the answer
-    8   u64  length  bytes of the payload that follows the header
-    64  ...  payload: a serialized PrefillContextRequest (REQUEST) or
-             PrefillContextStreamResponse (ANSWER: a response, or an in-band error)
-
+The slot layout (header fields and states) is written down in :mod:`ctxprefill_api.ring`.
 Each side writes the payload and length, then a memory fence, then the state; the
 reader reads the state, a fence, then the rest. Requests are taken in slot order,
 round robin from slot 0: write them into consecutive slots.

@@ -326,7 +326,7 @@ class CudaSharedMemoryRegion:
         if v is not None:
             return v
         td = _torch_dtype(dtype)
-        n = math.prod(shape) * td.itemsize
+        n = math.prod(dims) * td.itemsize
         if offset < 0 or offset + n > self.byte_size:
             raise ValueError(f"bytes [{offset}, {offset + n}) are outside region {self.name!r} "
                              f"({self.byte_size} bytes)")

@@ -157,11 +157,6 @@ class ChunkTiming:
     server_compute_s: float
 
 
-def _infos(answer: ServerInfo | list[ServerInfo]) -> list[ServerInfo]:
-    """``server_info()`` of a plain client (one) or a ShardedPrefillClient (one per shard)."""
-    return list(answer) if isinstance(answer, list) else [answer]
-
-
 def _bf16_bits(t: Any) -> np.ndarray:
     """uint16 bf16 bits of a tensor (rounded to bf16 if it is not), on the host; a numpy array
     is taken as those bits already."""
@@ -376,7 +371,9 @@ class DeepseekV3ChunkedPrefill:
     # ------------------------------------------------------------------ checks
 
     def _check(self, answer: ServerInfo | list[ServerInfo]) -> ServerInfo:
-        info = _infos(answer)[0]
+        """``answer``: ``server_info()`` of a plain client, or a ShardedPrefillClient's (one per
+        shard, checked against each other by that client: the first stands for all)."""
+        info = answer[0] if isinstance(answer, list) else answer
         cfg = self.model.config
         want = {
             "total_heads": cfg.num_attention_heads,
