@@ -1,4 +1,6 @@
-"""Where a batch's cached context lives: block tables and the slot of every context token."""
+"""Where a batch's cached context lives: block tables and the slot of every context token;
+and the small batch the shared-memory tests send (test_shared_memory, test_request_ring,
+test_shared_memory_safety)."""
 
 from __future__ import annotations
 
@@ -17,3 +19,14 @@ def tables_and_slots(contexts, block_size: int, blocks=None) -> tuple[list[list[
     slots = [np.asarray(bt, dtype=np.int64)[np.arange(n) // block_size] * block_size + np.arange(n) % block_size
              for n, bt in zip(contexts, tables) if n]
     return tables, (np.concatenate(slots) if slots else np.zeros(0, np.int64))
+
+
+#: the shared-memory tests' cache (block size, blocks) and model (heads, q, v, latent and rope
+#: dims), and their batch: three sequences, one without context
+BS, NB, H, D, V, L, R = 16, 64, 2, 192, 128, 512, 64
+CONTEXTS, QUERIES = [100, 0, 37], [3, 2, 4]
+TQ = sum(QUERIES)
+TABLES, SLOTS = tables_and_slots(CONTEXTS, BS)
+SEQS = list(zip(QUERIES, CONTEXTS, TABLES))
+#: bytes of the batch's q (bf16), output (bf16) and LSE (float32)
+Q_BYTES, OUT_BYTES, LSE_BYTES = TQ * H * D * 2, TQ * H * V * 2, H * TQ * 4

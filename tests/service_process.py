@@ -1,5 +1,5 @@
 """Helpers of the service tests: a `ctxprefill serve` child process on free ports,
-HTTP scraping with timeouts, and parsing of the Prometheus text page."""
+HTTP scraping with timeouts, parsing of the Prometheus text page, and a bounded wait."""
 
 from __future__ import annotations
 
@@ -14,7 +14,15 @@ import urllib.error
 import urllib.request
 from collections import defaultdict
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the marks of a module of POSIX shared-memory tests (Linux's /dev/shm; tensors read from
+#: a region's bytes, which numpy and torch see as read-only)
+SHARED_MEMORY_MARKS = [
+    pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm: POSIX shared memory is Linux-only here"),
+    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
+]
 
 
 def free_port() -> int:
@@ -52,8 +60,17 @@ def stop_process(proc: subprocess.Popen, timeout: float = 15.0) -> None:
         proc.wait(timeout=10)
 
 
+def wait_for(cond, timeout: float = 30.0, what: str = "condition", poll: float = 0.02) -> None:
+    """Poll ``cond()`` until it is true; fail the test naming ``what`` after ``timeout`` s."""
+    t_end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < t_end, f"{what}: not met within {timeout} s"
+        time.sleep(poll)
+
+
 class ServerProcess:
-    """``python -m ctxprefill.cli serve`` with the given flags on free local ports."""
+    """``python -m ctxprefill.cli serve`` with the given flags on free local ports. As a
+    context manager: ready on entry; stopped on exit (SIGTERM, then SIGKILL)."""
 
     def __init__(self, flags: dict[str, object], grace_seconds: float = 10.0, port: int | None = None,
                  metrics_port: int | None = None, env: dict[str, str] | None = None):
@@ -88,6 +105,12 @@ class ServerProcess:
     def log(self) -> str:
         self._log.seek(0)
         return self._log.read()
+
+    def scrape(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+        """The server's /metrics page, parsed (``parse_metrics``)."""
+        status, page = http_get(self.metrics_url + "/metrics")
+        assert status == 200, page[-2000:]
+        return parse_metrics(page)
 
     def wait_ready(self, timeout: float = 90.0) -> None:
         t_end = time.monotonic() + timeout
@@ -125,6 +148,18 @@ class ServerProcess:
             except subprocess.TimeoutExpired:  # pragma: no cover
                 pass
         self._log.close()
+
+    def __enter__(self) -> ServerProcess:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.terminate(self.grace_seconds + 10)
+        self.kill()
 
 
 def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:

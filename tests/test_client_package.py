@@ -89,13 +89,8 @@ def test_orchestrator_from_the_installed_client_against_a_cpu_server(client_venv
     r = _python(client_venv, "-m", "ctxprefill_client.examples.orchestrator", "--write-weights", str(weights),
                 "--heads", "2")
     assert r.returncode == 0, r.stderr
-    srv = ServerProcess({"weights": str(weights), "heads": 2, "block_size": 16, "num_blocks": 32,
-                         "workspace_tokens": 128})
-    try:
-        srv.wait_ready()
+    with ServerProcess({"weights": str(weights), "heads": 2, "block_size": 16, "num_blocks": 32,
+                        "workspace_tokens": 128}) as srv:
         r = _python(client_venv, "-m", "ctxprefill_client.examples.orchestrator", "--target", srv.target,
                     "--weights", str(weights), "--context-lens", "200,48,0", "--query-lens", "8,4,5")
         assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}\n{srv.log()[-3000:]}"
-    finally:
-        srv.terminate(15)
-        srv.kill()

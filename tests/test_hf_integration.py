@@ -29,8 +29,10 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
+from transformers import DeepseekV3ForCausalLM  # noqa: E402
 
+from ctxprefill_bench import deepseek_model  # noqa: E402
+from ctxprefill_bench.deepseek_model import capture, rel  # noqa: E402
 from ctxprefill_client import (  # noqa: E402
     PrefillContextClient,
     ServerRestartedError,
@@ -52,42 +54,13 @@ BF16_TOL = {"attention": 1e-2, "logits": 2e-2}
 FP8_TOL = {"attention": 5e-2, "logits": 6e-2}
 
 
-def make_config() -> DeepseekV3Config:
-    return DeepseekV3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS, q_lora_rank=96, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        first_k_dense_replace=LAYERS,  # every layer dense: no MoE
-        num_mtp_layers=0, max_position_embeddings=40 * 128,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
-                         "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
-                         "mscale": 1.0, "mscale_all_dim": 1.0},
-        dtype="bfloat16",
-    )
+def make_config() -> Any:
+    return deepseek_model.make_config(layers=LAYERS, heads=HEADS, hidden=64, q_lora_rank=96, intermediate=128,
+                                      vocab=256, original_max_positions=128)
 
 
 def make_model() -> DeepseekV3ForCausalLM:
-    """Random bf16 weights scaled so that attention is sharp (logits of std ~2) and carries the
-    residual stream: a wrong context, position or merge shows far above the tolerances."""
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(make_config()).eval()
-    g = torch.Generator().manual_seed(1)
-
-    def normal(p: torch.nn.Parameter, std: float) -> None:
-        p.data = (torch.randn(p.shape, generator=g) * std).to(torch.bfloat16)
-
-    normal(model.model.embed_tokens.weight, 1.0)
-    normal(model.lm_head.weight, 64 ** -0.5)
-    for layer in model.model.layers:
-        a = layer.self_attn
-        normal(a.q_a_proj.weight, 64 ** -0.5)
-        normal(a.q_b_proj.weight, 96 ** -0.5)  # q ~ N(0, 1)
-        normal(a.kv_a_proj_with_mqa.weight, 64 ** -0.5)  # k_pe ~ N(0, 1)
-        normal(a.kv_b_proj.weight, 512 ** -0.5)  # k_nope, v ~ N(0, 1)
-        normal(a.o_proj.weight, (HEADS * 128) ** -0.5)
-        a.kv_a_layernorm.weight.data = (0.5 + torch.rand(512, generator=g)).to(torch.bfloat16)
-        a.q_a_layernorm.weight.data = (0.5 + torch.rand(96, generator=g)).to(torch.bfloat16)
-    return model.to(torch.bfloat16)
+    return deepseek_model.make_model(make_config(), seed=0)
 
 
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,25 +137,6 @@ class Setup:
         self.prompts = torch.randint(0, 256, (2, PROMPT), generator=g)
         self.reference = {id(m): capture(m, lambda m=m: m(input_ids=self.prompts)) for m in
                           (self.model, self.fp8_model)}
-
-
-def capture(model: Any, run: Any) -> tuple[list[list[torch.Tensor]], Any]:
-    """Run ``run()`` with every layer's self_attn output recorded: ``(per layer: the outputs of
-    each call, run()'s result)``."""
-    outs: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
-    hooks = [layer.self_attn.register_forward_hook(lambda mod, args, out, i=i: outs[i].append(out[0].float()))
-             for i, layer in enumerate(model.model.layers)]
-    try:
-        with torch.no_grad():
-            result = run()
-    finally:
-        for h in hooks:
-            h.remove()
-    return outs, result
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.linalg.norm((a.float() - b.float()).flatten()) / torch.linalg.norm(b.float().flatten()))
 
 
 SERVERS = {
@@ -418,7 +372,7 @@ def test_the_merge_on_torch_tensors_is_merge_partials() -> None:
 def test_bench_model_prefill_runs_on_the_cpu(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """bench/bench_model_prefill.py end to end with tiny shapes (inline: CUDA IPC needs a GPU): a
     row per chunk whose local and remote parts sum to its total, errors within the limits and
-    the control far above them; make_tables lists the run once its JSON is in bench/results."""
+    the control far above them; make_tables makes its section of bench/results/README.md."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     spec = importlib.util.spec_from_file_location("bench_model_prefill",
                                                   os.path.join(root, "bench", "bench_model_prefill.py"))
@@ -448,11 +402,8 @@ def test_bench_model_prefill_runs_on_the_cpu(tmp_path: Any, capsys: pytest.Captu
     (b,) = [b for b in make_tables.BENCHMARKS if b.step == "bench_model_prefill"]
     results = tmp_path / "results"
     shutil.copytree(make_tables.RESULTS, results)
-    if not (results / "bench_model_prefill.json").exists():
-        assert b.pending and "bench_model_prefill" not in make_tables.files(str(results))
-        assert make_tables.results_readme(str(results)) == make_tables.results_readme()
-    shutil.copy(out, results / "bench_model_prefill.json")
-    assert "bench_model_prefill" in make_tables.files(str(results))
+    shutil.copy(out, results / "bench_model_prefill.json")  # this run's JSON over the recorded one
+    assert "bench_model_prefill" in make_tables.files()
     readme = make_tables.results_readme(str(results))
     assert f"## {b.title}" in readme and "| inline | **all** |" in readme
 

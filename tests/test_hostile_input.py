@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 import hostile_cases as hc
 from ctxprefill_api import pb
 from ctxprefill_client import encode_tensor
-from service_process import ServerProcess, http_get, parse_metrics, sample_sum
+from service_process import ServerProcess, sample_sum
 
 #: hostile requests the test must send at least (CTXPREFILL_HOSTILE_COUNT raises it)
 MIN_HOSTILE = max(10_000, int(os.environ.get("CTXPREFILL_HOSTILE_COUNT", "0")))
@@ -135,7 +135,7 @@ def test_hostile_requests_are_refused_naming_the_field(targets):
         assert not {"UNKNOWN", "INTERNAL"} & set(t.codes), t.codes
         t_end = time.monotonic() + 10
         while True:  # a status reaches the client a moment before the server's metrics record it
-            handled = parse_metrics(http_get(t.proc.metrics_url + "/metrics")[1])["grpc_server_handled_total"]
+            handled = t.proc.scrape()["grpc_server_handled_total"]
             if sample_sum(handled, grpc_code="INVALID_ARGUMENT") >= t.codes["INVALID_ARGUMENT"]:
                 break
             assert time.monotonic() < t_end, "the refusals are not all in the server's metrics"

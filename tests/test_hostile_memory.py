@@ -41,7 +41,7 @@ from ctxprefill.service.interceptors.memory import Budget
 from ctxprefill.settings import ServeSettings, check_serve_settings
 from ctxprefill_api import pb, pb_grpc
 from ctxprefill_client import CtxPrefillRpcError, PrefillContextClient, encode_tensor
-from service_process import ServerProcess, http_get, parse_metrics, sample_sum
+from service_process import ServerProcess, sample_sum
 
 SERVICE = "/ctxprefill.v1.PrefillContextService"
 TOKEN = "tok-" + "5d1e9a3c7b2f4e6a8c0d1e2f3a4b5c6d"
@@ -161,10 +161,6 @@ class Peak:
         return self.peak - self.start
 
 
-def metrics_of(p: ServerProcess) -> dict:
-    return parse_metrics(http_get(p.metrics_url + "/metrics")[1])
-
-
 def read_request(slots: int) -> bytes:
     return pb.ReadCacheRequest(slot_mapping=encode_tensor(np.zeros(slots, np.int64))).SerializeToString()
 
@@ -178,14 +174,9 @@ def edge(tmp_path_factory):
     token_file = tmp_path_factory.mktemp("edge") / "token"
     token_file.write_text(TOKEN + "\n")
     os.chmod(token_file, 0o600)
-    p = ServerProcess({**SMALL, "auth_token_file": str(token_file), "max_message_bytes": 128 * MiB,
-                       "max_inflight_bytes": 128 * MiB, "receive_timeout_s": 2})
-    try:
-        p.wait_ready()
+    with ServerProcess({**SMALL, "auth_token_file": str(token_file), "max_message_bytes": 128 * MiB,
+                        "max_inflight_bytes": 128 * MiB, "receive_timeout_s": 2}) as p:
         yield p
-    finally:
-        p.terminate(15)
-        p.kill()
 
 
 def _served(p: ServerProcess) -> bool:
@@ -208,7 +199,7 @@ def test_unauthenticated_uploads_are_refused_before_they_are_read(edge):
                 assert raw.status[s][0] == UNAUTHENTICATED, raw.status[s]
                 assert "authorization" in raw.status[s][1]
     assert peak.growth < 64, f"RSS grew {peak.growth:.0f} MiB"
-    m = metrics_of(edge)
+    m = edge.scrape()
     assert sample_sum(m["ctxprefill_rejected_requests_total"], reason="unauthenticated") >= 24
     assert sample_sum(m["grpc_server_msg_received_total"], grpc_method="WriteCache") == 0  # no message was read
     assert _served(edge)
@@ -230,7 +221,7 @@ def test_reads_are_bounded_by_the_inflight_budget_and_the_receive_timeout(edge):
     assert timed_out and all("--receive-timeout-s" in msg for msg in timed_out), codes
     # one 128 MiB message being read at a time, not 8 x 64 MiB
     assert peak.growth < 128 + 64, f"RSS grew {peak.growth:.0f} MiB"
-    m = metrics_of(edge)
+    m = edge.scrape()
     handled = m["grpc_server_handled_total"]
     assert sample_sum(handled, grpc_method="WriteCache", grpc_code="RESOURCE_EXHAUSTED") == len(refused)
     assert sample_sum(handled, grpc_method="WriteCache", grpc_code="DEADLINE_EXCEEDED") == len(timed_out)
@@ -247,14 +238,9 @@ ANSWER_LIMIT = 1 * MiB
 @pytest.fixture(scope="module")
 def answers():
     """Answers of at most 1 MiB, 8 MiB held at once (two 4 MiB messages being read)."""
-    p = ServerProcess({**SMALL, "max_message_bytes": 4 * MiB, "max_inflight_bytes": 8 * MiB,
-                       "max_answer_bytes": ANSWER_LIMIT, "receive_timeout_s": 2})
-    try:
-        p.wait_ready()
+    with ServerProcess({**SMALL, "max_message_bytes": 4 * MiB, "max_inflight_bytes": 8 * MiB,
+                        "max_answer_bytes": ANSWER_LIMIT, "receive_timeout_s": 2}) as p:
         yield p
-    finally:
-        p.terminate(15)
-        p.kill()
 
 
 def test_answers_over_the_limit_are_refused_before_they_are_allocated(answers):
@@ -278,7 +264,7 @@ def test_answers_over_the_limit_are_refused_before_they_are_allocated(answers):
         assert "--max-answer-bytes" in str(ei.value) and "q" in str(ei.value)
         # within the limit: answered
         assert c.read_cache(np.zeros(900, np.int64), timeout=30).shape[0] == 900
-    m = metrics_of(answers)
+    m = answers.scrape()
     assert sample_sum(m["ctxprefill_rejected_requests_total"], reason="answer_bytes") == 4
     assert sample_sum(m["grpc_server_handled_total"], grpc_method="ReadCache", grpc_code="RESOURCE_EXHAUSTED") == 3
 

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from ctxprefill import checkpoint
 from ctxprefill.checkpoint_writer import TinyModel, write_model
+from ctxprefill.cli import _log_level
 from ctxprefill.config import ModelShape
 from ctxprefill.service import tracing
 from ctxprefill.service.logs import JsonFormatter, request_id_var, setup_logging
@@ -127,15 +128,19 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 
 @pytest.mark.parametrize("where", ["before", "after", "env"])
-def test_log_level_on_every_subcommand(tmp_path, where):
-    args = ["make-weights", "--out", str(tmp_path / "w.safetensors"), "--heads", "1"]
-    env = None
+def test_log_level_on_every_subcommand(tmp_path, monkeypatch, where):
+    command = ["make-weights", "--out", str(tmp_path / "w.safetensors"), "--heads", "1"]
+    args, env = command, None
     if where == "before":
-        args = ["--log-level", "debug", *args]
+        args = ["--log-level", "debug", *command]
     elif where == "after":
-        args = [*args, "--log-level", "DEBUG"]
+        args = [*command, "--log-level", "DEBUG"]
     else:
         env = {"CTXPREFILL_LOG_LEVEL": "Debug"}
+    monkeypatch.delenv("CTXPREFILL_LOG_LEVEL", raising=False)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    assert _log_level(args) == ("DEBUG", command)  # the level main() sets, and the command without the flag
     r = _cli(*args, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("wrote ")

@@ -125,7 +125,7 @@ def _query(prom_url: str, expr: str) -> float | None:
                                                 "apt-get install -y prometheus)")
 def test_prometheus_scrapes_the_launch_counts(server_with_traffic):
     proc, from_stats, inserts = server_with_traffic
-    page = parse_metrics(http_get(proc.metrics_url + "/metrics")[1])
+    page = proc.scrape()
     kl = page["ctxprefill_kernel_launches_total"]
     assert sample_sum(kl, stage="insert") == inserts  # one insert launch per WriteCache that wrote
     assert sample_sum(kl) - inserts == from_stats > 0

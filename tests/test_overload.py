@@ -26,17 +26,11 @@ from typing import Any
 
 import pytest
 
-from service_process import ROOT, ServerProcess, http_get, parse_metrics, sample_sum
+from service_process import ROOT, ServerProcess, sample_sum
 
 SCRIPT = os.path.join(ROOT, "scripts", "loadtest.py")
 QUEUE = 8
 METHOD = {"grpc_service": "ctxprefill.v1.PrefillContextService", "grpc_method": "PrefillContext"}
-
-
-def _scrape(srv: ServerProcess) -> dict[str, list[tuple[dict[str, str], float]]]:
-    status, page = http_get(srv.metrics_url + "/metrics")
-    assert status == 200, page[-2000:]
-    return parse_metrics(page)
 
 
 def _settled(srv: ServerProcess, limit_s: float = 60.0) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -44,7 +38,7 @@ def _settled(srv: ServerProcess, limit_s: float = 60.0) -> dict[str, list[tuple[
     nothing queued), or the last page after ``limit_s``: the assertions then say what is off."""
     t_end = time.monotonic() + limit_s
     while True:
-        m = _scrape(srv)
+        m = srv.scrape()
         started = sample_sum(m["grpc_server_started_total"], **METHOD)
         handled = sample_sum(m["grpc_server_handled_total"], **METHOD)
         if (started == handled and sample_sum(m["ctxprefill_queue_depth"]) == 0) or time.monotonic() > t_end:

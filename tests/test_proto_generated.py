@@ -5,6 +5,7 @@ scripts/gen_proto.sh makes from proto/, and it imports on both machines: this on
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import re
 import shutil
@@ -143,17 +144,21 @@ def _all_messages(msgs):
 
 
 def test_checked_in_descriptor_matches_proto_source():
-    """Works with any grpcio-tools: the .proto compiled now has the same descriptor as
-    the checked-in module (catches a .proto edit without regeneration)."""
-    pytest.importorskip("grpc_tools")
+    """Works with any grpcio-tools (this interpreter's, else the generator's): the .proto
+    compiled now has the same descriptor as the checked-in module (catches a .proto edit
+    without regeneration)."""
     from google.protobuf import descriptor_pb2
 
     from ctxprefill_api import pb
 
+    py = sys.executable if importlib.util.find_spec("grpc_tools") is not None else _generator_python()
+    if py is None:
+        pytest.skip(f"grpcio-tools not importable here, in $GEN_PYTHON or in gen_proto.sh's cached venv; run "
+                    f"scripts/gen_proto.sh --check (it creates the venv with grpcio-tools=={GENERATOR_GRPC_TOOLS})")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "set.pb")
         r = subprocess.run(
-            [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto'}", f"--descriptor_set_out={out}",
+            [py, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto'}", f"--descriptor_set_out={out}",
              "ctxprefill/v1/ctxprefill.proto"],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip

@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 import pytest
 
-from context_layout import tables_and_slots
+from context_layout import BS, CONTEXTS, NB, QUERIES, SEQS, SLOTS, TABLES, TQ, D, H, L, R, V
 from ctxprefill.errors import ConfigError
 from ctxprefill.settings import ServeSettings, shared_memory_kinds
 from ctxprefill_api import pb
@@ -36,20 +36,12 @@ from ctxprefill_client import (
     float32_to_bf16_bits,
 )
 from rpc_errors import expect
-from service_process import ServerProcess, http_get, parse_metrics, sample_sum
+from service_process import SHARED_MEMORY_MARKS, ServerProcess, sample_sum
 
-pytestmark = [
-    pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm: POSIX shared memory is Linux-only here"),
-    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
-]
+pytestmark = SHARED_MEMORY_MARKS
 
-BS, NB, H, D, V, L, R = 16, 64, 2, 192, 128, 512, 64
 COMMON = {"heads": H, "block_size": BS, "num_blocks": NB, "workspace_tokens": 64, "seed": 7,
           "shared_memory": "system"}
-CONTEXTS, QUERIES = [100, 0, 37], [3, 2, 4]
-TQ = sum(QUERIES)
-TABLES, SLOTS = tables_and_slots(CONTEXTS, BS)
-SEQS = list(zip(QUERIES, CONTEXTS, TABLES))
 RNG = np.random.default_rng(11)
 KV_C = RNG.standard_normal((len(SLOTS), L), dtype=np.float32)
 K_PE = RNG.standard_normal((len(SLOTS), R), dtype=np.float32)
@@ -60,15 +52,10 @@ MAX_RINGS = 3
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess({**COMMON, "request_ring": True, "request_ring_max": MAX_RINGS})
-    try:
-        proc.wait_ready()
+    with ServerProcess({**COMMON, "request_ring": True, "request_ring_max": MAX_RINGS}) as proc:
         with PrefillContextClient(proc.target, retries=0, timeout=60) as c:
             c.write_cache(np.array(SLOTS), KV_C, K_PE)
         yield proc
-    finally:
-        proc.terminate(15)
-        proc.kill()
 
 
 @pytest.fixture()
@@ -95,7 +82,7 @@ def reference(client):
 
 
 def metric(server, name, **labels) -> float:
-    return sample_sum(parse_metrics(http_get(server.metrics_url + "/metrics")[1])[name], **labels)
+    return sample_sum(server.scrape()[name], **labels)
 
 
 def same(a, b) -> bool:

@@ -33,7 +33,7 @@ from ctxprefill_api import (
     pb_grpc,  # noqa: E402
 )
 from ctxprefill_client import AsyncPrefillContextClient, CtxPrefillRpcError, PrefillContextClient  # noqa: E402
-from service_process import ROOT, ServerProcess, http_get, parse_metrics, sample_sum  # noqa: E402
+from service_process import ROOT, ServerProcess, http_get, sample_sum  # noqa: E402
 
 SERVICE = "ctxprefill.v1.PrefillContextService"
 FLAGS = {"heads": 1, "block_size": 16, "num_blocks": 8, "workspace_tokens": 64}
@@ -204,7 +204,7 @@ def test_bearer_token(pki, servers):
             c.server_info()
         assert ei.value.code == grpc.StatusCode.PERMISSION_DENIED
     def counted() -> bool:  # a call's status reaches the client a moment before its metrics are recorded
-        m = parse_metrics(http_get(p.metrics_url + "/metrics")[1])
+        m = p.scrape()
         handled = m["grpc_server_handled_total"]
         return (sample_sum(handled, grpc_method="GetServerInfo", grpc_code="UNAUTHENTICATED") >= 3
                 and sample_sum(handled, grpc_method="GetServerInfo", grpc_code="PERMISSION_DENIED") >= 3

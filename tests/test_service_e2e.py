@@ -369,7 +369,7 @@ def test_prefill_stream_equals_unary_calls(served):
         served.prefill_stats.append(r.stats)
     assert got[2].stats["num_chunks"] > want.stats["num_chunks"]  # W=128: more chunks, same result
     served.handled[("PrefillContextStream", "OK")] += 1
-    m = parse_metrics(http_get(served.proc.metrics_url + "/metrics")[1])
+    m = served.proc.scrape()
     assert sample_sum(m["ctxprefill_stream_requests_total"], grpc_code="OK") == 3
     assert sample_sum(m["ctxprefill_stream_requests_total"], grpc_code="OUT_OF_RANGE") == 1
     lab = {"grpc_service": SERVICE, "grpc_method": "PrefillContextStream", "grpc_type": "bidi_stream"}
@@ -437,7 +437,7 @@ def test_sigterm_drains_in_flight_and_exits_zero(served):
             result["err"] = e
 
     def started() -> float:
-        m = parse_metrics(http_get(served.proc.metrics_url + "/metrics")[1])
+        m = served.proc.scrape()
         return sample_sum(m["grpc_server_started_total"], grpc_method="PrefillContext")
 
     stream = served.client.prefill_stream()  # an open stream ends with UNAVAILABLE on the drain

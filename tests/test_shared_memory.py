@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 
-from context_layout import tables_and_slots
+from context_layout import BS, LSE_BYTES, NB, OUT_BYTES, Q_BYTES, SEQS, SLOTS, TQ, D, H, L, R
 from ctxprefill.app import build_engine
 from ctxprefill.engine.engine import Engine, SequenceSpec
 from ctxprefill.errors import FailedPrecondition, NotFound, ResourceExhausted
@@ -49,31 +49,16 @@ from ctxprefill_client import (
     float32_to_bf16_bits,
 )
 from rpc_errors import expect
-from service_process import ServerProcess, http_get, parse_metrics, sample_sum
+from service_process import SHARED_MEMORY_MARKS, ServerProcess, sample_sum
 
-pytestmark = [
-    pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm: POSIX shared memory is Linux-only here"),
-    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
-]
+pytestmark = SHARED_MEMORY_MARKS
 
-BS, NB, H, D, V, L, R = 16, 64, 2, 192, 128, 512, 64
 COMMON = {"heads": H, "block_size": BS, "num_blocks": NB, "workspace_tokens": 64, "seed": 5}
 MAX_REGIONS = 6
 MAX_BYTES = 64 << 20
-CONTEXTS, QUERIES = [100, 0, 37], [3, 2, 4]
-TQ = sum(QUERIES)
-Q_BYTES, OUT_BYTES, LSE_BYTES = TQ * H * D * 2, TQ * H * V * 2, H * TQ * 4
 OUT_AT = -(-Q_BYTES // 4096) * 4096  # after q
 LSE_AT = OUT_AT + OUT_BYTES + 256
 REGION_BYTES = LSE_AT + LSE_BYTES + 1024
-
-
-def _tables():
-    return tables_and_slots(CONTEXTS, BS)
-
-
-TABLES, SLOTS = _tables()
-SEQS = list(zip(QUERIES, CONTEXTS, TABLES))
 RNG = np.random.default_rng(3)
 KV_C = float32_to_bf16_bits(RNG.standard_normal((len(SLOTS), L), dtype=np.float32))
 K_PE = float32_to_bf16_bits(RNG.standard_normal((len(SLOTS), R), dtype=np.float32))
@@ -86,14 +71,9 @@ def key() -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess({**COMMON, "shared_memory": "system", "shared_memory_max_regions": MAX_REGIONS,
-                          "shared_memory_max_bytes": MAX_BYTES})
-    try:
-        proc.wait_ready()
+    with ServerProcess({**COMMON, "shared_memory": "system", "shared_memory_max_regions": MAX_REGIONS,
+                        "shared_memory_max_bytes": MAX_BYTES}) as proc:
         yield proc
-    finally:
-        proc.terminate(15)
-        proc.kill()
 
 
 @pytest.fixture()
@@ -197,7 +177,7 @@ def test_metrics_count_regions_and_bytes(server, client, region):
     res = client.prefill_context(q_in, SEQS, output_region=region.ref(OUT_AT, OUT_BYTES),
                                  lse_region=region.ref(LSE_AT, LSE_BYTES))
     del res
-    m = parse_metrics(http_get(server.metrics_url + "/metrics")[1])
+    m = server.scrape()
     assert sample_sum(m["ctxprefill_shared_memory_regions"], kind="system") == 1
     assert sample_sum(m["ctxprefill_shared_memory_region_bytes"], kind="system") == REGION_BYTES
     assert sample_sum(m["ctxprefill_shared_memory_pinned_bytes"]) == 0  # a CPU server locks nothing
@@ -205,7 +185,7 @@ def test_metrics_count_regions_and_bytes(server, client, region):
     assert sample_sum(moved, kind="system", direction="in") >= Q_BYTES
     assert sample_sum(moved, kind="system", direction="out") >= OUT_BYTES + LSE_BYTES
     client.unregister_shared_memory("main")
-    m = parse_metrics(http_get(server.metrics_url + "/metrics")[1])
+    m = server.scrape()
     assert sample_sum(m["ctxprefill_shared_memory_regions"], kind="system") == 0
 
 
@@ -675,7 +655,7 @@ def test_orchestrator_example_through_shared_memory(tmp_path):
             assert c.shared_memory_status() == []  # the example removed its region
         assert report["ok"], lines
         assert any("through region" in ln for ln in lines), lines
-        served = parse_metrics(http_get(proc.metrics_url + "/metrics")[1])
+        served = proc.scrape()
         assert sample_sum(served["ctxprefill_shared_memory_transfer_bytes_total"]) > 0
         assert orchestrator.main(["--target", proc.target, "--weights", weights, "--context-lens", "30",
                                   "--query-lens", "4", "--shared-memory", "system"]) == 0

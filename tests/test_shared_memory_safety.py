@@ -29,13 +29,14 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
 import torch
 
-from context_layout import tables_and_slots
+from context_layout import BS, LSE_BYTES, NB, OUT_BYTES, Q_BYTES, SEQS, SLOTS, TQ, D, H, L, R
 from ctxprefill.errors import PermissionDenied
 from ctxprefill.service.request_ring import RingTable
 from ctxprefill.service.shared_memory import SharedMemoryRegistry, peer_is_local, require_local
@@ -50,25 +51,16 @@ from ctxprefill_client import (
     float32_to_bf16_bits,
 )
 from rpc_errors import expect
-from service_process import ServerProcess, env_with_sources, free_port
+from service_process import SHARED_MEMORY_MARKS, ServerProcess, env_with_sources, free_port
 
-pytestmark = [
-    pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm: POSIX shared memory is Linux-only here"),
-    pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
-]
+pytestmark = SHARED_MEMORY_MARKS
 
-BS, NB, H, D, V, L, R = 16, 64, 2, 192, 128, 512, 64
 COMMON = {"heads": H, "block_size": BS, "num_blocks": NB, "workspace_tokens": 64, "seed": 5,
           "shared_memory": "system", "request_ring": True}
-CONTEXTS, QUERIES = [100, 0, 37], [3, 2, 4]
-TQ = sum(QUERIES)
-TABLES, SLOTS = tables_and_slots(CONTEXTS, BS)
-SEQS = list(zip(QUERIES, CONTEXTS, TABLES))
 RNG = np.random.default_rng(17)
 KV_C = float32_to_bf16_bits(RNG.standard_normal((len(SLOTS), L), dtype=np.float32))
 K_PE = float32_to_bf16_bits(RNG.standard_normal((len(SLOTS), R), dtype=np.float32))
 Q = float32_to_bf16_bits(RNG.standard_normal((TQ, H, D), dtype=np.float32))
-Q_BYTES, OUT_BYTES, LSE_BYTES = TQ * H * D * 2, TQ * H * V * 2, H * TQ * 4
 #: requests per storm, and a bound on its time
 STORM_REQUESTS, STORM_S = 120, 60.0
 
@@ -90,6 +82,23 @@ class ShmObject:
     def close(self) -> None:
         os.close(self.fd)
         os.unlink(self.path)
+
+
+@contextlib.contextmanager
+def registered(client: PrefillContextClient, **contents: bytes) -> Iterator[dict[str, ShmObject]]:
+    """An ShmObject per name holding its bytes, registered under that name whole; afterwards
+    every region unregistered (where the server still answers) and the objects removed."""
+    objs: dict[str, ShmObject] = {}
+    try:
+        for name, content in contents.items():
+            objs[name] = ShmObject(content)
+            client.register_system_shared_memory(name, objs[name].key, len(content))
+        yield objs
+    finally:
+        with contextlib.suppress(Exception):  # a dead server must not leave the objects behind
+            client.unregister_shared_memory("")
+        for obj in objs.values():
+            obj.close()
 
 
 class Shrinker(threading.Thread):
@@ -125,13 +134,8 @@ class Shrinker(threading.Thread):
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess(COMMON)
-    try:
-        proc.wait_ready()
+    with ServerProcess(COMMON) as proc:
         yield proc
-    finally:
-        proc.terminate(15)
-        proc.kill()
 
 
 @pytest.fixture()
@@ -405,15 +409,11 @@ def test_write_cache_survives_objects_shrinking_under_it(server, client):
     client.write_cache(sentinel_slots, *sentinel)
     before = client.read_cache(sentinel_slots)
     client.write_cache(SLOTS, np.zeros_like(KV_C), np.zeros_like(K_PE))
-    slots = ShmObject(np.asarray(SLOTS, np.int64).tobytes())
-    lat = ShmObject(KV_C.tobytes() + K_PE.tobytes())
-    try:
-        client.register_system_shared_memory("slots", slots.key, len(slots.content))
-        client.register_system_shared_memory("lat", lat.key, len(lat.content))
+    with registered(client, slots=np.asarray(SLOTS, np.int64).tobytes(), lat=KV_C.tobytes() + K_PE.tobytes()) as objs:
         s_in = SharedMemoryTensor(INT64, (T,), SharedMemoryRef("slots", 0, T * 8))
         kv_in = SharedMemoryTensor(BF16, (T, L), SharedMemoryRef("lat", 0, T * L * 2))
         pe_in = SharedMemoryTensor(BF16, (T, R), SharedMemoryRef("lat", T * L * 2, T * R * 2))
-        with Shrinker(slots, lat, seed=1) as sh:
+        with Shrinker(objs["slots"], objs["lat"], seed=1) as sh:
             counts = storm(server, [lambda: client.write_cache(s_in, kv_in, pe_in)])
         print(f"\nWriteCache storm: {counts}, {sh.cycles} shrink cycles")
         assert counts.get("FAILED_PRECONDITION", 0) > 0 and counts.get("OK", 0) > 0, counts
@@ -424,11 +424,6 @@ def test_write_cache_survives_objects_shrinking_under_it(server, client):
         assert np.array_equal(client.read_cache(SLOTS), expect_rows)
         assert np.array_equal(client.read_cache(sentinel_slots), before)
         assert client.write_cache(s_in, kv_in, pe_in) == T  # the objects whole again: the regions work
-    finally:
-        with contextlib.suppress(Exception):  # a dead server must not leave the objects behind
-            client.unregister_shared_memory("")
-        slots.close()
-        lat.close()
 
 
 def test_prefill_survives_objects_shrinking_under_q_and_the_results(server, client):
@@ -436,11 +431,8 @@ def test_prefill_survives_objects_shrinking_under_q_and_the_results(server, clie
     another while both shrink and grow back: every answer is exact or FAILED_PRECONDITION."""
     client.write_cache(SLOTS, KV_C, K_PE)
     ref = client.prefill_context(Q, SEQS)
-    q_obj = ShmObject(Q.tobytes())
-    res_obj = ShmObject(bytes(OUT_BYTES + 4096 + LSE_BYTES))
-    try:
-        client.register_system_shared_memory("q", q_obj.key, Q_BYTES)
-        client.register_system_shared_memory("res", res_obj.key, len(res_obj.content))
+    with registered(client, q=Q.tobytes(), res=bytes(OUT_BYTES + 4096 + LSE_BYTES)) as objs:
+        q_obj, res_obj = objs["q"], objs["res"]
         q_in = SharedMemoryTensor(BF16, (TQ, H, D), SharedMemoryRef("q", 0, Q_BYTES))
         out_at, lse_at = SharedMemoryRef("res", 0, OUT_BYTES), SharedMemoryRef("res", OUT_BYTES + 4096, LSE_BYTES)
         exact = []
@@ -459,11 +451,6 @@ def test_prefill_survives_objects_shrinking_under_q_and_the_results(server, clie
         out = np.frombuffer(os.pread(res_obj.fd, OUT_BYTES, 0), np.uint16)
         assert np.array_equal(out, ref.output_bits.reshape(-1))  # the results land whole once it stays whole
         assert np.array_equal(client.prefill_context(Q, SEQS).output_bits, ref.output_bits)
-    finally:
-        with contextlib.suppress(Exception):  # a dead server must not leave the objects behind
-            client.unregister_shared_memory("")
-        q_obj.close()
-        res_obj.close()
 
 
 def test_a_shrinking_ring_ends_the_ring_not_the_server(server, client):
@@ -508,7 +495,7 @@ def test_a_shrinking_ring_ends_the_ring_not_the_server(server, client):
 def test_reading_through_the_descriptor_costs_about_what_the_mapping_did():
     """25 MB of q (4,096 tokens x 16 heads x 192, BF16) read as a request does: through
     the descriptor (``os.preadv`` into private memory) against a copy out of a mapping of
-    the object (what the server did before). Figures printed; the bytes must agree."""
+    the object. Figures printed; the bytes must agree."""
     n = 4096 * 16 * 192 * 2
     reg = SharedMemoryRegistry(("system",), max_regions=2, max_bytes=1 << 30)
     reg.attach(torch.device("cpu"))

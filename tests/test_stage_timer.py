@@ -3,6 +3,7 @@ first stage's start to the last one's end, which ``ctxprefill bench`` uses to sp
 request's time outside its stages into host work before/after and time between stages."""
 
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -29,7 +30,23 @@ def test_span_covers_the_stages_and_the_time_between_them():
     assert ns["a"] >= 10_000_000 and ns["b"] >= 10_000_000
     assert t.span_ns >= stages + 30_000_000  # the 30 ms between the stages
     assert total >= t.span_ns + 40_000_000  # the 20 ms before and the 20 ms after
-    assert t.span_ns < stages + 30_000_000 + 20_000_000  # but not the time outside it (generous slack)
+
+
+def test_span_is_exactly_the_first_start_to_the_last_end(monkeypatch):
+    """The same sequence on a clock the test moves: the span holds the stages and the time
+    between them, and nothing of the time before the first or after the last."""
+    clock = SimpleNamespace(ns=0)
+    clock.perf_counter_ns = lambda: clock.ns
+    monkeypatch.setattr(timing, "time", clock)
+    t = timing.StageTimer(torch.device("cpu"))
+    for name, before, inside in (("a", 20, 10), ("b", 30, 10)):
+        clock.ns += before * 1_000_000
+        with t.stage(name):
+            clock.ns += inside * 1_000_000
+    clock.ns += 20_000_000  # after the last stage
+    ns, total = t.finish()
+    assert ns == {"a": 10_000_000, "b": 10_000_000}
+    assert t.span_ns == 50_000_000 and total == 90_000_000
 
 
 def test_no_stage_no_span():

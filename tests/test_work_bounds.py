@@ -41,7 +41,7 @@ from ctxprefill.service.interceptors.status import status_of
 from ctxprefill_api import pb, pb_grpc
 from ctxprefill_client import PrefillContextClient, encode_tensor, float32_to_bf16_bits
 from engine_helpers import bits, make_engine
-from service_process import ServerProcess, http_get, parse_metrics, sample_sum
+from service_process import ServerProcess, sample_sum, wait_for
 
 ATTACK_CONTEXT = 4_194_304  # tokens: block 0 repeated 262,144 times (block 16)
 BS = 16
@@ -193,33 +193,17 @@ def _prefill(rows: int, context: int, write_block: int | None = None) -> pb.Pref
     return req
 
 
-def _metrics(proc: ServerProcess) -> dict:
-    return parse_metrics(http_get(proc.metrics_url + "/metrics")[1])
-
-
 def _value(proc: ServerProcess, name: str, **labels) -> float:
-    return sample_sum(_metrics(proc)[name], **labels)
-
-
-def _wait_for(cond, timeout: float = 60.0, what: str = "condition") -> None:
-    t_end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < t_end, f"{what}: not met within {timeout} s"
-        time.sleep(0.02)
+    return sample_sum(proc.scrape()[name], **labels)
 
 
 @pytest.fixture(scope="module")
 def server():
-    p = ServerProcess(FLAGS, grace_seconds=5)
-    try:
-        p.wait_ready()
+    with ServerProcess(FLAGS, grace_seconds=5) as p:
         with PrefillContextClient(p.target, retries=0) as c:
             rng = np.random.default_rng(0)
             c.write_cache(np.arange(BS), rng.standard_normal((BS, 512)), rng.standard_normal((BS, 64)))
         yield p
-    finally:
-        p.terminate(20)
-        p.kill()
 
 
 @pytest.fixture(scope="module")
@@ -245,26 +229,26 @@ def _start_attacker(server, stub, chunks: int, timeout: float, write_block: int 
     """The attacker, returned once it runs, and a small request queued behind it."""
     started = _value(server, "grpc_server_started_total", grpc_method="PrefillContext")
     attacker = stub.PrefillContext.future(_prefill(1, chunks * W, write_block), timeout=timeout)
-    _wait_for(lambda: _value(server, "grpc_server_started_total", grpc_method="PrefillContext") > started,
-              what="the attacker admitted")
+    wait_for(lambda: _value(server, "grpc_server_started_total", grpc_method="PrefillContext") > started,
+             timeout=60, what="the attacker admitted")
     follower = stub.PrefillContext.future(_prefill(2, W), timeout=300)  # one chunk
     # queued behind it (or, on a machine slow to answer these scrapes, the attacker's deadline came first)
-    _wait_for(lambda: attacker.done() or _value(server, "ctxprefill_queue_depth") == 1,
-              what="the small request queued behind the attacker")
+    wait_for(lambda: attacker.done() or _value(server, "ctxprefill_queue_depth") == 1,
+             timeout=60, what="the small request queued behind the attacker")
     return attacker, follower
 
 
 def test_the_cap_refuses_the_268_kb_attack_at_once(server, stub):
     req = _prefill(1, ATTACK_CONTEXT)
     assert len(req.SerializeToString()) < 300_000
-    m0 = _metrics(server)
+    m0 = server.scrape()
     with pytest.raises(grpc.RpcError) as ei:
         stub.PrefillContext(req, timeout=30)
     assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     details = ei.value.details()
     assert details.startswith("sequences[0].context_len: ")
     assert f"--max-context-token-heads {CAP}" in details and f"{ATTACK_CONTEXT * HEADS}" in details
-    m1 = _metrics(server)
+    m1 = server.scrape()
     for name in ("ctxprefill_chunks_total", "ctxprefill_request_duration_seconds_count"):  # nothing computed
         assert sample_sum(m1[name]) == sample_sum(m0[name])
 
@@ -273,7 +257,7 @@ def test_an_attacker_whose_deadline_passes_stops_and_frees_the_engine(server, st
     chunks, chunk_s = attack
     planned_s = chunks * chunk_s
     assert planned_s > 4 * DEADLINE, f"the attacker's work ({planned_s:.1f} s) is too short to show anything"
-    m0 = _metrics(server)
+    m0 = server.scrape()
     t0 = time.monotonic()
     attacker, follower = _start_attacker(server, stub, chunks, DEADLINE)
     with pytest.raises(grpc.RpcError) as ei:
@@ -285,14 +269,14 @@ def test_an_attacker_whose_deadline_passes_stops_and_frees_the_engine(server, st
     outcomes = ("ctxprefill_stopped_requests_total", "ctxprefill_rejected_requests_total")
 
     def counted() -> dict[tuple[str, str], float]:
-        m = _metrics(server)
+        m = server.scrape()
         return {(n, lab["reason"]): v - sample_sum(m0[n], **lab) for n in outcomes for lab, v in m[n]
                 if v != sample_sum(m0[n], **lab)}
 
-    _wait_for(lambda: bool(counted()), what="the attacker's end counted")
+    wait_for(lambda: bool(counted()), timeout=60, what="the attacker's end counted")
     # it ran (the small request was queued behind it) and was stopped between chunks
     assert counted() == {("ctxprefill_stopped_requests_total", "deadline"): 1}
-    m1 = _metrics(server)
+    m1 = server.scrape()
     computed = sample_sum(m1["ctxprefill_chunks_total"]) - sample_sum(m0["ctxprefill_chunks_total"]) - 1
     print(f"\nattacker: {chunks} chunks planned ({planned_s:.1f} s at {chunk_s * 1e3:.1f} ms), {computed:.0f} "
           f"computed; the request behind it answered {t_follower:.2f} s after the attacker was sent")
@@ -303,17 +287,17 @@ def test_an_attacker_whose_deadline_passes_stops_and_frees_the_engine(server, st
 
 def test_a_cancelled_attacker_stops_writes_nothing_and_frees_the_engine(server, stub, attack):
     chunks, chunk_s = attack
-    m0 = _metrics(server)
+    m0 = server.scrape()
     attacker, follower = _start_attacker(server, stub, chunks, 300, write_block=1)
     t0 = time.monotonic()
     assert attacker.cancel()  # it was running (the small request queued behind it)
     answer = follower.result()
     t_follower = time.monotonic() - t0
     assert answer.stats.query_tokens == 2
-    _wait_for(lambda: _value(server, "ctxprefill_stopped_requests_total", reason="cancelled")
-              == sample_sum(m0["ctxprefill_stopped_requests_total"], reason="cancelled") + 1,
-              what="the cancelled attacker counted")
-    m1 = _metrics(server)
+    wait_for(lambda: _value(server, "ctxprefill_stopped_requests_total", reason="cancelled")
+             == sample_sum(m0["ctxprefill_stopped_requests_total"], reason="cancelled") + 1,
+             timeout=60, what="the cancelled attacker counted")
+    m1 = server.scrape()
     computed = sample_sum(m1["ctxprefill_chunks_total"]) - sample_sum(m0["ctxprefill_chunks_total"]) - 1
     print(f"\ncancelled attacker: {chunks} chunks planned, {computed:.0f} computed; the request behind it answered "
           f"{t_follower:.2f} s after the cancel")
