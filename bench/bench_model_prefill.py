@@ -13,9 +13,12 @@ runs on the GPU. The same with ``transport="inline"`` (bytes in the messages) fo
 Per chunk: the local work (the model's own: projections, causal attention, merges, MLP; the
 device synchronized), the client-observed time of the ctxprefill calls (summed over the
 layers), and the server's own total and compute time (Stats). Every layer's attention output
-and the logits are compared with transformers' forward of the whole prompt: ``‖a − b‖ / ‖b‖``;
-the control, transformers' forward of every chunk alone (no context), shows what a missing
-context part scores.
+and the logits are compared with transformers' forward of the whole prompt: ``‖a − b‖ / ‖b‖``.
+Two controls beside them: transformers' forward of every chunk alone (no context) shows what a
+missing context part scores; transformers' own chunked prefill (its ``DynamicCache``, the same
+chunks) shows how far chunking alone moves a bf16 model's result. ``--dtype float32`` runs the
+same bf16 weights in float32 (the server's cache stays as configured), which takes the model's
+own rounding out of the comparison.
 Each transport's prefill runs ``--repeats`` times; the last is reported (the first warms up
 the server's kernels and the client's buffers), the warm-up's totals beside it. Exit code 1
 when an error is over its tolerance.
@@ -55,7 +58,7 @@ KIND = "model_prefill"
 
 
 def make_model(ns: argparse.Namespace, dev: torch.device) -> Any:
-    """The random model of ``ns`` on ``dev`` (``ctxprefill_bench.deepseek_model``, as the tests build it)."""
+    """The random bf16 model of ``ns`` on ``dev`` (``ctxprefill_bench.deepseek_model``, as the tests build it)."""
     config = deepseek_model.make_config(layers=ns.layers, heads=ns.heads, hidden=ns.hidden, q_lora_rank=ns.q_lora_rank,
                                         intermediate=ns.intermediate, vocab=ns.vocab, original_max_positions=4096)
     return deepseek_model.make_model(config, seed=ns.seed, device=dev)
@@ -79,6 +82,28 @@ def control_errors(ns: argparse.Namespace, model: Any, prompt: torch.Tensor, ref
         ids = prompt[:, i:i + ns.chunk]
         pos = torch.arange(i, i + ids.shape[1], device=prompt.device)[None]
         outs, out = capture(model, lambda ids=ids, pos=pos: model(input_ids=ids, position_ids=pos))
+        logits.append(out.logits)
+        for k in range(ns.layers):
+            attn[k].append(outs[k])
+    err = {f"attention[{k}]": rel(torch.cat(attn[k], dim=1), ref_attn[k]) for k in range(ns.layers)}
+    err["logits"] = rel(torch.cat(logits, dim=1), ref_logits)
+    return err
+
+
+def own_chunked_errors(ns: argparse.Namespace, model: Any, prompt: torch.Tensor, ref_attn: list[torch.Tensor],
+                       ref_logits: torch.Tensor) -> dict[str, float]:
+    """The errors of transformers' own chunked prefill (its ``DynamicCache``, the same chunks): how
+    far chunking alone moves the result at the model's precision, the yardstick for ctxprefill's."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    attn: list[list[torch.Tensor]] = [[] for _ in range(ns.layers)]
+    logits = []
+    for i in range(0, ns.prompt, ns.chunk):
+        ids = prompt[:, i:i + ns.chunk]
+        pos = torch.arange(i, i + ids.shape[1], device=prompt.device)[None]
+        outs, out = capture(model, lambda ids=ids, pos=pos: model(input_ids=ids, position_ids=pos,
+                                                                  past_key_values=cache, use_cache=True))
         logits.append(out.logits)
         for k in range(ns.layers):
             attn[k].append(outs[k])
@@ -155,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--q-lora-rank", type=int, default=1536)
     p.add_argument("--intermediate", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="the model's compute dtype (its weights are bf16 either way; the cache is the server's)")
     p.add_argument("--prompt", type=int, default=8192, help="prompt tokens")
     p.add_argument("--chunk", type=int, default=1024, help="tokens per chunk")
     p.add_argument("--block-size", type=int, default=64)
@@ -201,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         shard = ns.shard_size or max(1, params * 2 // 4 // 1024) * 1024  # bytes: >= 4 shards
         model.save_pretrained(ckpt, max_shard_size=shard)
         shards = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))
+        if ns.dtype == "float32":  # the checkpoint keeps bf16 weights; the model computes with them widened
+            model = model.float()
         log(f"model: {params / 1e6:.1f} M parameters, saved as {len(shards)} safetensors shards")
         blocks = -(-ns.prompt // ns.block_size) + 4
         flags: dict[str, object] = {"model": ckpt, "device": str(dev), "block_size": ns.block_size,
@@ -222,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"the monolithic forward ({model.config._attn_implementation} attention): {ref_ms:.1f} ms")
             control = control_errors(ns, model, prompt, ref_attn, ref_logits)
             log("control, every chunk alone (no context): " + ", ".join(f"{k} {v:.2e}" for k, v in control.items()))
+            own = own_chunked_errors(ns, model, prompt, ref_attn, ref_logits)
+            log("transformers' own chunked prefill: " + ", ".join(f"{k} {v:.2e}" for k, v in own.items()))
             server.wait_ready(ns.ready_timeout)
             ready_s = time.monotonic() - t_server
             with PrefillContextClient(server.target, timeout=ns.timeout, retries=0,
@@ -255,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "model": {"layers": ns.layers, "heads": ns.heads, "hidden": ns.hidden, "q_lora_rank": ns.q_lora_rank,
                       "kv_lora_rank": L, "qk_nope_head_dim": P, "qk_rope_head_dim": R, "v_head_dim": V,
-                      "intermediate": ns.intermediate, "vocab": ns.vocab, "dtype": "bfloat16",
+                      "intermediate": ns.intermediate, "vocab": ns.vocab, "dtype": ns.dtype,
                       "rope_parameters": cfg.rope_parameters, "softmax_scale": float(
                           model.model.layers[0].self_attn.scaling),
                       "parameters": params, "shards": len(shards),
@@ -272,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"meta": meta, "reference_forward_ms": ref_ms, "tolerances": {"attention": ns.attention_tol,
                                                                           "logits": ns.logits_tol},
                "transports": results, "within_tolerance": ok, "control_errors": control,
+               "transformers_chunked_errors": own,
                "server_log_tail": server_log}
         with open(ns.out, "w") as f:
             json.dump(doc, f, indent=1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch, into .whl/ (git-ignored), the wheels the GPU machine lacks: it has torch,
-# triton, grpcio 1.84, protobuf, prometheus-client and pytest, but not these, and it
-# cannot download. FlashInfer and the modules it imports are for bench_attention.py's
+# triton, grpcio 1.84, protobuf, prometheus-client and pytest, but not these (the runtime's
+# others among them: requirements/runtime.txt), and it cannot download. FlashInfer and the modules it imports are for bench_attention.py's
 # --flashinfer comparison only (18 MB; its kernels compile with nvcc on first use). scripts/gpu_run.sh installs whatever is in .whl/ into /tmp/site;
 # name ".whl" in the device call's carry.
 #
@@ -13,6 +13,10 @@ python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --im
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 -d .whl \
   grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 \
   uvicorn==0.54.0 h11==0.16.0 \
+  ml-dtypes==0.7.0 psutil==7.2.2 python-json-logger==4.2.0 \
+  opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-proto==1.45.2 \
+  opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
+  opentelemetry-semantic-conventions==0.66b2 googleapis-common-protos==1.76.0 importlib-metadata==8.7.0 zipp==3.23.0 \
   nvidia-cudnn-frontend==1.32.0 \
   flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2 einops==0.8.2 tabulate==0.10.0 nvidia-ml-py==13.615.71 \
   ninja==1.13.2 tqdm==4.70.1 requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1
