@@ -428,10 +428,35 @@ def model_prefill_table(d: Doc) -> str:
     return "\n".join(lines) + "\n"
 
 
+def model_workload_table(d: Doc) -> str:
+    """``bench/bench_model_workload.py``: a DeepSeek-V3-shaped model's prefill through the request ring, per head
+    count, against the sum of its calls' floors."""
+    meta, a = d["meta"], d["meta"]["args"]
+    lines = [_run_line(d), "",
+             f"One sequence: {a['new']:,} new tokens in {a['chunk']:,}-token chunks over a context growing to "
+             f"{a['max_context']:,} tokens, every layer's PrefillContext through a request ring (tensors in "
+             f"{meta['shared_memory']} shared memory, cache_write {a['cache_write']}), each answer waited for before "
+             f"the next layer's call. Floor: each call's kv_b_proj and attention FLOPs at the measured bf16 GEMM rate "
+             f"plus its gather/pack bytes at the measured copy bandwidth, summed over the calls (held: at the GEMM "
+             f"rate held for {a['sustained_gemm_s']:g} s, the clock the power cap leaves). Context tokens/s: "
+             f"the context tokens the calls attended, summed, per second (one GPU).", "",
+             "| heads | layers | chunks | calls | wall s | floor sum s | wall / floor | wall / held floor "
+             "| context tokens/s | at the floor | float64 check |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["runs"]:
+        check = ", ".join(f"layer {c['layer']}: {c['output_error']:.1e}" for c in r["checks"]) or "n/a"
+        lines.append(f"| {r['heads']} | {r['layers']} | {r['chunks']} | {r['calls']} | {r['wall_s']:.3f} "
+                     f"| {_num(r['floor_s'], '.3f')} | {_num(r['ratio'], '.2f')} | {_num(r['ratio_held'], '.2f')} "
+                     f"| {_num(r['context_tokens_per_s'], '.3g')} | {_num(r['floor_context_tokens_per_s'], '.3g')} "
+                     f"| {check} |")
+    return "\n".join(lines) + "\n"
+
+
 def table(d: Doc) -> str:
     """The table of any result file, by its shape."""
     if kind(d) == "model_prefill":
         return model_prefill_table(d)
+    if kind(d) == "model_workload":
+        return model_workload_table(d)
     if "results" in d and "copy_tbps" in d:
         return kernels_table(d)
     if "results" in d:
@@ -468,6 +493,7 @@ class Bench:
     env: str = ""  # more environment for gpu_run.sh
     plots: tuple[str, ...] = ()
     note: str = ""  # after the command
+    optional: bool = False  # its JSON may be absent from bench/results: then it has no table
 
 
 BENCHMARKS = (
@@ -552,12 +578,23 @@ BENCHMARKS = (
           "server through one registered CUDA region (`DeepseekV3ChunkedPrefill(transport=\"cuda\")`), and "
           "inline for comparison; each chunk's time split into local and remote work; every layer's attention "
           "output and the logits against transformers' forward of the whole prompt."),
+    Bench("A DeepSeek-V3-shaped model's prefill through the request ring", "bench_model_workload",
+          ("bench_model_workload",),
+          "`bench/bench_model_workload.py`: 61 layers at 128 and at 16 heads, 8,192 new tokens in 1,024-token chunks "
+          "over a context growing to 128k, every layer's call through a CUDA IPC request ring as an engine issues "
+          "them (its cache_write writing the chunk's latents), against the sum of the calls' floors; the last "
+          "chunk's answers checked against float64.", optional=True),
 )
 
 
-def files() -> list[str]:
-    """The JSON files (names without .json) the steps of scripts/gpu_run.sh write for bench/results."""
-    return [f for b in BENCHMARKS for f in b.files]
+def _listed(b: Bench, results: str) -> bool:
+    return not b.optional or all(os.path.exists(os.path.join(results, f"{f}.json")) for f in b.files)
+
+
+def files(results: str = RESULTS, every: bool = False) -> list[str]:
+    """The JSON files (names without .json) the steps of scripts/gpu_run.sh write for bench/results: an optional
+    benchmark's only where they are in ``results``; ``every``: all of them (what gpu_run.sh writes)."""
+    return [f for b in BENCHMARKS if every or _listed(b, results) for f in b.files]
 
 
 def load(name: str, results: str = RESULTS) -> Doc:
@@ -576,7 +613,8 @@ def _anchor(title: str) -> str:
 
 def results_readme(results: str = RESULTS) -> str:
     """bench/results/README.md, from the JSON files beside it."""
-    docs = {f: load(f, results) for f in files()}
+    docs = {f: load(f, results) for f in files(results)}
+    benches = [b for b in BENCHMARKS if _listed(b, results)]
     out = ["# Benchmark results", "",
            "One run per benchmark, the JSON each benchmark wrote beside this file; every table names its GPU, date "
            "and commit. This file is generated: `python bench/make_tables.py` (and `--check` fails where it "
@@ -589,12 +627,12 @@ def results_readme(results: str = RESULTS) -> str:
            "README.md` and, for the plots, `python bench/plot_engine.py bench/results/bench_engine.json "
            "bench/results/bench_concurrency_ring.json` (then drop the plots not listed below).", "",
            "| benchmark | file | step | GPU | date | commit |", "|---|---|---|---|---|---|"]
-    for b in BENCHMARKS:
+    for b in benches:
         for f in b.files:
             r = run_of(docs[f])
             out.append(f"| [{b.title}](#{_anchor(b.title)}) | [`{f}.json`]({f}.json) | `{b.step}` | {r['gpu']} "
                        f"| {r['date']} | {r['commit']} |")
-    for b in BENCHMARKS:
+    for b in benches:
         out += ["", f"## {b.title}", "", f"{b.what} Reproduce: {_steps_cmd(b)}.", ""]
         for p in b.plots:
             out += [f"![{p}]({p})", ""]

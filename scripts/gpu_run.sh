@@ -21,6 +21,7 @@
 # --request-ring-overlap), bench_transport_pin (system regions page-locked and pageable, alternating),
 # bench_inline_parse (the event loop's parse of an inline request, with and without protobuf's copies),
 # bench_model_prefill (a transformers DeepSeek-V3 model prefilled in chunks through CUDA IPC),
+# bench_model_workload (a 61-layer DeepSeek-V3-shaped prefill through a CUDA IPC request ring against its floors),
 # segv (a native backtrace of one test).
 # CTXPREFILL_COMMIT labels the results: pass it from the machine that sends the call (the
 # device's own git may report the commit its checkout started from, not the tree that runs).
@@ -258,6 +259,13 @@ want probe_write && run_step probe_write 90 5 - python3 bench/probe_write_bandwi
 # (GPU_RUN_MODEL_ARGS: more options, e.g. "--heads 128")
 want bench_model_prefill && run_step bench_model_prefill 150 5 - python3 bench/bench_model_prefill.py --device cuda \
   ${GPU_RUN_MODEL_ARGS:-} --out "$OUT/bench_model_prefill.json"
+
+# ---- 7f. a DeepSeek-V3-shaped workload: 61 layers at 128 and at 16 heads (one server each), 8,192 new tokens in
+# 1,024-token chunks over a context growing to 128k, every layer's call through a CUDA IPC request ring, each
+# waited for before the next layer's; wall time against the sum of the calls' floors, per-GPU context tokens/s
+# (GPU_RUN_WORKLOAD_ARGS: more options, e.g. "--heads 16" or "--cache-write separate")
+want bench_model_workload && run_step bench_model_workload 300 5 - python3 bench/bench_model_workload.py \
+  --device cuda ${GPU_RUN_WORKLOAD_ARGS:-} --out "$OUT/bench_model_workload.json"
 
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \

@@ -1,0 +1,406 @@
+"""Benchmark: a whole DeepSeek-V3-shaped model's chunked prefill through the same-host request
+ring, calls issued per layer as an engine issues them, against the sum of the calls' floors.
+
+The workload: one sequence of ``--new`` new tokens (8,192) prefilled in ``--chunk``-token
+chunks (1,024) on top of ``context_start = --max-context − --new`` cached tokens, so chunk
+``j`` attends ``context_start + j·chunk`` tokens (122,880 … 130,048 at the defaults) and the
+cache ends holding ``--max-context`` (128k). Per chunk, for each of ``--layers`` layers (61)
+in order, one PrefillContext through a request ring (``serve --request-ring``) whose answer
+is waited for before the next layer's call (an engine needs layer l's output before layer
+l + 1), and whose ``cache_write`` puts the chunk's latents into that layer's cache after the
+attention, as ``DeepseekV3ChunkedPrefill`` does (one call per layer and chunk; the ring
+carries PrefillContext only). ``--cache-write separate`` writes them with a WriteCache call
+after each layer's answer instead, timed apart.
+
+Tensors: q ``[layers, chunk, H, 192]``, every chunk's latents ``kv_c [layers, new, 512]`` /
+``k_pe [layers, new, 64]`` (bf16, random, made before the timing), output ``[layers, chunk,
+H, 128]`` bf16 and LSE ``[layers, H, chunk]`` fp32 live in one registered region: a CUDA
+tensor of this process (CUDA IPC) on a GPU, POSIX shared memory on a CPU; only references,
+the block table and the slot mapping travel through the ring's slots. Every layer has its own
+areas and every chunk its own latents, so nothing is rewritten while the server may still
+read it (a cache_write reading CUDA memory may run after its answer) and nothing but the
+calls runs inside the timing. Before the timing, each layer's cache is filled with
+``context_start`` random latents by WriteCache through the same region (``fill`` in the JSON).
+
+Floors: ``engine_bench.floor_seconds`` per call shape (kv_b_proj and attention FLOPs at the
+bf16 GEMM rate, gather/pack bytes at the copy bandwidth, both measured here by
+``engine_bench.measure_ceilings`` before any server starts; also at the GEMM rate held for
+``--sustained-gemm-s``), the K pack counted only where the calls' Stats say they pack K;
+summed over all calls. Context tokens/s: the context tokens attended, summed over calls, per
+second of wall time (one server, one GPU), and the same at the floor. Nothing else runs
+between the calls: the wall time is ctxprefill's part of an engine's prefill, the client's
+request building and the ring's hand-offs included. ``rows``: per chunk, its layers' calls
+together (wall, client-observed calls, separate writes, floor, the server's Stats total and
+compute).
+
+Check: for ``--check-layers`` (default the last), the last chunk's output and LSE (its first
+``--check-rows`` rows, ``--check-heads`` heads: one head shard of the server's weights, which
+keeps the float64 work small at 128k) against float64 attention
+(``ctxprefill_bench.reference64``) over the latents this script wrote, and, as the control,
+over the context without the earlier chunks' ``cache_write`` latents (what lost writes would
+give). Exit code 1 when a check is over ``--tolerance``.
+
+``--heads 128 16`` runs one server per head count, one after the other; the JSON is
+rewritten after each.
+
+  PYTHONPATH=server:client:bench python3 bench/bench_model_workload.py --out bench/results/bench_model_workload.json
+  PYTHONPATH=server:client:bench python3 bench/bench_model_workload.py --device cpu --layers 2 --heads 2 \\
+      --new 32 --chunk 16 --max-context 96 --block-size 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _sub in ("client", "server", "bench"):
+    if os.path.join(ROOT, _sub) not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, _sub))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from ctxprefill_bench import engine_bench  # noqa: E402
+from ctxprefill_bench.run_info import commit, utc_now  # noqa: E402
+from progress import log  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+
+KIND = "model_workload"
+L, R, QK, V = 512, 64, 192, 128  # latent, rope, q·k and value dims
+FILL_PIECE = 16384  # tokens per WriteCache of the fill
+RING_SLOTS, RING_SLOT_BYTES = 2, 1 << 17  # a slot holds a request: refs, block table, slot mapping
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+class Workload:
+    """The sequence's shape: chunk j has ``new[j]`` rows over ``context[j]`` cached tokens;
+    ``table``: its blocks (shuffled), ``slots``: int64 ``[max_context]``, position → slot."""
+
+    def __init__(self, ns: argparse.Namespace):
+        self.context_start = ns.max_context - ns.new
+        starts = range(0, ns.new, ns.chunk)
+        self.new = [min(ns.chunk, ns.new - a) for a in starts]
+        self.context = [self.context_start + a for a in starts]
+        blocks = -(-ns.max_context // ns.block_size)
+        self.num_blocks = blocks + 1
+        self.table = np.random.default_rng(ns.seed).permutation(self.num_blocks)[:blocks].tolist()
+        p = np.arange(ns.max_context)
+        self.slots = np.asarray(self.table, np.int64)[p // ns.block_size] * ns.block_size + p % ns.block_size
+
+
+class Tensors:
+    """One registered region holding named tensors ``[layers, rows, ...]`` at 256-byte
+    aligned offsets; ``t[name]`` is a torch view of each (on the device for CUDA IPC)."""
+
+    def __init__(self, client: Any, kind: str, dev: torch.device, specs: dict[str, tuple[tuple[int, ...], Any]]):
+        from ctxprefill_client import CudaSharedMemoryRegion, SystemSharedMemoryRegion
+
+        self.kind, self.at, at = kind, {}, 0
+        for name, (shape, dt) in specs.items():
+            self.at[name] = (at, shape, dt)
+            at += -(-math.prod(shape) * dt.itemsize // 256) * 256
+        if kind == "cuda":
+            self.buf = torch.zeros(at, dtype=torch.uint8, device=dev)
+            self.region: Any = CudaSharedMemoryRegion("workload", self.buf)
+            client.register_cuda_shared_memory(self.region)
+        else:
+            self.region = SystemSharedMemoryRegion("workload", at)
+            self.buf = torch.from_numpy(self.region.ndarray(np.uint8, (at,)))
+            client.register_system_shared_memory(self.region)
+        self.t = {n: self.buf[o:o + math.prod(s) * d.itemsize].view(d).view(s) for n, (o, s, d) in self.at.items()}
+
+    def offset(self, name: str, layer: int, row: int = 0) -> int:
+        o, shape, dt = self.at[name]
+        return o + (layer * shape[1] + row) * math.prod(shape[2:]) * dt.itemsize
+
+    def input(self, name: str, layer: int, row: int, n: int) -> Any:
+        """Rows ``[row, row + n)`` of layer ``layer`` as a request input (bf16)."""
+        from ctxprefill_client import BF16
+
+        return self.region.input(BF16, (n, *self.at[name][1][2:]), self.offset(name, layer, row))
+
+    def ref(self, name: str, layer: int, nbytes: int) -> Any:
+        return self.region.ref(self.offset(name, layer), nbytes)
+
+    def close(self, client: Any) -> None:
+        client.unregister_shared_memory(self.region.name)
+        self.t, self.buf = {}, None  # views of a system segment keep it from closing
+        if self.kind != "cuda":
+            self.region.close()
+            self.region.unlink()
+
+
+def check_layer(ns: argparse.Namespace, H: int, w: Workload, t: Tensors, kept: list, layer: int) -> dict[str, Any]:
+    """The last chunk's answer for ``layer`` against float64 attention over the latents written
+    (and, the control, over the context without the chunks' cache_write latents)."""
+    from ctxprefill.app import build_engine
+    from ctxprefill.engine.request import SequenceSpec
+    from ctxprefill.settings import ServeSettings
+    from ctxprefill_bench.reference64 import prefill_context_float64
+    from ctxprefill_bench.workload import relative_error
+
+    hs = max(d for d in range(1, min(H, ns.check_heads) + 1) if H % d == 0)  # heads [0, hs): one head shard
+    n, ctx, cs = w.new[-1], w.context[-1], w.context_start
+    rows = min(n, ns.check_rows)
+    eng = build_engine(ServeSettings(device="cpu", heads=H, num_shards=H // hs, layers=1, first_layer=layer,
+                                     seed=ns.seed, block_size=ns.block_size, num_blocks=w.num_blocks,
+                                     workspace_tokens=ns.block_size))  # the server's weights, heads [0, hs)
+    kv, pe = torch.cat([a for a, _ in kept]), torch.cat([b for _, b in kept])  # [max_context, L], [.., R] bf16
+    slots = torch.from_numpy(w.slots)
+    q = t.t["q"][layer, :rows, :hs].to("cpu", copy=True)
+    out = t.t["out"][layer, :n].to("cpu", copy=True)[:rows, :hs]
+    lse = t.t["lse"][layer].reshape(-1)[:H * n].to("cpu", copy=True).view(H, n)[:hs, :rows]
+    eng.write_cache(slots[:cs], kv[:cs], pe[:cs])
+    control, _ = prefill_context_float64(eng, q, [SequenceSpec(rows, cs, w.table)])
+    eng.write_cache(slots[cs:ctx], kv[cs:ctx], pe[cs:ctx])
+    ref_out, ref_lse = prefill_context_float64(eng, q, [SequenceSpec(rows, ctx, w.table)])
+    err = {"layer": layer, "rows": rows, "heads": hs, "context_tokens": ctx,
+           "output_error": relative_error(out, ref_out), "lse_error": (lse.double() - ref_lse).abs().max().item(),
+           "control_output_error": relative_error(out, control)}
+    err["ok"] = err["output_error"] <= ns.tolerance and err["lse_error"] <= ns.tolerance
+    return err
+
+
+def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, kind: str, dev: torch.device,
+          ceil: dict) -> dict[str, Any]:
+    """Fill, warm up, the timed chunks, the check: one head count's results."""
+    from ctxprefill.config import CacheConfig, EngineConfig, ModelShape
+    from ctxprefill_client import SystemSharedMemoryRegion
+
+    Ly, C, cs, bs = ns.layers, ns.chunk, w.context_start, torch.bfloat16
+    piece = max(1, min(FILL_PIECE, cs))
+    t = Tensors(client, kind, dev, {"q": ((Ly, C, H, QK), bs), "kv": ((Ly, ns.new, L), bs),
+                                    "pe": ((Ly, ns.new, R), bs), "out": ((Ly, C, H, V), bs),
+                                    "lse": ((Ly, H, C), torch.float32), "fkv": ((1, piece, L), bs),
+                                    "fpe": ((1, piece, R), bs)})
+    ring_region = SystemSharedMemoryRegion("ring", RING_SLOTS * RING_SLOT_BYTES)
+    client.register_system_shared_memory(ring_region)
+    gen = torch.Generator(device=dev).manual_seed(ns.seed + H)
+    keep = set(ns.check_layers if ns.check_layers is not None else [Ly - 1])
+    kept: dict[int, list] = {layer: [] for layer in keep}
+
+    def fill_random(x: torch.Tensor) -> None:
+        x.copy_(torch.randn(x.shape, generator=gen, device=dev))
+
+    try:
+        fill_s = 0.0
+        for layer in range(Ly):  # the context before the prefill
+            for a in range(0, cs, piece):
+                n = min(piece, cs - a)
+                kv, pe = t.t["fkv"][0, :n], t.t["fpe"][0, :n]
+                fill_random(kv)
+                fill_random(pe)
+                if layer in keep:
+                    kept[layer].append((kv.to("cpu", copy=True), pe.to("cpu", copy=True)))
+                _sync(dev)
+                t0 = time.perf_counter()
+                client.write_cache(w.slots[a:a + n], t.input("fkv", 0, 0, n), t.input("fpe", 0, 0, n), layer=layer)
+                fill_s += time.perf_counter() - t0
+        fill = {"tokens": cs * Ly, "seconds": fill_s, "bytes_per_s": _div(cs * Ly * (L + R) * 2, fill_s)}
+        log(f"H={H}: filled {Ly} layers x {cs} tokens in {fill_s:.2f} s of WriteCache")
+        for layer in range(Ly):
+            for name in ("q", "kv", "pe"):
+                fill_random(t.t[name][layer])
+        _sync(dev)
+        for layer in keep:
+            kept[layer].append((t.t["kv"][layer].to("cpu", copy=True), t.t["pe"][layer].to("cpu", copy=True)))
+
+        def seq(j: int) -> Any:
+            return [(w.new[j], w.context[j], w.table)]
+
+        def results(layer: int, n: int) -> dict[str, Any]:
+            return {"output_region": t.ref("out", layer, n * H * V * 2), "lse_region": t.ref("lse", layer, H * n * 4),
+                    "float_output": False}
+
+        # the ring's life is bounded by --timeout: a server that stops answering ends it
+        with client.attach_request_ring(ring_region, num_slots=RING_SLOTS, slot_bytes=RING_SLOT_BYTES,
+                                        timeout=ns.timeout) as ring:
+            for _ in range(ns.warmup):  # every layer once at the first chunk's shape, no cache_write
+                for layer in range(Ly):
+                    ring.prefill_context(t.input("q", layer, 0, w.new[0]), seq(0), layer=layer,
+                                         **results(layer, w.new[0]))
+            rows, unpacked = [], set()
+            for j, (n, ctx) in enumerate(zip(w.new, w.context)):
+                off = ctx - cs  # the chunk's first row in kv / pe
+                slots = w.slots[ctx:ctx + n]
+                calls_s = write_s = 0.0
+                server = [0, 0]
+                t_chunk = time.perf_counter()
+                for layer in range(Ly):
+                    cw = (slots, t.input("kv", layer, off, n), t.input("pe", layer, off, n))
+                    t0 = time.perf_counter()
+                    ring.submit(t.input("q", layer, 0, n), seq(j), layer=layer, **results(layer, n),
+                                cache_write=cw if ns.cache_write == "with-prefill" else None)
+                    st = ring.result().stats
+                    t1 = time.perf_counter()
+                    if ns.cache_write == "separate":
+                        client.write_cache(*cw, layer=layer)
+                        write_s += time.perf_counter() - t1
+                    calls_s += t1 - t0
+                    server[0] += st["total_nanos"]
+                    server[1] += st["phase_nanos"]["compute"]
+                    unpacked.add(bool(st["unpacked_keys"]))
+                wall = time.perf_counter() - t_chunk
+                rows.append({"chunk": j, "new_tokens": n, "context_tokens": ctx, "wall_ms": wall * 1e3,
+                             "calls_ms": calls_s * 1e3, "write_ms": write_s * 1e3,
+                             "server_total_ms": server[0] / 1e6, "server_compute_ms": server[1] / 1e6})
+                log(f"H={H} chunk {j + 1}/{len(w.new)}: {Ly} layers over {ctx} context tokens in {wall * 1e3:.1f} ms "
+                    f"(server compute {server[1] / 1e6:.1f} ms)")
+        # the floor of each call shape (once per chunk: the layers' calls are alike)
+        cfg = EngineConfig(shape=ModelShape(heads=H), cache=CacheConfig(info.cache_dtype, ns.block_size, w.num_blocks),
+                           prefill_dtype=info.prefill_dtype, workspace_tokens=info.workspace_tokens)
+        packs = not all(unpacked)
+        for r in rows:
+            for key, rate in (("floor_ms", "matmul_flops_per_s"), ("floor_held_ms", "matmul_sustained_flops_per_s")):
+                fl = engine_bench.floor_seconds(cfg, [r["context_tokens"]], [r["new_tokens"]], ceil,
+                                                rate=rate, pack=packs) if rate in ceil else None
+                r[key] = Ly * fl["total_s"] * 1e3 if fl else None
+        checks = [check_layer(ns, H, w, t, kept[layer], layer) for layer in sorted(keep)]
+        for c in checks:
+            log(f"H={H} layer {c['layer']}: output error {c['output_error']:.2e}, LSE {c['lse_error']:.2e} against "
+                f"float64 ({'within' if c['ok'] else 'OVER'} {ns.tolerance:g}); without the chunks' writes "
+                f"{c['control_output_error']:.2e}")
+    finally:
+        t.close(client)
+        client.unregister_shared_memory(ring_region.name)
+        ring_region.close()
+        ring_region.unlink()
+    return summarize(ns, H, w, rows, fill, checks, packs)
+
+
+def _div(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def summarize(ns: argparse.Namespace, H: int, w: Workload, rows: list[dict], fill: dict, checks: list[dict],
+              packs: bool) -> dict[str, Any]:
+    nan = float("nan")
+    wall = sum(r["wall_ms"] for r in rows) / 1e3
+    floor = sum(r["floor_ms"] for r in rows) / 1e3 if all(r["floor_ms"] is not None for r in rows) else nan
+    held = sum(r["floor_held_ms"] for r in rows) / 1e3 if all(r["floor_held_ms"] is not None for r in rows) else nan
+    ctx_tokens = ns.layers * sum(w.context)
+    return {"heads": H, "layers": ns.layers, "chunks": len(rows), "calls": ns.layers * len(rows),
+            "new_tokens": ns.new, "context_start": w.context_start, "max_context": ns.max_context,
+            "wall_s": wall, "floor_s": floor, "floor_held_s": held, "ratio": _div(wall, floor),
+            "ratio_held": _div(wall, held),
+            "within_1_2": wall <= 1.2 * floor if math.isfinite(floor) else None,
+            "calls_s": sum(r["calls_ms"] for r in rows) / 1e3, "cache_write_s": sum(r["write_ms"] for r in rows) / 1e3,
+            "server_compute_s": sum(r["server_compute_ms"] for r in rows) / 1e3,
+            "context_tokens": ctx_tokens, "context_tokens_per_s": _div(ctx_tokens, wall),
+            "floor_context_tokens_per_s": _div(ctx_tokens, floor), "prefill_tokens_per_s": _div(ns.new, wall),
+            "packs_k": packs, "fill": fill, "rows": rows, "checks": checks,
+            "check_ok": all(c["ok"] for c in checks)}
+
+
+def run_heads(ns: argparse.Namespace, H: int, w: Workload, kind: str, dev: torch.device, ceil: dict,
+              logdir: str) -> dict[str, Any]:
+    from ctxprefill_client import PrefillContextClient
+
+    flags: dict[str, object] = {"device": str(dev), "heads": H, "layers": ns.layers, "block_size": ns.block_size,
+                                "num_blocks": w.num_blocks, "seed": ns.seed, "grace_seconds": 5,
+                                "shared_memory": "all" if kind == "cuda" else "system", "request_ring": True}
+    if ns.workspace_tokens:
+        flags["workspace_tokens"] = ns.workspace_tokens
+    server = ServerProcess(f"workload_h{H}", flags, logdir)
+    log("starting the server: " + server.cmd)
+    try:
+        ready_s = server.wait_ready(ns.ready_timeout)
+        with PrefillContextClient(server.target, timeout=ns.timeout, retries=0, max_message_bytes=1 << 30) as client:
+            info = client.server_info()
+            if info.num_layers != ns.layers:
+                raise RuntimeError(f"the server holds {info.num_layers} layers, not {ns.layers}")
+            log(f"server ready in {ready_s:.1f} s: {info.device}, backend {info.attention_backend}, fused "
+                f"{info.fused_kernels_active}, workspace {info.workspace_tokens}")
+            res = drive(ns, H, w, client, info, kind, dev, ceil)
+            res["server"] = {"cmd": server.cmd, "ready_s": ready_s, "attention_backend": info.attention_backend,
+                             "fused_kernels_active": info.fused_kernels_active,
+                             "workspace_tokens": info.workspace_tokens, "cache_dtype": info.cache_dtype,
+                             "prefill_dtype": info.prefill_dtype, "num_blocks": info.num_blocks}
+    finally:
+        server.stop(timeout=15)
+    res["server"]["log_tail"] = server.tail(20)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:N")
+    p.add_argument("--heads", type=int, nargs="+", default=[128, 16], help="one server per head count")
+    p.add_argument("--layers", type=int, default=61)
+    p.add_argument("--new", type=int, default=8192, help="new tokens of the prefill")
+    p.add_argument("--chunk", type=int, default=1024, help="new tokens per chunk")
+    p.add_argument("--max-context", type=int, default=131072, help="tokens cached once the prefill is done")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--workspace-tokens", type=int, default=None, help="the server's (default: its own)")
+    p.add_argument("--shared-memory", choices=["auto", "cuda", "system"], default="auto",
+                   help="where the tensors live: auto = cuda on a CUDA device, else system")
+    p.add_argument("--cache-write", choices=["with-prefill", "separate"], default="with-prefill",
+                   help="the chunk's latents: the ring request's cache_write, or a WriteCache call after it")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed passes over every layer at the first chunk's shape (no cache_write)")
+    p.add_argument("--sustained-gemm-s", type=float, default=2.0, help="GEMM rate held this long, for floor_held")
+    p.add_argument("--check-layers", type=int, nargs="*", default=None, help="default: the last layer")
+    p.add_argument("--check-rows", type=int, default=16)
+    p.add_argument("--check-heads", type=int, default=4)
+    p.add_argument("--tolerance", type=float, default=1e-2, help="output relative error and LSE difference")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline of each RPC, seconds")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start")
+    p.add_argument("--out", default=None, help="write JSON results here (rewritten after each head count)")
+    ns = p.parse_args(argv)
+    if min(ns.layers, ns.new, ns.chunk, ns.block_size) < 1 or ns.max_context < ns.new:
+        p.error("--layers, --new, --chunk, --block-size must be >= 1 and --max-context >= --new")
+    if any(not 0 <= x < ns.layers for x in ns.check_layers or []):
+        p.error("--check-layers: layers in [0, --layers)")
+
+    from ctxprefill.settings import resolve_device
+
+    dev = resolve_device(ns.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    kind = ns.shared_memory if ns.shared_memory != "auto" else ("cuda" if dev.type == "cuda" else "system")
+    if kind == "cuda" and dev.type != "cuda":
+        p.error("--shared-memory cuda needs a CUDA device")
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+    w = Workload(ns)
+    ceil = engine_bench.measure_ceilings(dev, ns.sustained_gemm_s)
+    log(f"device {dev} ({gpu or 'cpu'}), tensors in {kind} shared memory; {ns.layers} layers, {ns.new} new tokens "
+        f"in {len(w.new)} chunks over {w.context[0]}..{w.context[-1]} context; copy "
+        f"{ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    meta = {"kind": KIND, "date": utc_now(), "commit": commit(), "gpu": gpu, "device": str(dev),
+            "torch": torch.__version__, "shared_memory": kind, "ceilings": ceil, "args": vars(ns)}
+    runs: list[dict] = []
+    with tempfile.TemporaryDirectory() as logdir:
+        for H in ns.heads:
+            runs.append(run_heads(ns, H, w, kind, dev, ceil, logdir))
+            r = runs[-1]
+            log(f"H={H}: {r['calls']} calls in {r['wall_s']:.3f} s, floor sum {r['floor_s']:.3f} s (ratio "
+                f"{r['ratio']:.2f}); {r['context_tokens_per_s']:.3g} context tokens/s (floor "
+                f"{r['floor_context_tokens_per_s']:.3g})")
+            if ns.out:
+                tmp = ns.out + ".tmp"
+                with open(tmp, "w") as f:
+                    json.dump(engine_bench._clean({"meta": meta, "runs": runs}), f, indent=1)
+                os.replace(tmp, ns.out)
+    print(f"\n{'H':>4} {'chunk':>5} {'context':>8} {'wall ms':>9} {'floor ms':>9} {'ratio':>6} {'compute ms':>10}")
+    for r in runs:
+        for row in r["rows"]:
+            fl = row["floor_ms"] if row["floor_ms"] is not None else float("nan")
+            print(f"{r['heads']:4d} {row['chunk']:5d} {row['context_tokens']:8d} {row['wall_ms']:9.2f} {fl:9.2f} "
+                  f"{_div(row['wall_ms'], fl):6.2f} {row['server_compute_ms']:10.2f}")
+    return 0 if all(r["check_ok"] for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

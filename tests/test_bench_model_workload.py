@@ -1,0 +1,85 @@
+"""bench/bench_model_workload.py end to end on the CPU with tiny shapes: a server per head count
+(system shared memory, a request ring), the cache filled by WriteCache, every layer's call of
+every chunk through the ring with its cache_write (or a WriteCache after it), the last chunk's
+answers against float64 attention over the latents written, the floors summed by
+engine_bench's model, JSON written."""
+
+import importlib.util
+import json
+import os
+import re
+
+import pytest
+
+from ctxprefill.config import CacheConfig, EngineConfig, ModelShape
+from ctxprefill_bench.engine_bench import floor_seconds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# finite ceilings (a CPU's are NaN), so that the floors and ratios are computed
+CEIL = {"copy_bytes_per_s": 1e12, "matmul_flops_per_s": 1e14, "matmul_sustained_flops_per_s": 5e13}
+TINY = ["--device", "cpu", "--layers", "2", "--new", "32", "--chunk", "16", "--max-context", "96",
+        "--block-size", "16", "--check-heads", "2"]
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm: POSIX shared memory")
+
+
+def _run(tmp_path, monkeypatch, *args):
+    spec = importlib.util.spec_from_file_location("bench_model_workload",
+                                                  os.path.join(ROOT, "bench", "bench_model_workload.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod.engine_bench, "measure_ceilings", lambda dev, sustained_s=0.0: dict(CEIL))
+    out = tmp_path / "w.json"
+    rc = mod.main([*TINY, *args, "--out", str(out)])
+    return rc, json.loads(out.read_text())
+
+
+def _floor(heads, context, new, rate, packs):
+    cfg = EngineConfig(shape=ModelShape(heads=heads), cache=CacheConfig("auto", 16, 7))
+    return floor_seconds(cfg, [context], [new], CEIL, rate=rate, pack=packs)["total_s"]
+
+
+def test_workload_through_the_ring_matches_float64(tmp_path, monkeypatch):
+    rc, d = _run(tmp_path, monkeypatch, "--heads", "2", "4", "--check-layers", "0", "1")
+    assert rc == 0
+    meta = d["meta"]
+    assert meta["kind"] == "model_workload" and meta["shared_memory"] == "system" and meta["gpu"] is None
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}T.*", meta["date"]) and meta["commit"]
+    assert meta["ceilings"] == CEIL and meta["args"]["layers"] == 2
+    assert [r["heads"] for r in d["runs"]] == [2, 4]
+    for r in d["runs"]:
+        H = r["heads"]
+        assert (r["layers"], r["chunks"], r["calls"], r["context_start"]) == (2, 2, 4, 64)
+        rows = r["rows"]
+        assert [x["context_tokens"] for x in rows] == [64, 80] and [x["new_tokens"] for x in rows] == [16, 16]
+        assert all(x["wall_ms"] >= x["calls_ms"] > 0 and x["server_compute_ms"] > 0 for x in rows)
+        assert all(x["write_ms"] == 0 for x in rows) and r["cache_write_s"] == 0  # written with the calls
+        assert r["wall_s"] == pytest.approx(sum(x["wall_ms"] for x in rows) / 1e3)
+        assert r["fill"]["tokens"] == 2 * 64 and r["fill"]["seconds"] > 0
+        # every call's floor, by engine_bench's model, summed over the layers and chunks
+        packs = r["packs_k"]
+        assert r["floor_s"] == pytest.approx(sum(2 * _floor(H, c, 16, "matmul_flops_per_s", packs) for c in (64, 80)))
+        assert r["floor_held_s"] == pytest.approx(
+            sum(2 * _floor(H, c, 16, "matmul_sustained_flops_per_s", packs) for c in (64, 80)))
+        assert r["ratio"] == pytest.approx(r["wall_s"] / r["floor_s"])
+        assert r["context_tokens"] == 2 * (64 + 80)
+        assert r["context_tokens_per_s"] == pytest.approx(r["context_tokens"] / r["wall_s"])
+        assert r["floor_context_tokens_per_s"] == pytest.approx(r["context_tokens"] / r["floor_s"])
+        # the last chunk's answers came from the context the fill and the first chunk's cache_write
+        # wrote: within bf16 rounding of float64, and far from it without the chunk's latents
+        assert [c["layer"] for c in r["checks"]] == [0, 1] and r["check_ok"]
+        for c in r["checks"]:
+            assert (c["heads"], c["rows"], c["context_tokens"]) == (2, 16, 80)
+            assert c["ok"] and c["output_error"] <= 1e-2 and c["lse_error"] <= 1e-2
+            assert c["control_output_error"] > 0.1
+        assert "--layers 2" in r["server"]["cmd"] and "--request-ring" in r["server"]["cmd"]
+
+
+def test_separate_cache_writes_are_timed_apart(tmp_path, monkeypatch):
+    rc, d = _run(tmp_path, monkeypatch, "--heads", "2", "--cache-write", "separate")
+    assert rc == 0
+    (r,) = d["runs"]
+    assert all(x["wall_ms"] >= x["calls_ms"] + x["write_ms"] - 1e-6 and x["write_ms"] > 0 for x in r["rows"])
+    assert r["cache_write_s"] == pytest.approx(sum(x["write_ms"] for x in r["rows"]) / 1e3)
+    assert [c["layer"] for c in r["checks"]] == [1] and r["check_ok"]  # default: the last layer
+    assert r["checks"][0]["control_output_error"] > 0.1
