@@ -440,12 +440,14 @@ def model_workload_table(d: Doc) -> str:
              f"plus its gather/pack bytes at the measured copy bandwidth, summed over the calls (held: at the GEMM "
              f"rate held for {a['sustained_gemm_s']:g} s, the clock the power cap leaves). Context tokens/s: "
              f"the context tokens the calls attended, summed, per second (one GPU).", "",
-             "| heads | layers | chunks | calls | wall s | floor sum s | wall / floor | wall / held floor "
-             "| context tokens/s | at the floor | float64 check |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| heads | layers | chunks | calls | wall s | server compute s | floor sum s | wall / floor "
+             "| wall / held floor | context tokens/s | at the floor | float64 check |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["runs"]:
         check = ", ".join(f"layer {c['layer']}: {c['output_error']:.1e}" for c in r["checks"]) or "n/a"
         lines.append(f"| {r['heads']} | {r['layers']} | {r['chunks']} | {r['calls']} | {r['wall_s']:.3f} "
-                     f"| {_num(r['floor_s'], '.3f')} | {_num(r['ratio'], '.2f')} | {_num(r['ratio_held'], '.2f')} "
+                     f"| {r['server_compute_s']:.3f} | {_num(r['floor_s'], '.3f')} | {_num(r['ratio'], '.2f')} "
+                     f"| {_num(r['ratio_held'], '.2f')} "
                      f"| {_num(r['context_tokens_per_s'], '.3g')} | {_num(r['floor_context_tokens_per_s'], '.3g')} "
                      f"| {check} |")
     return "\n".join(lines) + "\n"
@@ -572,12 +574,15 @@ BENCHMARKS = (
           plots=("engine_latency.png",)),
     Bench("Cost against new tokens", "bench_engine_new", ("bench_engine_new",),
           "`ctxprefill bench --new 128 1024 4096 16384`: 128 to 16k new tokens over 64k context, 16 and 128 heads."),
-    Bench("A DeepSeek-V3 model's chunked prefill over CUDA IPC", "bench_model_prefill", ("bench_model_prefill",),
+    Bench("A DeepSeek-V3 model's chunked prefill over CUDA IPC", "bench_model_prefill",
+          ("bench_model_prefill", "bench_model_prefill_fp32"),
           "`bench/bench_model_prefill.py`: a random transformers DeepSeek-V3 model (4 layers, 16 heads) prefills "
           "an 8,192-token prompt in 1,024-token chunks, every layer's context attention from a `serve --model` "
           "server through one registered CUDA region (`DeepseekV3ChunkedPrefill(transport=\"cuda\")`), and "
           "inline for comparison; each chunk's time split into local and remote work; every layer's attention "
-          "output and the logits against transformers' forward of the whole prompt."),
+          "output and the logits against transformers' forward of the whole prompt; the model in bf16, then the same "
+          "weights computing in float32 (`--dtype float32 --transports cuda`), which takes the model's own bf16 "
+          "rounding out of the comparison."),
     Bench("A DeepSeek-V3-shaped model's prefill through the request ring", "bench_model_workload",
           ("bench_model_workload",),
           "`bench/bench_model_workload.py`: 61 layers at 128 and at 16 heads, 8,192 new tokens in 1,024-token chunks "
@@ -670,12 +675,10 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
     def tf(provider: str, h: int) -> str:
         return f"{_row(att, provider=provider, H=h)['tflops']:.1f}"
 
-    rows.append(("Attention bf16, 8,192 q over 16k keys, 16 / 128 heads (TFLOP/s)",
+    rows.append(("Attention, 8,192 q over 16k keys, 16 / 128 heads (TFLOP/s): bf16; fp8 (V keys-last)",
                  f"ours {tf('triton', 16)} / {tf('triton', 128)}, FlashInfer FA3 {tf('flashinfer fa3', 16)} / "
-                 f"{tf('flashinfer fa3', 128)}", "bench_attention"))
-    rows.append(("Attention fp8 (V keys-last), same shape (TFLOP/s)",
-                 f"ours {tf('triton pv_fp8 v-keys-last', 16)} / {tf('triton pv_fp8 v-keys-last', 128)}",
-                 "bench_attention"))
+                 f"{tf('flashinfer fa3', 128)}; ours {tf('triton pv_fp8 v-keys-last', 16)} / "
+                 f"{tf('triton pv_fp8 v-keys-last', 128)}", "bench_attention"))
     k = load("bench_kernels", results)
     kr = k["results"]
 
@@ -699,6 +702,24 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
     rows.append((f"Request rings, {top} clients, 1,024 new over 64k, 16 / 128 heads (req/s)",
                  f"{_row(c, heads=16, clients=top)['requests_per_s']:.1f} / "
                  f"{_row(c, heads=128, clients=top)['requests_per_s']:.1f}", "bench_concurrency_ring"))
+    wl = load("bench_model_workload", results)
+    runs = sorted(wl["runs"], key=lambda r: -r["heads"])
+    a = wl["meta"]["args"]
+    rows.append((f"A DeepSeek-V3-shaped prefill through the CUDA IPC request ring: {runs[0]['layers']} layers, "
+                 f"{a['new']:,} new tokens in {a['chunk']:,}-token chunks up to 128k context, "
+                 + " / ".join(str(r["heads"]) for r in runs) + " heads",
+                 "wall " + " / ".join(f"{r['wall_s']:.2f}" for r in runs) + " s, server compute "
+                 + " / ".join(f"{r['server_compute_s']:.2f}" for r in runs) + " s, floor sums "
+                 + " / ".join(f"{r['floor_s']:.2f}" for r in runs) + " s: "
+                 + " / ".join(f"{r['ratio']:.2f}×" for r in runs) + " the floor", "bench_model_workload"))
+    mp = load("bench_model_prefill_fp32", results)
+    m, cuda = mp["meta"]["model"], mp["transports"]["cuda"]
+    rows.append((f"A transformers DeepSeek-V3 model ({m['layers']} layers, {m['heads']} heads, computing in "
+                 f"{m['dtype']}) prefilling {mp['meta']['prompt_tokens']:,} tokens in "
+                 f"{mp['meta']['chunk_tokens']:,}-token chunks, context attention from ctxprefill through CUDA IPC",
+                 f"every layer's attention within {cuda['max_attention_error']:.4f} of its monolithic forward, "
+                 f"logits {cuda['errors']['logits']:.4f}; remote {cuda['totals']['remote_ms']:.0f} ms, local "
+                 f"{cuda['totals']['local_ms']:.0f} ms", "bench_model_prefill_fp32"))
     return rows
 
 

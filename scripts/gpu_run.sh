@@ -20,7 +20,7 @@
 # bench_sharded, profile_host, probe_host, bench_ring_overlap (request rings with and without
 # --request-ring-overlap), bench_transport_pin (system regions page-locked and pageable, alternating),
 # bench_inline_parse (the event loop's parse of an inline request, with and without protobuf's copies),
-# bench_model_prefill (a transformers DeepSeek-V3 model prefilled in chunks through CUDA IPC),
+# bench_model_prefill (a transformers DeepSeek-V3 model prefilled in chunks through CUDA IPC, bf16 and float32),
 # bench_model_workload (a 61-layer DeepSeek-V3-shaped prefill through a CUDA IPC request ring against its floors),
 # segv (a native backtrace of one test).
 # CTXPREFILL_COMMIT labels the results: pass it from the machine that sends the call (the
@@ -259,6 +259,9 @@ want probe_write && run_step probe_write 90 5 - python3 bench/probe_write_bandwi
 # (GPU_RUN_MODEL_ARGS: more options, e.g. "--heads 128")
 want bench_model_prefill && run_step bench_model_prefill 150 5 - python3 bench/bench_model_prefill.py --device cuda \
   ${GPU_RUN_MODEL_ARGS:-} --out "$OUT/bench_model_prefill.json"
+# the same weights computing in float32: the error left is ctxprefill's and its bf16 cache's
+want bench_model_prefill && run_step bench_model_prefill_fp32 150 5 - python3 bench/bench_model_prefill.py \
+  --device cuda --dtype float32 --transports cuda ${GPU_RUN_MODEL_ARGS:-} --out "$OUT/bench_model_prefill_fp32.json"
 
 # ---- 7f. a DeepSeek-V3-shaped workload: 61 layers at 128 and at 16 heads (one server each), 8,192 new tokens in
 # 1,024-token chunks over a context growing to 128k, every layer's call through a CUDA IPC request ring, each
