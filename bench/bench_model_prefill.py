@@ -72,38 +72,21 @@ def capture(model: Any, run: Callable[[], Any]) -> tuple[list[torch.Tensor], Any
     return [o[0] for o in outs], result
 
 
-def control_errors(ns: argparse.Namespace, model: Any, prompt: torch.Tensor, ref_attn: list[torch.Tensor],
-                   ref_logits: torch.Tensor) -> dict[str, float]:
-    """The errors of transformers' forward of every chunk alone at its positions (no context):
-    what a missing context part scores, far above the tolerances."""
-    attn: list[list[torch.Tensor]] = [[] for _ in range(ns.layers)]
-    logits = []
-    for i in range(0, ns.prompt, ns.chunk):
-        ids = prompt[:, i:i + ns.chunk]
-        pos = torch.arange(i, i + ids.shape[1], device=prompt.device)[None]
-        outs, out = capture(model, lambda ids=ids, pos=pos: model(input_ids=ids, position_ids=pos))
-        logits.append(out.logits)
-        for k in range(ns.layers):
-            attn[k].append(outs[k])
-    err = {f"attention[{k}]": rel(torch.cat(attn[k], dim=1), ref_attn[k]) for k in range(ns.layers)}
-    err["logits"] = rel(torch.cat(logits, dim=1), ref_logits)
-    return err
-
-
-def own_chunked_errors(ns: argparse.Namespace, model: Any, prompt: torch.Tensor, ref_attn: list[torch.Tensor],
-                       ref_logits: torch.Tensor) -> dict[str, float]:
-    """The errors of transformers' own chunked prefill (its ``DynamicCache``, the same chunks): how
-    far chunking alone moves the result at the model's precision, the yardstick for ctxprefill's."""
+def chunked_errors(ns: argparse.Namespace, model: Any, prompt: torch.Tensor, ref_attn: list[torch.Tensor],
+                   ref_logits: torch.Tensor, own_cache: bool) -> dict[str, float]:
+    """The errors of transformers' forward chunk by chunk at the chunks' positions: without
+    ``own_cache`` every chunk alone (no context: what a missing context part scores, far above
+    the tolerances); with it transformers' own chunked prefill (its ``DynamicCache``: how far
+    chunking alone moves the result at the model's precision, the yardstick for ctxprefill's)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    cache = {"past_key_values": DynamicCache(config=model.config), "use_cache": True} if own_cache else {}
     attn: list[list[torch.Tensor]] = [[] for _ in range(ns.layers)]
     logits = []
     for i in range(0, ns.prompt, ns.chunk):
         ids = prompt[:, i:i + ns.chunk]
         pos = torch.arange(i, i + ids.shape[1], device=prompt.device)[None]
-        outs, out = capture(model, lambda ids=ids, pos=pos: model(input_ids=ids, position_ids=pos,
-                                                                  past_key_values=cache, use_cache=True))
+        outs, out = capture(model, lambda ids=ids, pos=pos: model(input_ids=ids, position_ids=pos, **cache))
         logits.append(out.logits)
         for k in range(ns.layers):
             attn[k].append(outs[k])
@@ -249,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             ref_ms = (time.perf_counter() - t) * 1e3
             ref_logits = ref_out.logits
             log(f"the monolithic forward ({model.config._attn_implementation} attention): {ref_ms:.1f} ms")
-            control = control_errors(ns, model, prompt, ref_attn, ref_logits)
+            control = chunked_errors(ns, model, prompt, ref_attn, ref_logits, own_cache=False)
             log("control, every chunk alone (no context): " + ", ".join(f"{k} {v:.2e}" for k, v in control.items()))
-            own = own_chunked_errors(ns, model, prompt, ref_attn, ref_logits)
+            own = chunked_errors(ns, model, prompt, ref_attn, ref_logits, own_cache=True)
             log("transformers' own chunked prefill: " + ", ".join(f"{k} {v:.2e}" for k, v in own.items()))
             server.wait_ready(ns.ready_timeout)
             ready_s = time.monotonic() - t_server
