@@ -957,10 +957,15 @@ def test_dashboard_and_rules_use_only_exported_metrics():
     for where, text in texts.items():
         for name in set(re.findall(r"\b((?:ctxprefill|grpc_server|process)_[a-z0-9_]+)", text)):
             assert name in exported, f"{where} uses {name}, which the service does not export"
-    # the CONTRACT §9 families are all on the dashboard
+    # the CONTRACT §9 families are all on the dashboard; ctxprefill_cache_slots_total (a counter
+    # holding a constant) as the gauge of the same number, ctxprefill_cache_capacity_slots
     for name in ("ctxprefill_kernel_launches_total", "ctxprefill_fp8_path_total", "ctxprefill_chunks_total",
                  "ctxprefill_context_tokens_total", "ctxprefill_query_tokens_total",
                  "ctxprefill_request_duration_seconds_bucket", "ctxprefill_stage_duration_seconds",
-                 "ctxprefill_queue_depth", "ctxprefill_cache_slots_used", "ctxprefill_cache_slots_total",
-                 "ctxprefill_build_info", "grpc_server_handled_total"):
+                 "ctxprefill_queue_depth", "ctxprefill_cache_slots_used", "ctxprefill_cache_capacity_slots",
+                 "ctxprefill_cache_usage_ratio", "ctxprefill_build_info", "grpc_server_handled_total"):
         assert name in texts["dashboard"], name
+    # one panel draws the slots used against the capacity
+    assert any({"ctxprefill_cache_slots_used", "ctxprefill_cache_capacity_slots"}
+               <= set(re.findall(r"ctxprefill_[a-z_]+", " ".join(t["expr"] for t in p.get("targets", []))))
+               for p in _dashboard()["panels"])

@@ -77,12 +77,16 @@ def test_metrics_page_passes_promtool(server_with_traffic):
                    "ctxprefill_context_tokens_total", "ctxprefill_query_tokens_total",
                    "ctxprefill_request_duration_seconds_bucket", "ctxprefill_stage_duration_seconds_bucket",
                    "ctxprefill_queue_depth", "ctxprefill_cache_slots_used", "ctxprefill_cache_slots_total",
-                   "ctxprefill_build_info", "grpc_server_started_total", "grpc_server_handled_total",
-                   "grpc_server_msg_received_total", "grpc_server_msg_sent_total",
+                   "ctxprefill_cache_capacity_slots", "ctxprefill_build_info", "grpc_server_started_total",
+                   "grpc_server_handled_total", "grpc_server_msg_received_total", "grpc_server_msg_sent_total",
                    "grpc_server_handling_seconds_bucket", "ctxprefill_cache_usage_ratio", "process_cpu_seconds_total",
                    "process_resident_memory_bytes", "process_open_fds", "process_start_time_seconds"):
         assert f"\n{family}" in page, family
     assert 'grpc_code="INVALID_ARGUMENT"' in page and 'grpc_code="OUT_OF_RANGE"' in page
+    samples = parse_metrics(page)
+    capacity = sample_sum(samples["ctxprefill_cache_capacity_slots"])
+    assert capacity == sample_sum(samples["ctxprefill_cache_slots_total"]) == NB * BS
+    assert 0 < sample_sum(samples["ctxprefill_cache_slots_used"]) <= capacity
     r = subprocess.run([PROMTOOL, "check", "metrics"], input=page, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, f"promtool check metrics failed:\n{r.stdout}\n{r.stderr}"
 
@@ -92,6 +96,8 @@ def test_zero_series_carry_each_methods_grpc_type_and_the_cache_gauges_follow_wr
     from ctxprefill_api import pb
 
     m = Metrics()
+    before = parse_metrics(m.render().decode())
+    assert sample_sum(before["ctxprefill_cache_capacity_slots"]) == 0  # no cache yet
     m.init_grpc_methods(pb.DESCRIPTOR.services_by_name["PrefillContextService"])
     m.init_engine(version="v", backend="reference", device="cpu", num_slots=1000, path="generic",
                   fp8_path={"cache_dtype": "bf16", "kv_b_proj_dtype": "bf16", "prefill_dtype": "bf16"})
@@ -105,6 +111,11 @@ def test_zero_series_carry_each_methods_grpc_type_and_the_cache_gauges_follow_wr
     assert types["PrefillContext"] == types["WriteCache"] == {"unary"}
     assert all(len(t) == 1 for t in types.values()), types
     assert sample_sum(page["ctxprefill_cache_slots_total"]) == 1000
+    # the capacity as a gauge (vLLM's way), beside the contract's counter of the same number
+    assert sample_sum(page["ctxprefill_cache_capacity_slots"]) == 1000
+    kinds = {f.name: f.type for f in m.registry.collect()}
+    assert kinds["ctxprefill_cache_capacity_slots"] == kinds["ctxprefill_cache_slots_used"] == "gauge"
+    assert kinds["ctxprefill_cache_usage_ratio"] == "gauge" and kinds["ctxprefill_cache_slots"] == "counter"
     assert sample_sum(page["ctxprefill_cache_slots_used"]) == 250
     assert sample_sum(page["ctxprefill_cache_usage_ratio"]) == 0.25
     assert sample_sum(page["process_resident_memory_bytes"]) > 0

@@ -8,6 +8,7 @@ OpenTelemetry; and ``ctxprefill serve --otlp-endpoint`` exporting to a collector
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -218,6 +219,86 @@ def test_off_creates_no_span_and_keeps_no_stage_places(engine, monkeypatch):
     asyncio.run(main())
     assert asked == [False]
     assert stats[0].stages is None and stats[0].checked_ns is None and len(stats[0].chunks) == 2
+
+
+#: run in a fresh interpreter: the composition root's server with tracing off, a raw stub (the
+#: client package would import opentelemetry-api for its traceparent), a profiler recording every
+#: Python call into the tracing modules or OpenTelemetry while the calls are handled
+_OFF_PATH = r"""
+import asyncio, json, os, sys, threading
+import grpc, numpy as np
+from ctxprefill import app
+from ctxprefill.service import interceptors, tracing
+from ctxprefill.service.interceptors import tracing as tracing_interceptor
+from ctxprefill.service.security import load_security
+from ctxprefill.settings import ServeSettings
+from ctxprefill_api import pb, pb_grpc
+
+s = ServeSettings(device="cpu", heads=1, block_size=16, num_blocks=8, workspace_tokens=64)
+assert tracing.from_settings(s.otlp_endpoint) is None
+chain, made = [], interceptors.server_interceptors
+interceptors.server_interceptors = lambda *a, **k: chain.extend(made(*a, **k)) or chain
+watched = {tracing.__file__, tracing_interceptor.__file__}
+calls, on = set(), threading.Event()
+
+def profile(frame, event, arg):
+    f = frame.f_code.co_filename
+    if on.is_set() and event == "call" and (f in watched or os.sep + "opentelemetry" + os.sep in f):
+        calls.add(os.path.relpath(f, os.path.dirname(app.__file__)) + ":" + frame.f_code.co_name)
+
+q = np.full((2, 1, 192), 0x3F80, np.uint16)
+req = pb.PrefillContextRequest(q=pb.Tensor(dtype=pb.DATA_TYPE_BF16, shape=[2, 1, 192], data=q.tobytes()),
+                               sequences=[pb.Sequence(query_len=2, context_len=20, block_table=[3, 4])],
+                               workspace_tokens=16)
+
+async def main():
+    engine = app.build_engine(s)
+    threading.setprofile(profile)  # the engine thread, started by build_server
+    sys.setprofile(profile)  # the event loop
+    parts = await app.build_server(s, load_security(s), tracing=None)
+    parts.servicer.attach_engine(engine)
+    parts.servicer.set_ready()
+    port = parts.grpc_server.add_insecure_port("127.0.0.1:0")
+    await parts.grpc_server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.PrefillContextServiceStub(ch)
+            on.set()
+            await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+            r = await stub.PrefillContext(req, timeout=30)
+            assert r.stats.num_chunks == 2, r.stats
+            call = stub.PrefillContextStream(timeout=30)
+            await call.write(pb.PrefillContextStreamRequest(request=req))
+            got = await call.read()
+            assert not got.HasField("error"), got
+            await call.done_writing()
+            on.clear()
+    finally:
+        sys.setprofile(None)
+        await parts.grpc_server.stop(0)
+        parts.worker.stop()
+
+asyncio.run(main())
+print(json.dumps({"chain": [type(i).__name__ for i in chain], "calls": sorted(calls),
+                  "otel": sorted(m for m in sys.modules if m.split(".")[0] == "opentelemetry")}))
+"""
+
+
+def test_off_the_served_path_has_no_interceptor_no_opentelemetry_and_one_lookup():
+    """The server as ``ctxprefill serve`` builds it (``app.build_server``) with tracing off:
+    its interceptor chain has no tracing interceptor, OpenTelemetry is never imported (so
+    no tracer, provider or propagator runs), and of the tracing module only
+    ``tracing.current()`` (one ContextVar lookup per PrefillContext request; the cost
+    bench/bench_tracing_off.py measures) runs while GetServerInfo, PrefillContext and a
+    PrefillContextStream request are handled."""
+    env = {k: v for k, v in env_with_sources().items() if not k.startswith("OTEL_")}
+    r = subprocess.run([sys.executable, "-c", _OFF_PATH], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["chain"] and "TracingInterceptor" not in got["chain"], got["chain"]
+    assert got["otel"] == [], got["otel"]
+    assert got["calls"] == ["service/tracing.py:current"], got["calls"]
 
 
 def test_a_call_not_sampled_records_nothing(engine, monkeypatch):

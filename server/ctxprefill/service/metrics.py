@@ -108,15 +108,20 @@ class Metrics:
         # A constant, but CONTRACT §9 names it `_total`, and `promtool check metrics` (which §9 also
         # requires to pass) refuses that suffix on anything but a counter ('non-counter metrics should not
         # have "_total" suffix'): so it is a counter, incremented once by the cache size when the cache
-        # exists. ctxprefill_cache_usage_ratio is the gauge to read.
+        # exists. ctxprefill_cache_capacity_slots is the same number as a gauge.
         self.cache_slots_total = Counter(
             "ctxprefill_cache_slots_total", "Cache slots (num_blocks * block_size), counted once when allocated.",
             registry=r,
         )
+        self.cache_capacity = Gauge(
+            "ctxprefill_cache_capacity_slots",
+            "Cache slots (num_blocks * block_size, summed over layers) that ctxprefill_cache_slots_used fills; "
+            "0 until the cache exists.", registry=r,
+        )
         self.cache_usage = Gauge(
             "ctxprefill_cache_usage_ratio",
             "Fraction of the cache's slots written at least once since the start (ctxprefill_cache_slots_used / "
-            "ctxprefill_cache_slots_total; 0 until the cache exists).", registry=r,
+            "ctxprefill_cache_capacity_slots; 0 until the cache exists).", registry=r,
         )
         self.build_info = Gauge(
             "ctxprefill_build_info", "Constant 1, labelled with the server version, attention backend and device.",
@@ -202,6 +207,7 @@ class Metrics:
         for reason in STOP_REASONS:
             self.stopped.labels(reason=reason)
         self.cache_slots_total.inc(num_slots)
+        self.cache_capacity.set(num_slots)
         self._num_slots = num_slots
         self.cache_usage.set(0)
         for stage in STAGES:
