@@ -9,6 +9,8 @@ from ``/proc/PID/status`` (VmRSS) while it is attacked.
   served meanwhile;
 - the same with the token: what is read at once is bounded by ``--max-inflight-bytes``
   (RESOURCE_EXHAUSTED naming it) and ``--receive-timeout-s`` (DEADLINE_EXCEEDED);
+- both at full scale (8 x 536,870,000 bytes, ``--max-message-bytes`` 512 MiB) with
+  ``CTXPREFILL_HOSTILE_STREAM_BYTES=536870000`` (default 64 MiB);
 - answers larger than their requests (ReadCache's slots, PrefillContext's inline
   output) over ``--max-answer-bytes``: RESOURCE_EXHAUSTED naming it, before anything is
   allocated; the 7 MiB request for a 1 GiB answer scaled (16 KB for 2.3 MB), three
@@ -20,6 +22,7 @@ from ``/proc/PID/status`` (VmRSS) while it is attacked.
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import select
 import socket
@@ -49,6 +52,10 @@ MiB = 1 << 20
 SMALL = {"heads": 1, "block_size": 16, "num_blocks": 8, "workspace_tokens": 64}
 BYTES_PER_SLOT = 1152  # bf16 cache: (512 + 64) x 2
 UNAUTHENTICATED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED = "16", "4", "8"
+#: what each hostile upload announces; the server's --max-message-bytes (and budget) is the
+#: power of two above it, at least 128 MiB. 536870000 is the full-scale attack (512 MiB messages)
+STREAM_BYTES = int(os.environ.get("CTXPREFILL_HOSTILE_STREAM_BYTES", 64 * MiB))
+EDGE_MESSAGE_BYTES = max(128 * MiB, 1 << (STREAM_BYTES - 1).bit_length())
 
 
 def rss_mib(pid: int) -> float:
@@ -62,8 +69,9 @@ def rss_mib(pid: int) -> float:
 class RawH2:
     """A plaintext HTTP/2 client speaking just enough gRPC: a stream's message is its
     5-byte prefix (announcing ``announced`` bytes) then ``body`` (a view, never copied
-    whole), sent as flow control allows. ``window``: the receive window of each stream,
-    never opened further (gRPC sends a refusal's status after an empty message: 5 bytes)."""
+    whole), sent as flow control allows. ``window``: the receive window of each stream
+    (and, above the default, of the connection), never opened further (gRPC sends a
+    refusal's status after an empty message: 5 bytes)."""
 
     def __init__(self, port: int, window: int = 65535):
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -71,7 +79,13 @@ class RawH2:
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
         self.conn.initiate_connection()
         self.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+        if window > 65535:
+            self.conn.increment_flow_control_window(window - 65535)
         self.status: dict[int, tuple[str, str]] = {}  # stream -> (grpc-status, grpc-message), or ("reset", code)
+        self.answering: set[int] = set()  # streams whose response headers came
+        self.sent = 0  # message bytes sent, all streams
+        self.received = 0  # bytes read from the socket
+        self.terminated: bytes | None = None  # the server's GOAWAY, its debug data
         self._todo: dict[int, tuple[bytes, memoryview, int, bool]] = {}  # stream -> (prefix, body, sent, end)
         self._flush()
 
@@ -111,6 +125,7 @@ class RawH2:
                 start = max(0, sent - len(prefix))
                 self.conn.send_data(sid, head + bytes(body[start:start + n - len(head)]))
                 sent += n
+                self.sent += n
             if sent == total:
                 if end:
                     self.conn.end_stream(sid)
@@ -127,22 +142,53 @@ class RawH2:
             tick()
             if not select.select([self.sock], [], [], 0.05)[0]:
                 continue
-            data = self.sock.recv(1 << 20)
-            if not data:
+            if not self._receive():
                 break
-            try:
-                events = self.conn.receive_data(data)
-            except h2.exceptions.ProtocolError:
-                break
-            for ev in events:
-                if isinstance(ev, (h2.events.TrailersReceived, h2.events.ResponseReceived)):
-                    headers = dict(ev.headers)
-                    if "grpc-status" in headers:
-                        self.status[ev.stream_id] = (headers["grpc-status"], headers.get("grpc-message", ""))
-                elif isinstance(ev, h2.events.StreamReset):
-                    self.status.setdefault(ev.stream_id, ("reset", str(ev.error_code)))
             self._pump()
         return until()
+
+    def _receive(self, piece: int = 1 << 20) -> bool:
+        """Read what the socket has and take in its frames, ``piece`` bytes at a time (under
+        9, the size of a frame header, no two frames complete in one piece: what a frame
+        that h2 refuses after a GOAWAY follows is kept); False once the connection ended."""
+        data = self.sock.recv(1 << 20)
+        if not data:
+            return False
+        self.received += len(data)
+        return all(self._take(data[i:i + piece]) for i in range(0, len(data), piece))
+
+    def _take(self, data: bytes) -> bool:
+        try:
+            events = self.conn.receive_data(data)
+        except h2.exceptions.ProtocolError:
+            return False
+        for ev in events:
+            if isinstance(ev, (h2.events.TrailersReceived, h2.events.ResponseReceived)):
+                self.answering.add(ev.stream_id)
+                headers = dict(ev.headers)
+                if "grpc-status" in headers:
+                    self.status[ev.stream_id] = (headers["grpc-status"], headers.get("grpc-message", ""))
+            elif isinstance(ev, h2.events.StreamReset):
+                self.status.setdefault(ev.stream_id, ("reset", str(ev.error_code)))
+            elif isinstance(ev, h2.events.ConnectionTerminated):
+                self.terminated = ev.additional_data or b""
+                return False
+        return True
+
+    def drain(self, seconds: float) -> str:
+        """Read everything the server sent, sending nothing, until the connection ends or
+        ``seconds`` pass: "goaway" (its debug data in ``terminated``), "eof", "reset", or
+        "open" if it did not end."""
+        t_end = time.monotonic() + seconds
+        while time.monotonic() < t_end:
+            if not select.select([self.sock], [], [], 0.05)[0]:
+                continue
+            try:
+                if not self._receive(piece=8):
+                    return "eof" if self.terminated is None else "goaway"
+            except ConnectionResetError:
+                return "reset"
+        return "open"
 
 
 class Peak:
@@ -170,48 +216,62 @@ def read_request(slots: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def edge(tmp_path_factory):
-    """The token required; one 128 MiB message read at a time (the budget is one message)."""
+    """The token required; one message read at a time (the budget is one message)."""
     token_file = tmp_path_factory.mktemp("edge") / "token"
     token_file.write_text(TOKEN + "\n")
     os.chmod(token_file, 0o600)
-    with ServerProcess({**SMALL, "auth_token_file": str(token_file), "max_message_bytes": 128 * MiB,
-                        "max_inflight_bytes": 128 * MiB, "receive_timeout_s": 2}) as p:
+    with ServerProcess({**SMALL, "auth_token_file": str(token_file), "max_message_bytes": EDGE_MESSAGE_BYTES,
+                        "max_inflight_bytes": EDGE_MESSAGE_BYTES, "receive_timeout_s": 2}) as p:
         yield p
 
 
-def _served(p: ServerProcess) -> bool:
+def _served(p: ServerProcess) -> float:
+    """Seconds a GetServerInfo with the token took (it must answer)."""
+    t = time.monotonic()
     with grpc.insecure_channel(p.target) as ch:
         info = pb_grpc.PrefillContextServiceStub(ch).GetServerInfo(
             pb.GetServerInfoRequest(), timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),))
-    return bool(info.instance_id)
+    assert info.instance_id
+    return time.monotonic() - t
+
+
+def _upload_body() -> memoryview:
+    """All but the last byte of a STREAM_BYTES message: zero pages never touched (an
+    anonymous mapping), so that the client's own memory stays small at full scale."""
+    return memoryview(mmap.mmap(-1, STREAM_BYTES - 1))
 
 
 def test_unauthenticated_uploads_are_refused_before_they_are_read(edge):
-    announced = 64 * MiB
-    body = memoryview(bytes(announced - 1))  # all but the last byte
+    body = _upload_body()
     peak = Peak(edge.proc.pid)
+    served: list[float] = []
     with RawH2(edge.port) as raw:
         for _ in range(3):  # 3 waves of 8 streams
-            sids = [raw.open("WriteCache", body=body, announced=announced) for _ in range(8)]
-            assert _served(edge)  # a valid client, while the streams are open
+            sids = [raw.open("WriteCache", body=body, announced=STREAM_BYTES) for _ in range(8)]
+            served.append(_served(edge))  # a valid client, while the streams are open
             assert raw.run(20, until=lambda: all(s in raw.status for s in sids), tick=peak.sample), raw.status  # noqa: B023
             for s in sids:
                 assert raw.status[s][0] == UNAUTHENTICATED, raw.status[s]
                 assert "authorization" in raw.status[s][1]
-    assert peak.growth < 64, f"RSS grew {peak.growth:.0f} MiB"
+    growth = peak.growth
+    time.sleep(1)
+    print(f"\n24 uploads x {STREAM_BYTES} B announced without the token: RSS {peak.start:.0f} -> peak {peak.peak:.0f} "
+          f"-> {rss_mib(edge.proc.pid):.0f} MiB 1 s after, {raw.sent} B sent before the refusals, codes "
+          f"{sorted({c for c, _ in raw.status.values()})}; GetServerInfo with the token answered {len(served)} times "
+          f"during the waves, in at most {max(served) * 1e3:.0f} ms")
+    assert growth < 64, f"RSS grew {growth:.0f} MiB"
     m = edge.scrape()
     assert sample_sum(m["ctxprefill_rejected_requests_total"], reason="unauthenticated") >= 24
     assert sample_sum(m["grpc_server_msg_received_total"], grpc_method="WriteCache") == 0  # no message was read
-    assert _served(edge)
+    _served(edge)
 
 
 def test_reads_are_bounded_by_the_inflight_budget_and_the_receive_timeout(edge):
-    announced = 64 * MiB
-    body = memoryview(bytes(announced - 1))
+    body = _upload_body()
     token = (("authorization", f"Bearer {TOKEN}"),)
     peak = Peak(edge.proc.pid)
     with RawH2(edge.port) as raw:
-        sids = [raw.open("WriteCache", body=body, announced=announced, metadata=token) for _ in range(8)]
+        sids = [raw.open("WriteCache", body=body, announced=STREAM_BYTES, metadata=token) for _ in range(8)]
         assert raw.run(30, until=lambda: all(s in raw.status for s in sids), tick=peak.sample), raw.status
     codes = [raw.status[s] for s in sids]
     assert {c for c, _ in codes} <= {DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED}, codes
@@ -219,15 +279,18 @@ def test_reads_are_bounded_by_the_inflight_budget_and_the_receive_timeout(edge):
     timed_out = [msg for c, msg in codes if c == DEADLINE_EXCEEDED]
     assert refused and all("--max-inflight-bytes" in msg for msg in refused), codes
     assert timed_out and all("--receive-timeout-s" in msg for msg in timed_out), codes
-    # one 128 MiB message being read at a time, not 8 x 64 MiB
-    assert peak.growth < 128 + 64, f"RSS grew {peak.growth:.0f} MiB"
+    # one message being read at a time (the budget), not all 8
+    growth = peak.growth
+    print(f"\n8 uploads x {STREAM_BYTES} B with the token, budget {EDGE_MESSAGE_BYTES} B: RSS +{growth:.0f} MiB, "
+          f"{len(timed_out)} x DEADLINE_EXCEEDED, {len(refused)} x RESOURCE_EXHAUSTED")
+    assert growth < EDGE_MESSAGE_BYTES / MiB + 64, f"RSS grew {growth:.0f} MiB"
     m = edge.scrape()
     handled = m["grpc_server_handled_total"]
     assert sample_sum(handled, grpc_method="WriteCache", grpc_code="RESOURCE_EXHAUSTED") == len(refused)
     assert sample_sum(handled, grpc_method="WriteCache", grpc_code="DEADLINE_EXCEEDED") == len(timed_out)
     assert sample_sum(m["ctxprefill_rejected_requests_total"], reason="inflight_bytes") >= len(refused)
     assert sample_sum(m["ctxprefill_rejected_requests_total"], reason="receive_timeout") == len(timed_out)
-    assert _served(edge)  # the budget is whole again
+    _served(edge)  # the budget is whole again
 
 
 # ----------------------------------------------------------------------------- answers

@@ -61,6 +61,8 @@ class ServeSettings:
     max_inflight_bytes: int = 4 << 30  # messages being read, requests held and answers being sent, all calls
     max_answer_bytes: int = 256 << 20  # tensor bytes one answer may carry (capped by max_message_bytes)
     receive_timeout_s: float = 60.0  # a unary request's message must be in within this
+    keepalive_time_s: float = 60.0  # the server pings each connection this often (HTTP/2 PING)
+    keepalive_timeout_s: float = 20.0  # a ping not acknowledged within this closes its connection
     queue_size: int = 64  # requests admitted at once (running + waiting); more get RESOURCE_EXHAUSTED
     max_context_token_heads: int = MAX_CONTEXT_TOKEN_HEADS  # one request's context tokens x heads, at most
     tls_cert: str | None = None  # PEM certificate chain of the gRPC port (TLS on when set)
@@ -132,6 +134,11 @@ _HELP = {
                         "RESOURCE_EXHAUSTED before anything is allocated",
     "receive_timeout_s": "seconds a unary request's message has to arrive once the server reads it "
                          "(DEADLINE_EXCEEDED after)",
+    "keepalive_time_s": "seconds between the server's HTTP/2 keepalive pings on each connection, with or without "
+                        "calls; a peer that stops reading the connection stops acknowledging them",
+    "keepalive_timeout_s": "seconds a keepalive ping may wait for its acknowledgement (also the connection's "
+                           "TCP_USER_TIMEOUT): then the connection is closed, its calls end and the memory their "
+                           "answers held (--max-inflight-bytes) is given back",
     "queue_size": "requests admitted at once (the running one and those waiting for the device); "
                   "more are refused with RESOURCE_EXHAUSTED",
     "max_context_token_heads": "the work one PrefillContext may ask for: its context tokens (summed over its "
@@ -180,6 +187,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
+# Variables become flag defaults here, not through ConfigArgParse: its errors name the flag, not
+# CTXPREFILL_<NAME>, and it maps variables onto subcommands' flags poorly (bw2/ConfigArgParse#275).
 class _EnvValue(str):
     """A flag's default taken from ``CTXPREFILL_<NAME>``: argparse runs a string default
     through the flag's ``type=`` when the flag is not given, and the converter names the variable."""
@@ -348,6 +357,10 @@ def check_serve_settings(s: ServeSettings) -> None:
         raise ConfigError(f"--max-answer-bytes must be >= 1, got {s.max_answer_bytes}")
     if not 0 < s.receive_timeout_s <= 86400:
         raise ConfigError(f"--receive-timeout-s must be in (0, 86400] seconds, got {s.receive_timeout_s}")
+    if not 0.1 <= s.keepalive_time_s <= 86400:
+        raise ConfigError(f"--keepalive-time-s must be in [0.1, 86400] seconds, got {s.keepalive_time_s}")
+    if not 0.1 <= s.keepalive_timeout_s <= 3600:
+        raise ConfigError(f"--keepalive-timeout-s must be in [0.1, 3600] seconds, got {s.keepalive_timeout_s}")
     for name in ("port", "metrics_port"):
         v = getattr(s, name)
         if not 0 <= v <= 65535:

@@ -84,6 +84,14 @@ def grpc_options(s: ServeSettings) -> list[tuple[str, int]]:
         ("grpc.http2.bdp_probe", 0),
         ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
         ("grpc.so_reuseport", 0),  # a port in use is an error, not a silent second listener
+        # keepalive: a peer that stops reading the connection stops acknowledging pings; its
+        # connection is closed and its calls end, answers it never took included
+        ("grpc.keepalive_time_ms", max(1, round(s.keepalive_time_s * 1000))),
+        ("grpc.keepalive_timeout_ms", max(1, round(s.keepalive_timeout_s * 1000))),
+        # what closes the connection in grpcio 1.85: any ping's timeout (1 min when keepalive is on)
+        ("grpc.http2.ping_timeout_ms", max(1, round(s.keepalive_timeout_s * 1000))),
+        ("grpc.keepalive_permit_without_calls", 1),  # idle connections too: a vanished peer's is closed
+        ("grpc.http2.max_pings_without_data", 0),  # no limit while no data goes out (idle, or a closed window)
     ]
 
 

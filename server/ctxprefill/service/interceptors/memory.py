@@ -23,7 +23,8 @@ gRPC drive every method with a streamed request and does the reading itself:
   once with RESOURCE_EXHAUSTED when the budget has no room) until gRPC has sent it or
   the call has ended. grpcio's server cannot cancel a call whose answer waits on the
   client's flow-control window, so an answer the client never reads is not timed out:
-  it stays charged until the client reads, cancels, disconnects or its deadline passes,
+  it stays charged until the client reads, cancels, disconnects, its deadline passes or
+  keepalive closes its connection (``--keepalive-time-s``, ``--keepalive-timeout-s``),
   and the budget bounds how many such answers are held at once.
 
 The transport's own checks (``transport.py``) ask :func:`answer_room` before anything
