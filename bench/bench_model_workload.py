@@ -294,7 +294,6 @@ def summarize(ns: argparse.Namespace, H: int, w: Workload, rows: list[dict], fil
             "new_tokens": ns.new, "context_start": w.context_start, "max_context": ns.max_context,
             "wall_s": wall, "floor_s": floor, "floor_held_s": held, "ratio": _div(wall, floor),
             "ratio_held": _div(wall, held),
-            "within_1_2": wall <= 1.2 * floor if math.isfinite(floor) else None,
             "calls_s": sum(r["calls_ms"] for r in rows) / 1e3, "cache_write_s": sum(r["write_ms"] for r in rows) / 1e3,
             "server_compute_s": sum(r["server_compute_ms"] for r in rows) / 1e3,
             "context_tokens": ctx_tokens, "context_tokens_per_s": _div(ctx_tokens, wall),
