@@ -495,7 +495,6 @@ class Bench:
     env: str = ""  # more environment for gpu_run.sh
     plots: tuple[str, ...] = ()
     note: str = ""  # after the command
-    optional: bool = False  # its JSON may be absent from bench/results: then it has no table
 
 
 BENCHMARKS = (
@@ -588,18 +587,13 @@ BENCHMARKS = (
           "`bench/bench_model_workload.py`: 61 layers at 128 and at 16 heads, 8,192 new tokens in 1,024-token chunks "
           "over a context growing to 128k, every layer's call through a CUDA IPC request ring as an engine issues "
           "them (its cache_write writing the chunk's latents), against the sum of the calls' floors; the last "
-          "chunk's answers checked against float64.", optional=True),
+          "chunk's answers checked against float64."),
 )
 
 
-def _listed(b: Bench, results: str) -> bool:
-    return not b.optional or all(os.path.exists(os.path.join(results, f"{f}.json")) for f in b.files)
-
-
-def files(results: str = RESULTS, every: bool = False) -> list[str]:
-    """The JSON files (names without .json) the steps of scripts/gpu_run.sh write for bench/results: an optional
-    benchmark's only where they are in ``results``; ``every``: all of them (what gpu_run.sh writes)."""
-    return [f for b in BENCHMARKS if every or _listed(b, results) for f in b.files]
+def files() -> list[str]:
+    """The JSON files (names without .json) the steps of scripts/gpu_run.sh write for bench/results."""
+    return [f for b in BENCHMARKS for f in b.files]
 
 
 def load(name: str, results: str = RESULTS) -> Doc:
@@ -618,8 +612,7 @@ def _anchor(title: str) -> str:
 
 def results_readme(results: str = RESULTS) -> str:
     """bench/results/README.md, from the JSON files beside it."""
-    docs = {f: load(f, results) for f in files(results)}
-    benches = [b for b in BENCHMARKS if _listed(b, results)]
+    docs = {f: load(f, results) for f in files()}
     out = ["# Benchmark results", "",
            "One run per benchmark, the JSON each benchmark wrote beside this file; every table names its GPU, date "
            "and commit. This file is generated: `python bench/make_tables.py` (and `--check` fails where it "
@@ -632,12 +625,12 @@ def results_readme(results: str = RESULTS) -> str:
            "README.md` and, for the plots, `python bench/plot_engine.py bench/results/bench_engine.json "
            "bench/results/bench_concurrency_ring.json` (then drop the plots not listed below).", "",
            "| benchmark | file | step | GPU | date | commit |", "|---|---|---|---|---|---|"]
-    for b in benches:
+    for b in BENCHMARKS:
         for f in b.files:
             r = run_of(docs[f])
             out.append(f"| [{b.title}](#{_anchor(b.title)}) | [`{f}.json`]({f}.json) | `{b.step}` | {r['gpu']} "
                        f"| {r['date']} | {r['commit']} |")
-    for b in benches:
+    for b in BENCHMARKS:
         out += ["", f"## {b.title}", "", f"{b.what} Reproduce: {_steps_cmd(b)}.", ""]
         for p in b.plots:
             out += [f"![{p}]({p})", ""]
