@@ -86,6 +86,8 @@ class RawH2:
         self.sent = 0  # message bytes sent, all streams
         self.received = 0  # bytes read from the socket
         self.terminated: bytes | None = None  # the server's GOAWAY, its debug data
+        self.pings = 0  # the server's pings, each acknowledged (by h2) when the next frames go out
+        self.ended = False  # the server closed the connection (EOF, reset or GOAWAY)
         self._todo: dict[int, tuple[bytes, memoryview, int, bool]] = {}  # stream -> (prefix, body, sent, end)
         self._flush()
 
@@ -142,9 +144,14 @@ class RawH2:
             tick()
             if not select.select([self.sock], [], [], 0.05)[0]:
                 continue
-            if not self._receive():
+            try:
+                if not self._receive():
+                    self.ended = True
+                    break
+                self._pump()
+            except (ConnectionResetError, BrokenPipeError):
+                self.ended = True
                 break
-            self._pump()
         return until()
 
     def _receive(self, piece: int = 1 << 20) -> bool:
@@ -168,6 +175,8 @@ class RawH2:
                 headers = dict(ev.headers)
                 if "grpc-status" in headers:
                     self.status[ev.stream_id] = (headers["grpc-status"], headers.get("grpc-message", ""))
+            elif isinstance(ev, h2.events.PingReceived):
+                self.pings += 1
             elif isinstance(ev, h2.events.StreamReset):
                 self.status.setdefault(ev.stream_id, ("reset", str(ev.error_code)))
             elif isinstance(ev, h2.events.ConnectionTerminated):

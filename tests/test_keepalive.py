@@ -1,7 +1,8 @@
-"""Answers a client never takes are ended by the server's keepalive (docs/RELIABILITY.md
-"Memory bounds"): grpcio's server has no send timeout, so an answer waiting on a client
-that stopped reading its connection stays charged to ``--max-inflight-bytes`` for as
-long as the call lives. The server pings every connection each ``--keepalive-time-s``;
+"""A client that stops reading its connection is closed by the server's keepalive
+(docs/RELIABILITY.md "Memory bounds"), before ``--send-timeout-s`` (its own test:
+``test_send_timeout.py``): an answer waiting on it stays charged to
+``--max-inflight-bytes`` for as long as the call lives. The server pings every connection
+each ``--keepalive-time-s``;
 a ping not acknowledged within ``--keepalive-timeout-s`` closes the connection, its
 calls end, and what their answers held is given back.
 

@@ -202,6 +202,7 @@ async def build_server(s: ServeSettings, security: Security, tracing: Tracing | 
 
     from ctxprefill_api import pb, pb_grpc
 
+    from .service.connections import ConnectionCloser
     from .service.engine_worker import EngineWorker
     from .service.interceptors import server_interceptors
     from .service.metrics import Metrics
@@ -212,17 +213,19 @@ async def build_server(s: ServeSettings, security: Security, tracing: Tracing | 
     worker = EngineWorker(metrics, ring_spin_s=s.request_ring_spin_us / 1e6, ring_poll_s=s.request_ring_poll_us / 1e6,
                           ring_overlap=s.request_ring_overlap)
     servicer = PrefillContextServicer(s, metrics, worker, s.max_message_bytes, s.queue_size)
+    closer = ConnectionCloser()  # the gRPC ports are added once bound
     health_servicer = health.aio.HealthServicer()  # overall "" starts SERVING: the process is live
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     grpc_server = grpc.aio.server(
-        interceptors=server_interceptors(metrics, auth_token=security.token, limits=memory_limits(s), tracing=tracing),
+        interceptors=server_interceptors(metrics, auth_token=security.token, limits=memory_limits(s), tracing=tracing,
+                                         closer=closer),
         options=grpc_options(s),
     )
     pb_grpc.add_PrefillContextServiceServicer_to_server(servicer, grpc_server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server)
     metrics.init_grpc_methods(pb.DESCRIPTOR.services_by_name["PrefillContextService"])
-    return ServerParts(metrics, worker, servicer, grpc_server, health_servicer)
+    return ServerParts(metrics, worker, servicer, grpc_server, health_servicer, closer)
 
 
 async def _serve(s: ServeSettings, security: Security, weights: list[KvBProjWeights],

@@ -61,6 +61,7 @@ class ServeSettings:
     max_inflight_bytes: int = 4 << 30  # messages being read, requests held and answers being sent, all calls
     max_answer_bytes: int = 256 << 20  # tensor bytes one answer may carry (capped by max_message_bytes)
     receive_timeout_s: float = 60.0  # a unary request's message must be in within this
+    send_timeout_s: float = 60.0  # an answer not taken by its client within this closes the client's connection
     keepalive_time_s: float = 60.0  # the server pings each connection this often (HTTP/2 PING)
     keepalive_timeout_s: float = 20.0  # a ping not acknowledged within this closes its connection
     queue_size: int = 64  # requests admitted at once (running + waiting); more get RESOURCE_EXHAUSTED
@@ -134,6 +135,9 @@ _HELP = {
                         "RESOURCE_EXHAUSTED before anything is allocated",
     "receive_timeout_s": "seconds a unary request's message has to arrive once the server reads it "
                          "(DEADLINE_EXCEEDED after)",
+    "send_timeout_s": "seconds an answer may wait for its client to take it once it is handed to gRPC (a stream's, "
+                      "each answer): then the client's connection is closed, every call on it ends and the memory "
+                      "their answers held is given back (unix-socket connections: keepalive only)",
     "keepalive_time_s": "seconds between the server's HTTP/2 keepalive pings on each connection, with or without "
                         "calls; a peer that stops reading the connection stops acknowledging them",
     "keepalive_timeout_s": "seconds a keepalive ping may wait for its acknowledgement (also the connection's "
@@ -357,6 +361,8 @@ def check_serve_settings(s: ServeSettings) -> None:
         raise ConfigError(f"--max-answer-bytes must be >= 1, got {s.max_answer_bytes}")
     if not 0 < s.receive_timeout_s <= 86400:
         raise ConfigError(f"--receive-timeout-s must be in (0, 86400] seconds, got {s.receive_timeout_s}")
+    if not 0 < s.send_timeout_s <= 86400:
+        raise ConfigError(f"--send-timeout-s must be in (0, 86400] seconds, got {s.send_timeout_s}")
     if not 0.1 <= s.keepalive_time_s <= 86400:
         raise ConfigError(f"--keepalive-time-s must be in [0.1, 86400] seconds, got {s.keepalive_time_s}")
     if not 0.1 <= s.keepalive_timeout_s <= 3600:

@@ -48,7 +48,8 @@ CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 #: why a running PrefillContext stopped between chunks (ctxprefill_stopped_requests_total)
 STOP_REASONS = ("deadline", "cancelled")
 REJECT_REASONS = ("queue_full", "draining", "starting", "deadline", "cancelled", "out_of_memory",
-                  "unauthenticated", "permission_denied", "inflight_bytes", "answer_bytes", "receive_timeout")
+                  "unauthenticated", "permission_denied", "inflight_bytes", "answer_bytes", "receive_timeout",
+                  "send_timeout")
 
 
 class Metrics:
@@ -93,7 +94,8 @@ class Metrics:
         self.rejected = Counter(
             "ctxprefill_rejected_requests_total",
             "Requests refused without being run, by reason (queue_full, draining, starting, deadline, cancelled, "
-            "out_of_memory, unauthenticated, permission_denied, inflight_bytes, answer_bytes, receive_timeout).",
+            "out_of_memory, unauthenticated, permission_denied, inflight_bytes, answer_bytes, receive_timeout), "
+            "and answers whose connection was closed at --send-timeout-s (send_timeout).",
             ["reason"], registry=r,
         )
         self.stopped = Counter(

@@ -38,6 +38,7 @@ from .. import __version__
 from ..engine.engine import Engine
 from ..errors import ConfigError
 from ..settings import ServeSettings
+from .connections import ConnectionCloser
 from .engine_worker import EngineWorker
 from .exposure import check_exposure, describe_exposure, metrics_host
 from .http import HttpApp, bind_socket, make_uvicorn_server, rate_limit_logs
@@ -59,13 +60,15 @@ class ServerParts:
     servicer: PrefillContextServicer
     grpc_server: grpc.aio.Server
     health: health.aio.HealthServicer  # ctxprefill.v1.PrefillContextService: NOT_SERVING until ready
+    closer: ConnectionCloser = dataclasses.field(default_factory=ConnectionCloser)  # told the gRPC port once bound
 
 
 def memory_limits(s: ServeSettings) -> MemoryLimits:
     """What the memory interceptor enforces (``interceptors/memory.py``)."""
     answer = min(s.max_answer_bytes, s.max_message_bytes)
     return MemoryLimits(max_message_bytes=s.max_message_bytes, max_inflight_bytes=s.max_inflight_bytes,
-                        max_answer_bytes=answer, receive_timeout_s=s.receive_timeout_s)
+                        max_answer_bytes=answer, receive_timeout_s=s.receive_timeout_s,
+                        send_timeout_s=s.send_timeout_s)
 
 
 #: streams one connection may have open at once (a client's further calls wait for one to end)
@@ -119,6 +122,7 @@ async def run(s: ServeSettings, security: Security, parts: ServerParts,
 
     try:
         grpc_port = bind(address)
+        parts.closer.ports.add(grpc_port)
     except RuntimeError as e:
         raise ConfigError(f"--port {s.port}: cannot bind gRPC to {address}: {e}") from None
     if s.unix_socket:  # same-host callers (containers mounting it); served like the port

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import grpc
 
+from ..connections import ConnectionCloser
 from ..metrics import Metrics
 from ..tracing import Tracing
 from .auth import OPEN_SERVICES, AuthInterceptor, check_bearer
@@ -43,14 +44,15 @@ __all__ = ["DEADLINE_SLACK_S", "INLINE_PARSED", "INTERNAL_MESSAGE", "OPEN_SERVIC
 
 def server_interceptors(metrics: Metrics, auth_token: str | None = None,
                         limits: MemoryLimits | None = None,
-                        tracing: Tracing | None = None) -> list[grpc.aio.ServerInterceptor]:
+                        tracing: Tracing | None = None,
+                        closer: ConnectionCloser | None = None) -> list[grpc.aio.ServerInterceptor]:
     """The chain for a server: the RPC spans (with ``tracing``), the memory bounds (with
-    ``limits``), metrics, status mapping, the token check (with ``auth_token``), the wire
-    format."""
+    ``limits``; ``closer`` ends the connections of answers past the send timeout),
+    metrics, status mapping, the token check (with ``auth_token``), the wire format."""
     counted = MetricsInterceptor(metrics)
     chain: list[grpc.aio.ServerInterceptor] = [counted, StatusInterceptor()]
     if limits is not None:
-        chain.insert(0, MemoryInterceptor(limits, counted.record))
+        chain.insert(0, MemoryInterceptor(limits, counted.record, closer))
     if auth_token:
         chain.append(AuthInterceptor(auth_token, metrics))
     chain.append(WireInterceptor())

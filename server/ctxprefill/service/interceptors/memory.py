@@ -21,11 +21,13 @@ gRPC drive every method with a streamed request and does the reading itself:
 - an answer is charged when its handler returns it (``charge_answer``, from the wire
   interceptor: twice its size, the serialized bytes and gRPC's copy of them; refused at
   once with RESOURCE_EXHAUSTED when the budget has no room) until gRPC has sent it or
-  the call has ended. grpcio's server cannot cancel a call whose answer waits on the
-  client's flow-control window, so an answer the client never reads is not timed out:
-  it stays charged until the client reads, cancels, disconnects, its deadline passes or
-  keepalive closes its connection (``--keepalive-time-s``, ``--keepalive-timeout-s``),
-  and the budget bounds how many such answers are held at once.
+  the call has ended;
+- an answer not taken within ``--send-timeout-s`` of being handed to gRPC closes its
+  client's connection (grpcio's server cannot cancel a call whose answer waits on the
+  client's flow-control window: ``connections.py``), every call on it ends and what
+  they held is given back. Keepalive (``--keepalive-time-s``) closes a connection whose
+  client stopped reading it altogether sooner or later; the send timeout also ends a
+  client that reads its connection, acknowledging pings, but never opens its window.
 
 The transport's own checks (``transport.py``) ask :func:`answer_room` before anything
 is allocated.
@@ -44,6 +46,7 @@ from typing import Any
 
 import grpc
 
+from ..connections import ConnectionCloser
 from .handlers import HandlerInterceptor, behavior_of, reads_request, rebuild
 from .status import RpcStatusError
 
@@ -61,6 +64,7 @@ class MemoryLimits:
     max_inflight_bytes: int
     max_answer_bytes: int
     receive_timeout_s: float
+    send_timeout_s: float = 60.0
 
 
 class Budget:
@@ -129,6 +133,7 @@ class CallMemory:
         self.messages: collections.deque[int] = collections.deque()  # bytes of messages read, not yet answered
         self.answers: collections.deque[int] = collections.deque()  # bytes charged to answers not yet sent
         self.inner_ran = False  # its handler ran: the inner interceptors counted the call
+        self.timer: asyncio.TimerHandle | None = None  # the send timeout of the answer gRPC is sending
 
     def take_now(self, n: int) -> bool:
         if not self.budget.try_take(n):
@@ -154,10 +159,21 @@ class CallMemory:
         if self.messages:
             self.give(self.messages.popleft())
 
+    def sending(self, expire: Callable[[], None]) -> None:
+        """An answer handed to gRPC: ``expire`` runs unless it is sent (:meth:`sent`) or
+        the call ends within ``--send-timeout-s``."""
+        self.timer = asyncio.get_running_loop().call_later(self.limits.send_timeout_s, expire)
+
+    def sent(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
     def on_done(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         self.close()
 
     def close(self) -> None:
+        self.sent()
         self.messages.clear()
         self.answers.clear()
         self.give(self.held)
@@ -247,15 +263,17 @@ Recorder = Callable[[str, str, grpc.StatusCode, str, bool], None]
 class MemoryInterceptor(HandlerInterceptor):
     """Outermost: every method driven with a streamed request, its messages read and
     its answers charged under :class:`MemoryLimits`. ``record`` counts the calls it
-    ends itself (the metrics interceptor's :meth:`~.metrics.MetricsInterceptor.record`)."""
+    ends itself (the metrics interceptor's :meth:`~.metrics.MetricsInterceptor.record`);
+    ``closer`` closes the connection of an answer past its send timeout."""
 
     per_method = True  # a call's own state is made when it starts (``_Driven._open``)
 
-    def __init__(self, limits: MemoryLimits, record: Recorder):
+    def __init__(self, limits: MemoryLimits, record: Recorder, closer: ConnectionCloser | None = None):
         super().__init__()
         self.limits = limits
         self.budget = Budget(limits.max_inflight_bytes)
         self.record = record
+        self.closer = closer if closer is not None else ConnectionCloser()
 
     def wrap(self, handler: grpc.RpcMethodHandler[Any, Any], kind: str,
              details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any]:
@@ -344,6 +362,17 @@ class _Driven:
         context.set_details(e.message)
         self.owner.record(self.method, self.kind, e.code, e.reason, call.inner_ran)
 
+    def _send_timed_out(self, context: grpc.aio.ServicerContext[Any, Any], call: CallMemory) -> None:
+        """The answer was not taken within ``--send-timeout-s``: close its connection."""
+        call.timer = None
+        peer = context.peer()
+        closed = self.owner.closer.close(peer)
+        log.warning("%s: the answer was not taken within --send-timeout-s %g; %s", self.method,
+                    self.owner.limits.send_timeout_s,
+                    "its connection is closed" if closed else "its connection was not found (keepalive bounds it)",
+                    extra={"method": self.method, "peer": peer, "closed": closed})
+        self.owner.record(self.method, self.kind, grpc.StatusCode.CANCELLED, "send_timeout", True)
+
     async def unary(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         """A unary answer, serialized; its charge is given back once gRPC has sent it
         (or the call ended)."""
@@ -358,7 +387,9 @@ class _Driven:
             code = context.code()
             if response is None or (code is not None and code != grpc.StatusCode.OK):
                 return None
-            return self.serialize(response)  # the bytes only: the tensors they were made of go now
+            raw = self.serialize(response)  # the bytes only: the tensors they were made of go now
+            call.sending(lambda: self._send_timed_out(context, call))  # until the call ends
+            return raw
         except Refusal as e:
             self.refused(context, e, call)
             return None
@@ -379,7 +410,9 @@ class _Driven:
             async for response in result:
                 raw = self.serialize(response)
                 del response
+                call.sending(lambda: self._send_timed_out(context, call))
                 yield raw  # back here once gRPC has sent it
+                call.sent()
                 del raw
                 call.answered()
         except Refusal as e:
