@@ -7,9 +7,10 @@
 The input is what tests/test_deploy_live.py saves: for each panel of
 deploy/grafana/ctxprefill.json its title, type and unit, and for each of its targets
 the (templated) expression, the legend format and the series that Prometheus returned
-(``query_range`` for time series, an instant query for tables). Each panel becomes a
-small plot with its title, like the dashboard's grid; legends follow Grafana's
-``{{label}}`` format. Needs matplotlib.
+(``query_range`` for time series and stats, an instant query for tables). Each panel
+becomes a small plot with its title, like the dashboard's grid; legends follow
+Grafana's ``{{label}}`` format; a stat panel shows each series' last value through the
+value mappings of that panel in the dashboard (``--dashboard``). Needs matplotlib.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ import argparse
 import datetime
 import json
 import math
+import os
 import re
 import sys
+
+DASHBOARD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "grafana",
+                         "ctxprefill.json")
 
 
 def legend_of(fmt: str, labels: dict[str, str]) -> str:
@@ -92,6 +97,43 @@ def draw_table(ax, panel: dict) -> int:
     return len(rows)
 
 
+def stat_text(value: float, panel: dict) -> str:
+    """A stat panel's value as Grafana shows it: through its value mappings, else in its unit."""
+    for mapping in panel.get("mappings", []):
+        if mapping.get("type") == "value" and f"{value:g}" in mapping.get("options", {}):
+            return mapping["options"][f"{value:g}"].get("text", f"{value:g}")
+    if panel.get("unit") == "s":
+        return f"{value:.0f} s" if value < 120 else f"{value / 60:.0f} min" if value < 7200 else f"{value / 3600:.1f} h"
+    return formatter(panel.get("unit", ""))(value, None)
+
+
+def draw_stat(ax, panel: dict) -> int:
+    """One tile per series: its name (the legend) and its last value."""
+    tiles = []
+    for target in panel["targets"]:
+        for s in target["series"]:
+            values = [float(v) for _, v in s["values"] if not math.isnan(float(v))]
+            if values:
+                tiles.append((legend_of(target["legend"], s["labels"]), stat_text(values[-1], panel)))
+    ax.axis("off")
+    if not tiles:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+        return 0
+    tiles.sort()
+    for i, (name, text) in enumerate(tiles):
+        y = 1.0 - (i + 0.5) / len(tiles)
+        ax.text(0.02, y, name, ha="left", va="center", transform=ax.transAxes, fontsize=8)
+        ax.text(0.98, y, text, ha="right", va="center", transform=ax.transAxes, fontsize=12, fontweight="bold")
+    return len(tiles)
+
+
+def with_mappings(data: dict, dashboard: dict) -> dict:
+    """``data`` with each panel's value mappings taken from the dashboard (by panel id)."""
+    mappings = {p["id"]: p.get("fieldConfig", {}).get("defaults", {}).get("mappings", [])
+                for p in dashboard.get("panels", [])}
+    return data | {"panels": [p | {"mappings": mappings.get(p.get("id"), [])} for p in data["panels"]]}
+
+
 def render(data: dict, out: str, ncols: int = 3) -> None:
     import matplotlib
 
@@ -105,6 +147,8 @@ def render(data: dict, out: str, ncols: int = 3) -> None:
     for ax, panel in zip(axes.flat, panels):
         if panel.get("type") == "table":
             draw_table(ax, panel)
+        elif panel.get("type") == "stat":
+            draw_stat(ax, panel)
         else:
             draw_timeseries(ax, panel, t0)
         ax.set_title(panel["title"], fontsize=9, loc="left", fontweight="bold")
@@ -123,9 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("data", help="JSON saved by tests/test_deploy_live.py (CTXPREFILL_DASHBOARD_DATA)")
     ap.add_argument("out", help="PNG to write")
     ap.add_argument("--columns", type=int, default=3)
+    ap.add_argument("--dashboard", default=DASHBOARD, help="the dashboard JSON, for the stat panels' value mappings")
     args = ap.parse_args(argv)
     with open(args.data) as f:
         data = json.load(f)
+    with open(args.dashboard) as f:
+        data = with_mappings(data, json.load(f))
     render(data, args.out, args.columns)
     print(f"wrote {args.out} ({sum(1 for p in data['panels'] if p.get('type') != 'row')} panels)")
     return 0

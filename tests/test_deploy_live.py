@@ -296,7 +296,7 @@ def test_dashboard_and_alert_queries_against_a_live_prometheus(tmp_path):
         for t in traffic:
             assert t.error is None, f"{t.name}: {t.error!r}\n{t.proc.log()[-3000:]}"
             assert t.ok > 0 and t.codes.get("INVALID_ARGUMENT") and t.codes.get("OUT_OF_RANGE"), (t.name, t.codes)
-        # bursts against a queue of 1: some refused (the "Refused requests" panel needs a series)
+        # bursts against a queue of 1: some refused (the refused-by-reason panel needs a series)
         burst = next(t for t in traffic if t.burst)
         assert burst.codes.get("RESOURCE_EXHAUSTED"), burst.codes
         time.sleep(3)  # the last scrapes and rule evaluations
