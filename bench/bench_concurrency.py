@@ -262,16 +262,17 @@ class TransportHandles:
 def write_context(client, num_tokens: int, blocks: list[int], block_size: int, seed: int,
                   piece: int = 16384) -> None:
     """Random latents of tokens 0..num_tokens-1 into the slots of ``blocks``, in pieces."""
+    from ctxprefill_client import slot_mapping
+
     g = np.random.default_rng(seed)
     table = np.asarray(blocks, dtype=np.int64)
     for a in range(0, num_tokens, piece):
-        j = np.arange(a, min(num_tokens, a + piece), dtype=np.int64)
-        slots = table[j // block_size] * block_size + j % block_size
-        kv_c = g.standard_normal((len(j), 512), dtype=np.float32)
-        k_pe = g.standard_normal((len(j), 64), dtype=np.float32)
+        slots = slot_mapping(table, a, min(num_tokens, a + piece), block_size)
+        kv_c = g.standard_normal((len(slots), 512), dtype=np.float32)
+        k_pe = g.standard_normal((len(slots), 64), dtype=np.float32)
         n = client.write_cache(slots, kv_c, k_pe)
-        if n != len(j):
-            raise RuntimeError(f"WriteCache wrote {n} of {len(j)} slots")
+        if n != len(slots):
+            raise RuntimeError(f"WriteCache wrote {n} of {len(slots)} slots")
 
 
 def _code_of(e: BaseException) -> str:

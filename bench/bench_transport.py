@@ -73,14 +73,13 @@ class Workload:
     """One sequence: ``new`` query rows over ``context`` cached tokens in shuffled blocks."""
 
     def __init__(self, ns: argparse.Namespace):
-        from ctxprefill_client import float32_to_bf16_bits, float32_to_fp8_e4m3_bits
+        from ctxprefill_client import float32_to_bf16_bits, float32_to_fp8_e4m3_bits, slot_mapping
 
         bs = ns.block_size
         self.num_blocks = -(-ns.context // bs) + 1
         rng = np.random.default_rng(ns.seed)
         self.table = rng.permutation(self.num_blocks)[: -(-ns.context // bs)].tolist()
-        j = np.arange(ns.context)
-        self.slots = (np.asarray(self.table, dtype=np.int64)[j // bs] * bs + j % bs).astype(np.int64)
+        self.slots = slot_mapping(self.table, 0, ns.context, bs)
         self.kv_c = float32_to_bf16_bits(rng.standard_normal((ns.context, 512), dtype=np.float32))
         self.k_pe = float32_to_bf16_bits(rng.standard_normal((ns.context, 64), dtype=np.float32))
         q = rng.standard_normal((ns.new, ns.heads, 192), dtype=np.float32)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ctxprefill_client import slot_mapping
+
 
 def tables_and_slots(contexts, block_size: int, blocks=None) -> tuple[list[list[int]], np.ndarray]:
     """Each sequence gets the next ceil(n / block_size) block ids of ``blocks`` (default
@@ -16,8 +18,7 @@ def tables_and_slots(contexts, block_size: int, blocks=None) -> tuple[list[list[
         k = -(-n // block_size)
         tables.append(blocks[at:at + k] if blocks is not None else list(range(at, at + k)))
         at += k
-    slots = [np.asarray(bt, dtype=np.int64)[np.arange(n) // block_size] * block_size + np.arange(n) % block_size
-             for n, bt in zip(contexts, tables) if n]
+    slots = [slot_mapping(bt, 0, n, block_size) for n, bt in zip(contexts, tables) if n]
     return tables, (np.concatenate(slots) if slots else np.zeros(0, np.int64))
 
 

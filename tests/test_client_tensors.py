@@ -348,6 +348,69 @@ def test_encode_rejects_bad_combinations():
         T.RawTensor(T.BF16, np.zeros(3, np.float32))
 
 
+# --------------------------------------------------------------------------- cache slots
+
+
+def _slots_by_loop(table, start: int, end: int, bs: int) -> list[int]:
+    return [int(table[p // bs]) * bs + p % bs for p in range(start, end)]
+
+
+@pytest.mark.parametrize(
+    "table, bs",
+    [
+        ([0], 1),
+        ([5, 2, 7, 0], 1),
+        ([5, 2, 7, 0], 3),
+        (np.random.default_rng(0).permutation(64)[:9].astype(np.int32), 16),
+        (np.random.default_rng(1).permutation(1000)[:5].astype(np.uint16), 64),
+        (np.array([1 << 30, 3], dtype=np.int32), 64),  # slots past int32: computed in int64
+    ],
+)
+def test_slot_mapping_matches_a_loop(table, bs):
+    n = len(table) * bs
+    ranges = {(0, n), (0, 0), (n, n), (0, 1), (n - 1, n), (bs - 1, min(n, bs + 1)), (1, n), (n // 2, n), (0, n // 3)}
+    for start, end in sorted(ranges):
+        got = T.slot_mapping(table, start, end, bs)
+        assert got.dtype == np.int64 and got.shape == (end - start,)
+        assert got.tolist() == _slots_by_loop(table, start, end, bs), (start, end)
+
+
+def test_slot_mapping_pieces_concatenate_to_the_whole():
+    table, bs = [9, 4, 11, 2, 6], 8
+    whole = T.slot_mapping(table, 0, 37, bs)
+    pieces = np.concatenate([T.slot_mapping(table, a, min(37, a + 5), bs) for a in range(0, 37, 5)])
+    np.testing.assert_array_equal(pieces, whole)
+    # a numpy table, a table longer than the range needs, numpy integer bounds: the same slots
+    np.testing.assert_array_equal(T.slot_mapping(np.array(table + [0, 1]), np.int64(0), np.int32(37), bs), whole)
+
+
+def test_slot_mapping_empty_table():
+    got = T.slot_mapping([], 0, 0, 16)
+    assert got.dtype == np.int64 and got.shape == (0,)
+    with pytest.raises(ValueError, match=r"^end=1 is past the block table: 0 blocks of 16 hold 0 positions"):
+        T.slot_mapping([], 0, 1, 16)
+
+
+def test_slot_mapping_rejects_bad_arguments():
+    with pytest.raises(ValueError, match=r"^block_size must be >= 1, got 0"):
+        T.slot_mapping([0, 1], 0, 1, 0)
+    with pytest.raises(ValueError, match=r"^block_size must be >= 1, got -4"):
+        T.slot_mapping([0, 1], 0, 1, -4)
+    with pytest.raises(ValueError, match=r"^start must be >= 0, got -1"):
+        T.slot_mapping([0, 1], -1, 1, 4)
+    with pytest.raises(ValueError, match=r"^end must be >= start, got start=3 end=2"):
+        T.slot_mapping([0, 1], 3, 2, 4)
+    with pytest.raises(ValueError, match=r"^end=9 is past the block table: 2 blocks of 4 hold 8 positions"):
+        T.slot_mapping([0, 1], 0, 9, 4)
+    T.slot_mapping([0, 1], 0, 8, 4)  # the last position of the last block is fine
+    with pytest.raises(ValueError, match=r"^block_table must be 1-D, got shape \[2, 1\]"):
+        T.slot_mapping([[0], [1]], 0, 1, 4)
+    with pytest.raises(ValueError, match=r"^block_table must hold integers, got float64"):
+        T.slot_mapping([0.0, 1.0], 0, 1, 4)
+    with pytest.raises(TypeError, match=r"^end must be an integer, got float"):
+        T.slot_mapping([0, 1], 0, 1.0, 4)
+
+
 # --------------------------------------------------------------------------- no torch
 
 
@@ -367,6 +430,7 @@ def test_client_imports_without_torch():
             np.ones((2, 1, 3), np.float32), np.zeros((1, 2), np.float32))
         assert np.allclose(out, 0.5)
         assert ctxprefill_client.float32_to_fp8_e4m3_bits(np.float32(1e9)) == 0x7E
+        assert ctxprefill_client.slot_mapping([3, 1], 1, 4, 2).tolist() == [7, 2, 3]
         bad = [m for m in sys.modules if m == "torch" or m.startswith("torch.")]
         assert all(sys.modules[m] is None for m in bad), bad
         print("ok", ctxprefill_client.__version__)

@@ -47,6 +47,7 @@ from ctxprefill_client import (
     ServerRestartedError,
     float32_to_bf16_bits,
     float32_to_fp8_e4m3_bits,
+    slot_mapping,
 )
 from service_process import ServerProcess, http_get, parse_metrics, sample_sum
 
@@ -95,8 +96,7 @@ class Served:
             self.tables.append(perm[at : at + k])
             at += k
         self.unused_block = perm[at]
-        slots = np.concatenate([np.asarray(bt, dtype=np.int64)[np.arange(n) // bs] * bs + np.arange(n) % bs
-                                for n, bt in zip(CONTEXTS, self.tables) if n])
+        slots = np.concatenate([slot_mapping(bt, 0, n, bs) for n, bt in zip(CONTEXTS, self.tables) if n])
         T = len(slots)
         # a few tokens skipped with slot -1; large values saturate in fp8
         slots_w = slots.copy()

@@ -154,6 +154,7 @@ def make_device_request(engine, context_lens, query_lens, seed: int = 0, piece: 
     contexts written into shuffled cache blocks, q already on the device."""
     from ctxprefill.engine.engine import SequenceSpec
     from ctxprefill.ops.fp8 import saturating_cast_fp8
+    from ctxprefill_client import slot_mapping
 
     cfg, dev = engine.config, engine.device
     bs = cfg.cache.block_size
@@ -166,12 +167,10 @@ def make_device_request(engine, context_lens, query_lens, seed: int = 0, piece: 
     for n, nb, qn in zip(context_lens, need, query_lens):
         blocks = perm[at : at + nb]
         at += nb
-        table = torch.as_tensor(blocks, dtype=torch.int64)
         for j0 in range(0, n, piece):  # bounded temporaries
-            j = torch.arange(j0, min(n, j0 + piece))
-            slots = table[j // bs] * bs + j % bs
-            kv_c = torch.randn((len(j), L), generator=g, device=dev, dtype=torch.float32)
-            k_pe = torch.randn((len(j), R), generator=g, device=dev, dtype=torch.float32)
+            slots = torch.from_numpy(slot_mapping(blocks, j0, min(n, j0 + piece), bs))
+            kv_c = torch.randn((len(slots), L), generator=g, device=dev, dtype=torch.float32)
+            k_pe = torch.randn((len(slots), R), generator=g, device=dev, dtype=torch.float32)
             engine.write_cache(slots, kv_c, k_pe)
         # as the service hands it to the engine (service/validate.py): an int64 array
         seqs.append(SequenceSpec(qn, n, np.asarray(blocks, dtype=np.int64)))

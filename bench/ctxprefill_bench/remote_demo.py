@@ -72,7 +72,7 @@ def _fit(contexts: list[int], block_size: int, num_blocks: int) -> list[int]:
 def run_remote_demo(target: str, s: ServeSettings, contexts=DEMO_CONTEXTS, queries=DEMO_QUERIES,
                     workspace_tokens: int | None = None) -> int:
     from ctxprefill.service.security import load_token
-    from ctxprefill_client import FP8_E4M3, PrefillContextClient, RawTensor
+    from ctxprefill_client import FP8_E4M3, PrefillContextClient, RawTensor, slot_mapping
 
     # a server with credentials: its token (--auth-token-file / CTXPREFILL_AUTH_TOKEN) and, for TLS, the
     # certificate to trust (--tls-cert: the server's own, or the CA that signed it)
@@ -102,8 +102,7 @@ def run_remote_demo(target: str, s: ServeSettings, contexts=DEMO_CONTEXTS, queri
             tables.append(perm[at : at + k])
             at += k
         slots = np.concatenate(
-            [np.asarray(bt, dtype=np.int64)[np.arange(n) // bs] * bs + np.arange(n) % bs
-             for n, bt in zip(contexts, tables) if n] or [np.zeros(0, dtype=np.int64)]
+            [slot_mapping(bt, 0, n, bs) for n, bt in zip(contexts, tables) if n] or [np.zeros(0, dtype=np.int64)]
         )
         kv_c = torch.randn((len(slots), L), generator=g).numpy()
         k_pe = torch.randn((len(slots), R), generator=g).numpy()
@@ -125,7 +124,7 @@ def run_remote_demo(target: str, s: ServeSettings, contexts=DEMO_CONTEXTS, queri
         # every block used, read back: the reference sees exactly the bytes the server holds
         blocks = [b for bt in tables for b in bt]
         raw = client.read_cache(
-            (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1), layer=layer
+            slot_mapping(blocks, 0, len(blocks) * bs, bs), layer=layer
         ) if blocks else np.zeros((0, info.bytes_per_slot), dtype=np.uint8)
 
     st = res.stats

@@ -12,6 +12,7 @@ import torch
 
 from ctxprefill.engine.engine import SequenceSpec
 from ctxprefill.ops.fp8 import saturating_cast_fp8
+from ctxprefill_client import slot_mapping
 
 
 def make_request(engine, context_lens, query_lens, seed: int = 0, write: bool = True):
@@ -28,8 +29,7 @@ def make_request(engine, context_lens, query_lens, seed: int = 0, write: bool = 
         blocks = perm[at : at + nb]
         at += nb
         if write and n:
-            j = torch.arange(n)
-            slots = torch.as_tensor(blocks, dtype=torch.int64)[j // bs] * bs + j % bs
+            slots = torch.from_numpy(slot_mapping(blocks, 0, n, bs))
             engine.write_cache(slots, torch.randn((n, L), generator=g), torch.randn((n, R), generator=g))
         seqs.append(SequenceSpec(qn, n, blocks))
     q = torch.randn((sum(query_lens), cfg.shape.heads, cfg.shape.qk_head_dim), generator=g)

@@ -11,7 +11,8 @@ protobuf only; no torch).
 - :func:`merge_partials`: merge two (output, LSE) attention partials.
 - :class:`ShardedPrefillClient` / :class:`AsyncShardedPrefillClient`: one model whose
   heads are split over several workers (``serve --num-shards``; docs/SHARDING.md).
-- :mod:`ctxprefill_client.tensors`: numpy <-> ``Tensor`` messages and exact bf16/fp8 casts.
+- :mod:`ctxprefill_client.tensors`: numpy <-> ``Tensor`` messages and exact bf16/fp8 casts;
+  :func:`slot_mapping`: the cache slots of a sequence's context positions from its block table.
 - :mod:`ctxprefill_client.shared_memory`: same-host transport (``serve --shared-memory``):
   :class:`SystemSharedMemoryRegion` (POSIX shared memory, numpy views) and
   :class:`CudaSharedMemoryRegion` (a torch CUDA tensor by its IPC handle; torch imported
@@ -60,6 +61,7 @@ from .tensors import (
     float32_to_bf16_bits,
     float32_to_fp8_e4m3_bits,
     fp8_e4m3_bits_to_float32,
+    slot_mapping,
     tensor_to_numpy,
 )
 
@@ -103,5 +105,6 @@ __all__ = [
     "float32_to_fp8_e4m3_bits",
     "fp8_e4m3_bits_to_float32",
     "merge_partials",
+    "slot_mapping",
     "tensor_to_numpy",
 ]

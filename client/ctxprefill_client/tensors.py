@@ -14,11 +14,15 @@ are exact and equal torch's; the roundings go through ml_dtypes' ``bfloat16`` /
   nearest even, finite overflow and ±inf go to ±448, NaN stays NaN — torch's
   ``x.clamp(-448, 448).to(torch.float8_e4m3fn)``.
 - :func:`fp8_e4m3_bits_to_float32`: exact widening (a 256-entry table).
+
+:func:`slot_mapping` gives the cache slots of a sequence's context positions from its
+block table (CONTRACT §2), the ``slots`` that ``write_cache`` / ``read_cache`` take.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -43,6 +47,7 @@ __all__ = [
     "float32_to_bf16_bits",
     "float32_to_fp8_e4m3_bits",
     "fp8_e4m3_bits_to_float32",
+    "slot_mapping",
     "storage_dtype",
     "tensor_bits",
     "tensor_to_numpy",
@@ -173,6 +178,49 @@ def float32_to_fp8_e4m3_bits(x: Any) -> np.ndarray:
     with np.errstate(invalid="ignore"):  # NaN -> NaN is meant
         bits: np.ndarray = clamped.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     return bits
+
+
+# --------------------------------------------------------------------------- cache slots
+
+
+def _index(value: Any, name: str) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+
+
+def slot_mapping(block_table: Any, start: int, end: int, block_size: int) -> np.ndarray:
+    """Cache slots of context positions ``[start, end)`` of one sequence: int64 ``[end - start]``.
+
+    Position ``p`` is in slot ``block_table[p // block_size] * block_size + p % block_size``
+    (CONTRACT §2). ``block_table`` is the sequence's block ids, a 1-D integer array-like
+    ``[num_blocks]`` (a list of ints, or any integer numpy dtype; computed in int64).
+
+    Raises ValueError naming the argument unless ``block_size >= 1``,
+    ``0 <= start <= end <= len(block_table) * block_size`` and ``block_table`` is 1-D
+    integer; TypeError when ``start`` / ``end`` / ``block_size`` is not an integer.
+    """
+    start, end, block_size = _index(start, "start"), _index(end, "end"), _index(block_size, "block_size")
+    table = np.asarray(block_table)
+    if table.ndim != 1:
+        raise ValueError(f"block_table must be 1-D, got shape {list(table.shape)}")
+    if table.size and not np.issubdtype(table.dtype, np.integer):
+        raise ValueError(f"block_table must hold integers, got {table.dtype}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    if end < start:
+        raise ValueError(f"end must be >= start, got start={start} end={end}")
+    if end > len(table) * block_size:
+        raise ValueError(
+            f"end={end} is past the block table: {len(table)} blocks of {block_size} hold "
+            f"{len(table) * block_size} positions"
+        )
+    pos = np.arange(start, end, dtype=np.int64)
+    slots: np.ndarray = table.astype(np.int64, copy=False)[pos // block_size] * block_size + pos % block_size
+    return slots
 
 
 # --------------------------------------------------------------------------- tensors

@@ -30,6 +30,7 @@ from ctxprefill.backends.reference import ReferenceBackend
 from ctxprefill.config import CacheConfig, EngineConfig, ModelShape
 from ctxprefill.engine.engine import Engine, SequenceSpec
 from ctxprefill.weights import prepare, random_kv_b_proj
+from ctxprefill_client import slot_mapping
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 from device_profile import device_work, fail_unless_counts_match  # noqa: E402
@@ -86,8 +87,7 @@ def make_request(engine: Engine, case: str | dict, seed: int = 1):
         blocks = perm[at : at + nb]
         at += nb
         if n:
-            j = torch.arange(n)
-            slots = torch.as_tensor(blocks, dtype=torch.int64)[j // bs] * bs + j % bs
+            slots = torch.from_numpy(slot_mapping(blocks, 0, n, bs))
             scale = torch.exp(torch.randn((n, 1), generator=g))
             engine.write_cache(slots, torch.randn((n, 512), generator=g) * scale, torch.randn((n, 64), generator=g))
         seqs.append(SequenceSpec(qn, n, blocks))

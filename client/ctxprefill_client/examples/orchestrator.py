@@ -65,6 +65,7 @@ from ctxprefill_client import (
     float32_to_fp8_e4m3_bits,
     fp8_e4m3_bits_to_float32,
     merge_partials,
+    slot_mapping,
 )
 
 # --------------------------------------------------------------------------- safetensors
@@ -287,12 +288,8 @@ def run(
     kpe = rng.standard_normal((total_ctx, R))
     c_bits, kpe_bits = float32_to_bf16_bits(c), float32_to_bf16_bits(kpe)
     slots = np.concatenate(
-        [
-            np.asarray(tables[i], dtype=np.int64).repeat(bs)[: context_lens[i]] * bs + np.arange(context_lens[i]) % bs
-            for i in range(len(context_lens))
-        ]
-        or [np.zeros(0, np.int64)]
-    ).astype(np.int64)
+        [slot_mapping(table, 0, n, bs) for table, n in zip(tables, context_lens)] or [np.zeros(0, np.int64)]
+    )
     if total_ctx:
         written = client.write_cache(slots, RawTensor(BF16, c_bits), RawTensor(BF16, kpe_bits), layer=layer)
         if written != total_ctx:

@@ -57,7 +57,7 @@ import numpy as np
 
 from .._common import CtxPrefillError, PrefillResult, Sequence, ServerInfo, ServerRestartedError
 from ..shared_memory import SharedMemoryRef, SharedMemoryTensor
-from ..tensors import BF16, FP8_E4M3, FP32
+from ..tensors import BF16, FP8_E4M3, FP32, slot_mapping
 
 if TYPE_CHECKING:
     import torch
@@ -122,9 +122,8 @@ class SequenceState:
     length: int = 0
 
     def slots(self, start: int, end: int, block_size: int) -> np.ndarray:
-        """Slot of each position in ``[start, end)``: ``table[p // bs] * bs + p % bs`` (int64 ``[end - start]``)."""
-        pos = np.arange(start, end, dtype=np.int64)
-        return np.asarray(self.block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+        """Slot of each position in ``[start, end)`` (int64 ``[end - start]``; :func:`slot_mapping`)."""
+        return slot_mapping(self.block_table, start, end, block_size)
 
 
 @dataclass
