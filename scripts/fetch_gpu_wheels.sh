@@ -3,6 +3,7 @@
 # triton, grpcio 1.84, protobuf, prometheus-client and pytest, but not these (the runtime's
 # others among them: requirements/runtime.txt), and it cannot download. FlashInfer and the modules it imports are for bench_attention.py's
 # --flashinfer comparison only (18 MB; its kernels compile with nvcc on first use). scripts/gpu_run.sh installs whatever is in .whl/ into /tmp/site;
+# h2 (with hpack, hyperframe) is the raw HTTP/2 client of the hostile-client tests.
 # name ".whl" in the device call's carry.
 #
 #   bash scripts/fetch_gpu_wheels.sh
@@ -19,5 +20,6 @@ python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --im
   opentelemetry-semantic-conventions==0.66b2 googleapis-common-protos==1.76.0 importlib-metadata==8.7.0 zipp==3.23.0 \
   nvidia-cudnn-frontend==1.32.0 \
   flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2 einops==0.8.2 tabulate==0.10.0 nvidia-ml-py==13.615.71 \
-  ninja==1.13.2 tqdm==4.70.1 requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1
+  ninja==1.13.2 tqdm==4.70.1 requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1 \
+  h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0
 ls -l .whl
