@@ -337,6 +337,21 @@ def host_table(d: Doc) -> str:
     return "\n".join(lines) + "\n"
 
 
+def gemm_table(d: Doc) -> str:
+    """``bench/probe_gemm.py``: kv_b_proj's GEMM, cuBLAS against a persistent TMA kernel."""
+    rows = d["rows"]
+    lines = [_run_line(d), "", f"bf16, K = {rows[0]['k']}; burst: an 8192³ GEMM in the same process, "
+             f"{rows[0]['burst_tflops']:.0f} TFLOP/s.", "",
+             "| H | rows | N | cuBLAS TFLOP/s | of burst | Triton persistent TFLOP/s | of burst | Triton / cuBLAS | "
+             "config (BM, BN, BK, group, stages, warps, split) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['heads']} | {r['rows']:,} | {r['n']:,} | {r['cublas_tflops']:.1f} "
+                     f"| {r['cublas_of_burst']:.0%} | {_num(r.get('triton_tflops'), '.1f')} "
+                     f"| {_num(r.get('triton_of_burst'), '.0%')} "
+                     f"| {_num(r.get('triton_over_cublas'), '.2f')} | {r.get('triton_config', '—')} |")
+    return "\n".join(lines) + "\n"
+
+
 def sharded_table(d: Doc) -> str:
     """``bench/bench_sharded.py``: one server against head-sharded workers."""
     meta, eq, a = d["meta"], d["equality"], d["meta"]["args"]
@@ -476,6 +491,8 @@ def table(d: Doc) -> str:
         return inline_parse_table(d)
     if rows and "fused_host_steps_us" in rows[0]:
         return host_table(d)
+    if rows and "cublas_tflops" in rows[0]:
+        return gemm_table(d)
     if kind(d) == "concurrency":
         return concurrency_table(d)
     growth = growth_table(d)
@@ -513,6 +530,10 @@ BENCHMARKS = (
     Bench("Where a request's host time goes", "probe_host", ("probe_host",),
           "`bench/probe_host_issue.py`: the engine's host steps for one request, the device held busy so that the "
           "host never waits on it.", env='PROBE_HOST_HEADS="16 128"'),
+    Bench("kv_b_proj's GEMM: cuBLAS against a persistent kernel", "probe_gemm", ("probe_gemm",),
+          "`bench/probe_gemm.py`: the GEMM of kv_b_proj (K = 512) at 16 and 128 heads over 16k and 64k rows, "
+          "torch's (cuBLAS) against a Triton persistent TMA kernel whose epilogue overlaps the next tile's loads, "
+          "alternating in one process, beside an 8192³ GEMM's burst rate."),
     Bench("Kernels against the copy bandwidth", "bench_kernels", ("bench_kernels",),
           "`bench/bench_kernels.py`: the fused pack, gather and merge kernels against their generic / torch forms "
           "and against a device-to-device copy (and plain copies of the same read/write mix, `bench/mix_copy.py`), "

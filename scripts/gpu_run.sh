@@ -17,7 +17,7 @@
 # and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_ragged, bench_engine_full
 # (the 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
 # bench_rpc_floor, attention_sweep, attention_sweep_ws, bench_attention_flashinfer, probe_write, hostile_sanitizer,
-# bench_sharded, profile_host, probe_host, bench_ring_overlap (request rings with and without
+# bench_sharded, profile_host, probe_host, probe_gemm, bench_ring_overlap (request rings with and without
 # --request-ring-overlap), bench_transport_pin (system regions page-locked and pageable, alternating),
 # bench_inline_parse (the event loop's parse of an inline request, with and without protobuf's copies),
 # bench_model_prefill (a transformers DeepSeek-V3 model prefilled in chunks through CUDA IPC, bf16 and float32),
@@ -195,6 +195,9 @@ want profile_host && run_step profile_host 200 5 "$OUT/profile_host.txt" bash -c
 # PROBE_HOST_ARGS: more of its options (e.g. --no-gc)
 want probe_host && run_step probe_host 150 5 - python3 bench/probe_host_issue.py --heads ${PROBE_HOST_HEADS:-16} \
   ${PROBE_HOST_ARGS:-} --out "$OUT/probe_host.json"
+
+# kv_b_proj's GEMM shapes: cuBLAS against a Triton persistent TMA kernel, beside the burst rate
+want probe_gemm && run_step probe_gemm 200 5 - python3 bench/probe_gemm.py --json "$OUT/probe_gemm.json"
 
 # ragged requests: 4 sequences of uneven lengths in one 64k-row chunk; where the Triton backend packs
 # the chunk's attention tiles per SM (H=16, 4,096 new: 512 tiles), the fused path also without it
