@@ -10,7 +10,7 @@ headline shapes (16 and 128 heads, 16k and 64k rows), next to a large square GEM
 burst rate, and reports how far each result is from cuBLAS's (bits may differ: the
 accumulation order does).
 
-    PYTHONPATH=server:client:bench python bench/probe_gemm.py [--json PATH]
+    PYTHONPATH=server:client:bench python bench/probe_gemm.py [--out PATH.json]
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def timed(fn, reps: int = 20) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--out", help="write the rows here (JSON)")
     ns = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("probe_gemm: needs a CUDA device", file=sys.stderr)
@@ -148,10 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                   + (f", Triton persistent {row['triton_tflops']:.1f} ({row['triton_of_burst']:.0%}), "
                      f"{row['triton_over_cublas']:.2f}x cuBLAS" if best else ""), flush=True)
             rows_out.append(row)
-    if ns.json:
+    if ns.out:
         meta = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(dev),
                 "date": run_info.utc_now(), "commit": run_info.commit()}
-        with open(ns.json, "w") as f:
+        with open(ns.out, "w") as f:
             json.dump({"meta": meta, "rows": rows_out}, f, indent=1)
     return 0
 

@@ -197,7 +197,7 @@ want probe_host && run_step probe_host 150 5 - python3 bench/probe_host_issue.py
   ${PROBE_HOST_ARGS:-} --out "$OUT/probe_host.json"
 
 # kv_b_proj's GEMM shapes: cuBLAS against a Triton persistent TMA kernel, beside the burst rate
-want probe_gemm && run_step probe_gemm 200 5 - python3 bench/probe_gemm.py --json "$OUT/probe_gemm.json"
+want probe_gemm && run_step probe_gemm 200 5 - python3 bench/probe_gemm.py --out "$OUT/probe_gemm.json"
 
 # ragged requests: 4 sequences of uneven lengths in one 64k-row chunk; where the Triton backend packs
 # the chunk's attention tiles per SM (H=16, 4,096 new: 512 tiles), the fused path also without it
