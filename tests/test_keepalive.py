@@ -49,7 +49,8 @@ def server():
         yield p
 
 
-def _read_cache(target: str) -> np.ndarray:
+def read_slots(target: str) -> np.ndarray:
+    """ReadCache of ``SLOTS`` slots (the answer these tests hold) through a gRPC client."""
     with PrefillContextClient(target, retries=0) as c:
         return c.read_cache(np.zeros(SLOTS, np.int64), timeout=30)
 
@@ -65,7 +66,7 @@ def test_an_answer_never_read_is_ended_by_keepalive_and_its_budget_given_back(se
         assert sid not in raw.status
         t_stop = time.monotonic()
         with pytest.raises(CtxPrefillRpcError) as ei:  # the answer holds the budget
-            _read_cache(server.target)
+            read_slots(server.target)
         assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-inflight-bytes" in str(ei.value)
         held = re.search(r"calls hold (\d+) of", str(ei.value))
         assert held and int(held.group(1)) >= 2 * answer, str(ei.value)
@@ -74,7 +75,7 @@ def test_an_answer_never_read_is_ended_by_keepalive_and_its_budget_given_back(se
         t_end = time.monotonic() + 60
         while True:
             try:
-                assert _read_cache(server.target).shape[0] == SLOTS
+                assert read_slots(server.target).shape[0] == SLOTS
                 break
             except CtxPrefillRpcError as e:
                 assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < t_end, e

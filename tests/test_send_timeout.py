@@ -24,25 +24,20 @@ from ctxprefill.service.connections import ConnectionCloser, parse_peer
 from ctxprefill.settings import ServeSettings, check_serve_settings
 from ctxprefill_client import CtxPrefillRpcError, PrefillContextClient
 from service_process import ServerProcess, sample_sum
-from test_hostile_memory import BYTES_PER_SLOT, MiB, RawH2, read_request
+from test_hostile_memory import BYTES_PER_SLOT, RawH2, read_request
+from test_keepalive import FLAGS as KEEPALIVE_FLAGS
+from test_keepalive import SLOTS, read_slots
 
-SLOTS = 34_000  # a 39 MB answer; its request is 272 KB
 SEND_TIMEOUT_S = 4.0
 KEEPALIVE_S = 0.5  # pings every 0.5 s, each acknowledged: keepalive never closes this client
-FLAGS = {"heads": 1, "block_size": 16, "num_blocks": 8, "workspace_tokens": 64, "max_message_bytes": 64 * MiB,
-         "max_inflight_bytes": 128 * MiB, "max_answer_bytes": 64 * MiB, "receive_timeout_s": 0.5,
-         "keepalive_time_s": KEEPALIVE_S, "keepalive_timeout_s": KEEPALIVE_S, "send_timeout_s": SEND_TIMEOUT_S}
+FLAGS = {**KEEPALIVE_FLAGS, "keepalive_time_s": KEEPALIVE_S, "keepalive_timeout_s": KEEPALIVE_S,
+         "send_timeout_s": SEND_TIMEOUT_S}
 
 
 @pytest.fixture(scope="module")
 def server():
     with ServerProcess(FLAGS) as p:
         yield p
-
-
-def _read_cache(target: str) -> np.ndarray:
-    with PrefillContextClient(target, retries=0) as c:
-        return c.read_cache(np.zeros(SLOTS, np.int64), timeout=30)
 
 
 def test_an_answer_whose_window_never_opens_is_ended_by_the_send_timeout(server):
@@ -56,7 +51,7 @@ def test_an_answer_whose_window_never_opens_is_ended_by_the_send_timeout(server)
         raw.run(SEND_TIMEOUT_S / 2, until=lambda: raw.ended)
         assert not raw.ended and raw.pings >= 2, (raw.ended, raw.pings)
         with pytest.raises(CtxPrefillRpcError) as ei:  # the answer holds the budget
-            _read_cache(server.target)
+            read_slots(server.target)
         assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-inflight-bytes" in str(ei.value)
         held = re.search(r"calls hold (\d+) of", str(ei.value))
         assert held and int(held.group(1)) >= 2 * answer, str(ei.value)
@@ -68,7 +63,7 @@ def test_an_answer_whose_window_never_opens_is_ended_by_the_send_timeout(server)
               f"{raw.received} B received")
         assert closed_s >= SEND_TIMEOUT_S - 1.0  # the timeout, not keepalive, ended it
         assert sid not in raw.status and raw.received < answer  # the answer was never delivered
-    assert _read_cache(server.target).shape[0] == SLOTS  # the budget is whole again
+    assert read_slots(server.target).shape[0] == SLOTS  # the budget is whole again
     m = server.scrape()
     assert sample_sum(m["ctxprefill_rejected_requests_total"], reason="send_timeout") == 1
     assert "--send-timeout-s" in server.log() and "its connection is closed" in server.log()
