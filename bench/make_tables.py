@@ -86,10 +86,14 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
                   f"in the run (the pack's bytes only where the fused path packs).", ""]
     # runs with unpacked keys: the fused request with its K pack, timed beside it
     packed = any("fused_packed_s" in r for r in d.get("rows", []))
+    # runs with the fused request's chunk loop also replayed as a CUDA graph
+    graph = any("fused_graph_s" in r for r in d.get("rows", []))
     lines += ["| H | new | ctx | cache | prefill | chunks | generic ms | " + ("fused + K pack ms | " if packed else "")
-              + "fused ms | speed-up | floor ms | fused / floor | fused gap ms | launches/chunk generic→fused "
-              "| bit-identical |",
-              "|---|---|---|---|---|---|---|" + ("---|" if packed else "") + "---|---|---|---|---|---|---|"]
+              + "fused ms | speed-up | floor ms | fused / floor | fused gap ms | "
+              + ("fused, CUDA graph ms | graph / floor | graph: host outside the replay ms | " if graph else "")
+              + "launches/chunk generic→fused | bit-identical |",
+              "|---|---|---|---|---|---|---|" + ("---|" if packed else "") + "---|---|---|---|---|"
+              + ("---|---|---|" if graph else "") + "---|---|"]
     notes = []
     for r in d.get("rows", []):
         if "speedup" not in r:
@@ -114,7 +118,12 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
             + (f"{_num(r['fused_packed_s'] * 1e3 if 'fused_packed_s' in r else None, '.2f')} | " if packed else "")
             + f"{r['fused_s'] * 1e3:.2f} | {sp} "
             f"| {_num(floor * 1e3 if floor else None, '.2f')} | {_num(ratio, '.2f')} "
-            f"| {_num(gap * 1e3 if gap is not None else None, '.2f')} | {_num(lg, '.0f')} → {_num(lf, '.0f')} "
+            f"| {_num(gap * 1e3 if gap is not None else None, '.2f')} | "
+            + (f"{_num(r['fused_graph_s'] * 1e3 if 'fused_graph_s' in r else None, '.2f')} "
+               f"| {_num(r.get('fused_graph_over_floor'), '.2f')} "
+               f"| {_num(r['fused_graph_outside_s'] * 1e3 if 'fused_graph_outside_s' in r else None, '.2f')} | "
+               if graph else "")
+            + f"{_num(lg, '.0f')} → {_num(lf, '.0f')} "
             f"| {'yes' if r.get('bit_identical') else '**NO**'} |")
     if notes:
         lines += ["", *notes]

@@ -67,3 +67,20 @@ def test_metadata_is_frozen():
     _, meta = _chunk_metadata(_inputs([3, 5], [40, 90], 64), "cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):
         meta[0].q0 = 1
+
+
+def test_layout_names_what_a_captured_loop_bakes_in():
+    """engine/graphs.py keys a captured loop by the metadata's layout: equal for requests
+    of the same lengths whatever their block ids, different when a length differs or
+    equal vectors share differently."""
+    from ctxprefill.engine.loop import host_metadata
+
+    a = _inputs([3, 0, 5, 7], [40, 0, 1000, 33], 256)
+    other_blocks = dataclasses.replace(a, block_table=a.block_table[:, ::-1].copy() + 7)
+    ha, hb = host_metadata(a), host_metadata(other_blocks)
+    assert ha.layout() == hb.layout() and not np.array_equal(ha.host, hb.host)
+    assert host_metadata(_inputs([3, 0, 5, 7], [40, 0, 1001, 33], 256)).layout() != ha.layout()
+    assert host_metadata(a, keys_last=True).layout() != ha.layout()
+    # the upload is the vectors then the block table, as sized
+    assert sum(ha.sizes) == ha.host.size and ha.sizes[-1] == a.block_table.size
+    assert np.array_equal(ha.host[-a.block_table.size:], a.block_table.ravel())

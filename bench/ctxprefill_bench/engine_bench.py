@@ -181,13 +181,17 @@ def make_device_request(engine, context_lens, query_lens, seed: int = 0, piece: 
     return q, seqs
 
 
-def time_request(engine, q, seqs, fused, dev, max_iters=5, min_iters=2, target_s=0.3, unpacked_keys=None):
+def time_request(engine, q, seqs, fused, dev, max_iters=5, min_iters=2, target_s=0.3, unpacked_keys=None,
+                 graphs_on=None):
     """Median wall time of a request (device synchronized), median time per stage, the
     last result, and how many warm-up and timed calls ran. Warm-up: one call, a second
-    one when the first was cheap; then timed calls until ``target_s`` of measured time,
-    at least ``min_iters`` and at most ``max_iters`` of them."""
+    one when the first was cheap (always with ``graphs_on``: the shape is captured at its
+    second call and replays from the third); then timed calls until ``target_s`` of
+    measured time, at least ``min_iters`` and at most ``max_iters`` of them."""
     min_iters = max(1, min(min_iters, max_iters))
     kw = {} if unpacked_keys is None else {"unpacked_keys": unpacked_keys}
+    if graphs_on is not None:
+        kw["graphs_on"] = graphs_on
 
     def call():
         _sync(dev)
@@ -198,7 +202,7 @@ def time_request(engine, q, seqs, fused, dev, max_iters=5, min_iters=2, target_s
 
     t_first, _ = call()
     warm = 1
-    if t_first < 0.05:
+    if t_first < 0.05 or graphs_on:
         call()
         warm = 2
     times, stages, spans = [], [], []
@@ -448,7 +452,7 @@ def main(argv=None) -> int:
                           prefill_dtype=pd,
                           kv_b_proj_dtype=ns.kv_b_proj_dtype, workspace_tokens=ns.workspace_tokens, backend=ns.backend)
         t_row = time.monotonic()
-        engine = q = seqs = g = f = fp = None
+        engine = q = seqs = g = f = fp = fgr = None
         try:
             engine = engines.build(s)
             q, seqs = make_device_request(engine, ctx_lens, new_lens, seed=i)
@@ -463,6 +467,10 @@ def main(argv=None) -> int:
             if rf.stats.unpacked_keys:
                 fp = time_request(engine, q, seqs, True, dev, unpacked_keys=False, **it)
                 same = same and _same_bits(fp["result"], rg)
+            # the fused path with its chunk loop replayed as a CUDA graph (engine/graphs.py)
+            if dev.type == "cuda":
+                fgr = time_request(engine, q, seqs, True, dev, graphs_on=True, **it)
+                same = same and _same_bits(fgr["result"], rg)
             unordered = _without_launch_order(engine, q, seqs, dev, it) if ns.sequences > 1 else None
             if unordered is not None:
                 same = same and _same_bits(rf, unordered["result"])
@@ -501,6 +509,7 @@ def main(argv=None) -> int:
               f"{stage_ms} {gap_f * 1e3:7.3f} {in_f * 1e3:7.3f} {row_s:6.2f}{'' if same else '  MISMATCH'}"
               + (f"  (fused without launch order {unordered['median_s'] * 1e3:.3f} ms)" if unordered else "")
               + (f"  (unpacked keys; fused with its K pack {fp['median_s'] * 1e3:.3f} ms)" if fp else "")
+              + (f"  (CUDA graph {fgr['median_s'] * 1e3:.3f} ms, {fgr['median_s'] / floor:.2f}x floor)" if fgr else "")
               + (f"  SM MHz g|f {clk_g['sm_mhz_median']:.0f}|{clk_f['sm_mhz_median']:.0f}, "
                  f"W {clk_g['power_w_median']:.0f}|{clk_f['power_w_median']:.0f}" if clk_g and clk_f else ""),
               flush=True)
@@ -517,6 +526,11 @@ def main(argv=None) -> int:
             # the two paths differ only in the pack (engine/loop.py): the speedup this request
             # would show if the fused pack took no time at all, the most any pack can give
             "speedup_free_pack": tg / max(tf - f["stage_s"].get("pack", 0.0), 1e-12),
+            # the fused request with its chunk loop replayed as a CUDA graph: its time, the
+            # replay's on the device, and the host's outside it (check, plan, copies in and out)
+            **({"fused_graph_s": fgr["median_s"], "fused_graph_over_floor": fgr["median_s"] / floor,
+                "fused_graph_replay_s": fgr["stage_s"].get("graph", 0.0),
+                "fused_graph_outside_s": fgr["median_s"] - fgr["stage_s"].get("graph", 0.0)} if fgr else {}),
             "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],
             **({"floor_sustained_s": held, "fused_over_sustained_floor": tf / held} if held else {}),
             "generic_stage_s": g["stage_s"], "fused_stage_s": f["stage_s"],

@@ -133,6 +133,7 @@ def build_engine(s: ServeSettings, weights: list[KvBProjWeights] | None = None) 
         num_layers=s.layers,
         first_layer=s.first_layer,
         max_context_token_heads=s.max_context_token_heads,
+        cuda_graphs=s.cuda_graphs,
     )
     device = resolve_device(s.device)
     check_memory(config, device)

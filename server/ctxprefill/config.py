@@ -103,6 +103,8 @@ class EngineConfig:
     first_layer: int = 0  # model index of the first of them
     # one request's context tokens x heads served at most (its gather and kv_b_proj work)
     max_context_token_heads: int = MAX_CONTEXT_TOKEN_HEADS
+    # on a GPU: a request shape's chunk loop replayed as a CUDA graph from its third request on
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         check_layers(self.num_layers, self.first_layer)

@@ -55,6 +55,7 @@ class ServeSettings:
     kv_b_proj_dtype: str = "bf16"  # random weights only; a file decides its own
     generic: bool = False  # run the generic (unfused) pack path
     unpacked_keys: bool = True  # fused bf16 prefill: no K pack where the attention backend reads the keys unpacked
+    cuda_graphs: bool = False  # replay a request shape's chunk loop as a CUDA graph (engine/graphs.py)
     softmax_scale: float | None = None
     grace_seconds: float = 25.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 1 << 30  # gRPC send/receive limit
@@ -123,6 +124,10 @@ _HELP = {
                      "triton): pack no K, attention reads k_nope from the kv_b_proj output and k_pe from the "
                      "workspace (same bits; docs/DESIGN.md); --no-unpacked-keys packs K = [k_nope | k_pe] with the "
                      "fused kernel every chunk",
+    "cuda_graphs": "on a GPU, replay a request shape's chunk loop as a CUDA graph from the shape's third request on "
+                   "(the same kernels and bits, one launch; captured at its second, at most 8 shapes kept): the host "
+                   "still checks, plans and copies each request in; requests with a trace timeline, or a deadline "
+                   "over more than 4 chunks, run eagerly; per-stage times become one 'graph' stage",
     "softmax_scale": "softmax scale (default (P+R)**-0.5; pass the final one, yarn mscale included)",
     "grace_seconds": "on SIGTERM/SIGINT: seconds in-flight requests get to finish before the server exits",
     "max_message_bytes": "largest gRPC message the server receives or sends, in bytes",

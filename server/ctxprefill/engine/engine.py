@@ -26,10 +26,12 @@ from ..ops import _cuda, launches
 from ..ops.fp8 import FP8
 from ..ops.pack import fused_mla_kv_concat
 from ..weights import KvBProjWeights
+from .graphs import LoopGraphs
 from .loop import LoopInputs, Observer, PendingLoop, start_chunk_loop, unpacked_keys_wanted, use_unpacked_keys
 from .plan import ContextChunk
 from .request import (
     MAX_BLOCK_TABLE_ENTRIES,
+    CheckedPrefill,
     CheckedWrite,
     PrefillRequest,
     ReadRequest,
@@ -158,6 +160,7 @@ class Engine:
         self.workspace = torch.empty(config.workspace_tokens * width * 2, dtype=torch.uint8, device=self.device)
         self.instance_id = uuid.uuid4().hex
         self._lock = threading.Lock()
+        self.graphs = LoopGraphs() if self.device.type == "cuda" else None  # used per config.cuda_graphs
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         """Make the engine's GPU the current one: Triton launches and CUDA events use the
@@ -259,9 +262,10 @@ class Engine:
         observer: Observer | None = None,
         layer: int | None = None,
         unpacked_keys: bool | None = None,
+        graphs_on: bool | None = None,
     ) -> PrefillResult:
         return self.prefill_context_start(q, sequences, workspace_tokens, plan, fused, observer, layer,
-                                          unpacked_keys).result()
+                                          unpacked_keys, graphs_on).result()
 
     def prefill_context_start(
         self,
@@ -273,13 +277,16 @@ class Engine:
         observer: Observer | None = None,
         layer: int | None = None,
         unpacked_keys: bool | None = None,
+        graphs_on: bool | None = None,
     ) -> PendingPrefill:
         """:meth:`start_prefill` of the request these arguments make."""
         request = PrefillRequest(q, sequences, workspace_tokens, plan, layer)
-        return self.start_prefill(request, fused=fused, observer=observer, unpacked_keys=unpacked_keys)
+        return self.start_prefill(request, fused=fused, observer=observer, unpacked_keys=unpacked_keys,
+                                  graphs_on=graphs_on)
 
     def start_prefill(self, request: PrefillRequest, *, fused: bool | None = None, observer: Observer | None = None,
-                      unpacked_keys: bool | None = None, timeline: bool = False) -> PendingPrefill:
+                      unpacked_keys: bool | None = None, timeline: bool = False,
+                      graphs_on: bool | None = None) -> PendingPrefill:
         """Check the request (``request.validate_prefill``) and queue its device work;
         return without waiting for it. The next request can be checked and queued before
         this one's result is taken (the workspace is reused in stream order), so that the
@@ -288,14 +295,32 @@ class Engine:
         change until the result is taken. ``fused`` and ``unpacked_keys``: the config's
         unless given (benchmarks compare the paths on one engine). ``timeline``: keep when
         its checks and plan ran and each stage's place (``PrefillStats.checked_ns`` and
-        ``stages``: what a traced request's spans show)."""
+        ``stages``: what a traced request's spans show). ``graphs_on``: replay the shape's
+        CUDA graph where it can (engine/graphs.py), ``config.cuda_graphs`` unless given."""
         cfg = self.config
         t_check = time.perf_counter_ns() if timeline else 0
         checked = validate_prefill(request, cfg, self.instance_id)
         checked_ns = (t_check, time.perf_counter_ns()) if timeline else None
-        li = checked.layer_position
         fused = cfg.fused if fused is None else fused
-        inputs = LoopInputs(
+        inputs = self.loop_inputs(checked, unpacked_keys, timeline)
+        graphs = self.graphs if (cfg.cuda_graphs if graphs_on is None else graphs_on) else None
+        with self._lock, self._on_device():
+            if graphs is not None and observer is None and graphs.eligible(inputs):
+                pending = graphs.start(inputs, self.backend, fused, checked.layer_position)
+            else:
+                pending = start_chunk_loop(inputs, self.backend, fused, observer)
+        return PendingPrefill(self, pending, dict(
+            chunks=checked.chunks, path="fused" if fused else "generic", fp8_path=cfg.fp8_path_labels,
+            context_tokens=sum(checked.context_lens), query_tokens=int(checked.q.shape[0]), checked_ns=checked_ns),
+            checked.cache_write)
+
+    def loop_inputs(self, checked: CheckedPrefill, unpacked_keys: bool | None = None,
+                    timeline: bool = False) -> LoopInputs:
+        """What the chunk loop reads for a checked request: its q on the engine's device
+        (copied in stream order), its layer's cache and weight, the engine's workspace."""
+        cfg = self.config
+        li = checked.layer_position
+        return LoopInputs(
             q=checked.q.to(self.device, non_blocking=True),
             query_lens=checked.query_lens,
             block_table=checked.block_table,
@@ -315,9 +340,3 @@ class Engine:
             stop=checked.stop,
             stage_places=timeline,
         )
-        with self._lock, self._on_device():
-            pending = start_chunk_loop(inputs, self.backend, fused, observer)
-        return PendingPrefill(self, pending, dict(
-            chunks=checked.chunks, path="fused" if fused else "generic", fp8_path=cfg.fp8_path_labels,
-            context_tokens=sum(checked.context_lens), query_tokens=int(checked.q.shape[0]), checked_ns=checked_ns),
-            checked.cache_write)

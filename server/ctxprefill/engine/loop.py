@@ -167,13 +167,36 @@ def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _chunk_metadata(x: LoopInputs, device: torch.device | str,
-                    keys_last: bool = False) -> tuple[torch.Tensor, list[ChunkMeta]]:
-    """(the block table on the device ``[B, max_blocks]``, and every chunk's
-    :class:`ChunkMeta`), built on the host and moved to the device in one copy for the whole
-    request. Equal metadata vectors are uploaded once and shared (the chunks of one long
-    sequence differ only in their starts): a view costs the host 1-5 us, and host time
-    before the first stage adds to the request's latency."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostMetadata:
+    """A request's chunk metadata on the host (:func:`host_metadata`): what goes up in its
+    one upload, and where each chunk's vectors lie in it."""
+
+    host: np.ndarray  # int32 [n]: the chunks' distinct vectors, then the block table
+    sizes: list[int]  # the vectors' lengths, in order (the block table's last)
+    spans: list[_HostChunk]
+    block_table_shape: tuple[int, ...]  # [B, max_blocks]
+    keys_last: bool
+
+    def layout(self) -> tuple[object, ...]:
+        """Everything of the upload but its values: equal for requests whose metadata
+        lands in the same places (what a captured loop needs to replay)."""
+        return (tuple(self.sizes), self.block_table_shape, self.keys_last,
+                tuple((h.q0, h.q1, h.max_q, h.max_k, h.part_k, h.part_starts, h.part_q, h.part_v, tuple(h.cu_k))
+                      for h in self.spans))
+
+
+def uses_keys_last(x: LoopInputs, backend: AttentionBackend) -> bool:
+    """fp8 P·V reads V keys-last ([H, 128, columns]) where the backend takes it: the pack
+    writes it so, each segment from a 16-aligned column (KeysLast)."""
+    return x.fp8_prefill and x.q.dtype in backend.caps.v_keys_last
+
+
+def host_metadata(x: LoopInputs, keys_last: bool = False) -> HostMetadata:
+    """Every chunk's metadata vectors and the block table, as one int32 array. Equal
+    vectors are stored once and shared (the chunks of one long sequence differ only in
+    their starts): a view costs the host 1-5 us, and host time before the first stage
+    adds to the request's latency."""
     q_offsets = [0]
     for n in x.query_lens:
         q_offsets.append(q_offsets[-1] + n)
@@ -203,17 +226,40 @@ def _chunk_metadata(x: LoopInputs, device: torch.device | str,
             cu_k=cu_k, cu_v=cu_v, part_k=part(cu_k), part_starts=part(c.context_starts), part_q=part(cu_q),
             part_v=part(cu_v) if keys_last else -1))
     bt = np.ascontiguousarray(x.block_table, dtype=np.int32)
-    dev = _upload(np.concatenate([np.asarray(host, dtype=np.int32), bt.ravel()]), torch.device(device))
-    # the per-chunk tensors as views of the one upload, made in one call
-    parts = dev.split_with_sizes(sizes + [bt.size])
+    return HostMetadata(np.concatenate([np.asarray(host, dtype=np.int32), bt.ravel()]), sizes + [bt.size], spans,
+                        bt.shape, keys_last)
+
+
+def device_metadata(hm: HostMetadata, dev: torch.Tensor) -> tuple[torch.Tensor, list[ChunkMeta]]:
+    """(the block table on the device ``[B, max_blocks]``, every chunk's :class:`ChunkMeta`)
+    as views of ``dev``, the upload of ``hm.host`` (int32 [n]), made in one call."""
+    parts = dev.split_with_sizes(hm.sizes)
     meta = [
         ChunkMeta(cu_seqlens_k=parts[h.part_k], context_starts=parts[h.part_starts], cu_seqlens_q=parts[h.part_q],
                   q0=h.q0, q1=h.q1, max_q=h.max_q, max_k=h.max_k,
-                  keys_last=KeysLast(h.cu_k, h.cu_v, parts[h.part_k], parts[h.part_v]) if keys_last else None)
-        for h in spans
+                  keys_last=KeysLast(h.cu_k, h.cu_v, parts[h.part_k], parts[h.part_v]) if hm.keys_last else None)
+        for h in hm.spans
     ]
-    block_table = parts[-1].view(bt.shape)
-    return block_table, meta
+    return parts[-1].view(hm.block_table_shape), meta
+
+
+def upload_metadata(hm: HostMetadata, device: torch.device | str) -> tuple[torch.Tensor, list[ChunkMeta]]:
+    """:func:`device_metadata` of ``hm`` moved to ``device`` in one copy for the whole request."""
+    return device_metadata(hm, _upload(hm.host, torch.device(device)))
+
+
+def _chunk_metadata(x: LoopInputs, device: torch.device | str,
+                    keys_last: bool = False) -> tuple[torch.Tensor, list[ChunkMeta]]:
+    """(the block table on the device ``[B, max_blocks]``, and every chunk's
+    :class:`ChunkMeta`), built on the host and moved to the device in one copy."""
+    return upload_metadata(host_metadata(x, keys_last), device)
+
+
+def launch_orders(backend: AttentionBackend, x: LoopInputs) -> list[LaunchOrder | None]:
+    """Every chunk's launch order on the device (None where the backend gives none)."""
+    if not backend.caps.launch_order:
+        return [None] * len(x.chunks)
+    return [_launch_order(backend, x, c, x.heads, x.q.dtype, x.q.device) for c in x.chunks]
 
 
 def _launch_order(backend: AttentionBackend, x: LoopInputs, c: ContextChunk, heads: int, q_dtype: torch.dtype,
@@ -286,23 +332,38 @@ def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     return start_chunk_loop(x, backend, fused, observer).finish()
 
 
+class _Untimed(StageTimer):
+    """Times nothing: a loop captured as a CUDA graph records no timing events."""
+
+    def begin(self, name: str) -> Started:
+        return name, 0
+
+    def end(self, started: Started) -> None:
+        pass
+
+
 def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
-                     observer: Observer | None = None) -> PendingLoop:
+                     observer: Observer | None = None, *,
+                     metadata: tuple[torch.Tensor, list[ChunkMeta]] | None = None,
+                     launch_orders: Sequence[LaunchOrder | None] | None = None,
+                     timed: bool = True) -> PendingLoop:
     """Queue the chunk loop's work on the device and return without waiting for it (with a
-    stop signal on a GPU: for all but its last ``STOP_AHEAD`` chunks)."""
+    stop signal on a GPU: for all but its last ``STOP_AHEAD`` chunks). ``metadata``: the
+    request's chunk metadata already on the device (:func:`device_metadata`), else it is
+    uploaded here; ``launch_orders``: each chunk's, already on the device, else the
+    backend's are made per chunk; ``timed=False``: no stage timing (engine/graphs.py
+    captures the loop so)."""
     q = x.q
     device = q.device
     Tq, H = q.shape[0], x.heads
     caps = backend.caps
     counts: Counter[str] = Counter()
-    timer = DetailedStageTimer(device) if x.stage_places else StageTimer(device)
+    timer = (DetailedStageTimer if x.stage_places else StageTimer if timed else _Untimed)(device)
     stage = _Stage(counts, timer)  # stages do not nest
 
-    # fp8 P·V reads V keys-last ([H, 128, columns]) when the backend takes it: the pack
-    # writes it so, each segment from a 16-aligned column (KeysLast)
-    keys_last = x.fp8_prefill and q.dtype in caps.v_keys_last
+    keys_last = uses_keys_last(x, backend)
     v_layout: VLayout = "hdt" if keys_last else "thd"
-    block_table, meta = _chunk_metadata(x, device, keys_last)
+    block_table, meta = metadata if metadata is not None else _chunk_metadata(x, device, keys_last)
     ws_dtype = FP8 if x.gather_raw_fp8 else torch.bfloat16
     # bf16 prefill on the fused path: K's two parts go to attention where they lie (no pack
     # stage, no K buffer) when the backend reads the keys unpacked
@@ -380,7 +441,10 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
                     k = (fused_mla_kv_concat if fused else generic_kv_concat)(k_nope, views.k_pe)
         # the backend's launch order (gluon: tiles packed per SM), if it gives one here: host
         # work outside the stages (a device idle while it runs shows as the request's gap)
-        order = _launch_order(backend, x, c, H, q.dtype, device) if caps.launch_order else None
+        if launch_orders is not None:
+            order = launch_orders[i]
+        else:
+            order = _launch_order(backend, x, c, H, q.dtype, device) if caps.launch_order else None
         # a direct chunk with a backend that writes in place: straight into out[token_slice]
         dest = out_c if direct[i] and caps.supports_out else None
         with stage("attention"):

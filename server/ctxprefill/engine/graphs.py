@@ -1,0 +1,163 @@
+"""The chunk loop replayed as a CUDA graph, per request shape (``--cuda-graphs``).
+
+A 16-head request's Python issues its ~27 launches about as fast as the device runs
+them, so the device waits on the host inside the loop; a graph replays the same kernels
+with the same arguments in one launch (the same bits, tested: tests/gpu/test_graphs_gpu.py).
+The host still checks and plans every request, builds its chunk metadata, and copies
+the metadata and q into the graph's buffers; after the replay the output and LSE are
+copied out of them (the next replay overwrites them).
+
+A shape is what the captured launches bake in: the layer (its weight), the path, q's
+shape and dtype, the query lengths, and the metadata's layout (chunk sizes, context
+lengths, where each vector lies in the upload: :meth:`HostMetadata.layout`). Block ids,
+context starts, q and the cache's contents are values in device buffers, refilled per
+request. A shape is captured the second time it comes (the first ran eagerly and warmed
+every kernel), after that request's loop is queued; at most ``max_graphs`` are kept,
+the least recently used dropped. A replay has no per-stage times: its stats carry one
+stage, ``graph``, the replay's device time. Requests that want more (an observer, a
+traced timeline) or that could stop part way (a stop signal over more than
+``STOP_AHEAD`` chunks: a replay runs to its end) run eagerly.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Hashable
+
+import torch
+
+from ..backends.base import AttentionBackend, LaunchOrder
+from .loop import (
+    STOP_AHEAD,
+    HostMetadata,
+    LoopInputs,
+    PendingLoop,
+    device_metadata,
+    host_metadata,
+    launch_orders,
+    start_chunk_loop,
+    upload_metadata,
+    use_unpacked_keys,
+    uses_keys_last,
+)
+from .timing import StageTimer
+
+log = logging.getLogger("ctxprefill.engine")
+
+#: shapes counted before their second request, at most (the oldest forgotten first)
+MAX_SEEN = 4096
+GRAPH_STAGE = "graph"
+
+
+@dataclasses.dataclass
+class CapturedLoop:
+    """One shape's loop as a graph, over its static buffers."""
+
+    graph: torch.cuda.CUDAGraph
+    q: torch.Tensor  # [Tq, H, 192]: the request's q is copied here
+    meta: torch.Tensor  # int32 [n]: the chunk metadata and block table (HostMetadata.host)
+    staging: torch.Tensor  # int32 [n], page-locked: meta's source
+    staged: torch.cuda.Event  # the last copy out of staging is done
+    out: torch.Tensor  # [Tq, H, V] bf16, written by the replay
+    lse: torch.Tensor  # [H, Tq] float32
+    launches: Counter[str]  # the captured loop's kernel launches by stage
+    unpacked_keys: bool
+    orders: list[LaunchOrder | None]  # kept alive: the replay reads them
+
+
+class LoopGraphs:
+    """The captured loops of one engine (one device, one stream: the engine's lock held)."""
+
+    def __init__(self, max_graphs: int = 8):
+        self.max_graphs = max_graphs
+        self._graphs: collections.OrderedDict[Hashable, CapturedLoop] = collections.OrderedDict()
+        self._seen: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
+        self._failed: set[Hashable] = set()
+        self.replays = 0
+        self.captures = 0
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    @staticmethod
+    def eligible(x: LoopInputs) -> bool:
+        """Whether a request may run as a replay: no timeline, and no stop signal over
+        more chunks than the eager loop queues at once anyway."""
+        return x.q.device.type == "cuda" and not x.stage_places and (
+            x.stop is None or len(x.chunks) <= STOP_AHEAD)
+
+    def start(self, x: LoopInputs, backend: AttentionBackend, fused: bool, layer: int) -> PendingLoop:
+        """Queue ``x``'s loop: a replay of its shape's graph, or the eager loop (capturing
+        the shape the second time it comes)."""
+        hm = host_metadata(x, uses_keys_last(x, backend))
+        key = (layer, fused, x.unpacked_keys, tuple(x.q.shape), x.q.dtype, tuple(x.query_lens),
+               tuple((c.first_sequence, c.num_sequences, c.is_continuation) for c in x.chunks), hm.layout())
+        cap = self._graphs.get(key)
+        if cap is not None:
+            self._graphs.move_to_end(key)
+            if x.stop is not None:
+                x.stop.check(0, len(x.chunks))
+            return self._replay(cap, x, hm)
+        seen = self._seen.pop(key, 0) + 1
+        self._seen[key] = seen
+        while len(self._seen) > MAX_SEEN:
+            self._seen.popitem(last=False)
+        metadata = upload_metadata(hm, x.q.device)
+        pending = start_chunk_loop(x, backend, fused, metadata=metadata)
+        if seen >= 2 and key not in self._failed:
+            self._capture(key, x, hm, backend, fused)
+        return pending
+
+    def _capture(self, key: Hashable, x: LoopInputs, hm: HostMetadata, backend: AttentionBackend,
+                 fused: bool) -> None:
+        staging = torch.from_numpy(hm.host).pin_memory()
+        meta = torch.empty(hm.host.size, dtype=torch.int32, device=x.q.device)
+        meta.copy_(staging, non_blocking=True)
+        staged = torch.cuda.Event()  # type: ignore[no-untyped-call]  # (torch's is unannotated)
+        staged.record()
+        orders = launch_orders(backend, x)
+        q = x.q.clone()
+        xs = dataclasses.replace(x, q=q, stop=None)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(x.q.device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(x.q.device))
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    looped = start_chunk_loop(xs, backend, fused, metadata=device_metadata(hm, meta),
+                                              launch_orders=orders, timed=False)
+                finally:
+                    graph.capture_end()
+        except Exception as e:  # a kernel that cannot be captured: this shape runs eagerly
+            self._failed.add(key)
+            log.warning("chunk loop not captured as a CUDA graph (%s: %s); the shape runs eagerly",
+                        type(e).__name__, str(e).splitlines()[0][:200])
+            return
+        finally:
+            torch.cuda.current_stream(x.q.device).wait_stream(stream)
+        self._graphs[key] = CapturedLoop(graph, q, meta, staging, staged, looped.out, looped.lse,
+                                         looped.counts, use_unpacked_keys(backend, fused, x.unpacked_keys,
+                                                                          x.fp8_prefill), orders)
+        self.captures += 1
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+
+    def _replay(self, cap: CapturedLoop, x: LoopInputs, hm: HostMetadata) -> PendingLoop:
+        cap.staged.synchronize()  # the previous replay's copy out of staging is done (long since)
+        cap.staging.numpy()[:] = hm.host
+        cap.meta.copy_(cap.staging, non_blocking=True)
+        cap.staged.record()
+        cap.q.copy_(x.q, non_blocking=True)
+        timer = StageTimer(x.q.device)
+        started = timer.begin(GRAPH_STAGE)
+        cap.graph.replay()
+        timer.end(started)
+        out, lse = cap.out.clone(), cap.lse.clone()  # the next replay writes into cap.out, cap.lse
+        self.replays += 1
+        counts = Counter(cap.launches)
+        counts[GRAPH_STAGE] += 2  # the two copies out
+        return PendingLoop(out, lse, counts, timer, cap.unpacked_keys)

@@ -1,0 +1,138 @@
+"""The chunk loop replayed as a CUDA graph (engine/graphs.py) gives the eager loop's bits.
+
+A shape runs eagerly the first time, is captured the second, and replays from the third:
+out and LSE equal the eager loop's bit for bit over cache {auto, fp8, fp8_ds_mla} x
+kv_b_proj {bf16, fp8} x prefill {bf16, fp8}, on a ragged request (continuation chunks,
+empty sequences) and a long one in 4 chunks; a request of the same shape with other
+block ids, cache contents and q replays with its own values; requests that need the
+eager loop (an observer) get it; at most ``max_graphs`` shapes are kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from ctxprefill.backends import registry
+from ctxprefill.config import CacheConfig, EngineConfig, ModelShape
+from ctxprefill.engine.engine import Engine, SequenceSpec
+from ctxprefill.engine.graphs import GRAPH_STAGE
+from ctxprefill.weights import prepare, random_kv_b_proj
+from ctxprefill_client import slot_mapping
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="no CUDA device: the GPU engine tests run on the GPU machine")]
+
+DEV = torch.device("cuda")
+FP8 = torch.float8_e4m3fn
+CASES = {
+    "ragged": dict(contexts=[3000, 0, 1500, 64, 700, 1, 0, 2100], queries=[17, 5, 9, 3, 12, 1, 4, 30], W=1024,
+                   block=64, heads=16, blocks=400),
+    "long": dict(contexts=[16384], queries=[256], W=4096, block=64, heads=16, blocks=300),
+}
+COMBOS = list(itertools.product(["auto", "fp8", "fp8_ds_mla"], ["bf16", "fp8"], ["bf16", "fp8"]))
+
+
+@pytest.fixture(autouse=True)
+def _ext(cuda_ext):
+    return cuda_ext
+
+
+def make_engine(c: dict, cache_dtype: str, kvb: str, prefill: str) -> Engine:
+    shape = ModelShape(heads=c["heads"])
+    t = random_kv_b_proj(shape, kvb, seed=0)
+    w = prepare(kvb, t["kv_b_proj.weight"], t.get("kv_b_proj.weight_scale_inv"))
+    k_scale = 1.0 if (cache_dtype == "fp8" and prefill == "fp8") else 0.5
+    cfg = EngineConfig(shape=shape, cache=CacheConfig(cache_dtype, c["block"], c["blocks"], k_scale),
+                       kv_b_proj_dtype=kvb, prefill_dtype=prefill, workspace_tokens=c["W"], cuda_graphs=True)
+    q_dtype = FP8 if prefill == "fp8" else torch.bfloat16
+    backend, _ = registry.create("auto", DEV, q_dtype)  # the kernel backend served here (gluon on Hopper)
+    return Engine(cfg, w, DEV, backend=backend)
+
+
+def make_request(engine: Engine, c: dict, seed: int):
+    """Every sequence's context written into shuffled blocks (another seed: other blocks,
+    other values, the same shape); a matching q on the device."""
+    bs = engine.config.cache.block_size
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(n / bs) for n in c["contexts"]]
+    perm = torch.randperm(engine.config.cache.num_blocks, generator=g)[: sum(need)].tolist()
+    seqs, at = [], 0
+    for n, nb, qn in zip(c["contexts"], need, c["queries"]):
+        blocks = perm[at : at + nb]
+        at += nb
+        if n:
+            engine.write_cache(torch.from_numpy(slot_mapping(blocks, 0, n, bs)), torch.randn((n, 512), generator=g),
+                               torch.randn((n, 64), generator=g))
+        seqs.append(SequenceSpec(qn, n, blocks))
+    q = torch.randn((sum(c["queries"]), c["heads"], 192), generator=g)
+    q = q.clamp(-448, 448).to(FP8) if engine.config.prefill_dtype == "fp8" else q.to(torch.bfloat16)
+    return q.to(DEV), seqs
+
+
+def same_bits(a, b) -> bool:
+    return torch.equal(a.out.view(torch.int16), b.out.view(torch.int16)) and \
+        torch.equal(a.lse.view(torch.int32), b.lse.view(torch.int32))
+
+
+@pytest.mark.parametrize("cache_dtype,kvb,prefill", COMBOS, ids=["-".join(c) for c in COMBOS])
+@pytest.mark.parametrize("case", list(CASES))
+def test_replay_equals_the_eager_loop_bit_for_bit(case, cache_dtype, kvb, prefill):
+    c = CASES[case]
+    eng = make_engine(c, cache_dtype, kvb, prefill)
+    q, seqs = make_request(eng, c, seed=1)
+    eager = eng.prefill_context(q, seqs, graphs_on=False)
+    runs = [eng.prefill_context(q, seqs) for _ in range(3)]  # eager, eager + capture, replay
+    assert eng.graphs is not None and (eng.graphs.captures, eng.graphs.replays) == (1, 1)
+    assert [GRAPH_STAGE in r.stats.stage_ns for r in runs] == [False, False, True]
+    assert set(runs[2].stats.stage_ns) == {GRAPH_STAGE} and runs[2].stats.stage_ns[GRAPH_STAGE] > 0
+    for r in runs:
+        assert same_bits(r, eager)
+    # the replay's launches are the captured loop's, and its two copies out
+    want = dict(eager.stats.launches)
+    want[GRAPH_STAGE] = 2
+    assert dict(runs[2].stats.launches) == want
+    # another request of the same shape (other blocks, cache contents, q) replays with its values
+    q2, seqs2 = make_request(eng, c, seed=2)
+    assert [s.block_table for s in seqs2] != [s.block_table for s in seqs]
+    eager2 = eng.prefill_context(q2, seqs2, graphs_on=False)
+    replay2 = eng.prefill_context(q2, seqs2)
+    assert eng.graphs.replays == 2 and same_bits(replay2, eager2) and not same_bits(eager2, eager)
+
+
+def test_the_replays_result_outlives_the_next_replay():
+    """A result taken after the next request replays the same graph is still its own
+    (the service answers a request after starting the next)."""
+    c = CASES["long"]
+    eng = make_engine(c, "auto", "bf16", "bf16")
+    q, seqs = make_request(eng, c, seed=1)
+    eager = eng.prefill_context(q, seqs, graphs_on=False)
+    for _ in range(2):
+        eng.prefill_context(q, seqs)
+    q2 = q.flip(0).contiguous()
+    eager2 = eng.prefill_context(q2, seqs, graphs_on=False)
+    first = eng.prefill_context_start(q, seqs)
+    second = eng.prefill_context_start(q2, seqs)
+    assert same_bits(first.result(), eager) and same_bits(second.result(), eager2)
+    assert eng.graphs is not None and eng.graphs.replays == 2
+
+
+def test_observed_requests_run_eagerly_and_shapes_are_bounded():
+    c = CASES["long"]
+    eng = make_engine(c, "auto", "bf16", "bf16")
+    assert eng.graphs is not None
+    eng.graphs.max_graphs = 1
+    q, seqs = make_request(eng, c, seed=1)
+    for _ in range(3):
+        seen: list[int] = []
+        r = eng.prefill_context(q, seqs, observer=lambda i, *_: seen.append(i))
+        assert GRAPH_STAGE not in r.stats.stage_ns and seen == list(range(len(r.stats.chunks)))
+    assert eng.graphs.captures == 0
+    shorter = [SequenceSpec(s.query_len, s.context_len - 64, s.block_table) for s in seqs]
+    for request in (seqs, shorter, seqs, shorter):
+        for _ in range(3):
+            eng.prefill_context(q, request)
+    assert len(eng.graphs) == 1 and eng.graphs.captures == 4  # each shape captured again after its eviction
