@@ -691,7 +691,8 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
             r = _row(eng, heads=h, new=1024, context=65536, cache_dtype="auto", prefill_dtype=pd)
             rows.append((f"Whole request, {h} heads, {pd} prefill, 1,024 new over 64k",
                          f"fused {_ms(r['fused_s'])} ms, generic {_ms(r['generic_s'])} ms ({r['speedup']:.2f}×), "
-                         f"floor {_ms(r['floor_s'])} ms", "bench_engine"))
+                         + (f"fused as a CUDA graph {_ms(r['fused_graph_s'])} ms, " if "fused_graph_s" in r else "")
+                         + f"floor {_ms(r['floor_s'])} ms", "bench_engine"))
     att = [r for r in load("bench_attention", results)["results"] if r.get("case") == "1x8192q/16384k"
            and not r.get("causal")]
 
