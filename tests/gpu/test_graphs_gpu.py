@@ -136,3 +136,40 @@ def test_observed_requests_run_eagerly_and_shapes_are_bounded():
         for _ in range(3):
             eng.prefill_context(q, request)
     assert len(eng.graphs) == 1 and eng.graphs.captures == 4  # each shape captured again after its eviction
+
+
+def test_served_requests_replay_with_the_same_answers(cuda_ext):
+    """``ctxprefill serve --cuda-graphs``: a request repeated through gRPC (a deadline
+    on each: a stop signal over 2 chunks) answers the same bits eagerly and replayed, and
+    the replays show as the ``graph`` stage in the metrics."""
+    import os
+    import sys
+
+    import numpy as np
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: service_process
+    from context_layout import tables_and_slots
+    from ctxprefill_client import PrefillContextClient
+    from service_process import ServerProcess, sample_sum
+
+    heads, bs, contexts, queries = 4, 16, [100, 0, 37, 64], [5, 3, 7, 1]
+    tables, slots = tables_and_slots(contexts, bs)
+    rng = np.random.default_rng(3)
+    proc = ServerProcess({"device": f"cuda:{torch.cuda.current_device()}", "heads": heads, "block_size": bs,
+                          "num_blocks": 64, "workspace_tokens": 128, "seed": 9, "cuda_graphs": True})
+    try:
+        proc.wait_ready(timeout=600)
+        with PrefillContextClient(proc.target, retries=0, timeout=120) as c:
+            c.write_cache(slots, rng.standard_normal((len(slots), 512), dtype=np.float32),
+                          rng.standard_normal((len(slots), 64), dtype=np.float32))
+            q = rng.standard_normal((sum(queries), heads, 192), dtype=np.float32)
+            answers = [c.prefill_context(q, list(zip(queries, contexts, tables)), timeout=60) for _ in range(4)]
+        for a in answers[1:]:
+            assert np.array_equal(a.output, answers[0].output) and np.array_equal(a.lse, answers[0].lse)
+        assert ["graph" in a.stats["stage_nanos"] for a in answers] == [False, False, True, True]
+        m = proc.scrape()
+        replays = sample_sum(m["ctxprefill_stage_duration_seconds_count"], stage="graph")
+        assert replays == 2, replays  # the third and fourth
+    finally:
+        proc.terminate(30)
+        proc.kill()
