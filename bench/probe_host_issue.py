@@ -9,7 +9,8 @@ the fused path's attention "running slower" than the generic path's on the same 
 this measures without it: a spin kernel (``torch.cuda._sleep``) holds the device first,
 so that nothing the host does waits on the device, and the host's time from the call to
 the request's one synchronize is its issue time. The same for single calls of the loop's
-pieces (per call, device held the same way).
+pieces (per call, device held the same way). Three paths: generic, fused, and fused with
+its chunk loop replayed as a CUDA graph (engine/graphs.py).
 
   PYTHONPATH=server:client python3 bench/probe_host_issue.py --out bench/results/probe_host.json
 """
@@ -35,6 +36,7 @@ import torch  # noqa: E402
 
 from ctxprefill.app import build_engine  # noqa: E402
 from ctxprefill.engine import timing  # noqa: E402
+from ctxprefill.engine.request import PrefillRequest, validate_prefill  # noqa: E402
 from ctxprefill.settings import ServeSettings  # noqa: E402
 from ctxprefill_bench import run_info  # noqa: E402
 from ctxprefill_bench.engine_bench import make_device_request, time_request  # noqa: E402
@@ -42,22 +44,26 @@ from ctxprefill_bench.engine_bench import make_device_request, time_request  # n
 HOLD_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: longer than anything issued behind it
 
 
-def _requests(engine, q, seqs, fused: bool, iters: int, marks: dict):
+#: the paths probed: (name, fused, graphs_on)
+PATHS = (("generic", False, False), ("fused", True, False), ("graph", True, True))
+
+
+def _requests(engine, q, seqs, fused: bool, graphs: bool, iters: int, marks: dict):
     """``iters`` requests, each from an idle device: yields (start, end) host times, with
     ``marks`` cleared before each (the wrappers fill it)."""
     for _ in range(iters):
         marks.clear()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        engine.prefill_context(q, seqs, fused=fused)
+        engine.prefill_context(q, seqs, fused=fused, graphs_on=graphs)
         yield t0, time.perf_counter()
 
 
-def issue_time_s(engine, q, seqs, fused: bool, iters: int) -> tuple[float, float]:
+def issue_time_s(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> tuple[float, float]:
     """(median host time from the call to the first stage, median host time from the
     first stage to the request's synchronize in StageTimer.finish). The spin kernel is
     queued at the first stage, so the work before it runs with the device idle, as a
-    request finds it (before 5972e7d its uploads were synchronous and would have waited)."""
+    request finds it."""
     marks = {}
     begin, finish = timing.StageTimer.begin, timing.StageTimer.finish
 
@@ -74,20 +80,25 @@ def issue_time_s(engine, q, seqs, fused: bool, iters: int) -> tuple[float, float
     pre, issue = [], []
     with mock.patch.object(timing.StageTimer, "begin", held_begin), \
             mock.patch.object(timing.StageTimer, "finish", marked_finish):
-        for t0, _ in _requests(engine, q, seqs, fused, iters, marks):
+        for t0, _ in _requests(engine, q, seqs, fused, graphs, iters, marks):
             pre.append(marks["first"] - t0)
             issue.append(marks["finish"] - marks["first"])
     return statistics.median(pre), statistics.median(issue)
 
 
-def host_steps_us(engine, q, seqs, fused: bool, iters: int) -> dict:
-    """Median host time of each step of a normal (unheld) request outside its stages, in
-    µs: validation, planning, building the loop's inputs, the chunk metadata and its upload
-    (of which the stage timer's creation, the one upload), the rest up to the first stage;
-    after the last stage, the timer's synchronize and event readout, and the return to the
-    caller. (A variant with the host polling for the device instead of blocking in the
-    synchronize measured the same, 2026-12-02, and was dropped.)"""
+#: a request's host steps, in order (probe_host_issue.host_steps_us)
+STEPS = ("validate", "inputs", "metadata", "copies in", "to first stage", "issue+device", "sync+readout", "return")
+
+
+def host_steps_us(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> dict:
+    """Median host time of each step of a normal (unheld) request, in µs: validation (with
+    the plan), the loop's inputs, the chunk metadata (and on a replay its graph's lookup),
+    the copies of the metadata (and q, on a replay) into device memory, the rest up to the
+    first stage, the stages' issue and the device's work, the synchronize and event
+    readout, the return to the caller; and ``first copy``: from the call to the first
+    device work queued (the end of the copies in: q is already on the device)."""
     from ctxprefill.engine import engine as engine_mod
+    from ctxprefill.engine import graphs as graphs_mod
     from ctxprefill.engine import loop as loop_mod
 
     marks: dict[str, float] = {}
@@ -105,24 +116,22 @@ def host_steps_us(engine, q, seqs, fused: bool, iters: int) -> dict:
         return wrapped
 
     # (owner, name, mark at its first call's start, mark at its first call's end)
-    wraps = [(engine_mod.Engine, "_check_request", None, "checked"), (engine_mod, "plan_chunks", None, "planned"),
-             (engine_mod, "start_chunk_loop", "loop", None), (loop_mod, "_chunk_metadata", None, "uploaded"),
-             (loop_mod, "_upload", "upload0", "upload1"), (timing.StageTimer, "__init__", "timer0", "timer1"),
+    wraps = [(engine_mod, "validate_prefill", None, "checked"), (engine_mod.Engine, "loop_inputs", None, "inputs"),
+             (engine_mod, "start_chunk_loop", "loop", None), (graphs_mod.LoopGraphs, "start", "loop", None),
+             (loop_mod, "_upload", "copy0", "copy1"), (graphs_mod.CapturedLoop, "load", "copy0", "copy1"),
              (timing.StageTimer, "begin", "first_stage", None), (timing.StageTimer, "finish", "finish", "finished")]
-    steps = ("validate", "plan", "inputs", "metadata+upload", "(timer)", "(upload)", "to first stage",
-             "issue+device", "sync+readout", "return")
-    got = {k: [] for k in steps}
+    got: dict[str, list[float]] = {k: [] for k in (*STEPS, "first copy")}
     with contextlib.ExitStack() as patches:
         for owner, name, before, after in wraps:
             patches.enter_context(mock.patch.object(owner, name, marking(getattr(owner, name), before, after)))
-        for t0, t1 in _requests(engine, q, seqs, fused, iters, marks):
+        for t0, t1 in _requests(engine, q, seqs, fused, graphs, iters, marks):
             m = marks
-            for k, a, b in (("validate", t0, m["checked"]), ("plan", m["checked"], m["planned"]),
-                            ("inputs", m["planned"], m["loop"]), ("metadata+upload", m["loop"], m["uploaded"]),
-                            ("(timer)", m["timer0"], m["timer1"]), ("(upload)", m["upload0"], m["upload1"]),
-                            ("to first stage", m["uploaded"], m["first_stage"]),
+            for k, a, b in (("validate", t0, m["checked"]), ("inputs", m["checked"], m["inputs"]),
+                            ("metadata", m["loop"], m["copy0"]), ("copies in", m["copy0"], m["copy1"]),
+                            ("to first stage", m["copy1"], m["first_stage"]),
                             ("issue+device", m["first_stage"], m["finish"]),
-                            ("sync+readout", m["finish"], m["finished"]), ("return", m["finished"], t1)):
+                            ("sync+readout", m["finish"], m["finished"]), ("return", m["finished"], t1),
+                            ("first copy", t0, m["copy1"])):
                 got[k].append((b - a) * 1e6)
     return {k: round(statistics.median(v), 1) for k, v in got.items()}
 
@@ -229,14 +238,19 @@ def main(argv=None) -> int:
         engine = build_engine(s)
         q, seqs = make_device_request(engine, [a.context], [a.new])
         row = {"heads": heads, "new": a.new, "context": a.context, "prefill_dtype": pd}
-        for fused in (False, True):
-            name = "fused" if fused else "generic"
-            t = time_request(engine, q, seqs, fused, engine.device, max_iters=a.iters, min_iters=a.iters, target_s=0)
+        for name, fused, graphs in PATHS:
+            t = time_request(engine, q, seqs, fused, engine.device, max_iters=a.iters, min_iters=a.iters, target_s=0,
+                             graphs_on=graphs)
             row[f"{name}_request_s"] = t["median_s"]
             row[f"{name}_span_s"] = t["span_s"]
             row[f"{name}_stages_s"] = sum(t["stage_s"].values())
-            row[f"{name}_before_stages_s"], row[f"{name}_issue_s"] = issue_time_s(engine, q, seqs, fused, a.iters)
-            row[f"{name}_host_steps_us"] = host_steps_us(engine, q, seqs, fused, a.iters)
+            # the request's time outside its stages: host work before and after the device's,
+            # and the device idle between stages
+            row[f"{name}_outside_s"] = t["median_s"] - row[f"{name}_stages_s"]
+            row[f"{name}_before_stages_s"], row[f"{name}_issue_s"] = issue_time_s(engine, q, seqs, fused, graphs,
+                                                                                  a.iters)
+            row[f"{name}_host_steps_us"] = host_steps_us(engine, q, seqs, fused, graphs, a.iters)
+        row["graph_replays"] = engine.graphs.replays
         # the pieces, one call each (device held): what a stage's bracket costs the host
         ev = torch.cuda.Event(enable_timing=True)
         stream = torch.cuda.current_stream()
@@ -249,8 +263,8 @@ def main(argv=None) -> int:
         row["empty_us"] = per_call_us(lambda: torch.empty((1024, heads, 128), dtype=torch.bfloat16, device="cuda"))
         # the request's host work before its first stage: validation, and the upload of its
         # block table and chunk metadata (one copy from pinned memory; before: two from pageable)
-        W = engine.config.workspace_tokens
-        row["check_request_us"] = per_call_us(lambda: engine._check_request(q, seqs, W), n=50)
+        request = PrefillRequest(q, seqs)
+        row["validate_us"] = per_call_us(lambda: validate_prefill(request, engine.config, engine.instance_id), n=50)
         small = torch.zeros(1100, dtype=torch.int32)
         row["h2d_pageable_4k_us"] = per_call_us(lambda: small.to("cuda"), hold=False)
         row["h2d_pinned_4k_us"] = per_call_us(lambda: small.pin_memory().to("cuda", non_blocking=True), hold=False)
@@ -277,6 +291,8 @@ def main(argv=None) -> int:
         row["attention_call_profile"] = profile_top(lambda: be.run_context_chunk(
             chunk["q"], chunk["k"], chunk["v"], cu_q, cu_k, chunk["q"].shape[0], chunk["rows"], 0.1, **kw))
         row["fused_request_profile"] = profile_top(lambda: engine.prefill_context(q, seqs, fused=True), n=20, top=40)
+        row["graph_request_profile"] = profile_top(
+            lambda: engine.prefill_context(q, seqs, fused=True, graphs_on=True), n=20, top=40)
         rows.append(row)
         print(json.dumps({k: (round(v * 1e3, 4) if k.endswith("_s") else round(v, 2) if isinstance(v, float) else v)
                           for k, v in row.items() if not isinstance(v, list)}), flush=True)
@@ -286,19 +302,20 @@ def main(argv=None) -> int:
     print("ms: request / device span / host time before the first stage / host time issuing the stages "
           "(device held: no waits); us: per host call")
     for r in rows:
-        for path in ("generic", "fused"):
+        for path, _, _ in PATHS:
             print(f"  H={r['heads']} {r['prefill_dtype']:>4} {path:>7}: request {r[path + '_request_s'] * 1e3:.3f}, "
                   f"span {r[path + '_span_s'] * 1e3:.3f}, stages {r[path + '_stages_s'] * 1e3:.3f}, "
                   f"host before the first stage {r[path + '_before_stages_s'] * 1e3:.3f}, "
-                  f"host issue of the stages {r[path + '_issue_s'] * 1e3:.3f}")
-        for path in ("generic", "fused"):
+                  f"host issue of the stages {r[path + '_issue_s'] * 1e3:.3f}, "
+                  f"outside the stages {r[path + '_outside_s'] * 1e3:.3f}")
+        for path, _, _ in PATHS:
             print(f"  {path} request's host steps (us, unheld): {r[path + '_host_steps_us']}")
         print(f"  per call: event record {r['event_record_us']:.1f}, elapsed_time {r['event_elapsed_us']:.1f}, "
               f"torch.empty {r['empty_us']:.1f}, attention launch {r['attention_call_us']:.1f} "
               f"(in Triton's JITFunction.run: {r['attention_triton_run_us'] or 0:.1f}), "
-              f"request validation {r['check_request_us']:.1f}, 4 KB host-to-device copy from pageable memory "
+              f"request validation {r['validate_us']:.1f}, 4 KB host-to-device copy from pageable memory "
               f"{r['h2d_pageable_4k_us']:.1f} / pinned, asynchronous {r['h2d_pinned_4k_us']:.1f}")
-        for key in ("attention_call_profile", "fused_request_profile"):
+        for key in ("attention_call_profile", "fused_request_profile", "graph_request_profile"):
             print(f"  {key} (us per call, own time, cProfile-inflated):")
             for e in r[key][:15]:
                 print(f"    {e['own_us']:8.2f} {e['cumulative_us']:9.2f}  x{e['calls_per_call']:<5g} {e['function']}")

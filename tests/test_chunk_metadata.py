@@ -84,3 +84,33 @@ def test_layout_names_what_a_captured_loop_bakes_in():
     # the upload is the vectors then the block table, as sized
     assert sum(ha.sizes) == ha.host.size and ha.sizes[-1] == a.block_table.size
     assert np.array_equal(ha.host[-a.block_table.size:], a.block_table.ravel())
+
+
+def test_a_remembered_shape_gives_what_is_built_afresh():
+    """A request shape's vectors are remembered: a second request of the shape with other
+    block ids gets the same vectors and layout (one object: the graph key's lookup) and
+    its own block table."""
+    from ctxprefill.engine.loop import _chunk_vectors, host_metadata
+
+    a = _inputs([3, 0, 5, 7], [40, 0, 1000, 33], 256)
+    b = dataclasses.replace(a, block_table=a.block_table + 1)
+    ha, hb = host_metadata(a), host_metadata(b)
+    fresh = _chunk_vectors(a.query_lens, a.chunks, False)
+    assert ha.chunk_layout is hb.chunk_layout and ha.chunk_layout == fresh.layout
+    assert list(ha.spans) == list(fresh.spans) and ha.sizes == [*fresh.sizes, a.block_table.size]
+    for h, x in ((ha, a), (hb, b)):
+        assert np.array_equal(h.host, np.concatenate([fresh.host, x.block_table.ravel()]))
+
+
+def test_large_shapes_are_not_remembered():
+    """The memory the remembered shapes hold is bounded: a request of more sequences (or
+    chunks) than the limits is built afresh, not kept."""
+    from ctxprefill.engine import loop
+
+    loop._remembered_vectors.cache_clear()
+    n = loop.REMEMBER_SEQUENCES + 1
+    big = _inputs([1] * n, [16] * n, 64)
+    loop.host_metadata(big)
+    assert loop._remembered_vectors.cache_info().currsize == 0
+    loop.host_metadata(_inputs([1] * (n - 1), [16] * (n - 1), 64))
+    assert loop._remembered_vectors.cache_info().currsize == 1

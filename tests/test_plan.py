@@ -88,3 +88,19 @@ def test_validate_plan(plan, msg):
         return
     with pytest.raises(InvalidArgument, match=msg):
         validate_plan(plan, lens, 128)
+
+
+def test_a_remembered_plan_is_the_plan_and_bounded():
+    """Plans of recent request shapes are remembered: the same chunks as planned afresh, a
+    fresh list per call (a caller may keep or change it), and no plan kept for a request
+    of more sequences, or more workspaces of context, than the limits."""
+    from ctxprefill.engine import plan as plan_mod
+
+    plan_mod._remembered_plan.cache_clear()
+    lens = [200, 48, 32, 0]
+    a, b = plan_chunks(lens, 128, 16), plan_chunks(lens, 128, 16)
+    assert a == b == plan_mod._plan(lens, 128, 16) and a is not b
+    assert plan_mod._remembered_plan.cache_info().hits == 1
+    plan_chunks([16] * (plan_mod.REMEMBER_SEQUENCES + 1), 128, 16)
+    plan_chunks([16 * (plan_mod.REMEMBER_WORKSPACES + 1)], 16, 16)
+    assert plan_mod._remembered_plan.cache_info().currsize == 1

@@ -295,6 +295,29 @@ def test_prefill_checks_name_the_field(engine):
     assert [(c.context_starts, c.context_lens) for c in plan] == [((0,), (16,)), ((16,), (4,))]
 
 
+@pytest.mark.parametrize("bad", [-1, "num_blocks", 2**32 + 3, -(2**63)])
+def test_a_block_id_out_of_range_is_named_wherever_it_lies(engine, bad):
+    """The engine checks every used block id of every sequence in one pass: the first bad
+    one is named, by sequence and position; an int64 id past int32 is refused, not
+    wrapped into range; unused entries past a table's need are not read."""
+    from ctxprefill.engine.request import PrefillRequest, SequenceSpec
+
+    cfg = engine.config
+    bs, nb = cfg.cache.block_size, cfg.cache.num_blocks
+    bad = nb if bad == "num_blocks" else bad
+    q = torch.zeros((3, cfg.shape.heads, cfg.shape.qk_head_dim), dtype=torch.bfloat16)
+    seqs = [SequenceSpec(1, 2 * bs, np.array([0, 1], dtype=np.int64)),
+            SequenceSpec(1, 3 * bs - 1, np.array([nb - 1, 2, 3], dtype=np.int64)),
+            SequenceSpec(1, bs, np.array([4, 5, bad], dtype=np.int64))]
+    checked = validate_prefill(PrefillRequest(q, seqs), cfg, "x")  # seq 2 uses 1 block: bad is unused
+    assert checked.block_table.dtype == np.int32
+    assert checked.block_table.tolist() == [[0, 1, 0], [nb - 1, 2, 3], [4, 0, 0]]
+    seqs[1].block_table[2] = bad
+    with pytest.raises(OutOfRange) as ei:
+        validate_prefill(PrefillRequest(q, seqs), cfg, "x")
+    assert ei.value.field == "sequences[1].block_table[2]" and f"block {bad} is outside [0, {nb})" in str(ei.value)
+
+
 def test_write_and_read_checks(engine):
     cfg = engine.config
     n = cfg.cache.num_slots

@@ -66,6 +66,16 @@ class CapturedLoop:
     launches: Counter[str]  # the captured loop's kernel launches by stage
     unpacked_keys: bool
     orders: list[LaunchOrder | None]  # kept alive: the replay reads them
+    stream: torch.cuda.Stream  # the engine's, where the replays run
+
+    def load(self, hm: HostMetadata, q: torch.Tensor) -> None:
+        """Copy a request's metadata and q into the graph's buffers: the request's first
+        device work (queued, the host does not wait)."""
+        self.staged.synchronize()  # the previous replay's copy out of staging is done (long since)
+        self.staging.numpy()[:] = hm.host
+        self.meta.copy_(self.staging, non_blocking=True)
+        self.staged.record(self.stream)
+        self.q.copy_(q, non_blocking=True)
 
 
 class LoopGraphs:
@@ -93,8 +103,7 @@ class LoopGraphs:
         """Queue ``x``'s loop: a replay of its shape's graph, or the eager loop (capturing
         the shape the second time it comes)."""
         hm = host_metadata(x, uses_keys_last(x, backend))
-        key = (layer, fused, x.unpacked_keys, tuple(x.q.shape), x.q.dtype, tuple(x.query_lens),
-               tuple((c.first_sequence, c.num_sequences, c.is_continuation) for c in x.chunks), hm.layout())
+        key = (layer, fused, x.unpacked_keys, x.q.shape, x.q.dtype, hm.chunk_layout, hm.block_table_shape)
         cap = self._graphs.get(key)
         if cap is not None:
             self._graphs.move_to_end(key)
@@ -141,18 +150,15 @@ class LoopGraphs:
             torch.cuda.current_stream(x.q.device).wait_stream(stream)
         self._graphs[key] = CapturedLoop(graph, q, meta, staging, staged, looped.out, looped.lse,
                                          looped.counts, use_unpacked_keys(backend, fused, x.unpacked_keys,
-                                                                          x.fp8_prefill), orders)
+                                                                          x.fp8_prefill), orders,
+                                         torch.cuda.current_stream(x.q.device))
         self.captures += 1
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
 
     def _replay(self, cap: CapturedLoop, x: LoopInputs, hm: HostMetadata) -> PendingLoop:
-        cap.staged.synchronize()  # the previous replay's copy out of staging is done (long since)
-        cap.staging.numpy()[:] = hm.host
-        cap.meta.copy_(cap.staging, non_blocking=True)
-        cap.staged.record()
-        cap.q.copy_(x.q, non_blocking=True)
-        timer = StageTimer(x.q.device)
+        cap.load(hm, x.q)
+        timer = StageTimer(x.q.device, cap.stream)
         started = timer.begin(GRAPH_STAGE)
         cap.graph.replay()
         timer.end(started)

@@ -22,6 +22,7 @@ have written into the buffer it was given.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -97,10 +98,10 @@ class ChunkMeta:
     keys_last: KeysLast | None  # V keys-last layout of the chunk (fp8 P·V), or None
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _HostChunk:
-    """A chunk's metadata on the host, and where its vectors lie in the request's upload.
-    Not frozen: one per chunk, and a frozen dataclass costs the host ~2 us more to build."""
+    """A chunk's metadata on the host, and where its vectors lie in the request's upload
+    (shared by the requests of a shape: read only)."""
 
     q0: int
     q1: int
@@ -167,6 +168,32 @@ def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+class Layout:
+    """A hashable layout (a tuple) whose hash is computed once: a graph key is looked up
+    per request, and hashing the nested tuple each time costs the host microseconds."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: tuple[object, ...]):
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, Layout) and self._hash == other._hash and self.value == other.value)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _ChunkVectors:
+    """A request shape's chunk metadata: everything of the upload but the block table."""
+
+    host: np.ndarray  # int32: the chunks' distinct vectors
+    sizes: tuple[int, ...]  # their lengths, in order
+    spans: tuple[_HostChunk, ...]  # read only, shared by the requests of the shape
+    layout: Layout  # query lengths, chunk structure, sizes and places: what a captured loop bakes in
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostMetadata:
     """A request's chunk metadata on the host (:func:`host_metadata`): what goes up in its
@@ -174,16 +201,15 @@ class HostMetadata:
 
     host: np.ndarray  # int32 [n]: the chunks' distinct vectors, then the block table
     sizes: list[int]  # the vectors' lengths, in order (the block table's last)
-    spans: list[_HostChunk]
+    spans: Sequence[_HostChunk]
     block_table_shape: tuple[int, ...]  # [B, max_blocks]
     keys_last: bool
+    chunk_layout: Layout
 
     def layout(self) -> tuple[object, ...]:
         """Everything of the upload but its values: equal for requests whose metadata
         lands in the same places (what a captured loop needs to replay)."""
-        return (tuple(self.sizes), self.block_table_shape, self.keys_last,
-                tuple((h.q0, h.q1, h.max_q, h.max_k, h.part_k, h.part_starts, h.part_q, h.part_v, tuple(h.cu_k))
-                      for h in self.spans))
+        return (self.chunk_layout, self.block_table_shape)
 
 
 def uses_keys_last(x: LoopInputs, backend: AttentionBackend) -> bool:
@@ -192,13 +218,37 @@ def uses_keys_last(x: LoopInputs, backend: AttentionBackend) -> bool:
     return x.fp8_prefill and x.q.dtype in backend.caps.v_keys_last
 
 
+#: a request shape's chunk vectors are remembered (``_remembered_vectors``) up to this many
+#: sequences and chunks
+REMEMBER_SEQUENCES = 64
+REMEMBER_CHUNKS = 512
+
+
 def host_metadata(x: LoopInputs, keys_last: bool = False) -> HostMetadata:
-    """Every chunk's metadata vectors and the block table, as one int32 array. Equal
-    vectors are stored once and shared (the chunks of one long sequence differ only in
-    their starts): a view costs the host 1-5 us, and host time before the first stage
-    adds to the request's latency."""
+    """Every chunk's metadata vectors and the block table, as one int32 array. The vectors
+    depend on the request's shape alone (query lengths, plan): a shape seen recently has
+    them remembered (building them costs the host ~50 µs for 4 chunks, a hit ~3 µs)."""
+    if len(x.query_lens) <= REMEMBER_SEQUENCES and len(x.chunks) <= REMEMBER_CHUNKS:
+        vec = _remembered_vectors(tuple(x.query_lens), tuple(x.chunks), keys_last)
+    else:
+        vec = _chunk_vectors(x.query_lens, x.chunks, keys_last)
+    bt = np.ascontiguousarray(x.block_table, dtype=np.int32)
+    return HostMetadata(np.concatenate([vec.host, bt.ravel()]), [*vec.sizes, bt.size], vec.spans, bt.shape,
+                        keys_last, vec.layout)
+
+
+@functools.lru_cache(maxsize=128)
+def _remembered_vectors(query_lens: tuple[int, ...], chunks: tuple[ContextChunk, ...],
+                        keys_last: bool) -> _ChunkVectors:
+    return _chunk_vectors(query_lens, chunks, keys_last)
+
+
+def _chunk_vectors(query_lens: Sequence[int], chunks: Sequence[ContextChunk], keys_last: bool) -> _ChunkVectors:
+    """Every chunk's vectors (workspace rows, context starts, query rows, V keys-last
+    columns per sequence), equal ones stored once (the chunks of one long sequence differ
+    only in their starts): a device view costs the host 1-5 µs per vector."""
     q_offsets = [0]
-    for n in x.query_lens:
+    for n in query_lens:
         q_offsets.append(q_offsets[-1] + n)
     host: list[int] = []
     sizes: list[int] = []
@@ -214,20 +264,22 @@ def host_metadata(x: LoopInputs, keys_last: bool = False) -> HostMetadata:
             sizes.append(len(values))
         return i
 
-    for c in x.chunks:
+    for c in chunks:
         cu_k, cu_q = [0], [0]
         for s, n in zip(c.sequences, c.context_lens, strict=True):
             cu_k.append(cu_k[-1] + n)
-            cu_q.append(cu_q[-1] + x.query_lens[s])
+            cu_q.append(cu_q[-1] + query_lens[s])
         cu_v = keys_last_starts(cu_k) if keys_last else []
         spans.append(_HostChunk(
             q0=q_offsets[c.first_sequence], q1=q_offsets[c.first_sequence + c.num_sequences],
-            max_q=max((x.query_lens[s] for s in c.sequences), default=0), max_k=max(c.context_lens),
+            max_q=max((query_lens[s] for s in c.sequences), default=0), max_k=max(c.context_lens),
             cu_k=cu_k, cu_v=cu_v, part_k=part(cu_k), part_starts=part(c.context_starts), part_q=part(cu_q),
             part_v=part(cu_v) if keys_last else -1))
-    bt = np.ascontiguousarray(x.block_table, dtype=np.int32)
-    return HostMetadata(np.concatenate([np.asarray(host, dtype=np.int32), bt.ravel()]), sizes + [bt.size], spans,
-                        bt.shape, keys_last)
+    layout = (tuple(query_lens), keys_last, tuple(sizes),
+              tuple((c.first_sequence, c.num_sequences, c.is_continuation) for c in chunks),
+              tuple((h.q0, h.q1, h.max_q, h.max_k, h.part_k, h.part_starts, h.part_q, h.part_v, tuple(h.cu_k))
+                    for h in spans))
+    return _ChunkVectors(np.asarray(host, dtype=np.int32), tuple(sizes), tuple(spans), Layout(layout))
 
 
 def device_metadata(hm: HostMetadata, dev: torch.Tensor) -> tuple[torch.Tensor, list[ChunkMeta]]:

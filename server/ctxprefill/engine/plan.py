@@ -12,6 +12,7 @@ context take no rows; one that sits between two sequences of a chunk is part of 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 from ..errors import InvalidArgument
@@ -40,9 +41,28 @@ class ContextChunk:
         return range(self.first_sequence, self.first_sequence + self.num_sequences)
 
 
+#: a request's plan is remembered (``_remembered_plan``) when it has at most this many
+#: sequences and at most this many workspaces of context (a bounded plan: ~2x as many chunks)
+REMEMBER_SEQUENCES = 64
+REMEMBER_WORKSPACES = 256
+
+
 def plan_chunks(context_lens: Sequence[int], workspace_tokens: int, block_size: int) -> list[ContextChunk]:
     if workspace_tokens < block_size:
         raise InvalidArgument("workspace_tokens", f"{workspace_tokens} is less than one block ({block_size})")
+    if len(context_lens) <= REMEMBER_SEQUENCES and sum(context_lens) <= REMEMBER_WORKSPACES * workspace_tokens:
+        return list(_remembered_plan(tuple(context_lens), workspace_tokens, block_size))
+    return _plan(context_lens, workspace_tokens, block_size)
+
+
+@functools.lru_cache(maxsize=128)
+def _remembered_plan(context_lens: tuple[int, ...], workspace_tokens: int, block_size: int) -> tuple[ContextChunk, ...]:
+    """The plans of recent request shapes: an engine sees the same few shapes again and
+    again, and planning one costs the host ~13 µs (a hit: ~1 µs)."""
+    return tuple(_plan(context_lens, workspace_tokens, block_size))
+
+
+def _plan(context_lens: Sequence[int], workspace_tokens: int, block_size: int) -> list[ContextChunk]:
     chunks: list[ContextChunk] = []
     starts: list[int] = []  # the open chunk's, per sequence
     lens: list[int] = []

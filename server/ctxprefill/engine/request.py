@@ -329,22 +329,26 @@ def validate_prefill(request: PrefillRequest, config: EngineConfig, instance_id:
                 f"context-token-heads, over this server's --max-context-token-heads {max_work}; split the request "
                 f"(at most {max_work // H} context tokens each here)",
             )
-        used = _used_blocks(s.block_table, need)
-        if need and (used.min() < 0 or used.max() >= num_blocks):
-            j = int(np.flatnonzero((used < 0) | (used >= num_blocks))[0])
-            raise OutOfRange(f"sequences[{i}].block_table[{j}]", f"block {int(used[j])} is outside [0, {num_blocks})")
-        rows.append(used)
+        rows.append(_used_blocks(s.block_table, need))
         query_lens.append(ql)
         context_lens.append(cl)
     total_q = sum(query_lens)
     if total_q != q.shape[0]:
         raise InvalidArgument("sequences", f"query_len values sum to {total_q} but q has {q.shape[0]} rows "
                                            f"(q.shape[0] must equal the sum)")
-    # numpy, not torch.as_tensor: 1,024 blocks (64k tokens) took ~140 µs through torch and
-    # ~25 µs this way, host time of every request
-    block_table = np.zeros((nseq, max(max_need, 1)), dtype=np.int32)
-    for i, used in enumerate(rows):
-        block_table[i, : used.shape[0]] = used
+    # every used block id in [0, num_blocks), in one pass (as unsigned, a negative id is
+    # past every valid one), then int32; numpy, not torch: 1,024 blocks (64k tokens) took
+    # ~140 µs through torch, ~8 µs this way, host time of every request
+    if nseq == 1 and max_need:
+        table = rows[0].reshape(1, -1)
+    else:
+        table = np.zeros((nseq, max(max_need, 1)), dtype=np.int64)
+        for i, used in enumerate(rows):
+            table[i, : used.shape[0]] = used
+    if max_need and table.view(np.uint64).max() >= num_blocks:
+        i, j = (int(k[0]) for k in np.nonzero((table < 0) | (table >= num_blocks)))
+        raise OutOfRange(f"sequences[{i}].block_table[{j}]", f"block {int(table[i, j])} is outside [0, {num_blocks})")
+    block_table = table.astype(np.int32)
 
     if request.plan is None:
         chunks = plan_chunks(context_lens, W, bs)

@@ -65,7 +65,9 @@ class StageTimer:
     #: read each stage's start (from the first stage's) with the durations, on a GPU
     _offsets = False
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, stream: torch.cuda.Stream | None = None):
+        """``stream``: the device's current stream, where the caller knows it (looking it
+        up costs the host microseconds)."""
         device = torch.device(device)
         self.cuda = device.type == "cuda"
         self._events: list[tuple[str, Mark, Mark]] = []  # (stage, start event, end event) on a GPU
@@ -75,7 +77,7 @@ class StageTimer:
         self._last: Mark | None = None  # the last stage's end
         self.span_ns = 0
         if self.cuda:
-            self._stream = torch.cuda.current_stream(device)
+            self._stream = stream if stream is not None else torch.cuda.current_stream(device)
             self._pool = _POOLS[self._stream.device_index]
 
     def _event(self) -> torch.cuda.Event:
