@@ -120,6 +120,26 @@ def test_the_replays_result_outlives_the_next_replay():
     assert eng.graphs is not None and eng.graphs.replays == 2
 
 
+def test_a_strided_q_replays_through_torchs_copy(cuda_ext):
+    """The replay takes q in with the extension's raw copy where q is contiguous, and with
+    torch's copy otherwise: a strided q of the same shape replays with its own values.
+    The raw copy refuses what is not (dst, src, bytes) triples of addresses."""
+    c = CASES["long"]
+    eng = make_engine(c, "auto", "bf16", "bf16")
+    q, seqs = make_request(eng, c, seed=1)
+    for _ in range(3):
+        eng.prefill_context(q, seqs)
+    strided = torch.cat([q, q.flip(0)], dim=1)[:, q.shape[1]:]  # rows of 2H heads, the second half
+    assert not strided.is_contiguous()
+    eager = eng.prefill_context(strided, seqs, graphs_on=False)
+    replay = eng.prefill_context(strided, seqs)
+    assert eng.graphs is not None and eng.graphs.replays == 2 and same_bits(replay, eager)
+    with pytest.raises(ValueError, match="triples"):
+        cuda_ext.copies_async([1, 2], 0)
+    with pytest.raises(ValueError, match="null address"):
+        cuda_ext.copies_async([0, q.data_ptr(), 16], 0)
+
+
 def test_observed_requests_run_eagerly_and_shapes_are_bounded():
     c = CASES["long"]
     eng = make_engine(c, "auto", "bf16", "bf16")

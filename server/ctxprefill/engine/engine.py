@@ -319,9 +319,9 @@ class Engine:
         """What the chunk loop reads for a checked request: its q on the engine's device
         (copied in stream order), its layer's cache and weight, the engine's workspace."""
         cfg = self.config
-        li = checked.layer_position
+        li, q = checked.layer_position, checked.q
         return LoopInputs(
-            q=checked.q.to(self.device, non_blocking=True),
+            q=q if q.device == self.device else q.to(self.device, non_blocking=True),
             query_lens=checked.query_lens,
             block_table=checked.block_table,
             chunks=checked.chunks,

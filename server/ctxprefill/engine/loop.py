@@ -56,7 +56,7 @@ STAGES = ("gather", "cast", "kv_b_proj", "pack", "attention", "merge")
 STOP_AHEAD = 4
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class LoopInputs:
     """Everything one request's chunk loop reads; tensors on the engine's device."""
 

@@ -187,9 +187,10 @@ class CheckedWrite:
     k_pe: torch.Tensor
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class CheckedPrefill:
-    """A :class:`PrefillRequest` that passed :func:`validate_prefill`: what the chunk loop reads."""
+    """A :class:`PrefillRequest` that passed :func:`validate_prefill`: what the chunk loop
+    reads. Not frozen: built per request, and a frozen dataclass costs the host ~2.5 µs more."""
 
     q: torch.Tensor
     layer_position: int
@@ -285,8 +286,9 @@ def validate_prefill(request: PrefillRequest, config: EngineConfig, instance_id:
     if q.dtype != want:
         raise InvalidArgument("q", f"dtype {dtype_name(q.dtype)} does not match the server's prefill dtype "
                                    f"{config.prefill_dtype} (send {dtype_name(want)})")
-    if q.dim() != 3 or q.shape[1] != H or q.shape[2] != D:
-        raise InvalidArgument("q", f"shape {list(q.shape)} is not [Tq, {H}, {D}]")
+    q_shape = q.shape
+    if len(q_shape) != 3 or q_shape[1] != H or q_shape[2] != D:
+        raise InvalidArgument("q", f"shape {list(q_shape)} is not [Tq, {H}, {D}]")
 
     W = config.workspace_tokens
     if request.workspace_tokens is not None:
@@ -333,8 +335,8 @@ def validate_prefill(request: PrefillRequest, config: EngineConfig, instance_id:
         query_lens.append(ql)
         context_lens.append(cl)
     total_q = sum(query_lens)
-    if total_q != q.shape[0]:
-        raise InvalidArgument("sequences", f"query_len values sum to {total_q} but q has {q.shape[0]} rows "
+    if total_q != q_shape[0]:
+        raise InvalidArgument("sequences", f"query_len values sum to {total_q} but q has {q_shape[0]} rows "
                                            f"(q.shape[0] must equal the sum)")
     # every used block id in [0, num_blocks), in one pass (as unsigned, a negative id is
     # past every valid one), then int32; numpy, not torch: 1,024 blocks (64k tokens) took
@@ -345,7 +347,7 @@ def validate_prefill(request: PrefillRequest, config: EngineConfig, instance_id:
         table = np.zeros((nseq, max(max_need, 1)), dtype=np.int64)
         for i, used in enumerate(rows):
             table[i, : used.shape[0]] = used
-    if max_need and table.view(np.uint64).max() >= num_blocks:
+    if max_need and np.maximum.reduce(table.view(np.uint64), axis=None) >= num_blocks:
         i, j = (int(k[0]) for k in np.nonzero((table < 0) | (table >= num_blocks)))
         raise OutOfRange(f"sequences[{i}].block_table[{j}]", f"block {int(table[i, j])} is outside [0, {num_blocks})")
     block_table = table.astype(np.int32)
