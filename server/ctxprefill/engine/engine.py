@@ -161,6 +161,8 @@ class Engine:
         self.instance_id = uuid.uuid4().hex
         self._lock = threading.Lock()
         self.graphs = LoopGraphs() if self.device.type == "cuda" else None  # used per config.cuda_graphs
+        self._device_index = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device() if self.device.type == "cuda" else -1)
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         """Make the engine's GPU the current one: Triton launches and CUDA events use the
@@ -302,13 +304,25 @@ class Engine:
         checked = validate_prefill(request, cfg, self.instance_id)
         checked_ns = (t_check, time.perf_counter_ns()) if timeline else None
         fused = cfg.fused if fused is None else fused
-        inputs = self.loop_inputs(checked, unpacked_keys, timeline)
         graphs = self.graphs if (cfg.cuda_graphs if graphs_on is None else graphs_on) else None
-        with self._lock, self._on_device():
-            if graphs is not None and observer is None and graphs.eligible(inputs):
-                pending = graphs.start(inputs, self.backend, fused, checked.layer_position)
-            else:
-                pending = start_chunk_loop(inputs, self.backend, fused, observer)
+        if graphs is None or observer is not None or not graphs.eligible(timeline, checked.stop, len(checked.chunks)):
+            with self._lock, self._on_device():
+                pending = start_chunk_loop(self.loop_inputs(checked, unpacked_keys, timeline), self.backend, fused,
+                                           observer)
+        else:
+            # a replay needs the request's shape and metadata alone (no loop inputs): checked
+            # here, before the lock, while the device may still run the request before
+            q = checked.q
+            unpacked = cfg.unpacked_keys if unpacked_keys is None else unpacked_keys
+            keys_last = cfg.prefill_dtype == "fp8" and q.dtype in self.backend.caps.v_keys_last
+            shape = graphs.shape(checked.layer_position, fused, unpacked, q, checked.query_lens, checked.chunks,
+                                 checked.block_table, keys_last)
+            with self._lock, self._on_device():
+                replayed = graphs.replay(*shape, q, checked.stop, len(checked.chunks)) \
+                    if q.is_cuda and q.get_device() == self._device_index else None
+                pending = replayed if replayed is not None else graphs.start(
+                    self.loop_inputs(checked, unpacked_keys, timeline), self.backend, fused, checked.layer_position,
+                    shape)
         return PendingPrefill(self, pending, dict(
             chunks=checked.chunks, path="fused" if fused else "generic", fp8_path=cfg.fp8_path_labels,
             context_tokens=sum(checked.context_lens), query_tokens=int(checked.q.shape[0]), checked_ns=checked_ns),

@@ -25,9 +25,10 @@ import collections
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..backends.base import AttentionBackend, LaunchOrder
@@ -38,13 +39,15 @@ from .loop import (
     LoopInputs,
     PendingLoop,
     device_metadata,
-    host_metadata,
+    host_metadata_of,
     launch_orders,
     start_chunk_loop,
     upload_metadata,
     use_unpacked_keys,
     uses_keys_last,
 )
+from .plan import ContextChunk
+from .request import StopSignal
 from .timing import StageTimer
 
 log = logging.getLogger("ctxprefill.engine")
@@ -71,15 +74,22 @@ class CapturedLoop:
     stream: torch.cuda.Stream  # the engine's, where the replays run
     copies: Any  # the CUDA extension's copies_async, or None: torch's copy_
 
+    def __post_init__(self) -> None:
+        self._staging = self.staging.numpy()
+        self._stream = self.stream.cuda_stream
+        # copies_async's (dst, src, bytes) triples: the metadata, then q (its source per request)
+        self._copy_args = [self.meta.data_ptr(), self.staging.data_ptr(), self.meta.nbytes,
+                           self.q.data_ptr(), 0, self.q.nbytes]
+
     def load(self, hm: HostMetadata, q: torch.Tensor) -> None:
         """Copy a request's metadata and q into the graph's buffers: the request's first
         device work (queued, the host does not wait)."""
         self.staged.synchronize()  # the previous replay's copy out of staging is done (long since)
-        self.staging.numpy()[:] = hm.host
+        self._staging[:] = hm.host
         if self.copies is not None and q.is_contiguous():
             # both copies in one call (torch's copy_ costs the host ~6-8 us each)
-            self.copies([self.meta.data_ptr(), self.staging.data_ptr(), self.meta.nbytes,
-                         self.q.data_ptr(), q.data_ptr(), self.q.nbytes], self.stream.cuda_stream)
+            self._copy_args[4] = q.data_ptr()
+            self.copies(self._copy_args, self._stream)
             self.staged.record(self.stream)
         else:
             self.meta.copy_(self.staging, non_blocking=True)
@@ -108,23 +118,50 @@ class LoopGraphs:
         return len(self._graphs)
 
     @staticmethod
-    def eligible(x: LoopInputs) -> bool:
+    def eligible(timeline: bool, stop: StopSignal | None, chunks: int) -> bool:
         """Whether a request may run as a replay: no timeline, and no stop signal over
         more chunks than the eager loop queues at once anyway."""
-        return x.q.device.type == "cuda" and not x.stage_places and (
-            x.stop is None or len(x.chunks) <= STOP_AHEAD)
+        return not timeline and (stop is None or chunks <= STOP_AHEAD)
 
-    def start(self, x: LoopInputs, backend: AttentionBackend, fused: bool, layer: int) -> PendingLoop:
-        """Queue ``x``'s loop: a replay of its shape's graph, or the eager loop (capturing
-        the shape the second time it comes)."""
-        hm = host_metadata(x, uses_keys_last(x, backend))
-        key = (layer, fused, x.unpacked_keys, x.q.shape, x.q.dtype, hm.chunk_layout, hm.block_table_shape)
+    @staticmethod
+    def shape(layer: int, fused: bool, unpacked_keys: bool, q: torch.Tensor, query_lens: Sequence[int],
+              chunks: Sequence[ContextChunk], block_table: np.ndarray,
+              keys_last: bool) -> tuple[Hashable, HostMetadata]:
+        """(a request's shape: what its captured loop bakes in, the request's metadata)."""
+        hm = host_metadata_of(query_lens, chunks, block_table, keys_last)
+        return (layer, fused, unpacked_keys, q.shape, q.dtype, hm.chunk_layout, hm.block_table_shape), hm
+
+    def replay(self, key: Hashable, hm: HostMetadata, q: torch.Tensor, stop: StopSignal | None,
+               chunks: int) -> PendingLoop | None:
+        """Queue the replay of shape ``key``'s graph for a request (``q`` on the device),
+        or None where the shape has none."""
         cap = self._graphs.get(key)
-        if cap is not None:
-            self._graphs.move_to_end(key)
-            if x.stop is not None:
-                x.stop.check(0, len(x.chunks))
-            return self._replay(cap, x, hm)
+        if cap is None:
+            return None
+        self._graphs.move_to_end(key)
+        if stop is not None:
+            stop.check(0, chunks)
+        cap.load(hm, q)
+        timer = StageTimer(q.device, cap.stream)
+        started = timer.begin(GRAPH_STAGE)
+        cap.graph.replay()
+        timer.end(started)
+        out, lse = cap.out.clone(), cap.lse.clone()  # the next replay writes into cap.out, cap.lse
+        self.replays += 1
+        counts = Counter(cap.launches)
+        counts[GRAPH_STAGE] += 2  # the two copies out
+        return PendingLoop(out, lse, counts, timer, cap.unpacked_keys)
+
+    def start(self, x: LoopInputs, backend: AttentionBackend, fused: bool, layer: int,
+              shape: tuple[Hashable, HostMetadata] | None = None) -> PendingLoop:
+        """Queue ``x``'s loop: a replay of its shape's graph, or the eager loop (capturing
+        the shape the second time it comes). ``shape``: :meth:`shape` of ``x``, where the
+        caller has it."""
+        key, hm = shape if shape is not None else self.shape(
+            layer, fused, x.unpacked_keys, x.q, x.query_lens, x.chunks, x.block_table, uses_keys_last(x, backend))
+        pending = self.replay(key, hm, x.q, x.stop, len(x.chunks))
+        if pending is not None:
+            return pending
         seen = self._seen.pop(key, 0) + 1
         self._seen[key] = seen
         while len(self._seen) > MAX_SEEN:
@@ -171,15 +208,3 @@ class LoopGraphs:
         while len(self._graphs) > self.max_graphs:
             _, dropped = self._graphs.popitem(last=False)
             dropped.staged.synchronize()  # its page-locked staging goes back to torch's pool: not while read
-
-    def _replay(self, cap: CapturedLoop, x: LoopInputs, hm: HostMetadata) -> PendingLoop:
-        cap.load(hm, x.q)
-        timer = StageTimer(x.q.device, cap.stream)
-        started = timer.begin(GRAPH_STAGE)
-        cap.graph.replay()
-        timer.end(started)
-        out, lse = cap.out.clone(), cap.lse.clone()  # the next replay writes into cap.out, cap.lse
-        self.replays += 1
-        counts = Counter(cap.launches)
-        counts[GRAPH_STAGE] += 2  # the two copies out
-        return PendingLoop(out, lse, counts, timer, cap.unpacked_keys)

@@ -225,14 +225,20 @@ REMEMBER_CHUNKS = 512
 
 
 def host_metadata(x: LoopInputs, keys_last: bool = False) -> HostMetadata:
+    """:func:`host_metadata_of` ``x``."""
+    return host_metadata_of(x.query_lens, x.chunks, x.block_table, keys_last)
+
+
+def host_metadata_of(query_lens: Sequence[int], chunks: Sequence[ContextChunk], block_table: np.ndarray,
+                     keys_last: bool = False) -> HostMetadata:
     """Every chunk's metadata vectors and the block table, as one int32 array. The vectors
     depend on the request's shape alone (query lengths, plan): a shape seen recently has
     them remembered (building them costs the host ~50 µs for 4 chunks, a hit ~3 µs)."""
-    if len(x.query_lens) <= REMEMBER_SEQUENCES and len(x.chunks) <= REMEMBER_CHUNKS:
-        vec = _remembered_vectors(tuple(x.query_lens), tuple(x.chunks), keys_last)
+    if len(query_lens) <= REMEMBER_SEQUENCES and len(chunks) <= REMEMBER_CHUNKS:
+        vec = _remembered_vectors(tuple(query_lens), tuple(chunks), keys_last)
     else:
-        vec = _chunk_vectors(x.query_lens, x.chunks, keys_last)
-    bt = np.ascontiguousarray(x.block_table, dtype=np.int32)
+        vec = _chunk_vectors(query_lens, chunks, keys_last)
+    bt = np.ascontiguousarray(block_table, dtype=np.int32)
     return HostMetadata(np.concatenate([vec.host, bt.ravel()]), [*vec.sizes, bt.size], vec.spans, bt.shape,
                         keys_last, vec.layout)
 
