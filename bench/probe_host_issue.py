@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -92,9 +93,9 @@ STEPS = ("validate", "inputs", "metadata", "copies in", "to first stage", "issue
 
 def host_steps_us(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> dict:
     """Median host time of each step of a normal (unheld) request, in µs: validation (with
-    the plan), the loop's inputs, the chunk metadata (and on a replay its graph's lookup),
-    the copies of the metadata (and q, on a replay) into device memory, the rest up to the
-    first stage, the stages' issue and the device's work, the synchronize and event
+    the plan), the loop's inputs (none on a replay), the chunk metadata (and on a replay its
+    graph's lookup), the copies of the metadata (and q, on a replay) into device memory, the
+    rest up to the first stage, the stages' issue and the device's work, the synchronize and event
     readout, the return to the caller; and ``first copy``: from the call to the first
     device work queued (the end of the copies in: q is already on the device)."""
     from ctxprefill.engine import engine as engine_mod
@@ -117,17 +118,23 @@ def host_steps_us(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> dic
 
     # (owner, name, mark at its first call's start, mark at its first call's end)
     wraps = [(engine_mod, "validate_prefill", None, "checked"), (engine_mod.Engine, "loop_inputs", None, "inputs"),
-             (engine_mod, "start_chunk_loop", "loop", None), (graphs_mod.LoopGraphs, "start", "loop", None),
+             (engine_mod, "start_chunk_loop", "loop", None), (graphs_mod.LoopGraphs, "shape", "loop", None),
              (loop_mod, "_upload", "copy0", "copy1"), (graphs_mod.CapturedLoop, "load", "copy0", "copy1"),
              (timing.StageTimer, "begin", "first_stage", None), (timing.StageTimer, "finish", "finish", "finished")]
     got: dict[str, list[float]] = {k: [] for k in (*STEPS, "first copy")}
     with contextlib.ExitStack() as patches:
         for owner, name, before, after in wraps:
-            patches.enter_context(mock.patch.object(owner, name, marking(getattr(owner, name), before, after)))
+            wrapped = marking(getattr(owner, name), before, after)
+            if isinstance(inspect.getattr_static(owner, name), staticmethod):
+                wrapped = staticmethod(wrapped)
+            patches.enter_context(mock.patch.object(owner, name, wrapped))
         for t0, t1 in _requests(engine, q, seqs, fused, graphs, iters, marks):
             m = marks
-            for k, a, b in (("validate", t0, m["checked"]), ("inputs", m["checked"], m["inputs"]),
-                            ("metadata", m["loop"], m["copy0"]), ("copies in", m["copy0"], m["copy1"]),
+            # a replay takes no loop inputs: its shape and metadata come straight from the
+            # checked request
+            inputs = m.get("inputs", m["checked"])
+            for k, a, b in (("validate", t0, m["checked"]), ("inputs", m["checked"], inputs),
+                            ("metadata", min(inputs, m["loop"]), m["copy0"]), ("copies in", m["copy0"], m["copy1"]),
                             ("to first stage", m["copy1"], m["first_stage"]),
                             ("issue+device", m["first_stage"], m["finish"]),
                             ("sync+readout", m["finish"], m["finished"]), ("return", m["finished"], t1),

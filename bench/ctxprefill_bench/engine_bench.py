@@ -368,6 +368,9 @@ def main(argv=None) -> int:
                         "(RAGGED_*_WEIGHTS); with more than one, the fused path is also timed without the "
                         "attention backend's launch order (the Triton backend's per-SM packing)")
     p.add_argument("--iters", type=int, default=5, help="most timed calls per path and row")
+    p.add_argument("--cpu-latency-us", type=int, default=None,
+                   help="hold /dev/cpu_dma_latency at this many microseconds while measuring (bench/pm_qos.py, "
+                        "what the latency-performance tuned profile does; root only): idle CPUs wake fast")
     p.add_argument("--min-iters", type=int, default=2, help="fewest timed calls per path and row")
     p.add_argument("--target-s", type=float, default=0.3,
                    help="timed calls per path continue until this much measured time (within the iteration limits)")
@@ -384,7 +387,15 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
     if ns.sequences < 1:
         p.error("--sequences must be >= 1")
+    if ns.cpu_latency_us is None:
+        return _measure(ns, "not requested")
+    import pm_qos  # bench/pm_qos.py (bench/ on the path, as for every benchmark here)
 
+    with pm_qos.cpu_latency(ns.cpu_latency_us) as qos:
+        return _measure(ns, qos)
+
+
+def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
     from ctxprefill.settings import resolve_device
 
     t_start = time.monotonic()
@@ -412,7 +423,8 @@ def main(argv=None) -> int:
                                   axes["prefill_dtype"]))
     meta = {"kind": "engine", "date": run_info.utc_now(), "device": str(dev),
             "gpu": gpu, "torch": torch.__version__, "commit": run_info.commit(), "ceilings": ceil, "args": vars(ns),
-            "grid": ns.grid, "axes": axes, "rows_planned": len(grid), "cuda_extension": ext}
+            "grid": ns.grid, "axes": axes, "rows_planned": len(grid), "cuda_extension": ext,
+            "cpu_latency": cpu_latency}
     rows: list[dict] = []
     history: list[dict] = []
     engines = _Engines()
