@@ -322,24 +322,29 @@ def inline_parse_table(d: Doc) -> str:
 
 # ------------------------------------------------------------------------- host, shards
 
-_STEPS = ("validate", "plan", "inputs", "metadata+upload", "to first stage", "issue+device", "sync+readout", "return")
+_STEPS = ("validate", "inputs", "metadata", "copies in", "to first stage", "issue+device", "sync+readout", "return")
 
 
 def host_table(d: Doc) -> str:
     """``bench/probe_host_issue.py``: where a request's host time goes, the device held."""
-    lines = [_run_line(d), "", "ms for the request, device span and the host before the first stage; µs per "
-             "host step (median).", "",
-             "| H | new | ctx | prefill | path | request ms | device span ms | before stages ms | "
-             + " | ".join(f"{s} µs" for s in _STEPS) + " |", "|---|---|---|---|---|---|---|---|" + "---|" * len(_STEPS)]
+    lines = [_run_line(d), "", "ms for the request, its time outside the stages, the device span and the host before "
+             "the first stage (device held); µs per host step and from the call to the first device copy queued "
+             "(median; graph: the fused path replayed as a CUDA graph, which takes no loop inputs).", "",
+             "| H | new | ctx | prefill | path | request ms | outside the stages ms | device span ms | "
+             "before stages ms | " + " | ".join(f"{s} µs" for s in _STEPS) + " | to the first copy µs |",
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(_STEPS) + "---|"]
     for r in d["rows"]:
-        for p in ("fused", "generic"):
-            st = r[f"{p}_host_steps_us"]
+        for p in ("generic", "fused", "graph"):
+            st = r.get(f"{p}_host_steps_us")
+            if st is None:
+                continue
             lines.append(f"| {r['heads']} | {r['new']} | {ctx_label(r['context'])} | {r['prefill_dtype']} | {p} "
-                         f"| {_ms(r[f'{p}_request_s'], '.3f')} | {_ms(r[f'{p}_span_s'], '.3f')} "
-                         f"| {_ms(r[f'{p}_before_stages_s'], '.3f')} | "
-                         + " | ".join(_num(st.get(s), ".1f") for s in _STEPS) + " |")
+                         f"| {_ms(r[f'{p}_request_s'], '.3f')} | {_ms(r.get(f'{p}_outside_s'), '.3f')} "
+                         f"| {_ms(r[f'{p}_span_s'], '.3f')} | {_ms(r[f'{p}_before_stages_s'], '.3f')} | "
+                         + " | ".join(_num(st.get(s), ".1f") for s in (*_STEPS, "first copy")) + " |")
     costs = [("event_record_us", "event record"), ("event_elapsed_us", "event elapsed"), ("empty_us", "torch.empty"),
-             ("h2d_pinned_4k_us", "4 KiB H2D pinned"), ("attention_call_us", "attention call")]
+             ("h2d_pinned_4k_us", "4 KiB H2D pinned"), ("validate_us", "validation"),
+             ("attention_call_us", "attention call")]
     order = ", ".join(f"H={r['heads']} {r['prefill_dtype']}" for r in d["rows"])
     lines += ["", f"Host cost of one call, µs ({order}): " + "; ".join(
         f"{t} " + ", ".join(_num(r.get(k), ".1f") for r in d["rows"]) for k, t in costs) + "."]

@@ -142,7 +142,7 @@ class LoopGraphs:
         if stop is not None:
             stop.check(0, chunks)
         cap.load(hm, q)
-        timer = StageTimer(q.device, cap.stream)
+        timer = StageTimer(cap.q.device, cap.stream)
         started = timer.begin(GRAPH_STAGE)
         cap.graph.replay()
         timer.end(started)
