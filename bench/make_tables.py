@@ -698,6 +698,16 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                          f"fused {_ms(r['fused_s'])} ms, generic {_ms(r['generic_s'])} ms ({r['speedup']:.2f}×), "
                          + (f"fused as a CUDA graph {_ms(r['fused_graph_s'])} ms, " if "fused_graph_s" in r else "")
                          + f"floor {_ms(r['floor_s'])} ms", "bench_engine"))
+    ph = load("probe_host", results)["rows"]
+    host = [r for r in ph if "graph_host_steps_us" in r]
+    if host:
+        rows.append(("Host time of a request, 1,024 new over 64k, " + " / ".join(
+                         f"H={r['heads']} {r['prefill_dtype']}" for r in host)
+                     + ": outside the stages, eager → as a CUDA graph (ms); the call to its first device copy, "
+                       "as a CUDA graph (µs)",
+                     " / ".join(f"{_ms(r['fused_outside_s'], '.3f')} → {_ms(r['graph_outside_s'], '.3f')}"
+                                for r in host) + "; "
+                     + " / ".join(f"{r['graph_host_steps_us']['first copy']:.0f}" for r in host), "probe_host"))
     att = [r for r in load("bench_attention", results)["results"] if r.get("case") == "1x8192q/16384k"
            and not r.get("causal")]
 
