@@ -114,3 +114,22 @@ def test_large_shapes_are_not_remembered():
     assert loop._remembered_vectors.cache_info().currsize == 0
     loop.host_metadata(_inputs([1] * (n - 1), [16] * (n - 1), 64))
     assert loop._remembered_vectors.cache_info().currsize == 1
+
+
+def test_a_graph_key_is_the_requests_shape():
+    """engine/graphs.py replays a captured loop for requests of equal keys: equal whatever
+    their block ids, different for another layer (its weight and cache are baked in),
+    another context length, other query lengths of the same total, or another q dtype."""
+    from ctxprefill.engine.graphs import LoopGraphs
+
+    q = torch.empty((15, 1, 192), dtype=torch.bfloat16)
+
+    def key(x, layer=0, q=q):
+        return LoopGraphs.shape(layer, True, True, q, x.query_lens, x.chunks, x.block_table, False)[0]
+
+    a = _inputs([3, 0, 5, 7], [40, 0, 1000, 33], 256)
+    assert key(a) == key(dataclasses.replace(a, block_table=a.block_table + 5))
+    assert key(a) != key(a, layer=1)
+    assert key(a) != key(_inputs([3, 0, 5, 7], [40, 0, 1001, 33], 256))
+    assert key(a) != key(_inputs([3, 1, 4, 7], [40, 0, 1000, 33], 256))
+    assert key(a) != key(a, q=q.to(torch.float8_e4m3fn))
