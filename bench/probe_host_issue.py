@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import math
 import os
@@ -118,23 +117,19 @@ def host_steps_us(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> dic
 
     # (owner, name, mark at its first call's start, mark at its first call's end)
     wraps = [(engine_mod, "validate_prefill", None, "checked"), (engine_mod.Engine, "loop_inputs", None, "inputs"),
-             (engine_mod, "start_chunk_loop", "loop", None), (graphs_mod.LoopGraphs, "shape", "loop", None),
              (loop_mod, "_upload", "copy0", "copy1"), (graphs_mod.CapturedLoop, "load", "copy0", "copy1"),
              (timing.StageTimer, "begin", "first_stage", None), (timing.StageTimer, "finish", "finish", "finished")]
     got: dict[str, list[float]] = {k: [] for k in (*STEPS, "first copy")}
     with contextlib.ExitStack() as patches:
         for owner, name, before, after in wraps:
-            wrapped = marking(getattr(owner, name), before, after)
-            if isinstance(inspect.getattr_static(owner, name), staticmethod):
-                wrapped = staticmethod(wrapped)
-            patches.enter_context(mock.patch.object(owner, name, wrapped))
+            patches.enter_context(mock.patch.object(owner, name, marking(getattr(owner, name), before, after)))
         for t0, t1 in _requests(engine, q, seqs, fused, graphs, iters, marks):
             m = marks
             # a replay takes no loop inputs: its shape and metadata come straight from the
             # checked request
             inputs = m.get("inputs", m["checked"])
             for k, a, b in (("validate", t0, m["checked"]), ("inputs", m["checked"], inputs),
-                            ("metadata", min(inputs, m["loop"]), m["copy0"]), ("copies in", m["copy0"], m["copy1"]),
+                            ("metadata", inputs, m["copy0"]), ("copies in", m["copy0"], m["copy1"]),
                             ("to first stage", m["copy1"], m["first_stage"]),
                             ("issue+device", m["first_stage"], m["finish"]),
                             ("sync+readout", m["finish"], m["finished"]), ("return", m["finished"], t1),
@@ -258,6 +253,8 @@ def main(argv=None) -> int:
                                                                                   a.iters)
             row[f"{name}_host_steps_us"] = host_steps_us(engine, q, seqs, fused, graphs, a.iters)
         row["graph_replays"] = engine.graphs.replays
+        if not row["graph_replays"]:  # else the "graph" rows would be the eager loop's
+            raise SystemExit(f"probe_host_issue: H={heads} {pd}: the graph path never replayed")
         # the pieces, one call each (device held): what a stage's bracket costs the host
         ev = torch.cuda.Event(enable_timing=True)
         stream = torch.cuda.current_stream()
@@ -269,7 +266,7 @@ def main(argv=None) -> int:
         row["event_elapsed_us"] = per_call_us(lambda: e0.elapsed_time(e1))
         row["empty_us"] = per_call_us(lambda: torch.empty((1024, heads, 128), dtype=torch.bfloat16, device="cuda"))
         # the request's host work before its first stage: validation, and the upload of its
-        # block table and chunk metadata (one copy from pinned memory; before: two from pageable)
+        # block table and chunk metadata (one copy from pinned memory; pageable beside it)
         request = PrefillRequest(q, seqs)
         row["validate_us"] = per_call_us(lambda: validate_prefill(request, engine.config, engine.instance_id), n=50)
         small = torch.zeros(1100, dtype=torch.int32)

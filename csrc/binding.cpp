@@ -490,8 +490,8 @@ std::vector<double> events_elapsed_ms(const std::vector<int64_t>& events) {
 
 // copies_async: cudaMemcpyAsync of each (dst, src, bytes) triple of addresses, in order, on
 // `stream` (a cudaStream_t handle). A captured chunk loop takes a request's metadata and q
-// this way (engine/graphs.py): torch's Tensor.copy_ costs the host ~6-8 us a copy
-// (dispatch, checks, a pinned block's event), time before the request's first kernel. The
+// this way (engine/graphs.py), in one call where torch's Tensor.copy_ would dispatch, check
+// and record a pinned block's event per copy, before the request's first kernel. The
 // caller keeps every buffer alive and unchanged until the copies are done.
 void copies_async(const std::vector<int64_t>& triples, int64_t stream) {
   const char* op = "copies_async";

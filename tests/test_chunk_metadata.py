@@ -111,6 +111,9 @@ def test_large_shapes_are_not_remembered():
     n = loop.REMEMBER_SEQUENCES + 1
     big = _inputs([1] * n, [16] * n, 64)
     loop.host_metadata(big)
+    long = _inputs([1], [16 * (loop.REMEMBER_CHUNKS + 1)], 16)  # one chunk per block
+    assert len(long.chunks) == loop.REMEMBER_CHUNKS + 1
+    loop.host_metadata(long)
     assert loop._remembered_vectors.cache_info().currsize == 0
     loop.host_metadata(_inputs([1] * (n - 1), [16] * (n - 1), 64))
     assert loop._remembered_vectors.cache_info().currsize == 1

@@ -395,3 +395,22 @@ def test_the_remote_demo_uses_the_first_layer_of_several(capsys):
     finally:
         proc.terminate(15)
         proc.kill()
+
+
+def test_the_graph_path_before_its_capture_is_the_eager_loop(two_layers):
+    """A request on the CUDA-graph path whose shape has no graph yet (engine/graphs.py:
+    its shape and metadata made from the checked request, the replay's lookup missed)
+    runs the eager loop over that metadata: the same bits as the plain path, the shape
+    counted once, nothing replayed. (Capture and replay: tests/gpu/test_graphs_gpu.py.)"""
+    from ctxprefill.engine.graphs import LoopGraphs
+
+    graphs = two_layers.graphs = LoopGraphs()
+    try:
+        for layer in (3, 4):
+            plain = two_layers.prefill_context(query(), SEQS, layer=layer, graphs_on=False)
+            via = two_layers.prefill_context(query(), SEQS, layer=layer, graphs_on=True)
+            assert torch.equal(bits(via.out), bits(plain.out)) and torch.equal(bits(via.lse), bits(plain.lse))
+            assert via.stats.launches == plain.stats.launches
+        assert list(graphs._seen.values()) == [1, 1] and (graphs.replays, graphs.captures) == (0, 0)
+    finally:
+        two_layers.graphs = None

@@ -487,6 +487,9 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
             if dev.type == "cuda":
                 fgr = time_request(engine, q, seqs, True, dev, graphs_on=True, **it)
                 same = same and _same_bits(fgr["result"], rg)
+                if "graph" not in fgr["stage_s"]:  # not replayed (a capture failed): no graph figures
+                    print(f"{H:4d} {new:5d} {ctx:7d} {cd:>10} {pd:>7}: the CUDA graph did not replay", flush=True)
+                    fgr = None
             unordered = _without_launch_order(engine, q, seqs, dev, it) if ns.sequences > 1 else None
             if unordered is not None:
                 same = same and _same_bits(rf, unordered["result"])

@@ -27,7 +27,15 @@ from ..ops.fp8 import FP8
 from ..ops.pack import fused_mla_kv_concat
 from ..weights import KvBProjWeights
 from .graphs import LoopGraphs
-from .loop import LoopInputs, Observer, PendingLoop, start_chunk_loop, unpacked_keys_wanted, use_unpacked_keys
+from .loop import (
+    LoopInputs,
+    Observer,
+    PendingLoop,
+    start_chunk_loop,
+    unpacked_keys_wanted,
+    use_unpacked_keys,
+    uses_keys_last,
+)
 from .plan import ContextChunk
 from .request import (
     MAX_BLOCK_TABLE_ENTRIES,
@@ -161,6 +169,7 @@ class Engine:
         self.instance_id = uuid.uuid4().hex
         self._lock = threading.Lock()
         self.graphs = LoopGraphs() if self.device.type == "cuda" else None  # used per config.cuda_graphs
+        # Tensor.get_device() of a tensor on the engine's device (-1: the CPU)
         self._device_index = self.device.index if self.device.index is not None else (
             torch.cuda.current_device() if self.device.type == "cuda" else -1)
 
@@ -310,32 +319,35 @@ class Engine:
                 pending = start_chunk_loop(self.loop_inputs(checked, unpacked_keys, timeline), self.backend, fused,
                                            observer)
         else:
-            # a replay needs the request's shape and metadata alone (no loop inputs): checked
+            # a replay needs the request's shape and metadata alone (no loop inputs): made
             # here, before the lock, while the device may still run the request before
-            q = checked.q
+            q = self._on_engine_device(checked.q)
             unpacked = cfg.unpacked_keys if unpacked_keys is None else unpacked_keys
-            keys_last = cfg.prefill_dtype == "fp8" and q.dtype in self.backend.caps.v_keys_last
-            shape = graphs.shape(checked.layer_position, fused, unpacked, q, checked.query_lens, checked.chunks,
-                                 checked.block_table, keys_last)
+            key, hm = graphs.shape(checked.layer_position, fused, unpacked, q, checked.query_lens, checked.chunks,
+                                   checked.block_table, uses_keys_last(self.backend, cfg.prefill_dtype == "fp8",
+                                                                       q.dtype))
             with self._lock, self._on_device():
-                replayed = graphs.replay(*shape, q, checked.stop, len(checked.chunks)) \
-                    if q.is_cuda and q.get_device() == self._device_index else None
-                pending = replayed if replayed is not None else graphs.start(
-                    self.loop_inputs(checked, unpacked_keys, timeline), self.backend, fused, checked.layer_position,
-                    shape)
+                replayed = graphs.replay(key, hm, q, checked.stop, len(checked.chunks))
+                pending = replayed if replayed is not None else graphs.start_eager(
+                    self.loop_inputs(checked, unpacked_keys, timeline, q), self.backend, fused, key, hm)
         return PendingPrefill(self, pending, dict(
             chunks=checked.chunks, path="fused" if fused else "generic", fp8_path=cfg.fp8_path_labels,
             context_tokens=sum(checked.context_lens), query_tokens=int(checked.q.shape[0]), checked_ns=checked_ns),
             checked.cache_write)
 
+    def _on_engine_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the engine's device: itself where it is there, else copied in stream order."""
+        return t if t.get_device() == self._device_index else t.to(self.device, non_blocking=True)
+
     def loop_inputs(self, checked: CheckedPrefill, unpacked_keys: bool | None = None,
-                    timeline: bool = False) -> LoopInputs:
+                    timeline: bool = False, q: torch.Tensor | None = None) -> LoopInputs:
         """What the chunk loop reads for a checked request: its q on the engine's device
-        (copied in stream order), its layer's cache and weight, the engine's workspace."""
+        (copied in stream order, unless given so), its layer's cache and weight, the
+        engine's workspace."""
         cfg = self.config
-        li, q = checked.layer_position, checked.q
+        li = checked.layer_position
         return LoopInputs(
-            q=q if q.device == self.device else q.to(self.device, non_blocking=True),
+            q=self._on_engine_device(checked.q) if q is None else q,
             query_lens=checked.query_lens,
             block_table=checked.block_table,
             chunks=checked.chunks,

@@ -44,7 +44,6 @@ from .loop import (
     start_chunk_loop,
     upload_metadata,
     use_unpacked_keys,
-    uses_keys_last,
 )
 from .plan import ContextChunk
 from .request import StopSignal
@@ -87,7 +86,7 @@ class CapturedLoop:
         self.staged.synchronize()  # the previous replay's copy out of staging is done (long since)
         self._staging[:] = hm.host
         if self.copies is not None and q.is_contiguous():
-            # both copies in one call (torch's copy_ costs the host ~6-8 us each)
+            # both copies in one call (torch's copy_ dispatches and checks each)
             self._copy_args[4] = q.data_ptr()
             self.copies(self._copy_args, self._stream)
             self.staged.record(self.stream)
@@ -129,7 +128,7 @@ class LoopGraphs:
               keys_last: bool) -> tuple[Hashable, HostMetadata]:
         """(a request's shape: what its captured loop bakes in, the request's metadata)."""
         hm = host_metadata_of(query_lens, chunks, block_table, keys_last)
-        return (layer, fused, unpacked_keys, q.shape, q.dtype, hm.chunk_layout, hm.block_table_shape), hm
+        return (layer, fused, unpacked_keys, q.shape, q.dtype, *hm.layout()), hm
 
     def replay(self, key: Hashable, hm: HostMetadata, q: torch.Tensor, stop: StopSignal | None,
                chunks: int) -> PendingLoop | None:
@@ -152,16 +151,10 @@ class LoopGraphs:
         counts[GRAPH_STAGE] += 2  # the two copies out
         return PendingLoop(out, lse, counts, timer, cap.unpacked_keys)
 
-    def start(self, x: LoopInputs, backend: AttentionBackend, fused: bool, layer: int,
-              shape: tuple[Hashable, HostMetadata] | None = None) -> PendingLoop:
-        """Queue ``x``'s loop: a replay of its shape's graph, or the eager loop (capturing
-        the shape the second time it comes). ``shape``: :meth:`shape` of ``x``, where the
-        caller has it."""
-        key, hm = shape if shape is not None else self.shape(
-            layer, fused, x.unpacked_keys, x.q, x.query_lens, x.chunks, x.block_table, uses_keys_last(x, backend))
-        pending = self.replay(key, hm, x.q, x.stop, len(x.chunks))
-        if pending is not None:
-            return pending
+    def start_eager(self, x: LoopInputs, backend: AttentionBackend, fused: bool, key: Hashable,
+                    hm: HostMetadata) -> PendingLoop:
+        """Queue ``x``'s loop eagerly, its shape ``key`` having no graph (:meth:`replay`
+        returned None), and capture the shape the second time it comes."""
         seen = self._seen.pop(key, 0) + 1
         self._seen[key] = seen
         while len(self._seen) > MAX_SEEN:
