@@ -311,6 +311,8 @@ def run_heads(ns: argparse.Namespace, H: int, w: Workload, kind: str, dev: torch
                                 "shared_memory": "all" if kind == "cuda" else "system", "request_ring": True}
     if ns.workspace_tokens:
         flags["workspace_tokens"] = ns.workspace_tokens
+    if ns.cuda_graphs:
+        flags["cuda_graphs"] = True
     server = ServerProcess(f"workload_h{H}", flags, logdir)
     log("starting the server: " + server.cmd)
     try:
@@ -353,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-rows", type=int, default=16)
     p.add_argument("--check-heads", type=int, default=4)
     p.add_argument("--tolerance", type=float, default=1e-2, help="output relative error and LSE difference")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="serve --cuda-graphs: each step's shape captured once and replayed for the other layers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of each RPC, seconds")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start")

@@ -465,7 +465,10 @@ def model_workload_table(d: Doc) -> str:
              f"One sequence: {a['new']:,} new tokens in {a['chunk']:,}-token chunks over a context growing to "
              f"{a['max_context']:,} tokens, every layer's PrefillContext through a request ring (tensors in "
              f"{meta['shared_memory']} shared memory, cache_write {a['cache_write']}), each answer waited for before "
-             f"the next layer's call. Floor: each call's kv_b_proj and attention FLOPs at the measured bf16 GEMM rate "
+             f"the next layer's call"
+             + (" (the server with --cuda-graphs: a step's shape captured once, replayed for the other layers)"
+                if a.get("cuda_graphs") else "")
+             + ". Floor: each call's kv_b_proj and attention FLOPs at the measured bf16 GEMM rate "
              f"plus its gather/pack bytes at the measured copy bandwidth, summed over the calls (held: at the GEMM "
              f"rate held for {a['sustained_gemm_s']:g} s, the clock the power cap leaves). Context tokens/s: "
              f"the context tokens the calls attended, summed, per second (one GPU).", "",

@@ -22,6 +22,7 @@
 # bench_inline_parse (the event loop's parse of an inline request, with and without protobuf's copies),
 # bench_model_prefill (a transformers DeepSeek-V3 model prefilled in chunks through CUDA IPC, bf16 and float32),
 # bench_model_workload (a 61-layer DeepSeek-V3-shaped prefill through a CUDA IPC request ring against its floors),
+# bench_model_workload_graphs (the same, served with --cuda-graphs),
 # segv (a native backtrace of one test).
 # CTXPREFILL_COMMIT labels the results: pass it from the machine that sends the call (the
 # device's own git may report the commit its checkout started from, not the tree that runs).
@@ -272,6 +273,9 @@ want bench_model_prefill && run_step bench_model_prefill_fp32 150 5 - python3 be
 # (GPU_RUN_WORKLOAD_ARGS: more options, e.g. "--heads 16" or "--cache-write separate")
 want bench_model_workload && run_step bench_model_workload 300 5 - python3 bench/bench_model_workload.py \
   --device cuda ${GPU_RUN_WORKLOAD_ARGS:-} --out "$OUT/bench_model_workload.json"
+# the same with the server's --cuda-graphs (a step's shape captured once, replayed for the other layers)
+want bench_model_workload_graphs && run_step bench_model_workload_graphs 300 5 - python3 bench/bench_model_workload.py \
+  --device cuda --cuda-graphs ${GPU_RUN_WORKLOAD_ARGS:-} --out "$OUT/bench_model_workload_graphs.json"
 
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \

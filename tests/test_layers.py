@@ -16,6 +16,7 @@ import torch
 
 from context_layout import tables_and_slots
 from ctxprefill.app import build_engine
+from ctxprefill.cache import PagedLatentCache
 from ctxprefill.config import EngineConfig, ModelShape
 from ctxprefill.engine.engine import Engine, SequenceSpec
 from ctxprefill.errors import ConfigError, InvalidArgument, OutOfRange
@@ -90,6 +91,14 @@ def test_a_write_to_one_layer_leaves_the_others_alone():
     for other in (0, 2):
         assert int(e.read_cache(SLOTS, layer=other).count_nonzero()) == 0
     assert [c.slots_used for c in e.caches] == [0, SLOTS.numel(), 0]
+    # the layers' caches are consecutive pieces of one allocation (a CUDA graph reads any
+    # layer's through block ids offset by the layer: engine/graphs.py)
+    n = e.config.cache.num_slots
+    assert e.cache_storage.shape[0] == 3 * n
+    assert all(c.storage.data_ptr() == e.cache_storage[i * n].data_ptr() for i, c in enumerate(e.caches))
+    assert torch.equal(e.cache_storage[n:2 * n], e.caches[1].storage)
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        PagedLatentCache(e.config.cache, torch.device("cpu"), storage=e.cache_storage[:n - 1])
 
 
 def test_a_layer_not_held_or_not_named_is_refused_and_changes_nothing(two_layers):

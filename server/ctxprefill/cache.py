@@ -17,11 +17,20 @@ from .ops.insert import insert
 
 
 class PagedLatentCache:
-    def __init__(self, config: CacheConfig, device: torch.device, latent: int = 512, rope: int = 64):
+    def __init__(self, config: CacheConfig, device: torch.device, latent: int = 512, rope: int = 64,
+                 storage: torch.Tensor | None = None):
+        """``storage``: uint8 ``[num_slots, bytes_per_slot]`` zeros to hold the slots (a view
+        of an allocation shared by the engine's layers), else allocated here."""
         self.config = config
         self.latent, self.rope = latent, rope
         self.device = torch.device(device)
-        self.storage = torch.zeros((config.num_slots, config.bytes_per_slot), dtype=torch.uint8, device=self.device)
+        shape = (config.num_slots, config.bytes_per_slot)
+        if storage is None:
+            storage = torch.zeros(shape, dtype=torch.uint8, device=self.device)
+        elif tuple(storage.shape) != shape or storage.dtype != torch.uint8 or not storage.is_contiguous():
+            raise ValueError(f"cache storage must be contiguous uint8 {list(shape)}, got {storage.dtype} "
+                             f"{list(storage.shape)}")
+        self.storage = storage
         # which slots hold a token (host side; for the slots-used gauge)
         self._used = torch.zeros(config.num_slots, dtype=torch.bool)
         self.slots_used = 0  # kept up to date by write(): the gauge reads it after every write

@@ -41,21 +41,25 @@ def _ext(cuda_ext):
     return cuda_ext
 
 
-def make_engine(c: dict, cache_dtype: str, kvb: str, prefill: str) -> Engine:
+def make_engine(c: dict, cache_dtype: str, kvb: str, prefill: str, layers: int = 1) -> Engine:
     shape = ModelShape(heads=c["heads"])
-    t = random_kv_b_proj(shape, kvb, seed=0)
-    w = prepare(kvb, t["kv_b_proj.weight"], t.get("kv_b_proj.weight_scale_inv"))
+    ws = []
+    for seed in range(layers):
+        t = random_kv_b_proj(shape, kvb, seed=seed)
+        ws.append(prepare(kvb, t["kv_b_proj.weight"], t.get("kv_b_proj.weight_scale_inv")))
     k_scale = 1.0 if (cache_dtype == "fp8" and prefill == "fp8") else 0.5
     cfg = EngineConfig(shape=shape, cache=CacheConfig(cache_dtype, c["block"], c["blocks"], k_scale),
-                       kv_b_proj_dtype=kvb, prefill_dtype=prefill, workspace_tokens=c["W"], cuda_graphs=True)
+                       kv_b_proj_dtype=kvb, prefill_dtype=prefill, workspace_tokens=c["W"], cuda_graphs=True,
+                       num_layers=layers)
+    w = ws[0] if layers == 1 else ws
     q_dtype = FP8 if prefill == "fp8" else torch.bfloat16
     backend, _ = registry.create("auto", DEV, q_dtype)  # the kernel backend served here (gluon on Hopper)
     return Engine(cfg, w, DEV, backend=backend)
 
 
-def make_request(engine: Engine, c: dict, seed: int):
-    """Every sequence's context written into shuffled blocks (another seed: other blocks,
-    other values, the same shape); a matching q on the device."""
+def make_request(engine: Engine, c: dict, seed: int, layer: int | None = None):
+    """Every sequence's context written into shuffled blocks of ``layer``'s cache (another
+    seed: other blocks, other values, the same shape); a matching q on the device."""
     bs = engine.config.cache.block_size
     g = torch.Generator().manual_seed(seed)
     need = [math.ceil(n / bs) for n in c["contexts"]]
@@ -66,7 +70,7 @@ def make_request(engine: Engine, c: dict, seed: int):
         at += nb
         if n:
             engine.write_cache(torch.from_numpy(slot_mapping(blocks, 0, n, bs)), torch.randn((n, 512), generator=g),
-                               torch.randn((n, 64), generator=g))
+                               torch.randn((n, 64), generator=g), layer=layer)
         seqs.append(SequenceSpec(qn, n, blocks))
     q = torch.randn((sum(c["queries"]), c["heads"], 192), generator=g)
     q = q.clamp(-448, 448).to(FP8) if engine.config.prefill_dtype == "fp8" else q.to(torch.bfloat16)
@@ -138,6 +142,30 @@ def test_a_strided_q_replays_through_torchs_copy(cuda_ext):
         cuda_ext.copies_async([1, 2], 0)
     with pytest.raises(ValueError, match="null address"):
         cuda_ext.copies_async([0, q.data_ptr(), 16], 0)
+
+
+@pytest.mark.parametrize("kvb,prefill", [("bf16", "bf16"), ("fp8", "fp8")])
+def test_one_graph_serves_every_layer(kvb, prefill):
+    """An engine's layers are one cache allocation: a shape captured on one layer replays
+    for the others with their own weight, cache and block ids, bit for bit their eager
+    loops; the graphs of every shape share one memory pool."""
+    c = CASES["ragged"]
+    eng = make_engine(c, "auto", kvb, prefill, layers=3)
+    assert eng.graphs is not None and eng.graphs.cache is eng.cache_storage
+    reqs = [make_request(eng, c, seed=10 + layer, layer=layer) for layer in range(3)]
+    eager = [eng.prefill_context(q, seqs, layer=layer, graphs_on=False) for layer, (q, seqs) in enumerate(reqs)]
+    assert not same_bits(eager[0], eager[1])  # other weights, caches and queries
+    order = [0, 1, 2, 0, 1, 2]  # 0 eager, 1 eager + capture, then replays
+    runs = [eng.prefill_context(*reqs[layer], layer=layer) for layer in order]
+    assert (eng.graphs.captures, eng.graphs.replays) == (1, 4)
+    for layer, r in zip(order, runs, strict=True):
+        assert same_bits(r, eager[layer]), layer
+    # another shape (one context block shorter) captured into the same pool replays too
+    shorter = [SequenceSpec(s.query_len, max(0, s.context_len - 64), s.block_table) for s in reqs[2][1]]
+    want = eng.prefill_context(reqs[2][0], shorter, layer=2, graphs_on=False)
+    got = [eng.prefill_context(reqs[2][0], shorter, layer=layer) for layer in (0, 1, 2)]
+    assert eng.graphs.captures == 2 and same_bits(got[2], want)
+    assert same_bits(eng.prefill_context(*reqs[0], layer=0), eager[0])  # the first shape still replays
 
 
 def test_observed_requests_run_eagerly_and_shapes_are_bounded():

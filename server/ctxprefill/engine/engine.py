@@ -144,8 +144,14 @@ class Engine:
                 raise ValueError(f"layer {layer}: kv_b_proj weight shape {tuple(w.weight.shape)} != "
                                  f"[{n}, {shape.kv_lora_rank}]")
         self.layer_weights = [w.to(self.device) for w in per_layer]
-        self.caches = [PagedLatentCache(config.cache, self.device, shape.kv_lora_rank, shape.qk_rope_head_dim)
-                       for _ in per_layer]
+        # every layer's cache in one allocation, [layers * num_slots, bytes_per_slot]: layer i's
+        # block b is block i * num_blocks + b of the whole (one CUDA graph serves every layer)
+        slots = config.cache.num_slots
+        self.cache_storage = torch.zeros((len(per_layer) * slots, config.cache.bytes_per_slot), dtype=torch.uint8,
+                                         device=self.device)
+        self.caches = [PagedLatentCache(config.cache, self.device, shape.kv_lora_rank, shape.qk_rope_head_dim,
+                                        storage=self.cache_storage[i * slots:(i + 1) * slots])
+                       for i in range(len(per_layer))]
         self.q_dtype = FP8 if config.prefill_dtype == "fp8" else torch.bfloat16
         if backend is None:
             # auto on a GPU: time the candidates on a chunk like the ones this engine will run
@@ -168,7 +174,10 @@ class Engine:
         self.workspace = torch.empty(config.workspace_tokens * width * 2, dtype=torch.uint8, device=self.device)
         self.instance_id = uuid.uuid4().hex
         self._lock = threading.Lock()
-        self.graphs = LoopGraphs() if self.device.type == "cuda" else None  # used per config.cuda_graphs
+        # (used per config.cuda_graphs) one graph per shape serves every layer where the whole
+        # cache's block ids fit the int32 block table
+        shared = self.cache_storage if len(per_layer) * config.cache.num_blocks < 2**31 else None
+        self.graphs = LoopGraphs(shared, config.cache.num_blocks) if self.device.type == "cuda" else None
         # Tensor.get_device() of a tensor on the engine's device (-1: the CPU)
         self._device_index = self.device.index if self.device.index is not None else (
             torch.cuda.current_device() if self.device.type == "cuda" else -1)
@@ -323,11 +332,12 @@ class Engine:
             # here, before the lock, while the device may still run the request before
             q = self._on_engine_device(checked.q)
             unpacked = cfg.unpacked_keys if unpacked_keys is None else unpacked_keys
-            key, hm = graphs.shape(checked.layer_position, fused, unpacked, q, checked.query_lens, checked.chunks,
-                                   checked.block_table, uses_keys_last(self.backend, cfg.prefill_dtype == "fp8",
-                                                                       q.dtype))
+            weight = self.layer_weights[checked.layer_position].compute
+            key, hm = graphs.shape(checked.layer_position, fused, unpacked, q, weight, checked.query_lens,
+                                   checked.chunks, checked.block_table,
+                                   uses_keys_last(self.backend, cfg.prefill_dtype == "fp8", q.dtype))
             with self._lock, self._on_device():
-                replayed = graphs.replay(key, hm, q, checked.stop, len(checked.chunks))
+                replayed = graphs.replay(key, hm, q, weight, checked.stop, len(checked.chunks))
                 pending = replayed if replayed is not None else graphs.start_eager(
                     self.loop_inputs(checked, unpacked_keys, timeline, q), self.backend, fused, key, hm)
         return PendingPrefill(self, pending, dict(

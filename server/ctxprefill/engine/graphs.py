@@ -3,15 +3,17 @@
 A 16-head request's Python issues its ~27 launches about as fast as the device runs
 them, so the device waits on the host inside the loop; a graph replays the same kernels
 with the same arguments in one launch (the same bits, tested: tests/gpu/test_graphs_gpu.py).
-The host still checks and plans every request, builds its chunk metadata, and copies
-the metadata and q into the graph's buffers; after the replay the output and LSE are
-copied out of them (the next replay overwrites them).
+The host still checks every request and makes its chunk metadata (remembered per shape),
+and copies the metadata, q and the layer's weight into the graph's buffers; after the
+replay the output and LSE are copied out of them (the next replay overwrites them).
 
-A shape is what the captured launches bake in: the layer (its weight), the path, q's
-shape and dtype, the query lengths, and the metadata's layout (chunk sizes, context
-lengths, where each vector lies in the upload: :meth:`HostMetadata.layout`). Block ids,
-context starts, q and the cache's contents are values in device buffers, refilled per
-request. A shape is captured the second time it comes (the first ran eagerly and warmed
+A shape is what the captured launches bake in: the path, q's shape and dtype, the
+weight's, the query lengths, and the metadata's layout (chunk sizes, context lengths,
+where each vector lies in the upload: :meth:`HostMetadata.layout`). Block ids, context
+starts, q, the weight and the cache's contents are values in device buffers, refilled
+per request: the engine's layers are one cache allocation, addressed by block ids offset
+by the layer, so one graph serves every layer (the layers of a model's step share its
+shape). A shape is captured the second time it comes (the first ran eagerly and warmed
 every kernel), after that request's loop is queued; at most ``max_graphs`` are kept,
 the least recently used dropped. A replay has no per-stage times: its stats carry one
 stage, ``graph``, the replay's device time. Requests that want more (an observer, a
@@ -72,28 +74,36 @@ class CapturedLoop:
     orders: list[LaunchOrder | None]  # kept alive: the replay reads them
     stream: torch.cuda.Stream  # the engine's, where the replays run
     copies: Any  # the CUDA extension's copies_async, or None: torch's copy_
+    weight: torch.Tensor | None  # [N, L]: the request's layer's kv_b_proj weight is copied here (shared graphs)
 
     def __post_init__(self) -> None:
         self._staging = self.staging.numpy()
         self._stream = self.stream.cuda_stream
-        # copies_async's (dst, src, bytes) triples: the metadata, then q (its source per request)
+        # copies_async's (dst, src, bytes) triples: the metadata, q, the weight (their sources per request)
         self._copy_args = [self.meta.data_ptr(), self.staging.data_ptr(), self.meta.nbytes,
                            self.q.data_ptr(), 0, self.q.nbytes]
+        if self.weight is not None:
+            self._copy_args += [self.weight.data_ptr(), 0, self.weight.nbytes]
 
-    def load(self, hm: HostMetadata, q: torch.Tensor) -> None:
-        """Copy a request's metadata and q into the graph's buffers: the request's first
-        device work (queued, the host does not wait)."""
+    def load(self, hm: HostMetadata, q: torch.Tensor, weight: torch.Tensor) -> None:
+        """Copy a request's metadata, q (and its layer's weight, where the graph serves every
+        layer) into the graph's buffers: the request's first device work (queued, the host
+        does not wait)."""
         self.staged.synchronize()  # the previous replay's copy out of staging is done (long since)
         self._staging[:] = hm.host
         if self.copies is not None and q.is_contiguous():
-            # both copies in one call (torch's copy_ dispatches and checks each)
+            # every copy in one call (torch's copy_ dispatches and checks each)
             self._copy_args[4] = q.data_ptr()
+            if self.weight is not None:
+                self._copy_args[7] = weight.data_ptr()
             self.copies(self._copy_args, self._stream)
             self.staged.record(self.stream)
         else:
             self.meta.copy_(self.staging, non_blocking=True)
             self.staged.record(self.stream)
             self.q.copy_(q, non_blocking=True)
+            if self.weight is not None:
+                self.weight.copy_(weight, non_blocking=True)
 
 
 def _copies_async() -> Any:
@@ -103,13 +113,22 @@ def _copies_async() -> Any:
 
 
 class LoopGraphs:
-    """The captured loops of one engine (one device, one stream: the engine's lock held)."""
+    """The captured loops of one engine (one device, one stream: the engine's lock held).
 
-    def __init__(self, max_graphs: int = 8):
+    ``cache``: every layer's cache as one allocation (layer i's block b is its block
+    ``i * blocks_per_layer + b``), where the engine has one: then a shape's graph serves
+    every layer — it reads the whole cache through block ids offset by the request's
+    layer, and the layer's weight is copied into it with q — and the graphs share one
+    memory pool (their replays never overlap, and each replay's output is copied out
+    before the next). Without it each layer's shape is its own graph."""
+
+    def __init__(self, cache: torch.Tensor | None = None, blocks_per_layer: int = 0, max_graphs: int = 8):
+        self.cache, self.blocks_per_layer = cache, blocks_per_layer
         self.max_graphs = max_graphs
         self._graphs: collections.OrderedDict[Hashable, CapturedLoop] = collections.OrderedDict()
         self._seen: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
         self._failed: set[Hashable] = set()
+        self._pool: Any = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle)
         self.replays = 0
         self.captures = 0
 
@@ -122,25 +141,31 @@ class LoopGraphs:
         more chunks than the eager loop queues at once anyway."""
         return not timeline and (stop is None or chunks <= STOP_AHEAD)
 
-    @staticmethod
-    def shape(layer: int, fused: bool, unpacked_keys: bool, q: torch.Tensor, query_lens: Sequence[int],
-              chunks: Sequence[ContextChunk], block_table: np.ndarray,
+    def shape(self, layer: int, fused: bool, unpacked_keys: bool, q: torch.Tensor, weight: torch.Tensor,
+              query_lens: Sequence[int], chunks: Sequence[ContextChunk], block_table: np.ndarray,
               keys_last: bool) -> tuple[Hashable, HostMetadata]:
-        """(a request's shape: what its captured loop bakes in, the request's metadata)."""
+        """(a request's shape: what its captured loop bakes in, the request's metadata).
+        ``layer``: its position among the engine's layers; ``weight``: that layer's."""
+        if self.cache is None:
+            where: tuple[object, ...] = (layer,)
+        else:  # the whole cache, addressed by block ids offset by the layer
+            where = (weight.shape, weight.dtype)
+            if layer:
+                block_table = block_table + np.int32(layer * self.blocks_per_layer)
         hm = host_metadata_of(query_lens, chunks, block_table, keys_last)
-        return (layer, fused, unpacked_keys, q.shape, q.dtype, *hm.layout()), hm
+        return (*where, fused, unpacked_keys, q.shape, q.dtype, *hm.layout()), hm
 
-    def replay(self, key: Hashable, hm: HostMetadata, q: torch.Tensor, stop: StopSignal | None,
-               chunks: int) -> PendingLoop | None:
-        """Queue the replay of shape ``key``'s graph for a request (``q`` on the device),
-        or None where the shape has none."""
+    def replay(self, key: Hashable, hm: HostMetadata, q: torch.Tensor, weight: torch.Tensor,
+               stop: StopSignal | None, chunks: int) -> PendingLoop | None:
+        """Queue the replay of shape ``key``'s graph for a request (``q`` on the device,
+        ``weight``: its layer's), or None where the shape has none."""
         cap = self._graphs.get(key)
         if cap is None:
             return None
         self._graphs.move_to_end(key)
         if stop is not None:
             stop.check(0, chunks)
-        cap.load(hm, q)
+        cap.load(hm, q, weight)
         timer = StageTimer(cap.q.device, cap.stream)
         started = timer.begin(GRAPH_STAGE)
         cap.graph.replay()
@@ -159,8 +184,9 @@ class LoopGraphs:
         self._seen[key] = seen
         while len(self._seen) > MAX_SEEN:
             self._seen.popitem(last=False)
-        metadata = upload_metadata(hm, x.q.device)
-        pending = start_chunk_loop(x, backend, fused, metadata=metadata)
+        if self.cache is not None:  # hm's block ids address the whole cache
+            x = dataclasses.replace(x, cache=self.cache)
+        pending = start_chunk_loop(x, backend, fused, metadata=upload_metadata(hm, x.q.device))
         if seen >= 2 and key not in self._failed:
             self._capture(key, x, hm, backend, fused)
         return pending
@@ -174,13 +200,16 @@ class LoopGraphs:
         staged.record()
         orders = launch_orders(backend, x)
         q = x.q.clone()
-        xs = dataclasses.replace(x, q=q, stop=None)
+        weight = x.weight.clone() if self.cache is not None else None
+        xs = dataclasses.replace(x, q=q, stop=None, weight=x.weight if weight is None else weight)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(x.q.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(x.q.device))
         try:
             with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
                     looped = start_chunk_loop(xs, backend, fused, metadata=device_metadata(hm, meta),
                                               launch_orders=orders, timed=False)
@@ -196,7 +225,7 @@ class LoopGraphs:
         self._graphs[key] = CapturedLoop(graph, q, meta, staging, staged, looped.out, looped.lse,
                                          looped.counts, use_unpacked_keys(backend, fused, x.unpacked_keys,
                                                                           x.fp8_prefill), orders,
-                                         torch.cuda.current_stream(x.q.device), _copies_async())
+                                         torch.cuda.current_stream(x.q.device), _copies_async(), weight)
         self.captures += 1
         while len(self._graphs) > self.max_graphs:
             _, dropped = self._graphs.popitem(last=False)
