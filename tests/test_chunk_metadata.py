@@ -126,9 +126,10 @@ def test_a_graph_key_is_the_requests_shape():
     from ctxprefill.engine.graphs import LoopGraphs
 
     q = torch.empty((15, 1, 192), dtype=torch.bfloat16)
+    w = torch.empty((256, 512), dtype=torch.bfloat16)
 
-    def key(x, layer=0, q=q):
-        return LoopGraphs.shape(layer, True, True, q, x.query_lens, x.chunks, x.block_table, False)[0]
+    def key(x, layer=0, q=q):  # per layer: an engine without one cache allocation
+        return LoopGraphs().shape(layer, True, True, q, w, x.query_lens, x.chunks, x.block_table, False)[0]
 
     a = _inputs([3, 0, 5, 7], [40, 0, 1000, 33], 256)
     assert key(a) == key(dataclasses.replace(a, block_table=a.block_table + 5))
@@ -136,3 +137,28 @@ def test_a_graph_key_is_the_requests_shape():
     assert key(a) != key(_inputs([3, 0, 5, 7], [40, 0, 1001, 33], 256))
     assert key(a) != key(_inputs([3, 1, 4, 7], [40, 0, 1000, 33], 256))
     assert key(a) != key(a, q=q.to(torch.float8_e4m3fn))
+
+
+def test_a_graph_key_serves_every_layer_of_one_cache():
+    """engine/graphs.py over the engine's one cache allocation: a request's key is its shape
+    whatever its layer (the layer's block ids offset into the whole cache, its weight a
+    value copied in: only the weight's shape and dtype in the key); without one, the layer
+    is in the key and block ids are the layer's own."""
+    from ctxprefill.engine.graphs import LoopGraphs
+
+    q = torch.empty((15, 1, 192), dtype=torch.bfloat16)
+    w = torch.empty((256, 512), dtype=torch.bfloat16)
+    shared, per_layer = LoopGraphs(torch.empty((4 * 100, 8), dtype=torch.uint8), blocks_per_layer=100), LoopGraphs()
+
+    def shape(graphs, x, layer=0, weight=w):
+        return graphs.shape(layer, True, True, q, weight, x.query_lens, x.chunks, x.block_table, False)
+
+    a = _inputs([3, 0, 5, 7], [40, 0, 1000, 33], 256)
+    n = a.block_table.size
+    (k0, h0), (k2, h2) = shape(shared, a), shape(shared, a, layer=2)
+    assert k0 == k2 and h0.chunk_layout is h2.chunk_layout
+    assert np.array_equal(h0.host[-n:], a.block_table.ravel())
+    assert np.array_equal(h2.host[-n:], a.block_table.ravel() + 200) and h2.host.dtype == np.int32
+    assert shape(shared, a, weight=w.float())[0] != k0
+    assert shape(per_layer, a)[0] != shape(per_layer, a, layer=2)[0]
+    assert np.array_equal(shape(per_layer, a, layer=2)[1].host[-n:], a.block_table.ravel())
