@@ -28,10 +28,12 @@ bf16 GEMM rate, gather/pack bytes at the copy bandwidth, both measured here by
 ``--sustained-gemm-s``), the K pack counted only where the calls' Stats say they pack K;
 summed over all calls. Context tokens/s: the context tokens attended, summed over calls, per
 second of wall time (one server, one GPU), and the same at the floor. Nothing else runs
-between the calls: the wall time is ctxprefill's part of an engine's prefill, the client's
-request building and the ring's hand-offs included. ``rows``: per chunk, its layers' calls
-together (wall, client-observed calls, separate writes, floor, the server's Stats total and
-compute).
+between the calls: the wall time is ctxprefill's part of an engine's prefill, the ring's
+hand-offs included. Each layer's request is built (``RequestRing.prepare``) while the layer
+before it runs, as an engine builds its next step ahead (``--no-build-ahead``: between the
+calls, inside the wall time). ``rows``: per chunk, its layers' calls together (wall,
+client-observed calls, separate writes, floor, the server's Stats total, its five phases and
+the device time of each stage).
 
 Check: for ``--check-layers`` (default the last), the last chunk's output and LSE (its first
 ``--check-rows`` rows, ``--check-heads`` heads: one head shard of the server's weights, which
@@ -51,6 +53,7 @@ rewritten after each.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -75,6 +78,7 @@ from server_process import ServerProcess  # noqa: E402
 KIND = "model_workload"
 L, R, QK, V = 512, 64, 192, 128  # latent, rope, q·k and value dims
 FILL_PIECE = 16384  # tokens per WriteCache of the fill
+PHASES = ("validate", "queue", "input", "compute", "output")  # the server's Stats.phase_nanos, in order
 RING_SLOTS, RING_SLOT_BYTES = 2, 1 << 17  # a slot holds a request: refs, block table, slot mapping
 
 
@@ -223,6 +227,17 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
             return {"output_region": t.ref("out", layer, n * H * V * 2), "lse_region": t.ref("lse", layer, H * n * 4),
                     "float_output": False}
 
+        def latents(j: int, layer: int) -> tuple[Any, Any, Any]:
+            """Chunk j's cache_write for one layer: its slots, kv_c and k_pe rows."""
+            off, n = w.context[j] - cs, w.new[j]
+            return w.slots[w.context[j]:w.context[j] + n], t.input("kv", layer, off, n), t.input("pe", layer, off, n)
+
+        def build(ring: Any, j: int, layer: int) -> Any:
+            """Chunk j's request for one layer, serialized (no slot taken)."""
+            n = w.new[j]
+            return ring.prepare(t.input("q", layer, 0, n), seq(j), layer=layer, **results(layer, n),
+                                cache_write=latents(j, layer) if ns.cache_write == "with-prefill" else None)
+
         # the ring's life is bounded by --timeout: a server that stops answering ends it
         with client.attach_request_ring(ring_region, num_slots=RING_SLOTS, slot_bytes=RING_SLOT_BYTES,
                                         timeout=ns.timeout) as ring:
@@ -232,29 +247,36 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
                                          **results(layer, w.new[0]))
             rows, unpacked = [], set()
             for j, (n, ctx) in enumerate(zip(w.new, w.context)):
-                off = ctx - cs  # the chunk's first row in kv / pe
-                slots = w.slots[ctx:ctx + n]
                 calls_s = write_s = 0.0
                 server = [0, 0]
+                phases = dict.fromkeys(PHASES, 0)
+                stages: collections.Counter[str] = collections.Counter()  # device time per stage
+
                 t_chunk = time.perf_counter()
+                ahead = build(ring, j, 0) if ns.build_ahead else None
                 for layer in range(Ly):
-                    cw = (slots, t.input("kv", layer, off, n), t.input("pe", layer, off, n))
                     t0 = time.perf_counter()
-                    ring.submit(t.input("q", layer, 0, n), seq(j), layer=layer, **results(layer, n),
-                                cache_write=cw if ns.cache_write == "with-prefill" else None)
+                    ring.submit_prepared(ahead if ahead is not None else build(ring, j, layer))
+                    # the next layer's request is built while this one runs, as an engine would
+                    ahead = build(ring, j, layer + 1) if ns.build_ahead and layer + 1 < Ly else None
                     st = ring.result().stats
                     t1 = time.perf_counter()
                     if ns.cache_write == "separate":
-                        client.write_cache(*cw, layer=layer)
+                        client.write_cache(*latents(j, layer), layer=layer)
                         write_s += time.perf_counter() - t1
                     calls_s += t1 - t0
                     server[0] += st["total_nanos"]
                     server[1] += st["phase_nanos"]["compute"]
+                    for k in PHASES:
+                        phases[k] += st["phase_nanos"][k]
+                    stages.update(st["stage_nanos"])
                     unpacked.add(bool(st["unpacked_keys"]))
                 wall = time.perf_counter() - t_chunk
                 rows.append({"chunk": j, "new_tokens": n, "context_tokens": ctx, "wall_ms": wall * 1e3,
                              "calls_ms": calls_s * 1e3, "write_ms": write_s * 1e3,
-                             "server_total_ms": server[0] / 1e6, "server_compute_ms": server[1] / 1e6})
+                             "server_total_ms": server[0] / 1e6, "server_compute_ms": server[1] / 1e6,
+                             "server_phase_ms": {k: v / 1e6 for k, v in phases.items()},
+                             "stage_ms": {k: v / 1e6 for k, v in sorted(stages.items())}})
                 log(f"H={H} chunk {j + 1}/{len(w.new)}: {Ly} layers over {ctx} context tokens in {wall * 1e3:.1f} ms "
                     f"(server compute {server[1] / 1e6:.1f} ms)")
         # the floor of each call shape (once per chunk: the layers' calls are alike)
@@ -296,6 +318,10 @@ def summarize(ns: argparse.Namespace, H: int, w: Workload, rows: list[dict], fil
             "ratio_held": _div(wall, held),
             "calls_s": sum(r["calls_ms"] for r in rows) / 1e3, "cache_write_s": sum(r["write_ms"] for r in rows) / 1e3,
             "server_compute_s": sum(r["server_compute_ms"] for r in rows) / 1e3,
+            "server_total_s": sum(r["server_total_ms"] for r in rows) / 1e3,
+            "server_phase_s": {k: sum(r["server_phase_ms"][k] for r in rows) / 1e3 for k in PHASES},
+            "stage_s": {k: sum(r["stage_ms"].get(k, 0.0) for r in rows) / 1e3
+                        for k in sorted({k for r in rows for k in r["stage_ms"]})},
             "context_tokens": ctx_tokens, "context_tokens_per_s": _div(ctx_tokens, wall),
             "floor_context_tokens_per_s": _div(ctx_tokens, floor), "prefill_tokens_per_s": _div(ns.new, wall),
             "packs_k": packs, "fill": fill, "rows": rows, "checks": checks,
@@ -355,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-rows", type=int, default=16)
     p.add_argument("--check-heads", type=int, default=4)
     p.add_argument("--tolerance", type=float, default=1e-2, help="output relative error and LSE difference")
+    p.add_argument("--build-ahead", action=argparse.BooleanOptionalAction, default=True,
+                   help="build each layer's request while the layer before it runs (RequestRing.prepare)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="serve --cuda-graphs: each step's shape captured once and replayed for the other layers")
     p.add_argument("--seed", type=int, default=0)
@@ -391,6 +419,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"H={H}: {r['calls']} calls in {r['wall_s']:.3f} s, floor sum {r['floor_s']:.3f} s (ratio "
                 f"{r['ratio']:.2f}); {r['context_tokens_per_s']:.3g} context tokens/s (floor "
                 f"{r['floor_context_tokens_per_s']:.3g})")
+            per_call = {k: f"{v / r['calls'] * 1e3:.3f}" for k, v in r["server_phase_s"].items()}
+            log(f"H={H}: device stages per call, ms: "
+                f"{ {k: round(v / r['calls'] * 1e3, 3) for k, v in r['stage_s'].items()} }")
+            log(f"H={H}: per call, ms: client-observed {r['calls_s'] / r['calls'] * 1e3:.3f}, server "
+                f"{r['server_total_s'] / r['calls'] * 1e3:.3f} ({per_call})")
             if ns.out:
                 tmp = ns.out + ".tmp"
                 with open(tmp, "w") as f:

@@ -22,7 +22,7 @@
 # bench_inline_parse (the event loop's parse of an inline request, with and without protobuf's copies),
 # bench_model_prefill (a transformers DeepSeek-V3 model prefilled in chunks through CUDA IPC, bf16 and float32),
 # bench_model_workload (a 61-layer DeepSeek-V3-shaped prefill through a CUDA IPC request ring against its floors),
-# bench_model_workload_graphs (the same, served with --cuda-graphs),
+# bench_model_workload_graphs (the same, served with --cuda-graphs), profile_workload (py-spy over it),
 # segv (a native backtrace of one test).
 # CTXPREFILL_COMMIT labels the results: pass it from the machine that sends the call (the
 # device's own git may report the commit its checkout started from, not the tree that runs).
@@ -276,6 +276,14 @@ want bench_model_workload && run_step bench_model_workload 300 5 - python3 bench
 # the same with the server's --cuda-graphs (a step's shape captured once, replayed for the other layers)
 want bench_model_workload_graphs && run_step bench_model_workload_graphs 300 5 - python3 bench/bench_model_workload.py \
   --device cuda --cuda-graphs ${GPU_RUN_WORKLOAD_ARGS:-} --out "$OUT/bench_model_workload_graphs.json"
+
+# where the host's time goes in that workload (16 heads, graphs): py-spy samples the bench and its
+# server (raw stacks), folded for the server's engine thread and the caller's main thread
+want profile_workload && run_step profile_workload 200 5 "$OUT/profile_workload.txt" bash -c '
+  py-spy record --subprocesses --threads --nonblocking -r 1000 -f raw -o /tmp/stacks.txt -- \
+    python3 bench/bench_model_workload.py --device cuda --cuda-graphs --heads 16 --new 32768 --out /tmp/pw.json \
+    || exit 1
+  for t in ctxprefill-engine MainThread; do python3 bench/fold_stacks.py /tmp/stacks.txt --thread $t --top 60; done'
 
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \

@@ -3,7 +3,8 @@ processes on the CPU, through the client package:
 
 - answers through a ring are bit-identical to PrefillContext calls, inline or with q,
   output and LSE in shared memory, several requests in flight, answered in order; the
-  metrics count them and the attached rings;
+  metrics count them and the attached rings; a prepared request takes no slot until it
+  is sent and reads a shared-memory q when it runs;
 - a failed request is answered in-band with the unary call's status (naming the field)
   and the ring goes on: bad block ids, a wrong instance, bytes that are not a request,
   a length past the slot, an answer too big for the slot;
@@ -142,6 +143,31 @@ def test_ring_with_tensors_in_shared_memory(client, reference):
                 assert same(res, reference)
                 assert res.output_ref.offset == q_bytes
             del res
+    finally:
+        client.unregister_shared_memory("")
+        for r in (data, ring_region):
+            r.close()
+            r.unlink()
+
+
+def test_a_prepared_request_takes_no_slot_and_reads_q_when_it_runs(client, reference):
+    data = SystemSharedMemoryRegion("data", Q.nbytes + 4096)
+    ring_region = SystemSharedMemoryRegion("ring", 2 * SLOT_BYTES)
+    try:
+        client.register_system_shared_memory(data)
+        client.register_system_shared_memory(ring_region)
+        q_in = data.write(np.zeros_like(Q), 0, BF16)
+        with client.attach_request_ring(ring_region, num_slots=2, slot_bytes=SLOT_BYTES) as ring:
+            inline = ring.prepare(Q, SEQS)  # an inline q is copied now
+            shared = [ring.prepare(q_in, SEQS) for _ in range(3)]  # more than the slots: none taken
+            ring.submit_prepared(inline)
+            data.write(Q, 0, BF16)  # after its request was prepared, before it is sent
+            ring.submit_prepared(shared[0])
+            with pytest.raises(CtxPrefillError, match="slots hold requests in flight"):
+                ring.submit_prepared(shared[1])
+            assert same(ring.result(), reference) and same(ring.result(), reference)
+            ring.submit_prepared(shared[2])
+            assert same(ring.result(), reference)
     finally:
         client.unregister_shared_memory("")
         for r in (data, ring_region):

@@ -35,7 +35,7 @@ from ._common import (
 from .aio import AsyncPrefillContextClient
 from .client import PrefillContextClient
 from .merge import merge_partials
-from .request_ring import RequestRing
+from .request_ring import PreparedRequest, RequestRing
 from .sharded import AsyncShardedPrefillClient, ShardedPrefillClient
 from .shared_memory import (
     CudaSharedMemoryRegion,
@@ -85,6 +85,7 @@ __all__ = [
     "PrefillContextClient",
     "PrefillResult",
     "PrefillStream",
+    "PreparedRequest",
     "RequestRing",
     "RawTensor",
     "ResponseDecodeError",

@@ -26,6 +26,12 @@ Each side writes the payload and length, then a memory fence, then the state; th
 reader reads the state, a fence, then the rest. Requests are taken in slot order,
 round robin from slot 0: write them into consecutive slots.
 
+A caller that runs requests one after another (an engine's layers) can build the next
+one while the current one runs: :meth:`RequestRing.prepare` builds and serializes a
+request without taking a slot, :meth:`RequestRing.submit_prepared` writes it into the
+next one. A shared-memory input is read when the server runs the request, so q may be
+written after ``prepare``, before ``submit_prepared`` (an inline q is copied by ``prepare``).
+
 Waiting: :meth:`RequestRing.result` spins on the slot's state for up to ``spin_s``
 seconds, then checks every ``sleep_s``. Spinning costs a CPU while waiting and is
 what makes the ring fast (a sleeping thread takes ~0.1 ms to run again on a VM).
@@ -34,6 +40,7 @@ what makes the ring fast (a sleeping thread takes ~0.1 ms to run again on a VM).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import time
 from collections.abc import Iterable
@@ -49,7 +56,7 @@ from ._trace_context import with_trace_context
 from .shared_memory import SharedMemoryRef, SystemSharedMemoryRegion
 from .stream import Pending, answer_to_result, prefill_request
 
-__all__ = ["RequestRing", "FREE", "REQUEST", "TAKEN", "ANSWER", "HEADER_BYTES", "MIN_SLOT_BYTES",
+__all__ = ["RequestRing", "PreparedRequest", "FREE", "REQUEST", "TAKEN", "ANSWER", "HEADER_BYTES", "MIN_SLOT_BYTES",
            "MAX_SLOT_BYTES", "MAX_SLOTS", "memory_fence", "slot_fields"]
 
 from ctxprefill_api.ring import (  # noqa: F401  (re-exported: the ring's layout is part of this module's API)
@@ -66,6 +73,14 @@ from ctxprefill_api.ring import (  # noqa: F401  (re-exported: the ring's layout
     memory_fence,
     slot_fields,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRequest:
+    """A request built and serialized ahead (:meth:`RequestRing.prepare`), not sent yet."""
+
+    data: bytes  # the serialized PrefillContextRequest
+    pending: Pending  # what parsing its answer needs
 
 
 class RequestRing:
@@ -123,10 +138,24 @@ class RequestRing:
                float_output: bool = True, layer: int | None = None, cache_write: Any = None) -> None:
         """Write one request (arguments as ``PrefillContextClient.prefill_context``) into the
         next slot; its answer is a later :meth:`result`."""
-        self._check_open()
+        self.submit_prepared(self.prepare(q, sequences, request_id=request_id, workspace_tokens=workspace_tokens,
+                                          plan=plan, q_dtype=q_dtype, output_region=output_region,
+                                          lse_region=lse_region, float_output=float_output, layer=layer,
+                                          cache_write=cache_write))
+
+    def prepare(self, q: Any, sequences: Iterable[Any], *, request_id: str | None = None,
+                workspace_tokens: int | None = None, plan: Iterable[Any] | None = None, q_dtype: int | None = None,
+                output_region: SharedMemoryRef | None = None, lse_region: SharedMemoryRef | None = None,
+                float_output: bool = True, layer: int | None = None, cache_write: Any = None) -> PreparedRequest:
+        """One request (arguments as :meth:`submit`) built and serialized, no slot taken: send
+        it with :meth:`submit_prepared`, e.g. while the request before it runs."""
         req, pending = prefill_request(self._client, q, sequences, request_id, workspace_tokens, plan, q_dtype,
                                        output_region, lse_region, float_output, layer, cache_write)
-        self.send(req, pending)
+        return PreparedRequest(req.SerializeToString(), pending)
+
+    def submit_prepared(self, prepared: PreparedRequest) -> None:
+        """Write a :meth:`prepare`-d request into the next slot; its answer is a later :meth:`result`."""
+        self._write(prepared.data, prepared.pending)
 
     def result(self) -> PrefillResult:
         """The answer to the oldest request without one (waits for it)."""
@@ -138,13 +167,15 @@ class RequestRing:
     def send(self, request: Any, _meta: Pending | None = None) -> None:
         """The raw form of :meth:`submit`: a built PrefillContextRequest (anything with
         ``SerializeToString``) into the next slot; its answer is a later :meth:`receive`."""
+        self._write(request.SerializeToString(), _meta)
+
+    def _write(self, data: bytes, meta: Pending | None) -> None:
         self._check_open()
         if len(self._pending) >= self.num_slots:
             raise CtxPrefillError(f"all {self.num_slots} slots hold requests in flight: read a result first")
         slot = self._next
         if self._states[slot] != FREE:
             raise CtxPrefillError(f"slot {slot} is not free (state {int(self._states[slot])})")
-        data = request.SerializeToString()
         room = self.slot_bytes - HEADER_BYTES
         if len(data) > room:
             raise ValueError(f"the request takes {len(data)} bytes, a slot holds {room}: put q in shared memory "
@@ -157,7 +188,7 @@ class RequestRing:
         memory_fence()
         self._states[slot] = REQUEST
         self._next = (slot + 1) % self.num_slots
-        self._pending.append((slot, self._seq, _meta))
+        self._pending.append((slot, self._seq, meta))
 
     def receive(self) -> pb.PrefillContextStreamResponse:
         """The raw form of :meth:`result`: the oldest request's answer as the server wrote it."""
