@@ -278,12 +278,13 @@ want bench_model_workload_graphs && run_step bench_model_workload_graphs 300 5 -
   --device cuda --cuda-graphs ${GPU_RUN_WORKLOAD_ARGS:-} --out "$OUT/bench_model_workload_graphs.json"
 
 # where the host's time goes in that workload (16 heads, graphs): py-spy samples the bench and its
-# server (raw stacks), folded for the server's engine thread and the caller's main thread
+# server (raw stacks, gzipped), folded for the server's engine thread and the caller's timed loop
 want profile_workload && run_step profile_workload 200 5 "$OUT/profile_workload.txt" bash -c '
-  py-spy record --subprocesses --threads --nonblocking -r 1000 -f raw -o /tmp/stacks.txt -- \
+  py-spy record --subprocesses --threads --nonblocking -r 400 -f raw -o /tmp/stacks.txt -- \
     python3 bench/bench_model_workload.py --device cuda --cuda-graphs --heads 16 --new 32768 --out /tmp/pw.json \
     || exit 1
-  for t in ctxprefill-engine MainThread; do python3 bench/fold_stacks.py /tmp/stacks.txt --thread $t --top 60; done'
+  gzip -c /tmp/stacks.txt >"$OUT/profile_workload_stacks.txt.gz"
+  for w in EngineWorker._run drive; do python3 bench/fold_stacks.py /tmp/stacks.txt --within $w --top 80; done'
 
 # ---- 8. attention block-config sweep ------------------------------------------------------------
 want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \
