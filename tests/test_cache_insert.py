@@ -11,7 +11,7 @@ import struct
 import pytest
 import torch
 
-from ctxprefill.cache import PagedLatentCache
+from ctxprefill.cache import PagedLatentCache, host_slots
 from ctxprefill.config import CacheConfig
 from ctxprefill.errors import InvalidArgument, OutOfRange
 from ctxprefill.ops.gather import gather
@@ -167,3 +167,16 @@ def test_slots_used_counts_distinct_slots_ever_written():
     assert cache.slots_used == 4
     cache.write(torch.tensor([0, 1, 1, -1, -1, 2]), c, pe)
     assert cache.slots_used == 6
+
+
+@pytest.mark.parametrize("allow_skip", [True, False])
+@pytest.mark.parametrize("bad", [16, -2, -(2**63), 2**63 - 1])
+def test_host_slots_names_the_first_slot_out_of_range(allow_skip, bad):
+    """Checked in one unsigned pass: the int64 extremes must not wrap into the valid range."""
+    ok = [0, 15, -1] if allow_skip else [0, 15, 3]
+    with pytest.raises(OutOfRange, match=r"slot_mapping\[3\]"):
+        host_slots(torch.tensor([*ok, bad, 99]), 16, "slot_mapping", allow_skip)
+    assert host_slots(torch.tensor(ok), 16, "slot_mapping", allow_skip).tolist() == ok
+    if not allow_skip:
+        with pytest.raises(OutOfRange, match=r"slot_mapping\[0\]"):
+            host_slots(torch.tensor([-1]), 16, "slot_mapping", False)

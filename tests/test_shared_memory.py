@@ -35,7 +35,7 @@ from context_layout import BS, LSE_BYTES, NB, OUT_BYTES, Q_BYTES, SEQS, SLOTS, T
 from ctxprefill.app import build_engine
 from ctxprefill.engine.engine import Engine, SequenceSpec
 from ctxprefill.errors import FailedPrecondition, NotFound, ResourceExhausted
-from ctxprefill.service.shared_memory import SharedMemoryRegistry, span_of
+from ctxprefill.service.shared_memory import Region, SharedMemoryRegistry, span_of
 from ctxprefill.settings import ServeSettings
 from ctxprefill_api import pb
 from ctxprefill_client import (
@@ -542,6 +542,27 @@ def test_region_views_are_made_once_per_place_and_dropped_with_the_region():
         del a, b, c
         reg.unregister("r")
         assert region.views == {} and region.tensor is None
+
+
+def test_region_views_past_the_bound_drop_the_least_recently_used(monkeypatch):
+    """A caller cycling through more places than the bound (a model's layers) keeps the
+    views it uses again; the one unused longest goes."""
+    monkeypatch.setattr(Region, "MAX_VIEWS", 3)
+    reg = SharedMemoryRegistry(("system",), max_regions=4, max_bytes=1 << 20)
+    reg.attach(torch.device("cpu"))
+    with SystemSharedMemoryRegion("r", 4096) as shm:
+        reg.register_system("r", shm.key, 0, 4096)
+        lease = reg.lease("unix:")
+        view = lambda off: lease.resolve(pb.SharedMemoryRef(region="r", offset=off, byte_size=64),  # noqa: E731
+                                         "q.shared_memory", 64)[1]
+        first, second, third = view(0), view(64), view(128)
+        assert view(0) is first  # used again: now the most recent
+        view(192)  # a fourth place: the least recently used (64) goes
+        region = lease.resolve(pb.SharedMemoryRef(region="r", offset=0, byte_size=64), "q.shared_memory", 64)[0]
+        assert len(region.views) == 3
+        assert view(0) is first and view(128) is third and view(64) is not second
+        lease.abandon()
+        reg.unregister("r")
 
 
 def test_registry_refuses_a_non_regular_object(tmp_path):

@@ -51,6 +51,7 @@ status says which.
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import dataclasses
 import errno
@@ -182,17 +183,23 @@ class Region:
         self._pinned_for = pinned_for  # the device whose copies use it
         self.in_flight = 0  # leases holding it (guarded by the registry's lock)
         self.registered = True
-        #: views of its bytes already made, by (offset, bytes[, dtype, shape]): requests of one
-        #: caller name the same places again and again, and a view costs a few torch calls
-        self.views: dict = {}
+        #: views of its bytes already made, by (offset, bytes[, dtype, shape]), least recently
+        #: used first: requests of one caller name the same places again and again (a 61-layer
+        #: model's q, output and LSE: 183), and a view costs a few torch calls
+        self.views: collections.OrderedDict = collections.OrderedDict()
+
+    #: views kept per region
+    MAX_VIEWS = 1024
 
     def view(self, key: tuple, make):
-        """The view cached under ``key``, or ``make()`` (cached; at most 64 kept)."""
+        """The view cached under ``key``, or ``make()`` (cached; the least recently used go first)."""
         v = self.views.get(key)
         if v is None:
-            if len(self.views) >= 64:
-                self.views.clear()
+            if len(self.views) >= self.MAX_VIEWS:
+                self.views.popitem(last=False)
             v = self.views[key] = make()
+        else:
+            self.views.move_to_end(key)
         return v
 
     # -- system regions: through the descriptor ----------------------------------------
@@ -289,7 +296,7 @@ class Region:
             self._fd = None
         self.tensor = None
         self._mm = None
-        self.views = {}
+        self.views = collections.OrderedDict()
 
     @property
     def pinned_bytes(self) -> int:
