@@ -482,6 +482,20 @@ def model_workload_table(d: Doc) -> str:
                      f"| {_num(r['ratio_held'], '.2f')} "
                      f"| {_num(r['context_tokens_per_s'], '.3g')} | {_num(r['floor_context_tokens_per_s'], '.3g')} "
                      f"| {check} |")
+    if all("server_phase_s" in r for r in d["runs"]):
+        lines += ["", "Per call, ms: the caller's wait (submit to answer), the server's host phases (validate: "
+                  "parse and decode; compute: the engine call, its device work waited for), the device time of its "
+                  "stages (a replayed CUDA graph is one stage), and what is left of the caller's wait outside the "
+                  "server (the ring's hand-offs, the answer's parse).", "",
+                  "| heads | caller | server | validate | compute | device stages | compute − device "
+                  "| outside the server |", "|---|---|---|---|---|---|---|---|"]
+        for r in d["runs"]:
+            n, ph = r["calls"], r["server_phase_s"]
+            dev = sum(r["stage_s"].values())
+            lines.append(f"| {r['heads']} | {r['calls_s'] / n * 1e3:.3f} | {r['server_total_s'] / n * 1e3:.3f} "
+                         f"| {ph['validate'] / n * 1e3:.3f} | {ph['compute'] / n * 1e3:.3f} | {dev / n * 1e3:.3f} "
+                         f"| {(ph['compute'] - dev) / n * 1e3:.3f} "
+                         f"| {(r['calls_s'] - r['server_total_s']) / n * 1e3:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -621,11 +635,12 @@ BENCHMARKS = (
           "weights computing in float32 (`--dtype float32 --transports cuda`), which takes the model's own bf16 "
           "rounding out of the comparison."),
     Bench("A DeepSeek-V3-shaped model's prefill through the request ring", "bench_model_workload",
-          ("bench_model_workload",),
+          ("bench_model_workload", "bench_model_workload_graphs"),
           "`bench/bench_model_workload.py`: 61 layers at 128 and at 16 heads, 8,192 new tokens in 1,024-token chunks "
           "over a context growing to 128k, every layer's call through a CUDA IPC request ring as an engine issues "
           "them (its cache_write writing the chunk's latents), against the sum of the calls' floors; the last "
-          "chunk's answers checked against float64."),
+          "chunk's answers checked against float64; then the same served with `--cuda-graphs`. Per call: where "
+          "its time goes — the device's stages, the server's host phases, the hand-offs."),
 )
 
 
@@ -753,7 +768,11 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                  "wall " + " / ".join(f"{r['wall_s']:.2f}" for r in runs) + " s, server compute "
                  + " / ".join(f"{r['server_compute_s']:.2f}" for r in runs) + " s, floor sums "
                  + " / ".join(f"{r['floor_s']:.2f}" for r in runs) + " s: "
-                 + " / ".join(f"{r['ratio']:.2f}×" for r in runs) + " the floor", "bench_model_workload"))
+                 + " / ".join(f"{r['ratio']:.2f}×" for r in runs) + " the floor ("
+                 + " / ".join(f"{r['ratio_held']:.2f}×" for r in runs) + " the held floor); "
+                 + " / ".join(f"{r['context_tokens_per_s'] / 1e6:.1f}" for r in runs) + " M context tokens/s "
+                 "(floor " + " / ".join(f"{r['floor_context_tokens_per_s'] / 1e6:.1f}" for r in runs) + " M)",
+                 "bench_model_workload"))
     mp = load("bench_model_prefill_fp32", results)
     m, cuda = mp["meta"]["model"], mp["transports"]["cuda"]
     rows.append((f"A transformers DeepSeek-V3 model ({m['layers']} layers, {m['heads']} heads, computing in "
