@@ -155,11 +155,15 @@ def test_one_graph_serves_every_layer(kvb, prefill):
     reqs = [make_request(eng, c, seed=10 + layer, layer=layer) for layer in range(3)]
     eager = [eng.prefill_context(q, seqs, layer=layer, graphs_on=False) for layer, (q, seqs) in enumerate(reqs)]
     assert not same_bits(eager[0], eager[1])  # other weights, caches and queries
-    order = [0, 1, 2, 0, 1, 2]  # 0 eager, 1 eager + capture, then replays
+    # 0 eager, 1 eager + capture, then replays: a layer again (its weight already in the
+    # graph's buffer, not copied) and back to another (copied)
+    order = [0, 1, 2, 2, 0, 0, 1, 2, 2]
     runs = [eng.prefill_context(*reqs[layer], layer=layer) for layer in order]
-    assert (eng.graphs.captures, eng.graphs.replays) == (1, 4)
+    assert (eng.graphs.captures, eng.graphs.replays) == (1, 7)
     for layer, r in zip(order, runs, strict=True):
         assert same_bits(r, eager[layer]), layer
+    [loop] = eng.graphs._graphs.values()
+    assert loop.holds == eng.layer_weights[2].compute.data_ptr()
     # another shape (one context block shorter) captured into the same pool replays too
     shorter = [SequenceSpec(s.query_len, max(0, s.context_len - 64), s.block_table) for s in reqs[2][1]]
     want = eng.prefill_context(reqs[2][0], shorter, layer=2, graphs_on=False)

@@ -75,6 +75,7 @@ class CapturedLoop:
     stream: torch.cuda.Stream  # the engine's, where the replays run
     copies: Any  # the CUDA extension's copies_async, or None: torch's copy_
     weight: torch.Tensor | None  # [N, L]: the request's layer's kv_b_proj weight is copied here (shared graphs)
+    holds: int = 0  # data_ptr of the layer weight ``weight`` holds a copy of (weights never change)
 
     def __post_init__(self) -> None:
         self._staging = self.staging.numpy()
@@ -82,8 +83,9 @@ class CapturedLoop:
         # copies_async's (dst, src, bytes) triples: the metadata, q, the weight (their sources per request)
         self._copy_args = [self.meta.data_ptr(), self.staging.data_ptr(), self.meta.nbytes,
                            self.q.data_ptr(), 0, self.q.nbytes]
+        self._with_weight = self._copy_args
         if self.weight is not None:
-            self._copy_args += [self.weight.data_ptr(), 0, self.weight.nbytes]
+            self._with_weight = self._copy_args + [self.weight.data_ptr(), 0, self.weight.nbytes]
 
     def load(self, hm: HostMetadata, q: torch.Tensor, weight: torch.Tensor) -> None:
         """Copy a request's metadata, q (and its layer's weight, where the graph serves every
@@ -91,19 +93,26 @@ class CapturedLoop:
         does not wait)."""
         self.staged.synchronize()  # the previous replay's copy out of staging is done (long since)
         self._staging[:] = hm.host
+        # the weight only when another layer's is in the buffer (a 32 MB copy at 128 heads)
+        new_weight = self.weight is not None and weight.data_ptr() != self.holds
         if self.copies is not None and q.is_contiguous():
             # every copy in one call (torch's copy_ dispatches and checks each)
             self._copy_args[4] = q.data_ptr()
-            if self.weight is not None:
-                self._copy_args[7] = weight.data_ptr()
-            self.copies(self._copy_args, self._stream)
+            args = self._copy_args
+            if new_weight:
+                args = self._with_weight
+                args[4], args[7] = q.data_ptr(), weight.data_ptr()
+            self.copies(args, self._stream)
             self.staged.record(self.stream)
         else:
             self.meta.copy_(self.staging, non_blocking=True)
             self.staged.record(self.stream)
             self.q.copy_(q, non_blocking=True)
-            if self.weight is not None:
+            if new_weight:
+                assert self.weight is not None
                 self.weight.copy_(weight, non_blocking=True)
+        if new_weight:
+            self.holds = weight.data_ptr()
 
 
 def _copies_async() -> Any:
@@ -225,7 +234,8 @@ class LoopGraphs:
         self._graphs[key] = CapturedLoop(graph, q, meta, staging, staged, looped.out, looped.lse,
                                          looped.counts, use_unpacked_keys(backend, fused, x.unpacked_keys,
                                                                           x.fp8_prefill), orders,
-                                         torch.cuda.current_stream(x.q.device), _copies_async(), weight)
+                                         torch.cuda.current_stream(x.q.device), _copies_async(), weight,
+                                         x.weight.data_ptr() if weight is not None else 0)
         self.captures += 1
         while len(self._graphs) > self.max_graphs:
             _, dropped = self._graphs.popitem(last=False)

@@ -361,15 +361,20 @@ def decode_prefill(msg: Any, shm: Lease | None = None) -> Decoded[PrefillRequest
 def with_inputs(request: R, names: frozenset[str], device: torch.device) -> R:
     """On the engine thread: ``request`` with its tensors named in ``names`` (those that
     view shared memory: ``Decoded.shared``) made what the engine uses (:func:`from_shared`)."""
-    out: Any = request
+    if not names:
+        return request
+    # one replace per dataclass (a replace runs its __init__): fields, then each owner's fields
+    top: dict[str, Any] = {}
+    inner: dict[str, dict[str, Any]] = {}
     for name in names:
         owner, _, field = name.rpartition(".")
         if owner:
-            inner = getattr(out, owner)
-            out = dataclasses.replace(out, **{owner: dataclasses.replace(
-                inner, **{field: from_shared(getattr(inner, field), device, name)})})
+            inner.setdefault(owner, {})[field] = from_shared(getattr(getattr(request, owner), field), device, name)
         else:
-            out = dataclasses.replace(out, **{field: from_shared(getattr(out, field), device, name)})
+            top[field] = from_shared(getattr(request, field), device, name)
+    for owner, fields in inner.items():
+        top[owner] = dataclasses.replace(getattr(request, owner), **fields)
+    out: Any = dataclasses.replace(request, **top)
     result: R = out
     return result
 
