@@ -8,6 +8,8 @@ The weight arrives here already prepared by ``weights.py`` in its compute form:
   same bf16 GEMM on ``W_deq`` in bf16 — exact, so it computes precisely the above;
 - other fp8 weights: ``W_deq`` in fp32 and an fp32 GEMM (TF32 off), then one
   rounding to bf16. Correct but slow on a GPU; see docs/DESIGN.md.
+- on a CPU every weight is in fp32 (the engine widens a bf16 one once, exactly): the
+  same one rounding, and torch's CPU fp32 GEMM is several times its bf16 one.
 An fp8 latent (raw fp8 cache, fp8 prefill) is widened exactly (fp8 ⊂ bf16 ⊂ fp32).
 """
 
