@@ -325,7 +325,10 @@ class CudaSharedMemoryRegion:
         key = (dtype, dims, offset)
         v = self._views.get(key)
         if v is not None:
-            self._views.move_to_end(key)
+            try:
+                self._views.move_to_end(key)
+            except KeyError:  # dropped by another thread meanwhile: still a valid view
+                pass
             return v
         td = _torch_dtype(dtype)
         n = math.prod(dims) * td.itemsize
@@ -334,7 +337,10 @@ class CudaSharedMemoryRegion:
                              f"({self.byte_size} bytes)")
         v = self._bytes()[offset : offset + n].view(td).view(dims)
         if len(self._views) >= self._VIEW_CACHE:
-            self._views.popitem(last=False)
+            try:
+                self._views.popitem(last=False)
+            except KeyError:  # emptied by another thread meanwhile
+                pass
         self._views[key] = v
         return v
 
