@@ -769,9 +769,7 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                  + " / ".join(f"{r['server_compute_s']:.2f}" for r in runs) + " s, floor sums "
                  + " / ".join(f"{r['floor_s']:.2f}" for r in runs) + " s: "
                  + " / ".join(f"{r['ratio']:.2f}×" for r in runs) + " the floor ("
-                 + " / ".join(f"{r['ratio_held']:.2f}×" for r in runs) + " the held floor); "
-                 + " / ".join(f"{r['context_tokens_per_s'] / 1e6:.1f}" for r in runs) + " M context tokens/s "
-                 "(floor " + " / ".join(f"{r['floor_context_tokens_per_s'] / 1e6:.1f}" for r in runs) + " M)",
+                 + " / ".join(f"{r['ratio_held']:.2f}×" for r in runs) + " the held floor)",
                  "bench_model_workload"))
     mp = load("bench_model_prefill_fp32", results)
     m, cuda = mp["meta"]["model"], mp["transports"]["cuda"]

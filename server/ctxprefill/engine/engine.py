@@ -144,10 +144,11 @@ class Engine:
                 raise ValueError(f"layer {layer}: kv_b_proj weight shape {tuple(w.weight.shape)} != "
                                  f"[{n}, {shape.kv_lora_rank}]")
         self.layer_weights = [w.to(self.device) for w in per_layer]
-        if self.device.type == "cpu":
-            # a CPU multiplies by bf16 weights in fp32: the same one rounding of an fp32-accumulated
-            # product (CONTRACT §5), several times faster than torch's CPU bf16 GEMM
-            self.layer_weights = [dataclasses.replace(w, compute=w.compute.float()) for w in self.layer_weights]
+        # what kv_b_proj multiplies by, per layer: the prepared form; a CPU widens a bf16 one to
+        # fp32 (exactly): the same one rounding of an fp32-accumulated product (CONTRACT §5),
+        # several times faster than torch's CPU bf16 GEMM
+        self._gemm_weights = [w.compute.float() if self.device.type == "cpu" else w.compute
+                              for w in self.layer_weights]
         # every layer's cache in one allocation, [layers * num_slots, bytes_per_slot]: layer i's
         # block b is block i * num_blocks + b of the whole (one CUDA graph serves every layer)
         slots = config.cache.num_slots
@@ -336,7 +337,7 @@ class Engine:
             # here, before the lock, while the device may still run the request before
             q = self._on_engine_device(checked.q)
             unpacked = cfg.unpacked_keys if unpacked_keys is None else unpacked_keys
-            weight = self.layer_weights[checked.layer_position].compute
+            weight = self._gemm_weights[checked.layer_position]
             key, hm = graphs.shape(checked.layer_position, fused, unpacked, q, weight, checked.query_lens,
                                    checked.chunks, checked.block_table,
                                    uses_keys_last(self.backend, cfg.prefill_dtype == "fp8", q.dtype))
@@ -370,7 +371,7 @@ class Engine:
             k_scale=cfg.cache.k_scale,
             block_size=cfg.cache.block_size,
             workspace=self.workspace,
-            weight=self.layer_weights[li].compute,
+            weight=self._gemm_weights[li],
             kv_b_proj_bf16=cfg.kv_b_proj_dtype == "bf16",
             gather_raw_fp8=cfg.gather_raw_fp8,
             fp8_prefill=cfg.prefill_dtype == "fp8",
