@@ -162,3 +162,30 @@ def test_a_graph_key_serves_every_layer_of_one_cache():
     assert shape(shared, a, weight=w.float())[0] != k0
     assert shape(per_layer, a)[0] != shape(per_layer, a, layer=2)[0]
     assert np.array_equal(shape(per_layer, a, layer=2)[1].host[-n:], a.block_table.ravel())
+
+
+def test_a_shared_graph_copies_a_layers_weight_only_when_it_holds_another():
+    """engine/graphs.py ``CapturedLoop.load``: every replay copies the metadata and q into the
+    graph's buffers; the layer's weight only when the buffer holds another layer's (the copies
+    recorded as copies_async's (dst, src, bytes) triples; no device needed)."""
+    from types import SimpleNamespace
+
+    from ctxprefill.engine.graphs import CapturedLoop
+
+    calls: list[list[int]] = []
+    meta, q_buf, w_buf = torch.empty(8, dtype=torch.int32), torch.empty((4, 1, 192)), torch.empty((256, 512))
+    layers = [torch.empty((256, 512)) for _ in range(2)]
+    event = SimpleNamespace(synchronize=lambda: None, record=lambda *_: None)
+    loop = CapturedLoop(None, q_buf, meta, torch.empty(8, dtype=torch.int32), event, None, None, None, True, [],
+                        SimpleNamespace(cuda_stream=0), lambda args, stream: calls.append(list(args)), w_buf,
+                        holds=layers[0].data_ptr())
+    hm = SimpleNamespace(host=np.arange(8, dtype=np.int32))
+    q = torch.empty((4, 1, 192))
+    for layer in (0, 0, 1, 1, 0):
+        loop.load(hm, q, layers[layer])
+    triples = [[c[i:i + 3] for i in range(0, len(c), 3)] for c in calls]
+    assert all(t[0][0] == meta.data_ptr() and t[1] == [q_buf.data_ptr(), q.data_ptr(), q_buf.nbytes] for t in triples)
+    assert [t[2][1] if len(t) == 3 else None for t in triples] == [None, None, layers[1].data_ptr(), None,
+                                                                    layers[0].data_ptr()]
+    assert all(t[2][0] == w_buf.data_ptr() and t[2][2] == w_buf.nbytes for t in triples if len(t) == 3)
+    assert loop.holds == layers[0].data_ptr()

@@ -104,6 +104,6 @@ def host_slots(slot_mapping: torch.Tensor, num_slots: int, field: str, allow_ski
             i = int(np.flatnonzero((a < lo) | (a >= num_slots))[0])
             raise OutOfRange(
                 f"{field}[{i}]",
-                f"slot {int(s[i])} is outside [{lo}, {num_slots})" + (" (-1 skips a token)" if allow_skip else ""),
+                f"slot {int(a[i])} is outside [{lo}, {num_slots})" + (" (-1 skips a token)" if allow_skip else ""),
             )
     return s

@@ -83,9 +83,8 @@ class CapturedLoop:
         # copies_async's (dst, src, bytes) triples: the metadata, q, the weight (their sources per request)
         self._copy_args = [self.meta.data_ptr(), self.staging.data_ptr(), self.meta.nbytes,
                            self.q.data_ptr(), 0, self.q.nbytes]
-        self._with_weight = self._copy_args
         if self.weight is not None:
-            self._with_weight = self._copy_args + [self.weight.data_ptr(), 0, self.weight.nbytes]
+            self._copy_args += [self.weight.data_ptr(), 0, self.weight.nbytes]
 
     def load(self, hm: HostMetadata, q: torch.Tensor, weight: torch.Tensor) -> None:
         """Copy a request's metadata, q (and its layer's weight, where the graph serves every
@@ -97,12 +96,11 @@ class CapturedLoop:
         new_weight = self.weight is not None and weight.data_ptr() != self.holds
         if self.copies is not None and q.is_contiguous():
             # every copy in one call (torch's copy_ dispatches and checks each)
-            self._copy_args[4] = q.data_ptr()
             args = self._copy_args
+            args[4] = q.data_ptr()
             if new_weight:
-                args = self._with_weight
-                args[4], args[7] = q.data_ptr(), weight.data_ptr()
-            self.copies(args, self._stream)
+                args[7] = weight.data_ptr()
+            self.copies(args if new_weight else args[:6], self._stream)
             self.staged.record(self.stream)
         else:
             self.meta.copy_(self.staging, non_blocking=True)
