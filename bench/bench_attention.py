@@ -15,7 +15,8 @@ Per head count H and batch shape, side by side in one process:
                 happens in the untimed first call and is reported separately (graph_build_s)
   flash bf16    F.scaled_dot_product_attention, flash backend, v padded to 192
   flex bf16/fp8 flex_attention compiled (document mask for ragged), if it works
-  flashinfer    (--flashinfer) FlashInfer 0.6.13's FA3 ragged prefill, checked against ours
+  flashinfer    (--flashinfer) FlashInfer's FA3 ragged prefill (the carried release, its version in
+                the JSON's meta), checked against ours
 The ragged batch does (within ~1 %) the same work as the equal-length one. A table run
 ends with the attention targets' verdict lines (``target_lines``), also stored in the JSON's meta.
 
@@ -210,9 +211,8 @@ def prov_flex(q, k, v, cq, ck, ql, kl, scale):
 
 
 _FI_WORKSPACE = None
-#: FlashInfer 0.6.13's FA3 fp8 prefill does not build for 192/128 heads (H200, 2026-12-01:
-#: "static assertion failed with 'head_dim_qk and head_dim_vo should be the same'",
-#: batch_prefill_fp8_sm90.cu), and each failed JIT build costs a minute: bf16 only
+#: FlashInfer's FA3 fp8 prefill has asserted head_dim_qk == head_dim_vo (192/128 fails to
+#: build: batch_prefill_fp8_sm90.cu), and each failed JIT build costs a minute: bf16 only
 #: unless --flashinfer-fp8.
 FLASHINFER_DTYPES = ["bf16"]
 _FI_FAILED: dict = {}  # dtype -> the JIT build error: a failed build is not retried per shape
@@ -226,8 +226,18 @@ class ProviderError(RuntimeError):
         self.detail = detail
 
 
+def _flashinfer_version() -> str | None:
+    """The installed FlashInfer's version (None: not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("flashinfer-python")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def prov_flashinfer(q, k, v, cq, ck, ql, kl, scale, backend="fa3"):
-    """FlashInfer 0.6.13's ragged prefill (``--flashinfer``; its kernels compile with nvcc on
+    """FlashInfer's ragged prefill (``--flashinfer``; its kernels compile with nvcc on
     the first call, reported as first_call_ms). Same layouts as ours: q/k [T, H, 192], v
     [T, H, 128], bf16 out. Its LSE is base 2; ``fn.check()`` compares output
     and natural-log LSE with our kernel's."""
@@ -432,12 +442,15 @@ def print_table(results):
 #: runs): TFLOP/s at the long chunk, and ragged batches against equal lengths of the same work
 TARGETS = {"bf16": ("triton", 600.0), "fp8": ("triton pv_fp8 v-keys-last", 850.0)}
 LONG_CASE, RAGGED_CASE, EQUAL_CASE, RAGGED_MIN = "1x8192q/16384k", "ragged4", "4x1024q/16384k", 0.9
+#: the frontier: bf16 ahead of FlashInfer's FA3 by this factor on each shape both ran; fp8 at this TFLOP/s
+AHEAD_OF_FLASHINFER, FP8_FRONTIER = 1.05, 1000.0
 
 
 def target_lines(results) -> list[tuple[str, bool]]:
-    """(line, met) per issue-4 target found in ``results`` (table mode's records). The
-    ragged/equal ratio is the interleaved rounds' median where they ran (``verdict_rounds``),
-    else the two table rows'."""
+    """(line, met) per attention target found in ``results`` (table mode's records): each
+    dtype's rate on the long shape and its ragged/equal ratio (the interleaved rounds' median
+    where they ran, ``verdict_rounds``, else the two table rows'); ours over FlashInfer's FA3
+    on every shape both ran (bf16); fp8's rate against the frontier."""
     got = {(r["H"], r["case"], r["provider"], r["dtype"]): r["tflops"] for r in results
            if "tflops" in r and not r.get("causal")}
     rounds = {(r["H"], r["dtype"]): r for r in results if "ratio_median" in r}
@@ -458,6 +471,19 @@ def target_lines(results) -> list[tuple[str, bool]]:
             elif rag is not None and eq:
                 lines.append((f"H={H} {dt} {RAGGED_CASE} / {EQUAL_CASE}: {rag / eq:.3f} (>= {RAGGED_MIN}: "
                               f"{rag / eq >= RAGGED_MIN})", rag / eq >= RAGGED_MIN))
+    # the frontier: ours over FlashInfer's FA3 per shape (bf16), and fp8's absolute rate
+    prov = TARGETS["bf16"][0]
+    for H, case in sorted({(k[0], k[1]) for k in got if k[2] == "flashinfer fa3" and k[3] == "bf16"}):
+        ours, theirs = got.get((H, case, prov, "bf16")), got[(H, case, "flashinfer fa3", "bf16")]
+        if ours is not None and theirs:
+            x = ours / theirs
+            lines.append((f"H={H} bf16 {case} ours / FlashInfer FA3: {x:.3f} (>= {AHEAD_OF_FLASHINFER}: "
+                          f"{x >= AHEAD_OF_FLASHINFER})", x >= AHEAD_OF_FLASHINFER))
+    for H in sorted({k[0] for k in got}):
+        f8 = got.get((H, LONG_CASE, TARGETS["fp8"][0], "fp8"))
+        if f8 is not None:
+            lines.append((f"H={H} fp8 {LONG_CASE}: {f8:.1f} TFLOP/s (>= {FP8_FRONTIER:.0f}: {f8 >= FP8_FRONTIER})",
+                          f8 >= FP8_FRONTIER))
     return lines
 
 
@@ -607,9 +633,9 @@ def main():
     ap.add_argument("--budget-s", type=float, default=120.0, help="skip optional work after this many seconds")
     ap.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles are slow)")
     ap.add_argument("--flashinfer", action="store_true",
-                    help="add FlashInfer 0.6.13's FA3 ragged prefill (carried wheel; compiles on first use)")
+                    help="add FlashInfer's FA3 ragged prefill (carried release; compiles on first use)")
     ap.add_argument("--flashinfer-fp8", action="store_true",
-                    help="with --flashinfer, also try its fp8 build (fails for 192/128 heads in 0.6.13)")
+                    help="with --flashinfer, also try its fp8 build (a failed build is recorded, not retried)")
     ap.add_argument("--providers", nargs="+", default=None, metavar="PREFIX",
                     help="run only the providers whose label starts with one of these (e.g. triton flashinfer)")
     ap.add_argument("--cudnn-frontend-stats", choices=["packed", "padded", "both"], default="packed",
@@ -642,7 +668,7 @@ def main():
     from ctxprefill_bench import run_info
 
     meta = dict(device=torch.cuda.get_device_name(), date=run_info.utc_now(), commit=run_info.commit(),
-                torch=torch.__version__, triton=triton.__version__,
+                torch=torch.__version__, triton=triton.__version__, flashinfer=_flashinfer_version(),
                 configs={str(k): v for k, v in CONFIGS.items()}, flops_rule="2*visible_pairs*H*(192+128)",
                 mode="sweep" if args.sweep else "table", wall_s=elapsed(),
                 targets=[dict(line=line, met=met) for line, met in targets])

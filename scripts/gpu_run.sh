@@ -99,6 +99,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
   export PATH="/tmp/site/bin:$PATH"  # console scripts of the carried wheels (ninja for FlashInfer's JIT)
 fi
+# a pure-Python wheel too large for the carry travels unpacked (fetch_gpu_wheels.sh): unpack it likewise
+for t in .whl/*.tar.xz; do
+  [ -f "$t" ] || continue
+  mkdir -p /tmp/site && tar -C /tmp/site -xJf "$t" && note "unpacked $(basename "$t")" || { note "unpack $t failed"; FAILED=1; }
+done
 note "python: $(python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -n 1)"
 note "triton: $(python3 -c 'import triton; print(triton.__version__)' 2>&1 | tail -n 1)"
 
@@ -247,7 +252,7 @@ want bench_transport_awake && run_step bench_transport_awake 180 5 - python3 ben
 want bench_rpc_floor_awake && run_step bench_rpc_floor_awake 60 5 - python3 bench/bench_rpc_floor.py --cpu-latency-us 0 \
   --out "$OUT/bench_rpc_floor_awake.json"
 
-# ---- 7c. FlashInfer 0.6.13's FA3 ragged prefill next to ours (carried wheels; compiles on first use)
+# ---- 7c. FlashInfer's FA3 ragged prefill next to ours (carried wheels; compiles on first use)
 # (GPU_RUN_FI_ARGS replaces the provider filter and budget, e.g. "--budget-s 175": every provider)
 want bench_attention_flashinfer && run_step bench_attention_flashinfer 420 5 - python3 bench/bench_attention.py \
   --flashinfer ${GPU_RUN_FI_ARGS:---providers triton flashinfer cudnn --no-flex --budget-s 400} \

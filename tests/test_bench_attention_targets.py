@@ -1,4 +1,4 @@
-"""bench_attention.py's issue-4 verdict lines, on the CPU: the thresholds are applied to the
+"""bench_attention.py's attention verdict lines, on the CPU: the thresholds are applied to the
 right provider, dtype and shapes, and a miss reads as a miss."""
 
 from __future__ import annotations
@@ -25,14 +25,19 @@ def test_target_lines_pass_and_miss():
         _rec(16, "4x1024q/16384k", "triton", "bf16", 600.0),
         _rec(16, "ragged4", "triton", "bf16", 530.0),  # 0.883 of equal lengths: a miss
         _rec(16, "1x8192q/16384k", "triton pv_fp8 v-keys-last", "fp8", 849.0),  # a miss
-        _rec(16, "1x8192q/16384k", "flashinfer fa3", "bf16", 10.0),  # another library: not ours
+        _rec(16, "1x8192q/16384k", "flashinfer fa3", "bf16", 600.0),  # another library: compared, not ours
+        _rec(16, "4x1024q/16384k", "flashinfer fa3", "bf16", 580.0),  # 1.034: short of 1.05
+        _rec(16, "ragged4", "flashinfer fa3", "fp8", 1.0),  # fp8 FlashInfer: no comparison line
         dict(H=16, case="ragged4", provider="triton", dtype="fp8", error="x"),  # no figure: no line
     ]
     lines = dict(ba.target_lines(res))
-    assert len(lines) == 3, lines
+    assert len(lines) == 6, lines
     assert lines["H=16 bf16 1x8192q/16384k: 640.0 TFLOP/s (>= 600: True)"] is True
     assert lines["H=16 bf16 ragged4 / 4x1024q/16384k: 0.883 (>= 0.9: False)"] is False
     assert lines["H=16 fp8 1x8192q/16384k: 849.0 TFLOP/s (>= 850: False)"] is False
+    assert lines["H=16 bf16 1x8192q/16384k ours / FlashInfer FA3: 1.067 (>= 1.05: True)"] is True
+    assert lines["H=16 bf16 4x1024q/16384k ours / FlashInfer FA3: 1.034 (>= 1.05: False)"] is False
+    assert lines["H=16 fp8 1x8192q/16384k: 849.0 TFLOP/s (>= 1000: False)"] is False
 
 
 def test_interleaved_rounds_decide_the_ratio():
