@@ -729,13 +729,14 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
     att = [r for r in load("bench_attention", results)["results"] if r.get("case") == "1x8192q/16384k"
            and not r.get("causal")]
 
-    def tf(provider: str, h: int) -> str:
-        return f"{_row(att, provider=provider, H=h)['tflops']:.1f}"
+    def tf(provider: str, h: int, dtype: str = "bf16") -> str:
+        return f"{_row(att, provider=provider, H=h, dtype=dtype)['tflops']:.1f}"
 
+    fi = load("bench_attention", results)["meta"].get("flashinfer") or ""
     rows.append(("Attention, 8,192 q over 16k keys, 16 / 128 heads (TFLOP/s): bf16; fp8 (V keys-last)",
-                 f"ours {tf('triton', 16)} / {tf('triton', 128)}, FlashInfer FA3 {tf('flashinfer fa3', 16)} / "
-                 f"{tf('flashinfer fa3', 128)}; ours {tf('triton pv_fp8 v-keys-last', 16)} / "
-                 f"{tf('triton pv_fp8 v-keys-last', 128)}", "bench_attention"))
+                 f"ours {tf('triton', 16)} / {tf('triton', 128)}, FlashInfer {fi} FA3 {tf('flashinfer fa3', 16)} / "
+                 f"{tf('flashinfer fa3', 128)}; ours {tf('triton pv_fp8 v-keys-last', 16, 'fp8')} / "
+                 f"{tf('triton pv_fp8 v-keys-last', 128, 'fp8')}", "bench_attention"))
     k = load("bench_kernels", results)
     kr = k["results"]
 
