@@ -16,7 +16,9 @@ by the layer, so one graph serves every layer (the layers of a model's step shar
 shape). A shape is captured the second time it comes (the first ran eagerly and warmed
 every kernel), after that request's loop is queued; at most ``max_graphs`` are kept,
 the least recently used dropped. A replay has no per-stage times: its stats carry one
-stage, ``graph``, the replay's device time. Requests that want more (an observer, a
+stage, ``graph``, the replay's device time with the copies of out and LSE out of the
+graph's buffers (the copies in come before it, as the eager loop's uploads come before
+its first stage). Requests that want more (an observer, a
 traced timeline) or that could stop part way (a stop signal over more than
 ``STOP_AHEAD`` chunks: a replay runs to its end) run eagerly.
 """
@@ -176,8 +178,8 @@ class LoopGraphs:
         timer = StageTimer(cap.q.device, cap.stream)
         started = timer.begin(GRAPH_STAGE)
         cap.graph.replay()
-        timer.end(started)
         out, lse = cap.out.clone(), cap.lse.clone()  # the next replay writes into cap.out, cap.lse
+        timer.end(started)  # the stage holds the copies out: its work, as its launch count says
         self.replays += 1
         counts = Counter(cap.launches)
         counts[GRAPH_STAGE] += 2  # the two copies out
