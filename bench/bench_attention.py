@@ -550,8 +550,8 @@ SWEEP = {
             _c(128, 64, 8, 3, PV_FP8=True, v_layout="hdt"),  # uncapped: 133 registers
             _c(128, 128, 8, 2, PV_FP8=True, v_layout="hdt")],
 }
-def _ws(pipe, bn, stages, EARLY_K=True, **kw):  # noqa: N803 - the kernel's own name
-    return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages, EARLY_K=EARLY_K), **kw)
+def _ws(pipe, bn, stages, EARLY_K=True, RESCALE_EARLY=False, **kw):  # noqa: N803 - the kernel's own names
+    return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages, EARLY_K=EARLY_K, RESCALE_EARLY=RESCALE_EARLY), **kw)
 
 
 # the warp-specialized Gluon kernel (--sweep ws): serial or pipelined consumers, key block,
@@ -576,9 +576,14 @@ SWEEP_WS_SHORT = {
 }
 SWEEP_SHORT_SHAPES = [(16, "1x1024q/16384k"), (128, "1x1024q/16384k"), (16, "4x1024q/16384k"),
                       (128, "4x1024q/16384k"), (16, "ragged4"), (128, "ragged4")]
+# (--sweep ws-rescale) the pipelined bf16 kernel with O's rescale after its P·V (default) or
+# right after the next block's Q·Kᵀ is issued (FA3's order), twice each, alternating
+SWEEP_WS_RESCALE = {"bf16": [_ws(True, 128, 2), _ws(True, 128, 2, RESCALE_EARLY=True)] * 2}
+SWEEP_RESCALE_SHAPES = [(16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "1x1024q/16384k"),
+                        (128, "1x1024q/16384k"), (16, "4x1024q/16384k"), (16, "ragged4")]
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),
-          "ws-short": (SWEEP_WS_SHORT, SWEEP_SHORT_SHAPES)}
+          "ws-short": (SWEEP_WS_SHORT, SWEEP_SHORT_SHAPES), "ws-rescale": (SWEEP_WS_RESCALE, SWEEP_RESCALE_SHAPES)}
 
 
 def run_sweep(args):
@@ -646,7 +651,7 @@ def main():
     ap.add_argument("--sweep", nargs="?", const="triton", choices=list(SWEEPS),
                     help="sweep block configs instead of the table: the Triton kernel's, or (ws) the "
                          "warp-specialized kernel's; ws-short: its defaults against 64-key blocks on "
-                         "1,024-row chunks")
+                         "1,024-row chunks; ws-rescale: where the pipelined kernel rescales O")
     args = ap.parse_args()
     if args.flashinfer_fp8:
         FLASHINFER_DTYPES.append("fp8")

@@ -645,7 +645,8 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
                "cu_q": "*i32", "cu_k": "*i32", "cu_v": "*i32", "ORDER": "*i32", "qk_scale": "fp32"}.get(n, "i32")
            for n in names}
     const = dict(BLOCK_M=128, BLOCK_N=ws["BLOCK_N"], STAGES=ws["STAGES"], PIPE=ws["PIPE"], SORT_B=sort_b,
-                 IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True), USE_ORDER=use_order)
+                 IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True), USE_ORDER=use_order,
+                 RESCALE_EARLY=ws.get("RESCALE_EARLY", False))
     # every compile-time parameter given (one left out would compile as a runtime value)
     assert not [n for n in names if n.isupper() and n not in const
                 and n not in ("Q", "K", "KR", "V", "O", "LSE", "B", "ORDER")]
@@ -683,6 +684,7 @@ def test_warp_specialized_defaults_cross_compile_for_sm90():
 
 WS_CFGS = {
     "ws_pipe": dict(WS=dict(PIPE=True)),
+    "ws_pipe_rescale_early": dict(WS=dict(PIPE=True, RESCALE_EARLY=True)),
     "ws_pipe_bn64": dict(WS=dict(PIPE=True, BLOCK_N=64, STAGES=4)),
     "ws_serial": dict(WS=dict(PIPE=False)),
     "ws_serial_late_k": dict(WS=dict(PIPE=False, EARLY_K=False)),  # the bench's baseline: K freed with V

@@ -63,7 +63,7 @@ _P_SHIFT = 8.0  # fp8 P·V: P scaled by 2**8 before its e4m3 cast (as triton_att
 
 #: Tiles, stages, pipelining. 2 consumers x 64 query rows = BLOCK_M 128 (fixed). The
 #: caller's defaults per dtype are in ``triton_attention`` (measured there).
-CONFIG: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True)
+CONFIG: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True, RESCALE_EARLY=False)
 #: Warps: 4 (consumer 0, the default partition) + 4 (consumer 1) + 1 (loader): 3
 #: warpgroups at launch with 168 registers a thread (3 x 128 x 168 <= 65,536, an SM's
 #: file); ``setmaxnreg`` then moves them: loader 24, consumers 240.
@@ -181,7 +181,8 @@ if gluon is not None:
                      O, LSE,  # noqa: E741  (the output, as in BLAS)
                      q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                      C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr):
+                     PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
+                     RESCALE_EARLY: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
         K_INSTR: gl.constexpr = 32 if IS_FP8 else 16
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -216,6 +217,8 @@ if gluon is not None:
                     prev_ph = ((j - 1) // STAGES) & 1
                     mbarrier.wait(k_bar.index(s), ph)
                     s_tok = _qk(qn, qr, kn_s, kr_s, s, zero_s)
+                    if RESCALE_EARLY:  # the previous block's rescale, under this block's Q·Kᵀ
+                        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     mbarrier.wait(v_bar.index(prev), prev_ph)
                     o_tok, pop = _pv(p, v_s, prev, acc, p_layout, p_smem, V_T, IS_FP8)
                     sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # Q·Kᵀ done, P·V may run on
@@ -224,8 +227,11 @@ if gluon is not None:
                     acc = _pv_wait(o_tok, pop, IS_FP8)
                     _free_k(k_free, prev, not EARLY_K)
                     mbarrier.arrive(v_free.index(prev), count=1)
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    if not RESCALE_EARLY:
+                        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 last = (n_blocks - 1) % STAGES
+                if RESCALE_EARLY:
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // STAGES) & 1)
                 o_tok, pop = _pv(p, v_s, last, acc, p_layout, p_smem, V_T, IS_FP8)
                 acc = _pv_wait(o_tok, pop, IS_FP8)
@@ -272,7 +278,7 @@ if gluon is not None:
         stride_ot, stride_oh, stride_lh, ORDER, n_heads, m_tiles,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
         SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
-        USE_ORDER: gl.constexpr,
+        USE_ORDER: gl.constexpr, RESCALE_EARLY: gl.constexpr,
     ):
         HALF_M: gl.constexpr = BLOCK_M // 2
         pid_m = gl.program_id(0)
@@ -365,10 +371,10 @@ if gluon is not None:
         gl.warp_specialize([
             (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, O, LSE,
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
-                            0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K)),
+                            0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY)),
             (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, O, LSE,
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
-                            1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K)),
+                            1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY)),
             (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
                           q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks, BLOCK_M, BLOCK_N, STAGES, V_T)),
         ], [4, 1], [240, 24])
@@ -396,5 +402,5 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
         out.stride(0), out.stride(1), lse.stride(0), cu_q if order is None else order, H, max(int(m_tiles), 1),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], PIPE=cfg["PIPE"],
         SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t, EARLY_K=cfg["EARLY_K"],
-        USE_ORDER=order is not None, num_warps=4, maxnreg=_MAXNREG,
+        USE_ORDER=order is not None, RESCALE_EARLY=cfg["RESCALE_EARLY"], num_warps=4, maxnreg=_MAXNREG,
     )
