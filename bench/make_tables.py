@@ -13,6 +13,7 @@ run's GPU, date and commit (read from the JSON: ``meta`` or its top level).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
@@ -262,8 +263,18 @@ def sweep_table(d: Doc) -> str:
     dflt = "; ".join(f"{k.split('.')[-1]}: {_config(v)}" for k, v in d["meta"]["configs"].items())
     lines = [_run_line(d), "", f"TFLOP/s; configurations as the kernel takes them. The backend's defaults in this "
              f"run: {dflt}.", ""]
-    lines += _pivot(rows, lambda r: f"{r['dtype']} {_config(r['config'])}", lambda r: f"H={r['H']} {r['case']}",
-                    "config")
+    # a configuration measured again in the same run gets a row per round; another provider
+    # (FlashInfer beside the sweep) a row of its own
+    rounds: collections.Counter[tuple[str, str]] = collections.Counter()
+    keyed = []
+    for r in rows:
+        rk = f"{r['dtype']} {_config(r['config']) if 'config' in r else r['provider']}"
+        ck = f"H={r['H']} {r['case']}"
+        rounds[(rk, ck)] += 1
+        n = rounds[(rk, ck)]
+        keyed.append((rk if n == 1 else f"{rk} (round {n})", ck, r))
+    lines += _pivot([r for _, _, r in keyed], lambda r: next(k for k, _, x in keyed if x is r),
+                    lambda r: f"H={r['H']} {r['case']}", "config")
     return "\n".join(lines) + "\n"
 
 
@@ -583,6 +594,10 @@ BENCHMARKS = (
     Bench("Warp-specialized attention configurations", "attention_sweep_ws", ("attention_sweep_ws",),
           "`bench/bench_attention.py --sweep ws`: the warp-specialized (Gluon) kernel's pipelining, key block and "
           "stages."),
+    Bench("Where the pipelined kernel rescales O", "attention_sweep_ws", ("attention_sweep_ws-rescale",),
+          "`bench/bench_attention.py --sweep ws-rescale`: the pipelined bf16 kernel rescaling O after its P·V "
+          "(the default) or right after issuing the next block's Q·Kᵀ (FA3's order, `RESCALE_EARLY`), twice each "
+          "in turn, FlashInfer's FA3 beside them.", env="GPU_RUN_WS_SWEEP=ws-rescale GPU_RUN_SWEEP_FLASHINFER=1"),
     Bench("Throughput under concurrency", "bench_concurrency", ("bench_concurrency",),
           "`bench/bench_concurrency.py`: 1 to 16 clients against one server per shape, inline tensors and CUDA IPC "
           "regions."),
