@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -241,12 +242,20 @@ def attention_table(d: Doc) -> str:
              "attention (the warp-specialized kernel where it applies); – : not run (no such path, or past the "
              "run's time budget).", ""]
     lines += _pivot(rows, _provider, lambda r: f"H={r['H']} {r['case']}", "provider")
-    verdict = [r for r in d["results"] if "verdict" in r]
+    verdict = [r for r in d["results"] if "verdict" in r and "ratio_median" in r and "case" not in r]
     if verdict:
         lines += ["", "Ragged ×4 over 4×1024 of equal work (interleaved rounds):", "",
                   "| H | dtype | provider | rounds | median | min | max |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['H']} | {r['dtype']} | {r['provider']} | {r['rounds']} | {r['ratio_median']:.3f} "
                   f"| {r['ratio_min']:.3f} | {r['ratio_max']:.3f} |" for r in verdict]
+    ahead = [r for r in d["results"] if r.get("verdict") == "ours / flashinfer fa3" and "ratio_median" in r]
+    if ahead:
+        lines += ["", "Ours over FlashInfer's FA3, bf16 (interleaved rounds; TFLOP/s medians):", "",
+                  "| H | shape | rounds | ours | FlashInfer | ratio median | min | max |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['H']} | {r['case']} | {r['rounds']} | {statistics.median(r['tflops_ours']):.1f} "
+                  f"| {statistics.median(r['tflops_theirs']):.1f} | {r['ratio_median']:.3f} | {r['ratio_min']:.3f} "
+                  f"| {r['ratio_max']:.3f} |" for r in ahead]
     if meta.get("targets"):
         lines += ["", "Targets (CONTRACT §6):", ""]
         lines += [f"- {t['line']}" + ("" if t["met"] else " — **missed**") for t in meta["targets"]]
@@ -742,7 +751,7 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                                 for r in host) + "; "
                      + " / ".join(f"{r['graph_host_steps_us']['first copy']:.0f}" for r in host), "probe_host"))
     att = [r for r in load("bench_attention", results)["results"] if r.get("case") == "1x8192q/16384k"
-           and not r.get("causal")]
+           and not r.get("causal") and "tflops" in r]
 
     def tf(provider: str, h: int, dtype: str = "bf16") -> str:
         return f"{_row(att, provider=provider, H=h, dtype=dtype)['tflops']:.1f}"
