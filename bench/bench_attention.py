@@ -448,6 +448,18 @@ LONG_CASE, RAGGED_CASE, EQUAL_CASE, RAGGED_MIN = "1x8192q/16384k", "ragged4", "4
 AHEAD_OF_FLASHINFER, FP8_FRONTIER = 1.05, 1000.0
 
 
+def _ratio_line(label: str, rounds: dict | None, table: float | None, least: float) -> list[tuple[str, bool]]:
+    """A ratio's verdict line: the interleaved rounds' median where they ran, else the
+    table rows' ratio (none without either)."""
+    if rounds is not None:
+        x = rounds["ratio_median"]
+        return [(f"{label}: {x:.3f} (median of {rounds['rounds']} interleaved rounds, {rounds['ratio_min']:.3f}-"
+                 f"{rounds['ratio_max']:.3f}) (>= {least}: {x >= least})", x >= least)]
+    if table is not None:
+        return [(f"{label}: {table:.3f} (>= {least}: {table >= least})", table >= least)]
+    return []
+
+
 def target_lines(results) -> list[tuple[str, bool]]:
     """(line, met) per attention target found in ``results`` (table mode's records): each
     dtype's rate on the long shape and its ragged/equal ratio (the interleaved rounds' median
@@ -467,36 +479,42 @@ def target_lines(results) -> list[tuple[str, bool]]:
                 lines.append((f"H={H} {dt} {LONG_CASE}: {long:.1f} TFLOP/s (>= {floor:.0f}: {long >= floor})",
                               long >= floor))
             rag, eq = got.get((H, RAGGED_CASE, prov, dt)), got.get((H, EQUAL_CASE, prov, dt))
-            r = rounds.get((H, dt))
-            if r is not None:
-                ratio = r["ratio_median"]
-                lines.append((f"H={H} {dt} {RAGGED_CASE} / {EQUAL_CASE}: {ratio:.3f} (median of {r['rounds']} "
-                              f"interleaved rounds, {r['ratio_min']:.3f}-{r['ratio_max']:.3f}) (>= {RAGGED_MIN}: "
-                              f"{ratio >= RAGGED_MIN})", ratio >= RAGGED_MIN))
-            elif rag is not None and eq:
-                lines.append((f"H={H} {dt} {RAGGED_CASE} / {EQUAL_CASE}: {rag / eq:.3f} (>= {RAGGED_MIN}: "
-                              f"{rag / eq >= RAGGED_MIN})", rag / eq >= RAGGED_MIN))
+            lines += _ratio_line(f"H={H} {dt} {RAGGED_CASE} / {EQUAL_CASE}", rounds.get((H, dt)),
+                                 rag / eq if rag is not None and eq else None, RAGGED_MIN)
     # the frontier: ours over FlashInfer's FA3 per shape (bf16), and fp8's absolute rate
     prov = TARGETS["bf16"][0]
     for H, case in sorted({(k[0], k[1]) for k in got if k[2] == "flashinfer fa3" and k[3] == "bf16"}
                           | set(fi_rounds)):
         ours, theirs = got.get((H, case, prov, "bf16")), got.get((H, case, "flashinfer fa3", "bf16"))
-        r = fi_rounds.get((H, case))
-        if r is not None:
-            x = r["ratio_median"]
-            lines.append((f"H={H} bf16 {case} ours / FlashInfer FA3: {x:.3f} (median of {r['rounds']} interleaved "
-                          f"rounds, {r['ratio_min']:.3f}-{r['ratio_max']:.3f}) (>= {AHEAD_OF_FLASHINFER}: "
-                          f"{x >= AHEAD_OF_FLASHINFER})", x >= AHEAD_OF_FLASHINFER))
-        elif ours is not None and theirs:
-            x = ours / theirs
-            lines.append((f"H={H} bf16 {case} ours / FlashInfer FA3: {x:.3f} (>= {AHEAD_OF_FLASHINFER}: "
-                          f"{x >= AHEAD_OF_FLASHINFER})", x >= AHEAD_OF_FLASHINFER))
+        lines += _ratio_line(f"H={H} bf16 {case} ours / FlashInfer FA3", fi_rounds.get((H, case)),
+                             ours / theirs if ours is not None and theirs else None, AHEAD_OF_FLASHINFER)
     for H in sorted({k[0] for k in got}):
         f8 = got.get((H, LONG_CASE, TARGETS["fp8"][0], "fp8"))
         if f8 is not None:
             lines.append((f"H={H} fp8 {LONG_CASE}: {f8:.1f} TFLOP/s (>= {FP8_FRONTIER:.0f}: {f8 >= FP8_FRONTIER})",
                           f8 >= FP8_FRONTIER))
     return lines
+
+
+def _interleaved(rec: dict, label: str, make, args) -> dict:
+    """Measure two calls ``--verdict-rounds`` times, alternating. ``make()`` gives them:
+    ((field, (fn, GFLOP)), (field, (fn, GFLOP))), numerator first. Records each one's
+    per-round TFLOP/s under its field and the median, least and largest of the per-round
+    ratios, or the error of a call that does not run; returns ``rec``."""
+    try:
+        num, den = make()
+        got: dict[str, list[float]] = {num[0]: [], den[0]: []}
+        for _ in range(args.verdict_rounds):
+            for field, (fn, flop) in (num, den):
+                got[field].append(flop / bench_ms(fn, args.rep))
+        ratios = sorted(a / b for a, b in zip(got[num[0]], got[den[0]]))
+        rec.update({k: [round(v, 1) for v in vs] for k, vs in got.items()})
+        rec.update(ratio_median=ratios[len(ratios) // 2], ratio_min=ratios[0], ratio_max=ratios[-1])
+        log(f"{label} over {args.verdict_rounds} interleaved rounds: median {rec['ratio_median']:.3f} "
+            f"({ratios[0]:.3f}-{ratios[-1]:.3f})")
+    except Exception as e:  # recorded, like a provider that does not run
+        rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+    return rec
 
 
 def verdict_rounds(args, data, provs) -> list[dict]:
@@ -515,26 +533,17 @@ def verdict_rounds(args, data, provs) -> list[dict]:
         for H in args.heads:
             rec = dict(H=H, dtype=dt, provider=prov, verdict=f"{RAGGED_CASE} / {EQUAL_CASE}",
                        rounds=args.verdict_rounds)
-            try:
+
+            def make(H=H, dt=dt, mk=mk):
                 fns = {}
                 for name in (RAGGED_CASE, EQUAL_CASE):
                     ql, kl = cases_by_name[name]
                     x = data.get(H, name, ql, kl)
                     fns[name] = (mk(x[dt], x["cq"], x["ck"], ql, kl), 2 * pairs(ql, kl, False) * H * 320 / 1e9)
                     fns[name][0]()
-                tf = {name: [] for name in fns}
-                for _ in range(args.verdict_rounds):
-                    for name, (fn, flop) in fns.items():
-                        tf[name].append(flop / bench_ms(fn, args.rep))
-                ratios = sorted(a / b for a, b in zip(tf[RAGGED_CASE], tf[EQUAL_CASE]))
-                rec.update(tflops_ragged=[round(x, 1) for x in tf[RAGGED_CASE]],
-                           tflops_equal=[round(x, 1) for x in tf[EQUAL_CASE]],
-                           ratio_median=ratios[len(ratios) // 2], ratio_min=ratios[0], ratio_max=ratios[-1])
-                log(f"H={H:<3} {dt} {RAGGED_CASE} / {EQUAL_CASE} over {args.verdict_rounds} interleaved rounds: "
-                    f"median {rec['ratio_median']:.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})")
-            except Exception as e:  # recorded, like a provider that does not run
-                rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-            out.append(rec)
+                return ("tflops_ragged", fns[RAGGED_CASE]), ("tflops_equal", fns[EQUAL_CASE])
+
+            out.append(_interleaved(rec, f"H={H:<3} {dt} {RAGGED_CASE} / {EQUAL_CASE}", make, args))
     return out
 
 
@@ -552,22 +561,14 @@ def flashinfer_rounds(args, data, provs, shapes) -> list[dict]:
     for H, (name, ql, kl) in shapes:
         rec = dict(H=H, case=name, dtype="bf16", provider=prov, verdict="ours / flashinfer fa3",
                    rounds=args.verdict_rounds)
-        try:
+
+        def make(H=H, name=name, ql=ql, kl=kl):
             x = data.get(H, name, ql, kl)
-            fns = {k: mk(x["bf16"], x["cq"], x["ck"], ql, kl) for k, mk in (("ours", mine), ("theirs", theirs))}
             flop = 2 * pairs(ql, kl, False) * H * 320 / 1e9
-            tf: dict[str, list[float]] = {k: [] for k in fns}
-            for _ in range(args.verdict_rounds):
-                for k, fn in fns.items():
-                    tf[k].append(flop / bench_ms(fn, args.rep))
-            ratios = sorted(a / b for a, b in zip(tf["ours"], tf["theirs"]))
-            rec.update(tflops_ours=[round(v, 1) for v in tf["ours"]], tflops_theirs=[round(v, 1) for v in tf["theirs"]],
-                       ratio_median=ratios[len(ratios) // 2], ratio_min=ratios[0], ratio_max=ratios[-1])
-            log(f"H={H:<3} {name} ours / FlashInfer FA3 over {args.verdict_rounds} interleaved rounds: "
-                f"median {rec['ratio_median']:.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})")
-        except Exception as e:  # recorded, like a provider that does not run
-            rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-        out.append(rec)
+            return (("tflops_ours", (mine(x["bf16"], x["cq"], x["ck"], ql, kl), flop)),
+                    ("tflops_theirs", (theirs(x["bf16"], x["cq"], x["ck"], ql, kl), flop)))
+
+        out.append(_interleaved(rec, f"H={H:<3} {name} ours / FlashInfer FA3", make, args))
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 
 import pytest
 
@@ -75,3 +76,24 @@ def test_recorded_verdict_recomputes():
     assert again == d["meta"]["targets"]
     # 2 head counts x (2 dtypes x (rate, ragged/equal) + fp8's frontier); with FlashInfer, 4 shapes each
     assert len(again) == (18 if d["meta"].get("flashinfer") else 10)
+
+
+def test_interleaved_rounds_alternate_and_take_the_median_ratio(monkeypatch):
+    """``_interleaved`` measures the two calls in turn, round after round, and keeps the
+    median, least and largest per-round ratio (not a ratio of medians)."""
+    order = []
+    times = iter([1.0, 2.0, 1.0, 1.0, 2.0, 1.0])  # ms: num, den, num, den, ...
+
+    def fake_bench_ms(fn, rep):
+        order.append(fn())
+        return next(times)
+
+    monkeypatch.setattr(ba, "bench_ms", fake_bench_ms)
+    rec = {}
+    args = types.SimpleNamespace(verdict_rounds=3, rep=1)
+    ba._interleaved(rec, "a / b", lambda: (("tflops_a", (lambda: "a", 4.0)), ("tflops_b", (lambda: "b", 4.0))), args)
+    assert order == ["a", "b"] * 3
+    assert rec["tflops_a"] == [4.0, 4.0, 2.0] and rec["tflops_b"] == [2.0, 4.0, 4.0]
+    assert (rec["ratio_min"], rec["ratio_median"], rec["ratio_max"]) == (0.5, 1.0, 2.0) and "error" not in rec
+    failed = ba._interleaved({}, "a / b", lambda: 1 / 0, args)  # a call that cannot be made: recorded
+    assert failed == {"error": "ZeroDivisionError: division by zero"}
