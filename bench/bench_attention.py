@@ -444,6 +444,8 @@ def print_table(results):
 #: runs): TFLOP/s at the long chunk, and ragged batches against equal lengths of the same work
 TARGETS = {"bf16": ("triton", 600.0), "fp8": ("triton pv_fp8 v-keys-last", 850.0)}
 LONG_CASE, RAGGED_CASE, EQUAL_CASE, RAGGED_MIN = "1x8192q/16384k", "ragged4", "4x1024q/16384k", 0.9
+#: the ``verdict`` of the interleaved rounds' records: ragged against equal lengths; ours against FlashInfer
+RAGGED_VERDICT, FLASHINFER_VERDICT = f"{RAGGED_CASE} / {EQUAL_CASE}", "ours / flashinfer fa3"
 #: the frontier: bf16 ahead of FlashInfer's FA3 by this factor on each shape both ran; fp8 at this TFLOP/s
 AHEAD_OF_FLASHINFER, FP8_FRONTIER = 1.05, 1000.0
 
@@ -467,10 +469,9 @@ def target_lines(results) -> list[tuple[str, bool]]:
     on every shape both ran (bf16); fp8's rate against the frontier."""
     got = {(r["H"], r["case"], r["provider"], r["dtype"]): r["tflops"] for r in results
            if "tflops" in r and not r.get("causal")}
-    rounds = {(r["H"], r["dtype"]): r for r in results if "ratio_median" in r and r.get("verdict", "").startswith(
-        RAGGED_CASE)}
+    rounds = {(r["H"], r["dtype"]): r for r in results if "ratio_median" in r and r.get("verdict") == RAGGED_VERDICT}
     fi_rounds = {(r["H"], r["case"]): r for r in results if "ratio_median" in r
-                 and r.get("verdict") == "ours / flashinfer fa3"}
+                 and r.get("verdict") == FLASHINFER_VERDICT}
     lines = []
     for dt, (prov, floor) in TARGETS.items():
         for H in sorted({k[0] for k in got} | {k[0] for k in rounds}):
@@ -479,7 +480,7 @@ def target_lines(results) -> list[tuple[str, bool]]:
                 lines.append((f"H={H} {dt} {LONG_CASE}: {long:.1f} TFLOP/s (>= {floor:.0f}: {long >= floor})",
                               long >= floor))
             rag, eq = got.get((H, RAGGED_CASE, prov, dt)), got.get((H, EQUAL_CASE, prov, dt))
-            lines += _ratio_line(f"H={H} {dt} {RAGGED_CASE} / {EQUAL_CASE}", rounds.get((H, dt)),
+            lines += _ratio_line(f"H={H} {dt} {RAGGED_VERDICT}", rounds.get((H, dt)),
                                  rag / eq if rag is not None and eq else None, RAGGED_MIN)
     # the frontier: ours over FlashInfer's FA3 per shape (bf16), and fp8's absolute rate
     prov = TARGETS["bf16"][0]
@@ -531,7 +532,7 @@ def verdict_rounds(args, data, provs) -> list[dict]:
         if mk is None:
             continue
         for H in args.heads:
-            rec = dict(H=H, dtype=dt, provider=prov, verdict=f"{RAGGED_CASE} / {EQUAL_CASE}",
+            rec = dict(H=H, dtype=dt, provider=prov, verdict=RAGGED_VERDICT,
                        rounds=args.verdict_rounds)
 
             def make(H=H, dt=dt, mk=mk):
@@ -543,7 +544,7 @@ def verdict_rounds(args, data, provs) -> list[dict]:
                     fns[name][0]()
                 return ("tflops_ragged", fns[RAGGED_CASE]), ("tflops_equal", fns[EQUAL_CASE])
 
-            out.append(_interleaved(rec, f"H={H:<3} {dt} {RAGGED_CASE} / {EQUAL_CASE}", make, args))
+            out.append(_interleaved(rec, f"H={H:<3} {dt} {RAGGED_VERDICT}", make, args))
     return out
 
 
@@ -559,7 +560,7 @@ def flashinfer_rounds(args, data, provs, shapes) -> list[dict]:
         return []
     out = []
     for H, (name, ql, kl) in shapes:
-        rec = dict(H=H, case=name, dtype="bf16", provider=prov, verdict="ours / flashinfer fa3",
+        rec = dict(H=H, case=name, dtype="bf16", provider=prov, verdict=FLASHINFER_VERDICT,
                    rounds=args.verdict_rounds)
 
         def make(H=H, name=name, ql=ql, kl=kl):

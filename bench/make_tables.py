@@ -234,6 +234,15 @@ def _pivot(rows: list[dict], row_key: Callable[[dict], str], col_key: Callable[[
     return out
 
 
+#: bench_attention.py's FLASHINFER_VERDICT: the records of ours against FlashInfer in interleaved rounds
+FLASHINFER_VERDICT = "ours / flashinfer fa3"
+
+
+def _flashinfer_rounds(d: Doc) -> list[dict]:
+    """``bench/bench_attention.py``'s interleaved rounds of ours against FlashInfer's FA3."""
+    return [r for r in d["results"] if r.get("verdict") == FLASHINFER_VERDICT and "ratio_median" in r]
+
+
 def attention_table(d: Doc) -> str:
     """``bench/bench_attention.py``: TFLOP/s of useful work by provider and shape, and the verdict lines."""
     meta = d["meta"]
@@ -242,13 +251,14 @@ def attention_table(d: Doc) -> str:
              "attention (the warp-specialized kernel where it applies); – : not run (no such path, or past the "
              "run's time budget).", ""]
     lines += _pivot(rows, _provider, lambda r: f"H={r['H']} {r['case']}", "provider")
-    verdict = [r for r in d["results"] if "verdict" in r and "ratio_median" in r and "case" not in r]
+    rounds = [r for r in d["results"] if "ratio_median" in r]  # the interleaved rounds' records
+    verdict = [r for r in rounds if r.get("verdict") != FLASHINFER_VERDICT]
     if verdict:
         lines += ["", "Ragged ×4 over 4×1024 of equal work (interleaved rounds):", "",
                   "| H | dtype | provider | rounds | median | min | max |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['H']} | {r['dtype']} | {r['provider']} | {r['rounds']} | {r['ratio_median']:.3f} "
                   f"| {r['ratio_min']:.3f} | {r['ratio_max']:.3f} |" for r in verdict]
-    ahead = [r for r in d["results"] if r.get("verdict") == "ours / flashinfer fa3" and "ratio_median" in r]
+    ahead = _flashinfer_rounds(d)
     if ahead:
         lines += ["", "Ours over FlashInfer's FA3, bf16 (interleaved rounds; TFLOP/s medians):", "",
                   "| H | shape | rounds | ours | FlashInfer | ratio median | min | max |",
@@ -274,16 +284,17 @@ def sweep_table(d: Doc) -> str:
              f"run: {dflt}.", ""]
     # a configuration measured again in the same run gets a row per round; another provider
     # (FlashInfer beside the sweep) a row of its own
-    rounds: collections.Counter[tuple[str, str]] = collections.Counter()
-    keyed = []
+    def shape(r: dict) -> str:
+        return f"H={r['H']} {r['case']}"
+
+    seen: collections.Counter[tuple[str, str]] = collections.Counter()
+    label: dict[int, str] = {}  # id(record) -> its row
     for r in rows:
         rk = f"{r['dtype']} {_config(r['config']) if 'config' in r else r['provider']}"
-        ck = f"H={r['H']} {r['case']}"
-        rounds[(rk, ck)] += 1
-        n = rounds[(rk, ck)]
-        keyed.append((rk if n == 1 else f"{rk} (round {n})", ck, r))
-    lines += _pivot([r for _, _, r in keyed], lambda r: next(k for k, _, x in keyed if x is r),
-                    lambda r: f"H={r['H']} {r['case']}", "config")
+        seen[(rk, shape(r))] += 1
+        n = seen[(rk, shape(r))]
+        label[id(r)] = rk if n == 1 else f"{rk} (round {n})"
+    lines += _pivot(rows, lambda r: label[id(r)], shape, "config")
     return "\n".join(lines) + "\n"
 
 
@@ -728,13 +739,12 @@ def _row(records: list[dict], **kv: Any) -> dict:
     return r
 
 
-def _ahead_of_flashinfer(results: str) -> str:
+def _ahead_of_flashinfer(d: Doc) -> str:
     """The README's attention row's tail: ours over FlashInfer's FA3 (bf16), the interleaved
     rounds' median ratios, per head count over the shapes (empty where they did not run)."""
     got: dict[int, list[float]] = collections.defaultdict(list)
-    for r in load("bench_attention", results)["results"]:
-        if r.get("verdict") == "ours / flashinfer fa3" and "ratio_median" in r:
-            got[r["H"]].append(r["ratio_median"])
+    for r in _flashinfer_rounds(d):
+        got[r["H"]].append(r["ratio_median"])
     if not got:
         return ""
     return "; ours / FlashInfer FA3 in interleaved rounds (bf16, median per shape), " + ", ".join(
@@ -763,18 +773,18 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                      " / ".join(f"{_ms(r['fused_outside_s'], '.3f')} → {_ms(r['graph_outside_s'], '.3f')}"
                                 for r in host) + "; "
                      + " / ".join(f"{r['graph_host_steps_us']['first copy']:.0f}" for r in host), "probe_host"))
-    att = [r for r in load("bench_attention", results)["results"] if r.get("case") == "1x8192q/16384k"
-           and not r.get("causal") and "tflops" in r]
+    ad = load("bench_attention", results)
+    att = [r for r in ad["results"] if r.get("case") == "1x8192q/16384k" and not r.get("causal") and "tflops" in r]
 
     def tf(provider: str, h: int, dtype: str = "bf16") -> str:
         return f"{_row(att, provider=provider, H=h, dtype=dtype)['tflops']:.1f}"
 
-    fi = load("bench_attention", results)["meta"].get("flashinfer") or ""
+    fi = ad["meta"].get("flashinfer") or ""
     rows.append(("Attention, 8,192 q over 16k keys, 16 / 128 heads (TFLOP/s): bf16; fp8 (V keys-last); against "
                  "FlashInfer on 1×8192, 4×1024, 1×1024 q and a ragged batch over 16k keys",
                  f"ours {tf('triton', 16)} / {tf('triton', 128)}, FlashInfer {fi} FA3 {tf('flashinfer fa3', 16)} / "
                  f"{tf('flashinfer fa3', 128)}; ours {tf('triton pv_fp8 v-keys-last', 16, 'fp8')} / "
-                 f"{tf('triton pv_fp8 v-keys-last', 128, 'fp8')}" + _ahead_of_flashinfer(results), "bench_attention"))
+                 f"{tf('triton pv_fp8 v-keys-last', 128, 'fp8')}" + _ahead_of_flashinfer(ad), "bench_attention"))
     k = load("bench_kernels", results)
     kr = k["results"]
 

@@ -39,5 +39,5 @@ if [ ! -f ".whl/flashinfer_python-$FI.tar.xz" ]; then
   mv ".whl/flashinfer_python-$FI.tar.xz.part" ".whl/flashinfer_python-$FI.tar.xz"
   rm -rf "$tmp"
 fi
-rm -f .whl/flashinfer_python-0.6.*.whl
+rm -f .whl/flashinfer_python-*.whl  # FlashInfer travels as the tarball alone (a wheel beside it would be installed too)
 ls -l .whl

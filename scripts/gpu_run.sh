@@ -96,14 +96,16 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >>"$SUMMARY" 2>&1 || rc=$?
   note "wheels: rc=$rc"
   [ "$rc" -eq 0 ] || FAILED=1
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-  export PATH="/tmp/site/bin:$PATH"  # console scripts of the carried wheels (ninja for FlashInfer's JIT)
 fi
 # a pure-Python wheel too large for the carry travels unpacked (fetch_gpu_wheels.sh): unpack it likewise
 for t in .whl/*.tar.xz; do
   [ -f "$t" ] || continue
   mkdir -p /tmp/site && tar -C /tmp/site -xJf "$t" && note "unpacked $(basename "$t")" || { note "unpack $t failed"; FAILED=1; }
 done
+if [ -d /tmp/site ]; then
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  export PATH="/tmp/site/bin:$PATH"  # console scripts of the carried wheels (ninja for FlashInfer's JIT)
+fi
 note "python: $(python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -n 1)"
 note "triton: $(python3 -c 'import triton; print(triton.__version__)' 2>&1 | tail -n 1)"
 

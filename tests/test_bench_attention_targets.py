@@ -97,3 +97,10 @@ def test_interleaved_rounds_alternate_and_take_the_median_ratio(monkeypatch):
     assert (rec["ratio_min"], rec["ratio_median"], rec["ratio_max"]) == (0.5, 1.0, 2.0) and "error" not in rec
     failed = ba._interleaved({}, "a / b", lambda: 1 / 0, args)  # a call that cannot be made: recorded
     assert failed == {"error": "ZeroDivisionError: division by zero"}
+
+
+def test_the_tables_read_the_rounds_the_bench_writes():
+    """make_tables picks the FlashInfer rounds by the verdict bench_attention writes."""
+    import make_tables
+
+    assert make_tables.FLASHINFER_VERDICT == ba.FLASHINFER_VERDICT

@@ -22,8 +22,9 @@ pipelining, which lost with one release per slot (its next K waited for the prev
 P·V), now wins (591-654 TFLOP/s against 555-600 with K freed with V); fp8 +6-7 %,
 serial. (EARLY_K=False keeps that release for comparison; the loader's order is the new one.)
 ``RESCALE_EARLY`` moves the pipelined consumer's rescale of O from after P·V to right after
-the next block's Q·Kᵀ is issued (FA3's order): slower on 5 of 6 shapes by 1-5 %, faster on
-4 × 1,024 rows by 4-8 % (H200, 2026-12-04, commit 58e912f, ``--sweep ws-rescale``); off.
+the next block's Q·Kᵀ is issued (FA3's order): slower on 5 of 6 shapes by 0.6-4.6 %, faster
+on 4 × 1,024 rows by 3.9-7.9 % (two rounds each; H200, 2026-12-04, commit 58e912f,
+``--sweep ws-rescale``); off.
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory with 128×128 tiles and 2 stages: Q 48 KiB +
