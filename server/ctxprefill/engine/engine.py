@@ -137,6 +137,9 @@ class Engine:
             config = dataclasses.replace(config, kv_b_proj_dtype=per_layer[0].dtype)
         self.config = config
         self.device = torch.device(device)
+        # (before any _on_device) Tensor.get_device() of a tensor on the engine's device (-1: the CPU)
+        self._device_index = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device() if self.device.type == "cuda" else -1)
         shape = config.shape
         n = shape.heads * (shape.qk_nope_head_dim + shape.v_head_dim)
         for layer, w in zip(config.layers, per_layer):
@@ -183,9 +186,6 @@ class Engine:
         # cache's block ids fit the int32 block table
         shared = self.cache_storage if len(per_layer) * config.cache.num_blocks < 2**31 else None
         self.graphs = LoopGraphs(shared, config.cache.num_blocks) if self.device.type == "cuda" else None
-        # Tensor.get_device() of a tensor on the engine's device (-1: the CPU)
-        self._device_index = self.device.index if self.device.index is not None else (
-            torch.cuda.current_device() if self.device.type == "cuda" else -1)
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         """Make the engine's GPU the current one: Triton launches and CUDA events use the
