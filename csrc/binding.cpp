@@ -489,27 +489,53 @@ std::vector<double> events_elapsed_ms(const std::vector<int64_t>& events) {
 }
 
 // copies_async: cudaMemcpyAsync of each (dst, src, bytes) triple of addresses, in order, on
-// `stream` (a cudaStream_t handle). A captured chunk loop takes a request's metadata and q
-// this way (engine/graphs.py), in one call where torch's Tensor.copy_ would dispatch, check
-// and record a pinned block's event per copy, before the request's first kernel. The
-// caller keeps every buffer alive and unchanged until the copies are done.
-void copies_async(const std::vector<int64_t>& triples, int64_t stream) {
-  const char* op = "copies_async";
+// `stream` (a cudaStream_t handle), then `event` (a cudaEvent_t handle, 0: none) recorded
+// there. A captured chunk loop takes a request's metadata and q this way, and gives its
+// output and LSE back (engine/graphs.py), in one call where torch's Tensor.copy_ would
+// dispatch, check and record a pinned block's event per copy. The caller keeps every
+// buffer alive and unchanged until the copies are done.
+void cuda_call(const char* op, const char* what, size_t i, cudaError_t e) {
+  if (e == cudaSuccess) return;
+  (void)cudaGetLastError();
+  throw std::runtime_error(msg(op, ": ", what, " ", i, " failed: ", cudaGetErrorString(e)));
+}
+
+void enqueue_copies(const char* op, const std::vector<int64_t>& triples, cudaStream_t stream) {
   if (triples.size() % 3 != 0)
     throw std::invalid_argument(msg(op, ": triples must hold (dst, src, bytes) triples; got ", triples.size(),
                                     " values"));
   for (size_t i = 0; i < triples.size(); i += 3) {
     if (triples[i] == 0 || triples[i + 1] == 0 || triples[i + 2] < 0)
       throw std::invalid_argument(msg(op, ": copy ", i / 3, " has a null address or a negative size"));
-    const cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(triples[i]),
-                                          reinterpret_cast<const void*>(triples[i + 1]),
-                                          static_cast<size_t>(triples[i + 2]), cudaMemcpyDefault,
-                                          reinterpret_cast<cudaStream_t>(stream));
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      throw std::runtime_error(msg(op, ": copy ", i / 3, ": cudaMemcpyAsync failed: ", cudaGetErrorString(e)));
-    }
   }
+  for (size_t i = 0; i < triples.size(); i += 3)
+    cuda_call(op, "cudaMemcpyAsync of copy", i / 3,
+              cudaMemcpyAsync(reinterpret_cast<void*>(triples[i]), reinterpret_cast<const void*>(triples[i + 1]),
+                              static_cast<size_t>(triples[i + 2]), cudaMemcpyDefault, stream));
+}
+
+void copies_async(const std::vector<int64_t>& triples, int64_t stream, int64_t event) {
+  const char* op = "copies_async";
+  const auto s = reinterpret_cast<cudaStream_t>(stream);
+  enqueue_copies(op, triples, s);
+  if (event != 0) cuda_call(op, "cudaEventRecord of event", 0, cudaEventRecord(reinterpret_cast<cudaEvent_t>(event), s));
+}
+
+// graph_launch: a captured chunk loop's replay, queued on `stream` in one call: the copies
+// into its buffers (copies_async's triples), `staged` recorded after them, `begin` recorded,
+// then the graph (a cudaGraphExec_t handle, torch's CUDAGraph.raw_cuda_graph_exec) launched.
+// Every handle is checked before anything is queued.
+void graph_launch(const std::vector<int64_t>& triples, int64_t staged, int64_t begin, int64_t graph_exec,
+                  int64_t stream) {
+  const char* op = "graph_launch";
+  if (staged == 0 || begin == 0 || graph_exec == 0)
+    throw std::invalid_argument(msg(op, ": staged, begin and graph_exec must be handles; got ", staged, ", ",
+                                    begin, ", ", graph_exec));
+  const auto s = reinterpret_cast<cudaStream_t>(stream);
+  enqueue_copies(op, triples, s);
+  cuda_call(op, "cudaEventRecord of event", 0, cudaEventRecord(reinterpret_cast<cudaEvent_t>(staged), s));
+  cuda_call(op, "cudaEventRecord of event", 1, cudaEventRecord(reinterpret_cast<cudaEvent_t>(begin), s));
+  cuda_call(op, "cudaGraphLaunch of graph", 0, cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(graph_exec), s));
 }
 
 }  // namespace
@@ -542,6 +568,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "milliseconds between recorded CUDA events, pairwise: [start0, end0, start1, end1, ...] handles -> "
         "one value per pair (after a synchronize)", py::arg("events"));
   m.def("copies_async", &copies_async,
-        "cudaMemcpyAsync of each (dst, src, bytes) address triple, in order, on a cudaStream_t handle",
-        py::arg("triples"), py::arg("stream"));
+        "cudaMemcpyAsync of each (dst, src, bytes) address triple, in order, on a cudaStream_t handle; then a "
+        "cudaEvent_t handle recorded there (0: none)",
+        py::arg("triples"), py::arg("stream"), py::arg("event") = 0);
+  m.def("graph_launch", &graph_launch,
+        "copies_async's triples, then the staged and begin events recorded and the cudaGraphExec_t launched, "
+        "all on a cudaStream_t handle",
+        py::arg("triples"), py::arg("staged"), py::arg("begin"), py::arg("graph_exec"), py::arg("stream"));
 }

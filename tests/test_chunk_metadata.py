@@ -179,7 +179,7 @@ def test_a_shared_graph_copies_a_layers_weight_only_when_it_holds_another():
     loop = CapturedLoop(None, q_buf, meta, torch.empty(8, dtype=torch.int32), event, None, None, None, True, [],
                         SimpleNamespace(cuda_stream=0), lambda args, stream: calls.append(list(args)), w_buf,
                         holds=layers[0].data_ptr())
-    hm = SimpleNamespace(host=np.arange(8, dtype=np.int32))
+    hm = SimpleNamespace(fill=lambda out: out.__setitem__(slice(None), np.arange(8, dtype=np.int32)))
     q = torch.empty((4, 1, 192))
     for layer in (0, 0, 1, 1, 0):
         loop.load(hm, q, layers[layer])
@@ -189,3 +189,61 @@ def test_a_shared_graph_copies_a_layers_weight_only_when_it_holds_another():
                                                                     layers[0].data_ptr()]
     assert all(t[2][0] == w_buf.data_ptr() and t[2][2] == w_buf.nbytes for t in triples if len(t) == 3)
     assert loop.holds == layers[0].data_ptr()
+
+
+def test_a_replay_through_the_extension_queues_its_copies_stage_and_graph_in_order(monkeypatch):
+    """engine/graphs.py ``CapturedLoop.replay`` where the extension's graph_launch and the
+    graph's exec handle are at hand: the metadata written into staging, one graph_launch
+    (the copies in, the staging's event, the stage's start, the exec handle), then one
+    copies_async of out and LSE into new tensors with the stage's end; the staging's event
+    waited on only while the replay before it is unfinished (no device needed: the
+    extension's calls and the timer are recorded)."""
+    from types import SimpleNamespace
+
+    from ctxprefill.engine import graphs
+    from ctxprefill.engine.graphs import GRAPH_STAGE, CapturedLoop
+
+    class Timer:  # a CUDA StageTimer's bookkeeping, events as handles
+        def __init__(self, device, stream):
+            self.last, self.calls = None, []
+
+        def begin_recorded_by_caller(self, name):
+            self.calls.append(("begin", name))
+            return (name, 11), 11
+
+        def end_recorded_by_caller(self, started):
+            self.calls.append(("end", started[0]))
+            self.last = 12
+            return 12
+
+    monkeypatch.setattr(graphs, "StageTimer", Timer)
+    calls: list[tuple] = []
+    waits: list[int] = []
+    meta, q_buf = torch.empty(8, dtype=torch.int32), torch.empty((4, 1, 192))
+    out_buf, lse_buf = torch.full((4, 1, 128), 3.0), torch.full((1, 4), 5.0)
+    staged = SimpleNamespace(synchronize=lambda: waits.append(1), cuda_event=77)
+    loop = CapturedLoop(SimpleNamespace(raw_cuda_graph_exec=lambda: 999), q_buf, meta,
+                        torch.empty(8, dtype=torch.int32), staged, out_buf, lse_buf, {"attention": 3}, True, [],
+                        SimpleNamespace(cuda_stream=5), lambda args, stream, event=0: calls.append(
+                            ("copies", list(args), stream, event)), None,
+                        launch=lambda *a: calls.append(("launch", *a)))
+    values = [np.arange(8, dtype=np.int32), np.arange(8, 16, dtype=np.int32)]
+    q = torch.empty((4, 1, 192))
+    got = []
+    for i, v in enumerate(values):
+        pending = loop.replay(SimpleNamespace(fill=lambda out, v=v: out.__setitem__(slice(None), v)), q, q_buf)
+        got.append(pending)
+        assert np.array_equal(loop.staging.numpy(), v)
+        if i == 0:
+            loop.reader.last = None  # the first replay finished before the second one's metadata
+    assert waits == [1]  # the first replay (none before it known finished) waited; the second did not
+    launch = [c for c in calls if c[0] == "launch"]
+    assert launch == [("launch", [meta.data_ptr(), loop.staging.data_ptr(), meta.nbytes, q_buf.data_ptr(),
+                                  q.data_ptr(), q_buf.nbytes], 77, 11, 999, 5)] * 2
+    for p, c in zip(got, [c for c in calls if c[0] == "copies"], strict=True):
+        assert p.out.data_ptr() not in (out_buf.data_ptr(),) and p.out.shape == out_buf.shape
+        assert c == ("copies", [p.out.data_ptr(), out_buf.data_ptr(), out_buf.nbytes, p.lse.data_ptr(),
+                                lse_buf.data_ptr(), lse_buf.nbytes], 5, 12)
+        assert p.timer.calls == [("begin", GRAPH_STAGE), ("end", GRAPH_STAGE)]
+        assert p.counts == {"attention": 3, GRAPH_STAGE: 2}
+    assert [c[0] for c in calls] == ["launch", "copies"] * 2

@@ -109,19 +109,41 @@ def test_replay_equals_the_eager_loop_bit_for_bit(case, cache_dtype, kvb, prefil
 
 def test_the_replays_result_outlives_the_next_replay():
     """A result taken after the next request replays the same graph is still its own
-    (the service answers a request after starting the next)."""
+    (the service answers a request after starting the next), and the next request's
+    metadata waits for the first one's copy out of the page-locked staging: the device is
+    held behind a spin kernel so that the first one's copies in are still queued when the
+    second one's metadata (other block ids) is written."""
+    c = CASES["long"]
+    eng = make_engine(c, "auto", "bf16", "bf16")
+    q, seqs = make_request(eng, c, seed=1)
+    for _ in range(2):
+        eng.prefill_context(q, seqs)
+    q2, seqs2 = make_request(eng, c, seed=2)
+    assert [s.block_table for s in seqs2] != [s.block_table for s in seqs]
+    eager = eng.prefill_context(q, seqs, graphs_on=False)
+    eager2 = eng.prefill_context(q2, seqs2, graphs_on=False)
+    torch.cuda._sleep(50_000_000)  # ~25 ms of device time ahead of the two requests
+    first = eng.prefill_context_start(q, seqs)
+    second = eng.prefill_context_start(q2, seqs2)
+    assert same_bits(first.result(), eager) and same_bits(second.result(), eager2)
+    assert eng.graphs is not None and eng.graphs.replays == 2
+
+
+def test_contiguous_replays_launch_through_the_extension(cuda_ext):
+    """A contiguous q's replay is queued by the extension's graph_launch (the copies in, the
+    stage's start, the graph) and copies_async (the copies out, the stage's end): the path
+    the bit-for-bit tests above take. graph_launch refuses a null handle before queuing."""
     c = CASES["long"]
     eng = make_engine(c, "auto", "bf16", "bf16")
     q, seqs = make_request(eng, c, seed=1)
     eager = eng.prefill_context(q, seqs, graphs_on=False)
-    for _ in range(2):
-        eng.prefill_context(q, seqs)
-    q2 = q.flip(0).contiguous()
-    eager2 = eng.prefill_context(q2, seqs, graphs_on=False)
-    first = eng.prefill_context_start(q, seqs)
-    second = eng.prefill_context_start(q2, seqs)
-    assert same_bits(first.result(), eager) and same_bits(second.result(), eager2)
-    assert eng.graphs is not None and eng.graphs.replays == 2
+    runs = [eng.prefill_context(q, seqs) for _ in range(3)]
+    assert eng.graphs is not None
+    [loop] = eng.graphs._graphs.values()
+    assert loop.launch is cuda_ext.graph_launch and loop._exec != 0
+    assert same_bits(runs[2], eager) and runs[2].stats.stage_ns[GRAPH_STAGE] > 0
+    with pytest.raises(ValueError, match="handles"):
+        cuda_ext.graph_launch([], 0, 0, loop._exec, 0)
 
 
 def test_a_strided_q_replays_through_torchs_copy(cuda_ext):

@@ -6,6 +6,10 @@ with the same arguments in one launch (the same bits, tested: tests/gpu/test_gra
 The host still checks every request and makes its chunk metadata (remembered per shape),
 and copies the metadata, q and the layer's weight into the graph's buffers; after the
 replay the output and LSE are copied out of them (the next replay overwrites them).
+Where the CUDA extension is loaded, a replay is two calls into it — the copies in, the
+stage's start event and the graph's launch; the copies out and the stage's end event —
+since each of torch's calls (copy, event record, replay) costs the host microseconds
+before the device starts.
 
 A shape is what the captured launches bake in: the path, q's shape and dtype, the
 weight's, the query lengths, and the metadata's layout (chunk sizes, context lengths,
@@ -78,6 +82,8 @@ class CapturedLoop:
     copies: Any  # the CUDA extension's copies_async, or None: torch's copy_
     weight: torch.Tensor | None  # [N, L]: the request's layer's kv_b_proj weight is copied here (shared graphs)
     holds: int = 0  # data_ptr of the layer weight ``weight`` holds a copy of (weights never change)
+    launch: Any = None  # the CUDA extension's graph_launch where it and the graph's exec handle are at hand
+    reader: StageTimer | None = None  # the last replay's timer: once it has finished, staging is free
 
     def __post_init__(self) -> None:
         self._staging = self.staging.numpy()
@@ -87,22 +93,37 @@ class CapturedLoop:
                            self.q.data_ptr(), 0, self.q.nbytes]
         if self.weight is not None:
             self._copy_args += [self.weight.data_ptr(), 0, self.weight.nbytes]
+        raw_exec = getattr(self.graph, "raw_cuda_graph_exec", None)  # torch >= 2.9
+        self._exec = raw_exec() if self.launch is not None and self.copies is not None and raw_exec else 0
+
+    def _stage(self, hm: HostMetadata, weight: torch.Tensor) -> bool:
+        """Write a request's metadata into staging once the copy out of it before is done;
+        whether the layer's weight goes in too (another layer's is in the buffer: a 32 MB
+        copy at 128 heads)."""
+        if self.reader is None or self.reader.last is not None:  # the replay before not finished
+            self.staged.synchronize()
+        hm.fill(self._staging)
+        new_weight = self.weight is not None and weight.data_ptr() != self.holds
+        if new_weight:
+            self.holds = weight.data_ptr()
+        return new_weight
+
+    def _copy_args_for(self, q: torch.Tensor, weight: torch.Tensor, new_weight: bool) -> list[int]:
+        args = self._copy_args
+        args[4] = q.data_ptr()
+        if new_weight:
+            args[7] = weight.data_ptr()
+            return args
+        return args[:6]
 
     def load(self, hm: HostMetadata, q: torch.Tensor, weight: torch.Tensor) -> None:
         """Copy a request's metadata, q (and its layer's weight, where the graph serves every
         layer) into the graph's buffers: the request's first device work (queued, the host
         does not wait)."""
-        self.staged.synchronize()  # the previous replay's copy out of staging is done (long since)
-        self._staging[:] = hm.host
-        # the weight only when another layer's is in the buffer (a 32 MB copy at 128 heads)
-        new_weight = self.weight is not None and weight.data_ptr() != self.holds
+        new_weight = self._stage(hm, weight)
         if self.copies is not None and q.is_contiguous():
             # every copy in one call (torch's copy_ dispatches and checks each)
-            args = self._copy_args
-            args[4] = q.data_ptr()
-            if new_weight:
-                args[7] = weight.data_ptr()
-            self.copies(args if new_weight else args[:6], self._stream)
+            self.copies(self._copy_args_for(q, weight, new_weight), self._stream)
             self.staged.record(self.stream)
         else:
             self.meta.copy_(self.staging, non_blocking=True)
@@ -111,14 +132,38 @@ class CapturedLoop:
             if new_weight:
                 assert self.weight is not None
                 self.weight.copy_(weight, non_blocking=True)
-        if new_weight:
-            self.holds = weight.data_ptr()
+
+    def replay(self, hm: HostMetadata, q: torch.Tensor, weight: torch.Tensor) -> PendingLoop:
+        """Queue a request's replay: its copies in, the graph, the copies of out and LSE out
+        of the graph's buffers (the ``graph`` stage, timed)."""
+        timer = StageTimer(self.q.device, self.stream)
+        if self._exec and q.is_contiguous():
+            # the copies in, the stage's start and the graph's launch in one call, the copies
+            # out and the stage's end in another: torch's replay would also refill its
+            # random-number seeds (two kernels) for a loop that draws none
+            new_weight = self._stage(hm, weight)
+            started, begin = timer.begin_recorded_by_caller(GRAPH_STAGE)
+            self.launch(self._copy_args_for(q, weight, new_weight), self.staged.cuda_event, begin, self._exec,
+                        self._stream)
+            out, lse = torch.empty_like(self.out), torch.empty_like(self.lse)
+            self.copies([out.data_ptr(), self.out.data_ptr(), out.nbytes, lse.data_ptr(), self.lse.data_ptr(),
+                         lse.nbytes], self._stream, timer.end_recorded_by_caller(started))
+        else:
+            self.load(hm, q, weight)
+            started = timer.begin(GRAPH_STAGE)
+            self.graph.replay()
+            out, lse = self.out.clone(), self.lse.clone()  # the next replay writes into self.out, self.lse
+            timer.end(started)  # the stage holds the copies out: its work, as its launch count says
+        self.reader = timer
+        counts = Counter(self.launches)
+        counts[GRAPH_STAGE] += 2  # the two copies out
+        return PendingLoop(out, lse, counts, timer, self.unpacked_keys)
 
 
-def _copies_async() -> Any:
-    """The CUDA extension's ``copies_async`` where it is loaded and has it, else None."""
+def _extension_calls() -> tuple[Any, Any]:
+    """The CUDA extension's (copies_async, graph_launch) where it is loaded and has them, else None each."""
     ext = _cuda.load()
-    return getattr(ext, "copies_async", None) if ext is not None else None
+    return getattr(ext, "copies_async", None), getattr(ext, "graph_launch", None)
 
 
 class LoopGraphs:
@@ -155,13 +200,13 @@ class LoopGraphs:
               keys_last: bool) -> tuple[Hashable, HostMetadata]:
         """(a request's shape: what its captured loop bakes in, the request's metadata).
         ``layer``: its position among the engine's layers; ``weight``: that layer's."""
+        offset = 0
         if self.cache is None:
             where: tuple[object, ...] = (layer,)
         else:  # the whole cache, addressed by block ids offset by the layer
             where = (weight.shape, weight.dtype)
-            if layer:
-                block_table = block_table + np.int32(layer * self.blocks_per_layer)
-        hm = host_metadata_of(query_lens, chunks, block_table, keys_last)
+            offset = layer * self.blocks_per_layer
+        hm = host_metadata_of(query_lens, chunks, block_table, keys_last, offset)
         return (*where, fused, unpacked_keys, q.shape, q.dtype, *hm.layout()), hm
 
     def replay(self, key: Hashable, hm: HostMetadata, q: torch.Tensor, weight: torch.Tensor,
@@ -174,16 +219,9 @@ class LoopGraphs:
         self._graphs.move_to_end(key)
         if stop is not None:
             stop.check(0, chunks)
-        cap.load(hm, q, weight)
-        timer = StageTimer(cap.q.device, cap.stream)
-        started = timer.begin(GRAPH_STAGE)
-        cap.graph.replay()
-        out, lse = cap.out.clone(), cap.lse.clone()  # the next replay writes into cap.out, cap.lse
-        timer.end(started)  # the stage holds the copies out: its work, as its launch count says
+        pending = cap.replay(hm, q, weight)
         self.replays += 1
-        counts = Counter(cap.launches)
-        counts[GRAPH_STAGE] += 2  # the two copies out
-        return PendingLoop(out, lse, counts, timer, cap.unpacked_keys)
+        return pending
 
     def start_eager(self, x: LoopInputs, backend: AttentionBackend, fused: bool, key: Hashable,
                     hm: HostMetadata) -> PendingLoop:
@@ -203,7 +241,7 @@ class LoopGraphs:
     def _capture(self, key: Hashable, x: LoopInputs, hm: HostMetadata, backend: AttentionBackend,
                  fused: bool) -> None:
         staging = torch.from_numpy(hm.host).pin_memory()
-        meta = torch.empty(hm.host.size, dtype=torch.int32, device=x.q.device)
+        meta = torch.empty(hm.size, dtype=torch.int32, device=x.q.device)
         meta.copy_(staging, non_blocking=True)
         staged = torch.cuda.Event()  # type: ignore[no-untyped-call]  # (torch's is unannotated)
         staged.record()
@@ -231,11 +269,12 @@ class LoopGraphs:
             return
         finally:
             torch.cuda.current_stream(x.q.device).wait_stream(stream)
+        copies, launch = _extension_calls()
         self._graphs[key] = CapturedLoop(graph, q, meta, staging, staged, looped.out, looped.lse,
                                          looped.counts, use_unpacked_keys(backend, fused, x.unpacked_keys,
                                                                           x.fp8_prefill), orders,
-                                         torch.cuda.current_stream(x.q.device), _copies_async(), weight,
-                                         x.weight.data_ptr() if weight is not None else 0)
+                                         torch.cuda.current_stream(x.q.device), copies, weight,
+                                         x.weight.data_ptr() if weight is not None else 0, launch)
         self.captures += 1
         while len(self._graphs) > self.max_graphs:
             _, dropped = self._graphs.popitem(last=False)

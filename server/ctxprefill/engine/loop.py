@@ -197,19 +197,47 @@ class _ChunkVectors:
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostMetadata:
     """A request's chunk metadata on the host (:func:`host_metadata`): what goes up in its
-    one upload, and where each chunk's vectors lie in it."""
+    one upload (:attr:`host`: the chunks' vectors, then the block table), and where each
+    chunk's vectors lie in it."""
 
-    host: np.ndarray  # int32 [n]: the chunks' distinct vectors, then the block table
+    vectors: np.ndarray  # int32 [m]: the chunks' distinct vectors (shared by the requests of a shape: read only)
+    block_table: np.ndarray  # int32 [B, max_blocks], contiguous
+    block_offset: int  # added to every block id on the way up (a layer's place in a shared cache)
     sizes: list[int]  # the vectors' lengths, in order (the block table's last)
     spans: Sequence[_HostChunk]
-    block_table_shape: tuple[int, ...]  # [B, max_blocks]
     keys_last: bool
     chunk_layout: Layout
+
+    @property
+    def block_table_shape(self) -> tuple[int, ...]:
+        return self.block_table.shape
+
+    @property
+    def size(self) -> int:
+        """Elements of the upload."""
+        return self.vectors.size + self.block_table.size
+
+    @property
+    def host(self) -> np.ndarray:
+        """The upload, int32 ``[size]`` (a new array)."""
+        out = np.empty(self.size, dtype=np.int32)
+        self.fill(out)
+        return out
+
+    def fill(self, out: np.ndarray) -> None:
+        """Write the upload into ``out`` (int32 ``[size]``): a replay's page-locked staging
+        takes it so, with no array made in between."""
+        m = self.vectors.size
+        out[:m] = self.vectors
+        if self.block_offset:
+            np.add(self.block_table.ravel(), np.int32(self.block_offset), out=out[m:])
+        else:
+            out[m:] = self.block_table.ravel()
 
     def layout(self) -> tuple[object, ...]:
         """Everything of the upload but its values: equal for requests whose metadata
         lands in the same places (what a captured loop needs to replay)."""
-        return (self.chunk_layout, self.block_table_shape)
+        return (self.chunk_layout, self.block_table.shape)
 
 
 def uses_keys_last(backend: AttentionBackend, fp8_prefill: bool, q_dtype: torch.dtype) -> bool:
@@ -229,18 +257,17 @@ def host_metadata(x: LoopInputs, keys_last: bool = False) -> HostMetadata:
 
 
 def host_metadata_of(query_lens: Sequence[int], chunks: Sequence[ContextChunk], block_table: np.ndarray,
-                     keys_last: bool = False) -> HostMetadata:
-    """Every chunk's metadata vectors and the block table, as one int32 array. The vectors
-    depend on the request's shape alone (query lengths, plan): a shape seen recently has
-    them remembered (for 4 chunks on the CPU machine the call costs ~50 µs building them,
-    ~9 µs with them remembered)."""
+                     keys_last: bool = False, block_offset: int = 0) -> HostMetadata:
+    """Every chunk's metadata vectors and the block table (its ids plus ``block_offset``
+    on the way up). The vectors depend on the request's shape alone (query lengths,
+    plan): a shape seen recently has them remembered (for 4 chunks on the CPU machine the
+    call costs ~50 µs building them, ~2 µs with them remembered)."""
     if len(query_lens) <= REMEMBER_SEQUENCES and len(chunks) <= REMEMBER_CHUNKS:
         vec = _remembered_vectors(tuple(query_lens), tuple(chunks), keys_last)
     else:
         vec = _chunk_vectors(query_lens, chunks, keys_last)
     bt = np.ascontiguousarray(block_table, dtype=np.int32)
-    return HostMetadata(np.concatenate([vec.host, bt.ravel()]), [*vec.sizes, bt.size], vec.spans, bt.shape,
-                        keys_last, vec.layout)
+    return HostMetadata(vec.host, bt, block_offset, [*vec.sizes, bt.size], vec.spans, keys_last, vec.layout)
 
 
 @functools.lru_cache(maxsize=128)
@@ -285,7 +312,9 @@ def _chunk_vectors(query_lens: Sequence[int], chunks: Sequence[ContextChunk], ke
               tuple((c.first_sequence, c.num_sequences, c.is_continuation) for c in chunks),
               tuple((h.q0, h.q1, h.max_q, h.max_k, h.part_k, h.part_starts, h.part_q, h.part_v, tuple(h.cu_k))
                     for h in spans))
-    return _ChunkVectors(np.asarray(host, dtype=np.int32), tuple(sizes), tuple(spans), Layout(layout))
+    vectors = np.asarray(host, dtype=np.int32)
+    vectors.flags.writeable = False  # remembered: every request of the shape reads it
+    return _ChunkVectors(vectors, tuple(sizes), tuple(spans), Layout(layout))
 
 
 def device_metadata(hm: HostMetadata, dev: torch.Tensor) -> tuple[torch.Tensor, list[ChunkMeta]]:

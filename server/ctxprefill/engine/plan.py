@@ -23,6 +23,14 @@ class ContextChunk:
     first_sequence: int
     context_starts: tuple[int, ...]  # per sequence of the chunk
     context_lens: tuple[int, ...]
+    # hashed once: a request's plan is a key of the remembered chunk metadata (loop.py)
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.first_sequence, self.context_starts, self.context_lens)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def num_sequences(self) -> int:

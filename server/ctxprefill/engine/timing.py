@@ -99,6 +99,31 @@ class StageTimer:
             self._first = a
         return name, a
 
+    def begin_recorded_by_caller(self, name: str) -> tuple[Started, int]:
+        """:meth:`begin` for a caller that records the start itself, on this timer's
+        stream (a CUDA timer): (what :meth:`end_recorded_by_caller` takes, the start's
+        ``cudaEvent_t`` handle)."""
+        a = self._created_event()
+        if self._first is None:
+            self._first = a
+        return (name, a), a.cuda_event
+
+    def end_recorded_by_caller(self, started: Started) -> int:
+        """:meth:`end` for a caller that records the end itself: the end's ``cudaEvent_t``
+        handle, to record on this timer's stream after the stage's work."""
+        name, a = started
+        b = self._created_event()
+        self._events.append((name, a, b))
+        self._last = b
+        return b.cuda_event
+
+    def _created_event(self) -> torch.cuda.Event:
+        """An event of the pool with its ``cudaEvent_t`` made (torch makes it at the first record)."""
+        e = self._event()
+        if not e.cuda_event:
+            e.record(self._stream)
+        return e
+
     def end(self, started: Started) -> None:
         name, a = started
         b: Mark
