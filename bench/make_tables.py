@@ -360,12 +360,13 @@ def host_table(d: Doc) -> str:
     """``bench/probe_host_issue.py``: where a request's host time goes, the device held."""
     lines = [_run_line(d), "", "ms for the request, its time outside the stages, the device span and the host before "
              "the first stage (device held); µs per host step and from the call to the first device copy queued "
-             "(median; graph: the fused path replayed as a CUDA graph, which takes no loop inputs).", "",
+             "(median; graph: the fused path replayed as a CUDA graph, which takes no loop inputs, queued through the "
+             "CUDA extension; graph_torch: the same replay queued through torch's calls, beside it).", "",
              "| H | new | ctx | prefill | path | request ms | outside the stages ms | device span ms | "
              "before stages ms | " + " | ".join(f"{s} µs" for s in _STEPS) + " | to the first copy µs |",
              "|---|---|---|---|---|---|---|---|---|" + "---|" * len(_STEPS) + "---|"]
     for r in d["rows"]:
-        for p in ("generic", "fused", "graph"):
+        for p in ("generic", "fused", "graph", "graph_torch"):
             st = r.get(f"{p}_host_steps_us")
             if st is None:
                 continue

@@ -44,8 +44,19 @@ from ctxprefill_bench.engine_bench import make_device_request, time_request  # n
 HOLD_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: longer than anything issued behind it
 
 
-#: the paths probed: (name, fused, graphs_on)
-PATHS = (("generic", False, False), ("fused", True, False), ("graph", True, True))
+#: the paths probed: (name, fused, graphs_on). graph_torch: the replay queued through torch's
+#: calls (Tensor.copy_, Event.record, CUDAGraph.replay), the baseline of the extension's launch
+PATHS = (("generic", False, False), ("fused", True, False), ("graph", True, True), ("graph_torch", True, True))
+
+
+@contextlib.contextmanager
+def replays_through_torch(engine, on: bool):
+    """Within: every captured loop replays through torch's calls (``on``), not the extension's."""
+    with contextlib.ExitStack() as patches:
+        if on:
+            for loop in engine.graphs._graphs.values():
+                patches.enter_context(mock.patch.object(loop, "_exec", 0))
+        yield
 
 
 def _requests(engine, q, seqs, fused: bool, graphs: bool, iters: int, marks: dict):
@@ -104,7 +115,9 @@ def host_steps_us(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> dic
     graph's lookup), the copies of the metadata (and q, on a replay) into device memory, the
     rest up to the first stage, the stages' issue and the device's work, the synchronize and event
     readout, the return to the caller; and ``first copy``: from the call to the first
-    device work queued (the end of the copies in: q is already on the device)."""
+    device work queued (the end of the copies in: q is already on the device; on a replay
+    through the extension, the end of the one call that queues the copies in and the graph:
+    an upper bound)."""
     from ctxprefill.engine import engine as engine_mod
     from ctxprefill.engine import graphs as graphs_mod
     from ctxprefill.engine import loop as loop_mod
@@ -256,6 +269,8 @@ def main(argv=None) -> int:
         q, seqs = make_device_request(engine, [a.context], [a.new])
         row = {"heads": heads, "new": a.new, "context": a.context, "prefill_dtype": pd}
         for name, fused, graphs in PATHS:
+            probe_path = contextlib.ExitStack()
+            probe_path.enter_context(replays_through_torch(engine, name == "graph_torch"))
             t = time_request(engine, q, seqs, fused, engine.device, max_iters=a.iters, min_iters=a.iters, target_s=0,
                              graphs_on=graphs)
             row[f"{name}_request_s"] = t["median_s"]
@@ -267,6 +282,7 @@ def main(argv=None) -> int:
             row[f"{name}_before_stages_s"], row[f"{name}_issue_s"] = issue_time_s(engine, q, seqs, fused, graphs,
                                                                                   a.iters)
             row[f"{name}_host_steps_us"] = host_steps_us(engine, q, seqs, fused, graphs, a.iters)
+            probe_path.close()
         row["graph_replays"] = engine.graphs.replays
         if not row["graph_replays"]:  # else the "graph" rows would be the eager loop's
             raise SystemExit(f"probe_host_issue: H={heads} {pd}: the graph path never replayed")
