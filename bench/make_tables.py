@@ -378,6 +378,13 @@ def host_table(d: Doc) -> str:
              ("h2d_pinned_4k_us", "4 KiB H2D pinned"), ("validate_us", "validation"),
              ("attention_call_us", "attention call")]
     order = ", ".join(f"H={r['heads']} {r['prefill_dtype']}" for r in d["rows"])
+    ab = [(r, r["replay_launch_rounds"]) for r in d["rows"] if "replay_launch_rounds" in r]
+    if ab:
+        lines += ["", "A replay's time outside its stage queued through the CUDA extension against torch's calls, "
+                  f"{len(ab[0][1]['extension_outside_s'])} interleaved rounds (median of each, µs): " + "; ".join(
+                      f"H={r['heads']} {r['prefill_dtype']} {statistics.median(x['extension_outside_s']) * 1e6:.1f} "
+                      f"against {statistics.median(x['torch_outside_s']) * 1e6:.1f} (saving, median over rounds: "
+                      f"{x['median_saving_s'] * 1e6:.1f})" for r, x in ab) + "."]
     lines += ["", f"Host cost of one call, µs ({order}): " + "; ".join(
         f"{t} " + ", ".join(_num(r.get(k), ".1f") for r in d["rows"]) for k, t in costs) + "."]
     return "\n".join(lines) + "\n"

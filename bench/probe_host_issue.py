@@ -105,6 +105,22 @@ def issue_time_s(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> tupl
     return statistics.median(pre), statistics.median(issue)
 
 
+def replay_launch_rounds(engine, q, seqs, rounds: int, iters: int) -> dict:
+    """The replay's time outside its stage queued through the extension and through torch's
+    calls, in ``rounds`` interleaved rounds of ``iters`` requests each (a host's state drifts
+    over a run: adjacent rounds see the same one): each round's median per path, in s, and
+    the median over rounds of their difference (torch's minus the extension's)."""
+    got: dict[str, list[float]] = {"extension": [], "torch": []}
+    for _ in range(rounds):
+        for name, through_torch in (("extension", False), ("torch", True)):
+            with replays_through_torch(engine, through_torch):
+                t = time_request(engine, q, seqs, True, engine.device, max_iters=iters, min_iters=iters, target_s=0,
+                                 graphs_on=True)
+            got[name].append(t["outside_s"])
+    diff = statistics.median(b - a for a, b in zip(got["extension"], got["torch"], strict=True))
+    return {"extension_outside_s": got["extension"], "torch_outside_s": got["torch"], "median_saving_s": diff}
+
+
 #: a request's host steps, in order (probe_host_issue.host_steps_us)
 STEPS = ("validate", "inputs", "metadata", "copies in", "to first stage", "issue+device", "sync+readout", "return")
 
@@ -247,6 +263,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-dtype", nargs="+", default=["bf16", "fp8"])
     p.add_argument("--workspace-tokens", type=int, default=16384)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the replay's two launch paths")
     p.add_argument("--no-gc", action="store_true",
                    help="collect, freeze and disable Python's garbage collector first: whether its "
                         "collections are part of a request's host time")
@@ -283,6 +300,7 @@ def main(argv=None) -> int:
                                                                                   a.iters)
             row[f"{name}_host_steps_us"] = host_steps_us(engine, q, seqs, fused, graphs, a.iters)
             probe_path.close()
+        row["replay_launch_rounds"] = replay_launch_rounds(engine, q, seqs, a.rounds, a.iters)
         row["graph_replays"] = engine.graphs.replays
         if not row["graph_replays"]:  # else the "graph" rows would be the eager loop's
             raise SystemExit(f"probe_host_issue: H={heads} {pd}: the graph path never replayed")
