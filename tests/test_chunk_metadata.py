@@ -247,3 +247,50 @@ def test_a_replay_through_the_extension_queues_its_copies_stage_and_graph_in_ord
         assert p.timer.calls == [("begin", GRAPH_STAGE), ("end", GRAPH_STAGE)]
         assert p.counts == {"attention": 3, GRAPH_STAGE: 2}
     assert [c[0] for c in calls] == ["launch", "copies"] * 2
+
+
+def test_a_replay_through_the_extension_copies_a_layers_weight_only_when_it_holds_another(monkeypatch):
+    """The extension's path of ``CapturedLoop.replay`` on a graph serving every layer: the
+    layer's weight is among graph_launch's copies only when the buffer holds another
+    layer's, and the buffer is marked as holding it once that launch is queued (a launch
+    that raises leaves it holding the one before)."""
+    from types import SimpleNamespace
+
+    from ctxprefill.engine import graphs
+    from ctxprefill.engine.graphs import CapturedLoop
+
+    class Timer:
+        def __init__(self, device, stream):
+            self.last = None
+
+        def begin_recorded_by_caller(self, name):
+            return (name, 1), 1
+
+        def end_recorded_by_caller(self, started):
+            return 2
+
+    monkeypatch.setattr(graphs, "StageTimer", Timer)
+    launched: list[list[int]] = []
+    fail = [False]
+
+    def launch(args, *rest):
+        if fail[0]:
+            raise RuntimeError("graph_launch: cudaGraphLaunch of graph 0 failed")
+        launched.append(list(args))
+
+    meta, q_buf, w_buf = torch.empty(8, dtype=torch.int32), torch.empty((4, 1, 192)), torch.empty((256, 512))
+    layers = [torch.empty((256, 512)) for _ in range(2)]
+    loop = CapturedLoop(SimpleNamespace(raw_cuda_graph_exec=lambda: 9), q_buf, meta, torch.empty(8, dtype=torch.int32),
+                        SimpleNamespace(synchronize=lambda: None, cuda_event=7), torch.empty((4, 1, 128)),
+                        torch.empty((1, 4)), {}, True, [], SimpleNamespace(cuda_stream=0),
+                        lambda *a, **k: None, w_buf, holds=layers[0].data_ptr(), launch=launch)
+    hm = SimpleNamespace(fill=lambda out: None)
+    q = torch.empty((4, 1, 192))
+    for layer in (0, 1, 1, 0):
+        loop.replay(hm, q, layers[layer])
+    assert [a[7] if len(a) == 9 else None for a in launched] == [None, layers[1].data_ptr(), None,
+                                                                 layers[0].data_ptr()]
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="cudaGraphLaunch"):
+        loop.replay(hm, q, layers[1])
+    assert loop.holds == layers[0].data_ptr()

@@ -94,19 +94,19 @@ class CapturedLoop:
         if self.weight is not None:
             self._copy_args += [self.weight.data_ptr(), 0, self.weight.nbytes]
         raw_exec = getattr(self.graph, "raw_cuda_graph_exec", None)  # torch >= 2.9
-        self._exec = raw_exec() if self.launch is not None and self.copies is not None and raw_exec else 0
+        # the copies out are raw byte copies into tensors made like out and LSE: dense ones
+        raw_ok = self.launch is not None and self.copies is not None and self.out.is_contiguous() \
+            and self.lse.is_contiguous()
+        self._exec = raw_exec() if raw_ok and raw_exec else 0
 
     def _stage(self, hm: HostMetadata, weight: torch.Tensor) -> bool:
         """Write a request's metadata into staging once the copy out of it before is done;
         whether the layer's weight goes in too (another layer's is in the buffer: a 32 MB
-        copy at 128 heads)."""
+        copy at 128 heads; :attr:`holds` is set once its copy is queued)."""
         if self.reader is None or self.reader.last is not None:  # the replay before not finished
             self.staged.synchronize()
         hm.fill(self._staging)
-        new_weight = self.weight is not None and weight.data_ptr() != self.holds
-        if new_weight:
-            self.holds = weight.data_ptr()
-        return new_weight
+        return self.weight is not None and weight.data_ptr() != self.holds
 
     def _copy_args_for(self, q: torch.Tensor, weight: torch.Tensor, new_weight: bool) -> list[int]:
         args = self._copy_args
@@ -132,6 +132,8 @@ class CapturedLoop:
             if new_weight:
                 assert self.weight is not None
                 self.weight.copy_(weight, non_blocking=True)
+        if new_weight:
+            self.holds = weight.data_ptr()
 
     def replay(self, hm: HostMetadata, q: torch.Tensor, weight: torch.Tensor) -> PendingLoop:
         """Queue a request's replay: its copies in, the graph, the copies of out and LSE out
@@ -145,6 +147,8 @@ class CapturedLoop:
             started, begin = timer.begin_recorded_by_caller(GRAPH_STAGE)
             self.launch(self._copy_args_for(q, weight, new_weight), self.staged.cuda_event, begin, self._exec,
                         self._stream)
+            if new_weight:
+                self.holds = weight.data_ptr()
             out, lse = torch.empty_like(self.out), torch.empty_like(self.lse)
             self.copies([out.data_ptr(), self.out.data_ptr(), out.nbytes, lse.data_ptr(), self.lse.data_ptr(),
                          lse.nbytes], self._stream, timer.end_recorded_by_caller(started))
