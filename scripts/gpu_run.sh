@@ -25,7 +25,8 @@
 # bench_model_workload_graphs (the same, served with --cuda-graphs), profile_workload (py-spy over it),
 # segv (a native backtrace of one test).
 # CTXPREFILL_COMMIT labels the results: pass it from the machine that sends the call (the
-# device's own git may report the commit its checkout started from, not the tree that runs).
+# device's own git may report the commit its checkout started from, not the tree that runs;
+# a label that is that commit while the tree differs from it is recorded with "+dirty").
 # The device tool brings back at most 8 files from $OUT: choose steps accordingly.
 # A time budget (GPU_RUN_BUDGET_S, default 560 s: one device call is capped at 600 s)
 # caps every step; a step that no longer fits is recorded as skipped and counts as a

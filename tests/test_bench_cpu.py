@@ -292,3 +292,26 @@ def test_bench_kernels_targets_cover_the_stated_regime():
     assert missed == {r["variant"] for r in rows if r.get("meets_target") is False}
     assert run["targets_met"] is (not missed)
     assert sum(t(r) is not None for r in rows) == 3 * 4 + 4 + 2  # 4 fused packs at 3 shapes, 256k gathers, large merges
+
+
+@pytest.mark.parametrize("named,head,changed,want", [
+    ("abc1234", "abc1234", True, "abc1234+dirty"),  # the checkout's own HEAD, but not its tree
+    ("abc1234", "abc1234", False, "abc1234"),
+    ("abc1234def", "abc1234", True, "abc1234def+dirty"),  # a longer form of the same commit
+    ("fff0000", "abc1234", True, "fff0000"),  # a commit this checkout does not hold: taken as named
+    ("abc1234+dirty", "abc1234", True, "abc1234+dirty"),
+    (None, "abc1234", True, "abc1234+dirty"),
+    (None, "", False, "unknown"),
+])
+def test_a_named_commit_that_is_the_checkouts_older_head_is_marked_dirty(monkeypatch, named, head, changed, want):
+    """run_info.commit: $CTXPREFILL_COMMIT labels a run, unless it is the checkout's own HEAD
+    while tracked files differ from it (a command that ran git on the GPU machine, whose
+    checkout can be older than the tree it was sent)."""
+    from ctxprefill_bench import run_info
+
+    monkeypatch.setattr(run_info, "_git_state", lambda: (head, changed))
+    if named is None:
+        monkeypatch.delenv("CTXPREFILL_COMMIT", raising=False)
+    else:
+        monkeypatch.setenv("CTXPREFILL_COMMIT", named)
+    assert run_info.commit() == want

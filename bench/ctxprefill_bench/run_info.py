@@ -14,19 +14,29 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def commit() -> str:
-    """$CTXPREFILL_COMMIT (the tree the caller sent), else git's short HEAD here ('+dirty' with
-    tracked files changed), else 'unknown'."""
-    if os.environ.get("CTXPREFILL_COMMIT"):
-        return os.environ["CTXPREFILL_COMMIT"]
+def _git_state() -> tuple[str, bool]:
+    """(git's short HEAD here, or "" without git; whether tracked files differ from it)."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=10).stdout.strip()
         changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                  capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        out = changed = ""
-    return out + ("+dirty" if changed else "") if out else "unknown"
+        return "", False
+    return out, bool(changed)
+
+
+def commit() -> str:
+    """$CTXPREFILL_COMMIT (the tree the caller sent), else git's short HEAD here ('+dirty' with
+    tracked files changed), else 'unknown'. A $CTXPREFILL_COMMIT that is this checkout's own
+    HEAD while tracked files differ from it gets '+dirty' too: a command that ran ``git`` on
+    the GPU machine, whose checkout can be older than the tree sent, named that older commit."""
+    head, changed = _git_state()
+    named = os.environ.get("CTXPREFILL_COMMIT")
+    if named:
+        own = bool(head) and (named.startswith(head) or head.startswith(named))
+        return named + "+dirty" if own and changed and not named.endswith("+dirty") else named
+    return head + ("+dirty" if changed else "") if head else "unknown"
 
 
 def gpu_name() -> str | None:
