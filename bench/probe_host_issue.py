@@ -34,6 +34,7 @@ for _sub in ("client", "server", "bench"):
 
 import torch  # noqa: E402
 
+import pm_qos  # noqa: E402
 from ctxprefill.app import build_engine  # noqa: E402
 from ctxprefill.engine import timing  # noqa: E402
 from ctxprefill.engine.request import PrefillRequest, validate_prefill  # noqa: E402
@@ -255,29 +256,8 @@ def profile_top(fn, n: int = 200, top: int = 25) -> list[dict]:
     return rows[:top]
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--heads", type=int, nargs="+", default=[16])
-    p.add_argument("--new", type=int, default=1024)
-    p.add_argument("--context", type=int, default=65536)
-    p.add_argument("--prefill-dtype", nargs="+", default=["bf16", "fp8"])
-    p.add_argument("--workspace-tokens", type=int, default=16384)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the replay's two launch paths")
-    p.add_argument("--no-gc", action="store_true",
-                   help="collect, freeze and disable Python's garbage collector first: whether its "
-                        "collections are part of a request's host time")
-    p.add_argument("--out")
-    a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("probe_host_issue: needs a CUDA device (it holds the device with a spin kernel)")
-        return 2
-    if a.no_gc:
-        import gc
-
-        gc.collect()
-        gc.freeze()
-        gc.disable()
+def _measure(a: argparse.Namespace) -> list[dict]:
+    """Every (heads, prefill dtype) row, printed as it is measured."""
     rows = []
     for heads, pd in [(h, pd) for h in a.heads for pd in a.prefill_dtype]:
         s = ServeSettings(device="cuda", heads=heads, prefill_dtype=pd, block_size=64,
@@ -286,20 +266,18 @@ def main(argv=None) -> int:
         q, seqs = make_device_request(engine, [a.context], [a.new])
         row = {"heads": heads, "new": a.new, "context": a.context, "prefill_dtype": pd}
         for name, fused, graphs in PATHS:
-            probe_path = contextlib.ExitStack()
-            probe_path.enter_context(replays_through_torch(engine, name == "graph_torch"))
-            t = time_request(engine, q, seqs, fused, engine.device, max_iters=a.iters, min_iters=a.iters, target_s=0,
-                             graphs_on=graphs)
-            row[f"{name}_request_s"] = t["median_s"]
-            row[f"{name}_span_s"] = t["span_s"]
-            row[f"{name}_stages_s"] = sum(t["stage_s"].values())
-            # the request's time outside its stages: host work before and after the device's,
-            # and the device idle between stages
-            row[f"{name}_outside_s"] = t["outside_s"]
-            row[f"{name}_before_stages_s"], row[f"{name}_issue_s"] = issue_time_s(engine, q, seqs, fused, graphs,
-                                                                                  a.iters)
-            row[f"{name}_host_steps_us"] = host_steps_us(engine, q, seqs, fused, graphs, a.iters)
-            probe_path.close()
+            with replays_through_torch(engine, name == "graph_torch"):
+                t = time_request(engine, q, seqs, fused, engine.device, max_iters=a.iters, min_iters=a.iters,
+                                 target_s=0, graphs_on=graphs)
+                row[f"{name}_request_s"] = t["median_s"]
+                row[f"{name}_span_s"] = t["span_s"]
+                row[f"{name}_stages_s"] = sum(t["stage_s"].values())
+                # the request's time outside its stages: host work before and after the device's,
+                # and the device idle between stages
+                row[f"{name}_outside_s"] = t["outside_s"]
+                row[f"{name}_before_stages_s"], row[f"{name}_issue_s"] = issue_time_s(engine, q, seqs, fused, graphs,
+                                                                                      a.iters)
+                row[f"{name}_host_steps_us"] = host_steps_us(engine, q, seqs, fused, graphs, a.iters)
         row["replay_launch_rounds"] = replay_launch_rounds(engine, q, seqs, a.rounds, a.iters)
         row["graph_replays"] = engine.graphs.replays
         if not row["graph_replays"]:  # else the "graph" rows would be the eager loop's
@@ -372,9 +350,40 @@ def main(argv=None) -> int:
             print(f"  {key} (us per call, own time, cProfile-inflated):")
             for e in r[key][:15]:
                 print(f"    {e['own_us']:8.2f} {e['cumulative_us']:9.2f}  x{e['calls_per_call']:<5g} {e['function']}")
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", type=int, nargs="+", default=[16])
+    p.add_argument("--new", type=int, default=1024)
+    p.add_argument("--context", type=int, default=65536)
+    p.add_argument("--prefill-dtype", nargs="+", default=["bf16", "fp8"])
+    p.add_argument("--workspace-tokens", type=int, default=16384)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the replay's two launch paths")
+    p.add_argument("--no-gc", action="store_true",
+                   help="collect, freeze and disable Python's garbage collector first: whether its "
+                        "collections are part of a request's host time")
+    p.add_argument("--cpu-latency-us", type=int, default=None,
+                   help="hold /dev/cpu_dma_latency at this many microseconds while measuring (bench/pm_qos.py; "
+                        "root only): whether idle CPUs' wake-ups are part of a request's host time")
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("probe_host_issue: needs a CUDA device (it holds the device with a spin kernel)")
+        return 2
+    if a.no_gc:
+        import gc
+
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+    with pm_qos.cpu_latency(a.cpu_latency_us) as qos:
+        rows = _measure(a)
     if a.out:
         meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "date": run_info.utc_now(),
-                "commit": run_info.commit(), "no_gc": a.no_gc}
+                "commit": run_info.commit(), "no_gc": a.no_gc, "cpu_latency": qos}
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0
