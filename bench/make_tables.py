@@ -361,7 +361,9 @@ def host_table(d: Doc) -> str:
     lines = [_run_line(d), "", "ms for the request, its time outside the stages, the device span and the host before "
              "the first stage (device held); µs per host step and from the call to the first device copy queued "
              "(median; graph: the fused path replayed as a CUDA graph, which takes no loop inputs, queued through the "
-             "CUDA extension; graph_torch: the same replay queued through torch's calls, beside it).", "",
+             "CUDA extension, whose one call queues the copies in and launches the graph: its first copy is that "
+             "call's return, an upper bound; graph_torch: the same replay queued through torch's calls, beside "
+             "it).", "",
              "| H | new | ctx | prefill | path | request ms | outside the stages ms | device span ms | "
              "before stages ms | " + " | ".join(f"{s} µs" for s in _STEPS) + " | to the first copy µs |",
              "|---|---|---|---|---|---|---|---|---|" + "---|" * len(_STEPS) + "---|"]
@@ -777,7 +779,7 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
         rows.append(("Host time of a request, 1,024 new over 64k, " + " / ".join(
                          f"H={r['heads']} {r['prefill_dtype']}" for r in host)
                      + ": outside the stages, eager → as a CUDA graph (ms); the call to its first device copy, "
-                       "as a CUDA graph (µs)",
+                       "as a CUDA graph (µs; at most: the call that queues the copies also launches the graph)",
                      " / ".join(f"{_ms(r['fused_outside_s'], '.3f')} → {_ms(r['graph_outside_s'], '.3f')}"
                                 for r in host) + "; "
                      + " / ".join(f"{r['graph_host_steps_us']['first copy']:.0f}" for r in host), "probe_host"))

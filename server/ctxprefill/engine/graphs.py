@@ -8,8 +8,8 @@ and copies the metadata, q and the layer's weight into the graph's buffers; afte
 replay the output and LSE are copied out of them (the next replay overwrites them).
 Where the CUDA extension is loaded, a replay is two calls into it — the copies in, the
 stage's start event and the graph's launch; the copies out and the stage's end event —
-since each of torch's calls (copy, event record, replay) costs the host microseconds
-before the device starts.
+since each of torch's calls (copy, event record, replay) dispatches and checks on the host,
+microseconds a replay.
 
 A shape is what the captured launches bake in: the path, q's shape and dtype, the
 weight's, the query lengths, and the metadata's layout (chunk sizes, context lengths,
@@ -93,7 +93,7 @@ class CapturedLoop:
                            self.q.data_ptr(), 0, self.q.nbytes]
         if self.weight is not None:
             self._copy_args += [self.weight.data_ptr(), 0, self.weight.nbytes]
-        raw_exec = getattr(self.graph, "raw_cuda_graph_exec", None)  # torch >= 2.9
+        raw_exec = getattr(self.graph, "raw_cuda_graph_exec", None)  # absent from older torch releases
         # the copies out are raw byte copies into tensors made like out and LSE: dense ones
         raw_ok = self.launch is not None and self.copies is not None and self.out.is_contiguous() \
             and self.lse.is_contiguous()

@@ -261,7 +261,7 @@ def host_metadata_of(query_lens: Sequence[int], chunks: Sequence[ContextChunk], 
     """Every chunk's metadata vectors and the block table (its ids plus ``block_offset``
     on the way up). The vectors depend on the request's shape alone (query lengths,
     plan): a shape seen recently has them remembered (for 4 chunks on the CPU machine the
-    call costs ~50 µs building them, ~2 µs with them remembered)."""
+    call costs ~50 µs building them, ~1 µs with them remembered)."""
     if len(query_lens) <= REMEMBER_SEQUENCES and len(chunks) <= REMEMBER_CHUNKS:
         vec = _remembered_vectors(tuple(query_lens), tuple(chunks), keys_last)
     else:

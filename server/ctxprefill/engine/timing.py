@@ -101,8 +101,8 @@ class StageTimer:
 
     def begin_recorded_by_caller(self, name: str) -> tuple[Started, int]:
         """:meth:`begin` for a caller that records the start itself, on this timer's
-        stream (a CUDA timer): (what :meth:`end_recorded_by_caller` takes, the start's
-        ``cudaEvent_t`` handle)."""
+        stream (a plain CUDA timer: DetailedStageTimer keeps no place for it): (what
+        :meth:`end_recorded_by_caller` takes, the start's ``cudaEvent_t`` handle)."""
         a = self._created_event()
         if self._first is None:
             self._first = a
