@@ -23,6 +23,7 @@ ends with the attention targets' verdict lines (``target_lines``), also stored i
   python bench/bench_attention.py --out bench/results/bench_attention.json
   python bench/bench_attention.py --sweep --out bench/results/attention_sweep.json
   python bench/bench_attention.py --sweep ws --out bench/results/attention_sweep_ws.json
+  python bench/bench_attention.py --sweep ws-pingpong --out bench/results/attention_sweep_ws-pingpong.json
 Stays within --budget-s seconds (optional competitors are skipped past it).
 """
 
@@ -597,8 +598,9 @@ SWEEP = {
             _c(128, 64, 8, 3, PV_FP8=True, v_layout="hdt"),  # uncapped: 133 registers
             _c(128, 128, 8, 2, PV_FP8=True, v_layout="hdt")],
 }
-def _ws(pipe, bn, stages, EARLY_K=True, RESCALE_EARLY=False, **kw):  # noqa: N803 - the kernel's own names
-    return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages, EARLY_K=EARLY_K, RESCALE_EARLY=RESCALE_EARLY), **kw)
+def _ws(pipe, bn, stages, EARLY_K=True, RESCALE_EARLY=False, PINGPONG=False, **kw):  # noqa: N803 - the kernel's names
+    return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages, EARLY_K=EARLY_K, RESCALE_EARLY=RESCALE_EARLY,
+                        PINGPONG=PINGPONG), **kw)
 
 
 # the warp-specialized Gluon kernel (--sweep ws): serial or pipelined consumers, key block,
@@ -628,9 +630,19 @@ SWEEP_SHORT_SHAPES = [(16, "1x1024q/16384k"), (128, "1x1024q/16384k"), (16, "4x1
 SWEEP_WS_RESCALE = {"bf16": [_ws(True, 128, 2), _ws(True, 128, 2, RESCALE_EARLY=True)] * 2}
 SWEEP_RESCALE_SHAPES = [(16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "1x1024q/16384k"),
                         (128, "1x1024q/16384k"), (16, "4x1024q/16384k"), (16, "ragged4")]
+# (--sweep ws-pingpong) the default consumers against the same consumers taking turns at the
+# tensor cores (PINGPONG: one's MMAs issued while the other is in its softmax), alternating
+SWEEP_WS_PINGPONG = {
+    "bf16": [_ws(True, 128, 2), _ws(True, 128, 2, PINGPONG=True)] * 2,
+    "fp8": [_ws(False, 128, 3, **_FP8_KL), _ws(False, 128, 3, PINGPONG=True, **_FP8_KL),
+            _ws(True, 128, 3, PINGPONG=True, **_FP8_KL)] * 2,
+}
+SWEEP_PINGPONG_SHAPES = [(16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "1x1024q/16384k"),
+                         (128, "1x1024q/16384k"), (16, "4x1024q/16384k"), (16, "ragged4")]
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),
-          "ws-short": (SWEEP_WS_SHORT, SWEEP_SHORT_SHAPES), "ws-rescale": (SWEEP_WS_RESCALE, SWEEP_RESCALE_SHAPES)}
+          "ws-short": (SWEEP_WS_SHORT, SWEEP_SHORT_SHAPES), "ws-rescale": (SWEEP_WS_RESCALE, SWEEP_RESCALE_SHAPES),
+          "ws-pingpong": (SWEEP_WS_PINGPONG, SWEEP_PINGPONG_SHAPES)}
 
 
 def run_sweep(args):
@@ -698,7 +710,8 @@ def main():
     ap.add_argument("--sweep", nargs="?", const="triton", choices=list(SWEEPS),
                     help="sweep block configs instead of the table: the Triton kernel's, or (ws) the "
                          "warp-specialized kernel's; ws-short: its defaults against 64-key blocks on "
-                         "1,024-row chunks; ws-rescale: where the pipelined kernel rescales O")
+                         "1,024-row chunks; ws-rescale: where the pipelined kernel rescales O; "
+                         "ws-pingpong: the consumers taking turns at the tensor cores")
     args = ap.parse_args()
     if args.flashinfer_fp8:
         FLASHINFER_DTYPES.append("fp8")

@@ -67,7 +67,8 @@ _P_SHIFT = 8.0  # fp8 P·V: P scaled by 2**8 before its e4m3 cast (as triton_att
 
 #: Tiles, stages, pipelining. 2 consumers x 64 query rows = BLOCK_M 128 (fixed). The
 #: caller's defaults per dtype are in ``triton_attention`` (measured there).
-CONFIG: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True, RESCALE_EARLY=False)
+CONFIG: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True, RESCALE_EARLY=False,
+                              PINGPONG=False)
 #: Warps: 4 (consumer 0, the default partition) + 4 (consumer 1) + 1 (loader): 3
 #: warpgroups at launch with 168 registers a thread (3 x 128 x 168 <= 65,536, an SM's
 #: file); ``setmaxnreg`` then moves them: loader 24, consumers 240.
@@ -126,6 +127,22 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
+    def _turn_wait(turn, C: gl.constexpr, i, on: gl.constexpr):
+        """Wait for this consumer's i-th turn at the tensor cores (``PINGPONG``): consumer 0's
+        first turn is free (a fresh barrier reads "phase 1 complete"), every later one is
+        passed on by the other consumer."""
+        if on:
+            mbarrier.wait(turn.index(C), (i & 1) ^ (1 - C))
+
+    @gluon.jit
+    @no_type_check
+    def _turn_pass(turn, C: gl.constexpr, on: gl.constexpr):
+        """Hand the turn to the other consumer, once this one's MMAs are issued."""
+        if on:
+            mbarrier.arrive(turn.index(1 - C), count=1)
+
+    @gluon.jit
+    @no_type_check
     def _qk(qn, qr, kn_s, kr_s, s, zero_s):
         """S = q_nope·k_noperᵀ + q_rope·k_ropeᵀ of slot s, issued asynchronously."""
         acc = warpgroup_mma(qn, kn_s.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -181,12 +198,12 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
-    def _ws_consumer(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free,
+    def _ws_consumer(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn,
                      O, LSE,  # noqa: E741  (the output, as in BLAS)
                      q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                      C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
-                     RESCALE_EARLY: gl.constexpr):
+                     RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
         K_INSTR: gl.constexpr = 32 if IS_FP8 else 16
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -211,7 +228,10 @@ if gluon is not None:
             if n_blocks > 0:
                 # block 0: scores and softmax, its P·V waits for the next iteration
                 mbarrier.wait(k_bar.index(0), 0)
-                sc = warpgroup_mma_wait(0, deps=(_qk(qn, qr, kn_s, kr_s, 0, zero_s), ))
+                _turn_wait(turn, C, 0, PINGPONG)
+                s_tok = _qk(qn, qr, kn_s, kr_s, 0, zero_s)
+                _turn_pass(turn, C, PINGPONG)
+                sc = warpgroup_mma_wait(0, deps=(s_tok, ))
                 _free_k(k_free, 0, EARLY_K)
                 p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, 0, k_len, qk_scale, offs_n, IS_FP8)
                 for j in range(1, n_blocks):
@@ -220,11 +240,13 @@ if gluon is not None:
                     prev = (j - 1) % STAGES
                     prev_ph = ((j - 1) // STAGES) & 1
                     mbarrier.wait(k_bar.index(s), ph)
+                    _turn_wait(turn, C, j, PINGPONG)  # this block's Q·Kᵀ and the last one's P·V in one turn
                     s_tok = _qk(qn, qr, kn_s, kr_s, s, zero_s)
                     if RESCALE_EARLY:  # the previous block's rescale, under this block's Q·Kᵀ
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     mbarrier.wait(v_bar.index(prev), prev_ph)
                     o_tok, pop = _pv(p, v_s, prev, acc, p_layout, p_smem, V_T, IS_FP8)
+                    _turn_pass(turn, C, PINGPONG)
                     sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # Q·Kᵀ done, P·V may run on
                     _free_k(k_free, s, EARLY_K)
                     p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8)
@@ -237,7 +259,9 @@ if gluon is not None:
                 if RESCALE_EARLY:
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // STAGES) & 1)
+                _turn_wait(turn, C, n_blocks, PINGPONG)
                 o_tok, pop = _pv(p, v_s, last, acc, p_layout, p_smem, V_T, IS_FP8)
+                _turn_pass(turn, C, PINGPONG)
                 acc = _pv_wait(o_tok, pop, IS_FP8)
                 _free_k(k_free, last, not EARLY_K)
                 mbarrier.arrive(v_free.index(last), count=1)
@@ -246,7 +270,10 @@ if gluon is not None:
                 s = j % STAGES
                 ph = (j // STAGES) & 1
                 mbarrier.wait(k_bar.index(s), ph)
-                sc = warpgroup_mma_wait(0, deps=(_qk(qn, qr, kn_s, kr_s, s, zero_s), ))
+                _turn_wait(turn, C, j, PINGPONG)  # serial: the turn covers Q·Kᵀ's issue
+                s_tok = _qk(qn, qr, kn_s, kr_s, s, zero_s)
+                _turn_pass(turn, C, PINGPONG)
+                sc = warpgroup_mma_wait(0, deps=(s_tok, ))
                 _free_k(k_free, s, EARLY_K)  # the loader may refill K now
                 p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -282,7 +309,7 @@ if gluon is not None:
         stride_ot, stride_oh, stride_lh, ORDER, n_heads, m_tiles,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
         SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
-        USE_ORDER: gl.constexpr, RESCALE_EARLY: gl.constexpr,
+        USE_ORDER: gl.constexpr, RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr,
     ):
         HALF_M: gl.constexpr = BLOCK_M // 2
         pid_m = gl.program_id(0)
@@ -364,8 +391,11 @@ if gluon is not None:
         # K and V slots are freed apart: K once both consumers have their scores, V after P·V
         k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # PINGPONG: consumer c's turn at the tensor cores (the other consumer passes it on)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for c in gl.static_range(2):
             mbarrier.init(q_bar.index(c), count=1)
+            mbarrier.init(turn.index(c), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_bar.index(i), count=1)
             mbarrier.init(v_bar.index(i), count=1)
@@ -373,12 +403,12 @@ if gluon is not None:
             mbarrier.init(v_free.index(i), count=2)
 
         gl.warp_specialize([
-            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, O, LSE,
+            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
-                            0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY)),
-            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, O, LSE,
+                            0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG)),
+            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
-                            1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY)),
+                            1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG)),
             (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
                           q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks, BLOCK_M, BLOCK_N, STAGES, V_T)),
         ], [4, 1], [240, 24])
@@ -406,5 +436,6 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
         out.stride(0), out.stride(1), lse.stride(0), cu_q if order is None else order, H, max(int(m_tiles), 1),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], PIPE=cfg["PIPE"],
         SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t, EARLY_K=cfg["EARLY_K"],
-        USE_ORDER=order is not None, RESCALE_EARLY=cfg["RESCALE_EARLY"], num_warps=4, maxnreg=_MAXNREG,
+        USE_ORDER=order is not None, RESCALE_EARLY=cfg["RESCALE_EARLY"], PINGPONG=cfg["PINGPONG"], num_warps=4,
+        maxnreg=_MAXNREG,
     )
