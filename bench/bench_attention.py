@@ -24,6 +24,7 @@ ends with the attention targets' verdict lines (``target_lines``), also stored i
   python bench/bench_attention.py --sweep --out bench/results/attention_sweep.json
   python bench/bench_attention.py --sweep ws --out bench/results/attention_sweep_ws.json
   python bench/bench_attention.py --sweep ws-pingpong --out bench/results/attention_sweep_ws-pingpong.json
+  python bench/bench_attention.py --sweep ws-wait --out bench/results/attention_sweep_ws-wait.json
 Stays within --budget-s seconds (optional competitors are skipped past it).
 """
 
@@ -598,9 +599,10 @@ SWEEP = {
             _c(128, 64, 8, 3, PV_FP8=True, v_layout="hdt"),  # uncapped: 133 registers
             _c(128, 128, 8, 2, PV_FP8=True, v_layout="hdt")],
 }
-def _ws(pipe, bn, stages, EARLY_K=True, RESCALE_EARLY=False, PINGPONG=False, **kw):  # noqa: N803 - the kernel's names
+def _ws(pipe, bn, stages, EARLY_K=True, RESCALE_EARLY=False, PINGPONG=False, PV_WAIT_LATE=False,  # noqa: N803
+        **kw):  # (the kernel's own names)
     return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages, EARLY_K=EARLY_K, RESCALE_EARLY=RESCALE_EARLY,
-                        PINGPONG=PINGPONG), **kw)
+                        PINGPONG=PINGPONG, PV_WAIT_LATE=PV_WAIT_LATE), **kw)
 
 
 # the warp-specialized Gluon kernel (--sweep ws): serial or pipelined consumers, key block,
@@ -639,10 +641,19 @@ SWEEP_WS_PINGPONG = {
 }
 SWEEP_PINGPONG_SHAPES = [(16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "1x1024q/16384k"),
                          (128, "1x1024q/16384k"), (16, "4x1024q/16384k"), (16, "ragged4")]
+# (--sweep ws-wait) the pipelined consumers with P·V's wait held after the softmax
+# (PV_WAIT_LATE; ptxas otherwise schedules it before), alone and with turns, against the
+# defaults, alternating
+SWEEP_WS_WAIT = {
+    "bf16": [_ws(True, 128, 2), _ws(True, 128, 2, PV_WAIT_LATE=True),
+             _ws(True, 128, 2, PV_WAIT_LATE=True, PINGPONG=True)] * 2,
+    "fp8": [_ws(False, 128, 3, **_FP8_KL), _ws(True, 128, 3, PV_WAIT_LATE=True, **_FP8_KL),
+            _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL)] * 2,
+}
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),
           "ws-short": (SWEEP_WS_SHORT, SWEEP_SHORT_SHAPES), "ws-rescale": (SWEEP_WS_RESCALE, SWEEP_RESCALE_SHAPES),
-          "ws-pingpong": (SWEEP_WS_PINGPONG, SWEEP_PINGPONG_SHAPES)}
+          "ws-pingpong": (SWEEP_WS_PINGPONG, SWEEP_PINGPONG_SHAPES), "ws-wait": (SWEEP_WS_WAIT, SWEEP_PINGPONG_SHAPES)}
 
 
 def run_sweep(args):
@@ -711,7 +722,8 @@ def main():
                     help="sweep block configs instead of the table: the Triton kernel's, or (ws) the "
                          "warp-specialized kernel's; ws-short: its defaults against 64-key blocks on "
                          "1,024-row chunks; ws-rescale: where the pipelined kernel rescales O; "
-                         "ws-pingpong: the consumers taking turns at the tensor cores")
+                         "ws-pingpong: the consumers taking turns at the tensor cores; ws-wait: P·V's "
+                         "wait held after the softmax")
     args = ap.parse_args()
     if args.flashinfer_fp8:
         FLASHINFER_DTYPES.append("fp8")

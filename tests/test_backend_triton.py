@@ -646,7 +646,8 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
            for n in names}
     const = dict(BLOCK_M=128, BLOCK_N=ws["BLOCK_N"], STAGES=ws["STAGES"], PIPE=ws["PIPE"], SORT_B=sort_b,
                  IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True), USE_ORDER=use_order,
-                 RESCALE_EARLY=ws.get("RESCALE_EARLY", False), PINGPONG=ws.get("PINGPONG", False))
+                 RESCALE_EARLY=ws.get("RESCALE_EARLY", False), PINGPONG=ws.get("PINGPONG", False),
+                 PV_WAIT_LATE=ws.get("PV_WAIT_LATE", False))
     # every compile-time parameter given (one left out would compile as a runtime value)
     assert not [n for n in names if n.isupper() and n not in const
                 and n not in ("Q", "K", "KR", "V", "O", "LSE", "B", "ORDER")]
@@ -696,6 +697,7 @@ WS_CFGS = {
     "ws_serial": dict(WS=dict(PIPE=False)),
     "ws_serial_late_k": dict(WS=dict(PIPE=False, EARLY_K=False)),  # the bench's baseline: K freed with V
     "ws_pipe_pingpong": dict(WS=dict(PIPE=True, PINGPONG=True)),
+    "ws_pipe_wait_late": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True)),
     "ws_serial_pingpong": dict(WS=dict(PIPE=False, PINGPONG=True)),
 }
 needs_ws = pytest.mark.skipif(
@@ -743,11 +745,13 @@ def test_gpu_warp_specialized_unpacked_keys(ws):
 
 
 @needs_ws
-@pytest.mark.parametrize("pipe", [True, False], ids=["pipe", "serial"])
-def test_gpu_warp_specialized_pingpong_same_bits(pipe):
-    """Consumers taking turns at the tensor cores (PINGPONG) change when MMAs are issued,
-    not what they compute: the same bits as without turns, bf16 and fp8 keys-last, ragged
-    with empty segments and a segment of one block (the turns' first and last)."""
+@pytest.mark.parametrize("pipe,key", [(True, "PINGPONG"), (False, "PINGPONG"), (True, "PV_WAIT_LATE")],
+                         ids=["pipe_pingpong", "serial_pingpong", "pipe_wait_late"])
+def test_gpu_warp_specialized_schedule_same_bits(pipe, key):
+    """Consumers taking turns at the tensor cores (PINGPONG) or P·V's wait held after the
+    softmax (PV_WAIT_LATE) change when instructions run, not what they compute: the same
+    bits as without, bf16 and fp8 keys-last, ragged with empty segments and a segment of
+    one block (a loop's first and last)."""
     q_lens, k_lens = [1000, 0, 1, 257, 2048], [4096, 300, 0, 128, 2500]
     for H, dtype in ((16, torch.bfloat16), (128, torch.bfloat16), (16, FP8)):
         q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, dtype, device="cuda", seed=H + 7)
@@ -757,9 +761,9 @@ def test_gpu_warp_specialized_pingpong_same_bits(pipe):
             kw = dict(v_layout="hdt", cu_seqlens_v=cv)
         base = dict(PV_FP8=True) if dtype == FP8 else {}
         runs = [mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, **kw,
-                                      config=dict(base, WS=dict(PIPE=pipe, STAGES=3 if dtype == FP8 else 2,
-                                                                PINGPONG=pp)))
-                for pp in (False, True)]
+                                      config=dict(base, WS={"PIPE": pipe, "STAGES": 3 if dtype == FP8 else 2,
+                                                            key: on}))
+                for on in (False, True)]
         torch.cuda.synchronize()
         (a, la), (b, lb) = runs
         assert torch.isfinite(la[:, :1000]).all(), (H, dtype)
@@ -873,8 +877,9 @@ def _keys_last(v, k_lens):
 
 
 @needs_ws
-@pytest.mark.parametrize("ws", [dict(PIPE=True, STAGES=2), dict(PIPE=True, STAGES=3), dict(PIPE=False, STAGES=3)],
-                         ids=["pipe_s2", "pipe_s3", "serial_s3"])
+@pytest.mark.parametrize("ws", [dict(PIPE=True, STAGES=2), dict(PIPE=True, STAGES=3), dict(PIPE=False, STAGES=3),
+                                dict(PIPE=True, STAGES=3, PV_WAIT_LATE=True)],
+                         ids=["pipe_s2", "pipe_s3", "serial_s3", "pipe_s3_wait_late"])
 def test_gpu_warp_specialized_fp8_keys_last(ws):
     """fp8 q/k/v, V keys-last, P·V in fp8 (P through shared memory): against float64 from
     the dequantized inputs within the P·V-in-fp8 bound (5e-2), ragged with empty segments."""
