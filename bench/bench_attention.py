@@ -25,6 +25,7 @@ ends with the attention targets' verdict lines (``target_lines``), also stored i
   python bench/bench_attention.py --sweep ws --out bench/results/attention_sweep_ws.json
   python bench/bench_attention.py --sweep ws-pingpong --out bench/results/attention_sweep_ws-pingpong.json
   python bench/bench_attention.py --sweep ws-wait --out bench/results/attention_sweep_ws-wait.json
+  python bench/bench_attention.py --ab ws-wait --out bench/results/attention_ab_ws-wait.json
 Stays within --budget-s seconds (optional competitors are skipped past it).
 """
 
@@ -650,6 +651,16 @@ SWEEP_WS_WAIT = {
     "fp8": [_ws(False, 128, 3, **_FP8_KL), _ws(True, 128, 3, PV_WAIT_LATE=True, **_FP8_KL),
             _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL)] * 2,
 }
+#: --ab NAME -> ((config A, config B) per dtype, shapes): B against A in interleaved rounds
+#: (--verdict-rounds), the median of the per-round ratios B / A per shape: a difference of a
+#: few percent, which one pass of a sweep cannot tell from the H200's drift within a process
+AB = {
+    "ws-wait": ({"bf16": (_ws(True, 128, 2), _ws(True, 128, 2, PV_WAIT_LATE=True)),
+                 "fp8": (_ws(False, 128, 3, **_FP8_KL),
+                         _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL))},
+                SWEEP_PINGPONG_SHAPES),
+    "ws-pingpong": ({"bf16": (_ws(True, 128, 2), _ws(True, 128, 2, PINGPONG=True))}, SWEEP_PINGPONG_SHAPES),
+}
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),
           "ws-short": (SWEEP_WS_SHORT, SWEEP_SHORT_SHAPES), "ws-rescale": (SWEEP_WS_RESCALE, SWEEP_RESCALE_SHAPES),
@@ -697,6 +708,34 @@ def run_sweep(args):
     return results + [dict(best=list(best.values()))]
 
 
+def run_ab(args):
+    """Each (shape, dtype) of ``AB[args.ab]``: config B against config A, interleaved."""
+    scale = 192**-0.5
+    data = Inputs()
+    byname = {c[0]: c for c in cases()}
+    pairs, ab_shapes = AB[args.ab]
+    out = []
+    for (H, name), (dt, (cfg_a, cfg_b)) in itertools.product(ab_shapes, pairs.items()):
+        if H not in args.heads:
+            continue
+        _, ql, kl = byname[name]
+        rec = dict(H=H, case=name, dtype=dt, config_a=cfg_a, config_b=cfg_b, rounds=args.verdict_rounds)
+        if elapsed() > args.budget_s:
+            out.append(dict(rec, skipped="time budget"))
+            continue
+
+        def make(H=H, name=name, ql=ql, kl=kl, dt=dt, cfg_a=cfg_a, cfg_b=cfg_b):
+            x = data.get(H, name, ql, kl)
+            flop = 2 * pairs(ql, kl, False) * H * 320 / 1e9
+            fns = [prov_triton(*x[dt], x["cq"], x["ck"], ql, kl, scale, config=c) for c in (cfg_b, cfg_a)]
+            for fn in fns:  # compiled outside the rounds
+                fn()
+            return ("tflops_b", (fns[0], flop)), ("tflops_a", (fns[1], flop))
+
+        out.append(_interleaved(rec, f"H={H:<3} {name:<16} {dt:<4} B / A", make, args))
+    return out
+
+
 def main():
     # compiled kernels, whatever the shell says (set here, not at import: the CPU tests
     # import this module for its verdict lines and run the rest under the interpreter)
@@ -724,6 +763,7 @@ def main():
                          "1,024-row chunks; ws-rescale: where the pipelined kernel rescales O; "
                          "ws-pingpong: the consumers taking turns at the tensor cores; ws-wait: P·V's "
                          "wait held after the softmax")
+    ap.add_argument("--ab", choices=list(AB), help="B against A in interleaved rounds instead of the table")
     args = ap.parse_args()
     if args.flashinfer_fp8:
         FLASHINFER_DTYPES.append("fp8")
@@ -735,9 +775,9 @@ def main():
 
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
         f"default configs {({str(k): v for k, v in CONFIGS.items()})}")
-    results = run_sweep(args) if args.sweep else run_table(args)
+    results = run_ab(args) if args.ab else run_sweep(args) if args.sweep else run_table(args)
     targets = []
-    if not args.sweep:
+    if not args.sweep and not args.ab:
         print_table(results)
         targets = target_lines(results)
         for line, _ in targets:
@@ -747,7 +787,7 @@ def main():
     meta = dict(device=torch.cuda.get_device_name(), date=run_info.utc_now(), commit=run_info.commit(),
                 torch=torch.__version__, triton=triton.__version__, flashinfer=_flashinfer_version(),
                 configs={str(k): v for k, v in CONFIGS.items()}, flops_rule="2*visible_pairs*H*(192+128)",
-                mode="sweep" if args.sweep else "table", wall_s=elapsed(),
+                mode="ab" if args.ab else "sweep" if args.sweep else "table", wall_s=elapsed(),
                 targets=[dict(line=line, met=met) for line, met in targets])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
