@@ -713,9 +713,9 @@ def run_ab(args):
     scale = 192**-0.5
     data = Inputs()
     byname = {c[0]: c for c in cases()}
-    pairs, ab_shapes = AB[args.ab]
+    by_dtype, ab_shapes = AB[args.ab]
     out = []
-    for (H, name), (dt, (cfg_a, cfg_b)) in itertools.product(ab_shapes, pairs.items()):
+    for (H, name), (dt, (cfg_a, cfg_b)) in itertools.product(ab_shapes, by_dtype.items()):
         if H not in args.heads:
             continue
         _, ql, kl = byname[name]

@@ -104,3 +104,39 @@ def test_the_tables_read_the_rounds_the_bench_writes():
     import make_tables
 
     assert make_tables.FLASHINFER_VERDICT == ba.FLASHINFER_VERDICT
+
+
+def test_run_ab_alternates_and_takes_the_median_ratio(monkeypatch):
+    """--ab: per shape and dtype, B and A measured in turn (B first) for the given rounds,
+    the median of the per-round ratios B / A recorded; one that does not run is an error
+    record, not a stop."""
+    calls = []
+    speed = {"a": [2.0, 2.0, 2.0], "b": [1.0, 1.8, 1.5]}  # ms per round: B / A = 2.0, 1.11, 1.33
+
+    class Data:
+        def get(self, H, name, ql, kl):
+            return {"bf16": (None, None, None), "fp8": (None, None, None), "cq": None, "ck": None}
+
+    def prov(*args, config=None):
+        tag = config["tag"]
+        if tag == "broken":
+            raise RuntimeError("no such config")
+        return lambda: calls.append(tag)
+
+    def bench_ms(fn, rep):
+        fn()
+        tag = calls[-1]
+        n = sum(1 for c in calls if c == tag) - 2  # the first call of each is the untimed warm-up
+        return speed[tag][n]
+
+    monkeypatch.setattr(ba, "Inputs", Data)
+    monkeypatch.setattr(ba, "prov_triton", prov)
+    monkeypatch.setattr(ba, "bench_ms", bench_ms)
+    monkeypatch.setitem(ba.AB, "t", ({"bf16": ({"tag": "a"}, {"tag": "b"}), "fp8": ({"tag": "a"}, {"tag": "broken"})},
+                                     [(16, "1x1024q/16384k")]))
+    args = types.SimpleNamespace(ab="t", heads=[16], verdict_rounds=3, rep=10, budget_s=1e9)
+    bf16, fp8 = ba.run_ab(args)
+    assert calls[:2] == ["b", "a"] and calls[2::2] == ["b"] * 3 and calls[3::2] == ["a"] * 3
+    assert bf16["ratio_median"] == pytest.approx(4 / 3) and bf16["ratio_min"] == pytest.approx(10 / 9)
+    assert bf16["config_b"] == {"tag": "b"} and len(bf16["tflops_b"]) == 3
+    assert "no such config" in fp8["error"]
