@@ -639,6 +639,31 @@ from ctxprefill.backends import gluon_attention as ga
 
 fn = ga._mla_attn_ws_fwd
 names = fn.arg_names
+
+
+def pv_wait_order(k):
+    # for each pipelined consumer loop in the SASS (a conditional backward branch whose body
+    # waits with one MMA group left in flight): (exp2s before P·V's wait, exp2s in the body)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for addr, text in ins:
+        m = re.match(r"@!?P\d\s+BRA\s+0x([0-9a-f]+)", text)
+        if not m or int(m[1], 16) >= addr:
+            continue
+        body = [t for a, t in ins if int(m[1], 16) <= a <= addr]
+        if not any("DEPBAR.LE gsb0, 0x1" in t for t in body):
+            continue
+        ex2 = [i for i, t in enumerate(body) if "MUFU.EX2" in t]
+        wait = next(i for i, t in enumerate(body) if "DEPBAR.LE gsb0, 0x0" in t)
+        loops.append((sum(i < wait for i in ex2), len(ex2)))
+    return loops
+
+
 out = []
 for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
     sig = {n: {"Q": "*" + dt, "K": "*" + dt, "KR": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32",
@@ -659,6 +684,7 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=ga._MAXNREG))
     regs, stack = resources(k)
     out.append(dict(dt=dt, ws=ws, sort_b=sort_b, use_order=use_order, regs=regs, stack=stack, smem=k.metadata.shared,
+                    pv_wait=pv_wait_order(k),
                     wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
                     setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                       k.asm["ptx"])))))
@@ -672,21 +698,24 @@ def test_warp_specialized_defaults_cross_compile_for_sm90():
     """The warp-specialized kernel's default configs (bf16; fp8 keys-last), in grid order,
     longest segment first and in a host-given launch order, build for an H200 without a
     GPU: wgmma, no spills, shared memory within 227 KiB, registers moved by setmaxnreg
-    (loader 24, consumers 240)."""
+    (loader 24, consumers 240); pipelined with PV_WAIT_LATE, every exp2 of the softmax lies
+    before P·V's wait in each consumer's loop (without it ptxas moves the wait above them)."""
     orders = [(0, False), (ta._SORT_MAX, False), (0, True)]
     jobs = [("bf16", ta.CONFIGS[torch.bfloat16]["WS"], s, False, o) for s, o in orders]
     jobs += [("fp8e4nv", ta.KEYS_LAST_FP8["WS"], s, True, o) for s, o in orders]
-    # the consumers taking turns at the tensor cores (PINGPONG), pipelined and serial
-    jobs += [("bf16", dict(ta.CONFIGS[torch.bfloat16]["WS"], PIPE=True, PINGPONG=True), 0, False, False),
-             ("fp8e4nv", dict(ta.KEYS_LAST_FP8["WS"], PIPE=False, PINGPONG=True), 0, True, False),
-             ("fp8e4nv", dict(ta.KEYS_LAST_FP8["WS"], PIPE=True, PINGPONG=True), 0, True, False)]
+    # neighbours: the pipelined bf16 consumers taking turns, fp8 serial
+    jobs += [("bf16", dict(ta.CONFIGS[torch.bfloat16]["WS"], PINGPONG=True), 0, False, False),
+             ("fp8e4nv", dict(ta.KEYS_LAST_FP8["WS"], PIPE=False, PINGPONG=False, PV_WAIT_LATE=False), 0, True, False)]
+    assert ta.CONFIGS[torch.bfloat16]["WS"]["PV_WAIT_LATE"] and ta.KEYS_LAST_FP8["WS"]["PV_WAIT_LATE"]
     for res in _cross_compile(_XCOMPILE_WS, jobs):
         print(res)
         # the pipelined bf16 consumers with turns keep one word on the stack (cuobjdump -sass:
         # stored before the main loop, loaded after it); the defaults none
-        assert res["stack"] <= (8 if res["ws"].get("PINGPONG") else 0), res
+        assert res["stack"] <= (8 if res["ws"].get("PINGPONG") and res["dt"] == "bf16" else 0), res
         assert res["wgmma"] > 0 and res["smem"] <= 232448, res
         assert {24, 240} <= set(res["setmaxnreg"]), res
+        if res["ws"]["PIPE"]:  # both consumers' loops, the softmax whole before P·V's wait
+            assert len(res["pv_wait"]) == 2 and all(0 < n == total for n, total in res["pv_wait"]), res
 
 # ----------------------------------------------------------------------------- warp-specialized kernel (Gluon)
 

@@ -118,11 +118,14 @@ _P_SHIFT = 8.0  # P·V in fp8: P scaled by 2**8 (≤ 256 < 448) before the e4m3 
 #: ``bench_attention.py --sweep ws``): bf16 568-635 TFLOP/s against this kernel's 441-554.
 #: Since K slots are freed right after the scores (``EARLY_K``), FA3's
 #: intra-warpgroup pipelining (PIPE) pays: 591-654 against 565-634 serial, 555-600 with K
-#: freed together with V (one process, ``s7-ws-sweep``). Causal chunks and pointer-path
-#: inputs keep the kernel below.
+#: freed together with V (one process, ``s7-ws-sweep``). ``PV_WAIT_LATE`` keeps P·V's wait
+#: after the softmax in the machine code, where ptxas would otherwise put it before:
+#: B / A 1.00-1.03 over 6 shapes, median of 5 interleaved rounds each (H200, 2026-12-04,
+#: ``bench_attention.py --ab ws-wait``, bench/results/attention_ab_ws-wait.json).
+#: Causal chunks and pointer-path inputs keep the kernel below.
 CONFIGS: dict[torch.dtype, dict[str, Any]] = {
     torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, USE_TMA=True,
-                         WS=dict(PIPE=True, BLOCK_N=128, STAGES=2)),
+                         WS=dict(PIPE=True, BLOCK_N=128, STAGES=2, PV_WAIT_LATE=True)),
     _FP8: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, PV_FP8=False, USE_TMA=True, maxnreg=128),
 }
 
@@ -133,10 +136,13 @@ CONFIGS: dict[torch.dtype, dict[str, Any]] = {
 #: bound: PV_FP8 above (5e-2 relative).
 #: On Hopper the warp-specialized kernel runs it (P through shared memory, 3 stages):
 #: 791-912 TFLOP/s against 638-822 (``bench_attention.py --sweep ws``); with K freed
-#: early 802-879 against 757-824 in one process (``s7-ws-sweep``), where pipelining (PIPE)
-#: loses (754-816: P's trip through shared memory sits on its critical path) and a 4th
-#: stage gains nothing (802-875).
-KEYS_LAST_FP8: dict[str, Any] = dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=128, STAGES=3))
+#: early 802-879 against 757-824 in one process (``s7-ws-sweep``); a 4th stage gains nothing
+#: (802-875). Pipelined, it pays only with P·V's wait kept after the softmax
+#: (``PV_WAIT_LATE``) and the consumers taking turns at the tensor cores (``PINGPONG``):
+#: 1.00-1.03 of serial over 6 shapes (``--ab ws-wait``, as above); pipelined without the two
+#: 0.86-0.92 (``--sweep ws-wait``).
+KEYS_LAST_FP8: dict[str, Any] = dict(PV_FP8=True, WS=dict(PIPE=True, BLOCK_N=128, STAGES=3, PINGPONG=True,
+                                                          PV_WAIT_LATE=True))
 
 if triton is not None:
     # globals read inside @triton.jit code must be constexpr
