@@ -651,15 +651,19 @@ SWEEP_WS_WAIT = {
     "fp8": [_ws(False, 128, 3, **_FP8_KL), _ws(True, 128, 3, PV_WAIT_LATE=True, **_FP8_KL),
             _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL)] * 2,
 }
-#: --ab NAME -> ((config A, config B) per dtype, shapes): B against A in interleaved rounds
+#: --ab NAME -> ([(dtype, config A, config B), ...], shapes): B against A in interleaved rounds
 #: (--verdict-rounds), the median of the per-round ratios B / A per shape: a difference of a
 #: few percent, which one pass of a sweep cannot tell from the H200's drift within a process
+_PIPE_LATE = _ws(True, 128, 2, PV_WAIT_LATE=True)
+_SERIAL_FP8 = _ws(False, 128, 3, **_FP8_KL)
 AB = {
-    "ws-wait": ({"bf16": (_ws(True, 128, 2), _ws(True, 128, 2, PV_WAIT_LATE=True)),
-                 "fp8": (_ws(False, 128, 3, **_FP8_KL),
-                         _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL))},
+    # P·V's wait held after the softmax (bf16), with turns (both dtypes), pipelined fp8 against serial
+    "ws-wait": ([("bf16", _ws(True, 128, 2), _PIPE_LATE),
+                 ("bf16", _PIPE_LATE, _ws(True, 128, 2, PV_WAIT_LATE=True, PINGPONG=True)),
+                 ("fp8", _SERIAL_FP8, _ws(True, 128, 3, PV_WAIT_LATE=True, **_FP8_KL)),
+                 ("fp8", _SERIAL_FP8, _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL))],
                 SWEEP_PINGPONG_SHAPES),
-    "ws-pingpong": ({"bf16": (_ws(True, 128, 2), _ws(True, 128, 2, PINGPONG=True))}, SWEEP_PINGPONG_SHAPES),
+    "ws-pingpong": ([("bf16", _ws(True, 128, 2), _ws(True, 128, 2, PINGPONG=True))], SWEEP_PINGPONG_SHAPES),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),
@@ -709,13 +713,13 @@ def run_sweep(args):
 
 
 def run_ab(args):
-    """Each (shape, dtype) of ``AB[args.ab]``: config B against config A, interleaved."""
+    """Each shape and pair of ``AB[args.ab]``: config B against config A, interleaved."""
     scale = 192**-0.5
     data = Inputs()
     byname = {c[0]: c for c in cases()}
-    by_dtype, ab_shapes = AB[args.ab]
+    ab_pairs, ab_shapes = AB[args.ab]
     out = []
-    for (H, name), (dt, (cfg_a, cfg_b)) in itertools.product(ab_shapes, by_dtype.items()):
+    for (H, name), (dt, cfg_a, cfg_b) in itertools.product(ab_shapes, ab_pairs):
         if H not in args.heads:
             continue
         _, ql, kl = byname[name]

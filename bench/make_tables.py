@@ -276,6 +276,30 @@ def _config(c: dict) -> str:
     return ", ".join(f"{k}({_config(v)})" if isinstance(v, dict) else f"{k}={v}" for k, v in c.items())
 
 
+def ab_table(d: Doc) -> str:
+    """``bench/bench_attention.py --ab``: config B against config A per shape, interleaved rounds."""
+    rows = d["results"]
+    lines = [_run_line(d), "", "B / A: the median (least, largest) of the per-round TFLOP/s ratios, the two "
+             "measured in turn in every round; TFLOP/s medians.", ""]
+    def pair(r: dict) -> tuple[str, str, str]:
+        return r["dtype"], _config(r["config_a"]), _config(r["config_b"])
+
+    for dt, a, b in dict.fromkeys(pair(r) for r in rows):
+        lines += [f"{dt}: A = {a}; B = {b}.", "",
+                  "| H | shape | rounds | A | B | B / A | min | max |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if pair(r) != (dt, a, b):
+                continue
+            if "ratio_median" not in r:
+                lines.append(f"| {r['H']} | {r['case']} | – | – | – | {r.get('error', r.get('skipped'))} | | |")
+                continue
+            lines.append(f"| {r['H']} | {r['case']} | {r['rounds']} | {statistics.median(r['tflops_a']):.1f} "
+                         f"| {statistics.median(r['tflops_b']):.1f} | {r['ratio_median']:.3f} "
+                         f"| {r['ratio_min']:.3f} | {r['ratio_max']:.3f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def sweep_table(d: Doc) -> str:
     """``bench/bench_attention.py --sweep``: TFLOP/s by kernel configuration and shape."""
     rows = [r for r in d["results"] if "tflops" in r]
@@ -549,7 +573,8 @@ def table(d: Doc) -> str:
     if "results" in d and "copy_tbps" in d:
         return kernels_table(d)
     if "results" in d:
-        return sweep_table(d) if d["meta"].get("mode") == "sweep" else attention_table(d)
+        mode = d["meta"].get("mode")
+        return sweep_table(d) if mode == "sweep" else ab_table(d) if mode == "ab" else attention_table(d)
     if "modes" in d:
         return transport_table(d)
     if "sync_unary_us" in d:
@@ -628,6 +653,12 @@ BENCHMARKS = (
           "`bench/bench_attention.py --sweep ws-rescale`: the pipelined bf16 kernel rescaling O after its P·V "
           "(the default) or right after issuing the next block's Q·Kᵀ (FA3's order, `RESCALE_EARLY`), twice each "
           "in turn, FlashInfer's FA3 beside them.", env="GPU_RUN_WS_SWEEP=ws-rescale GPU_RUN_SWEEP_FLASHINFER=1"),
+    Bench("Two kernel configurations in interleaved rounds", "attention_ab", ("attention_ab_ws-wait",),
+          "`bench/bench_attention.py --ab ws-wait`: pairs of the warp-specialized kernel's configurations, B "
+          "against A measured in turn for 5 rounds per shape: bf16 pipelined with P·V's wait held after the "
+          "softmax (`PV_WAIT_LATE`) against without, and with turns at the tensor cores (`PINGPONG`) against "
+          "without; fp8 pipelined with the late wait, with and without turns, against serial.",
+          env="GPU_RUN_AB=ws-wait"),
     Bench("Throughput under concurrency", "bench_concurrency", ("bench_concurrency",),
           "`bench/bench_concurrency.py`: 1 to 16 clients against one server per shape, inline tensors and CUDA IPC "
           "regions."),

@@ -132,7 +132,7 @@ def test_run_ab_alternates_and_takes_the_median_ratio(monkeypatch):
     monkeypatch.setattr(ba, "Inputs", Data)
     monkeypatch.setattr(ba, "prov_triton", prov)
     monkeypatch.setattr(ba, "bench_ms", bench_ms)
-    monkeypatch.setitem(ba.AB, "t", ({"bf16": ({"tag": "a"}, {"tag": "b"}), "fp8": ({"tag": "a"}, {"tag": "broken"})},
+    monkeypatch.setitem(ba.AB, "t", ([("bf16", {"tag": "a"}, {"tag": "b"}), ("fp8", {"tag": "a"}, {"tag": "broken"})],
                                      [(16, "1x1024q/16384k")]))
     args = types.SimpleNamespace(ab="t", heads=[16], verdict_rounds=3, rep=10, budget_s=1e9)
     bf16, fp8 = ba.run_ab(args)

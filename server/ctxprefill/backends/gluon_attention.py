@@ -13,18 +13,23 @@ One program = one (query tile of ``BLOCK_M`` rows, head, segment), three partiti
   other's MMAs run, as two programs per SM would, but with one copy of K/V in shared
   memory (bf16's 192-wide K does not fit twice otherwise). With ``PIPE`` each consumer
   also overlaps within itself (FA3's intra-warpgroup pipelining): block j's Q·Kᵀ and
-  block j-1's P·V are in flight together, and block j's softmax runs while P·V finishes.
+  block j-1's P·V are in flight together, and block j's softmax runs while P·V finishes
+  (in the machine code only with ``PV_WAIT_LATE``).
 
 K and V slots are freed apart (``EARLY_K``): a consumer frees K as soon as its scores are
 in registers, V after P·V, so the next K streams in during the softmax. Measured on the
 H200 (``bench_attention.py --sweep ws``, one process, 2026-12-01): bf16 serial -2 to +6 %, and
 pipelining, which lost with one release per slot (its next K waited for the previous
-P·V), now wins (591-654 TFLOP/s against 555-600 with K freed with V); fp8 +6-7 %,
-serial. (EARLY_K=False keeps that release for comparison; the loader's order is the new one.)
+P·V), wins (591-654 TFLOP/s against 555-600 with K freed with V); fp8 +6-7 %,
+serial. (EARLY_K=False keeps that release for comparison, the loader's order unchanged.)
 ``RESCALE_EARLY`` moves the pipelined consumer's rescale of O from after P·V to right after
 the next block's Q·Kᵀ is issued (FA3's order): slower on 5 of 6 shapes by 0.6-4.6 %, faster
 on 4 × 1,024 rows by 3.9-7.9 % (two rounds each; H200, 2026-12-04, commit 58e912f,
-``--sweep ws-rescale``); off.
+``--sweep ws-rescale``); off. ``PV_WAIT_LATE`` keeps P·V's wait after the softmax in the
+machine code (ptxas moves it above the softmax otherwise, which undoes the pipelining);
+``PINGPONG`` makes the two consumers take turns issuing their MMAs (FA3's ping-pong). The
+backend's defaults (``triton_attention``) pipeline with both for fp8, with the late wait
+for bf16 (docs/DESIGN.md).
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory with 128×128 tiles and 2 stages: Q 48 KiB +
