@@ -23,8 +23,6 @@ ends with the attention targets' verdict lines (``target_lines``), also stored i
   python bench/bench_attention.py --out bench/results/bench_attention.json
   python bench/bench_attention.py --sweep --out bench/results/attention_sweep.json
   python bench/bench_attention.py --sweep ws --out bench/results/attention_sweep_ws.json
-  python bench/bench_attention.py --sweep ws-pingpong --out bench/results/attention_sweep_ws-pingpong.json
-  python bench/bench_attention.py --sweep ws-wait --out bench/results/attention_sweep_ws-wait.json
   python bench/bench_attention.py --ab ws-wait --out bench/results/attention_ab_ws-wait.json
 Stays within --budget-s seconds (optional competitors are skipped past it).
 """

@@ -120,7 +120,7 @@ _P_SHIFT = 8.0  # P·V in fp8: P scaled by 2**8 (≤ 256 < 448) before the e4m3 
 #: intra-warpgroup pipelining (PIPE) pays: 591-654 against 565-634 serial, 555-600 with K
 #: freed together with V (one process, ``s7-ws-sweep``). ``PV_WAIT_LATE`` keeps P·V's wait
 #: after the softmax in the machine code, where ptxas would otherwise put it before:
-#: B / A 1.00-1.03 over 6 shapes, median of 5 interleaved rounds each (H200, 2026-12-04,
+#: 1.00-1.04 of without over 6 shapes, median of 5 interleaved rounds each (H200, 2026-12-04,
 #: ``bench_attention.py --ab ws-wait``, bench/results/attention_ab_ws-wait.json).
 #: Causal chunks and pointer-path inputs keep the kernel below.
 CONFIGS: dict[torch.dtype, dict[str, Any]] = {
@@ -139,8 +139,8 @@ CONFIGS: dict[torch.dtype, dict[str, Any]] = {
 #: early 802-879 against 757-824 in one process (``s7-ws-sweep``); a 4th stage gains nothing
 #: (802-875). Pipelined, it pays only with P·V's wait kept after the softmax
 #: (``PV_WAIT_LATE``) and the consumers taking turns at the tensor cores (``PINGPONG``):
-#: 1.00-1.03 of serial over 6 shapes (``--ab ws-wait``, as above); pipelined without the two
-#: 0.86-0.92 (``--sweep ws-wait``).
+#: 1.00-1.03 of serial over 6 shapes (``--ab ws-wait``, as above); with the late wait alone
+#: 0.90-0.93.
 KEYS_LAST_FP8: dict[str, Any] = dict(PV_FP8=True, WS=dict(PIPE=True, BLOCK_N=128, STAGES=3, PINGPONG=True,
                                                           PV_WAIT_LATE=True))
 
