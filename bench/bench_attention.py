@@ -661,7 +661,6 @@ AB = {
                  ("fp8", _SERIAL_FP8, _ws(True, 128, 3, PV_WAIT_LATE=True, **_FP8_KL)),
                  ("fp8", _SERIAL_FP8, _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL))],
                 SWEEP_PINGPONG_SHAPES),
-    "ws-pingpong": ([("bf16", _ws(True, 128, 2), _ws(True, 128, 2, PINGPONG=True))], SWEEP_PINGPONG_SHAPES),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),

@@ -380,14 +380,21 @@ def inline_parse_table(d: Doc) -> str:
 _STEPS = ("validate", "inputs", "metadata", "copies in", "to first stage", "issue+device", "sync+readout", "return")
 
 
+def _first_copy_queued(d: Doc) -> bool:
+    """Whether a probe_host file marks the extension path's first copy where the copies were queued
+    (graph_launch's return) rather than at the end of the call that also launches the graph."""
+    return str(d["meta"].get("graph_first_copy", "")).startswith("the copies queued")
+
+
 def host_table(d: Doc) -> str:
     """``bench/probe_host_issue.py``: where a request's host time goes, the device held."""
+    first = ("the time that call returns for the copies queued" if _first_copy_queued(d)
+             else "that call's return, an upper bound")
     lines = [_run_line(d), "", "ms for the request, its time outside the stages, the device span and the host before "
              "the first stage (device held); µs per host step and from the call to the first device copy queued "
              "(median; graph: the fused path replayed as a CUDA graph, which takes no loop inputs, queued through the "
-             "CUDA extension, whose one call queues the copies in and launches the graph: its first copy is that "
-             "call's return, an upper bound; graph_torch: the same replay queued through torch's calls, beside "
-             "it).", "",
+             f"CUDA extension, whose one call queues the copies in and launches the graph: its first copy is {first}; "
+             "graph_torch: the same replay queued through torch's calls, beside it).", "",
              "| H | new | ctx | prefill | path | request ms | outside the stages ms | device span ms | "
              "before stages ms | " + " | ".join(f"{s} µs" for s in _STEPS) + " | to the first copy µs |",
              "|---|---|---|---|---|---|---|---|---|" + "---|" * len(_STEPS) + "---|"]
@@ -804,13 +811,15 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                          f"fused {_ms(r['fused_s'])} ms, generic {_ms(r['generic_s'])} ms ({r['speedup']:.2f}×), "
                          + (f"fused as a CUDA graph {_ms(r['fused_graph_s'])} ms, " if "fused_graph_s" in r else "")
                          + f"floor {_ms(r['floor_s'])} ms", "bench_engine"))
-    ph = load("probe_host", results)["rows"]
+    probe = load("probe_host", results)
+    ph = probe["rows"]
     host = [r for r in ph if "graph_host_steps_us" in r]
     if host:
         rows.append(("Host time of a request, 1,024 new over 64k, " + " / ".join(
                          f"H={r['heads']} {r['prefill_dtype']}" for r in host)
                      + ": outside the stages, eager → as a CUDA graph (ms); the call to its first device copy, "
-                       "as a CUDA graph (µs; at most: the call that queues the copies also launches the graph)",
+                       + ("as a CUDA graph (µs)" if _first_copy_queued(probe) else
+                          "as a CUDA graph (µs; at most: the call that queues the copies also launches the graph)"),
                      " / ".join(f"{_ms(r['fused_outside_s'], '.3f')} → {_ms(r['graph_outside_s'], '.3f')}"
                                 for r in host) + "; "
                      + " / ".join(f"{r['graph_host_steps_us']['first copy']:.0f}" for r in host), "probe_host"))

@@ -126,6 +126,11 @@ def replay_launch_rounds(engine, q, seqs, rounds: int, iters: int) -> dict:
 STEPS = ("validate", "inputs", "metadata", "copies in", "to first stage", "issue+device", "sync+readout", "return")
 
 
+#: how the extension path's first copy was marked, per replay: the time graph_launch returns
+#: for the copies queued, or (an extension whose call returns none) the call's end
+LAUNCH_MARKS = {"queued": 0, "call end": 0}
+
+
 def host_steps_us(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> dict:
     """Median host time of each step of a normal (unheld) request, in µs: validation (with
     the plan), the loop's inputs (none on a replay), the chunk metadata (and on a replay its
@@ -133,8 +138,9 @@ def host_steps_us(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> dic
     rest up to the first stage, the stages' issue and the device's work, the synchronize and event
     readout, the return to the caller; and ``first copy``: from the call to the first
     device work queued (the end of the copies in: q is already on the device; on a replay
-    through the extension, the end of the one call that queues the copies in and the graph:
-    an upper bound)."""
+    through the extension, the time its one call returns for the copies queued, before it
+    records the stage's start and launches the graph; an extension whose call returns none
+    gives the call's end, an upper bound)."""
     from ctxprefill.engine import engine as engine_mod
     from ctxprefill.engine import graphs as graphs_mod
     from ctxprefill.engine import loop as loop_mod
@@ -157,17 +163,31 @@ def host_steps_us(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> dic
     # (owner, name, mark at its first call's start, marks at its first call's end). A replay
     # through the extension (engine/graphs.py) stages its metadata, then queues the copies in,
     # the stage's start and the graph in one call (``launch``, an attribute of each captured
-    # loop): the copies in end where the first stage starts.
+    # loop), which returns the time the copies were queued: the copies in end there, the first
+    # stage starts at the call's end.
     wraps = [(engine_mod, "validate_prefill", None, "checked"), (engine_mod.Engine, "loop_inputs", None, "inputs"),
              (loop_mod, "_upload", "copy0", "copy1"), (graphs_mod.CapturedLoop, "load", "copy0", "copy1"),
              (graphs_mod.CapturedLoop, "_stage", "copy0"),
              (timing.StageTimer, "begin", "first_stage"), (timing.StageTimer, "finish", "finish", "finished")]
-    wraps += [(loop, "launch", None, "copy1", "first_stage") for loop in engine.graphs._graphs.values()
-              if loop.launch is not None]
+
+    def launching(orig):  # the extension's graph_launch: its return marks the copies queued
+        def wrapped(*args, **kwargs):
+            queued = orig(*args, **kwargs)
+            t = time.perf_counter()
+            LAUNCH_MARKS["queued" if isinstance(queued, float) else "call end"] += 1
+            marks.setdefault("copy1", queued if isinstance(queued, float) else t)
+            marks.setdefault("first_stage", t)
+            return queued
+
+        return wrapped
+
+    launches = [loop for loop in engine.graphs._graphs.values() if loop.launch is not None]
     got: dict[str, list[float]] = {k: [] for k in (*STEPS, "first copy")}
     with contextlib.ExitStack() as patches:
         for owner, name, before, *after in wraps:
             patches.enter_context(mock.patch.object(owner, name, marking(getattr(owner, name), before, *after)))
+        for loop in launches:
+            patches.enter_context(mock.patch.object(loop, "launch", launching(loop.launch)))
         for t0, t1 in _requests(engine, q, seqs, fused, graphs, iters, marks):
             m = marks
             # a replay takes no loop inputs: its shape and metadata come straight from the
@@ -383,7 +403,9 @@ def main(argv=None) -> int:
         rows = _measure(a)
     if a.out:
         meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "date": run_info.utc_now(),
-                "commit": run_info.commit(), "no_gc": a.no_gc, "cpu_latency": qos}
+                "commit": run_info.commit(), "no_gc": a.no_gc, "cpu_latency": qos,
+                "graph_first_copy": ("the copies queued" if LAUNCH_MARKS["queued"] and not LAUNCH_MARKS["call end"]
+                                     else "the call's end, an upper bound" if LAUNCH_MARKS["call end"] else "n/a")}
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -524,18 +525,23 @@ void copies_async(const std::vector<int64_t>& triples, int64_t stream, int64_t e
 // graph_launch: a captured chunk loop's replay, queued on `stream` in one call: the copies
 // into its buffers (copies_async's triples), `staged` recorded after them, `begin` recorded,
 // then the graph (a cudaGraphExec_t handle, torch's CUDAGraph.raw_cuda_graph_exec) launched.
-// Every handle is checked before anything is queued.
-void graph_launch(const std::vector<int64_t>& triples, int64_t staged, int64_t begin, int64_t graph_exec,
-                  int64_t stream) {
+// Every handle is checked before anything is queued. Returns CLOCK_MONOTONIC (Python's
+// time.perf_counter on Linux) in seconds once the copies were queued: the request's first
+// device work, which a host probe cannot mark from outside the call.
+double graph_launch(const std::vector<int64_t>& triples, int64_t staged, int64_t begin, int64_t graph_exec,
+                    int64_t stream) {
   const char* op = "graph_launch";
   if (staged == 0 || begin == 0 || graph_exec == 0)
     throw std::invalid_argument(msg(op, ": staged, begin and graph_exec must be handles; got ", staged, ", ",
                                     begin, ", ", graph_exec));
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   enqueue_copies(op, triples, s);
+  timespec queued{};
+  clock_gettime(CLOCK_MONOTONIC, &queued);
   cuda_call(op, "cudaEventRecord of event", 0, cudaEventRecord(reinterpret_cast<cudaEvent_t>(staged), s));
   cuda_call(op, "cudaEventRecord of event", 1, cudaEventRecord(reinterpret_cast<cudaEvent_t>(begin), s));
   cuda_call(op, "cudaGraphLaunch of graph", 0, cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(graph_exec), s));
+  return static_cast<double>(queued.tv_sec) + static_cast<double>(queued.tv_nsec) * 1e-9;
 }
 
 }  // namespace
@@ -573,6 +579,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("triples"), py::arg("stream"), py::arg("event") = 0);
   m.def("graph_launch", &graph_launch,
         "copies_async's triples, then the staged and begin events recorded and the cudaGraphExec_t launched, "
-        "all on a cudaStream_t handle",
+        "all on a cudaStream_t handle; returns CLOCK_MONOTONIC seconds (time.perf_counter's clock on Linux) "
+        "once the copies were queued",
         py::arg("triples"), py::arg("staged"), py::arg("begin"), py::arg("graph_exec"), py::arg("stream"));
 }

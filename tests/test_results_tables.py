@@ -134,3 +134,21 @@ def test_replace_block_needs_both_markers(mt):
         mt.replace_block("# no markers\n", "x\n")
     with pytest.raises(ValueError, match="results:begin"):
         mt.replace_block("<!-- results:end -->\n<!-- results:begin -->\n", "x\n")
+
+
+def test_first_copy_label_follows_the_probe(mt, tmp_path):
+    """The extension path's first copy is labelled an upper bound only where the probe marked
+    it at the end of the call that also launches the graph (files without the mark: older
+    extensions), not where graph_launch returned the time the copies were queued."""
+    res = tmp_path / "results"
+    shutil.copytree(RESULTS, res)
+    probe = json.loads((res / "probe_host.json").read_text())
+    for mark, bound in (("the call's end, an upper bound", True), ("the copies queued", False), (None, True)):
+        probe["meta"].pop("graph_first_copy", None)
+        if mark is not None:
+            probe["meta"]["graph_first_copy"] = mark
+        (res / "probe_host.json").write_text(json.dumps(probe))
+        block = mt.readme_block(str(tmp_path), results=str(res))
+        row = next(line for line in block.splitlines() if line.startswith("| Host time of a request"))
+        assert ("at most" in row) is bound, (mark, row)
+        assert ("an upper bound" in mt.host_table(probe)) is bound, mark

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import pytest
 import torch
@@ -132,15 +133,28 @@ def test_the_replays_result_outlives_the_next_replay():
 def test_contiguous_replays_launch_through_the_extension(cuda_ext):
     """A contiguous q's replay is queued by the extension's graph_launch (the copies in, the
     stage's start, the graph) and copies_async (the copies out, the stage's end): the path
-    the bit-for-bit tests above take. graph_launch refuses a null handle before queuing."""
+    the bit-for-bit tests above take. graph_launch returns the time the copies were queued
+    on time.perf_counter's clock, and refuses a null handle before queuing."""
     c = CASES["long"]
     eng = make_engine(c, "auto", "bf16", "bf16")
     q, seqs = make_request(eng, c, seed=1)
     eager = eng.prefill_context(q, seqs, graphs_on=False)
-    runs = [eng.prefill_context(q, seqs) for _ in range(3)]
+    runs = [eng.prefill_context(q, seqs) for _ in range(2)]
     assert eng.graphs is not None
     [loop] = eng.graphs._graphs.values()
     assert loop.launch is cuda_ext.graph_launch and loop._exec != 0
+    times = []
+
+    def timed(*args):
+        t0 = time.perf_counter()
+        queued = cuda_ext.graph_launch(*args)
+        times.append((t0, queued, time.perf_counter()))
+        return queued
+
+    loop.launch = timed
+    runs.append(eng.prefill_context(q, seqs))
+    [(t0, queued, t1)] = times
+    assert isinstance(queued, float) and t0 <= queued <= t1, times
     assert same_bits(runs[2], eager) and runs[2].stats.stage_ns[GRAPH_STAGE] > 0
     with pytest.raises(ValueError, match="handles"):
         cuda_ext.graph_launch([], 0, 0, loop._exec, 0)
