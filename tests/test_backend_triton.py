@@ -560,14 +560,20 @@ import os, re, subprocess, tempfile
 import triton
 
 
-def resources(k):
-    """(registers, stack bytes) per thread of a compiled kernel, from cuobjdump."""
+def cuobjdump(k, flag):
+    """Triton's cuobjdump (-res-usage, -sass) on a compiled kernel's cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    ru = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", ru)
+    try:
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def resources(k):
+    """(registers, stack bytes) per thread of a compiled kernel."""
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", cuobjdump(k, "-res-usage"))
     return int(m[1]), int(m[2])
 '''
 
@@ -644,11 +650,7 @@ names = fn.arg_names
 def pv_wait_order(k):
     # for each pipelined consumer loop in the SASS (a conditional backward branch whose body
     # waits with one MMA group left in flight): (exp2s before P·V's wait, exp2s in the body)
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
+    sass = cuobjdump(k, "-sass")
     ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = []
     for addr, text in ins:
