@@ -631,24 +631,8 @@ SWEEP_SHORT_SHAPES = [(16, "1x1024q/16384k"), (128, "1x1024q/16384k"), (16, "4x1
 SWEEP_WS_RESCALE = {"bf16": [_ws(True, 128, 2), _ws(True, 128, 2, RESCALE_EARLY=True)] * 2}
 SWEEP_RESCALE_SHAPES = [(16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "1x1024q/16384k"),
                         (128, "1x1024q/16384k"), (16, "4x1024q/16384k"), (16, "ragged4")]
-# (--sweep ws-pingpong) the default consumers against the same consumers taking turns at the
-# tensor cores (PINGPONG: one's MMAs issued while the other is in its softmax), alternating
-SWEEP_WS_PINGPONG = {
-    "bf16": [_ws(True, 128, 2), _ws(True, 128, 2, PINGPONG=True)] * 2,
-    "fp8": [_ws(False, 128, 3, **_FP8_KL), _ws(False, 128, 3, PINGPONG=True, **_FP8_KL),
-            _ws(True, 128, 3, PINGPONG=True, **_FP8_KL)] * 2,
-}
-SWEEP_PINGPONG_SHAPES = [(16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "1x1024q/16384k"),
-                         (128, "1x1024q/16384k"), (16, "4x1024q/16384k"), (16, "ragged4")]
-# (--sweep ws-wait) the pipelined consumers with P·V's wait held after the softmax
-# (PV_WAIT_LATE; ptxas otherwise schedules it before), alone and with turns, against the
-# defaults, alternating
-SWEEP_WS_WAIT = {
-    "bf16": [_ws(True, 128, 2), _ws(True, 128, 2, PV_WAIT_LATE=True),
-             _ws(True, 128, 2, PV_WAIT_LATE=True, PINGPONG=True)] * 2,
-    "fp8": [_ws(False, 128, 3, **_FP8_KL), _ws(True, 128, 3, PV_WAIT_LATE=True, **_FP8_KL),
-            _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL)] * 2,
-}
+AB_SHAPES = [(16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "1x1024q/16384k"), (128, "1x1024q/16384k"),
+             (16, "4x1024q/16384k"), (16, "ragged4")]
 #: --ab NAME -> ([(dtype, config A, config B), ...], shapes): B against A in interleaved rounds
 #: (--verdict-rounds), the median of the per-round ratios B / A per shape: a difference of a
 #: few percent, which one pass of a sweep cannot tell from the H200's drift within a process
@@ -660,12 +644,11 @@ AB = {
                  ("bf16", _PIPE_LATE, _ws(True, 128, 2, PV_WAIT_LATE=True, PINGPONG=True)),
                  ("fp8", _SERIAL_FP8, _ws(True, 128, 3, PV_WAIT_LATE=True, **_FP8_KL)),
                  ("fp8", _SERIAL_FP8, _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL))],
-                SWEEP_PINGPONG_SHAPES),
+                AB_SHAPES),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),
-          "ws-short": (SWEEP_WS_SHORT, SWEEP_SHORT_SHAPES), "ws-rescale": (SWEEP_WS_RESCALE, SWEEP_RESCALE_SHAPES),
-          "ws-pingpong": (SWEEP_WS_PINGPONG, SWEEP_PINGPONG_SHAPES), "ws-wait": (SWEEP_WS_WAIT, SWEEP_PINGPONG_SHAPES)}
+          "ws-short": (SWEEP_WS_SHORT, SWEEP_SHORT_SHAPES), "ws-rescale": (SWEEP_WS_RESCALE, SWEEP_RESCALE_SHAPES)}
 
 
 def run_sweep(args):
@@ -761,10 +744,9 @@ def main():
     ap.add_argument("--sweep", nargs="?", const="triton", choices=list(SWEEPS),
                     help="sweep block configs instead of the table: the Triton kernel's, or (ws) the "
                          "warp-specialized kernel's; ws-short: its defaults against 64-key blocks on "
-                         "1,024-row chunks; ws-rescale: where the pipelined kernel rescales O; "
-                         "ws-pingpong: the consumers taking turns at the tensor cores; ws-wait: P·V's "
-                         "wait held after the softmax")
-    ap.add_argument("--ab", choices=list(AB), help="B against A in interleaved rounds instead of the table")
+                         "1,024-row chunks; ws-rescale: where the pipelined kernel rescales O")
+    ap.add_argument("--ab", choices=list(AB), help="pairs of the warp-specialized kernel's configs, B against A in "
+                    "interleaved rounds, instead of the table (ws-wait: P·V's wait held after the softmax, turns)")
     args = ap.parse_args()
     if args.flashinfer_fp8:
         FLASHINFER_DTYPES.append("fp8")
