@@ -167,7 +167,8 @@ def test_a_graph_key_serves_every_layer_of_one_cache():
 def test_a_shared_graph_copies_a_layers_weight_only_when_it_holds_another():
     """engine/graphs.py ``CapturedLoop.load``: every replay copies the metadata and q into the
     graph's buffers; the layer's weight only when the buffer holds another layer's (the copies
-    recorded as copies_async's (dst, src, bytes) triples; no device needed)."""
+    recorded as copies_async's (dst, src, bytes) triples, staging's event recorded by the same
+    call; no device needed)."""
     from types import SimpleNamespace
 
     from ctxprefill.engine.graphs import CapturedLoop
@@ -175,9 +176,11 @@ def test_a_shared_graph_copies_a_layers_weight_only_when_it_holds_another():
     calls: list[list[int]] = []
     meta, q_buf, w_buf = torch.empty(8, dtype=torch.int32), torch.empty((4, 1, 192)), torch.empty((256, 512))
     layers = [torch.empty((256, 512)) for _ in range(2)]
-    event = SimpleNamespace(synchronize=lambda: None, record=lambda *_: None)
+    events: list[int] = []
+    event = SimpleNamespace(synchronize=lambda: None, cuda_event=3)
     loop = CapturedLoop(None, q_buf, meta, torch.empty(8, dtype=torch.int32), event, None, None, None, True, [],
-                        SimpleNamespace(cuda_stream=0), lambda args, stream: calls.append(list(args)), w_buf,
+                        SimpleNamespace(cuda_stream=0),
+                        lambda args, stream, event: (calls.append(list(args)), events.append(event)), w_buf,
                         holds=layers[0].data_ptr())
     hm = SimpleNamespace(fill=lambda out: out.__setitem__(slice(None), np.arange(8, dtype=np.int32)))
     q = torch.empty((4, 1, 192))
@@ -189,6 +192,7 @@ def test_a_shared_graph_copies_a_layers_weight_only_when_it_holds_another():
                                                                     layers[0].data_ptr()]
     assert all(t[2][0] == w_buf.data_ptr() and t[2][2] == w_buf.nbytes for t in triples if len(t) == 3)
     assert loop.holds == layers[0].data_ptr()
+    assert events == [3] * 5
 
 
 def test_a_replay_through_the_extension_queues_its_copies_stage_and_graph_in_order(monkeypatch):

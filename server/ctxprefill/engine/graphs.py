@@ -103,7 +103,7 @@ class CapturedLoop:
         """Write a request's metadata into staging once the copy out of it before is done;
         whether the layer's weight goes in too (another layer's is in the buffer: a 32 MB
         copy at 128 heads; :attr:`holds` is set once its copy is queued)."""
-        if self.reader is None or self.reader.last is not None:  # the replay before not finished
+        if self.reader is None or self.reader.last is not None:  # no replay before, or one not finished
             self.staged.synchronize()
         hm.fill(self._staging)
         return self.weight is not None and weight.data_ptr() != self.holds
@@ -122,9 +122,8 @@ class CapturedLoop:
         does not wait)."""
         new_weight = self._stage(hm, weight)
         if self.copies is not None and q.is_contiguous():
-            # every copy in one call (torch's copy_ dispatches and checks each)
-            self.copies(self._copy_args_for(q, weight, new_weight), self._stream)
-            self.staged.record(self.stream)
+            # every copy in one call (torch's copy_ dispatches and checks each), staging's event after them
+            self.copies(self._copy_args_for(q, weight, new_weight), self._stream, self.staged.cuda_event)
         else:
             self.meta.copy_(self.staging, non_blocking=True)
             self.staged.record(self.stream)

@@ -209,10 +209,6 @@ class HostMetadata:
     chunk_layout: Layout
 
     @property
-    def block_table_shape(self) -> tuple[int, ...]:
-        return self.block_table.shape
-
-    @property
     def size(self) -> int:
         """Elements of the upload."""
         return self.vectors.size + self.block_table.size
@@ -327,7 +323,7 @@ def device_metadata(hm: HostMetadata, dev: torch.Tensor) -> tuple[torch.Tensor, 
                   keys_last=KeysLast(h.cu_k, h.cu_v, parts[h.part_k], parts[h.part_v]) if hm.keys_last else None)
         for h in hm.spans
     ]
-    return parts[-1].view(hm.block_table_shape), meta
+    return parts[-1].view(hm.block_table.shape), meta
 
 
 def upload_metadata(hm: HostMetadata, device: torch.device | str) -> tuple[torch.Tensor, list[ChunkMeta]]:

@@ -95,6 +95,9 @@ class StageTimer:
             a.record(self._stream)
         else:
             a = time.perf_counter_ns()
+        return self._open(name, a)
+
+    def _open(self, name: str, a: Mark) -> Started:
         if self._first is None:
             self._first = a
         return name, a
@@ -104,17 +107,13 @@ class StageTimer:
         stream (a plain CUDA timer: DetailedStageTimer keeps no place for it): (what
         :meth:`end_recorded_by_caller` takes, the start's ``cudaEvent_t`` handle)."""
         a = self._created_event()
-        if self._first is None:
-            self._first = a
-        return (name, a), a.cuda_event
+        return self._open(name, a), a.cuda_event
 
     def end_recorded_by_caller(self, started: Started) -> int:
         """:meth:`end` for a caller that records the end itself: the end's ``cudaEvent_t``
         handle, to record on this timer's stream after the stage's work."""
-        name, a = started
         b = self._created_event()
-        self._events.append((name, a, b))
-        self._last = b
+        self._close(started, b)
         return b.cuda_event
 
     def _created_event(self) -> torch.cuda.Event:
@@ -125,15 +124,20 @@ class StageTimer:
         return e
 
     def end(self, started: Started) -> None:
-        name, a = started
         b: Mark
         if self.cuda:
             b = self._event()
             b.record(self._stream)
-            self._events.append((name, a, b))
         else:
             b = time.perf_counter_ns()
-            self._ns[name] += b - cast(int, a)
+        self._close(started, b)
+
+    def _close(self, started: Started, b: Mark) -> None:
+        name, a = started
+        if self.cuda:
+            self._events.append((name, a, b))
+        else:
+            self._ns[name] += cast(int, b) - cast(int, a)
         self._last = b
 
     @property
