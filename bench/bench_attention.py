@@ -78,6 +78,11 @@ def pairs(q_lens, k_lens, causal):
     return tot
 
 
+def gflop(q_lens, k_lens, H, causal=False):
+    """The work of one call, GFLOP: 2 · visible (q, k) pairs · H · (192 + 128) (the meta's flops_rule)."""
+    return 2 * pairs(q_lens, k_lens, causal) * H * 320 / 1e9
+
+
 def make(q_lens, k_lens, H, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     Tq, Tk = sum(q_lens), sum(k_lens)
@@ -320,7 +325,7 @@ def measure(rec, mk, ql, kl, H, causal, rep):
             if getattr(be, "last_graph", None) is not None:
                 rec["served_by"] = be.last_graph.engine
         ms = bench_ms(fn, rep)
-        rec.update(ms=ms, tflops=2 * pairs(ql, kl, causal) * H * 320 / ms / 1e9)
+        rec.update(ms=ms, tflops=gflop(ql, kl, H, causal) / ms)
         if getattr(fn, "order_ms", None) is not None:  # host time of its launch order, uncached
             rec["order_ms"] = round(fn.order_ms, 3)
         if getattr(fn, "check", None) is not None:  # another library: its numbers against ours
@@ -541,7 +546,7 @@ def verdict_rounds(args, data, provs) -> list[dict]:
                 for name in (RAGGED_CASE, EQUAL_CASE):
                     ql, kl = cases_by_name[name]
                     x = data.get(H, name, ql, kl)
-                    fns[name] = (mk(x[dt], x["cq"], x["ck"], ql, kl), 2 * pairs(ql, kl, False) * H * 320 / 1e9)
+                    fns[name] = (mk(x[dt], x["cq"], x["ck"], ql, kl), gflop(ql, kl, H))
                     fns[name][0]()
                 return ("tflops_ragged", fns[RAGGED_CASE]), ("tflops_equal", fns[EQUAL_CASE])
 
@@ -566,7 +571,7 @@ def flashinfer_rounds(args, data, provs, shapes) -> list[dict]:
 
         def make(H=H, name=name, ql=ql, kl=kl):
             x = data.get(H, name, ql, kl)
-            flop = 2 * pairs(ql, kl, False) * H * 320 / 1e9
+            flop = gflop(ql, kl, H)
             return (("tflops_ours", (mine(x["bf16"], x["cq"], x["ck"], ql, kl), flop)),
                     ("tflops_theirs", (theirs(x["bf16"], x["cq"], x["ck"], ql, kl), flop)))
 
@@ -710,7 +715,7 @@ def run_ab(args):
 
         def make(H=H, name=name, ql=ql, kl=kl, dt=dt, cfg_a=cfg_a, cfg_b=cfg_b):
             x = data.get(H, name, ql, kl)
-            flop = 2 * pairs(ql, kl, False) * H * 320 / 1e9
+            flop = gflop(ql, kl, H)
             fns = [prov_triton(*x[dt], x["cq"], x["ck"], ql, kl, scale, config=c) for c in (cfg_b, cfg_a)]
             for fn in fns:  # compiled outside the rounds
                 fn()
