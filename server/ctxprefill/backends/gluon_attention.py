@@ -150,9 +150,9 @@ if gluon is not None:
     @no_type_check
     def _after(x, C: gl.constexpr):
         """``x`` [64] unchanged, passed through a barrier reduction of consumer C's warpgroup
-        (named barrier 14 + C) that reads it. ptxas keeps synchronizing instructions in
-        program order, so a wgmma wait placed after this cannot be scheduled before the
-        code that computes ``x`` (``PV_WAIT_LATE``)."""
+        (named barrier 14 + C) that reads it: ptxas leaves a wgmma wait placed after this
+        behind the code that computes ``x`` (``PV_WAIT_LATE``; as read in the SASS, which
+        tests/test_backend_triton.py's cross-compile check asserts)."""
         BAR: gl.constexpr = 14 + C
         return gl.inline_asm_elementwise(
             "{ .reg .pred q; .reg .b32 t; or.b32 t, $2, $3; setp.ne.b32 q, t, 0; "
