@@ -177,14 +177,16 @@ def check_layer(ns: argparse.Namespace, H: int, w: Workload, t: Tensors, kept: l
 
 
 def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, kind: str, dev: torch.device,
-          ceil: dict) -> dict[str, Any]:
-    """Fill, warm up, the timed chunks, the check: one head count's results."""
+          ceil: dict, order: str) -> dict[str, Any]:
+    """Fill, warm up, the timed chunks, the check: one head count's results, its calls
+    ordered by the caller's host (``order`` "host") or on the device ("stream")."""
     from ctxprefill.config import CacheConfig, EngineConfig, ModelShape
     from ctxprefill_client import SystemSharedMemoryRegion
 
     Ly, C, cs, bs = ns.layers, ns.chunk, w.context_start, torch.bfloat16
     piece = max(1, min(FILL_PIECE, cs))
-    t = Tensors(client, kind, dev, {"q": ((Ly, C, H, QK), bs), "kv": ((Ly, ns.new, L), bs),
+    ordered = order == "stream"
+    t = Tensors(client, kind, dev, {"q": ((Ly, C, H, QK), bs), "qbuf": ((1, C, H, QK), bs), "kv": ((Ly, ns.new, L), bs),
                                     "pe": ((Ly, ns.new, R), bs), "out": ((Ly, C, H, V), bs),
                                     "lse": ((Ly, H, C), torch.float32), "fkv": ((1, piece, L), bs),
                                     "fpe": ((1, piece, R), bs)})
@@ -233,14 +235,17 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
             return w.slots[w.context[j]:w.context[j] + n], t.input("kv", layer, off, n), t.input("pe", layer, off, n)
 
         def build(ring: Any, j: int, layer: int) -> Any:
-            """Chunk j's request for one layer, serialized (no slot taken)."""
+            """Chunk j's request for one layer, serialized (no slot taken); stream-ordered, its q
+            is read from the one q buffer that the stream writes before each layer's call."""
             n = w.new[j]
-            return ring.prepare(t.input("q", layer, 0, n), seq(j), layer=layer, **results(layer, n),
+            q = t.input("qbuf", 0, 0, n) if ordered else t.input("q", layer, 0, n)
+            return ring.prepare(q, seq(j), layer=layer, **results(layer, n),
                                 cache_write=latents(j, layer) if ns.cache_write == "with-prefill" else None)
 
         # the ring's life is bounded by --timeout: a server that stops answering ends it
         with client.attach_request_ring(ring_region, num_slots=RING_SLOTS, slot_bytes=RING_SLOT_BYTES,
-                                        timeout=ns.timeout) as ring:
+                                        timeout=ns.timeout, stream_ordered=ordered,
+                                        device=dev if ordered else None) as ring:
             for _ in range(ns.warmup):  # every layer once at the first chunk's shape, no cache_write
                 for layer in range(Ly):
                     ring.prefill_context(t.input("q", layer, 0, w.new[0]), seq(0), layer=layer,
@@ -255,6 +260,8 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
                 ahead = build(ring, j, 0) if ns.build_ahead else None
                 for layer in range(Ly):
                     t0 = time.perf_counter()
+                    if ordered:  # the layer's q, written on the stream after the layer before has answered
+                        t.t["qbuf"][0, :n].copy_(t.t["q"][layer, :n])
                     ring.submit_prepared(ahead if ahead is not None else build(ring, j, layer))
                     # the next layer's request is built while this one runs, as an engine would
                     ahead = build(ring, j, layer + 1) if ns.build_ahead and layer + 1 < Ly else None
@@ -268,6 +275,8 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
                         phases[k] += st["phase_nanos"][k]
                     stages.update(st["stage_nanos"])
                     unpacked.add(bool(st["unpacked_keys"]))
+                if ordered:
+                    _sync(dev)  # the chunk's device work: the calls were answered once queued
                 wall = time.perf_counter() - t_chunk
                 rows.append({"chunk": j, "new_tokens": n, "context_tokens": ctx, "wall_ms": wall * 1e3,
                              "calls_ms": calls_s * 1e3, "write_ms": write_s * 1e3,
@@ -296,7 +305,7 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
         client.unregister_shared_memory(ring_region.name)
         ring_region.close()
         ring_region.unlink()
-    return summarize(ns, H, w, rows, fill, checks, packs)
+    return {"order": order, **summarize(ns, H, w, rows, fill, checks, packs)}
 
 
 def _div(a: float, b: float) -> float:
@@ -327,7 +336,8 @@ def summarize(ns: argparse.Namespace, H: int, w: Workload, rows: list[dict], fil
 
 
 def run_heads(ns: argparse.Namespace, H: int, w: Workload, kind: str, dev: torch.device, ceil: dict,
-              logdir: str) -> dict[str, Any]:
+              logdir: str) -> list[dict[str, Any]]:
+    """One server for ``H`` heads; one run per ``--orders`` entry on it, in turn."""
     from ctxprefill_client import PrefillContextClient
 
     flags: dict[str, object] = {"device": str(dev), "heads": H, "layers": ns.layers, "block_size": ns.block_size,
@@ -337,6 +347,8 @@ def run_heads(ns: argparse.Namespace, H: int, w: Workload, kind: str, dev: torch
         flags["workspace_tokens"] = ns.workspace_tokens
     if ns.cuda_graphs:
         flags["cuda_graphs"] = True
+    if "stream" in ns.orders:
+        flags["request_ring_stream_order"] = True
     server = ServerProcess(f"workload_h{H}", flags, logdir)
     log("starting the server: " + server.cmd)
     try:
@@ -347,15 +359,17 @@ def run_heads(ns: argparse.Namespace, H: int, w: Workload, kind: str, dev: torch
                 raise RuntimeError(f"the server holds {info.num_layers} layers, not {ns.layers}")
             log(f"server ready in {ready_s:.1f} s: {info.device}, backend {info.attention_backend}, fused "
                 f"{info.fused_kernels_active}, workspace {info.workspace_tokens}")
-            res = drive(ns, H, w, client, info, kind, dev, ceil)
-            res["server"] = {"cmd": server.cmd, "ready_s": ready_s, "attention_backend": info.attention_backend,
-                             "fused_kernels_active": info.fused_kernels_active,
-                             "workspace_tokens": info.workspace_tokens, "cache_dtype": info.cache_dtype,
-                             "prefill_dtype": info.prefill_dtype, "num_blocks": info.num_blocks}
+            runs = [drive(ns, H, w, client, info, kind, dev, ceil, order) for order in ns.orders]
+            for res in runs:
+                res["server"] = {"cmd": server.cmd, "ready_s": ready_s, "attention_backend": info.attention_backend,
+                                 "fused_kernels_active": info.fused_kernels_active,
+                                 "workspace_tokens": info.workspace_tokens, "cache_dtype": info.cache_dtype,
+                                 "prefill_dtype": info.prefill_dtype, "num_blocks": info.num_blocks}
     finally:
         server.stop(timeout=15)
-    res["server"]["log_tail"] = server.tail(20)
-    return res
+    for res in runs:
+        res["server"]["log_tail"] = server.tail(20)
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,6 +397,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="build each layer's request while the layer before it runs (RequestRing.prepare)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="serve --cuda-graphs: each step's shape captured once and replayed for the other layers")
+    p.add_argument("--orders", nargs="+", choices=["host", "stream"], default=["host"],
+                   help="how the calls are ordered, one run each on the same server: host = each answer (its work "
+                        "done) awaited before the next call; stream = a stream-ordered ring (serve "
+                        "--request-ring-stream-order; CUDA): each layer's q written into one buffer on the caller's "
+                        "stream, the calls ordered by CUDA events and answered once queued, the chunk's wall time "
+                        "ending when its device work has")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of each RPC, seconds")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start")
@@ -401,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     kind = ns.shared_memory if ns.shared_memory != "auto" else ("cuda" if dev.type == "cuda" else "system")
     if kind == "cuda" and dev.type != "cuda":
         p.error("--shared-memory cuda needs a CUDA device")
+    if "stream" in ns.orders and kind != "cuda":
+        p.error("--orders stream needs the tensors in CUDA memory (a CUDA device)")
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
     w = Workload(ns)
     ceil = engine_bench.measure_ceilings(dev, ns.sustained_gemm_s)
@@ -412,27 +434,29 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as logdir:
         for H in ns.heads:
-            runs.append(run_heads(ns, H, w, kind, dev, ceil, logdir))
-            r = runs[-1]
-            log(f"H={H}: {r['calls']} calls in {r['wall_s']:.3f} s, floor sum {r['floor_s']:.3f} s (ratio "
-                f"{r['ratio']:.2f}); {r['context_tokens_per_s']:.3g} context tokens/s (floor "
-                f"{r['floor_context_tokens_per_s']:.3g})")
-            per_call = {k: f"{v / r['calls'] * 1e3:.3f}" for k, v in r["server_phase_s"].items()}
-            log(f"H={H}: device stages per call, ms: "
-                f"{ {k: round(v / r['calls'] * 1e3, 3) for k, v in r['stage_s'].items()} }")
-            log(f"H={H}: per call, ms: client-observed {r['calls_s'] / r['calls'] * 1e3:.3f}, server "
-                f"{r['server_total_s'] / r['calls'] * 1e3:.3f} ({per_call})")
+            runs += run_heads(ns, H, w, kind, dev, ceil, logdir)
+            for r in runs[-len(ns.orders):]:
+                o = r["order"]
+                log(f"H={H} ({o} order): {r['calls']} calls in {r['wall_s']:.3f} s, floor sum {r['floor_s']:.3f} s "
+                    f"(ratio {r['ratio']:.2f}); {r['context_tokens_per_s']:.3g} context tokens/s (floor "
+                    f"{r['floor_context_tokens_per_s']:.3g})")
+                per_call = {k: f"{v / r['calls'] * 1e3:.3f}" for k, v in r["server_phase_s"].items()}
+                log(f"H={H} ({o} order): device stages per call, ms: "
+                    f"{ {k: round(v / r['calls'] * 1e3, 3) for k, v in r['stage_s'].items()} }")
+                log(f"H={H} ({o} order): per call, ms: client-observed {r['calls_s'] / r['calls'] * 1e3:.3f}, "
+                    f"server {r['server_total_s'] / r['calls'] * 1e3:.3f} ({per_call})")
             if ns.out:
                 tmp = ns.out + ".tmp"
                 with open(tmp, "w") as f:
                     json.dump(engine_bench._clean({"meta": meta, "runs": runs}), f, indent=1)
                 os.replace(tmp, ns.out)
-    print(f"\n{'H':>4} {'chunk':>5} {'context':>8} {'wall ms':>9} {'floor ms':>9} {'ratio':>6} {'compute ms':>10}")
+    print(f"\n{'H':>4} {'order':>6} {'chunk':>5} {'context':>8} {'wall ms':>9} {'floor ms':>9} {'ratio':>6} "
+          f"{'compute ms':>10}")
     for r in runs:
         for row in r["rows"]:
             fl = row["floor_ms"] if row["floor_ms"] is not None else float("nan")
-            print(f"{r['heads']:4d} {row['chunk']:5d} {row['context_tokens']:8d} {row['wall_ms']:9.2f} {fl:9.2f} "
-                  f"{_div(row['wall_ms'], fl):6.2f} {row['server_compute_ms']:10.2f}")
+            print(f"{r['heads']:4d} {r['order']:>6} {row['chunk']:5d} {row['context_tokens']:8d} "
+                  f"{row['wall_ms']:9.2f} {fl:9.2f} {_div(row['wall_ms'], fl):6.2f} {row['server_compute_ms']:10.2f}")
     return 0 if all(r["check_ok"] for r in runs) else 1
 
 

@@ -536,20 +536,25 @@ def model_workload_table(d: Doc) -> str:
     lines = [_run_line(d), "",
              f"One sequence: {a['new']:,} new tokens in {a['chunk']:,}-token chunks over a context growing to "
              f"{a['max_context']:,} tokens, every layer's PrefillContext through a request ring (tensors in "
-             f"{meta['shared_memory']} shared memory, cache_write {a['cache_write']}), each answer waited for before "
+             f"{meta['shared_memory']} shared memory, cache_write {a['cache_write']}), each answer read before "
              f"the next layer's call"
              + (" (the server with --cuda-graphs: a step's shape captured once, replayed for the other layers)"
                 if a.get("cuda_graphs") else "")
-             + ". Floor: each call's kv_b_proj and attention FLOPs at the measured bf16 GEMM rate "
+             + ". Order host: an answer comes once the call's device work is done, so the device waits for both "
+             "hosts between calls; order stream (a stream-ordered ring, on the same server): each layer's q is "
+             "written on the caller's stream, the server's work waits for it on the device and is answered once "
+             "queued, and a chunk's wall time ends when its device work has. "
+             "Floor: each call's kv_b_proj and attention FLOPs at the measured bf16 GEMM rate "
              f"plus its gather/pack bytes at the measured copy bandwidth, summed over the calls (held: at the GEMM "
              f"rate held for {a['sustained_gemm_s']:g} s, the clock the power cap leaves). Context tokens/s: "
              f"the context tokens the calls attended, summed, per second (one GPU).", "",
-             "| heads | layers | chunks | calls | wall s | server compute s | floor sum s | wall / floor "
+             "| heads | order | layers | chunks | calls | wall s | server compute s | floor sum s | wall / floor "
              "| wall / held floor | context tokens/s | at the floor | float64 check |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["runs"]:
         check = ", ".join(f"layer {c['layer']}: {c['output_error']:.1e}" for c in r["checks"]) or "n/a"
-        lines.append(f"| {r['heads']} | {r['layers']} | {r['chunks']} | {r['calls']} | {r['wall_s']:.3f} "
+        lines.append(f"| {r['heads']} | {r.get('order', 'host')} | {r['layers']} | {r['chunks']} | {r['calls']} "
+                     f"| {r['wall_s']:.3f} "
                      f"| {r['server_compute_s']:.3f} | {_num(r['floor_s'], '.3f')} | {_num(r['ratio'], '.2f')} "
                      f"| {_num(r['ratio_held'], '.2f')} "
                      f"| {_num(r['context_tokens_per_s'], '.3g')} | {_num(r['floor_context_tokens_per_s'], '.3g')} "
@@ -558,15 +563,20 @@ def model_workload_table(d: Doc) -> str:
         lines += ["", "Per call, ms: the caller's wait (submit to answer), the server's host phases (validate: "
                   "parse and decode; compute: the engine call, its device work waited for), the device time of its "
                   "stages (a replayed CUDA graph is one stage), and what is left of the caller's wait outside the "
-                  "server (the ring's hand-offs, the answer's parse).", "",
-                  "| heads | caller | server | validate | compute | device stages | compute − device "
-                  "| outside the server |", "|---|---|---|---|---|---|---|---|"]
+                  "server (the ring's hand-offs, the answer's parse). In stream order the answer comes once the "
+                  "work is queued: compute is the host's queueing and no device time is reported.", "",
+                  "| heads | order | caller | server | validate | compute | device stages | compute − device "
+                  "| outside the server |", "|---|---|---|---|---|---|---|---|---|"]
         for r in d["runs"]:
             n, ph = r["calls"], r["server_phase_s"]
             dev = sum(r["stage_s"].values())
-            lines.append(f"| {r['heads']} | {r['calls_s'] / n * 1e3:.3f} | {r['server_total_s'] / n * 1e3:.3f} "
-                         f"| {ph['validate'] / n * 1e3:.3f} | {ph['compute'] / n * 1e3:.3f} | {dev / n * 1e3:.3f} "
-                         f"| {(ph['compute'] - dev) / n * 1e3:.3f} "
+            timed = bool(r["stage_s"])
+            dev_ms = f"{dev / n * 1e3:.3f}" if timed else "—"
+            beyond_ms = f"{(ph['compute'] - dev) / n * 1e3:.3f}" if timed else "—"
+            lines.append(f"| {r['heads']} | {r.get('order', 'host')} | {r['calls_s'] / n * 1e3:.3f} "
+                         f"| {r['server_total_s'] / n * 1e3:.3f} "
+                         f"| {ph['validate'] / n * 1e3:.3f} | {ph['compute'] / n * 1e3:.3f} "
+                         f"| {dev_ms} | {beyond_ms} "
                          f"| {(r['calls_s'] - r['server_total_s']) / n * 1e3:.3f} |")
     return "\n".join(lines) + "\n"
 

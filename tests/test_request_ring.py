@@ -259,7 +259,10 @@ def test_attach_refusals(server, client, region):
                             ({"slot_bytes": 4096 + 8}, grpc.StatusCode.INVALID_ARGUMENT, "slot_bytes"),
                             ({"offset": 8}, grpc.StatusCode.INVALID_ARGUMENT, "offset"),
                             ({"num_slots": 1024, "slot_bytes": 1 << 16}, grpc.StatusCode.OUT_OF_RANGE, "slot_bytes"),
-                            ({"expected_instance_id": "nope"}, grpc.StatusCode.FAILED_PRECONDITION, "instance")):
+                            ({"expected_instance_id": "nope"}, grpc.StatusCode.FAILED_PRECONDITION, "instance"),
+                            # stream order is off unless the server allows it (and needs CUDA)
+                            ({"ready_events": [bytes(64)] * 2}, grpc.StatusCode.FAILED_PRECONDITION,
+                             "--request-ring-stream-order")):
         code, details = attach(**kw)
         assert code == want and field in details, (kw, code, details)
     # overlapping rings, and the limit
@@ -303,6 +306,10 @@ def test_settings_need_system_shared_memory():
         shared_memory_kinds(ServeSettings(device="cpu", shared_memory="system", request_ring=True,
                                           request_ring_poll_us=0))
     assert shared_memory_kinds(ServeSettings(device="cpu", shared_memory="system", request_ring=True)) == ("system",)
+    # stream order needs CUDA regions, so a CUDA server
+    with pytest.raises(ConfigError, match="--request-ring-stream-order needs CUDA"):
+        shared_memory_kinds(ServeSettings(device="cpu", shared_memory="all", request_ring=True,
+                                          request_ring_stream_order=True))
 
 
 # ----------------------------------------------------------------------------- lifetime

@@ -1,14 +1,21 @@
 """The engine thread pipelines ring requests (service/engine_worker.py ``EngineWorker._poll_rings``):
 the next request is started before the previous one is answered, every request is
 answered once and in the order taken, at most ``RING_BURST`` per poll, and a ring let go
-meanwhile gets no answer written, though its request is still finished."""
+meanwhile gets no answer written, though its request is still finished. A stream-ordered
+ring's request is answered once queued, its settling waits for its device event, and a
+ring with ``num_slots`` unfinished requests waits for the oldest before taking another —
+or is let go when that outlives the timeout (``service/stream_order.py``, events faked)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 
+import pytest
+
+from ctxprefill.errors import FailedPrecondition
 from ctxprefill.service.engine_worker import EngineWorker
 from ctxprefill.service.metrics import Metrics
+from ctxprefill.service.stream_order import StreamOrder
 
 
 class FakeRing:
@@ -19,6 +26,10 @@ class FakeRing:
         self.answers = []
         self.usable_calls = 0
         self.stop_after_usable = None  # stop (as unregistering does) at this call of usable()
+        self.order = None  # a stream-ordered ring's StreamOrder
+        self.ring_id = name
+        self.num_slots = 4
+        self.failed = None
 
     def usable(self) -> bool:
         self.usable_calls += 1
@@ -44,7 +55,7 @@ class FakeRing:
 def worker_with(log: list) -> EngineWorker:
     w = EngineWorker(Metrics())
 
-    def handler(ring, payload, after):
+    def handler(ring, slot, payload, after):
         name = payload.decode()
         log.append(("start", name))
         after.append(lambda: log.append(("after", name)))
@@ -111,5 +122,101 @@ def test_without_overlap_each_request_is_answered_before_the_next_starts():
         assert w._poll_rings((ring,))
         assert log == [("start", "a0"), ("answer", "a0"), ("written", "a0"), ("after", "a0"),
                        ("start", "a1"), ("answer", "a1"), ("written", "a1"), ("after", "a1")]
+    finally:
+        w.stop()
+
+
+class FakeEvent:
+    """What StreamOrder asks of an event: query(); fires at the given query."""
+
+    def __init__(self, fires_at: int | None = 1):
+        self.fires_at, self.queries = fires_at, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.fires_at is not None and self.queries >= self.fires_at
+
+
+def ordered_worker(log: list, fired: list, fires_at: int | None = 1):
+    """A worker whose handler, for a stream-ordered ring, registers each request's settling
+    behind a fake event (as PrefillCall._queued does)."""
+    w = EngineWorker(Metrics())
+
+    def handler(ring, slot, payload, after):
+        name = payload.decode()
+        log.append(("start", name))
+        ev = FakeEvent(fires_at)
+        fired.append(ev)
+        ring.order.after(ev, lambda: log.append(("settled", name)))
+        return lambda: (log.append(("answer", name)), payload)[1]
+
+    w.ring_handler = handler
+    return w
+
+
+def test_a_stream_ordered_request_is_answered_at_once_and_settled_once_its_event_fires():
+    log: list = []
+    fired: list = []
+    w = ordered_worker(log, fired, fires_at=2)  # each event fires at its second query
+    try:
+        ring = FakeRing("s", 2, log)
+        ring.order = StreamOrder([], [], timeout_s=1.0)
+        assert w._poll_rings((ring,))
+        # answered one by one, no request held back for the next (the overlap of plain rings)
+        assert log == [("start", "s0"), ("answer", "s0"), ("written", "s0"),
+                       ("start", "s1"), ("answer", "s1"), ("written", "s1")]
+        assert ring.order.in_flight == 2
+        ring.order.settle()  # s0's first query: not fired, and nothing after it is settled first
+        assert ring.order.in_flight == 2
+        ring.order.settle()
+        assert log[-1] == ("settled", "s0") and ring.order.in_flight == 1
+        ring.order.settle()
+        assert log[-1] == ("settled", "s1") and ring.order.in_flight == 0
+    finally:
+        w.stop()
+
+
+def test_a_stream_ordered_ring_with_every_slot_unfinished_waits_for_the_oldest():
+    log: list = []
+    fired: list = []
+    w = ordered_worker(log, fired, fires_at=3)
+    try:
+        ring = FakeRing("s", 3, log)
+        ring.num_slots = 2
+        ring.order = StreamOrder([], [], timeout_s=5.0)
+        w._poll_rings((ring,))
+        starts = [i for i, e in enumerate(log) if e[0] == "start"]
+        settled = [i for i, e in enumerate(log) if e == ("settled", "s0")]
+        # s2 is taken only after s0 (the oldest of two unfinished) has settled
+        assert settled and settled[0] < starts[2]
+        assert ("settled", "s1") not in log[:starts[2]]
+    finally:
+        w.stop()
+
+
+def test_a_stalled_stream_ordered_ring_is_let_go_and_keeps_its_requests_regions():
+    log: list = []
+    fired: list = []
+    w = ordered_worker(log, fired, fires_at=None)  # never fires
+    try:
+        ring = FakeRing("s", 3, log)
+        ring.num_slots = 2
+        ring.order = StreamOrder([], [], timeout_s=0.05)
+        failed: list = []
+
+        def fail(why):
+            failed.append(why)
+            ring.order.drain()  # as AttachedRing._release does
+            ring.stopped.set_exception(why)
+
+        ring.fail = fail
+        w._poll_rings((ring,))
+        assert [e for e in log if e[0] == "start"] == [("start", "s0"), ("start", "s1")]
+        assert len(failed) == 1 and isinstance(failed[0], FailedPrecondition)
+        assert "ready_events" in str(failed[0]) or failed[0].field == "ready_events"
+        assert ring.order.stalled and ring.order.in_flight == 0
+        assert not any(e[0] == "settled" for e in log)  # unfinished: their regions stay held
+        with pytest.raises(FailedPrecondition):
+            ring.stopped.result()
     finally:
         w.stop()

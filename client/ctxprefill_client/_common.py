@@ -545,6 +545,7 @@ def stats_to_dict(s: pb.Stats) -> dict[str, Any]:
         "context_tokens": s.context_tokens,
         "query_tokens": s.query_tokens,
         "unpacked_keys": s.unpacked_keys,
+        "queued": s.queued,  # answered before its device work ran (a stream-ordered ring): no device times
     }
 
 

@@ -269,14 +269,18 @@ class PrefillContextClient:
         return PrefillStream(self, timeout)
 
     def attach_request_ring(self, region: Any, *, num_slots: int = 4, slot_bytes: int = 1 << 16, offset: int = 0,
-                            timeout: float | None = None, spin_s: float = 0.25) -> RequestRing:
+                            timeout: float | None = None, spin_s: float = 0.25,
+                            stream_ordered: bool = False, device: Any = None) -> RequestRing:
         """A :class:`~ctxprefill_client.request_ring.RequestRing` in ``region`` (a registered
         :class:`SystemSharedMemoryRegion`; server ``--request-ring``): PrefillContext requests
         through shared-memory slots, taken by the server's engine thread without a gRPC
-        call each. ``timeout``: the ring's whole life (default: none). Use it as a context
-        manager; leave the region registered while the ring is attached."""
+        call each. ``timeout``: the ring's whole life (default: none). ``stream_ordered``
+        (torch, server ``--request-ring-stream-order``): requests ordered with the caller's
+        CUDA stream by events on ``device`` (default: the current one), no host waiting for
+        the device on either side. Use it as a context manager; leave the region registered
+        while the ring is attached."""
         return RequestRing(self, region, num_slots=num_slots, slot_bytes=slot_bytes, offset=offset, timeout=timeout,
-                           spin_s=spin_s)
+                           spin_s=spin_s, stream_ordered=stream_ordered, device=device)
 
     # ------------------------------------------------------------------ shared memory
 

@@ -32,6 +32,25 @@ request without taking a slot, :meth:`RequestRing.submit_prepared` writes it int
 next one. A shared-memory input is read when the server runs the request, so q may be
 written after ``prepare``, before ``submit_prepared`` (an inline q is copied by ``prepare``).
 
+Stream order (``stream_ordered=True``; torch, a CUDA server started with
+``--request-ring-stream-order``): the ring carries one pair of CUDA IPC events per slot.
+:meth:`RequestRing.submit` records the slot's *ready* event on the caller's current
+stream before it writes the request, and the server's device work waits for that event
+on the device, not the caller's host for its stream; the server answers once the work is
+queued, and :meth:`RequestRing.result` makes the current stream wait for the slot's
+*done* event before it returns. So neither host waits for the device: a model's layers
+issue their calls as they issue kernels, and the GPU goes from the caller's work to the
+server's and back. Every tensor of such a request lies in a CUDA region (q, cache_write,
+output_region, lse_region); the answer's ``stats["queued"]`` is True and has no device
+times. The results are read, and the request's regions written again, on the stream (or
+after synchronizing it).
+
+    with client.attach_request_ring(region, stream_ordered=True) as ring:
+        q_buf.copy_(q)                                      # on the current stream
+        ring.submit(q_in, seqs, output_region=out_ref, lse_region=lse_ref)
+        ring.result()                                       # queued; the stream waits for it
+        next_q = o_proj(out_buf)                            # runs after the server's work
+
 Waiting: :meth:`RequestRing.result` spins on the slot's state for up to ``spin_s``
 seconds, then checks every ``sleep_s``. Spinning costs a CPU while waiting and is
 what makes the ring fast (a sleeping thread takes ~0.1 ms to run again on a VM).
@@ -94,7 +113,7 @@ class RequestRing:
 
     def __init__(self, client: Any, region: SystemSharedMemoryRegion, *, num_slots: int = 4,
                  slot_bytes: int = 1 << 16, offset: int = 0, timeout: float | None = None, spin_s: float = 0.25,
-                 sleep_s: float = 50e-6) -> None:
+                 sleep_s: float = 50e-6, stream_ordered: bool = False, device: Any = None) -> None:
         if not isinstance(region, SystemSharedMemoryRegion):
             raise TypeError("region: a registered SystemSharedMemoryRegion (the ring lives in host memory)")
         check_geometry(num_slots, slot_bytes, offset)
@@ -118,6 +137,18 @@ class RequestRing:
                                           slot_bytes=slot_bytes)
         if expected is not None:
             req.expected_instance_id = expected
+        self._ready: list[Any] = []  # stream order: the slots' ready events (ours) and done events (the server's)
+        self._done: list[Any] = []
+        self._device: Any = None
+        if stream_ordered:
+            import torch  # stream order only
+
+            self._device = torch.device("cuda", torch.cuda.current_device()) if device is None \
+                else torch.device(device)
+            event: Any = torch.cuda.Event  # untyped in torch's stubs
+            self._ready = [event(interprocess=True) for _ in range(num_slots)]
+            with torch.cuda.device(self._device):
+                req.ready_events.extend(bytes(e.ipc_handle()) for e in self._ready)
         # the call lives as long as the ring: its deadline (``timeout``) ends the ring
         self._call = client._stub.AttachRequestRing(req, timeout=timeout, metadata=with_trace_context(client._metadata))
         try:
@@ -129,6 +160,18 @@ class RequestRing:
         client._tracker.observe(METHOD, first.instance_id)
         self.ring_id = first.ring_id
         self._closed = False
+        if stream_ordered:
+            if len(first.done_events) != num_slots:
+                self._call.cancel()
+                raise CtxPrefillError(f"the server sent {len(first.done_events)} done events for {num_slots} slots")
+            import torch
+
+            opened: Any = torch.cuda.Event.from_ipc_handle  # untyped in torch's stubs
+            self._done = [opened(self._device, h) for h in first.done_events]
+
+    @property
+    def stream_ordered(self) -> bool:
+        return bool(self._done)
 
     # ------------------------------------------------------------------ requests
 
@@ -182,6 +225,10 @@ class RequestRing:
                              f"or attach a ring with larger slots")
         base = slot * self.slot_bytes + HEADER_BYTES
         self._buf[base : base + len(data)] = np.frombuffer(data, np.uint8)
+        if self._done:  # the inputs written so far on the stream are what the server's work waits for
+            import torch
+
+            self._ready[slot].record(torch.cuda.current_stream(self._device))
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         self._seqs[slot] = self._seq
         self._lengths[slot] = len(data)
@@ -210,6 +257,10 @@ class RequestRing:
         data = self._buf[base : base + n].tobytes()
         memory_fence()
         self._states[slot] = FREE
+        if self._done:  # the stream goes on once the server's work for the slot is done
+            import torch
+
+            torch.cuda.current_stream(self._device).wait_event(self._done[slot])
         if seq != want:
             raise CtxPrefillError(f"slot {slot}: the answer is to request {seq}, expected {want}")
         return pb.PrefillContextStreamResponse.FromString(data), meta

@@ -80,6 +80,8 @@ class ServeSettings:
     request_ring_spin_us: int = 20000  # after a ring request, the engine thread polls without sleeping this long
     request_ring_poll_us: int = 100  # then it checks the rings this often
     request_ring_overlap: bool = True  # start the next ring request before answering the previous one
+    request_ring_stream_order: bool = False  # rings may order requests on the device by CUDA IPC events
+    request_ring_stream_order_timeout_s: float = 30.0  # a stream-ordered request unfinished this long: ring detached
     otlp_endpoint: str | None = None  # OpenTelemetry traces to this OTLP/gRPC collector (service/tracing.py)
 
 
@@ -178,6 +180,14 @@ _HELP = {
                             "previous one is waited for and answered, so that the device goes from one request to "
                             "the next; --no-request-ring-overlap runs each to its answer first (the baseline of "
                             "bench/bench_concurrency.py's A/B)",
+    "request_ring_stream_order": "allow stream-ordered request rings (CUDA): a ring attached with ready_events "
+                                 "makes each request's device work wait for the caller's CUDA event instead of the "
+                                 "caller's host, and is answered once the work is queued. The caller is trusted with "
+                                 "the server's device timeline: an event that never fires blocks every request behind "
+                                 "it (docs/TRANSPORT.md)",
+    "request_ring_stream_order_timeout_s": "a stream-ordered ring whose oldest request has not finished on the device "
+                                           "within this many seconds, when the engine thread must wait for it, is "
+                                           "detached (FAILED_PRECONDITION)",
     "otlp_endpoint": "send OpenTelemetry traces (a span per RPC, PrefillContext's stages under it) to this OTLP/gRPC "
                      "collector, e.g. http://otel-collector:4317 (https:// for TLS); off by default. The standard "
                      "OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, ... are read too "
@@ -314,6 +324,13 @@ def check_request_ring(s: ServeSettings, kinds: tuple[str, ...]) -> None:
         v = getattr(s, name)
         if not isinstance(v, int) or not lo <= v <= hi:
             raise ConfigError(f"--{name.replace('_', '-')} must be an integer in [{lo}, {hi}], got {v!r}")
+    if s.request_ring_stream_order:
+        if "cuda" not in kinds:
+            raise ConfigError("--request-ring-stream-order needs CUDA regions (--shared-memory all on a CUDA device): "
+                              "a stream-ordered request's tensors lie in them")
+        t = s.request_ring_stream_order_timeout_s
+        if not isinstance(t, (int, float)) or not 0 < t <= 3600:
+            raise ConfigError(f"--request-ring-stream-order-timeout-s must be in (0, 3600], got {t!r}")
 
 
 @dataclasses.dataclass(frozen=True)

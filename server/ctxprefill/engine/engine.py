@@ -79,6 +79,7 @@ class PrefillStats:
     # start_prefill(timeline=True): when the request's checks and plan ran (perf_counter_ns), and each stage
     checked_ns: tuple[int, int] | None = None
     stages: list[StageSpan] | None = None
+    queued: bool = False  # taken before the device work ran (PendingPrefill.queued_stats): no device times
 
 
 @dataclasses.dataclass
@@ -110,6 +111,11 @@ class PendingPrefill:
             assert self._write is not None
             self.written = self._engine._write_checked(self._write)
         return self.written
+
+    def queued_stats(self, total_ns: int) -> PrefillStats:
+        """The stats known while the work is queued (no stage times; ``total_ns`` the host's)."""
+        return PrefillStats(**self._stats, launches=self._pending.counts, stage_ns={}, total_ns=total_ns,
+                            unpacked_keys=self._pending.unpacked_keys, queued=True)
 
     def result(self) -> PrefillResult:
         self.write_cache()

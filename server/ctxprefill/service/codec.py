@@ -437,7 +437,7 @@ def prefill_response(*, out: Result, lse: Result, stats: PrefillStats, total_ns:
         context_tokens=st.context_tokens,
         query_tokens=st.query_tokens,
         validate_nanos=phases[0], queue_nanos=phases[1], input_nanos=phases[2], compute_nanos=phases[3],
-        output_nanos=phases[4], unpacked_keys=st.unpacked_keys,
+        output_nanos=phases[4], unpacked_keys=st.unpacked_keys, queued=st.queued,
     )
     resp = pb.PrefillContextResponse(stats=msg, instance_id=instance_id, request_id=request_id,
                                      slots_written=slots_written)

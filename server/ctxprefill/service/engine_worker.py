@@ -41,10 +41,10 @@ def _is_oom(e: BaseException) -> bool:
 
 
 T = TypeVar("T")
-#: what runs a ring request: (ring, its payload or None when it did not fit, a list of what
-#: may run once the answer is written) -> a function that returns the answer's bytes (the
+#: what runs a ring request: (ring, its slot, its payload or None when it did not fit, a list of
+#: what may run once the answer is written) -> a function that returns the answer's bytes (the
 #: request's device work queued in between)
-RingHandler = Callable[[AttachedRing, bytes | None, list[Callable[[], None]]], Callable[[], bytes]]
+RingHandler = Callable[[AttachedRing, int, bytes | None, list[Callable[[], None]]], Callable[[], bytes]]
 
 
 @dataclasses.dataclass(eq=False)
@@ -179,11 +179,17 @@ class EngineWorker:
         device work queued) before the previous one is waited for and answered, so that
         the device goes from one request's work to the next instead of waiting for the
         host in between (one ring with two requests in flight keeps it busy). Without
-        ``ring_overlap`` each request is answered before the next is started."""
+        ``ring_overlap`` each request is answered before the next is started. A
+        stream-ordered ring's request is answered once queued (its device work is not
+        waited for), after its ring's finished requests are settled; with ``num_slots``
+        of them unfinished the oldest is waited for first (stream_order.py)."""
         assert self.ring_handler is not None
         served, live = 0, list(rings)
         pending: _RingTurn | None = None
         took = True
+        for ring in rings:
+            if ring.order is not None:
+                ring.order.settle()
         while took and served < self.RING_BURST:
             took = False
             for ring in list(live):
@@ -192,12 +198,25 @@ class EngineWorker:
                 if not ring.usable():
                     live.remove(ring)
                     continue
+                if ring.order is not None and ring.order.in_flight >= ring.num_slots:
+                    try:
+                        ring.order.wait_oldest()
+                    except Exception as e:  # noqa: BLE001 - a stalled caller: its ring ends, the server goes on
+                        log.error("stream-ordered ring detached: %s", e, extra={"ring": ring.ring_id})
+                        ring.fail(e)
+                        live.remove(ring)
+                        continue
                 got = ring.take()
                 if got is None:
                     continue
                 slot, seq, payload = got
                 after: list[Callable[[], None]] = []
-                started = _RingTurn(ring, slot, seq, self.ring_handler(ring, payload, after), after)
+                started = _RingTurn(ring, slot, seq, self.ring_handler(ring, slot, payload, after), after)
+                if ring.order is not None:  # answered at once: the caller's stream waits on the device
+                    self._answer_ring(started)
+                    served += 1
+                    took = True
+                    continue
                 if pending is not None:
                     self._answer_ring(pending)
                 pending = started

@@ -31,10 +31,11 @@ import torch
 
 from ..engine.engine import Engine, PendingPrefill, PrefillStats
 from ..engine.request import PrefillRequest, StopSignal
-from ..errors import Stopped
+from ..errors import InvalidArgument, Stopped
 from . import codec, tracing, transport
 from .metrics import Metrics, path_label
-from .shared_memory import Lease, SharedMemoryRegistry
+from .shared_memory import CUDA, Lease, SharedMemoryRegistry
+from .stream_order import SlotOrder
 
 log = logging.getLogger("ctxprefill.service")
 
@@ -114,19 +115,28 @@ class PrefillCall:
         if self.lease is not None:
             self.lease.end(self.engine.device)
 
-    def start(self, defer: list[Callable[[], None]] | None = None) -> Callable[[], PrefillDone] | None:
+    def start(self, defer: list[Callable[[], None]] | None = None,
+              order: SlotOrder | None = None) -> Callable[[], PrefillDone] | None:
         """On the engine thread: queue the request's device work, its results' copies and
         its cache_write, and return the function that waits for them (None when the
         handler gave up first). Between the two the engine thread can start the next
         request (request rings), so that the device is not idle while the host prepares
         it. ``defer`` takes what may wait until the answer is out (metrics, releasing the
         regions, once the device is synchronized) — what a request ring does; without
-        it that is done by the finish."""
+        it that is done by the finish. ``order`` (a stream-ordered ring's slot): the work
+        waits for the caller's ready event on the device, the slot's done event follows
+        it, and the returned function does not wait (see :meth:`_queued`)."""
         engine, lease, shared = self.engine, self.lease, self.decoded.shared
         t_start = time.perf_counter_ns()
+        if order is not None:
+            self._require_device_resident()
         if lease is not None and not lease.begin():
             return None  # the handler gave up on this request
+        waited = False
         try:
+            if order is not None:
+                order.wait_ready(engine.device)  # before anything reads the caller's regions
+                waited = True
             request = codec.with_inputs(self.decoded.request, shared & {"q"}, engine.device)
             if "q" in shared and not self.decoded.request.q.is_cuda and engine.device.type == "cuda":
                 torch.cuda.current_stream(engine.device).synchronize()  # input_nanos: the copy itself
@@ -148,13 +158,58 @@ class PrefillCall:
                 self.metrics.observe_insert(written.launches, path_label(engine.config.fused),
                                             engine.cache_slots_used)
         except BaseException as e:
+            if waited:
+                assert order is not None
+                order.record_done(engine.device)  # the caller's wait covers whatever was queued
             self._release()
             if isinstance(e, Stopped):
                 self.metrics.observe_stopped(e.reason, e.chunks_done, path_label(engine.config.fused))
             raise
         started = _Started(pending, results, placed, written.slots_written, t_start, t_in, defer,
                            any(name.startswith("cache_write.") for name in shared))
+        if order is not None:
+            return functools.partial(self._queued, started, order)
         return functools.partial(self._finish, started)
+
+    def _require_device_resident(self) -> None:
+        """A stream-ordered request reads and writes device memory only: host memory would
+        make the server's host wait for the caller's stream (INVALID_ARGUMENT naming the field)."""
+        r = self.decoded.request
+        tensors = [("q", r.q)]
+        if r.cache_write is not None:
+            tensors += [("cache_write.kv_c", r.cache_write.kv_c), ("cache_write.k_pe", r.cache_write.k_pe)]
+        for name, t in tensors:
+            if not t.is_cuda:
+                raise InvalidArgument(name, f"a stream-ordered ring's request takes {name} from a CUDA region "
+                                            f"(host memory would make the server wait for the caller's stream)")
+        for name, to in (("output_region", self.output_to), ("lse_region", self.lse_to)):
+            if to is None or to.kind != CUDA:
+                raise InvalidArgument(name, f"a stream-ordered ring's request writes its results into CUDA regions: "
+                                            f"set {name} to one")
+
+    def _queued(self, s: _Started, order: SlotOrder) -> PrefillDone:
+        """A stream-ordered request's answer, without waiting for the device: the slot's done
+        event is recorded after its work; metrics and the regions' release wait for it
+        (``order.after``)."""
+        fired = order.record_done(self.engine.device)
+        t_end = time.perf_counter_ns()
+        out, lse = s.results.wire()  # region references: the data stays on the device
+        phases = (self.t_valid - self.t0, s.t_start - self.t_valid, s.t_in - s.t_start, t_end - s.t_in, 0)
+        order.after(fired, functools.partial(self._settle, s))
+        return PrefillDone(out, lse, s.pending.queued_stats(t_end - self.t0), t_end - self.t0, phases,
+                           s.slots_written)
+
+    def _settle(self, s: _Started) -> None:
+        """A stream-ordered request's work has finished: its device times into the metrics,
+        its regions released."""
+        try:
+            r = s.pending.result()
+            self._account(r.stats, (time.perf_counter_ns() - self.t0) / 1e9)
+        except Exception:  # noqa: BLE001 - its answer is out; the regions go either way
+            log.exception("a stream-ordered request's device work failed after its answer")
+        finally:
+            if self.lease is not None:
+                self.lease.finish()
 
     def _finish(self, s: _Started) -> PrefillDone:
         done = False

@@ -26,6 +26,7 @@ import logging
 import os
 import struct
 import uuid
+from collections.abc import Callable
 
 from ctxprefill_api.ring import (
     ANSWER,
@@ -39,6 +40,7 @@ from ctxprefill_api.ring import (
 
 from ..errors import AlreadyExists, FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted
 from .shared_memory import SYSTEM, Region, SharedMemoryRegistry, require_local
+from .stream_order import StreamOrder
 
 log = logging.getLogger("ctxprefill.service")
 
@@ -63,6 +65,7 @@ class AttachedRing:
         #: set (with the reason, None when asked to) once the engine thread let go of the ring
         self.stopped: concurrent.futures.Future = concurrent.futures.Future()
         self.served = 0
+        self.order: StreamOrder | None = None  # a stream-ordered ring's events (stream_order.py)
 
     @property
     def payload_bytes(self) -> int:
@@ -100,10 +103,16 @@ class AttachedRing:
         self._release(why)
         return False
 
+    def fail(self, why: Exception) -> None:
+        """On the engine thread: let go of the ring, ``why`` ending its call."""
+        self._release(why)
+
     def _release(self, why: Exception | None) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self.order is not None:
+            self.order.drain()  # the requests' regions are released once their device work is done
         if self.stopped.done():
             return
         if why is None:
@@ -185,8 +194,10 @@ class RingTable:
         self.registry, self.max_rings = registry, max_rings
         self.rings: list[AttachedRing] = []
 
-    def attach(self, region_name: str, offset: int, num_slots: int, slot_bytes: int, peer: str) -> AttachedRing:
-        """Attach a ring for ``peer`` (the caller: PERMISSION_DENIED unless it is on this host)."""
+    def attach(self, region_name: str, offset: int, num_slots: int, slot_bytes: int, peer: str,
+               order: Callable[[int], StreamOrder] | None = None) -> AttachedRing:
+        """Attach a ring for ``peer`` (the caller: PERMISSION_DENIED unless it is on this host);
+        ``order`` opens its stream order's events for ``num_slots`` slots (a stream-ordered ring)."""
         require_local(peer, "region")
         try:
             check_geometry(num_slots, slot_bytes, offset)
@@ -214,6 +225,8 @@ class RingTable:
             raise ResourceExhausted("region", f"{len(self.rings)} rings are attached, the limit "
                                               f"(--request-ring-max) is {self.max_rings}")
         ring = AttachedRing(region, offset, num_slots, slot_bytes, peer)
+        if order is not None:
+            ring.order = order(num_slots)
         self.rings.append(ring)
         return ring
 

@@ -36,6 +36,7 @@ from ctxprefill_api import SERVICE_NAME, pb, pb_grpc
 from .. import __version__
 from ..engine.engine import Engine
 from ..engine.request import StopSignal, WriteRequest, check_instance
+from ..errors import FailedPrecondition
 from ..settings import ServeSettings, shared_memory_kinds
 from . import codec, streams, transport
 from .engine_worker import EngineWorker
@@ -46,6 +47,7 @@ from .metrics import Metrics, path_label
 from .prefill import PrefillCall
 from .request_ring import RingTable
 from .shared_memory import CUDA, SYSTEM, Lease, SharedMemoryRegistry, caller_peer, require_local
+from .stream_order import StreamOrder
 
 log = logging.getLogger("ctxprefill.service")
 
@@ -241,16 +243,25 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                                "system or all)", "request_ring_off")
         check_instance(request.expected_instance_id if request.HasField("expected_instance_id") else None,
                        engine.instance_id)
+        order = None
+        if request.ready_events:
+            if not self.settings.request_ring_stream_order:
+                raise FailedPrecondition("ready_events", "stream-ordered rings are off: start the server with "
+                                                         "--request-ring-stream-order")
+            order = functools.partial(StreamOrder.open, list(request.ready_events), device=engine.device,
+                                      timeout_s=self.settings.request_ring_stream_order_timeout_s)
         ring = self.rings.attach(request.region, int(request.offset), int(request.num_slots),
-                                 int(request.slot_bytes), context.peer())
+                                 int(request.slot_bytes), context.peer(), order)
         self.worker.add_ring(ring)
         self.metrics.request_rings.set(len(self.rings.rings))
         log.info("request ring attached", extra={"ring": ring.ring_id, "region": request.region,
-                                                 "num_slots": ring.num_slots, "slot_bytes": ring.slot_bytes})
+                                                 "num_slots": ring.num_slots, "slot_bytes": ring.slot_bytes,
+                                                 "stream_order": ring.order is not None})
         stopped = asyncio.wrap_future(ring.stopped)
         drained = asyncio.ensure_future(self._draining.wait())
         try:
-            yield pb.AttachRequestRingResponse(instance_id=engine.instance_id, ring_id=ring.ring_id)
+            yield pb.AttachRequestRingResponse(instance_id=engine.instance_id, ring_id=ring.ring_id,
+                                               done_events=ring.order.handles() if ring.order is not None else ())
             await asyncio.wait((stopped, drained), return_when=asyncio.FIRST_COMPLETED)
             if not stopped.done():
                 raise RpcStatusError(grpc.StatusCode.UNAVAILABLE,

@@ -117,13 +117,14 @@ async def answer_stream(request_iterator: AsyncIterator[Any], answer: Callable[[
                 task.cancel()
 
 
-def start_ring_request(ring: AttachedRing, payload: bytes | None, defer: list[Callable[[], None]], *,
+def start_ring_request(ring: AttachedRing, slot: int, payload: bytes | None, defer: list[Callable[[], None]], *,
                        open_call: Callable[[Any, str, int], PrefillCall], metrics: Metrics) -> Callable[[], bytes]:
-    """On the engine thread: one ring request, run as PrefillContext — parsed, opened
-    (``open_call(msg, request_id, t0)``) and its device work queued; returns a function
-    that waits for it and returns the answer's bytes (a PrefillContextStreamResponse:
-    the response, or the error in-band; at once for a request refused before it reached
-    the device). ``defer`` takes what may run once the answer is written."""
+    """On the engine thread: one ring request (from ``slot``), run as PrefillContext —
+    parsed, opened (``open_call(msg, request_id, t0)``) and its device work queued;
+    returns a function that waits for it (a stream-ordered ring's: that does not) and
+    returns the answer's bytes (a PrefillContextStreamResponse: the response, or the
+    error in-band; at once for a request refused before it reached the device).
+    ``defer`` takes what may run once the answer is written."""
     t0 = time.perf_counter_ns()
     request_id = ""
     try:
@@ -143,7 +144,8 @@ def start_ring_request(ring: AttachedRing, payload: bytes | None, defer: list[Ca
         call = open_call(msg, request_id, t0)
         call.stop.gone = ring.stopped.done  # the ring let go: the request stops between chunks
         try:
-            finish = oom_guarded(functools.partial(call.start, defer), metrics)
+            order = ring.order.slot(slot) if ring.order is not None else None
+            finish = oom_guarded(functools.partial(call.start, defer, order), metrics)
         finally:
             call.abandon()  # releases only if the work never started
     except Exception as e:  # noqa: BLE001 - answered in-band, with the status a unary call would get

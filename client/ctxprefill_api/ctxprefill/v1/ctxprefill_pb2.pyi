@@ -336,7 +336,7 @@ class Fp8Path(_message.Message):
     def __init__(self, cache_dtype: _Optional[str] = ..., kv_b_proj_dtype: _Optional[str] = ..., prefill_dtype: _Optional[str] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("num_chunks", "chunks", "kernel_launches", "path", "fp8_path", "stage_nanos", "total_nanos", "context_tokens", "query_tokens", "validate_nanos", "queue_nanos", "input_nanos", "compute_nanos", "output_nanos", "unpacked_keys")
+    __slots__ = ("num_chunks", "chunks", "kernel_launches", "path", "fp8_path", "stage_nanos", "total_nanos", "context_tokens", "query_tokens", "validate_nanos", "queue_nanos", "input_nanos", "compute_nanos", "output_nanos", "unpacked_keys", "queued")
     class KernelLaunchesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -366,6 +366,7 @@ class Stats(_message.Message):
     COMPUTE_NANOS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_NANOS_FIELD_NUMBER: _ClassVar[int]
     UNPACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     num_chunks: int
     chunks: _containers.RepeatedCompositeFieldContainer[ContextChunk]
     kernel_launches: _containers.ScalarMap[str, int]
@@ -381,7 +382,8 @@ class Stats(_message.Message):
     compute_nanos: int
     output_nanos: int
     unpacked_keys: bool
-    def __init__(self, num_chunks: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ContextChunk, _Mapping]]] = ..., kernel_launches: _Optional[_Mapping[str, int]] = ..., path: _Optional[str] = ..., fp8_path: _Optional[_Union[Fp8Path, _Mapping]] = ..., stage_nanos: _Optional[_Mapping[str, int]] = ..., total_nanos: _Optional[int] = ..., context_tokens: _Optional[int] = ..., query_tokens: _Optional[int] = ..., validate_nanos: _Optional[int] = ..., queue_nanos: _Optional[int] = ..., input_nanos: _Optional[int] = ..., compute_nanos: _Optional[int] = ..., output_nanos: _Optional[int] = ..., unpacked_keys: _Optional[bool] = ...) -> None: ...
+    queued: bool
+    def __init__(self, num_chunks: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ContextChunk, _Mapping]]] = ..., kernel_launches: _Optional[_Mapping[str, int]] = ..., path: _Optional[str] = ..., fp8_path: _Optional[_Union[Fp8Path, _Mapping]] = ..., stage_nanos: _Optional[_Mapping[str, int]] = ..., total_nanos: _Optional[int] = ..., context_tokens: _Optional[int] = ..., query_tokens: _Optional[int] = ..., validate_nanos: _Optional[int] = ..., queue_nanos: _Optional[int] = ..., input_nanos: _Optional[int] = ..., compute_nanos: _Optional[int] = ..., output_nanos: _Optional[int] = ..., unpacked_keys: _Optional[bool] = ..., queued: _Optional[bool] = ...) -> None: ...
 
 class PrefillContextResponse(_message.Message):
     __slots__ = ("output", "lse", "stats", "instance_id", "request_id", "slots_written")
@@ -424,23 +426,27 @@ class RequestError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class AttachRequestRingRequest(_message.Message):
-    __slots__ = ("region", "offset", "num_slots", "slot_bytes", "expected_instance_id")
+    __slots__ = ("region", "offset", "num_slots", "slot_bytes", "expected_instance_id", "ready_events")
     REGION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENTS_FIELD_NUMBER: _ClassVar[int]
     region: str
     offset: int
     num_slots: int
     slot_bytes: int
     expected_instance_id: str
-    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., expected_instance_id: _Optional[str] = ...) -> None: ...
+    ready_events: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., expected_instance_id: _Optional[str] = ..., ready_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AttachRequestRingResponse(_message.Message):
-    __slots__ = ("instance_id", "ring_id")
+    __slots__ = ("instance_id", "ring_id", "done_events")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     RING_ID_FIELD_NUMBER: _ClassVar[int]
+    DONE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     ring_id: str
-    def __init__(self, instance_id: _Optional[str] = ..., ring_id: _Optional[str] = ...) -> None: ...
+    done_events: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, instance_id: _Optional[str] = ..., ring_id: _Optional[str] = ..., done_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
