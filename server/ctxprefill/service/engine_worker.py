@@ -198,6 +198,9 @@ class EngineWorker:
                 if not ring.usable():
                     live.remove(ring)
                     continue
+                got = ring.take()
+                if got is None:
+                    continue
                 if ring.order is not None and ring.order.in_flight >= ring.num_slots:
                     try:
                         ring.order.wait_oldest()
@@ -206,9 +209,6 @@ class EngineWorker:
                         ring.fail(e)
                         live.remove(ring)
                         continue
-                got = ring.take()
-                if got is None:
-                    continue
                 slot, seq, payload = got
                 after: list[Callable[[], None]] = []
                 started = _RingTurn(ring, slot, seq, self.ring_handler(ring, slot, payload, after), after)
