@@ -256,6 +256,7 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
                 phases = dict.fromkeys(PHASES, 0)  # the server's time: its five phases make its total
                 stages: collections.Counter[str] = collections.Counter()  # device time per stage
 
+                marks: list[torch.cuda.Event] = []  # stream order: the caller's stream past each answer
                 t_chunk = time.perf_counter()
                 ahead = build(ring, j, 0) if ns.build_ahead else None
                 for layer in range(Ly):
@@ -266,6 +267,9 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
                     # the next layer's request is built while this one runs, as an engine would
                     ahead = build(ring, j, layer + 1) if ns.build_ahead and layer + 1 < Ly else None
                     st = ring.result().stats
+                    if ordered:
+                        marks.append(torch.cuda.Event(enable_timing=True))
+                        marks[-1].record()
                     t1 = time.perf_counter()
                     if ns.cache_write == "separate":
                         client.write_cache(*latents(j, layer), layer=layer)
@@ -275,15 +279,19 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
                         phases[k] += st["phase_nanos"][k]
                     stages.update(st["stage_nanos"])
                     unpacked.add(bool(st["unpacked_keys"]))
+                gaps: list[float] = []
                 if ordered:
                     _sync(dev)  # the chunk's device work: the calls were answered once queued
+                    gaps = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
                 wall = time.perf_counter() - t_chunk
                 rows.append({"chunk": j, "new_tokens": n, "context_tokens": ctx, "wall_ms": wall * 1e3,
                              "calls_ms": calls_s * 1e3, "write_ms": write_s * 1e3,
                              "server_total_ms": sum(phases.values()) / 1e6,
                              "server_compute_ms": phases["compute"] / 1e6,
                              "server_phase_ms": {k: v / 1e6 for k, v in phases.items()},
-                             "stage_ms": {k: v / 1e6 for k, v in sorted(stages.items())}})
+                             "stage_ms": {k: v / 1e6 for k, v in sorted(stages.items())},
+                             # stream order: from one layer's result reaching the caller's stream to the next's
+                             "result_period_ms": float(np.median(gaps)) if gaps else None})
                 log(f"H={H} chunk {j + 1}/{len(w.new)}: {Ly} layers over {ctx} context tokens in {wall * 1e3:.1f} ms "
                     f"(server compute {phases['compute'] / 1e6:.1f} ms)")
         # the floor of each call shape (once per chunk: the layers' calls are alike)

@@ -90,7 +90,7 @@ class Setup:
         """The same request inline (a plain call): output and LSE bits."""
         import ctxprefill_client as cc
 
-        bits = q.cpu().view(torch.int16).numpy()
+        bits = q.cpu().view(torch.int16).numpy().view(np.uint16)
         r = self.c.prefill_context(bits, SEQS, q_dtype=cc.BF16)
         return r.output_bits.view(np.int16), r.lse.view(np.int32)
 
