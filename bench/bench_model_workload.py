@@ -180,10 +180,12 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
           ceil: dict, order: str) -> dict[str, Any]:
     """Fill, warm up, the timed chunks, the check: one head count's results, its calls
     ordered by the caller's host (``order`` "host") or on the device ("stream")."""
+    from ctxprefill.clock_monitor import ClockMonitor
     from ctxprefill.config import CacheConfig, EngineConfig, ModelShape
     from ctxprefill_client import SystemSharedMemoryRegion
 
     Ly, C, cs, bs = ns.layers, ns.chunk, w.context_start, torch.bfloat16
+    monitor = ClockMonitor(dev) if dev.type == "cuda" else None
     piece = max(1, min(FILL_PIECE, cs))
     ordered = order == "stream"
     t = Tensors(client, kind, dev, {"q": ((Ly, C, H, QK), bs), "qbuf": ((1, C, H, QK), bs), "kv": ((Ly, ns.new, L), bs),
@@ -250,50 +252,59 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
                 for layer in range(Ly):
                     ring.prefill_context(t.input("q", layer, 0, w.new[0]), seq(0), layer=layer,
                                          **results(layer, w.new[0]))
-            rows, unpacked = [], set()
-            for j, (n, ctx) in enumerate(zip(w.new, w.context)):
-                calls_s = write_s = 0.0
-                phases = dict.fromkeys(PHASES, 0)  # the server's time: its five phases make its total
-                stages: collections.Counter[str] = collections.Counter()  # device time per stage
+            rows: list[dict] = []
+            unpacked: set[bool] = set()
 
-                marks: list[torch.cuda.Event] = []  # stream order: the caller's stream past each answer
-                t_chunk = time.perf_counter()
-                ahead = build(ring, j, 0) if ns.build_ahead else None
-                for layer in range(Ly):
-                    t0 = time.perf_counter()
-                    if ordered:  # the layer's q, written on the stream after the layer before has answered
-                        t.t["qbuf"][0, :n].copy_(t.t["q"][layer, :n])
-                    ring.submit_prepared(ahead if ahead is not None else build(ring, j, layer))
-                    # the next layer's request is built while this one runs, as an engine would
-                    ahead = build(ring, j, layer + 1) if ns.build_ahead and layer + 1 < Ly else None
-                    st = ring.result().stats
+            def timed_chunks() -> None:
+                """The chunks, each layer's call in turn: the measured part."""
+                for j, (n, ctx) in enumerate(zip(w.new, w.context)):
+                    calls_s = write_s = 0.0
+                    phases = dict.fromkeys(PHASES, 0)  # the server's time: its five phases make its total
+                    stages: collections.Counter[str] = collections.Counter()  # device time per stage
+
+                    marks: list[torch.cuda.Event] = []  # stream order: the caller's stream past each answer
+                    t_chunk = time.perf_counter()
+                    ahead = build(ring, j, 0) if ns.build_ahead else None
+                    for layer in range(Ly):
+                        t0 = time.perf_counter()
+                        if ordered:  # the layer's q, written on the stream after the layer before has answered
+                            t.t["qbuf"][0, :n].copy_(t.t["q"][layer, :n])
+                        ring.submit_prepared(ahead if ahead is not None else build(ring, j, layer))
+                        # the next layer's request is built while this one runs, as an engine would
+                        ahead = build(ring, j, layer + 1) if ns.build_ahead and layer + 1 < Ly else None
+                        st = ring.result().stats
+                        if ordered:
+                            marks.append(torch.cuda.Event(enable_timing=True))
+                            marks[-1].record()
+                        t1 = time.perf_counter()
+                        if ns.cache_write == "separate":
+                            client.write_cache(*latents(j, layer), layer=layer)
+                            write_s += time.perf_counter() - t1
+                        calls_s += t1 - t0
+                        for k in PHASES:
+                            phases[k] += st["phase_nanos"][k]
+                        stages.update(st["stage_nanos"])
+                        unpacked.add(bool(st["unpacked_keys"]))
+                    gaps: list[float] = []
                     if ordered:
-                        marks.append(torch.cuda.Event(enable_timing=True))
-                        marks[-1].record()
-                    t1 = time.perf_counter()
-                    if ns.cache_write == "separate":
-                        client.write_cache(*latents(j, layer), layer=layer)
-                        write_s += time.perf_counter() - t1
-                    calls_s += t1 - t0
-                    for k in PHASES:
-                        phases[k] += st["phase_nanos"][k]
-                    stages.update(st["stage_nanos"])
-                    unpacked.add(bool(st["unpacked_keys"]))
-                gaps: list[float] = []
-                if ordered:
-                    _sync(dev)  # the chunk's device work: the calls were answered once queued
-                    gaps = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
-                wall = time.perf_counter() - t_chunk
-                rows.append({"chunk": j, "new_tokens": n, "context_tokens": ctx, "wall_ms": wall * 1e3,
-                             "calls_ms": calls_s * 1e3, "write_ms": write_s * 1e3,
-                             "server_total_ms": sum(phases.values()) / 1e6,
-                             "server_compute_ms": phases["compute"] / 1e6,
-                             "server_phase_ms": {k: v / 1e6 for k, v in phases.items()},
-                             "stage_ms": {k: v / 1e6 for k, v in sorted(stages.items())},
-                             # stream order: from one layer's result reaching the caller's stream to the next's
-                             "result_period_ms": float(np.median(gaps)) if gaps else None})
-                log(f"H={H} chunk {j + 1}/{len(w.new)}: {Ly} layers over {ctx} context tokens in {wall * 1e3:.1f} ms "
-                    f"(server compute {phases['compute'] / 1e6:.1f} ms)")
+                        _sync(dev)  # the chunk's device work: the calls were answered once queued
+                        gaps = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+                    wall = time.perf_counter() - t_chunk
+                    rows.append({"chunk": j, "new_tokens": n, "context_tokens": ctx, "wall_ms": wall * 1e3,
+                                 "calls_ms": calls_s * 1e3, "write_ms": write_s * 1e3,
+                                 "server_total_ms": sum(phases.values()) / 1e6,
+                                 "server_compute_ms": phases["compute"] / 1e6,
+                                 "server_phase_ms": {k: v / 1e6 for k, v in phases.items()},
+                                 "stage_ms": {k: v / 1e6 for k, v in sorted(stages.items())},
+                                 # stream order: from one layer's result reaching the caller's stream to the next's
+                                 "result_period_ms": float(np.median(gaps)) if gaps else None})
+                    log(f"H={H} chunk {j + 1}/{len(w.new)}: {Ly} layers over {ctx} context tokens in "
+                        f"{wall * 1e3:.1f} ms (server compute {phases['compute'] / 1e6:.1f} ms)")
+
+            # the SM clock and power while they run: a sustained load runs at the clock the power cap leaves
+            clocks = monitor.sample_during(timed_chunks) if monitor is not None and monitor.available else None
+            if clocks is None:
+                timed_chunks()
         # the floor of each call shape (once per chunk: the layers' calls are alike)
         cfg = EngineConfig(shape=ModelShape(heads=H), cache=CacheConfig(info.cache_dtype, ns.block_size, w.num_blocks),
                            prefill_dtype=info.prefill_dtype, workspace_tokens=info.workspace_tokens)
@@ -313,7 +324,7 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
         client.unregister_shared_memory(ring_region.name)
         ring_region.close()
         ring_region.unlink()
-    return {"order": order, **summarize(ns, H, w, rows, fill, checks, packs)}
+    return {"order": order, **summarize(ns, H, w, rows, fill, checks, packs), "clocks": clocks}
 
 
 def _div(a: float, b: float) -> float:

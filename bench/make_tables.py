@@ -529,6 +529,12 @@ def model_prefill_table(d: Doc) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _period(r: dict) -> str:
+    """A stream-ordered run's median time between results on the caller's stream, ms ('—' otherwise)."""
+    p = [row["result_period_ms"] for row in r["rows"] if row.get("result_period_ms") is not None]
+    return f"{statistics.median(p):.3f}" if p else "—"
+
+
 def model_workload_table(d: Doc) -> str:
     """``bench/bench_model_workload.py``: a DeepSeek-V3-shaped model's prefill through the request ring, per head
     count, against the sum of its calls' floors."""
@@ -549,24 +555,30 @@ def model_workload_table(d: Doc) -> str:
              f"rate held for {a['sustained_gemm_s']:g} s, the clock the power cap leaves). Context tokens/s: "
              f"the context tokens the calls attended, summed, per second (one GPU).", "",
              "| heads | order | layers | chunks | calls | wall s | server compute s | floor sum s | wall / floor "
-             "| wall / held floor | context tokens/s | at the floor | float64 check |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| wall / held floor | context tokens/s | at the floor | SM clock MHz (median, power cap share) "
+             "| float64 check |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["runs"]:
         check = ", ".join(f"layer {c['layer']}: {c['output_error']:.1e}" for c in r["checks"]) or "n/a"
+        ck = r.get("clocks")
+        clock = (f"{ck['sm_mhz_median']:.0f} ({ck['reasons'].get('sw_power_cap', 0.0):.0%})" if ck else "n/a")
         lines.append(f"| {r['heads']} | {r.get('order', 'host')} | {r['layers']} | {r['chunks']} | {r['calls']} "
                      f"| {r['wall_s']:.3f} "
                      f"| {r['server_compute_s']:.3f} | {_num(r['floor_s'], '.3f')} | {_num(r['ratio'], '.2f')} "
                      f"| {_num(r['ratio_held'], '.2f')} "
                      f"| {_num(r['context_tokens_per_s'], '.3g')} | {_num(r['floor_context_tokens_per_s'], '.3g')} "
-                     f"| {check} |")
+                     f"| {clock} | {check} |")
     if all("server_phase_s" in r for r in d["runs"]):
         lines += ["", "Per call, ms: the caller's wait (submit to answer), the server's host phases (validate: "
                   "parse and decode; compute: the engine call, its device work waited for), the device time of its "
                   "stages (a replayed CUDA graph is one stage), and what is left of the caller's wait outside the "
                   "server (the ring's hand-offs, the answer's parse). In stream order the answer comes once the "
-                  "work is queued: compute is the host's queueing and no device time is reported.", "",
+                  "work is queued: compute is the host's queueing, no device time is reported, the caller's wait "
+                  "includes the server holding a request until one of the ring's unfinished ones is done (at most "
+                  "one per slot), and the period is the median time from one layer's result reaching the caller's "
+                  "stream to the next's (the device's time per call).", "",
                   "| heads | order | caller | server | validate | compute | device stages | compute − device "
-                  "| outside the server |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| outside the server | period on the caller's stream |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in d["runs"]:
             n, ph = r["calls"], r["server_phase_s"]
             dev = sum(r["stage_s"].values())
@@ -577,7 +589,7 @@ def model_workload_table(d: Doc) -> str:
                          f"| {r['server_total_s'] / n * 1e3:.3f} "
                          f"| {ph['validate'] / n * 1e3:.3f} | {ph['compute'] / n * 1e3:.3f} "
                          f"| {dev_ms} | {beyond_ms} "
-                         f"| {(r['calls_s'] - r['server_total_s']) / n * 1e3:.3f} |")
+                         f"| {(r['calls_s'] - r['server_total_s']) / n * 1e3:.3f} | {_period(r)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -731,9 +743,10 @@ BENCHMARKS = (
           ("bench_model_workload", "bench_model_workload_graphs"),
           "`bench/bench_model_workload.py`: 61 layers at 128 and at 16 heads, 8,192 new tokens in 1,024-token chunks "
           "over a context growing to 128k, every layer's call through a CUDA IPC request ring as an engine issues "
-          "them (its cache_write writing the chunk's latents), against the sum of the calls' floors; the last "
-          "chunk's answers checked against float64; then the same served with `--cuda-graphs`. Per call: where "
-          "its time goes — the device's stages, the server's host phases, the hand-offs."),
+          "them (its cache_write writing the chunk's latents), against the sum of the calls' floors; each answer "
+          "awaited with its work done (host order), then through a stream-ordered ring on the same server (stream "
+          "order); the last chunk's answers checked against float64; then the same served with `--cuda-graphs`. "
+          "Per call: where its time goes — the device's stages, the server's host phases, the hand-offs."),
 )
 
 
@@ -869,17 +882,20 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                  f"{_row(c, heads=16, clients=top)['requests_per_s']:.1f} / "
                  f"{_row(c, heads=128, clients=top)['requests_per_s']:.1f}", "bench_concurrency_ring"))
     wl = load("bench_model_workload", results)
-    runs = sorted(wl["runs"], key=lambda r: -r["heads"])
     a = wl["meta"]["args"]
-    rows.append((f"A DeepSeek-V3-shaped prefill through the CUDA IPC request ring: {runs[0]['layers']} layers, "
+    heads = sorted({r["heads"] for r in wl["runs"]}, reverse=True)
+    parts = []
+    for order in ("stream", "host"):
+        runs = sorted((r for r in wl["runs"] if r.get("order", "host") == order), key=lambda r: -r["heads"])
+        if runs:
+            parts.append(f"{order} order: wall " + " / ".join(f"{r['wall_s']:.2f}" for r in runs) + " s, "
+                         + " / ".join(f"{r['ratio']:.2f}×" for r in runs) + " the floor sums ("
+                         + " / ".join(f"{r['floor_s']:.2f}" for r in runs) + " s), "
+                         + " / ".join(f"{r['ratio_held']:.2f}×" for r in runs) + " the held floor")
+    rows.append((f"A DeepSeek-V3-shaped prefill through the CUDA IPC request ring: {wl['runs'][0]['layers']} layers, "
                  f"{a['new']:,} new tokens in {a['chunk']:,}-token chunks up to 128k context, "
-                 + " / ".join(str(r["heads"]) for r in runs) + " heads",
-                 "wall " + " / ".join(f"{r['wall_s']:.2f}" for r in runs) + " s, server compute "
-                 + " / ".join(f"{r['server_compute_s']:.2f}" for r in runs) + " s, floor sums "
-                 + " / ".join(f"{r['floor_s']:.2f}" for r in runs) + " s: "
-                 + " / ".join(f"{r['ratio']:.2f}×" for r in runs) + " the floor ("
-                 + " / ".join(f"{r['ratio_held']:.2f}×" for r in runs) + " the held floor)",
-                 "bench_model_workload"))
+                 + " / ".join(str(h) for h in heads) + " heads",
+                 "; ".join(parts), "bench_model_workload"))
     mp = load("bench_model_prefill_fp32", results)
     m, cuda = mp["meta"]["model"], mp["transports"]["cuda"]
     rows.append((f"A transformers DeepSeek-V3 model ({m['layers']} layers, {m['heads']} heads, computing in "

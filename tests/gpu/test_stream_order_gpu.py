@@ -156,7 +156,7 @@ def test_host_memory_is_refused_in_band_and_the_ring_goes_on(served):
 
     s = Setup(served, num_slots=2)
     try:
-        q_bits = np.zeros((TQ, H, D), np.int16)
+        q_bits = np.zeros((TQ, H, D), np.uint16)
         with pytest.raises(cc.CtxPrefillRpcError) as e:
             s.ring.submit(q_bits, SEQS, q_dtype=cc.BF16, **s.kw())
             s.ring.result()
