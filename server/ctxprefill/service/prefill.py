@@ -15,6 +15,11 @@ request ring's — as a :class:`PrefillCall`:
    with ``errors.Stopped``, counted, its cache_write not written;
 4. :meth:`PrefillCall.response`: the response message (``codec``).
 
+A stream-ordered ring's request (``stream_order.py``) waits for the caller's event on the
+device before step 2's work, and its finish does not wait: it records the slot's done
+event and answers with the stats known at queueing; the metrics and the regions' release
+follow once its work has run.
+
 ``Stats.validate_nanos`` ... ``output_nanos`` are the spans between those steps.
 """
 
