@@ -105,6 +105,7 @@ def wait_for(pred, timeout=10.0) -> bool:
 
 def test_ring_answers_equal_prefill_calls(server, client, region, reference):
     assert client.server_info().request_ring_max == MAX_RINGS
+    assert not client.server_info().request_ring_stream_order  # rings on, stream order not allowed
     client.register_system_shared_memory(region)
     ok_before = metric(server, "ctxprefill_ring_requests_total", grpc_code="OK")
     with client.attach_request_ring(region, num_slots=4, slot_bytes=SLOT_BYTES) as ring:
@@ -288,6 +289,7 @@ def test_rings_off_by_default():
         proc.wait_ready()
         with PrefillContextClient(proc.target, retries=0, timeout=30) as c:
             assert c.server_info().request_ring_max == 0
+            assert c.server_info().request_ring_stream_order is False
             c.register_system_shared_memory(r)
             with expect(grpc.StatusCode.UNIMPLEMENTED, "--request-ring"):
                 c.attach_request_ring(r, num_slots=2, slot_bytes=4096)

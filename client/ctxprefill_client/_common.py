@@ -192,6 +192,8 @@ class ServerInfo:
     first_layer: int = 0
     # the fused path packs no K (bf16 prefill, a backend reading the keys unpacked; serve --no-unpacked-keys)
     unpacked_keys: bool = False
+    # request rings may be stream-ordered (serve --request-ring-stream-order)
+    request_ring_stream_order: bool = False
 
     @property
     def head_start(self) -> int:

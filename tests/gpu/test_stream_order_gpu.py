@@ -49,6 +49,7 @@ def served(request, cuda_ext):
     try:
         proc.wait_ready(timeout=600)
         with PrefillContextClient(proc.target, retries=0, timeout=120) as c:
+            assert c.server_info().request_ring_stream_order
             rng = np.random.default_rng(3)
             c.write_cache(SLOTS, rng.standard_normal((len(SLOTS), L), dtype=np.float32),
                           rng.standard_normal((len(SLOTS), R), dtype=np.float32))

@@ -62,6 +62,7 @@ def server_info(engine: Engine, settings: ServeSettings, max_message_bytes: int,
         shared_memory_max_regions=shm.max_regions if shm.enabled else 0,
         shared_memory_max_bytes=shm.max_bytes if shm.enabled else 0,
         request_ring_max=request_ring_max,
+        request_ring_stream_order=bool(request_ring_max) and settings.request_ring_stream_order,
         num_layers=cfg.num_layers, first_layer=cfg.first_layer, unpacked_keys=engine.unpacked_keys_active,
     )
 
