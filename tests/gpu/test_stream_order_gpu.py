@@ -22,18 +22,15 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from context_layout import tables_and_slots  # noqa: E402
+# the transport tests' small workload: 4 sequences (one without context) over a 16-token-block cache
+from test_transport_gpu import BS, NB, SEQS, SLOTS, TQ, D, H, L, R, V  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="no CUDA device: stream-ordered rings run on the GPU machine")]
 
-BS, NB, H, D, V, L, R = 16, 64, 4, 192, 128, 512, 64
-CONTEXTS, QUERIES = [100, 0, 37, 64], [5, 3, 7, 1]
-TQ = sum(QUERIES)
-TABLES, SLOTS = tables_and_slots(CONTEXTS, BS)
-SEQS = list(zip(QUERIES, CONTEXTS, TABLES))
 SLEEP_CYCLES = 400_000_000  # ~0.2 s of the caller's stream at the H200's clock
 
 
