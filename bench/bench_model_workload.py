@@ -176,22 +176,50 @@ def check_layer(ns: argparse.Namespace, H: int, w: Workload, t: Tensors, kept: l
     return err
 
 
+class Calls:
+    """One head count's requests over the registered tensors ``t``."""
+
+    def __init__(self, ns: argparse.Namespace, H: int, w: Workload, t: Tensors):
+        self.ns, self.H, self.w, self.t = ns, H, w, t
+
+    def seq(self, j: int) -> Any:
+        return [(self.w.new[j], self.w.context[j], self.w.table)]
+
+    def results(self, layer: int, n: int) -> dict[str, Any]:
+        t, H = self.t, self.H
+        return {"output_region": t.ref("out", layer, n * H * V * 2), "lse_region": t.ref("lse", layer, H * n * 4),
+                "float_output": False}
+
+    def latents(self, j: int, layer: int) -> tuple[Any, Any, Any]:
+        """Chunk j's cache_write for one layer: its slots, kv_c and k_pe rows."""
+        w = self.w
+        off, n = w.context[j] - w.context_start, w.new[j]
+        return (w.slots[w.context[j]:w.context[j] + n], self.t.input("kv", layer, off, n),
+                self.t.input("pe", layer, off, n))
+
+    def build(self, ring: Any, j: int, layer: int) -> Any:
+        """Chunk j's request for one layer, serialized (no slot taken); stream-ordered, its q
+        is read from the one q buffer that the stream writes before each layer's call."""
+        n = self.w.new[j]
+        q = self.t.input("qbuf", 0, 0, n) if ring.stream_ordered else self.t.input("q", layer, 0, n)
+        return ring.prepare(q, self.seq(j), layer=layer, **self.results(layer, n),
+                            cache_write=self.latents(j, layer) if self.ns.cache_write == "with-prefill" else None)
+
+
 def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, kind: str, dev: torch.device,
-          ceil: dict, order: str) -> dict[str, Any]:
-    """Fill, warm up, the timed chunks, the check: one head count's results, its calls
-    ordered by the caller's host (``order`` "host") or on the device ("stream")."""
-    from ctxprefill.clock_monitor import ClockMonitor
+          ceil: dict) -> list[dict[str, Any]]:
+    """One head count on its server: the cache filled once, then per ``--orders`` entry (calls
+    ordered by the caller's host, "host", or on the device, "stream") the warm-up, the timed
+    chunks and the check."""
     from ctxprefill.config import CacheConfig, EngineConfig, ModelShape
     from ctxprefill_client import SystemSharedMemoryRegion
 
     Ly, C, cs, bs = ns.layers, ns.chunk, w.context_start, torch.bfloat16
-    monitor = ClockMonitor(dev) if dev.type == "cuda" else None
     piece = max(1, min(FILL_PIECE, cs))
-    ordered = order == "stream"
-    t = Tensors(client, kind, dev, {"q": ((Ly, C, H, QK), bs), "qbuf": ((1, C, H, QK), bs), "kv": ((Ly, ns.new, L), bs),
-                                    "pe": ((Ly, ns.new, R), bs), "out": ((Ly, C, H, V), bs),
-                                    "lse": ((Ly, H, C), torch.float32), "fkv": ((1, piece, L), bs),
-                                    "fpe": ((1, piece, R), bs)})
+    t = Tensors(client, kind, dev, {"q": ((Ly, C, H, QK), bs), "qbuf": ((1, C, H, QK), bs),
+                                    "kv": ((Ly, ns.new, L), bs), "pe": ((Ly, ns.new, R), bs),
+                                    "out": ((Ly, C, H, V), bs), "lse": ((Ly, H, C), torch.float32),
+                                    "fkv": ((1, piece, L), bs), "fpe": ((1, piece, R), bs)})
     ring_region = SystemSharedMemoryRegion("ring", RING_SLOTS * RING_SLOT_BYTES)
     client.register_system_shared_memory(ring_region)
     gen = torch.Generator(device=dev).manual_seed(ns.seed + H)
@@ -201,6 +229,7 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
     def fill_random(x: torch.Tensor) -> None:
         x.copy_(torch.randn(x.shape, generator=gen, device=dev))
 
+    runs: list[dict[str, Any]] = []
     try:
         fill_s = 0.0
         for layer in range(Ly):  # the context before the prefill
@@ -223,108 +252,106 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
         _sync(dev)
         for layer in keep:
             kept[layer].append((t.t["kv"][layer].to("cpu", copy=True), t.t["pe"][layer].to("cpu", copy=True)))
-
-        def seq(j: int) -> Any:
-            return [(w.new[j], w.context[j], w.table)]
-
-        def results(layer: int, n: int) -> dict[str, Any]:
-            return {"output_region": t.ref("out", layer, n * H * V * 2), "lse_region": t.ref("lse", layer, H * n * 4),
-                    "float_output": False}
-
-        def latents(j: int, layer: int) -> tuple[Any, Any, Any]:
-            """Chunk j's cache_write for one layer: its slots, kv_c and k_pe rows."""
-            off, n = w.context[j] - cs, w.new[j]
-            return w.slots[w.context[j]:w.context[j] + n], t.input("kv", layer, off, n), t.input("pe", layer, off, n)
-
-        def build(ring: Any, j: int, layer: int) -> Any:
-            """Chunk j's request for one layer, serialized (no slot taken); stream-ordered, its q
-            is read from the one q buffer that the stream writes before each layer's call."""
-            n = w.new[j]
-            q = t.input("qbuf", 0, 0, n) if ordered else t.input("q", layer, 0, n)
-            return ring.prepare(q, seq(j), layer=layer, **results(layer, n),
-                                cache_write=latents(j, layer) if ns.cache_write == "with-prefill" else None)
-
-        # the ring's life is bounded by --timeout: a server that stops answering ends it
-        with client.attach_request_ring(ring_region, num_slots=RING_SLOTS, slot_bytes=RING_SLOT_BYTES,
-                                        timeout=ns.timeout, stream_ordered=ordered,
-                                        device=dev if ordered else None) as ring:
-            for _ in range(ns.warmup):  # every layer once at the first chunk's shape, no cache_write
-                for layer in range(Ly):
-                    ring.prefill_context(t.input("q", layer, 0, w.new[0]), seq(0), layer=layer,
-                                         **results(layer, w.new[0]))
-            rows: list[dict] = []
-            unpacked: set[bool] = set()
-
-            def timed_chunks() -> None:
-                """The chunks, each layer's call in turn: the measured part."""
-                for j, (n, ctx) in enumerate(zip(w.new, w.context)):
-                    calls_s = write_s = 0.0
-                    phases = dict.fromkeys(PHASES, 0)  # the server's time: its five phases make its total
-                    stages: collections.Counter[str] = collections.Counter()  # device time per stage
-
-                    marks: list[torch.cuda.Event] = []  # stream order: the caller's stream past each answer
-                    t_chunk = time.perf_counter()
-                    ahead = build(ring, j, 0) if ns.build_ahead else None
-                    for layer in range(Ly):
-                        t0 = time.perf_counter()
-                        if ordered:  # the layer's q, written on the stream after the layer before has answered
-                            t.t["qbuf"][0, :n].copy_(t.t["q"][layer, :n])
-                        ring.submit_prepared(ahead if ahead is not None else build(ring, j, layer))
-                        # the next layer's request is built while this one runs, as an engine would
-                        ahead = build(ring, j, layer + 1) if ns.build_ahead and layer + 1 < Ly else None
-                        st = ring.result().stats
-                        if ordered:
-                            marks.append(torch.cuda.Event(enable_timing=True))
-                            marks[-1].record()
-                        t1 = time.perf_counter()
-                        if ns.cache_write == "separate":
-                            client.write_cache(*latents(j, layer), layer=layer)
-                            write_s += time.perf_counter() - t1
-                        calls_s += t1 - t0
-                        for k in PHASES:
-                            phases[k] += st["phase_nanos"][k]
-                        stages.update(st["stage_nanos"])
-                        unpacked.add(bool(st["unpacked_keys"]))
-                    gaps: list[float] = []
-                    if ordered:
-                        _sync(dev)  # the chunk's device work: the calls were answered once queued
-                        gaps = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
-                    wall = time.perf_counter() - t_chunk
-                    rows.append({"chunk": j, "new_tokens": n, "context_tokens": ctx, "wall_ms": wall * 1e3,
-                                 "calls_ms": calls_s * 1e3, "write_ms": write_s * 1e3,
-                                 "server_total_ms": sum(phases.values()) / 1e6,
-                                 "server_compute_ms": phases["compute"] / 1e6,
-                                 "server_phase_ms": {k: v / 1e6 for k, v in phases.items()},
-                                 "stage_ms": {k: v / 1e6 for k, v in sorted(stages.items())},
-                                 # stream order: from one layer's result reaching the caller's stream to the next's
-                                 "result_period_ms": float(np.median(gaps)) if gaps else None})
-                    log(f"H={H} chunk {j + 1}/{len(w.new)}: {Ly} layers over {ctx} context tokens in "
-                        f"{wall * 1e3:.1f} ms (server compute {phases['compute'] / 1e6:.1f} ms)")
-
-            # the SM clock and power while they run: a sustained load runs at the clock the power cap leaves
-            clocks = monitor.sample_during(timed_chunks) if monitor is not None and monitor.available else None
-            if clocks is None:
-                timed_chunks()
-        # the floor of each call shape (once per chunk: the layers' calls are alike)
         cfg = EngineConfig(shape=ModelShape(heads=H), cache=CacheConfig(info.cache_dtype, ns.block_size, w.num_blocks),
                            prefill_dtype=info.prefill_dtype, workspace_tokens=info.workspace_tokens)
-        packs = not all(unpacked)
-        for r in rows:
-            for key, rate in (("floor_ms", "matmul_flops_per_s"), ("floor_held_ms", "matmul_sustained_flops_per_s")):
-                fl = engine_bench.floor_seconds(cfg, [r["context_tokens"]], [r["new_tokens"]], ceil,
-                                                rate=rate, pack=packs) if rate in ceil else None
-                r[key] = Ly * fl["total_s"] * 1e3 if fl else None
-        checks = [check_layer(ns, H, w, t, kept[layer], layer) for layer in sorted(keep)]
-        for c in checks:
-            log(f"H={H} layer {c['layer']}: output error {c['output_error']:.2e}, LSE {c['lse_error']:.2e} against "
-                f"float64 ({'within' if c['ok'] else 'OVER'} {ns.tolerance:g}); without the chunks' writes "
-                f"{c['control_output_error']:.2e}")
+        calls = Calls(ns, H, w, t)
+        for order in ns.orders:
+            # every order writes the same chunks' latents into the same slots: the cache and the
+            # check's latents hold for each; its results are checked, not an earlier order's
+            t.t["out"].fill_(float("nan"))
+            t.t["lse"].fill_(float("nan"))
+            rows, packs, clocks = time_order(ns, H, w, client, calls, ring_region, dev, order)
+            # the floor of each call shape (once per chunk: the layers' calls are alike)
+            for r in rows:
+                for key, rate in (("floor_ms", "matmul_flops_per_s"),
+                                  ("floor_held_ms", "matmul_sustained_flops_per_s")):
+                    fl = engine_bench.floor_seconds(cfg, [r["context_tokens"]], [r["new_tokens"]], ceil,
+                                                    rate=rate, pack=packs) if rate in ceil else None
+                    r[key] = Ly * fl["total_s"] * 1e3 if fl else None
+            checks = [check_layer(ns, H, w, t, kept[layer], layer) for layer in sorted(keep)]
+            for c in checks:
+                log(f"H={H} layer {c['layer']} ({order} order): output error {c['output_error']:.2e}, LSE "
+                    f"{c['lse_error']:.2e} against float64 ({'within' if c['ok'] else 'OVER'} {ns.tolerance:g}); "
+                    f"without the chunks' writes {c['control_output_error']:.2e}")
+            runs.append({"order": order, **summarize(ns, H, w, rows, fill, checks, packs), "clocks": clocks})
     finally:
         t.close(client)
         client.unregister_shared_memory(ring_region.name)
         ring_region.close()
         ring_region.unlink()
-    return {"order": order, **summarize(ns, H, w, rows, fill, checks, packs), "clocks": clocks}
+    return runs
+
+
+def time_order(ns: argparse.Namespace, H: int, w: Workload, client: Any, calls: Calls, ring_region: Any,
+               dev: torch.device, order: str) -> tuple[list[dict], bool, dict | None]:
+    """One order's warm-up and timed chunks through a ring attached for it: (a row per chunk,
+    whether the calls packed K, the SM clock and power sampled while they ran)."""
+    from ctxprefill.clock_monitor import ClockMonitor
+
+    Ly, t, ordered = ns.layers, calls.t, order == "stream"
+    rows: list[dict] = []
+    unpacked: set[bool] = set()
+    # the ring's life is bounded by --timeout: a server that stops answering ends it
+    with client.attach_request_ring(ring_region, num_slots=RING_SLOTS, slot_bytes=RING_SLOT_BYTES,
+                                    timeout=ns.timeout, stream_ordered=ordered,
+                                    device=dev if ordered else None) as ring:
+        for _ in range(ns.warmup):  # every layer once at the first chunk's shape, no cache_write
+            for layer in range(Ly):
+                ring.prefill_context(t.input("q", layer, 0, w.new[0]), calls.seq(0), layer=layer,
+                                     **calls.results(layer, w.new[0]))
+
+        def timed_chunks() -> None:
+            """The chunks, each layer's call in turn: the measured part."""
+            for j, (n, ctx) in enumerate(zip(w.new, w.context)):
+                calls_s = write_s = 0.0
+                phases = dict.fromkeys(PHASES, 0)  # the server's time: its five phases make its total
+                stages: collections.Counter[str] = collections.Counter()  # device time per stage
+                marks: list[torch.cuda.Event] = []  # stream order: the caller's stream past each answer
+                t_chunk = time.perf_counter()
+                ahead = calls.build(ring, j, 0) if ns.build_ahead else None
+                for layer in range(Ly):
+                    t0 = time.perf_counter()
+                    if ordered:  # the layer's q, written on the stream after the layer before has answered
+                        t.t["qbuf"][0, :n].copy_(t.t["q"][layer, :n])
+                    ring.submit_prepared(ahead if ahead is not None else calls.build(ring, j, layer))
+                    # the next layer's request is built while this one runs, as an engine would
+                    ahead = calls.build(ring, j, layer + 1) if ns.build_ahead and layer + 1 < Ly else None
+                    st = ring.result().stats
+                    if ordered:
+                        marks.append(torch.cuda.Event(enable_timing=True))
+                        marks[-1].record()
+                    t1 = time.perf_counter()
+                    if ns.cache_write == "separate":
+                        client.write_cache(*calls.latents(j, layer), layer=layer)
+                        write_s += time.perf_counter() - t1
+                    calls_s += t1 - t0
+                    for k in PHASES:
+                        phases[k] += st["phase_nanos"][k]
+                    stages.update(st["stage_nanos"])
+                    unpacked.add(bool(st["unpacked_keys"]))
+                if ordered:
+                    _sync(dev)  # the chunk's device work: the calls were answered once queued
+                wall = time.perf_counter() - t_chunk
+                gaps = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+                rows.append({"chunk": j, "new_tokens": n, "context_tokens": ctx, "wall_ms": wall * 1e3,
+                             "calls_ms": calls_s * 1e3, "write_ms": write_s * 1e3,
+                             "server_total_ms": sum(phases.values()) / 1e6,
+                             "server_compute_ms": phases["compute"] / 1e6,
+                             "server_phase_ms": {k: v / 1e6 for k, v in phases.items()},
+                             "stage_ms": {k: v / 1e6 for k, v in sorted(stages.items())},
+                             # stream order: from one layer's result reaching the caller's stream to the next's
+                             "result_period_ms": float(np.median(gaps)) if gaps else None})
+                log(f"H={H} chunk {j + 1}/{len(w.new)} ({order} order): {Ly} layers over {ctx} context tokens "
+                    f"in {wall * 1e3:.1f} ms (server compute {phases['compute'] / 1e6:.1f} ms)")
+
+        # the SM clock and power while they run: a sustained load runs at the clock the power cap leaves
+        monitor = ClockMonitor(dev) if dev.type == "cuda" else None
+        clocks = None
+        if monitor is not None and monitor.available:
+            clocks = monitor.sample_during(timed_chunks)  # runs them once, sampled or not
+        else:
+            timed_chunks()
+    return rows, not all(unpacked), clocks
 
 
 def _div(a: float, b: float) -> float:
@@ -378,17 +405,15 @@ def run_heads(ns: argparse.Namespace, H: int, w: Workload, kind: str, dev: torch
                 raise RuntimeError(f"the server holds {info.num_layers} layers, not {ns.layers}")
             log(f"server ready in {ready_s:.1f} s: {info.device}, backend {info.attention_backend}, fused "
                 f"{info.fused_kernels_active}, workspace {info.workspace_tokens}")
-            runs = [drive(ns, H, w, client, info, kind, dev, ceil, order) for order in ns.orders]
-            for res in runs:
-                res["server"] = {"cmd": server.cmd, "ready_s": ready_s, "attention_backend": info.attention_backend,
-                                 "fused_kernels_active": info.fused_kernels_active,
-                                 "workspace_tokens": info.workspace_tokens, "cache_dtype": info.cache_dtype,
-                                 "prefill_dtype": info.prefill_dtype, "num_blocks": info.num_blocks}
+            runs = drive(ns, H, w, client, info, kind, dev, ceil)
+            about = {"cmd": server.cmd, "ready_s": ready_s, "attention_backend": info.attention_backend,
+                     "fused_kernels_active": info.fused_kernels_active, "workspace_tokens": info.workspace_tokens,
+                     "cache_dtype": info.cache_dtype, "prefill_dtype": info.prefill_dtype,
+                     "num_blocks": info.num_blocks}
     finally:
         server.stop(timeout=15)
-    for res in runs:
-        res["server"]["log_tail"] = server.tail(20)
-    return runs
+    about["log_tail"] = server.tail(20)
+    return [{**r, "server": about} for r in runs]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,3 +83,18 @@ def test_separate_cache_writes_are_timed_apart(tmp_path, monkeypatch):
     assert r["cache_write_s"] == pytest.approx(sum(x["write_ms"] for x in r["rows"]) / 1e3)
     assert [c["layer"] for c in r["checks"]] == [1] and r["check_ok"]  # default: the last layer
     assert r["checks"][0]["control_output_error"] > 0.1
+
+
+def test_two_orders_on_one_server_share_one_fill_and_each_is_checked(tmp_path, monkeypatch):
+    # "host host": the CPU has no stream order, but the second run on the same server is the
+    # path a stream-ordered run takes after a host-ordered one (the cache filled once)
+    rc, d = _run(tmp_path, monkeypatch, "--heads", "2", "--orders", "host", "host")
+    assert rc == 0
+    first, second = d["runs"]
+    assert first["order"] == second["order"] == "host"
+    assert first["fill"] == second["fill"]  # one fill, reported by both
+    assert first["server"]["cmd"] == second["server"]["cmd"]
+    for r in (first, second):
+        assert r["check_ok"] and r["checks"][0]["control_output_error"] > 0.1
+        assert r["clocks"] is None  # no NVML on the CPU
+        assert all(x["result_period_ms"] is None for x in r["rows"])  # host order has no stream period
