@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Iterable
@@ -139,15 +140,15 @@ class RequestRing:
             req.expected_instance_id = expected
         self._ready: list[Any] = []  # stream order: the slots' ready events (ours) and done events (the server's)
         self._done: list[Any] = []
-        self._device: Any = None
+        self._stream: Any = None  # stream order: the caller's current stream on its device, when asked
         if stream_ordered:
             import torch  # stream order only
 
-            self._device = torch.device("cuda", torch.cuda.current_device()) if device is None \
-                else torch.device(device)
+            dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+            self._stream = functools.partial(torch.cuda.current_stream, dev)
             event: Any = torch.cuda.Event  # untyped in torch's stubs
             self._ready = [event(interprocess=True) for _ in range(num_slots)]
-            with torch.cuda.device(self._device):
+            with torch.cuda.device(dev):
                 req.ready_events.extend(bytes(e.ipc_handle()) for e in self._ready)
         # the call lives as long as the ring: its deadline (``timeout``) ends the ring
         self._call = client._stub.AttachRequestRing(req, timeout=timeout, metadata=with_trace_context(client._metadata))
@@ -164,14 +165,12 @@ class RequestRing:
             if len(first.done_events) != num_slots:
                 self._call.cancel()
                 raise CtxPrefillError(f"the server sent {len(first.done_events)} done events for {num_slots} slots")
-            import torch
-
             opened: Any = torch.cuda.Event.from_ipc_handle  # untyped in torch's stubs
-            self._done = [opened(self._device, h) for h in first.done_events]
+            self._done = [opened(dev, h) for h in first.done_events]
 
     @property
     def stream_ordered(self) -> bool:
-        return bool(self._done)
+        return self._stream is not None
 
     # ------------------------------------------------------------------ requests
 
@@ -225,10 +224,8 @@ class RequestRing:
                              f"or attach a ring with larger slots")
         base = slot * self.slot_bytes + HEADER_BYTES
         self._buf[base : base + len(data)] = np.frombuffer(data, np.uint8)
-        if self._done:  # the inputs written so far on the stream are what the server's work waits for
-            import torch
-
-            self._ready[slot].record(torch.cuda.current_stream(self._device))
+        if self._stream is not None:  # the inputs written so far on the stream are what the server's work waits for
+            self._ready[slot].record(self._stream())
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         self._seqs[slot] = self._seq
         self._lengths[slot] = len(data)
@@ -257,10 +254,8 @@ class RequestRing:
         data = self._buf[base : base + n].tobytes()
         memory_fence()
         self._states[slot] = FREE
-        if self._done:  # the stream goes on once the server's work for the slot is done
-            import torch
-
-            torch.cuda.current_stream(self._device).wait_event(self._done[slot])
+        if self._stream is not None:  # the stream goes on once the server's work for the slot is done
+            self._stream().wait_event(self._done[slot])
         if seq != want:
             raise CtxPrefillError(f"slot {slot}: the answer is to request {seq}, expected {want}")
         return pb.PrefillContextStreamResponse.FromString(data), meta

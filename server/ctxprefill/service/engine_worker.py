@@ -212,17 +212,14 @@ class EngineWorker:
                 slot, seq, payload = got
                 after: list[Callable[[], None]] = []
                 started = _RingTurn(ring, slot, seq, self.ring_handler(ring, slot, payload, after), after)
-                if ring.order is not None:  # answered at once: the caller's stream waits on the device
+                if ring.order is not None or not self.ring_overlap:
+                    # answered now: a stream-ordered one once queued (the caller's stream waits on
+                    # the device); without overlap, each before the next starts
                     self._answer_ring(started)
-                    served += 1
-                    took = True
-                    continue
-                if pending is not None:
-                    self._answer_ring(pending)
-                pending = started
-                if not self.ring_overlap:
-                    self._answer_ring(pending)
-                    pending = None
+                else:
+                    if pending is not None:
+                        self._answer_ring(pending)
+                    pending = started
                 served += 1
                 took = True
         if pending is not None:

@@ -137,11 +137,10 @@ class PrefillCall:
             self._require_device_resident()
         if lease is not None and not lease.begin():
             return None  # the handler gave up on this request
-        waited = False
+        fired = None
         try:
             if order is not None:
                 order.wait_ready(engine.device)  # before anything reads the caller's regions
-                waited = True
             request = codec.with_inputs(self.decoded.request, shared & {"q"}, engine.device)
             if "q" in shared and not self.decoded.request.q.is_cuda and engine.device.type == "cuda":
                 torch.cuda.current_stream(engine.device).synchronize()  # input_nanos: the copy itself
@@ -152,8 +151,8 @@ class PrefillCall:
             results = codec.place_results(pending.out, pending.lse, self.output_to, self.lse_to, lease)
             # the copies are queued before the next ring request's work (request rings start
             # it before this one is answered): waiting for them waits for this request only
-            placed = None
-            if engine.device.type == "cuda":
+            placed = None  # a stream-ordered request's finish waits for nothing
+            if engine.device.type == "cuda" and order is None:
                 placed = torch.cuda.Event()
                 placed.record(torch.cuda.current_stream(engine.device))
             # the cache write is queued behind the attention that reads the cache (and behind
@@ -163,17 +162,18 @@ class PrefillCall:
                 self.metrics.observe_insert(written.launches, path_label(engine.config.fused),
                                             engine.cache_slots_used)
         except BaseException as e:
-            if waited:
-                assert order is not None
-                order.record_done(engine.device)  # the caller's wait covers whatever was queued
             self._release()
             if isinstance(e, Stopped):
                 self.metrics.observe_stopped(e.reason, e.chunks_done, path_label(engine.config.fused))
             raise
+        finally:
+            if order is not None:  # after whatever was queued, failed or not: the caller's stream waits for it
+                fired = order.record_done(engine.device)
         started = _Started(pending, results, placed, written.slots_written, t_start, t_in, defer,
                            any(name.startswith("cache_write.") for name in shared))
         if order is not None:
-            return functools.partial(self._queued, started, order)
+            assert fired is not None
+            return functools.partial(self._queued, started, order, fired)
         return functools.partial(self._finish, started)
 
     def _require_device_resident(self) -> None:
@@ -192,11 +192,9 @@ class PrefillCall:
                 raise InvalidArgument(name, f"a stream-ordered ring's request writes its results into CUDA regions: "
                                             f"set {name} to one")
 
-    def _queued(self, s: _Started, order: SlotOrder) -> PrefillDone:
-        """A stream-ordered request's answer, without waiting for the device: the slot's done
-        event is recorded after its work; metrics and the regions' release wait for it
-        (``order.after``)."""
-        fired = order.record_done(self.engine.device)
+    def _queued(self, s: _Started, order: SlotOrder, fired: torch.cuda.Event) -> PrefillDone:
+        """A stream-ordered request's answer, without waiting for the device; metrics and the
+        regions' release wait for ``fired``, recorded after its work (``order.after``)."""
         t_end = time.perf_counter_ns()
         out, lse = s.results.wire()  # region references: the data stays on the device
         phases = (self.t_valid - self.t0, s.t_start - self.t_valid, s.t_in - s.t_start, t_end - s.t_in, 0)

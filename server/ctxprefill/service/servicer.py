@@ -261,7 +261,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         drained = asyncio.ensure_future(self._draining.wait())
         try:
             yield pb.AttachRequestRingResponse(instance_id=engine.instance_id, ring_id=ring.ring_id,
-                                               done_events=ring.order.handles() if ring.order is not None else ())
+                                               done_events=ring.order.handles if ring.order is not None else ())
             await asyncio.wait((stopped, drained), return_when=asyncio.FIRST_COMPLETED)
             if not stopped.done():
                 raise RpcStatusError(grpc.StatusCode.UNAVAILABLE,

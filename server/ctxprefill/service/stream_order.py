@@ -60,10 +60,11 @@ class StreamOrder:
     """A stream-ordered ring's events (one ready and one done per slot) and its requests
     whose device work is queued and not known to be finished."""
 
-    def __init__(self, ready: list[torch.cuda.Event], done: list[torch.cuda.Event], timeout_s: float):
+    def __init__(self, ready: list[torch.cuda.Event], done: list[torch.cuda.Event], timeout_s: float,
+                 handles: list[bytes] | None = None):
         self.ready, self.done, self.timeout_s = ready, done, float(timeout_s)
+        self.handles = handles or []  # our done events' IPC handles (``done_events``)
         self.stalled = False  # a request outlived timeout_s
-        self._handles: list[bytes] = []
         self._in_flight: collections.deque[tuple[torch.cuda.Event, Callable[[], None]]] = collections.deque()
 
     @classmethod
@@ -87,13 +88,8 @@ class StreamOrder:
                                                       f"server's GPU: {str(e).splitlines()[0]}") from None
         done = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
         with torch.cuda.device(device):  # torch creates an event at its first use, on the current device
-            order = cls(ready, done, timeout_s)
-            order._handles = [bytes(e.ipc_handle()) for e in done]
-        return order
-
-    def handles(self) -> list[bytes]:
-        """Our done events' IPC handles (``done_events``)."""
-        return self._handles
+            handles = [bytes(e.ipc_handle()) for e in done]
+        return cls(ready, done, timeout_s, handles)
 
     def slot(self, i: int) -> SlotOrder:
         return SlotOrder(self.ready[i], self.done[i], self.after)
@@ -116,16 +112,20 @@ class StreamOrder:
         """Wait for the oldest request in flight (polling, ``timeout_s`` at most) and
         settle it; FAILED_PRECONDITION naming ``ready_events`` when it has not finished
         by then (the ring is then taken as stalled: :meth:`drain` does not wait)."""
-        if not self._in_flight:
-            return
-        fired, fn = self._in_flight[0]
-        if not self._wait(fired, time.monotonic() + self.timeout_s):
+        if self._in_flight and not self._settle_oldest(time.monotonic() + self.timeout_s):
             self.stalled = True
             raise FailedPrecondition("ready_events", f"a request has not finished within {self.timeout_s:g} s: "
                                                      f"the caller's ready event has not fired (its stream is "
                                                      f"stalled); the ring is detached")
+
+    def _settle_oldest(self, deadline: float) -> bool:
+        """Wait for the oldest request until ``deadline`` and settle it; False if it has not finished."""
+        fired, fn = self._in_flight[0]
+        if not self._wait(fired, deadline):
+            return False
         self._in_flight.popleft()
         fn()
+        return True
 
     #: how long a wait polls without sleeping (a sleeping thread wakes ~0.1 ms late on a VM,
     #: and the next request's host work waits for this one)
@@ -152,11 +152,8 @@ class StreamOrder:
         held — its work may still write them once the caller's event fires — and is logged."""
         deadline = time.monotonic() + (0.0 if self.stalled else self.timeout_s)
         while self._in_flight:
-            fired, fn = self._in_flight[0]
-            if not self._wait(fired, deadline):
+            if not self._settle_oldest(deadline):
                 log.error("stream-ordered ring let go with requests unfinished on the device: their shared-memory "
                           "regions stay held", extra={"requests": len(self._in_flight)})
                 self._in_flight.clear()
                 return
-            self._in_flight.popleft()
-            fn()
