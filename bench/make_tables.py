@@ -57,7 +57,13 @@ def run_of(d: Doc) -> dict[str, str]:
     if not gpu and isinstance(dev, str) and not dev.startswith(("cuda", "cpu")):
         gpu = dev
     return {"date": str(get("date") or "?")[:10], "gpu": str(gpu or "cpu"), "torch": str(get("torch") or "?"),
-            "commit": str(get("commit") or "?")}
+            "commit": short_sha(str(get("commit") or "?"))}
+
+
+def short_sha(commit: str) -> str:
+    """A full hex commit as its 7-character abbreviation ('+dirty' and other labels kept)."""
+    sha, sep, rest = commit.partition("+")
+    return (sha[:7] if len(sha) == 40 and all(c in "0123456789abcdef" for c in sha) else sha) + sep + rest
 
 
 def _run_line(d: Doc) -> str:
