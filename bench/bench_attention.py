@@ -650,6 +650,13 @@ AB = {
                  ("fp8", _SERIAL_FP8, _ws(True, 128, 3, PV_WAIT_LATE=True, **_FP8_KL)),
                  ("fp8", _SERIAL_FP8, _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL))],
                 AB_SHAPES),
+    # fp8 keys-last: 256-key blocks (2 stages: 216 KiB of shared memory; serial, as the
+    # pipelined consumer spills there) against the default 128-key pipelined kernel
+    "ws-fp8-wide": ([("fp8", _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL),
+                      _ws(False, 256, 2, **_FP8_KL)),
+                     ("fp8", _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL),
+                      _ws(False, 256, 2, PINGPONG=True, **_FP8_KL))],
+                    AB_SHAPES),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),

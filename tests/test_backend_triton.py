@@ -909,8 +909,10 @@ def _keys_last(v, k_lens):
 
 @needs_ws
 @pytest.mark.parametrize("ws", [dict(PIPE=True, STAGES=2), dict(PIPE=True, STAGES=3), dict(PIPE=False, STAGES=3),
-                                dict(PIPE=True, STAGES=3, PV_WAIT_LATE=True)],
-                         ids=["pipe_s2", "pipe_s3", "serial_s3", "pipe_s3_wait_late"])
+                                dict(PIPE=True, STAGES=3, PV_WAIT_LATE=True), dict(PIPE=False, BLOCK_N=256, STAGES=2),
+                                dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True)],
+                         ids=["pipe_s2", "pipe_s3", "serial_s3", "pipe_s3_wait_late", "serial_bn256",
+                              "serial_bn256_pingpong"])
 def test_gpu_warp_specialized_fp8_keys_last(ws):
     """fp8 q/k/v, V keys-last, P·V in fp8 (P through shared memory): against float64 from
     the dequantized inputs within the P·V-in-fp8 bound (5e-2), ragged with empty segments."""
