@@ -679,8 +679,6 @@ BENCHMARKS = (
           "and flex attention, on equal, single and ragged batches; the same data for every provider. "
           "(`GPU_RUN_STEPS=bench_attention` runs it without FlashInfer.)",
           env='GPU_RUN_FI_ARGS="--budget-s 170"'),
-    Bench("Attention kernel configurations", "attention_sweep", ("attention_sweep",),
-          "`bench/bench_attention.py --sweep`: block sizes, warps and stages of the Triton kernel."),
     Bench("Warp-specialized attention configurations", "attention_sweep_ws", ("attention_sweep_ws",),
           "`bench/bench_attention.py --sweep ws`: the warp-specialized (Gluon) kernel's pipelining, key block and "
           "stages."),
@@ -694,6 +692,10 @@ BENCHMARKS = (
           "softmax (`PV_WAIT_LATE`) against without, and with turns at the tensor cores (`PINGPONG`) against "
           "without; fp8 pipelined with the late wait, with and without turns, against serial.",
           env="GPU_RUN_AB=ws-wait"),
+    Bench("fp8 over 256-key blocks, in interleaved rounds", "attention_ab", ("attention_ab_ws-fp8-wide",),
+          "`bench/bench_attention.py --ab ws-fp8-wide`: fp8 keys-last, serial consumers over 256-key blocks in 2 "
+          "stages, with and without turns (B), against the pipelined kernel over 128-key blocks in 3 stages with "
+          "turns and the late wait (A), 5 rounds per shape.", env="GPU_RUN_AB=ws-fp8-wide"),
     Bench("Throughput under concurrency", "bench_concurrency", ("bench_concurrency",),
           "`bench/bench_concurrency.py`: 1 to 16 clients against one server per shape, inline tensors and CUDA IPC "
           "regions."),

@@ -16,7 +16,7 @@
 #   6. bench/bench_attention.py, if present                                           -> bench_attention.json
 # and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_ragged, bench_engine_full
 # (the 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
-# bench_rpc_floor, attention_sweep, attention_sweep_ws, attention_ab, bench_attention_flashinfer, probe_write, hostile_sanitizer,
+# bench_rpc_floor, attention_sweep_ws, attention_ab, bench_attention_flashinfer, probe_write, hostile_sanitizer,
 # bench_sharded, profile_host, probe_host, probe_gemm, bench_ring_overlap (request rings with and without
 # --request-ring-overlap), bench_transport_pin (system regions page-locked and pageable, alternating),
 # bench_inline_parse (the event loop's parse of an inline request, with and without protobuf's copies),
@@ -294,10 +294,6 @@ want profile_workload && run_step profile_workload 200 5 "$OUT/profile_workload.
     || exit 1
   gzip -c /tmp/stacks.txt >"$OUT/profile_workload_stacks.txt.gz"
   for w in EngineWorker._run drive; do python3 bench/fold_stacks.py /tmp/stacks.txt --within $w --top 80; done'
-
-# ---- 8. attention block-config sweep ------------------------------------------------------------
-want attention_sweep && run_step attention_sweep 200 5 - python3 bench/bench_attention.py --sweep --no-flex \
-  --out "$OUT/attention_sweep.json"
 
 # ---- 8a. the warp-specialized kernel's configs (GPU_RUN_SWEEP_FLASHINFER=1: FlashInfer's FA3 beside
 # them, its ~90 s JIT build included)

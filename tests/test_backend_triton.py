@@ -705,10 +705,10 @@ def test_warp_specialized_defaults_cross_compile_for_sm90():
     orders = [(0, False), (ta._SORT_MAX, False), (0, True)]
     jobs = [("bf16", ta.CONFIGS[torch.bfloat16]["WS"], s, False, o) for s, o in orders]
     jobs += [("fp8e4nv", ta.KEYS_LAST_FP8["WS"], s, True, o) for s, o in orders]
-    # neighbours: the pipelined bf16 consumers taking turns, fp8 serial
+    # neighbours: the pipelined bf16 consumers taking turns, fp8 pipelined over 128-key blocks
     jobs += [("bf16", dict(ta.CONFIGS[torch.bfloat16]["WS"], PINGPONG=True), 0, False, False),
-             ("fp8e4nv", dict(ta.KEYS_LAST_FP8["WS"], PIPE=False, PINGPONG=False, PV_WAIT_LATE=False), 0, True, False)]
-    assert ta.CONFIGS[torch.bfloat16]["WS"]["PV_WAIT_LATE"] and ta.KEYS_LAST_FP8["WS"]["PV_WAIT_LATE"]
+             ("fp8e4nv", dict(PIPE=True, BLOCK_N=128, STAGES=3, PINGPONG=True, PV_WAIT_LATE=True), 0, True, False)]
+    assert ta.CONFIGS[torch.bfloat16]["WS"]["PV_WAIT_LATE"] and ta.KEYS_LAST_FP8["WS"]["BLOCK_N"] == 256
     for res in _cross_compile(_XCOMPILE_WS, jobs):
         print(res)
         # the pipelined bf16 consumers with turns keep one word on the stack (cuobjdump -sass:
