@@ -657,6 +657,11 @@ AB = {
                      ("fp8", _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL),
                       _ws(False, 256, 2, PINGPONG=True, **_FP8_KL))],
                     AB_SHAPES),
+    # fp8 keys-last over 256-key blocks: pipelined (P staged before the next Q·Kᵀ) against serial
+    "ws-fp8-pipe": ([("fp8", _ws(False, 256, 2, **_FP8_KL), _ws(True, 256, 2, PV_WAIT_LATE=True, **_FP8_KL)),
+                     ("fp8", _ws(False, 256, 2, **_FP8_KL),
+                      _ws(True, 256, 2, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL))],
+                    AB_SHAPES),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),

@@ -802,6 +802,31 @@ def test_gpu_warp_specialized_schedule_same_bits(pipe, key):
 
 
 @needs_ws
+@pytest.mark.parametrize("dtype,block_n,stages", [(torch.bfloat16, 128, 2), (FP8, 128, 3), (FP8, 256, 2)],
+                         ids=["bf16", "fp8", "fp8_bn256"])
+def test_gpu_warp_specialized_pipelined_same_bits_as_serial(dtype, block_n, stages):
+    """Pipelined consumers (block j's Q·Kᵀ beside block j-1's P·V; fp8 P staged in shared
+    memory before the next Q·Kᵀ) run the serial consumer's arithmetic in another order of
+    issue: O rescaled between the same two P·V's, the same P. The same bits, with and
+    without the late wait and turns, ragged with empty and one-block segments."""
+    q_lens, k_lens = [1000, 0, 1, 257, 2048], [4096, 300, 0, 256, 2500]
+    kw: dict = {}
+    q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, 16, dtype, device="cuda", seed=11)
+    if dtype == FP8:
+        v, cv = _keys_last(v, k_lens)
+        kw = dict(v_layout="hdt", cu_seqlens_v=cv)
+    base = dict(PV_FP8=True) if dtype == FP8 else {}
+    ws = dict(BLOCK_N=block_n, STAGES=stages)
+    runs = [mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, **kw, config=dict(base, WS=dict(ws, **c)))
+            for c in (dict(PIPE=False), dict(PIPE=True), dict(PIPE=True, PV_WAIT_LATE=True, PINGPONG=True))]
+    torch.cuda.synchronize()
+    (a, la), *rest = runs
+    assert torch.isfinite(la[:, :1000]).all()
+    for b, lb in rest:
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+@needs_ws
 def test_gpu_warp_specialized_unsorted_many_segments():
     lens = [(i * 37) % 150 for i in range(ta._SORT_MAX + 3)]
     _gpu_case(lens, [(i * 53) % 333 for i in range(len(lens))], 3, torch.bfloat16, False, WS_CFGS["ws_pipe"])
@@ -910,9 +935,10 @@ def _keys_last(v, k_lens):
 @needs_ws
 @pytest.mark.parametrize("ws", [dict(PIPE=True, STAGES=2), dict(PIPE=True, STAGES=3), dict(PIPE=False, STAGES=3),
                                 dict(PIPE=True, STAGES=3, PV_WAIT_LATE=True), dict(PIPE=False, BLOCK_N=256, STAGES=2),
-                                dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True)],
+                                dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True),
+                                dict(PIPE=True, BLOCK_N=256, STAGES=2, PV_WAIT_LATE=True, PINGPONG=True)],
                          ids=["pipe_s2", "pipe_s3", "serial_s3", "pipe_s3_wait_late", "serial_bn256",
-                              "serial_bn256_pingpong"])
+                              "serial_bn256_pingpong", "pipe_bn256_wait_late_pingpong"])
 def test_gpu_warp_specialized_fp8_keys_last(ws):
     """fp8 q/k/v, V keys-last, P·V in fp8 (P through shared memory): against float64 from
     the dequantized inputs within the P·V-in-fp8 bound (5e-2), ragged with empty segments."""

@@ -187,17 +187,25 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
-    def _pv(p, v_s, s, acc, p_layout: gl.constexpr, p_smem, V_T: gl.constexpr, IS_FP8: gl.constexpr):
+    def _stage_p(p, p_smem):
+        """fp8 P (scaled by 2**8 already) into this consumer's shared buffer, for P·V."""
+        p_smem.store(p.to(p_smem.dtype))
+        fence_async_shared()
+
+    @gluon.jit
+    @no_type_check
+    def _pv(p, v_s, s, acc, p_layout: gl.constexpr, p_smem, V_T: gl.constexpr, IS_FP8: gl.constexpr,
+            STAGED: gl.constexpr = False):
         """acc += P·V of slot s, issued asynchronously. Returns (token, P operand).
         bf16: P from registers. fp8: P through shared memory (``p_smem``; the MMA wait
-        cannot keep an 8-bit register operand alive), scaled by 2**8 already."""
+        cannot keep an 8-bit register operand alive), written here unless ``STAGED``."""
         if V_T:
             vb = v_s.index(s).permute((1, 0))  # [128, BLOCK_N] keys-last -> K-major B
         else:
             vb = v_s.index(s)
         if IS_FP8:
-            p_smem.store(p.to(v_s.dtype))
-            fence_async_shared()
+            if not STAGED:
+                _stage_p(p, p_smem)
             tok = warpgroup_mma(p_smem, vb, acc, is_async=True)
             keep = acc  # placeholder: P lives in shared memory
         else:
@@ -253,6 +261,10 @@ if gluon is not None:
                 sc = warpgroup_mma_wait(0, deps=(s_tok, ))
                 _free_k(k_free, 0, EARLY_K)
                 p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, 0, k_len, qk_scale, offs_n, IS_FP8)
+                # fp8: P goes to shared memory before the next Q·Kᵀ is issued, so that its
+                # registers are free for that block's scores (256-key blocks fit in 240)
+                if IS_FP8:
+                    _stage_p(p, p_smem)
                 for j in range(1, n_blocks):
                     s = j % STAGES
                     ph = (j // STAGES) & 1
@@ -264,7 +276,7 @@ if gluon is not None:
                     if RESCALE_EARLY:  # the previous block's rescale, under this block's Q·Kᵀ
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     mbarrier.wait(v_bar.index(prev), prev_ph)
-                    o_tok, pop = _pv(p, v_s, prev, acc, p_layout, p_smem, V_T, IS_FP8)
+                    o_tok, pop = _pv(p, v_s, prev, acc, p_layout, p_smem, V_T, IS_FP8, IS_FP8)
                     _turn_pass(turn, C, PINGPONG)
                     sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # Q·Kᵀ done, P·V may run on
                     _free_k(k_free, s, EARLY_K)
@@ -276,12 +288,14 @@ if gluon is not None:
                     mbarrier.arrive(v_free.index(prev), count=1)
                     if not RESCALE_EARLY:
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    if IS_FP8:  # the P·V that read the buffer is done
+                        _stage_p(p, p_smem)
                 last = (n_blocks - 1) % STAGES
                 if RESCALE_EARLY:
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // STAGES) & 1)
                 _turn_wait(turn, C, n_blocks, PINGPONG)
-                o_tok, pop = _pv(p, v_s, last, acc, p_layout, p_smem, V_T, IS_FP8)
+                o_tok, pop = _pv(p, v_s, last, acc, p_layout, p_smem, V_T, IS_FP8, IS_FP8)
                 _turn_pass(turn, C, PINGPONG)
                 acc = _pv_wait(o_tok, pop, IS_FP8)
                 _free_k(k_free, last, not EARLY_K)
