@@ -696,6 +696,10 @@ BENCHMARKS = (
           "`bench/bench_attention.py --ab ws-fp8-wide`: fp8 keys-last, serial consumers over 256-key blocks in 2 "
           "stages, with and without turns (B), against the pipelined kernel over 128-key blocks in 3 stages with "
           "turns and the late wait (A), 5 rounds per shape.", env="GPU_RUN_AB=ws-fp8-wide"),
+    Bench("fp8 over 256-key blocks, pipelined or serial", "attention_ab", ("attention_ab_ws-fp8-pipe",),
+          "`bench/bench_attention.py --ab ws-fp8-pipe`: fp8 keys-last over 256-key blocks, pipelined consumers "
+          "(P staged in shared memory before the next Q·Kᵀ) with the late wait, with and without turns (B), "
+          "against serial consumers (A), 5 rounds per shape.", env="GPU_RUN_AB=ws-fp8-pipe"),
     Bench("Throughput under concurrency", "bench_concurrency", ("bench_concurrency",),
           "`bench/bench_concurrency.py`: 1 to 16 clients against one server per shape, inline tensors and CUDA IPC "
           "regions."),

@@ -28,8 +28,8 @@ on 4 × 1,024 rows by 3.9-7.9 % (two rounds each; H200, 2026-12-04, commit 58e91
 ``--sweep ws-rescale``); off. ``PV_WAIT_LATE`` keeps P·V's wait after the softmax in the
 machine code (ptxas moves it above the softmax otherwise, which undoes the pipelining);
 ``PINGPONG`` makes the two consumers take turns issuing their MMAs (FA3's ping-pong). The
-backend's defaults (``triton_attention``) pipeline with the late wait for bf16, and run
-fp8 serial over 256-key blocks (docs/DESIGN.md).
+backend's defaults (``triton_attention``) pipeline with the late wait, for fp8 over 256-key
+blocks and with turns (docs/DESIGN.md).
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory, bf16 with 128×128 tiles and 2 stages: Q 48 KiB +

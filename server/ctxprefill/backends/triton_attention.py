@@ -140,11 +140,14 @@ CONFIGS: dict[torch.dtype, dict[str, Any]] = {
 #: (802-875). Pipelined, it pays only with P·V's wait kept after the softmax
 #: (``PV_WAIT_LATE``) and the consumers taking turns at the tensor cores (``PINGPONG``):
 #: 1.00-1.03 of serial over 6 shapes (``--ab ws-wait``, as above); with the late wait alone
-#: 0.90-0.93. Serial with 256-key blocks and 2 stages (216 KiB of shared memory; the
-#: pipelined consumer spills there) beats that by 1.06-1.10 over the same 6 shapes (median
-#: of 5 interleaved rounds each; 959 / 949 TFLOP/s at 8,192 rows, 16 / 128 heads) (``--ab ws-fp8-wide``, H200, 2026-12-04, commit f3b7d6f,
-#: bench/results/attention_ab_ws-fp8-wide.json); with turns 1.02-1.08.
-KEYS_LAST_FP8: dict[str, Any] = dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=256, STAGES=2))
+#: 0.90-0.93. Serial over 256-key blocks in 2 stages (216 KiB of shared memory) beats that
+#: by 1.06-1.10 over the same 6 shapes, medians of 5 interleaved rounds each (``--ab
+#: ws-fp8-wide``, H200, 2026-12-04, commit f3b7d6f, attention_ab_ws-fp8-wide.json); with
+#: turns 1.02-1.08. Pipelined over 256-key blocks (P staged in shared memory before the next
+#: Q·Kᵀ, which keeps it within 240 registers) with the late wait and turns: 0.99-1.04 of
+#: serial, the same bits (``--ab ws-fp8-pipe``, commit 8cbf881, attention_ab_ws-fp8-pipe.json).
+KEYS_LAST_FP8: dict[str, Any] = dict(PV_FP8=True, WS=dict(PIPE=True, BLOCK_N=256, STAGES=2, PV_WAIT_LATE=True,
+                                                          PINGPONG=True))
 
 if triton is not None:
     # globals read inside @triton.jit code must be constexpr
