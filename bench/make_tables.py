@@ -840,12 +840,15 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
     rows: list[tuple[str, str, str]] = []
     eng = load("bench_engine", results)["rows"]
     for h in (16, 128):
+        cells = []
         for pd in ("bf16", "fp8"):
             r = _row(eng, heads=h, new=1024, context=65536, cache_dtype="auto", prefill_dtype=pd)
-            rows.append((f"Whole request, {h} heads, {pd} prefill, 1,024 new over 64k",
-                         f"fused {_ms(r['fused_s'])} ms, generic {_ms(r['generic_s'])} ms ({r['speedup']:.2f}×), "
+            cells.append(f"{pd}: fused {_ms(r['fused_s'])} ms, generic {_ms(r['generic_s'])} ms "
+                         f"({r['speedup']:.2f}×), "
                          + (f"fused as a CUDA graph {_ms(r['fused_graph_s'])} ms, " if "fused_graph_s" in r else "")
-                         + f"floor {_ms(r['floor_s'])} ms", "bench_engine"))
+                         + f"floor {_ms(r['floor_s'])} ms")
+        rows.append((f"Whole request, {h} heads, bf16 and fp8 prefill, 1,024 new over 64k", "; ".join(cells),
+                     "bench_engine"))
     probe = load("probe_host", results)
     ph = probe["rows"]
     host = [r for r in ph if "graph_host_steps_us" in r]
@@ -870,6 +873,10 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                  f"ours {tf('triton', 16)} / {tf('triton', 128)}, FlashInfer {fi} FA3 {tf('flashinfer fa3', 16)} / "
                  f"{tf('flashinfer fa3', 128)}; ours {tf('triton pv_fp8 v-keys-last', 16, 'fp8')} / "
                  f"{tf('triton pv_fp8 v-keys-last', 128, 'fp8')}" + _ahead_of_flashinfer(ad), "bench_attention"))
+    rows += [_fp8_ab_row("attention_ab_ws-fp8-wide", "fp8 attention (V keys-last) over 256-key blocks, serial, "
+                         "against 128-key blocks pipelined with turns", {"PINGPONG": False}, results),
+             _fp8_ab_row("attention_ab_ws-fp8-pipe", "fp8 attention over 256-key blocks, pipelined with turns (the "
+                         "default), against serial", {"PINGPONG": True}, results)]
     k = load("bench_kernels", results)
     kr = k["results"]
 
@@ -917,6 +924,22 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                  f"logits {cuda['errors']['logits']:.4f}; remote {cuda['totals']['remote_ms']:.0f} ms, local "
                  f"{cuda['totals']['local_ms']:.0f} ms", "bench_model_prefill_fp32"))
     return rows
+
+
+def _fp8_ab_row(name: str, what: str, b_has: dict[str, Any], results: str) -> tuple[str, str, str]:
+    """A README row of an fp8 ``--ab`` file: B's and A's median TFLOP/s at 1×8192 q (16 / 128 heads),
+    then B / A over its shapes (the pair whose B config has ``b_has``)."""
+    rs = [r for r in load(name, results)["results"] if "ratio_median" in r
+          and all(r["config_b"]["WS"].get(k, False) == v for k, v in b_has.items())]
+    big = [_row(rs, H=h, case="1x8192q/16384k") for h in (16, 128)]
+
+    def med(key: str) -> str:
+        return " / ".join(f"{statistics.median(r[key]):.0f}" for r in big)
+
+    ratios = [r["ratio_median"] for r in rs]
+    return (f"{what}: 8,192 q over 16k keys, 16 / 128 heads (TFLOP/s, median of interleaved rounds); B / A on "
+            "1×8192, 4×1024, 1×1024 q and a ragged batch",
+            f"{med('tflops_b')} against {med('tflops_a')}; {min(ratios):.2f}–{max(ratios):.2f}×", name)
 
 
 def readme_block(readme_dir: str, results: str = RESULTS) -> str:

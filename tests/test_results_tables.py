@@ -69,7 +69,7 @@ def test_every_figure_in_the_readme_block_is_in_its_json(mt):
         assert 5 <= len(rows) <= 10
         for line in rows:
             measure, result, gpu, date, commit, data = _cells(line)
-            (path,) = re.findall(r"\]\((bench/results/[\w.]+\.json)\)", data)
+            (path,) = re.findall(r"\]\((bench/results/[\w.-]+\.json)\)", data)
             with open(os.path.join(ROOT, path)) as f:
                 raw = f.read()
             values = _numbers(json.loads(raw))

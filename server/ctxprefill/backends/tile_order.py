@@ -16,7 +16,8 @@ another, so each order is checked in that model (``makespan``) and the packed on
 only where it wins. The same persistent-kernel structure FA3 and FlashInfer build with a
 device-side scheduler, with the launch order as the scheduler.
 
-Tiles cost their key blocks plus a start-up (``STARTUP_BLOCKS``, fitted in the model).
+Tiles cost their key blocks plus a start-up (``STARTUP_BLOCKS`` 128-key blocks' time,
+fitted in the model; fewer of a wider block).
 Past ``PACK_WAVES`` waves of tiles LPT leaves no tail worth packing (H=128, the same
 batch: 0.996 of balanced): no order then, the kernel's own (LPT) serves. Host cost per new
 shape on the CPU machine, random batches of 2-16 segments: median 0.01-0.2 ms, the worst
@@ -39,7 +40,7 @@ from collections.abc import Sequence
 #: SM lists alike, as ``pack_lists`` groups them: (lists, load, ((segment, tiles), ...))
 Group = tuple[int, float, tuple[tuple[int, int], ...]]
 
-#: a program's start-up (queries in, descriptors, epilogue) in units of one key block
+#: a program's start-up (queries in, descriptors, epilogue) in units of one 128-key block
 STARTUP_BLOCKS = 1.5
 #: at or past this many tiles per SM, LPT order (packing gains nothing measurable)
 PACK_WAVES = 8
@@ -64,12 +65,13 @@ def tile_order(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, sms: in
     if min(heads, sms, block_m, block_n) < 1 or min(list(q_lens) + list(k_lens), default=0) < 0:
         raise ValueError(f"tile_order: lengths must be >= 0 and heads, sms, blocks >= 1; got heads={heads} "
                          f"sms={sms} block_m={block_m} block_n={block_n}")
-    return _cached(tuple(_cdiv(q, block_m) for q in q_lens), tuple(_cdiv(k, block_n) for k in k_lens), heads, sms)
+    return _cached(tuple(_cdiv(q, block_m) for q in q_lens), tuple(_cdiv(k, block_n) for k in k_lens), heads, sms,
+                   STARTUP_BLOCKS * 128 / block_n)
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int,
-            sms: int) -> tuple[tuple[int, ...], int] | None:
+def _cached(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int, sms: int,
+            startup: float) -> tuple[tuple[int, ...], int] | None:
     B = len(q_tiles)
     m_tiles = max(q_tiles, default=0)
     if not 2 <= B <= MAX_SEGMENTS or B * m_tiles * heads >= 2**31:
@@ -78,7 +80,7 @@ def _cached(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int,
     count = [q_tiles[b] * heads for b in segs]
     if not sms < sum(count) < PACK_WAVES * sms:  # one wave, or no tail worth packing
         return None
-    cost = [k_blocks[b] + STARTUP_BLOCKS for b in segs]
+    cost = [k_blocks[b] + startup for b in segs]
     # each group of SM lists runs its segments costliest first, back to back: programs
     # planned to start together (same time, same segment) are one event of m programs
     events: dict[tuple[float, int], int] = {}
