@@ -643,6 +643,8 @@ AB_SHAPES = [(16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "1x1024q/1638
 #: few percent, which one pass of a sweep cannot tell from the H200's drift within a process
 _PIPE_LATE = _ws(True, 128, 2, PV_WAIT_LATE=True)
 _SERIAL_FP8 = _ws(False, 128, 3, **_FP8_KL)
+_PIPE_FP8_128 = _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL)
+_SERIAL_FP8_256 = _ws(False, 256, 2, **_FP8_KL)
 AB = {
     # P·V's wait held after the softmax (bf16), with turns (both dtypes), pipelined fp8 against serial
     "ws-wait": ([("bf16", _ws(True, 128, 2), _PIPE_LATE),
@@ -650,17 +652,13 @@ AB = {
                  ("fp8", _SERIAL_FP8, _ws(True, 128, 3, PV_WAIT_LATE=True, **_FP8_KL)),
                  ("fp8", _SERIAL_FP8, _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL))],
                 AB_SHAPES),
-    # fp8 keys-last: 256-key blocks (2 stages: 216 KiB of shared memory; serial, as the
-    # pipelined consumer spills there) against the default 128-key pipelined kernel
-    "ws-fp8-wide": ([("fp8", _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL),
-                      _ws(False, 256, 2, **_FP8_KL)),
-                     ("fp8", _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL),
-                      _ws(False, 256, 2, PINGPONG=True, **_FP8_KL))],
-                    AB_SHAPES),
+    # fp8 keys-last: serial consumers over 256-key blocks (2 stages: 216 KiB of shared memory),
+    # with and without turns, against the pipelined kernel over 128-key blocks
+    "ws-fp8-wide": ([("fp8", _PIPE_FP8_128, _SERIAL_FP8_256),
+                     ("fp8", _PIPE_FP8_128, _ws(False, 256, 2, PINGPONG=True, **_FP8_KL))], AB_SHAPES),
     # fp8 keys-last over 256-key blocks: pipelined (P staged before the next Q·Kᵀ) against serial
-    "ws-fp8-pipe": ([("fp8", _ws(False, 256, 2, **_FP8_KL), _ws(True, 256, 2, PV_WAIT_LATE=True, **_FP8_KL)),
-                     ("fp8", _ws(False, 256, 2, **_FP8_KL),
-                      _ws(True, 256, 2, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL))],
+    "ws-fp8-pipe": ([("fp8", _SERIAL_FP8_256, _ws(True, 256, 2, PV_WAIT_LATE=True, **_FP8_KL)),
+                     ("fp8", _SERIAL_FP8_256, _ws(True, 256, 2, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL))],
                     AB_SHAPES),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
