@@ -194,18 +194,15 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
-    def _pv(p, v_s, s, acc, p_layout: gl.constexpr, p_smem, V_T: gl.constexpr, IS_FP8: gl.constexpr,
-            STAGED: gl.constexpr = False):
+    def _pv(p, v_s, s, acc, p_layout: gl.constexpr, p_smem, V_T: gl.constexpr, IS_FP8: gl.constexpr):
         """acc += P·V of slot s, issued asynchronously. Returns (token, P operand).
-        bf16: P from registers. fp8: P through shared memory (``p_smem``; the MMA wait
-        cannot keep an 8-bit register operand alive), written here unless ``STAGED``."""
+        bf16: P from registers. fp8: P from shared memory (``p_smem``, staged by
+        :func:`_stage_p` before: the MMA wait cannot keep an 8-bit register operand alive)."""
         if V_T:
             vb = v_s.index(s).permute((1, 0))  # [128, BLOCK_N] keys-last -> K-major B
         else:
             vb = v_s.index(s)
         if IS_FP8:
-            if not STAGED:
-                _stage_p(p, p_smem)
             tok = warpgroup_mma(p_smem, vb, acc, is_async=True)
             keep = acc  # placeholder: P lives in shared memory
         else:
@@ -276,7 +273,7 @@ if gluon is not None:
                     if RESCALE_EARLY:  # the previous block's rescale, under this block's Q·Kᵀ
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     mbarrier.wait(v_bar.index(prev), prev_ph)
-                    o_tok, pop = _pv(p, v_s, prev, acc, p_layout, p_smem, V_T, IS_FP8, IS_FP8)
+                    o_tok, pop = _pv(p, v_s, prev, acc, p_layout, p_smem, V_T, IS_FP8)
                     _turn_pass(turn, C, PINGPONG)
                     sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # Q·Kᵀ done, P·V may run on
                     _free_k(k_free, s, EARLY_K)
@@ -295,7 +292,7 @@ if gluon is not None:
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // STAGES) & 1)
                 _turn_wait(turn, C, n_blocks, PINGPONG)
-                o_tok, pop = _pv(p, v_s, last, acc, p_layout, p_smem, V_T, IS_FP8, IS_FP8)
+                o_tok, pop = _pv(p, v_s, last, acc, p_layout, p_smem, V_T, IS_FP8)
                 _turn_pass(turn, C, PINGPONG)
                 acc = _pv_wait(o_tok, pop, IS_FP8)
                 _free_k(k_free, last, not EARLY_K)
@@ -313,6 +310,8 @@ if gluon is not None:
                 p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_bar.index(s), ph)
+                if IS_FP8:
+                    _stage_p(p, p_smem)
                 o_tok, pop = _pv(p, v_s, s, acc, p_layout, p_smem, V_T, IS_FP8)
                 acc = _pv_wait(o_tok, pop, IS_FP8)
                 _free_k(k_free, s, not EARLY_K)
