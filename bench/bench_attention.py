@@ -299,6 +299,16 @@ def sanity(q, k, v, cq, ck, ql, kl, scale):
                 lse_max_abs=(lse - rl.float()).abs().max().item())
 
 
+def with_slack(k):
+    """``k`` as a view of a buffer with the rows past its end that the fp8 kernel's
+    ``P_REGS`` reads (zeros): every provider sees the same view."""
+    from ctxprefill.backends.gluon_attention import P_REGS_SLACK_ROWS
+
+    buf = torch.zeros((k.shape[0] + P_REGS_SLACK_ROWS, *k.shape[1:]), dtype=k.dtype, device=k.device)
+    buf[: k.shape[0]] = k
+    return buf[: k.shape[0]]
+
+
 class Inputs:
     """Per (H, case) inputs, made once and kept (all of them fit: ~30 GB at H=128)."""
 
@@ -308,7 +318,7 @@ class Inputs:
     def get(self, H, name, ql, kl):
         if (H, name) not in self._d:
             q, k, v, cq, ck = make(ql, kl, H)
-            self._d[H, name] = dict(bf16=(q, k, v), fp8=(to_fp8(q), to_fp8(k), to_fp8(v)), cq=cq, ck=ck)
+            self._d[H, name] = dict(bf16=(q, k, v), fp8=(to_fp8(q), with_slack(to_fp8(k)), to_fp8(v)), cq=cq, ck=ck)
         return self._d[H, name]
 
 
@@ -604,9 +614,9 @@ SWEEP = {
             _c(128, 128, 8, 2, PV_FP8=True, v_layout="hdt")],
 }
 def _ws(pipe, bn, stages, EARLY_K=True, RESCALE_EARLY=False, PINGPONG=False, PV_WAIT_LATE=False,  # noqa: N803
-        **kw):  # (the kernel's own names)
+        P_REGS=False, **kw):  # (the kernel's own names)
     return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages, EARLY_K=EARLY_K, RESCALE_EARLY=RESCALE_EARLY,
-                        PINGPONG=PINGPONG, PV_WAIT_LATE=PV_WAIT_LATE), **kw)
+                        PINGPONG=PINGPONG, PV_WAIT_LATE=PV_WAIT_LATE, P_REGS=P_REGS), **kw)
 
 
 # the warp-specialized Gluon kernel (--sweep ws): serial or pipelined consumers, key block,
@@ -645,6 +655,7 @@ _PIPE_LATE = _ws(True, 128, 2, PV_WAIT_LATE=True)
 _SERIAL_FP8 = _ws(False, 128, 3, **_FP8_KL)
 _PIPE_FP8_128 = _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL)
 _SERIAL_FP8_256 = _ws(False, 256, 2, **_FP8_KL)
+_PIPE_FP8_256 = _ws(True, 256, 2, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL)
 AB = {
     # P·V's wait held after the softmax (bf16), with turns (both dtypes), pipelined fp8 against serial
     "ws-wait": ([("bf16", _ws(True, 128, 2), _PIPE_LATE),
@@ -659,6 +670,13 @@ AB = {
     # fp8 keys-last over 256-key blocks: pipelined (P staged before the next Q·Kᵀ) against serial
     "ws-fp8-pipe": ([("fp8", _SERIAL_FP8_256, _ws(True, 256, 2, PV_WAIT_LATE=True, **_FP8_KL)),
                      ("fp8", _SERIAL_FP8_256, _ws(True, 256, 2, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL))],
+                    AB_SHAPES),
+    # fp8 keys-last with P·V's operand in registers (P_REGS: K's rows loaded permuted, no P
+    # through shared memory) against the default (pipelined, 256-key blocks, P staged)
+    "ws-fp8-regs": ([("fp8", _PIPE_FP8_256, _ws(False, 256, 2, P_REGS=True, **_FP8_KL)),
+                     ("fp8", _PIPE_FP8_256, _ws(False, 256, 2, PINGPONG=True, P_REGS=True, **_FP8_KL)),
+                     ("fp8", _PIPE_FP8_256, _ws(True, 128, 4, PV_WAIT_LATE=True, PINGPONG=True, P_REGS=True,
+                                                **_FP8_KL))],
                     AB_SHAPES),
 }
 #: --sweep NAME -> (configs per dtype, shapes)

@@ -674,7 +674,7 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
     const = dict(BLOCK_M=128, BLOCK_N=ws["BLOCK_N"], STAGES=ws["STAGES"], PIPE=ws["PIPE"], SORT_B=sort_b,
                  IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True), USE_ORDER=use_order,
                  RESCALE_EARLY=ws.get("RESCALE_EARLY", False), PINGPONG=ws.get("PINGPONG", False),
-                 PV_WAIT_LATE=ws.get("PV_WAIT_LATE", False))
+                 PV_WAIT_LATE=ws.get("PV_WAIT_LATE", False), P_REGS=ws.get("P_REGS", False))
     # every compile-time parameter given (one left out would compile as a runtime value)
     assert not [n for n in names if n.isupper() and n not in const
                 and n not in ("Q", "K", "KR", "V", "O", "LSE", "B", "ORDER")]
@@ -686,7 +686,7 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=ga._MAXNREG))
     regs, stack = resources(k)
     out.append(dict(dt=dt, ws=ws, sort_b=sort_b, use_order=use_order, regs=regs, stack=stack, smem=k.metadata.shared,
-                    pv_wait=pv_wait_order(k),
+                    pv_wait=pv_wait_order(k), sts=len(re.findall(r"st\.shared", k.asm["ptx"])),
                     wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
                     setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                       k.asm["ptx"])))))
@@ -719,6 +719,59 @@ def test_warp_specialized_defaults_cross_compile_for_sm90():
         assert {24, 240} <= set(res["setmaxnreg"]), res
         if res["ws"]["PIPE"]:  # both consumers' loops, the softmax whole before P·V's wait
             assert len(res["pv_wait"]) == 2 and all(0 < n == total for n, total in res["pv_wait"]), res
+
+
+#: fp8 keys-last with P·V's operand in registers (``P_REGS``): serial over 256-key blocks,
+#: with and without turns; pipelined over 128-key blocks in 4 stages with the late wait and turns
+P_REGS_WS = {"serial_bn256": dict(PIPE=False, BLOCK_N=256, STAGES=2, P_REGS=True),
+             "serial_bn256_pingpong": dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True, P_REGS=True),
+             "pipe_bn128_s4": dict(PIPE=True, BLOCK_N=128, STAGES=4, PV_WAIT_LATE=True, PINGPONG=True, P_REGS=True)}
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6") or ga.gluon is None,
+                    reason="sm_90 cross-compile check of the Gluon kernel written for Triton 3.6")
+def test_warp_specialized_p_in_registers_cross_compiles_for_sm90():
+    """With ``P_REGS`` the fp8 P operand of P·V stays in registers: the scores' registers are
+    relabelled, not moved (the kernel asserts the conversion trivial), so no P goes through
+    shared memory (the kernel's only shared stores are its barriers' and the epilogue's:
+    fewer than with P staged), no spills, less shared memory than with P staged (its 2 x 16
+    KiB buffers gone at 256-key blocks), the late wait kept in the pipelined consumers."""
+    staged = dict(P_REGS_WS["serial_bn256"], P_REGS=False)
+    jobs = [("fp8e4nv", ws, 0, True, True) for ws in (staged, *P_REGS_WS.values())]
+    base, *regs = _cross_compile(_XCOMPILE_WS, jobs)
+    print(base)
+    for res in regs:
+        print(res)
+        assert res["stack"] == 0 and res["wgmma"] > 0 and {24, 240} <= set(res["setmaxnreg"]), res
+        assert res["sts"] < base["sts"], (res, base)
+        if res["ws"]["BLOCK_N"] == 256:
+            assert res["smem"] + 2 * 64 * 256 <= base["smem"] + 64, (res, base)  # (+ the turns' barriers)
+        if res["ws"]["PIPE"]:
+            assert len(res["pv_wait"]) == 2 and all(0 < n == total for n, total in res["pv_wait"]), res
+
+
+def test_p_regs_wants_slack_past_the_keys():
+    """``P_REGS`` reads K in whole 16-key groups: up to 15 rows past the last segment must lie
+    in K's storage, fp8 only, V keys-last; anything else is a ValueError before any launch."""
+    buf = torch.zeros(100 + ga.P_REGS_SLACK_ROWS, 2, 192, dtype=FP8)
+    k = buf[:100]
+    assert ga.rows_readable(k) == 100 + ga.P_REGS_SLACK_ROWS and ga.rows_readable(buf[:40]) == buf.shape[0]
+    assert ga.rows_readable(buf[10:20]) == buf.shape[0] - 10
+    assert ga.rows_readable(buf[5:9, :1, 128:]) == buf.shape[0] - 5
+    q = torch.zeros(4, 2, 192, dtype=FP8)
+    ga.check_p_regs(q, k, k[..., 128:], True)  # enough rows past the view
+    tight = torch.zeros(100, 2, 192, dtype=FP8)
+    with pytest.raises(ValueError, match=r"k \(100 rows readable, 115 needed\), kr"):
+        ga.check_p_regs(q, tight, tight[..., 128:], True)
+    with pytest.raises(ValueError, match="keys-last False"):
+        ga.check_p_regs(q, k, k[..., 128:], False)
+    with pytest.raises(ValueError, match="q torch.bfloat16"):
+        ga.check_p_regs(q.to(torch.bfloat16), k, k[..., 128:], True)
+    # launch checks before it compiles or launches anything
+    cu = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="P_REGS"):
+        ga.launch(q, tight, tight[..., 128:], torch.zeros(2, 128, 16, dtype=FP8), torch.zeros(4, 2, 128),
+                  torch.zeros(2, 4), cu, cu, cu, 1.0, (1, 2, 1), 0, True, dict(P_REGS=True))
 
 # ----------------------------------------------------------------------------- warp-specialized kernel (Gluon)
 
@@ -957,3 +1010,46 @@ def test_gpu_warp_specialized_fp8_keys_last(ws):
         check(out, lse, *reference(q.float(), k.float(), v.float(), cu_q, cu_k, 192**-0.5), out_tol=5e-2)
     names = _kernel_names(run)
     assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], names
+
+
+def _with_slack(k, fill=float("nan")):
+    """``k`` as a view of a buffer ``P_REGS_SLACK_ROWS`` rows longer, those rows ``fill``
+    (NaN: a key read past the segments that reached the output would show)."""
+    buf = torch.full((k.shape[0] + ga.P_REGS_SLACK_ROWS, *k.shape[1:]), fill, dtype=torch.float32,
+                     device=k.device).to(k.dtype)
+    buf[: k.shape[0]] = k
+    return buf[: k.shape[0]]
+
+
+@needs_ws
+@pytest.mark.parametrize("ws", list(P_REGS_WS))
+def test_gpu_warp_specialized_fp8_p_in_registers(ws):
+    """fp8 keys-last with P·V's operand in registers (K's rows loaded permuted in 16-key
+    groups): against float64 within the fp8 bound, ragged with empty and one-key segments,
+    segments ending inside a 16-key group and NaN in the rows past the last one; a NaN in
+    the next segment's keys leaves a segment's result bit for bit."""
+    cfg = dict(PV_FP8=True, WS=P_REGS_WS[ws])
+    for q_lens, k_lens, H, seed in (([1000, 0, 1, 257, 2048], [4096, 300, 0, 1, 2500], 16, 0),
+                                    ([300, 77], [1100, 129], 128, 1), ([64, 200], [65, 16385], 2, 2)):
+        q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, FP8, device="cuda", seed=seed)
+        vt, cv = _keys_last(v, k_lens)
+        k = _with_slack(k)
+        out, lse = mla_context_attention(q, k, vt, cu_q, cu_k, max(q_lens), max(k_lens), 192**-0.5, config=cfg,
+                                         v_layout="hdt", cu_seqlens_v=cv)
+        torch.cuda.synchronize()
+        check(out, lse, *reference(q.float(), k.float(), v.float(), cu_q, cu_k, 192**-0.5), out_tol=5e-2)
+    # neighbours: segment 0 ends 6 keys into a 16-key group whose rest is segment 1's
+    q, k, v, cu_q, cu_k = make_batch([100, 50], [70, 200], 4, FP8, device="cuda", seed=5)
+    vt, cv = _keys_last(v, [70, 200])
+    run = lambda kk: mla_context_attention(q, kk, vt, cu_q, cu_k, 100, 200, 0.07, config=cfg, v_layout="hdt",
+                                           cu_seqlens_v=cv)
+    a, la = run(_with_slack(k))
+    k2 = k.clone()
+    k2[70:] = float("nan")
+    b, lb = run(_with_slack(k2))
+    torch.cuda.synchronize()
+    assert torch.isfinite(b[:100].float()).all() and torch.isfinite(lb[:, :100]).all()
+    assert torch.equal(a[:100], b[:100]) and torch.equal(la[:, :100], lb[:, :100])
+    with pytest.raises(ValueError, match="P_REGS"):
+        run(k)  # no rows past the keys
+

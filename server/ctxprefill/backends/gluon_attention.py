@@ -31,6 +31,14 @@ machine code (ptxas moves it above the softmax otherwise, which undoes the pipel
 backend's defaults (``triton_attention``) pipeline with the late wait, for fp8 over 256-key
 blocks and with turns (docs/DESIGN.md).
 
+``P_REGS`` (fp8) keeps P·V's operand in registers, as bf16 does, instead of staging P in
+shared memory (2 × 16 KiB at 256-key blocks, and each block's P written and read there):
+the loader lands K's rows permuted within 16-key groups (a 5-D TMA box, ``_key_of``) so
+that the registers holding a thread's scores are those of its fp8 operand with V in key
+order, a relabelling the kernel asserts moves nothing. It reads whole 16-key groups, up
+to ``P_REGS_SLACK_ROWS`` rows past a segment (masked out of the scores), which must lie in
+K's storage (``check_p_regs``). Not a default: the defaults are the measured ones.
+
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory, bf16 with 128×128 tiles and 2 stages: Q 48 KiB +
 2 × (K 48 + V 32) = 208 KiB; fp8 with 128×256 tiles and 2 stages: Q 24 + 2 × (K 48 + V 32)
@@ -74,7 +82,10 @@ _P_SHIFT = 8.0  # fp8 P·V: P scaled by 2**8 before its e4m3 cast (as triton_att
 #: Tiles, stages, pipelining. 2 consumers x 64 query rows = BLOCK_M 128 (fixed). The
 #: caller's defaults per dtype are in ``triton_attention`` (measured there).
 CONFIG: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True, RESCALE_EARLY=False,
-                              PINGPONG=False, PV_WAIT_LATE=False)
+                              PINGPONG=False, PV_WAIT_LATE=False, P_REGS=False)
+#: rows a key tensor must hold past the last segment's end for ``P_REGS`` (its K loads
+#: read whole 16-key groups: up to 15 rows past a segment, masked out of the scores)
+P_REGS_SLACK_ROWS = 15
 #: Warps: 4 (consumer 0, the default partition) + 4 (consumer 1) + 1 (loader): 3
 #: warpgroups at launch with 168 registers a thread (3 x 128 x 168 <= 65,536, an SM's
 #: file); ``setmaxnreg`` then moves them: loader 24, consumers 240.
@@ -87,7 +98,8 @@ if gluon is not None:
     @no_type_check  # device code: Triton's compiler types it, not mypy
     def _ws_loader(qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
                    q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr):
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr,
+                   P_REGS: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
         if n_blocks > 0:
             for c in gl.static_range(2):
@@ -95,13 +107,13 @@ if gluon is not None:
                 mbarrier.expect(bar, qn_d.block_type.nbytes + qr_d.block_type.nbytes)
                 tma.async_copy_global_to_shared(qn_d, [m0 + c * HALF_M, 0], bar, qn_s.index(c))
                 tma.async_copy_global_to_shared(qr_d, [m0 + c * HALF_M, 128], bar, qr_s.index(c))
-            _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, 0, BLOCK_N, STAGES)
+            _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, 0, BLOCK_N, STAGES, P_REGS)
         for j in range(n_blocks):
             # K of the next block before V of this one: the consumers free a K slot as soon
             # as its scores are computed (a softmax and a P·V earlier than its V slot), and
             # they need the next K first (FA3's order)
             if j + 1 < n_blocks:
-                _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j + 1, BLOCK_N, STAGES)
+                _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j + 1, BLOCK_N, STAGES, P_REGS)
             s = j % STAGES
             # a slot's barrier starts "phase 1 complete": the first pass does not wait
             mbarrier.wait(v_free.index(s), ((j // STAGES) & 1) ^ 1)
@@ -114,14 +126,23 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
-    def _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """K of block j (nope and rope) into its slot, once the consumers freed it."""
+    def _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                P_REGS: gl.constexpr):
+        """K of block j (nope and rope) into its slot, once the consumers freed it; with
+        ``P_REGS`` through 5-D descriptors whose rows land in ``_key_of``'s order."""
         s = j % STAGES
         mbarrier.wait(k_free.index(s), ((j // STAGES) & 1) ^ 1)
         kb = k_bar.index(s)
         mbarrier.expect(kb, kn_d.block_type.nbytes + kr_d.block_type.nbytes)
-        tma.async_copy_global_to_shared(kn_d, [j * BLOCK_N, 0], kb, kn_s.index(s))
-        tma.async_copy_global_to_shared(kr_d, [j * BLOCK_N, 0], kb, kr_s.index(s))
+        if P_REGS:
+            G: gl.constexpr = BLOCK_N // 16
+            kn = kn_s.index(s)._reinterpret(kn_s.dtype, [G, 2, 4, 2, 128], kn_d.layout)
+            kr = kr_s.index(s)._reinterpret(kr_s.dtype, [G, 2, 4, 2, 64], kr_d.layout)
+            tma.async_copy_global_to_shared(kn_d, [j * G, 0, 0, 0, 0], kb, kn)
+            tma.async_copy_global_to_shared(kr_d, [j * G, 0, 0, 0, 0], kb, kr)
+        else:
+            tma.async_copy_global_to_shared(kn_d, [j * BLOCK_N, 0], kb, kn_s.index(s))
+            tma.async_copy_global_to_shared(kr_d, [j * BLOCK_N, 0], kb, kr_s.index(s))
 
     @gluon.jit
     @no_type_check
@@ -194,17 +215,48 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
-    def _pv(p, v_s, s, acc, p_layout: gl.constexpr, p_smem, V_T: gl.constexpr, IS_FP8: gl.constexpr):
+    def _key_of(offs_n):
+        """The key of each score column under ``P_REGS``: K's rows land in shared memory so
+        that column 16h + 8r + 2q + e holds key 16h + 4q + 2r + e (e < 2, q < 4, r < 2),
+        which puts in each thread's registers the keys of its fp8 P operand for P·V."""
+        return (offs_n // 16) * 16 + ((offs_n % 8) // 2) * 4 + ((offs_n % 16) // 8) * 2 + offs_n % 2
+
+    @gluon.jit
+    @no_type_check
+    def _p_operand(p, p_layout: gl.constexpr):
+        """fp8 P [64, BLOCK_N] (columns in ``_key_of``'s order) as P·V's register operand,
+        keys in order: a relabelling of registers, no data moved (asserted)."""
+        M: gl.constexpr = p.shape[0]
+        N: gl.constexpr = p.shape[1]
+        p8 = gl.reshape(p.to(gl.float8e4nv), [M, N // 16, 2, 4, 2])
+        p8 = gl.reshape(gl.permute(p8, [0, 1, 3, 2, 4]), [M, N])
+        return gl.convert_layout(p8, p_layout, assert_trivial=True)
+
+    @gluon.jit
+    @no_type_check
+    def _keep(x):
+        """``x`` read after a wgmma wait: an 8-bit register operand of the MMA waited for
+        keeps its registers until then (the wait's own ``deps`` take 16-bit and wider)."""
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=4)
+
+    @gluon.jit
+    @no_type_check
+    def _pv(p, v_s, s, acc, p_layout: gl.constexpr, p_smem, V_T: gl.constexpr, IS_FP8: gl.constexpr,
+            P_REGS: gl.constexpr):
         """acc += P·V of slot s, issued asynchronously. Returns (token, P operand).
-        bf16: P from registers. fp8: P from shared memory (``p_smem``, staged by
-        :func:`_stage_p` before: the MMA wait cannot keep an 8-bit register operand alive)."""
+        bf16: P from registers. fp8: from shared memory (``p_smem``, staged by
+        :func:`_stage_p` before), or with ``P_REGS`` from registers (:func:`_p_operand`)."""
         if V_T:
             vb = v_s.index(s).permute((1, 0))  # [128, BLOCK_N] keys-last -> K-major B
         else:
             vb = v_s.index(s)
         if IS_FP8:
-            tok = warpgroup_mma(p_smem, vb, acc, is_async=True)
-            keep = acc  # placeholder: P lives in shared memory
+            if P_REGS:
+                keep = _p_operand(p, p_layout)
+                tok = warpgroup_mma(keep, vb, acc, is_async=True)
+            else:
+                tok = warpgroup_mma(p_smem, vb, acc, is_async=True)
+                keep = acc  # placeholder: P lives in shared memory
         else:
             keep = gl.convert_layout(p.to(v_s.dtype), p_layout)
             tok = warpgroup_mma(keep, vb, acc, is_async=True)
@@ -212,10 +264,12 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
-    def _pv_wait(o_tok, keep, IS_FP8: gl.constexpr):
-        """Wait for the P·V in flight; bf16 keeps its register P alive until then."""
+    def _pv_wait(o_tok, keep, IS_FP8: gl.constexpr, P_REGS: gl.constexpr):
+        """Wait for the P·V in flight; a register P stays alive until then."""
         if IS_FP8:
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+            if P_REGS:
+                _keep(keep)
         else:
             acc, keep = warpgroup_mma_wait(0, deps=(o_tok, keep))
         return acc
@@ -227,7 +281,8 @@ if gluon is not None:
                      q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                      C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
-                     RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr):
+                     RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
+                     P_REGS: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
         K_INSTR: gl.constexpr = 32 if IS_FP8 else 16
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -243,6 +298,8 @@ if gluon is not None:
         acc = gl.zeros([HALF_M, 128], gl.float32, o_layout)
         zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if P_REGS:  # the key of each score column (the partial block's mask)
+            offs_n = _key_of(offs_n)
         qn = qn_s.index(C)
         qr = qr_s.index(C)
         p_smem = p_s.index(C)
@@ -260,7 +317,7 @@ if gluon is not None:
                 p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, 0, k_len, qk_scale, offs_n, IS_FP8)
                 # fp8: P goes to shared memory before the next Q·Kᵀ is issued, so that its
                 # registers are free for that block's scores (256-key blocks fit in 240)
-                if IS_FP8:
+                if IS_FP8 and not P_REGS:
                     _stage_p(p, p_smem)
                 for j in range(1, n_blocks):
                     s = j % STAGES
@@ -273,28 +330,28 @@ if gluon is not None:
                     if RESCALE_EARLY:  # the previous block's rescale, under this block's Q·Kᵀ
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     mbarrier.wait(v_bar.index(prev), prev_ph)
-                    o_tok, pop = _pv(p, v_s, prev, acc, p_layout, p_smem, V_T, IS_FP8)
+                    o_tok, pop = _pv(p, v_s, prev, acc, p_layout, p_smem, V_T, IS_FP8, P_REGS)
                     _turn_pass(turn, C, PINGPONG)
                     sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # Q·Kᵀ done, P·V may run on
                     _free_k(k_free, s, EARLY_K)
                     p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8)
                     if PV_WAIT_LATE:  # the softmax (its row sums) before P·V's wait, as written
                         l_i = _after(l_i, C)
-                    acc = _pv_wait(o_tok, pop, IS_FP8)
+                    acc = _pv_wait(o_tok, pop, IS_FP8, P_REGS)
                     _free_k(k_free, prev, not EARLY_K)
                     mbarrier.arrive(v_free.index(prev), count=1)
                     if not RESCALE_EARLY:
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                    if IS_FP8:  # the P·V that read the buffer is done
+                    if IS_FP8 and not P_REGS:  # the P·V that read the buffer is done
                         _stage_p(p, p_smem)
                 last = (n_blocks - 1) % STAGES
                 if RESCALE_EARLY:
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // STAGES) & 1)
                 _turn_wait(turn, C, n_blocks, PINGPONG)
-                o_tok, pop = _pv(p, v_s, last, acc, p_layout, p_smem, V_T, IS_FP8)
+                o_tok, pop = _pv(p, v_s, last, acc, p_layout, p_smem, V_T, IS_FP8, P_REGS)
                 _turn_pass(turn, C, PINGPONG)
-                acc = _pv_wait(o_tok, pop, IS_FP8)
+                acc = _pv_wait(o_tok, pop, IS_FP8, P_REGS)
                 _free_k(k_free, last, not EARLY_K)
                 mbarrier.arrive(v_free.index(last), count=1)
         else:
@@ -310,10 +367,10 @@ if gluon is not None:
                 p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_bar.index(s), ph)
-                if IS_FP8:
+                if IS_FP8 and not P_REGS:
                     _stage_p(p, p_smem)
-                o_tok, pop = _pv(p, v_s, s, acc, p_layout, p_smem, V_T, IS_FP8)
-                acc = _pv_wait(o_tok, pop, IS_FP8)
+                o_tok, pop = _pv(p, v_s, s, acc, p_layout, p_smem, V_T, IS_FP8, P_REGS)
+                acc = _pv_wait(o_tok, pop, IS_FP8, P_REGS)
                 _free_k(k_free, s, not EARLY_K)
                 mbarrier.arrive(v_free.index(s), count=1)
 
@@ -344,6 +401,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
         SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
         USE_ORDER: gl.constexpr, RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
+        P_REGS: gl.constexpr,
     ):
         HALF_M: gl.constexpr = BLOCK_M // 2
         pid_m = gl.program_id(0)
@@ -396,8 +454,21 @@ if gluon is not None:
         k_rows = gl.maximum(k_len, 1)
         qn_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 128], qn_l)
         qr_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 64], qr_l)
-        kn_d = tma.make_tensor_descriptor(k_seg, [k_rows, 128], [stride_kt, 1], [BLOCK_N, 128], kn_l)
-        kr_d = tma.make_tensor_descriptor(kr_seg, [k_rows, 64], [stride_rt, 1], [BLOCK_N, 64], kr_l)
+        if P_REGS:
+            # 16-key groups [group, r, q, pair, e] -> key 16 group + 4q + 2r + e lands in
+            # row 16 group + 8r + 2q + e (``_key_of``); whole groups are read, up to 15 rows
+            # past the segment (the caller's P_REGS_SLACK_ROWS), masked out of the scores
+            G: gl.constexpr = BLOCK_N // 16
+            k_groups = gl.cdiv(k_rows, 16)
+            kn_d = tma.make_tensor_descriptor(
+                k_seg, [k_groups, 2, 4, 2, 128], [16 * stride_kt, 2 * stride_kt, 4 * stride_kt, stride_kt, 1],
+                [G, 2, 4, 2, 128], gl.NVMMASharedLayout.get_default_for([G, 2, 4, 2, 128], dt))
+            kr_d = tma.make_tensor_descriptor(
+                kr_seg, [k_groups, 2, 4, 2, 64], [16 * stride_rt, 2 * stride_rt, 4 * stride_rt, stride_rt, 1],
+                [G, 2, 4, 2, 64], gl.NVMMASharedLayout.get_default_for([G, 2, 4, 2, 64], dt))
+        else:
+            kn_d = tma.make_tensor_descriptor(k_seg, [k_rows, 128], [stride_kt, 1], [BLOCK_N, 128], kn_l)
+            kr_d = tma.make_tensor_descriptor(kr_seg, [k_rows, 64], [stride_rt, 1], [BLOCK_N, 64], kr_l)
         if V_T:  # V [H, 128, Tv], keys contiguous from column cu_v[b] (16-byte aligned: the caller's)
             vt_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, BLOCK_N], dt)
             v_seg = V + gl.load(cu_v + b).to(gl.int64) + h.to(gl.int64) * stride_vh
@@ -415,8 +486,8 @@ if gluon is not None:
         kr_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, 64], kr_l)
         # fp8: each consumer's P goes through shared memory (1 slot x 64 x BLOCK_N bytes)
         # (bf16 keeps P in registers: a token 16 x 16 buffer)
-        P_ROWS: gl.constexpr = HALF_M if IS_FP8 else 16
-        P_COLS: gl.constexpr = BLOCK_N if IS_FP8 else 16
+        P_ROWS: gl.constexpr = HALF_M if IS_FP8 and not P_REGS else 16
+        P_COLS: gl.constexpr = BLOCK_N if IS_FP8 and not P_REGS else 16
         p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P_ROWS, P_COLS], dt)
         p_s = gl.allocate_shared_memory(dt, [2, P_ROWS, P_COLS], p_l)
         q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -440,15 +511,34 @@ if gluon is not None:
             (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                             0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                            PV_WAIT_LATE)),
+                            PV_WAIT_LATE, P_REGS)),
             (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                             1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                            PV_WAIT_LATE)),
+                            PV_WAIT_LATE, P_REGS)),
             (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
-                          q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks, BLOCK_M, BLOCK_N, STAGES, V_T)),
+                          q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks, BLOCK_M, BLOCK_N, STAGES, V_T, P_REGS)),
         ], [4, 1], [240, 24])
 
+
+
+def rows_readable(t: torch.Tensor) -> int:
+    """Rows of ``t``'s first dimension that lie in its storage from its first row on: its
+    own, and those past its end where ``t`` is a view of a larger buffer."""
+    elems = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    row = 1 + sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:], strict=True))
+    return max(0, (elems - row) // t.stride(0) + 1) if t.dim() and t.stride(0) > 0 else 0
+
+
+def check_p_regs(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v_t: bool) -> None:
+    """``P_REGS`` wants fp8, keys-last V, and K (``k``, ``kr``) readable for
+    ``P_REGS_SLACK_ROWS`` rows past their last row: ValueError otherwise."""
+    need = k.shape[0] + P_REGS_SLACK_ROWS
+    short = [f"{n} ({rows_readable(t)} rows readable, {need} needed)" for n, t in (("k", k), ("kr", kr))
+             if rows_readable(t) < need]
+    if q.dtype.itemsize != 1 or not v_t or short:
+        raise ValueError(f"P_REGS needs fp8 q/k/v, V keys-last and {P_REGS_SLACK_ROWS} rows of K's storage past "
+                         f"its last row; got q {q.dtype}, keys-last {v_t}, short: {', '.join(short) or 'none'}")
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -462,6 +552,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
     the device, ``tile_order``; ``m_tiles`` the query tiles they count with) the launch
     is 1-D, one program per code, in that order."""
     cfg = dict(CONFIG, **(config or {}))
+    if cfg["P_REGS"]:
+        check_p_regs(q, k, kr, v_t)
     H = q.shape[1]
     if order is not None:
         grid = (order.numel(), 1, 1)
@@ -473,6 +565,6 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], PIPE=cfg["PIPE"],
         SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t, EARLY_K=cfg["EARLY_K"],
         USE_ORDER=order is not None, RESCALE_EARLY=cfg["RESCALE_EARLY"], PINGPONG=cfg["PINGPONG"],
-        PV_WAIT_LATE=cfg["PV_WAIT_LATE"], num_warps=4,
+        PV_WAIT_LATE=cfg["PV_WAIT_LATE"], P_REGS=cfg["P_REGS"], num_warps=4,
         maxnreg=_MAXNREG,
     )
