@@ -674,7 +674,8 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
     const = dict(BLOCK_M=128, BLOCK_N=ws["BLOCK_N"], STAGES=ws["STAGES"], PIPE=ws["PIPE"], SORT_B=sort_b,
                  IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True), USE_ORDER=use_order,
                  RESCALE_EARLY=ws.get("RESCALE_EARLY", False), PINGPONG=ws.get("PINGPONG", False),
-                 PV_WAIT_LATE=ws.get("PV_WAIT_LATE", False), P_REGS=ws.get("P_REGS", False))
+                 PV_WAIT_LATE=ws.get("PV_WAIT_LATE", False), P_REGS=ws.get("P_REGS", False),
+                 Q_REGS=ws.get("Q_REGS", False))
     # every compile-time parameter given (one left out would compile as a runtime value)
     assert not [n for n in names if n.isupper() and n not in const
                 and n not in ("Q", "K", "KR", "V", "O", "LSE", "B", "ORDER")]
@@ -723,9 +724,13 @@ def test_warp_specialized_defaults_cross_compile_for_sm90():
 
 #: fp8 keys-last with P·V's operand in registers (``P_REGS``): serial over 256-key blocks,
 #: with and without turns; pipelined over 128-key blocks in 4 stages with the late wait and turns
+#: (with ``Q_REGS`` Q·Kᵀ's operand from registers too)
 P_REGS_WS = {"serial_bn256": dict(PIPE=False, BLOCK_N=256, STAGES=2, P_REGS=True),
              "serial_bn256_pingpong": dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True, P_REGS=True),
-             "pipe_bn128_s4": dict(PIPE=True, BLOCK_N=128, STAGES=4, PV_WAIT_LATE=True, PINGPONG=True, P_REGS=True)}
+             "pipe_bn128_s4": dict(PIPE=True, BLOCK_N=128, STAGES=4, PV_WAIT_LATE=True, PINGPONG=True, P_REGS=True),
+             "serial_bn256_q_regs": dict(PIPE=False, BLOCK_N=256, STAGES=2, P_REGS=True, Q_REGS=True),
+             "pipe_bn128_s4_q_regs": dict(PIPE=True, BLOCK_N=128, STAGES=4, PV_WAIT_LATE=True, PINGPONG=True,
+                                          P_REGS=True, Q_REGS=True)}
 
 
 @pytest.mark.skipif(not triton.__version__.startswith("3.6") or ga.gluon is None,
@@ -735,14 +740,16 @@ def test_warp_specialized_p_in_registers_cross_compiles_for_sm90():
     relabelled, not moved (the kernel asserts the conversion trivial), so no P goes through
     shared memory (the kernel's only shared stores are its barriers' and the epilogue's:
     fewer than with P staged), no spills, less shared memory than with P staged (its 2 x 16
-    KiB buffers gone at 256-key blocks), the late wait kept in the pipelined consumers."""
+    KiB buffers gone at 256-key blocks), the late wait kept in the pipelined consumers. With
+    Q·Kᵀ's operand in registers too (``Q_REGS``) a few words go to the stack (<= 32 B)."""
     staged = dict(P_REGS_WS["serial_bn256"], P_REGS=False)
     jobs = [("fp8e4nv", ws, 0, True, True) for ws in (staged, *P_REGS_WS.values())]
     base, *regs = _cross_compile(_XCOMPILE_WS, jobs)
     print(base)
     for res in regs:
         print(res)
-        assert res["stack"] == 0 and res["wgmma"] > 0 and {24, 240} <= set(res["setmaxnreg"]), res
+        assert res["stack"] <= (32 if res["ws"].get("Q_REGS") else 0), res
+        assert res["wgmma"] > 0 and {24, 240} <= set(res["setmaxnreg"]), res
         assert res["sts"] < base["sts"], (res, base)
         if res["ws"]["BLOCK_N"] == 256:
             assert res["smem"] + 2 * 64 * 256 <= base["smem"] + 64, (res, base)  # (+ the turns' barriers)
@@ -784,6 +791,7 @@ WS_CFGS = {
     "ws_pipe_pingpong": dict(WS=dict(PIPE=True, PINGPONG=True)),
     "ws_pipe_wait_late": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True)),
     "ws_serial_pingpong": dict(WS=dict(PIPE=False, PINGPONG=True)),
+    "ws_serial_q_regs": dict(WS=dict(PIPE=False, Q_REGS=True)),  # Q·Kᵀ's operand from registers
 }
 needs_ws = pytest.mark.skipif(
     not HAS_CUDA or INTERPRETING or ga.gluon is None or torch.cuda.get_device_capability()[0] != 9,
