@@ -738,6 +738,9 @@ def run_ab(args):
     data = Inputs()
     byname = {c[0]: c for c in cases()}
     ab_pairs, ab_shapes = AB[args.ab]
+    from ctxprefill.clock_monitor import ClockMonitor
+
+    monitor = ClockMonitor(torch.device("cuda"))
     out = []
     for (H, name), (dt, cfg_a, cfg_b) in itertools.product(ab_shapes, ab_pairs):
         if H not in args.heads:
@@ -756,7 +759,14 @@ def run_ab(args):
                 fn()
             return ("tflops_b", (fns[0], flop)), ("tflops_a", (fns[1], flop))
 
-        out.append(_interleaved(rec, f"H={H:<3} {name:<16} {dt:<4} B / A", make, args))
+        # the SM clock and power through the rounds: a TFLOP/s figure is a share of the matrix
+        # rate at the clock the power cap leaves, not at the boost clock
+        label = f"H={H:<3} {name:<16} {dt:<4} B / A"
+        if monitor.available:
+            rec["clocks"] = monitor.sample_during(lambda: _interleaved(rec, label, make, args))  # noqa: B023
+        else:
+            _interleaved(rec, label, make, args)
+        out.append(rec)
     return out
 
 

@@ -16,7 +16,7 @@
 #   6. bench/bench_attention.py, if present                                           -> bench_attention.json
 # and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_ragged, bench_engine_full
 # (the 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
-# bench_rpc_floor, attention_sweep_ws, attention_ab, bench_attention_flashinfer, probe_write, hostile_sanitizer,
+# bench_rpc_floor, attention_sweep_ws, attention_ab, ncu_attention, bench_attention_flashinfer, probe_write, hostile_sanitizer,
 # bench_sharded, profile_host, probe_host, probe_gemm, bench_ring_overlap (request rings with and without
 # --request-ring-overlap), bench_transport_pin (system regions page-locked and pageable, alternating),
 # bench_inline_parse (the event loop's parse of an inline request, with and without protobuf's copies),
@@ -307,6 +307,14 @@ want attention_sweep_ws && run_step attention_sweep_ws 360 5 - python3 bench/ben
 # bench_attention.AB, default ws-wait)
 want attention_ab && run_step attention_ab 300 5 - python3 bench/bench_attention.py --ab "${GPU_RUN_AB:-ws-wait}" \
   --budget-s 240 --out "$OUT/attention_ab_${GPU_RUN_AB:-ws-wait}.json"
+
+# ---- 8a''. one launch of each config of that --ab entry under Nsight Compute (clocks left alone):
+# tensor pipe share, SM clock, shared-memory wavefronts, stall reasons -> ncu_attention.csv (the
+# launches' configs, in order, in ncu_attention.log)
+want ncu_attention && run_step ncu_attention 240 5 "$OUT/ncu_attention.log" ncu --clock-control none --nvtx \
+  --nvtx-include profiled/ -k regex:_mla_attn_ws_fwd --section SpeedOfLight --section ComputeWorkloadAnalysis \
+  --section WarpStateStats --section MemoryWorkloadAnalysis_Tables --csv --page details \
+  --log-file "$OUT/ncu_attention.csv" python3 bench/profile_attention.py --ab "${GPU_RUN_AB:-ws-fp8-regs}"
 
 # ---- 8b. hostile requests against a GPU server under memcheck (reduced set) ----------------------
 want hostile_sanitizer && run_step hostile_sanitizer 200 5 "$OUT/hostile_sanitizer.log" env HOSTILE_COUNT=300 \

@@ -140,3 +140,19 @@ def test_run_ab_alternates_and_takes_the_median_ratio(monkeypatch):
     assert bf16["ratio_median"] == pytest.approx(4 / 3) and bf16["ratio_min"] == pytest.approx(10 / 9)
     assert bf16["config_b"] == {"tag": "b"} and len(bf16["tflops_b"]) == 3
     assert "no such config" in fp8["error"]
+
+
+def test_ab_and_sweep_configs_name_only_the_kernels_parameters():
+    """Every warp-specialized config of the --ab and --sweep entries names only parameters the
+    Gluon kernel has (a misspelt one would be ignored and measure the default); profile_attention
+    profiles each of an entry's configs once, in order."""
+    import profile_attention
+    from ctxprefill.backends import gluon_attention as ga
+
+    ws = [c["WS"] for pairs, _ in ba.AB.values() for _, a, b in pairs for c in (a, b)]
+    ws += [c["WS"] for sweep, _ in ba.SWEEPS.values() for cfgs in sweep.values() for c in cfgs if "WS" in c]
+    assert ws and all(set(w) <= set(ga.CONFIG) for w in ws), [sorted(set(w) - set(ga.CONFIG)) for w in ws]
+    got = profile_attention.configs_of("ws-fp8-regs")
+    pairs = ba.AB["ws-fp8-regs"][0]
+    assert got[0] == (pairs[0][0], pairs[0][1]) and len(got) == 1 + len(pairs)
+    assert [c for _, c in got[1:]] == [b for _, _, b in pairs] and all(c["WS"]["P_REGS"] for _, c in got[1:])
