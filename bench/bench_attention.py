@@ -614,9 +614,10 @@ SWEEP = {
             _c(128, 128, 8, 2, PV_FP8=True, v_layout="hdt")],
 }
 def _ws(pipe, bn, stages, EARLY_K=True, RESCALE_EARLY=False, PINGPONG=False, PV_WAIT_LATE=False,  # noqa: N803
-        P_REGS=False, Q_REGS=False, **kw):  # (the kernel's own names)
+        P_REGS=False, Q_REGS=False, EXP2_POLY=0, **kw):  # (the kernel's own names)
     return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages, EARLY_K=EARLY_K, RESCALE_EARLY=RESCALE_EARLY,
-                        PINGPONG=PINGPONG, PV_WAIT_LATE=PV_WAIT_LATE, P_REGS=P_REGS, Q_REGS=Q_REGS), **kw)
+                        PINGPONG=PINGPONG, PV_WAIT_LATE=PV_WAIT_LATE, P_REGS=P_REGS, Q_REGS=Q_REGS,
+                        EXP2_POLY=EXP2_POLY), **kw)
 
 
 # the warp-specialized Gluon kernel (--sweep ws): serial or pipelined consumers, key block,
@@ -685,6 +686,13 @@ AB = {
                    ("fp8", _PIPE_FP8_256, _ws(True, 128, 4, PV_WAIT_LATE=True, PINGPONG=True, P_REGS=True,
                                               Q_REGS=True, **_FP8_KL))],
                   AB_SHAPES),
+    # 1 in 8 of the softmax's exp2s on the FMA pipes (EXP2_POLY): the defaults of both dtypes,
+    # and fp8 with P·V's operand in registers (P_REGS)
+    "ws-exp2-poly": ([("bf16", _PIPE_LATE, _ws(True, 128, 2, PV_WAIT_LATE=True, EXP2_POLY=1)),
+                      ("fp8", _PIPE_FP8_256, _ws(True, 256, 2, PV_WAIT_LATE=True, PINGPONG=True, EXP2_POLY=1,
+                                                 **_FP8_KL)),
+                      ("fp8", _PIPE_FP8_256, _ws(False, 256, 2, P_REGS=True, EXP2_POLY=1, **_FP8_KL))],
+                     AB_SHAPES),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),

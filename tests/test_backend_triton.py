@@ -675,7 +675,7 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
                  IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True), USE_ORDER=use_order,
                  RESCALE_EARLY=ws.get("RESCALE_EARLY", False), PINGPONG=ws.get("PINGPONG", False),
                  PV_WAIT_LATE=ws.get("PV_WAIT_LATE", False), P_REGS=ws.get("P_REGS", False),
-                 Q_REGS=ws.get("Q_REGS", False))
+                 Q_REGS=ws.get("Q_REGS", False), EXP2_POLY=ws.get("EXP2_POLY", 0))
     # every compile-time parameter given (one left out would compile as a runtime value)
     assert not [n for n in names if n.isupper() and n not in const
                 and n not in ("Q", "K", "KR", "V", "O", "LSE", "B", "ORDER")]
@@ -686,7 +686,9 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
     src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=ga._MAXNREG))
     regs, stack = resources(k)
+    ex2 = cuobjdump(k, "-sass").count("MUFU.EX2")
     out.append(dict(dt=dt, ws=ws, sort_b=sort_b, use_order=use_order, regs=regs, stack=stack, smem=k.metadata.shared,
+                    ex2=ex2,
                     pv_wait=pv_wait_order(k), sts=len(re.findall(r"st\.shared", k.asm["ptx"])),
                     wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
                     setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
@@ -730,7 +732,8 @@ P_REGS_WS = {"serial_bn256": dict(PIPE=False, BLOCK_N=256, STAGES=2, P_REGS=True
              "pipe_bn128_s4": dict(PIPE=True, BLOCK_N=128, STAGES=4, PV_WAIT_LATE=True, PINGPONG=True, P_REGS=True),
              "serial_bn256_q_regs": dict(PIPE=False, BLOCK_N=256, STAGES=2, P_REGS=True, Q_REGS=True),
              "pipe_bn128_s4_q_regs": dict(PIPE=True, BLOCK_N=128, STAGES=4, PV_WAIT_LATE=True, PINGPONG=True,
-                                          P_REGS=True, Q_REGS=True)}
+                                          P_REGS=True, Q_REGS=True),
+             "serial_bn256_exp2_poly": dict(PIPE=False, BLOCK_N=256, STAGES=2, P_REGS=True, EXP2_POLY=1)}
 
 
 @pytest.mark.skipif(not triton.__version__.startswith("3.6") or ga.gluon is None,
@@ -755,6 +758,24 @@ def test_warp_specialized_p_in_registers_cross_compiles_for_sm90():
             assert res["smem"] + 2 * 64 * 256 <= base["smem"] + 64, (res, base)  # (+ the turns' barriers)
         if res["ws"]["PIPE"]:
             assert len(res["pv_wait"]) == 2 and all(0 < n == total for n, total in res["pv_wait"]), res
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6") or ga.gluon is None,
+                    reason="sm_90 cross-compile check of the Gluon kernel written for Triton 3.6")
+def test_warp_specialized_exp2_poly_cross_compiles_for_sm90():
+    """``EXP2_POLY=1`` moves 1 of every 8 softmax exp2s from the SFU to the FMA pipes: fewer
+    MUFU.EX2 than the same config without it, no spills, and the pipelined consumers keep
+    every SFU exp2 before P·V's wait (the late wait), for the defaults of both dtypes."""
+    fp8, bf16 = ta.KEYS_LAST_FP8["WS"], ta.CONFIGS[torch.bfloat16]["WS"]
+    jobs = [(dt, dict(ws, EXP2_POLY=n), 0, dt != "bf16", True) for dt, ws in (("fp8e4nv", fp8), ("bf16", bf16))
+            for n in (0, 1)]
+    f0, f1, b0, b1 = _cross_compile(_XCOMPILE_WS, jobs)
+    for base, res in ((f0, f1), (b0, b1)):
+        print(base["ex2"], res)
+        assert res["stack"] == 0 and res["ex2"] < base["ex2"], (base, res)
+        assert len(res["pv_wait"]) == 2 and all(0 < n == total for n, total in res["pv_wait"]), res
+        # each pipelined loop: 1 in 8 of its exp2s (all but the two rescale factors) moved
+        assert [t for _, t in res["pv_wait"]] == [t - (t - 2) // 8 for _, t in base["pv_wait"]], (base, res)
 
 
 def test_p_regs_wants_slack_past_the_keys():
@@ -792,6 +813,7 @@ WS_CFGS = {
     "ws_pipe_wait_late": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True)),
     "ws_serial_pingpong": dict(WS=dict(PIPE=False, PINGPONG=True)),
     "ws_serial_q_regs": dict(WS=dict(PIPE=False, Q_REGS=True)),  # Q·Kᵀ's operand from registers
+    "ws_pipe_wait_late_exp2_poly": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True, EXP2_POLY=1)),  # 1 in 8 exp2s on FMAs
 }
 needs_ws = pytest.mark.skipif(
     not HAS_CUDA or INTERPRETING or ga.gluon is None or torch.cuda.get_device_capability()[0] != 9,
@@ -1000,9 +1022,10 @@ def _keys_last(v, k_lens):
 @pytest.mark.parametrize("ws", [dict(PIPE=True, STAGES=2), dict(PIPE=True, STAGES=3), dict(PIPE=False, STAGES=3),
                                 dict(PIPE=True, STAGES=3, PV_WAIT_LATE=True), dict(PIPE=False, BLOCK_N=256, STAGES=2),
                                 dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True),
-                                dict(PIPE=True, BLOCK_N=256, STAGES=2, PV_WAIT_LATE=True, PINGPONG=True)],
+                                dict(PIPE=True, BLOCK_N=256, STAGES=2, PV_WAIT_LATE=True, PINGPONG=True),
+                                dict(PIPE=True, BLOCK_N=256, STAGES=2, PV_WAIT_LATE=True, PINGPONG=True, EXP2_POLY=1)],
                          ids=["pipe_s2", "pipe_s3", "serial_s3", "pipe_s3_wait_late", "serial_bn256",
-                              "serial_bn256_pingpong", "pipe_bn256_wait_late_pingpong"])
+                              "serial_bn256_pingpong", "pipe_bn256_wait_late_pingpong", "default_exp2_poly"])
 def test_gpu_warp_specialized_fp8_keys_last(ws):
     """fp8 q/k/v, V keys-last, P·V in fp8 (P through shared memory): against float64 from
     the dequantized inputs within the P·V-in-fp8 bound (5e-2), ragged with empty segments."""
@@ -1061,3 +1084,33 @@ def test_gpu_warp_specialized_fp8_p_in_registers(ws):
     with pytest.raises(ValueError, match="P_REGS"):
         run(k)  # no rows past the keys
 
+
+
+def test_exp2_polynomial_ptx_within_its_bound():
+    """``EXP2_POLY``'s PTX, step by step in float32 from its own constants: within 7.5e-5
+    of 2^x over [-125, 8] (fp8 P is scaled by 2^8), and a positive float below 2^-124 for
+    -inf and anything under -125 (a masked key adds nothing: its weight is below 2^-132 of
+    the row's largest)."""
+    import re
+
+    import numpy as np
+
+    ptx = ga._EXP2_POLY_PTX
+    hexes = re.findall(r"0f([0-9A-F]{8})", ptx)
+    lo, magic, _, c3, c2, c1, c0 = (np.array([int(h, 16)], dtype=np.uint32).view(np.float32)[0] for h in hexes)
+    assert (lo, magic) == (np.float32(-126), np.float32(1.5 * 2**23))
+
+    def emulate(x):
+        x = np.maximum(x.astype(np.float32), lo)
+        t = x + magic
+        f = x - (t - magic)
+        p = ((f * c3 + c2) * f + c1) * f + c0  # (fma vs mul+add: below this test's bound)
+        return ((p.view(np.int32) + (t.view(np.int32) << 23)).astype(np.int32)).view(np.float32)
+
+    x = np.linspace(-125, 8, 2_000_001, dtype=np.float32)
+    got = emulate(x)
+    assert np.all(got > 0) and np.max(np.abs(got / np.exp2(x.astype(np.float64)) - 1)) < 7.5e-5
+    tiny = emulate(np.array([-np.inf, -1e30, -127.9, -126.4, -125.6, -125.1], dtype=np.float32))
+    assert np.all(tiny > 0) and np.all(tiny < 2.0**-124)
+    asm = ga._exp2_mixed_asm(2)
+    assert asm.count("ex2.approx.ftz.f32") == 6 and asm.count("fma.rn.f32") == 6 and "$15" in asm

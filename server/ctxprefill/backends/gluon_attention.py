@@ -39,7 +39,9 @@ order, a relabelling the kernel asserts moves nothing. It reads whole 16-key gro
 to ``P_REGS_SLACK_ROWS`` rows past a segment (masked out of the scores), which must lie in
 K's storage (``check_p_regs``). ``Q_REGS`` loads each consumer's Q into registers once,
 so that every block's Q·Kᵀ reads only K from shared memory (bf16 serial fits the register
-file; pipelined bf16 spills). Neither is a default: the defaults are the measured ones.
+file; pipelined bf16 spills). ``EXP2_POLY`` computes 1 (or 2) of every 8 of the softmax's exp2s
+on the FMA pipes (``_exp2``), FA4's offload of the SFU. None of the three is a default:
+the defaults are the measured ones.
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory, bf16 with 128×128 tiles and 2 stages: Q 48 KiB +
@@ -81,10 +83,27 @@ except Exception as e:  # noqa: BLE001 - any import failure means "not available
 
 _P_SHIFT = 8.0  # fp8 P·V: P scaled by 2**8 before its e4m3 cast (as triton_attention)
 
+# exp2 on the FMA pipes (``EXP2_POLY``): x clamped to -126 (the result stays a positive
+# float), 2^x = 2^round(x) · p(x - round(x)), p a degree-3 fit of 2^f on [-0.5, 0.5]
+# (relative error < 7.5e-5, far below fp8's and bf16's rounding of P): round(x) read from
+# the low bits of x + 1.5·2^23, its power of two added to p's exponent
+_EXP2_POLY_PTX = ("{{ .reg .f32 x, t, j, f, p; .reg .b32 tb, pb; max.f32 x, ${i}, 0fC2FC0000; "
+                  "add.rn.f32 t, x, 0f4B400000; sub.rn.f32 j, t, 0f4B400000; sub.rn.f32 f, x, j; "
+                  "fma.rn.f32 p, f, 0f3D61FB53, 0f3E786EE6; fma.rn.f32 p, p, f, 0f3F31798D; "
+                  "fma.rn.f32 p, p, f, 0f3F7FFB4A; mov.b32 tb, t; mov.b32 pb, p; shl.b32 tb, tb, 23; "
+                  "add.s32 pb, pb, tb; mov.b32 ${o}, pb; }}")
+
+
+def _exp2_mixed_asm(poly: int) -> str:
+    """PTX for 8 elements: the first ``poly`` through the polynomial, the rest on the SFU."""
+    return " ".join(_EXP2_POLY_PTX.format(o=i, i=8 + i) if i < poly else f"ex2.approx.ftz.f32 ${i}, ${8 + i};"
+                    for i in range(8))
+
+
 #: Tiles, stages, pipelining. 2 consumers x 64 query rows = BLOCK_M 128 (fixed). The
 #: caller's defaults per dtype are in ``triton_attention`` (measured there).
 CONFIG: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True, RESCALE_EARLY=False,
-                              PINGPONG=False, PV_WAIT_LATE=False, P_REGS=False, Q_REGS=False)
+                              PINGPONG=False, PV_WAIT_LATE=False, P_REGS=False, Q_REGS=False, EXP2_POLY=0)
 #: rows a key tensor must hold past the last segment's end for ``P_REGS`` (its K loads
 #: read whole 16-key groups: up to 15 rows past a segment, masked out of the scores)
 P_REGS_SLACK_ROWS = 15
@@ -95,6 +114,24 @@ _MAXNREG = 168
 
 if gluon is not None:
     _P_SHIFT_C = gl.constexpr(_P_SHIFT)  # globals read inside jit code must be constexpr
+    _EXP2_POLY1 = gl.constexpr(_exp2_mixed_asm(1))
+    _EXP2_POLY2 = gl.constexpr(_exp2_mixed_asm(2))
+    _EXP2_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 8 + ["f"] * 8))
+
+    @gluon.jit
+    @no_type_check
+    def _exp2(x, POLY: gl.constexpr):
+        """exp2 of fp32 ``x``: on the SFU (MUFU.EX2), or with ``POLY`` (1 or 2) that many of
+        every 8 elements on the FMA pipes (FA4's split: the SFU's 16 results a clock per SM
+        bound a softmax whose exp2s outnumber what the tensor cores leave time for)."""
+        if POLY == 0:
+            return gl.exp2(x)
+        elif POLY == 1:
+            return gl.inline_asm_elementwise(_EXP2_POLY1, _EXP2_CONSTRAINTS, [x], dtype=gl.float32, is_pure=True,
+                                             pack=8)
+        else:
+            return gl.inline_asm_elementwise(_EXP2_POLY2, _EXP2_CONSTRAINTS, [x], dtype=gl.float32, is_pure=True,
+                                             pack=8)
 
     @gluon.jit
     @no_type_check  # device code: Triton's compiler types it, not mypy
@@ -192,7 +229,8 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
-    def _softmax(sc, m_i, l_i, start_n, k_len, qk_scale, offs_n, IS_FP8: gl.constexpr):
+    def _softmax(sc, m_i, l_i, start_n, k_len, qk_scale, offs_n, IS_FP8: gl.constexpr,
+                 EXP2_POLY: gl.constexpr):
         """Online-softmax step on raw scores ``sc`` (scale folded into exp2's FMA).
         Returns (p, alpha, l, m): m in raw score units."""
         if start_n + sc.shape[1] > k_len:  # the segment's last, partial block
@@ -203,7 +241,7 @@ if gluon is not None:
         m_scaled = m_use * qk_scale
         if IS_FP8:
             m_scaled = m_scaled - _P_SHIFT_C  # p in [0, 2**8]; the row sum alike, undone in lse
-        p = gl.exp2(sc * qk_scale - m_scaled[:, None])
+        p = _exp2(sc * qk_scale - m_scaled[:, None], EXP2_POLY)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return p, alpha, l_i, m_new
 
@@ -284,7 +322,7 @@ if gluon is not None:
                      C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
                      RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
-                     P_REGS: gl.constexpr, Q_REGS: gl.constexpr):
+                     P_REGS: gl.constexpr, Q_REGS: gl.constexpr, EXP2_POLY: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
         K_INSTR: gl.constexpr = 32 if IS_FP8 else 16
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -320,7 +358,7 @@ if gluon is not None:
                 _turn_pass(turn, C, PINGPONG)
                 sc = warpgroup_mma_wait(0, deps=(s_tok, ))
                 _free_k(k_free, 0, EARLY_K)
-                p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, 0, k_len, qk_scale, offs_n, IS_FP8)
+                p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, 0, k_len, qk_scale, offs_n, IS_FP8, EXP2_POLY)
                 # fp8: P goes to shared memory before the next Q·Kᵀ is issued, so that its
                 # registers are free for that block's scores (256-key blocks fit in 240)
                 if IS_FP8 and not P_REGS:
@@ -340,7 +378,8 @@ if gluon is not None:
                     _turn_pass(turn, C, PINGPONG)
                     sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # Q·Kᵀ done, P·V may run on
                     _free_k(k_free, s, EARLY_K)
-                    p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8)
+                    p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8,
+                                                  EXP2_POLY)
                     if PV_WAIT_LATE:  # the softmax (its row sums) before P·V's wait, as written
                         l_i = _after(l_i, C)
                     acc = _pv_wait(o_tok, pop, IS_FP8, P_REGS)
@@ -370,7 +409,8 @@ if gluon is not None:
                 _turn_pass(turn, C, PINGPONG)
                 sc = warpgroup_mma_wait(0, deps=(s_tok, ))
                 _free_k(k_free, s, EARLY_K)  # the loader may refill K now
-                p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8)
+                p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8,
+                                              EXP2_POLY)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_bar.index(s), ph)
                 if IS_FP8 and not P_REGS:
@@ -407,7 +447,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
         SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
         USE_ORDER: gl.constexpr, RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
-        P_REGS: gl.constexpr, Q_REGS: gl.constexpr,
+        P_REGS: gl.constexpr, Q_REGS: gl.constexpr, EXP2_POLY: gl.constexpr,
     ):
         HALF_M: gl.constexpr = BLOCK_M // 2
         pid_m = gl.program_id(0)
@@ -517,11 +557,11 @@ if gluon is not None:
             (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                             0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                            PV_WAIT_LATE, P_REGS, Q_REGS)),
+                            PV_WAIT_LATE, P_REGS, Q_REGS, EXP2_POLY)),
             (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                             1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                            PV_WAIT_LATE, P_REGS, Q_REGS)),
+                            PV_WAIT_LATE, P_REGS, Q_REGS, EXP2_POLY)),
             (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
                           q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks, BLOCK_M, BLOCK_N, STAGES, V_T, P_REGS)),
         ], [4, 1], [240, 24])
@@ -571,6 +611,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], PIPE=cfg["PIPE"],
         SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t, EARLY_K=cfg["EARLY_K"],
         USE_ORDER=order is not None, RESCALE_EARLY=cfg["RESCALE_EARLY"], PINGPONG=cfg["PINGPONG"],
-        PV_WAIT_LATE=cfg["PV_WAIT_LATE"], P_REGS=cfg["P_REGS"], Q_REGS=cfg["Q_REGS"], num_warps=4,
+        PV_WAIT_LATE=cfg["PV_WAIT_LATE"], P_REGS=cfg["P_REGS"], Q_REGS=cfg["Q_REGS"], EXP2_POLY=cfg["EXP2_POLY"],
+        num_warps=4,
         maxnreg=_MAXNREG,
     )
