@@ -303,18 +303,20 @@ want attention_sweep_ws && run_step attention_sweep_ws 360 5 - python3 bench/ben
   --sweep "${GPU_RUN_WS_SWEEP:-ws}" ${GPU_RUN_SWEEP_FLASHINFER:+--flashinfer} --no-flex --budget-s 300 \
   --out "$OUT/attention_sweep_${GPU_RUN_WS_SWEEP:-ws}.json"
 
-# ---- 8a'. two configs of the warp-specialized kernel in interleaved rounds (GPU_RUN_AB: a name of
-# bench_attention.AB, default ws-wait)
-want attention_ab && run_step attention_ab 300 5 - python3 bench/bench_attention.py --ab "${GPU_RUN_AB:-ws-wait}" \
-  --budget-s 240 --out "$OUT/attention_ab_${GPU_RUN_AB:-ws-wait}.json"
+# ---- 8a'. two configs of the warp-specialized kernel in interleaved rounds (GPU_RUN_AB: names of
+# bench_attention.AB, one step each, default ws-wait)
+for ab in ${GPU_RUN_AB:-ws-wait}; do
+  want attention_ab && run_step "attention_ab $ab" 300 5 - python3 bench/bench_attention.py --ab "$ab" \
+    --budget-s 240 --out "$OUT/attention_ab_$ab.json"
+done
 
-# ---- 8a''. one launch of each config of that --ab entry under Nsight Compute (clocks left alone):
+# ---- 8a''. one launch of each config of an --ab entry (GPU_RUN_NCU_AB) under Nsight Compute (clocks left alone):
 # tensor pipe share, SM clock, shared-memory wavefronts, stall reasons -> ncu_attention.csv (the
 # launches' configs, in order, in ncu_attention.log)
 want ncu_attention && run_step ncu_attention 240 5 "$OUT/ncu_attention.log" ncu --clock-control none --nvtx \
   --nvtx-include profiled/ -k regex:_mla_attn_ws_fwd --section SpeedOfLight --section ComputeWorkloadAnalysis \
   --section WarpStateStats --section MemoryWorkloadAnalysis_Tables --csv --page details \
-  --log-file "$OUT/ncu_attention.csv" python3 bench/profile_attention.py --ab "${GPU_RUN_AB:-ws-fp8-regs}"
+  --log-file "$OUT/ncu_attention.csv" python3 bench/profile_attention.py --ab "${GPU_RUN_NCU_AB:-ws-fp8-regs}"
 
 # ---- 8b. hostile requests against a GPU server under memcheck (reduced set) ----------------------
 want hostile_sanitizer && run_step hostile_sanitizer 200 5 "$OUT/hostile_sanitizer.log" env HOSTILE_COUNT=300 \
