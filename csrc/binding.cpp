@@ -199,7 +199,8 @@ std::tuple<at::Tensor, at::Tensor> fused_mla_kv_concat_quant_fp8_vt(const at::Te
   const int64_t T = k_nope.size(0), H = k_nope.size(1);
   ARG_CHECK(v_cols >= T && v_cols % 16 == 0, op, ": v_cols must be a multiple of 16 and >= T = ", T, ", got ", v_cols);
   const auto o8 = k_nope.options().dtype(kFp8);
-  auto k8 = at::empty({T, H, ctxprefill::kQK}, o8);
+  // K with the rows past its end that attention may read (launchers.h: kKeySlackRows)
+  auto k8 = at::empty({T + ctxprefill::kKeySlackRows, H, ctxprefill::kQK}, o8).narrow(0, 0, T);
   auto v8t = at::empty({H, ctxprefill::kV, v_cols}, o8);
   if (T == 0 || H == 0) return {k8, v8t};
   const c10::cuda::CUDAGuard guard(dev);

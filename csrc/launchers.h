@@ -36,6 +36,9 @@ constexpr int kRope = 64;        // R, qk_rope_head_dim
 constexpr int kNope = 128;       // P, qk_nope_head_dim
 constexpr int kV = 128;          // V, v_head_dim
 constexpr int kQK = kNope + kRope;  // 192
+// Rows of storage past a keys-last chunk's fp8 K (ops/pack.py's KEY_SLACK_ROWS): attention
+// that loads K in whole 16-key groups reads up to 15 rows past the last segment (masked).
+constexpr int kKeySlackRows = 15;
 constexpr int kDsTile = 128;     // fp8_ds_mla tile of latent values sharing one scale
 
 // Bytes per cache slot (CONTRACT §2): auto 1152, fp8 576, fp8_ds_mla 656.

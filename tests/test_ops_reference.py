@@ -66,6 +66,33 @@ def test_fused_pack_reference_equals_generic(T, H, dtype):
         assert torch.equal(bits(k8), bits(gk8)) and torch.equal(bits(v8), bits(gv8))
 
 
+@pytest.mark.parametrize("T,cu", [(0, [0, 0]), (1, [0, 1]), (37, [0, 5, 5, 37]), (300, [0, 17, 300])])
+def test_keys_last_pack_leaves_rows_past_k(T, cu):
+    """fp8 with V keys-last: the reference and the generic ops give the same K and V, K with
+    KEY_SLACK_ROWS rows of its storage past its end (attention that reads K in whole 16-key
+    groups reads them), the same count as the fused kernel's binding and P_REGS's."""
+    import re
+    from pathlib import Path
+
+    from ctxprefill.backends import gluon_attention as ga
+    from ctxprefill.ops.pack import KEY_SLACK_ROWS, keys_last_layout
+
+    g = torch.Generator().manual_seed(T)
+    k_nope, k_pe, v = kv_view(T, 3, torch.bfloat16, g)
+    layout = keys_last_layout(cu, "cpu")
+    for pe in (k_pe, saturating_cast_fp8(k_pe)):
+        k8, vt = fused_mla_kv_concat_quant_fp8(k_nope, pe, v, v_keys_last=layout)
+        gk8, gvt = generic_kv_concat_quant_fp8(k_nope, pe, v, v_keys_last=layout)
+        assert k8.shape == gk8.shape == (T, 3, 192) and k8.is_contiguous() and gk8.is_contiguous()
+        assert torch.equal(bits(k8), bits(gk8)) and torch.equal(bits(vt), bits(gvt))
+        for k in (k8, gk8):
+            assert ga.rows_readable(k) == T + KEY_SLACK_ROWS and ga.rows_readable(k[..., 128:]) == T + KEY_SLACK_ROWS
+        k8_rows, _ = fused_mla_kv_concat_quant_fp8(k_nope, pe, v)  # row-major V: no rows past K needed
+        assert torch.equal(bits(k8_rows), bits(k8))
+    launchers = (Path(__file__).resolve().parents[1] / "csrc" / "launchers.h").read_text()
+    assert int(re.search(r"kKeySlackRows = (\d+);", launchers)[1]) == KEY_SLACK_ROWS == ga.P_REGS_SLACK_ROWS
+
+
 def test_fused_pack_on_every_bit_pattern_equals_generic():
     x = all_patterns(torch.bfloat16)  # 65,536 values = 512 tokens x 128
     k_nope = x.view(512, 1, 128)

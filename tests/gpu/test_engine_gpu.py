@@ -255,6 +255,47 @@ def test_packed_launch_order_in_the_engine_changes_no_bit(cache_dtype, kvb, pref
     assert ordered[0].stats.launches["attention"] == len(ordered[0].stats.chunks) == 1
 
 
+@pytest.mark.parametrize("cache_dtype,kvb", [("auto", "bf16"), ("fp8", "fp8")], ids=["auto-bf16", "fp8-fp8"])
+def test_p_in_registers_in_the_engine(cache_dtype, kvb, monkeypatch):
+    """fp8 prefill through the gluon backend with P·V's operand in registers (``P_REGS``,
+    serial over 256-key blocks) as the keys-last default: every K the engine hands attention,
+    fused and generic, holds the rows past its end that P_REGS reads; the two paths give the
+    same bits chunk by chunk; the result is the staged default's within fp8's bound."""
+    backend, why = _triton_backend()
+    if backend is None or backend.name != "gluon":
+        pytest.skip(f"P_REGS is the gluon kernel's (Hopper): {why or backend.name}")
+    from ctxprefill.backends import gluon_attention as ga
+    from ctxprefill.backends import triton_attention as ta
+
+    c = dict(contexts=[40000, 9000, 0, 20000, 333], queries=[300, 1000, 20, 700, 5], W=16384, block=64, heads=16,
+             blocks=1200)
+    eng = make_engine(c, cache_dtype, kvb, "fp8", backend)
+    q, seqs = make_request(eng, c)
+    staged = eng.prefill_context(q, seqs, fused=True)
+    monkeypatch.setattr(ta, "KEYS_LAST_FP8", dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=256, STAGES=2,
+                                                                          P_REGS=True)))
+    runs = []
+    for fused in (True, False):
+        seen, slack = [], []
+
+        def observer(i, chunk, q_c, k, v, o, lse, seen=seen, slack=slack):
+            slack.append(ga.rows_readable(k) - k.shape[0])
+            seen.append(tuple(t.detach().clone() for t in (q_c, k, v, o, lse)))
+
+        runs.append((eng.prefill_context(q, seqs, fused=fused, observer=observer), seen, slack))
+    (fused, fch, fslack), (generic, gch, gslack) = runs
+    assert len(fch) == len(gch) == len(fused.stats.chunks) > 1
+    assert min(fslack + gslack) >= ga.P_REGS_SLACK_ROWS, (fslack, gslack)
+    for i, (a, b) in enumerate(zip(fch, gch)):
+        for name, x, y in zip(("q", "k", "v", "out", "lse"), a, b):
+            assert int((bits(x) != bits(y)).sum()) == 0, f"chunk {i}: {name} fused != generic"
+    assert torch.equal(bits(fused.out), bits(generic.out)) and torch.equal(bits(fused.lse), bits(generic.lse))
+    rows = torch.isfinite(staged.lse).all(0)
+    assert torch.isfinite(fused.lse[:, rows]).all() and not bool(fused.out.float().isnan().any())
+    err = (fused.out.float() - staged.out.float()).abs().max() / staged.out.float().abs().max()
+    assert err < 5e-2 and (fused.lse[:, rows] - staged.lse[:, rows]).abs().max() < 5e-2, err
+
+
 UNPACKED_COMBOS = list(itertools.product(["auto", "fp8", "fp8_ds_mla"], ["bf16", "fp8"]))
 
 

@@ -16,7 +16,9 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-def saturating_cast_fp8(x: torch.Tensor) -> torch.Tensor:
-    """``x.clamp(-448, 448).to(float8_e4m3fn)``: two kernels on a GPU (clamp, convert)."""
+def saturating_cast_fp8(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x.clamp(-448, 448).to(float8_e4m3fn)``: two kernels on a GPU (clamp, convert);
+    the convert into ``out`` (fp8, ``x``'s shape) where given."""
     launches.note(2)
-    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    clamped = x.clamp(-FP8_MAX, FP8_MAX)
+    return clamped.to(FP8) if out is None else out.copy_(clamped)

@@ -21,6 +21,17 @@ import torch
 from . import _cuda, launches
 from .fp8 import FP8, FP8_MAX, saturating_cast_fp8
 
+#: rows of storage past a keys-last chunk's fp8 K: an attention kernel that loads K in whole
+#: 16-key groups reads up to 15 rows past the last segment (masked out of its scores). Every
+#: path allocates them: the reference, the generic ops, the fused kernel's binding
+#: (``kKeySlackRows``, csrc/launchers.h)
+KEY_SLACK_ROWS = 15
+
+
+def _key_buffer(T: int, H: int, width: int, device: torch.device) -> torch.Tensor:
+    """An fp8 K ``[T, H, width]``, contiguous, with ``KEY_SLACK_ROWS`` rows of storage past its end."""
+    return torch.empty((T + KEY_SLACK_ROWS, H, width), dtype=FP8, device=device)[:T]
+
 
 def _flat_pe(k_pe: torch.Tensor) -> torch.Tensor:
     """[T, R] or [T, 1, R] -> [T, R] (a view)."""
@@ -114,7 +125,10 @@ def fused_mla_kv_concat_quant_fp8_reference(k_nope, k_pe, v, v_keys_last: KeysLa
     def sat(x):
         return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
-    k = torch.empty((T, H, P + k_pe.shape[-1]), dtype=FP8, device=k_nope.device)
+    if v_keys_last is None:
+        k = torch.empty((T, H, P + k_pe.shape[-1]), dtype=FP8, device=k_nope.device)
+    else:
+        k = _key_buffer(T, H, P + k_pe.shape[-1], k_nope.device)
     k[..., :P] = sat(k_nope)
     k[..., P:] = (k_pe if k_pe.dtype == FP8 else sat(k_pe))[:, None, :]
     if v_keys_last is None:
@@ -159,6 +173,7 @@ def fused_mla_kv_concat_quant_fp8(k_nope, k_pe, v, *, v_keys_last: KeysLast | No
         dev = k_nope.device
         k = torch.empty((0, H, P + k_pe.shape[-1]), dtype=FP8, device=dev)
         if v_keys_last is not None:
+            k = _key_buffer(0, H, P + k_pe.shape[-1], dev)
             return k, torch.zeros((H, v.shape[-1], v_keys_last.v_cols), dtype=FP8, device=dev)
         return k, torch.empty(v.shape, dtype=FP8, device=dev)
     launches.note(1)
@@ -174,20 +189,23 @@ def fused_mla_kv_concat_quant_fp8(k_nope, k_pe, v, *, v_keys_last: KeysLast | No
 # --- generic: what an unfused MLA impl does ---------------------------------------
 
 
-def generic_kv_concat(k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+def generic_kv_concat(k_nope: torch.Tensor, k_pe: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     k_pe = _flat_pe(k_pe)
     T, H, _ = k_nope.shape
     launches.note(1)  # one cat kernel; the expand is a view
-    return torch.cat((k_nope, k_pe[:, None, :].expand(T, H, k_pe.shape[-1])), dim=-1)
+    return torch.cat((k_nope, k_pe[:, None, :].expand(T, H, k_pe.shape[-1])), dim=-1, out=out)
 
 
 def generic_kv_concat_quant_fp8(k_nope, k_pe, v, *, v_keys_last: KeysLast | None = None):
     k_pe = _flat_pe(k_pe)
+    T, H, P = k_nope.shape
+    # keys-last: K into a buffer with the rows past its end that attention may read
+    out = None if v_keys_last is None else _key_buffer(T, H, P + k_pe.shape[-1], k_nope.device)
     if k_pe.dtype == FP8:  # raw fp8 k_pe from the cache: quantize only the k_nope half
         k_nope = saturating_cast_fp8(k_nope)
-        k = generic_kv_concat(k_nope, k_pe)
+        k = generic_kv_concat(k_nope, k_pe, out=out)
     else:
-        k = saturating_cast_fp8(generic_kv_concat(k_nope, k_pe))
+        k = saturating_cast_fp8(generic_kv_concat(k_nope, k_pe), out=out)
     v8 = saturating_cast_fp8(v)
     if v_keys_last is None:
         return k, v8
