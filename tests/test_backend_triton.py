@@ -795,6 +795,14 @@ def test_p_regs_wants_slack_past_the_keys():
         ga.check_p_regs(q, k, k[..., 128:], False)
     with pytest.raises(ValueError, match="q torch.bfloat16"):
         ga.check_p_regs(q.to(torch.bfloat16), k, k[..., 128:], True)
+    # the defaults' P_REGS falls back to P staged where K has no rows past its end; asked for, it stays
+    # (and the launch refuses)
+    regs = dict(PIPE=False, BLOCK_N=256, P_REGS=True)
+    assert ta.ws_config(regs, None, q, k, k[..., 128:], True)["P_REGS"]
+    assert not ta.ws_config(regs, None, q, tight, tight[..., 128:], True)["P_REGS"]
+    assert not ta.ws_config(regs, dict(WS=dict(STAGES=2)), q, tight, tight[..., 128:], True)["P_REGS"]
+    assert ta.ws_config(regs, dict(WS=regs), q, tight, tight[..., 128:], True)["P_REGS"]
+    assert ta.ws_config(True, None, q, tight, tight[..., 128:], True) == ga.CONFIG
     # launch checks before it compiles or launches anything
     cu = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="P_REGS"):

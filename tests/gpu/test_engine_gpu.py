@@ -274,6 +274,14 @@ def test_p_in_registers_in_the_engine(cache_dtype, kvb, monkeypatch):
     staged = eng.prefill_context(q, seqs, fused=True)
     monkeypatch.setattr(ta, "KEYS_LAST_FP8", dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=256, STAGES=2,
                                                                           P_REGS=True)))
+    launched = []
+    real_launch = ga.launch
+
+    def launch(*args, **kwargs):  # the config each attention launch ran with
+        launched.append(bool(args[13]["P_REGS"]))
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(ga, "launch", launch)
     runs = []
     for fused in (True, False):
         seen, slack = [], []
@@ -286,6 +294,7 @@ def test_p_in_registers_in_the_engine(cache_dtype, kvb, monkeypatch):
     (fused, fch, fslack), (generic, gch, gslack) = runs
     assert len(fch) == len(gch) == len(fused.stats.chunks) > 1
     assert min(fslack + gslack) >= ga.P_REGS_SLACK_ROWS, (fslack, gslack)
+    assert launched and all(launched), launched  # every chunk's attention ran with P in registers
     for i, (a, b) in enumerate(zip(fch, gch)):
         for name, x, y in zip(("q", "k", "v", "out", "lse"), a, b):
             assert int((bits(x) != bits(y)).sum()) == 0, f"chunk {i}: {name} fused != generic"

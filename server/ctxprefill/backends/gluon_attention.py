@@ -576,15 +576,23 @@ def rows_readable(t: torch.Tensor) -> int:
     return max(0, (elems - row) // t.stride(0) + 1) if t.dim() and t.stride(0) > 0 else 0
 
 
-def check_p_regs(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v_t: bool) -> None:
-    """``P_REGS`` wants fp8, keys-last V, and K (``k``, ``kr``) readable for
-    ``P_REGS_SLACK_ROWS`` rows past their last row: ValueError otherwise."""
+def p_regs_problem(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v_t: bool) -> str | None:
+    """Why ``P_REGS`` cannot run on these inputs (it wants fp8, keys-last V, and K — ``k``,
+    ``kr`` — readable for ``P_REGS_SLACK_ROWS`` rows past their last row), or None."""
     need = k.shape[0] + P_REGS_SLACK_ROWS
     short = [f"{n} ({rows_readable(t)} rows readable, {need} needed)" for n, t in (("k", k), ("kr", kr))
              if rows_readable(t) < need]
     if q.dtype.itemsize != 1 or not v_t or short:
-        raise ValueError(f"P_REGS needs fp8 q/k/v, V keys-last and {P_REGS_SLACK_ROWS} rows of K's storage past "
-                         f"its last row; got q {q.dtype}, keys-last {v_t}, short: {', '.join(short) or 'none'}")
+        return (f"P_REGS needs fp8 q/k/v, V keys-last and {P_REGS_SLACK_ROWS} rows of K's storage past its last "
+                f"row; got q {q.dtype}, keys-last {v_t}, short: {', '.join(short) or 'none'}")
+    return None
+
+
+def check_p_regs(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v_t: bool) -> None:
+    """ValueError where :func:`p_regs_problem` finds one."""
+    why = p_regs_problem(q, k, kr, v_t)
+    if why is not None:
+        raise ValueError(why)
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

@@ -566,7 +566,7 @@ def mla_context_attention(
             and q.device.type == "cuda" and _capability(q.device)[0] == 9:
         # (fp8: P·V in fp8 over keys-last V only — Hopper's fp8 MMA wants V K-major)
         # warp-specialized Gluon kernel (Hopper): same semantics, FA3's structure
-        ws_cfg = dict(_ws.CONFIG, **(ws if isinstance(ws, dict) else {}))
+        ws_cfg = ws_config(ws, config, q, k, kr, v_t)
         ws_grid = (max(1, -(-int(max_q) // ws_cfg["BLOCK_M"])), H, max(B, 1))
         ordered = tile_order is not None  # then a 1-D launch in that order, no in-kernel sort
         _ws.launch(q, k, kr, v, out, lse, cu_seqlens_q, cu_seqlens_k,
@@ -587,6 +587,19 @@ def mla_context_attention(
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )
     return out, lse
+
+
+def ws_config(ws: dict | bool, config: dict | None, q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor,
+              v_t: bool) -> dict[str, Any]:
+    """The Gluon kernel's config for a call: ``ws`` over its defaults. ``P_REGS`` where it
+    comes from the defaults and the inputs cannot take it (K without the rows past its end
+    that it reads) falls back to P staged in shared memory; asked for in ``config``, the
+    launch refuses such inputs."""
+    cfg = dict(_ws.CONFIG, **(ws if isinstance(ws, dict) else {}))
+    asked = isinstance((config or {}).get("WS"), dict) and "P_REGS" in (config or {})["WS"]
+    if cfg["P_REGS"] and not asked and _ws.p_regs_problem(q, k, kr, v_t) is not None:
+        cfg["P_REGS"] = False
+    return cfg
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
