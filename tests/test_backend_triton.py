@@ -808,6 +808,9 @@ def test_p_regs_wants_slack_past_the_keys():
     with pytest.raises(ValueError, match="P_REGS"):
         ga.launch(q, tight, tight[..., 128:], torch.zeros(2, 128, 16, dtype=FP8), torch.zeros(4, 2, 128),
                   torch.zeros(2, 4), cu, cu, cu, 1.0, (1, 2, 1), 0, True, dict(P_REGS=True))
+    with pytest.raises(ValueError, match="EXP2_POLY"):
+        ga.launch(q, k, k[..., 128:], torch.zeros(2, 128, 16, dtype=FP8), torch.zeros(4, 2, 128),
+                  torch.zeros(2, 4), cu, cu, cu, 1.0, (1, 2, 1), 0, True, dict(EXP2_POLY=3))
 
 # ----------------------------------------------------------------------------- warp-specialized kernel (Gluon)
 

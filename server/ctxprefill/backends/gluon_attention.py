@@ -501,9 +501,9 @@ if gluon is not None:
         qn_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 128], qn_l)
         qr_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 64], qr_l)
         if P_REGS:
-            # 16-key groups [group, r, q, pair, e] -> key 16 group + 4q + 2r + e lands in
-            # row 16 group + 8r + 2q + e (``_key_of``); whole groups are read, up to 15 rows
-            # past the segment (the caller's P_REGS_SLACK_ROWS), masked out of the scores
+            # K as [group, r, q, e, column] (strides 16, 2, 4, 1 rows): key 16 group + 4q + 2r + e
+            # lands in row 16 group + 8r + 2q + e (``_key_of``); whole groups are read, up to 15
+            # rows past the segment (the caller's P_REGS_SLACK_ROWS), masked out of the scores
             G: gl.constexpr = BLOCK_N // 16
             k_groups = gl.cdiv(k_rows, 16)
             kn_d = tma.make_tensor_descriptor(
@@ -608,6 +608,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
     cfg = dict(CONFIG, **(config or {}))
     if cfg["P_REGS"]:
         check_p_regs(q, k, kr, v_t)
+    if cfg["EXP2_POLY"] not in (0, 1, 2):
+        raise ValueError(f"EXP2_POLY (exp2s of every 8 on the FMA pipes) must be 0, 1 or 2, got {cfg['EXP2_POLY']}")
     H = q.shape[1]
     if order is not None:
         grid = (order.numel(), 1, 1)
