@@ -285,14 +285,15 @@ if gluon is not None:
             P_REGS: gl.constexpr):
         """acc += P·V of slot s, issued asynchronously. Returns (token, P operand).
         bf16: P from registers. fp8: from shared memory (``p_smem``, staged by
-        :func:`_stage_p` before), or with ``P_REGS`` from registers (:func:`_p_operand`)."""
+        :func:`_stage_p` before), or with ``P_REGS`` from registers (``p`` made the operand
+        by :func:`_p_operand` before)."""
         if V_T:
             vb = v_s.index(s).permute((1, 0))  # [128, BLOCK_N] keys-last -> K-major B
         else:
             vb = v_s.index(s)
         if IS_FP8:
-            if P_REGS:
-                keep = _p_operand(p, p_layout)
+            if P_REGS:  # p is the operand already (_p_operand, where the staged kernel stages P)
+                keep = p
                 tok = warpgroup_mma(keep, vb, acc, is_async=True)
             else:
                 tok = warpgroup_mma(p_smem, vb, acc, is_async=True)
@@ -361,8 +362,11 @@ if gluon is not None:
                 p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, 0, k_len, qk_scale, offs_n, IS_FP8, EXP2_POLY)
                 # fp8: P goes to shared memory before the next Q·Kᵀ is issued, so that its
                 # registers are free for that block's scores (256-key blocks fit in 240)
-                if IS_FP8 and not P_REGS:
-                    _stage_p(p, p_smem)
+                if IS_FP8:
+                    if P_REGS:  # P·V's register operand now: 32 registers to carry, not 128
+                        p = _p_operand(p, p_layout)
+                    else:
+                        _stage_p(p, p_smem)
                 for j in range(1, n_blocks):
                     s = j % STAGES
                     ph = (j // STAGES) & 1
@@ -387,8 +391,11 @@ if gluon is not None:
                     mbarrier.arrive(v_free.index(prev), count=1)
                     if not RESCALE_EARLY:
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                    if IS_FP8 and not P_REGS:  # the P·V that read the buffer is done
-                        _stage_p(p, p_smem)
+                    if IS_FP8:
+                        if P_REGS:
+                            p = _p_operand(p, p_layout)
+                        else:  # the P·V that read the buffer is done
+                            _stage_p(p, p_smem)
                 last = (n_blocks - 1) % STAGES
                 if RESCALE_EARLY:
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -413,8 +420,11 @@ if gluon is not None:
                                               EXP2_POLY)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_bar.index(s), ph)
-                if IS_FP8 and not P_REGS:
-                    _stage_p(p, p_smem)
+                if IS_FP8:
+                    if P_REGS:
+                        p = _p_operand(p, p_layout)
+                    else:
+                        _stage_p(p, p_smem)
                 o_tok, pop = _pv(p, v_s, s, acc, p_layout, p_smem, V_T, IS_FP8, P_REGS)
                 acc = _pv_wait(o_tok, pop, IS_FP8, P_REGS)
                 _free_k(k_free, s, not EARLY_K)
