@@ -300,13 +300,11 @@ def sanity(q, k, v, cq, ck, ql, kl, scale):
 
 
 def with_slack(k):
-    """``k`` as a view of a buffer with the rows past its end that the fp8 kernel's
-    ``P_REGS`` reads (zeros): every provider sees the same view."""
-    from ctxprefill.backends.gluon_attention import P_REGS_SLACK_ROWS
+    """fp8 ``k`` copied into a K buffer as the engine's pack makes it (rows past its end, which
+    the kernel's ``P_REGS`` reads): every provider sees the same view."""
+    from ctxprefill.ops.pack import key_buffer
 
-    buf = torch.zeros((k.shape[0] + P_REGS_SLACK_ROWS, *k.shape[1:]), dtype=k.dtype, device=k.device)
-    buf[: k.shape[0]] = k
-    return buf[: k.shape[0]]
+    return key_buffer(*k.shape, k.device).copy_(k)
 
 
 class Inputs:

@@ -1054,10 +1054,10 @@ def test_gpu_warp_specialized_fp8_keys_last(ws):
     assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], names
 
 
-def _with_slack(k, fill=float("nan")):
-    """``k`` as a view of a buffer ``P_REGS_SLACK_ROWS`` rows longer, those rows ``fill``
-    (NaN: a key read past the segments that reached the output would show)."""
-    buf = torch.full((k.shape[0] + ga.P_REGS_SLACK_ROWS, *k.shape[1:]), fill, dtype=torch.float32,
+def _with_slack(k):
+    """``k`` as a view of a buffer ``P_REGS_SLACK_ROWS`` rows longer, those rows NaN (a key
+    read past the segments that reached the output would show)."""
+    buf = torch.full((k.shape[0] + ga.P_REGS_SLACK_ROWS, *k.shape[1:]), float("nan"), dtype=torch.float32,
                      device=k.device).to(k.dtype)
     buf[: k.shape[0]] = k
     return buf[: k.shape[0]]

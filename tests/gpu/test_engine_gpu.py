@@ -17,6 +17,7 @@ with a test backend of exactly two fill kernels per call, and with the kernel ba
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import math
 import os
@@ -276,9 +277,10 @@ def test_p_in_registers_in_the_engine(cache_dtype, kvb, monkeypatch):
                                                                           P_REGS=True)))
     launched = []
     real_launch = ga.launch
+    signature = inspect.signature(real_launch)
 
     def launch(*args, **kwargs):  # the config each attention launch ran with
-        launched.append(bool(args[13]["P_REGS"]))
+        launched.append(bool(signature.bind(*args, **kwargs).arguments["config"]["P_REGS"]))
         return real_launch(*args, **kwargs)
 
     monkeypatch.setattr(ga, "launch", launch)

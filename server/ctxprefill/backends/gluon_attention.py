@@ -63,6 +63,8 @@ from typing import Any, no_type_check
 
 import torch
 
+from ..ops.pack import KEY_SLACK_ROWS
+
 __all__ = ["CONFIG", "GLUON_ERR", "gluon", "launch"]
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel is used
@@ -105,8 +107,9 @@ def _exp2_mixed_asm(poly: int) -> str:
 CONFIG: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True, RESCALE_EARLY=False,
                               PINGPONG=False, PV_WAIT_LATE=False, P_REGS=False, Q_REGS=False, EXP2_POLY=0)
 #: rows a key tensor must hold past the last segment's end for ``P_REGS`` (its K loads
-#: read whole 16-key groups: up to 15 rows past a segment, masked out of the scores)
-P_REGS_SLACK_ROWS = 15
+#: read whole 16-key groups: up to 15 rows past a segment, masked out of the scores): what
+#: every keys-last K the engine packs leaves (``ops.pack.KEY_SLACK_ROWS``)
+P_REGS_SLACK_ROWS = KEY_SLACK_ROWS
 #: Warps: 4 (consumer 0, the default partition) + 4 (consumer 1) + 1 (loader): 3
 #: warpgroups at launch with 168 registers a thread (3 x 128 x 168 <= 65,536, an SM's
 #: file); ``setmaxnreg`` then moves them: loader 24, consumers 240.
@@ -126,12 +129,8 @@ if gluon is not None:
         bound a softmax whose exp2s outnumber what the tensor cores leave time for)."""
         if POLY == 0:
             return gl.exp2(x)
-        elif POLY == 1:
-            return gl.inline_asm_elementwise(_EXP2_POLY1, _EXP2_CONSTRAINTS, [x], dtype=gl.float32, is_pure=True,
-                                             pack=8)
-        else:
-            return gl.inline_asm_elementwise(_EXP2_POLY2, _EXP2_CONSTRAINTS, [x], dtype=gl.float32, is_pure=True,
-                                             pack=8)
+        asm: gl.constexpr = _EXP2_POLY1 if POLY == 1 else _EXP2_POLY2
+        return gl.inline_asm_elementwise(asm, _EXP2_CONSTRAINTS, [x], dtype=gl.float32, is_pure=True, pack=8)
 
     @gluon.jit
     @no_type_check  # device code: Triton's compiler types it, not mypy
@@ -274,6 +273,17 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
+    def _hand_over_p(p, p_smem, p_layout: gl.constexpr, P_REGS: gl.constexpr):
+        """fp8 P for the P·V to come: staged in this consumer's shared buffer (returned as
+        is), or with ``P_REGS`` made the register operand (32 registers to carry, not 128)."""
+        if P_REGS:
+            p = _p_operand(p, p_layout)
+        else:
+            _stage_p(p, p_smem)
+        return p
+
+    @gluon.jit
+    @no_type_check
     def _keep(x):
         """``x`` read after a wgmma wait: an 8-bit register operand of the MMA waited for
         keeps its registers until then (the wait's own ``deps`` take 16-bit and wider)."""
@@ -360,13 +370,10 @@ if gluon is not None:
                 sc = warpgroup_mma_wait(0, deps=(s_tok, ))
                 _free_k(k_free, 0, EARLY_K)
                 p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, 0, k_len, qk_scale, offs_n, IS_FP8, EXP2_POLY)
-                # fp8: P goes to shared memory before the next Q·Kᵀ is issued, so that its
-                # registers are free for that block's scores (256-key blocks fit in 240)
+                # fp8: P goes to shared memory (or becomes the register operand) before the
+                # next Q·Kᵀ is issued, so that its registers are free for that block's scores
                 if IS_FP8:
-                    if P_REGS:  # P·V's register operand now: 32 registers to carry, not 128
-                        p = _p_operand(p, p_layout)
-                    else:
-                        _stage_p(p, p_smem)
+                    p = _hand_over_p(p, p_smem, p_layout, P_REGS)
                 for j in range(1, n_blocks):
                     s = j % STAGES
                     ph = (j // STAGES) & 1
@@ -391,11 +398,8 @@ if gluon is not None:
                     mbarrier.arrive(v_free.index(prev), count=1)
                     if not RESCALE_EARLY:
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                    if IS_FP8:
-                        if P_REGS:
-                            p = _p_operand(p, p_layout)
-                        else:  # the P·V that read the buffer is done
-                            _stage_p(p, p_smem)
+                    if IS_FP8:  # the P·V that read the buffer is done
+                        p = _hand_over_p(p, p_smem, p_layout, P_REGS)
                 last = (n_blocks - 1) % STAGES
                 if RESCALE_EARLY:
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -421,10 +425,7 @@ if gluon is not None:
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 mbarrier.wait(v_bar.index(s), ph)
                 if IS_FP8:
-                    if P_REGS:
-                        p = _p_operand(p, p_layout)
-                    else:
-                        _stage_p(p, p_smem)
+                    p = _hand_over_p(p, p_smem, p_layout, P_REGS)
                 o_tok, pop = _pv(p, v_s, s, acc, p_layout, p_smem, V_T, IS_FP8, P_REGS)
                 acc = _pv_wait(o_tok, pop, IS_FP8, P_REGS)
                 _free_k(k_free, s, not EARLY_K)

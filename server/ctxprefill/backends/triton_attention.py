@@ -596,8 +596,9 @@ def ws_config(ws: dict | bool, config: dict | None, q: torch.Tensor, k: torch.Te
     that it reads) falls back to P staged in shared memory; asked for in ``config``, the
     launch refuses such inputs."""
     cfg = dict(_ws.CONFIG, **(ws if isinstance(ws, dict) else {}))
-    asked = isinstance((config or {}).get("WS"), dict) and "P_REGS" in (config or {})["WS"]
-    if cfg["P_REGS"] and not asked and _ws.p_regs_problem(q, k, kr, v_t) is not None:
+    asked = (config or {}).get("WS")
+    asked_p_regs = isinstance(asked, dict) and "P_REGS" in asked
+    if cfg["P_REGS"] and not asked_p_regs and _ws.p_regs_problem(q, k, kr, v_t) is not None:
         cfg["P_REGS"] = False
     return cfg
 

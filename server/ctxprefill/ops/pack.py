@@ -28,7 +28,7 @@ from .fp8 import FP8, FP8_MAX, saturating_cast_fp8
 KEY_SLACK_ROWS = 15
 
 
-def _key_buffer(T: int, H: int, width: int, device: torch.device) -> torch.Tensor:
+def key_buffer(T: int, H: int, width: int, device: torch.device) -> torch.Tensor:
     """An fp8 K ``[T, H, width]``, contiguous, with ``KEY_SLACK_ROWS`` rows of storage past its end."""
     return torch.empty((T + KEY_SLACK_ROWS, H, width), dtype=FP8, device=device)[:T]
 
@@ -128,7 +128,7 @@ def fused_mla_kv_concat_quant_fp8_reference(k_nope, k_pe, v, v_keys_last: KeysLa
     if v_keys_last is None:
         k = torch.empty((T, H, P + k_pe.shape[-1]), dtype=FP8, device=k_nope.device)
     else:
-        k = _key_buffer(T, H, P + k_pe.shape[-1], k_nope.device)
+        k = key_buffer(T, H, P + k_pe.shape[-1], k_nope.device)
     k[..., :P] = sat(k_nope)
     k[..., P:] = (k_pe if k_pe.dtype == FP8 else sat(k_pe))[:, None, :]
     if v_keys_last is None:
@@ -171,11 +171,11 @@ def fused_mla_kv_concat_quant_fp8(k_nope, k_pe, v, *, v_keys_last: KeysLast | No
                          f"{v_keys_last.cu_k[-1]}), the chunk has {T}")
     if T == 0:
         dev = k_nope.device
-        k = torch.empty((0, H, P + k_pe.shape[-1]), dtype=FP8, device=dev)
         if v_keys_last is not None:
-            k = _key_buffer(0, H, P + k_pe.shape[-1], dev)
-            return k, torch.zeros((H, v.shape[-1], v_keys_last.v_cols), dtype=FP8, device=dev)
-        return k, torch.empty(v.shape, dtype=FP8, device=dev)
+            vt = torch.zeros((H, v.shape[-1], v_keys_last.v_cols), dtype=FP8, device=dev)
+            return key_buffer(0, H, P + k_pe.shape[-1], dev), vt
+        return torch.empty((0, H, P + k_pe.shape[-1]), dtype=FP8, device=dev), torch.empty(v.shape, dtype=FP8,
+                                                                                          device=dev)
     launches.note(1)
     if _cuda.use_cuda(k_nope):
         ext = _cuda.load()
@@ -200,7 +200,7 @@ def generic_kv_concat_quant_fp8(k_nope, k_pe, v, *, v_keys_last: KeysLast | None
     k_pe = _flat_pe(k_pe)
     T, H, P = k_nope.shape
     # keys-last: K into a buffer with the rows past its end that attention may read
-    out = None if v_keys_last is None else _key_buffer(T, H, P + k_pe.shape[-1], k_nope.device)
+    out = None if v_keys_last is None else key_buffer(T, H, P + k_pe.shape[-1], k_nope.device)
     if k_pe.dtype == FP8:  # raw fp8 k_pe from the cache: quantize only the k_nope half
         k_nope = saturating_cast_fp8(k_nope)
         k = generic_kv_concat(k_nope, k_pe, out=out)
