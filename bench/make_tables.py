@@ -441,6 +441,13 @@ def gemm_table(d: Doc) -> str:
                      f"| {r['cublas_of_burst']:.0%} | {_num(r.get('triton_tflops'), '.1f')} "
                      f"| {_num(r.get('triton_of_burst'), '.0%')} "
                      f"| {_num(r.get('triton_over_cublas'), '.2f')} | {r.get('triton_config', '—')} |")
+    if any("gluon_tflops" in r for r in rows):  # ops/kv_b_proj_gluon.py, where the run had it
+        lines += ["", "The persistent warp-specialized Gluon kernel (`ops/kv_b_proj_gluon.py`), best of its "
+                  "tuning list:", "", "| H | rows | Gluon TFLOP/s | of burst | Gluon / cuBLAS | max abs diff "
+                  "from cuBLAS | config |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['heads']} | {r['rows']:,} | {_num(r.get('gluon_tflops'), '.1f')} "
+                  f"| {_num(r.get('gluon_of_burst'), '.0%')} | {_num(r.get('gluon_over_cublas'), '.2f')} "
+                  f"| {_num(r.get('gluon_max_abs_diff'), '.3g')} | {r.get('gluon_config', '—')} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

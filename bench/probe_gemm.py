@@ -5,7 +5,9 @@ kv_b_proj is ``latent [rows, 512] @ W^T`` with ``W [H * 256, 512]``: a short red
 (K = 512, eight 64-wide steps), so a tile's epilogue (storing 128 × 256 bf16) is as long
 as a good part of its main loop. A non-persistent kernel runs them back to back; a
 persistent one can start the next tile's loads while it stores. This probe times, in one
-process and alternating, torch's GEMM (cuBLAS) and a Triton persistent TMA kernel on the
+process and alternating, torch's GEMM (cuBLAS), a Triton persistent TMA kernel and the
+persistent warp-specialized Gluon kernel (``ops/kv_b_proj_gluon.py``: a loader warp
+running ahead across tiles, TMA stores draining under the next tile's MMAs) on the
 headline shapes (16 and 128 heads, 16k and 64k rows), next to a large square GEMM's
 burst rate, and reports how far each result is from cuBLAS's (bits may differ: the
 accumulation order does).
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ctxprefill.ops import kv_b_proj_gluon as kg
 from ctxprefill_bench import run_info
 
 K_LATENT = 512
@@ -137,8 +140,22 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 if best is None or t < best[0]:
                     best = (t, cfg, diff)
+            gbest = None
+            for cfg in kg.TUNING if not kg.problem(a, w) else []:
+                got = kg.kv_b_proj_gluon(a, w, config=cfg)
+                diff = (got.float() - ref.float()).abs().max().item()
+                t = timed(lambda cfg=cfg: kg.kv_b_proj_gluon(a, w, config=cfg))
+                t_cublas = min(t_cublas, timed(lambda: a @ w.t()))
+                print(f"  H={heads} M={m} gluon {cfg}: {flops / t / 1e12:7.1f} TFLOP/s  max|diff| {diff:.3g}",
+                      flush=True)
+                if gbest is None or t < gbest[0]:
+                    gbest = (t, dict(kg.CONFIG, **cfg), diff)
             row.update({"cublas_s": t_cublas, "cublas_tflops": flops / t_cublas / 1e12,
                         "cublas_of_burst": flops / t_cublas / burst})
+            if gbest is not None:
+                row.update({"gluon_s": gbest[0], "gluon_tflops": flops / gbest[0] / 1e12,
+                            "gluon_of_burst": flops / gbest[0] / burst, "gluon_config": gbest[1],
+                            "gluon_max_abs_diff": gbest[2], "gluon_over_cublas": t_cublas / gbest[0]})
             if best is not None:
                 row.update({"triton_s": best[0], "triton_tflops": flops / best[0] / 1e12,
                             "triton_of_burst": flops / best[0] / burst, "triton_config": list(best[1]),
@@ -146,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"H={heads:3d} M={m:6d} N={n:6d}: cuBLAS {row['cublas_tflops']:.1f} TFLOP/s "
                   f"({row['cublas_of_burst']:.0%} of burst)"
                   + (f", Triton persistent {row['triton_tflops']:.1f} ({row['triton_of_burst']:.0%}), "
-                     f"{row['triton_over_cublas']:.2f}x cuBLAS" if best else ""), flush=True)
+                     f"{row['triton_over_cublas']:.2f}x cuBLAS" if best else "")
+                  + (f", Gluon WS {row['gluon_tflops']:.1f} ({row['gluon_of_burst']:.0%}), "
+                     f"{row['gluon_over_cublas']:.2f}x cuBLAS" if gbest else ""), flush=True)
             rows_out.append(row)
     if ns.out:
         meta = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(dev),

@@ -23,6 +23,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 
 triton = pytest.importorskip("triton", reason="triton is not importable; the Triton backend cannot be tested")
 
+import cross_compile  # noqa: E402
 from ctxprefill.backends import gluon_attention as ga  # noqa: E402
 from ctxprefill.backends import triton_attention as ta  # noqa: E402
 from ctxprefill.backends.base import LaunchOrder  # noqa: E402
@@ -536,46 +537,8 @@ def test_gpu_each_backend_runs_its_kernel():
 
 
 # ----------------------------------------------------------------------------- no-GPU compile check
-def _cross_compile(script: str, jobs: list) -> list[dict]:
-    """Run a cross-compile script (no GPU, Triton 3.6's own ptxas) in a subprocess on
-    ``jobs``; its last stdout line is a JSON list of per-kernel facts."""
-    import json
-    import subprocess
-    import sys
+_cross_compile, _XC_RESOURCES = cross_compile.cross_compile, cross_compile.RESOURCES
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(ta.__file__))))  # holds ctxprefill/
-    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    r = subprocess.run([sys.executable, "-c", script, json.dumps(jobs)], capture_output=True, text=True,
-                       env=env, timeout=300)
-    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
-        pytest.skip(f"no ptxas for a cross-compile: {r.stderr[-300:]}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-# shared by the sm_90 cross-compile checks below (run in a subprocess, no GPU needed)
-_XC_RESOURCES = r'''
-import os, re, subprocess, tempfile
-import triton
-
-
-def cuobjdump(k, flag):
-    """Triton's cuobjdump (-res-usage, -sass) on a compiled kernel's cubin."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    try:
-        return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
-
-
-def resources(k):
-    """(registers, stack bytes) per thread of a compiled kernel."""
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", cuobjdump(k, "-res-usage"))
-    return int(m[1]), int(m[2])
-'''
 
 _XCOMPILE = _XC_RESOURCES + r'''
 import json, re, sys

@@ -1,0 +1,205 @@
+"""``kv_b_proj``'s bf16 GEMM as a persistent warp-specialized Hopper kernel (Gluon).
+
+``y [M, N] = latent [M, K] · weight [N, K]ᵀ``, bf16 in and out, fp32 accumulation — what
+:func:`ops.kv_b_proj.kv_b_proj` computes for a bf16 weight through cuBLAS. Its reduction
+is short (K = 512: eight 64-wide steps a tile), so a tile's prologue (its first loads)
+and epilogue (storing 128 × 256 bf16) are long next to its main loop; a kernel that runs
+them in series with the MMAs leaves the tensor cores idle for them
+(``bench/probe_gemm.py``: cuBLAS at 72–82 % of a large GEMM's rate on these shapes).
+
+One program per SM walks its tiles (``GROUP_M`` rows of tiles at a time, so that
+neighbouring programs share the weight's columns in L2), three partitions:
+
+* a loader warp streams A (two 64-row halves) and B of every k-step of every tile into a
+  ring of ``STAGES`` shared-memory slots, running ahead across tiles: the next tile's
+  first steps are loaded while this tile's last ones are multiplied;
+* two consumer warpgroups, each owning 64 rows of the 128-row tile, multiply from the
+  same B slot (wgmma, one group in flight), free the slot the group before read, and
+  store their 64 × ``BN`` result through shared memory with an asynchronous TMA store
+  that drains while the next tile's MMAs run.
+
+Shared memory: ``STAGES`` × (A 16 KiB + B ``BN`` × 128 B) + 2 × 64 × ``BN`` × 2 B
+(``BN`` 256, 3 stages: 208 KiB). Registers: the loader gives its budget to the consumers
+(``setmaxnreg`` 24 / 240; the accumulator is 128 fp32 a thread at ``BN`` 256).
+Opt-in: ``bench/probe_gemm.py`` times it against cuBLAS in one process; the engine keeps
+cuBLAS until such a run says otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, no_type_check
+
+import torch
+
+__all__ = ["CONFIG", "GLUON_ERR", "TUNING", "kv_b_proj_gluon", "problem"]
+
+try:  # Gluon ships with Triton >= 3.5
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    GLUON_ERR = ""
+except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+    triton = gluon = gl = None
+    GLUON_ERR = f"Gluon (triton.experimental.gluon) unavailable: {e}"
+
+#: BM is two consumers' 64 rows; BN, STAGES, GROUP_M are the tuning knobs (probe_gemm).
+CONFIG: dict[str, Any] = dict(BM=128, BN=256, BK=64, STAGES=3, GROUP_M=8)
+#: the configurations bench/probe_gemm.py times (changes to CONFIG), each tested on the GPU
+TUNING: list[dict[str, Any]] = [{}, dict(BN=128, STAGES=5), dict(BN=128, STAGES=4, GROUP_M=4)]
+#: launch: 4 + 4 + 1 warps with 168 registers a thread (3 x 128 x 168 <= 65,536), then
+#: ``setmaxnreg`` moves them: loader 24, consumers 240
+_MAXNREG = 168
+
+if gluon is not None:
+
+    @gluon.jit
+    @no_type_check
+    def _tile(t, num_m, num_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+        """Tile t's (first row, first column): ``GROUP_M`` tile rows walked column by column."""
+        per_group = GROUP_M * num_n
+        first_m = (t // per_group) * GROUP_M
+        rows = gl.minimum(num_m - first_m, GROUP_M)
+        return (first_m + t % rows) * BM, ((t % per_group) // rows) * BN
+
+    @gluon.jit
+    @no_type_check
+    def _gemm_loader(a_d, b_d, a_s, b_s, ready, free, M, N, K,
+                     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                     GROUP_M: gl.constexpr):
+        num_m = gl.cdiv(M, BM)
+        num_n = gl.cdiv(N, BN)
+        k_steps = gl.cdiv(K, BK)
+        g = 0  # k-steps issued by this program: slot g % STAGES, its use (g // STAGES)
+        for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+            om, on = _tile(t, num_m, num_n, BM, BN, GROUP_M)
+            for kk in range(k_steps):
+                s = g % STAGES
+                mbarrier.wait(free.index(s), ((g // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, 2 * a_d.block_type.nbytes + b_d.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_d, [om, kk * BK], bar, a_s.index(2 * s))
+                tma.async_copy_global_to_shared(a_d, [om + BM // 2, kk * BK], bar, a_s.index(2 * s + 1))
+                tma.async_copy_global_to_shared(b_d, [on, kk * BK], bar, b_s.index(s))
+                g += 1
+
+    @gluon.jit
+    @no_type_check
+    def _gemm_consumer(a_s, b_s, c_s, ready, free, c_d, M, N, K, C: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                       GROUP_M: gl.constexpr):
+        HALF: gl.constexpr = BM // 2
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BN, 16])
+        num_m = gl.cdiv(M, BM)
+        num_n = gl.cdiv(N, BN)
+        k_steps = gl.cdiv(K, BK)
+        c_buf = c_s.index(C)
+        g = 0
+        for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+            om, on = _tile(t, num_m, num_n, BM, BN, GROUP_M)
+            acc = gl.zeros([HALF, BN], gl.float32, acc_l)
+            for kk in range(k_steps):
+                s = g % STAGES
+                mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+                acc = warpgroup_mma(a_s.index(2 * s + C), b_s.index(s).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(acc, ))
+                if kk > 0:  # the group before is done: its slot is free (for this consumer)
+                    mbarrier.arrive(free.index((g - 1) % STAGES), count=1)
+                g += 1
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(free.index((g - 1) % STAGES), count=1)
+            tma.store_wait(0)  # the previous tile's store has left c_buf
+            c_buf.store(acc.to(gl.bfloat16))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_d, [om + C * HALF, on], c_buf)
+        tma.store_wait(0)
+
+    @gluon.jit
+    @no_type_check
+    def _kv_b_proj_ws(A, B, Y, M, N, K, stride_am, stride_bn, stride_ym,
+                      BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                      GROUP_M: gl.constexpr):
+        HALF: gl.constexpr = BM // 2
+        a_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BK], gl.bfloat16)
+        b_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
+        c_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BN], gl.bfloat16)
+        # loads past M, N or K read zeros; stores past M or N are dropped
+        a_d = tma.make_tensor_descriptor(A, [M, K], [stride_am, 1], [HALF, BK], a_l)
+        b_d = tma.make_tensor_descriptor(B, [N, K], [stride_bn, 1], [BN, BK], b_l)
+        c_d = tma.make_tensor_descriptor(Y, [M, N], [stride_ym, 1], [HALF, BN], c_l)
+        a_s = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF, BK], a_l)
+        b_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], b_l)
+        c_s = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, BN], c_l)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(free.index(i), count=2)  # both consumers read a slot's B
+        gl.warp_specialize([
+            (_gemm_consumer, (a_s, b_s, c_s, ready, free, c_d, M, N, K, 0, BM, BN, BK, STAGES, GROUP_M)),
+            (_gemm_consumer, (a_s, b_s, c_s, ready, free, c_d, M, N, K, 1, BM, BN, BK, STAGES, GROUP_M)),
+            (_gemm_loader, (a_d, b_d, a_s, b_s, ready, free, M, N, K, BM, BN, BK, STAGES, GROUP_M)),
+        ], [4, 1], [240, 24])
+
+
+def problem(latent: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why the kernel cannot take these operands, or None: bf16 on a Hopper GPU, 2-D, rows
+    contiguous, row strides and the base 16-byte aligned (TMA's terms)."""
+    if GLUON_ERR:
+        return GLUON_ERR
+    if latent.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return f"needs bf16 latent and weight, got {latent.dtype} and {weight.dtype}"
+    if latent.dim() != 2 or weight.dim() != 2 or latent.shape[1] != weight.shape[1]:
+        return f"needs latent [M, K] and weight [N, K], got {list(latent.shape)} and {list(weight.shape)}"
+    if latent.device.type != "cuda" or weight.device != latent.device \
+            or torch.cuda.get_device_capability(latent.device)[0] != 9:
+        return f"needs both on one Hopper GPU, got {latent.device} and {weight.device}"
+    for name, t in (("latent", latent), ("weight", weight)):
+        if t.numel() and (t.stride(1) != 1 or (t.stride(0) * 2) % 16 or t.data_ptr() % 16):
+            return f"{name}: rows must be contiguous, 16-byte aligned, with a 16-byte multiple stride"
+    return None
+
+
+def _tma_scratch(size: int, alignment: int, stream: object) -> torch.Tensor:
+    # global scratch for the device-side tensor descriptors, from torch's caching allocator
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def kv_b_proj_gluon(latent: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                    config: dict[str, Any] | None = None) -> torch.Tensor:
+    """latent [M, K] bf16, weight [N, K] bf16 (both rows contiguous) -> [M, N] bf16
+    (``out`` where given: [M, N] bf16, rows contiguous), accumulated in fp32.
+    ValueError where :func:`problem` finds one."""
+    why = problem(latent, weight)
+    if why is not None:
+        raise ValueError(f"kv_b_proj_gluon: {why}")
+    cfg = dict(CONFIG, **(config or {}))
+    M, K = latent.shape
+    N = weight.shape[0]
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.bfloat16, device=latent.device)
+    elif out.shape != (M, N) or out.dtype != torch.bfloat16 or out.device != latent.device or out.numel() and (
+            out.stride(1) != 1 or (out.stride(0) * 2) % 16 or out.data_ptr() % 16):
+        raise ValueError(f"kv_b_proj_gluon: out must be [{M}, {N}] bf16 on {latent.device} with contiguous, "
+                         f"16-byte aligned rows; got {list(out.shape)} {out.dtype} on {out.device}, strides "
+                         f"{out.stride()}")
+    if M == 0 or N == 0:
+        return out
+    if K == 0:  # an empty sum
+        return out.zero_()
+    tiles = -(-M // cfg["BM"]) * -(-N // cfg["BN"])
+    sms = torch.cuda.get_device_properties(latent.device).multi_processor_count
+    triton.set_allocator(_tma_scratch)  # a ContextVar: set in the calling thread, every call
+    _kv_b_proj_ws[(min(sms, tiles),)](
+        latent, weight, out, M, N, K, latent.stride(0), weight.stride(0), out.stride(0),
+        BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
+        num_warps=4, maxnreg=_MAXNREG)
+    return out

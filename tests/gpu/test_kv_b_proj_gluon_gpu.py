@@ -1,0 +1,73 @@
+"""The persistent warp-specialized kv_b_proj GEMM (ops/kv_b_proj_gluon.py) on the GPU:
+within one bf16 rounding (plus fp32 accumulation's error) of a float64 product on shapes
+with partial tiles in M, N and K, every configuration probe_gemm tries, the same bits on
+every call, ``out`` honoured, and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, NO_CUDA_REASON
+from ctxprefill.ops import kv_b_proj_gluon as kg
+
+needs_hopper = pytest.mark.skipif(
+    not HAS_CUDA or bool(kg.GLUON_ERR) or torch.cuda.get_device_capability()[0] != 9,
+    reason=NO_CUDA_REASON if not HAS_CUDA else (kg.GLUON_ERR or "a Hopper kernel"))
+
+def _operands(M: int, N: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn((M, K), generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn((N, K), generator=g, device="cuda") * K**-0.5).to(torch.bfloat16)
+    return a, w
+
+
+def _assert_close_to_float64(got: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
+    ref = a.double() @ w.double().t()
+    # one rounding to bf16 (2^-8 relative) and fp32 accumulation over K terms (2 ulp each, generous)
+    bound = ref.abs() * 2.0**-8 + (a.double().abs() @ w.double().abs().t()) * a.shape[1] * 2.0**-22 + 1e-30
+    err = (got.double() - ref).abs()
+    excess = (err - bound).max().item()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g}, worst excess {excess:.3g}"
+
+
+@needs_hopper
+@pytest.mark.parametrize("cfg", kg.TUNING, ids=["default", "bn128_s5", "bn128_s4_g4"])
+@pytest.mark.parametrize("M,N,K", [(16384, 4096, 512), (1000, 16 * 256, 512), (130, 384, 512), (64, 256, 96),
+                                   (1, 256, 512), (300, 32 * 256, 512)])
+def test_gemm_against_float64(cfg, M, N, K):
+    a, w = _operands(M, N, K)
+    got = kg.kv_b_proj_gluon(a, w, config=cfg)
+    assert got.shape == (M, N) and got.dtype == torch.bfloat16
+    _assert_close_to_float64(got, a, w)
+    again = kg.kv_b_proj_gluon(a, w, config=cfg)
+    assert torch.equal(got.view(torch.int16), again.view(torch.int16))  # deterministic
+
+
+@needs_hopper
+def test_out_strided_rows_and_empty():
+    a, w = _operands(200, 512, 512, seed=1)
+    big = torch.full((200, 640), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = big[:, 64:576]  # rows 1,280 B apart: a view with a 16-byte multiple stride
+    assert kg.kv_b_proj_gluon(a, w, out=out) is out
+    _assert_close_to_float64(out, a, w)
+    assert bool(big[:, :64].isnan().all() and big[:, 576:].isnan().all())  # nothing written outside
+    wide = torch.randn((200, 1024), device="cuda").to(torch.bfloat16)
+    _assert_close_to_float64(kg.kv_b_proj_gluon(wide[:, :512], w), wide[:, :512], w)  # strided latent rows
+    assert kg.kv_b_proj_gluon(a[:0], w).shape == (0, 512)
+    z = kg.kv_b_proj_gluon(a[:, :0].contiguous(), w[:, :0].contiguous())
+    assert bool((z == 0).all())
+
+
+def test_refusals():
+    """Refused before any launch (on any machine): the dtype, mismatched shapes, a wrong ``out``."""
+    a = torch.zeros((4, 512), dtype=torch.bfloat16, device="cuda" if HAS_CUDA else "cpu")
+    w = torch.zeros((256, 512), dtype=torch.float32, device=a.device)
+    with pytest.raises(ValueError, match="bf16"):
+        kg.kv_b_proj_gluon(a, w)
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        kg.kv_b_proj_gluon(a, a[:, :256].t())
+    if HAS_CUDA and not kg.GLUON_ERR and torch.cuda.get_device_capability()[0] == 9:
+        with pytest.raises(ValueError, match="out must be"):
+            kg.kv_b_proj_gluon(a, w.to(torch.bfloat16), out=torch.empty((4, 128), dtype=torch.bfloat16,
+                                                                          device="cuda"))
