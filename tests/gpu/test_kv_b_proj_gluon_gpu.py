@@ -32,7 +32,7 @@ def _assert_close_to_float64(got: torch.Tensor, a: torch.Tensor, w: torch.Tensor
 
 
 @needs_hopper
-@pytest.mark.parametrize("cfg", kg.TUNING, ids=["default", "bn128_s5", "bn128_s4_g4"])
+@pytest.mark.parametrize("cfg", kg.TUNING, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
 @pytest.mark.parametrize("M,N,K", [(16384, 4096, 512), (1000, 16 * 256, 512), (130, 384, 512), (64, 256, 96),
                                    (1, 256, 512), (300, 32 * 256, 512)])
 def test_gemm_against_float64(cfg, M, N, K):

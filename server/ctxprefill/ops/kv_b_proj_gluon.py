@@ -10,17 +10,22 @@ them in series with the MMAs leaves the tensor cores idle for them
 One program per SM walks its tiles (``GROUP_M`` rows of tiles at a time, so that
 neighbouring programs share the weight's columns in L2), three partitions:
 
-* a loader warp streams A (two 64-row halves) and B of every k-step of every tile into a
-  ring of ``STAGES`` shared-memory slots, running ahead across tiles: the next tile's
-  first steps are loaded while this tile's last ones are multiplied;
-* two consumer warpgroups, each owning 64 rows of the 128-row tile, multiply from the
-  same B slot (wgmma, one group in flight), free the slot the group before read, and
-  store their 64 × ``BN`` result through shared memory with an asynchronous TMA store
-  that drains while the next tile's MMAs run.
+* a loader warp streams A and B of every k-step of every tile into a ring of ``STAGES``
+  shared-memory slots, running ahead across tiles: the next tile's first steps are
+  loaded while this tile's last ones are multiplied;
+* two consumer warpgroups multiply from the slots (wgmma, one group in flight), free the
+  slot the group before read, and store their result through shared memory
+  (``stmatrix``) with an asynchronous TMA store that drains while the next MMAs run.
+  Cooperative (the default), each owns 64 rows of every 128 × ``BN`` tile, both reading
+  the same B; ``PINGPONG`` (CUTLASS's name), each owns every other tile whole and their
+  main loops take turns (an mbarrier each), so that one's epilogue can run under the
+  other's MMAs, at the price of a narrower tile (128 × 128: the accumulator of a whole
+  128 × 256 tile would be 256 registers a thread).
 
-Shared memory: ``STAGES`` × (A 16 KiB + B ``BN`` × 128 B) + 2 × 64 × ``BN`` × 2 B
-(``BN`` 256, 3 stages: 208 KiB). Registers: the loader gives its budget to the consumers
-(``setmaxnreg`` 24 / 240; the accumulator is 128 fp32 a thread at ``BN`` 256).
+Shared memory: ``STAGES`` × (A 16 KiB + B ``BN`` × 128 B) + 2 consumers' results (2 × 64
+× ``BN`` × 2 B cooperative, 2 × 128 × ``BN`` × 2 B ping-pong): 208 KiB at ``BN`` 256 in 3
+stages, 192 KiB ping-pong at ``BN`` 128 in 4. Registers: the loader gives its budget to
+the consumers (``setmaxnreg`` 24 / 240; each accumulator 128 fp32 a thread).
 Opt-in: ``bench/probe_gemm.py`` times it against cuBLAS in one process; the engine keeps
 cuBLAS until such a run says otherwise.
 """
@@ -51,9 +56,10 @@ except Exception as e:  # noqa: BLE001 - any import failure means "not available
     GLUON_ERR = f"Gluon (triton.experimental.gluon) unavailable: {e}"
 
 #: BM is two consumers' 64 rows; BN, STAGES, GROUP_M are the tuning knobs (probe_gemm).
-CONFIG: dict[str, Any] = dict(BM=128, BN=256, BK=64, STAGES=3, GROUP_M=8)
+CONFIG: dict[str, Any] = dict(BM=128, BN=256, BK=64, STAGES=3, GROUP_M=8, PINGPONG=False)
 #: the configurations bench/probe_gemm.py times (changes to CONFIG), each tested on the GPU
-TUNING: list[dict[str, Any]] = [{}, dict(BN=128, STAGES=5), dict(BN=128, STAGES=4, GROUP_M=4)]
+TUNING: list[dict[str, Any]] = [{}, dict(BN=128, STAGES=5), dict(BN=128, STAGES=4, PINGPONG=True),
+                                dict(BN=128, STAGES=5, PINGPONG=True, GROUP_M=4)]
 #: launch: 4 + 4 + 1 warps with 168 registers a thread (3 x 128 x 168 <= 65,536), then
 #: ``setmaxnreg`` moves them: loader 24, consumers 240
 _MAXNREG = 168
@@ -84,68 +90,86 @@ if gluon is not None:
                 s = g % STAGES
                 mbarrier.wait(free.index(s), ((g // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, 2 * a_d.block_type.nbytes + b_d.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_d, [om, kk * BK], bar, a_s.index(2 * s))
-                tma.async_copy_global_to_shared(a_d, [om + BM // 2, kk * BK], bar, a_s.index(2 * s + 1))
+                mbarrier.expect(bar, a_d.block_type.nbytes + b_d.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_d, [om, kk * BK], bar, a_s.index(s))
                 tma.async_copy_global_to_shared(b_d, [on, kk * BK], bar, b_s.index(s))
                 g += 1
 
     @gluon.jit
     @no_type_check
-    def _gemm_consumer(a_s, b_s, c_s, ready, free, c_d, M, N, K, C: gl.constexpr,
+    def _gemm_consumer(a_s, b_s, c_s, ready, free, turn, c_d, M, N, K, C: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                       GROUP_M: gl.constexpr):
-        HALF: gl.constexpr = BM // 2
+                       GROUP_M: gl.constexpr, PINGPONG: gl.constexpr):
+        # cooperative: 64 rows of every tile; PINGPONG: every other tile whole, the two
+        # consumers' main loops taking turns (one's epilogue under the other's MMAs)
+        ROWS: gl.constexpr = BM if PINGPONG else BM // 2
+        STEP: gl.constexpr = 2 if PINGPONG else 1
+        FIRST: gl.constexpr = C if PINGPONG else 0
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BN, 16])
         num_m = gl.cdiv(M, BM)
         num_n = gl.cdiv(N, BN)
         k_steps = gl.cdiv(K, BK)
         c_buf = c_s.index(C)
-        g = 0
-        for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        i = FIRST  # this program's tile count: its k-steps start at ring position i * k_steps
+        for t in range(gl.program_id(0) + FIRST * gl.num_programs(0), num_m * num_n, STEP * gl.num_programs(0)):
             om, on = _tile(t, num_m, num_n, BM, BN, GROUP_M)
-            acc = gl.zeros([HALF, BN], gl.float32, acc_l)
+            g = i * k_steps
+            if PINGPONG:  # this consumer's n-th turn, n = i // 2 (consumer 0's first is free)
+                mbarrier.wait(turn.index(C), ((i // 2) & 1) ^ (1 - C))
+            acc = gl.zeros([ROWS, BN], gl.float32, acc_l)
             for kk in range(k_steps):
                 s = g % STAGES
                 mbarrier.wait(ready.index(s), (g // STAGES) & 1)
-                acc = warpgroup_mma(a_s.index(2 * s + C), b_s.index(s).permute((1, 0)), acc, is_async=True)
+                if PINGPONG:
+                    a = a_s.index(s)
+                else:
+                    a = a_s.index(s).slice(C * ROWS, ROWS)
+                acc = warpgroup_mma(a, b_s.index(s).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(1, deps=(acc, ))
                 if kk > 0:  # the group before is done: its slot is free (for this consumer)
                     mbarrier.arrive(free.index((g - 1) % STAGES), count=1)
                 g += 1
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(free.index((g - 1) % STAGES), count=1)
+            if PINGPONG:  # the tensor cores to the other consumer
+                mbarrier.arrive(turn.index(1 - C), count=1)
             tma.store_wait(0)  # the previous tile's store has left c_buf
             c_buf.store(acc.to(gl.bfloat16))
             fence_async_shared()
-            tma.async_copy_shared_to_global(c_d, [om + C * HALF, on], c_buf)
+            tma.async_copy_shared_to_global(c_d, [om + (C - FIRST) * ROWS, on], c_buf)
+            i += STEP
         tma.store_wait(0)
 
     @gluon.jit
     @no_type_check
     def _kv_b_proj_ws(A, B, Y, M, N, K, stride_am, stride_bn, stride_ym,
                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                      GROUP_M: gl.constexpr):
-        HALF: gl.constexpr = BM // 2
-        a_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BK], gl.bfloat16)
+                      GROUP_M: gl.constexpr, PINGPONG: gl.constexpr):
+        ROWS: gl.constexpr = BM if PINGPONG else BM // 2  # a consumer's rows of a tile
+        a_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
         b_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
-        c_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BN], gl.bfloat16)
+        c_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BN], gl.bfloat16)
         # loads past M, N or K read zeros; stores past M or N are dropped
-        a_d = tma.make_tensor_descriptor(A, [M, K], [stride_am, 1], [HALF, BK], a_l)
+        a_d = tma.make_tensor_descriptor(A, [M, K], [stride_am, 1], [BM, BK], a_l)
         b_d = tma.make_tensor_descriptor(B, [N, K], [stride_bn, 1], [BN, BK], b_l)
-        c_d = tma.make_tensor_descriptor(Y, [M, N], [stride_ym, 1], [HALF, BN], c_l)
-        a_s = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, HALF, BK], a_l)
+        c_d = tma.make_tensor_descriptor(Y, [M, N], [stride_ym, 1], [ROWS, BN], c_l)
+        a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_l)
         b_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], b_l)
-        c_s = gl.allocate_shared_memory(gl.bfloat16, [2, HALF, BN], c_l)
+        c_s = gl.allocate_shared_memory(gl.bfloat16, [2, ROWS, BN], c_l)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(free.index(i), count=2)  # both consumers read a slot's B
+            mbarrier.init(free.index(i), count=1 if PINGPONG else 2)  # the consumers that read a slot
+        for c in gl.static_range(2):
+            mbarrier.init(turn.index(c), count=1)
         gl.warp_specialize([
-            (_gemm_consumer, (a_s, b_s, c_s, ready, free, c_d, M, N, K, 0, BM, BN, BK, STAGES, GROUP_M)),
-            (_gemm_consumer, (a_s, b_s, c_s, ready, free, c_d, M, N, K, 1, BM, BN, BK, STAGES, GROUP_M)),
+            (_gemm_consumer, (a_s, b_s, c_s, ready, free, turn, c_d, M, N, K, 0, BM, BN, BK, STAGES, GROUP_M,
+                              PINGPONG)),
+            (_gemm_consumer, (a_s, b_s, c_s, ready, free, turn, c_d, M, N, K, 1, BM, BN, BK, STAGES, GROUP_M,
+                              PINGPONG)),
             (_gemm_loader, (a_d, b_d, a_s, b_s, ready, free, M, N, K, BM, BN, BK, STAGES, GROUP_M)),
         ], [4, 1], [240, 24])
 
@@ -201,5 +225,5 @@ def kv_b_proj_gluon(latent: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
     _kv_b_proj_ws[(min(sms, tiles),)](
         latent, weight, out, M, N, K, latent.stride(0), weight.stride(0), out.stride(0),
         BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
-        num_warps=4, maxnreg=_MAXNREG)
+        PINGPONG=cfg["PINGPONG"], num_warps=4, maxnreg=_MAXNREG)
     return out
