@@ -383,6 +383,8 @@ def main(argv=None) -> int:
     p.add_argument("--sustained-gemm-s", type=float, default=2.0,
                    help="also measure the GEMM rate held this long (its second half), and report each row's floor "
                         "at that rate too: the H200 lowers its clock under its power cap (0: off)")
+    p.add_argument("--gemm", choices=("cublas", "gluon"), default=None,
+                   help="kv_b_proj's bf16 GEMM kernel on a Hopper GPU (ops/kv_b_proj.GEMM unless given)")
     p.add_argument("--out", default=None, help="write JSON results here (rewritten after every row)")
     ns = p.parse_args(argv)
     if ns.sequences < 1:
@@ -421,7 +423,11 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
               f"in {ext['load_s']:.1f} s", flush=True)
     grid = list(itertools.product(axes["heads"], axes["new"], axes["context"], axes["cache_dtype"],
                                   axes["prefill_dtype"]))
-    meta = {"kind": "engine", "date": run_info.utc_now(), "device": str(dev),
+    from ctxprefill.ops import kv_b_proj as kv_b_proj_op
+
+    if ns.gemm is not None:
+        kv_b_proj_op.GEMM = ns.gemm
+    meta = {"kind": "engine", "date": run_info.utc_now(), "device": str(dev), "gemm": kv_b_proj_op.GEMM,
             "gpu": gpu, "torch": torch.__version__, "commit": run_info.commit(), "ceilings": ceil, "args": vars(ns),
             "grid": ns.grid, "axes": axes, "rows_planned": len(grid), "cuda_extension": ext,
             "cpu_latency": cpu_latency}

@@ -307,6 +307,45 @@ def test_p_in_registers_in_the_engine(cache_dtype, kvb, monkeypatch):
     assert err < 5e-2 and (fused.lse[:, rows] - staged.lse[:, rows]).abs().max() < 5e-2, err
 
 
+
+@pytest.mark.parametrize("prefill", ["bf16", "fp8"])
+def test_gluon_gemm_in_the_engine(prefill, monkeypatch):
+    """kv_b_proj's GEMM through the persistent Gluon kernel (``ops.kv_b_proj.GEMM =
+    "gluon"``, bf16 weights): fused and generic give the same bits chunk by chunk, every
+    chunk's GEMM ran the kernel, and the result is cuBLAS's within one bf16 rounding of
+    k_nope and V (fp8 prefill: within fp8's)."""
+    from ctxprefill.ops import kv_b_proj as kvb_op
+    from ctxprefill.ops import kv_b_proj_gluon as kg
+
+    backend, why = _triton_backend()
+    if kg.GLUON_ERR or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip(f"a Hopper kernel: {kg.GLUON_ERR or 'not sm_90'}")
+    backend = backend if backend is not None else ReferenceBackend()
+    c = dict(contexts=[40000, 9000, 0, 20000, 333], queries=[300, 1000, 20, 700, 5], W=16384, block=64, heads=16,
+             blocks=1200)
+    eng = make_engine(c, "auto", "bf16", prefill, backend)
+    q, seqs = make_request(eng, c)
+    cublas = eng.prefill_context(q, seqs, fused=True)
+    monkeypatch.setattr(kvb_op, "GEMM", "gluon")
+    calls = []
+    real = kg.kv_b_proj_gluon
+    monkeypatch.setattr(kg, "kv_b_proj_gluon", lambda *a, **k: calls.append(1) or real(*a, **k))
+    runs = []
+    for fused in (True, False):
+        seen: list = []
+        runs.append((eng.prefill_context(q, seqs, fused=fused, observer=lambda i, chunk, *t, seen=seen: seen.append(
+            tuple(x.detach().clone() for x in t))), seen))
+    (fused, fch), (generic, gch) = runs
+    assert len(fch) == len(gch) == len(fused.stats.chunks) > 1 and len(calls) == 2 * len(fch)
+    for i, (a, b) in enumerate(zip(fch, gch)):
+        for name, x, y in zip(("q", "k", "v", "out", "lse"), a, b):
+            assert int((bits(x) != bits(y)).sum()) == 0, f"chunk {i}: {name} fused != generic"
+    assert torch.equal(bits(fused.out), bits(generic.out)) and torch.equal(bits(fused.lse), bits(generic.lse))
+    rows = torch.isfinite(cublas.lse).all(0)
+    err = (fused.out.float() - cublas.out.float()).abs().max() / cublas.out.float().abs().max()
+    assert err < (5e-2 if prefill == "fp8" else 2e-2), err
+    assert (fused.lse[:, rows] - cublas.lse[:, rows]).abs().max() < 5e-2
+
 UNPACKED_COMBOS = list(itertools.product(["auto", "fp8", "fp8_ds_mla"], ["bf16", "fp8"]))
 
 

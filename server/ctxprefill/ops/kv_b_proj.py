@@ -19,6 +19,12 @@ import torch
 
 from . import launches
 
+#: the bf16 GEMM's kernel on a Hopper GPU: "cublas" (torch's matmul) or "gluon"
+#: (ops/kv_b_proj_gluon.py, persistent and warp-specialized; the same sum, each output
+#: rounded once from fp32); cuBLAS until a run of bench/probe_gemm.py and
+#: ``ctxprefill bench --gemm gluon`` says otherwise
+GEMM = "cublas"
+
 
 def kv_b_proj(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """latent [rows, L] (bf16 or fp8); weight [N, L] in its compute dtype (bf16 or fp32)."""
@@ -27,6 +33,11 @@ def kv_b_proj(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         launches.note(1)
         x = x.to(weight.dtype)
     launches.note(1)
+    if GEMM == "gluon" and x.is_cuda and x.dtype == torch.bfloat16:
+        from . import kv_b_proj_gluon
+
+        if kv_b_proj_gluon.problem(x, weight) is None:
+            return kv_b_proj_gluon.kv_b_proj_gluon(x, weight)
     y = x @ weight.t()
     if y.dtype != torch.bfloat16:
         launches.note(1)
