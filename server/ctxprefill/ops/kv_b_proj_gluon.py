@@ -55,7 +55,8 @@ except Exception as e:  # noqa: BLE001 - any import failure means "not available
     triton = gluon = gl = None
     GLUON_ERR = f"Gluon (triton.experimental.gluon) unavailable: {e}"
 
-#: BM is two consumers' 64 rows; BN, STAGES, GROUP_M are the tuning knobs (probe_gemm).
+#: BM: a tile's rows (64 for each consumer; with PINGPONG, one consumer's); BN, STAGES,
+#: GROUP_M, PINGPONG: the knobs bench/probe_gemm.py tries
 CONFIG: dict[str, Any] = dict(BM=128, BN=256, BK=64, STAGES=3, GROUP_M=8, PINGPONG=False)
 #: the configurations bench/probe_gemm.py times (changes to CONFIG), each tested on the GPU
 TUNING: list[dict[str, Any]] = [{}, dict(BN=128, STAGES=5), dict(BN=128, STAGES=4, PINGPONG=True),
