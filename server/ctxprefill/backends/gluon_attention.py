@@ -63,25 +63,19 @@ from typing import Any, no_type_check
 
 import torch
 
+from ..ops._gluon import (
+    GLUON_ERR,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from ..ops.pack import KEY_SLACK_ROWS
 
 __all__ = ["CONFIG", "GLUON_ERR", "gluon", "launch"]
-
-try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel is used
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
-    GLUON_ERR = ""
-except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-    gluon = gl = None
-    GLUON_ERR = f"Gluon (triton.experimental.gluon) unavailable: {e}"
 
 _P_SHIFT = 8.0  # fp8 P·V: P scaled by 2**8 before its e4m3 cast (as triton_attention)
 

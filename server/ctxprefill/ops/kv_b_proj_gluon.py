@@ -36,24 +36,19 @@ from typing import Any, no_type_check
 
 import torch
 
+from ._gluon import (
+    GLUON_ERR,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    tma,
+    triton,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
 __all__ = ["CONFIG", "GLUON_ERR", "TUNING", "kv_b_proj_gluon", "problem"]
-
-try:  # Gluon ships with Triton >= 3.5
-    import triton
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
-    GLUON_ERR = ""
-except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-    triton = gluon = gl = None
-    GLUON_ERR = f"Gluon (triton.experimental.gluon) unavailable: {e}"
 
 #: BM: a tile's rows (64 for each consumer; with PINGPONG, one consumer's); BN, STAGES,
 #: GROUP_M, PINGPONG: the knobs bench/probe_gemm.py tries

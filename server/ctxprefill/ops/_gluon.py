@@ -1,0 +1,30 @@
+"""Gluon (Triton's explicit-layout dialect, Triton >= 3.5) and the Hopper operations its
+kernels here use, imported once for them (ops/kv_b_proj_gluon.py,
+backends/gluon_attention.py). They stay importable where it is absent and report
+``GLUON_ERR`` as the reason."""
+
+from typing import Any
+
+__all__ = ["GLUON_ERR", "fence_async_shared", "gl", "gluon", "mbarrier", "tma", "triton", "warpgroup_mma",
+           "warpgroup_mma_wait"]
+
+triton: Any
+gluon: Any
+gl: Any
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    GLUON_ERR = ""
+except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+    triton = gluon = gl = None
+    fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
+    GLUON_ERR = f"Gluon (triton.experimental.gluon) unavailable: {e}"
