@@ -441,6 +441,11 @@ def gemm_table(d: Doc) -> str:
                      f"| {r['cublas_of_burst']:.0%} | {_num(r.get('triton_tflops'), '.1f')} "
                      f"| {_num(r.get('triton_of_burst'), '.0%')} "
                      f"| {_num(r.get('triton_over_cublas'), '.2f')} | {r.get('triton_config', '—')} |")
+    if any("cublaslt_tflops" in r for r in rows):  # torch's matmul through cuBLASLt, where the run had it
+        lt = [f"H={r['heads']} {r['rows']:,} rows {_num(r.get('cublaslt_tflops'), '.1f')} "
+              f"({_num(r.get('cublaslt_over_cublas'), '.2f')}×)" for r in rows]
+        lines += ["", "torch's matmul through cuBLASLt (`torch.backends.cuda.preferred_blas_library`), TFLOP/s "
+                  "(× cuBLAS): " + "; ".join(lt) + "."]
     if any("gluon_tflops" in r for r in rows):  # ops/kv_b_proj_gluon.py, where the run had it
         lines += ["", "The persistent warp-specialized Gluon kernel (`ops/kv_b_proj_gluon.py`), best of its "
                   "tuning list:", "", "| H | rows | Gluon TFLOP/s | of burst | Gluon / cuBLAS | max abs diff "

@@ -5,12 +5,12 @@ kv_b_proj is ``latent [rows, 512] @ W^T`` with ``W [H * 256, 512]``: a short red
 (K = 512, eight 64-wide steps), so a tile's epilogue (storing 128 × 256 bf16) is as long
 as a good part of its main loop. A non-persistent kernel runs them back to back; a
 persistent one can start the next tile's loads while it stores. This probe times, in one
-process and alternating, torch's GEMM (cuBLAS), a Triton persistent TMA kernel and the
-persistent warp-specialized Gluon kernel (``ops/kv_b_proj_gluon.py``: a loader warp
-running ahead across tiles, TMA stores draining under the next tile's MMAs) on the
-headline shapes (16 and 128 heads, 16k and 64k rows), next to a large square GEMM's
-burst rate, and reports how far each result is from cuBLAS's (bits may differ: the
-accumulation order does).
+process and alternating, torch's GEMM (cuBLAS, and cuBLASLt: torch's other route, with
+its own heuristics), a Triton persistent TMA kernel and the persistent warp-specialized
+Gluon kernel (``ops/kv_b_proj_gluon.py``: a loader warp running ahead across tiles, TMA
+stores draining under the next tile's MMAs) on the headline shapes (16 and 128 heads,
+16k and 64k rows), next to a large square GEMM's burst rate, and reports how far each
+result is from cuBLAS's (bits may differ: the accumulation order does).
 
     PYTHONPATH=server:client:bench python bench/probe_gemm.py [--out PATH.json]
 """
@@ -102,6 +102,17 @@ def timed(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def timed_with_blas(library: str, fn, reps: int = 20) -> float:
+    """:func:`timed` with torch's matmul routed through ``library`` (``"cublaslt"``:
+    cuBLASLt and its own heuristics, instead of cuBLAS's ``gemmEx``), then back."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        return timed(fn, reps)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="write the rows here (JSON)")
@@ -126,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             ref = a @ w.t()
             row = {"heads": heads, "rows": m, "n": n, "k": K_LATENT, "burst_tflops": burst / 1e12}
             t_cublas = timed(lambda: a @ w.t())
+            t_lt = timed_with_blas("cublaslt", lambda: a @ w.t())
+            t_cublas = min(t_cublas, timed(lambda: a @ w.t()))
+            row.update({"cublaslt_s": t_lt, "cublaslt_tflops": flops / t_lt / 1e12})
             best = None
             for cfg in CONFIGS:
                 try:
@@ -151,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 if gbest is None or t < gbest[0]:
                     gbest = (t, dict(kg.CONFIG, **cfg), diff)
             row.update({"cublas_s": t_cublas, "cublas_tflops": flops / t_cublas / 1e12,
-                        "cublas_of_burst": flops / t_cublas / burst})
+                        "cublas_of_burst": flops / t_cublas / burst, "cublaslt_over_cublas": t_cublas / t_lt})
             if gbest is not None:
                 row.update({"gluon_s": gbest[0], "gluon_tflops": flops / gbest[0] / 1e12,
                             "gluon_of_burst": flops / gbest[0] / burst, "gluon_config": gbest[1],
@@ -161,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                             "triton_of_burst": flops / best[0] / burst, "triton_config": list(best[1]),
                             "triton_max_abs_diff": best[2], "triton_over_cublas": t_cublas / best[0]})
             print(f"H={heads:3d} M={m:6d} N={n:6d}: cuBLAS {row['cublas_tflops']:.1f} TFLOP/s "
-                  f"({row['cublas_of_burst']:.0%} of burst)"
+                  f"({row['cublas_of_burst']:.0%} of burst), cuBLASLt {row['cublaslt_tflops']:.1f}"
                   + (f", Triton persistent {row['triton_tflops']:.1f} ({row['triton_of_burst']:.0%}), "
                      f"{row['triton_over_cublas']:.2f}x cuBLAS" if best else "")
                   + (f", Gluon WS {row['gluon_tflops']:.1f} ({row['gluon_of_burst']:.0%}), "
