@@ -32,6 +32,7 @@ cuBLAS until such a run says otherwise.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, no_type_check
 
 import torch
@@ -170,6 +171,13 @@ if gluon is not None:
         ], [4, 1], [240, 24])
 
 
+@functools.cache
+def _device_facts(index: int) -> tuple[int, int]:
+    """(compute capability's major, SM count) of CUDA device ``index``: looked up once (each
+    lookup costs the host microseconds, and kv_b_proj runs once a chunk)."""
+    return torch.cuda.get_device_capability(index)[0], torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def problem(latent: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why the kernel cannot take these operands, or None: bf16 on a Hopper GPU, 2-D, rows
     contiguous, row strides and the base 16-byte aligned (TMA's terms)."""
@@ -179,8 +187,7 @@ def problem(latent: torch.Tensor, weight: torch.Tensor) -> str | None:
         return f"needs bf16 latent and weight, got {latent.dtype} and {weight.dtype}"
     if latent.dim() != 2 or weight.dim() != 2 or latent.shape[1] != weight.shape[1]:
         return f"needs latent [M, K] and weight [N, K], got {list(latent.shape)} and {list(weight.shape)}"
-    if latent.device.type != "cuda" or weight.device != latent.device \
-            or torch.cuda.get_device_capability(latent.device)[0] != 9:
+    if latent.device.type != "cuda" or weight.device != latent.device or _device_facts(latent.get_device())[0] != 9:
         return f"needs both on one Hopper GPU, got {latent.device} and {weight.device}"
     for name, t in (("latent", latent), ("weight", weight)):
         if t.numel() and (t.stride(1) != 1 or (t.stride(0) * 2) % 16 or t.data_ptr() % 16):
@@ -216,7 +223,7 @@ def kv_b_proj_gluon(latent: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
     if K == 0:  # an empty sum
         return out.zero_()
     tiles = -(-M // cfg["BM"]) * -(-N // cfg["BN"])
-    sms = torch.cuda.get_device_properties(latent.device).multi_processor_count
+    sms = _device_facts(latent.get_device())[1]
     triton.set_allocator(_tma_scratch)  # a ContextVar: set in the calling thread, every call
     _kv_b_proj_ws[(min(sms, tiles),)](
         latent, weight, out, M, N, K, latent.stride(0), weight.stride(0), out.stride(0),
