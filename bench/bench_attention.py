@@ -612,9 +612,9 @@ SWEEP = {
             _c(128, 128, 8, 2, PV_FP8=True, v_layout="hdt")],
 }
 def _ws(pipe, bn, stages, EARLY_K=True, RESCALE_EARLY=False, PINGPONG=False, PV_WAIT_LATE=False,  # noqa: N803
-        P_REGS=False, Q_REGS=False, EXP2_POLY=0, **kw):  # (the kernel's own names)
+        P_REGS=False, EXP2_POLY=0, **kw):  # (the kernel's own names)
     return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages, EARLY_K=EARLY_K, RESCALE_EARLY=RESCALE_EARLY,
-                        PINGPONG=PINGPONG, PV_WAIT_LATE=PV_WAIT_LATE, P_REGS=P_REGS, Q_REGS=Q_REGS,
+                        PINGPONG=PINGPONG, PV_WAIT_LATE=PV_WAIT_LATE, P_REGS=P_REGS,
                         EXP2_POLY=EXP2_POLY), **kw)
 
 
@@ -677,13 +677,6 @@ AB = {
                      ("fp8", _PIPE_FP8_256, _ws(True, 128, 4, PV_WAIT_LATE=True, PINGPONG=True, P_REGS=True,
                                                 **_FP8_KL))],
                     AB_SHAPES),
-    # Q·Kᵀ's operand from registers (Q_REGS): bf16 serial (pipelined, it spills) against the
-    # default; fp8 with P_REGS too, against the default
-    "ws-q-regs": ([("bf16", _PIPE_LATE, _ws(False, 128, 2, Q_REGS=True)),
-                   ("fp8", _PIPE_FP8_256, _ws(False, 256, 2, P_REGS=True, Q_REGS=True, **_FP8_KL)),
-                   ("fp8", _PIPE_FP8_256, _ws(True, 128, 4, PV_WAIT_LATE=True, PINGPONG=True, P_REGS=True,
-                                              Q_REGS=True, **_FP8_KL))],
-                  AB_SHAPES),
     # 1 in 8 of the softmax's exp2s on the FMA pipes (EXP2_POLY): the defaults of both dtypes,
     # and fp8 with P·V's operand in registers (P_REGS)
     "ws-exp2-poly": ([("bf16", _PIPE_LATE, _ws(True, 128, 2, PV_WAIT_LATE=True, EXP2_POLY=1)),

@@ -708,10 +708,12 @@ BENCHMARKS = (
           "`bench/bench_attention.py --ab ws-fp8-wide`: fp8 keys-last, serial consumers over 256-key blocks in 2 "
           "stages, with and without turns (B), against the pipelined kernel over 128-key blocks in 3 stages with "
           "turns and the late wait (A), 5 rounds per shape.", env="GPU_RUN_AB=ws-fp8-wide"),
-    Bench("fp8 over 256-key blocks, pipelined or serial", "attention_ab", ("attention_ab_ws-fp8-pipe",),
-          "`bench/bench_attention.py --ab ws-fp8-pipe`: fp8 keys-last over 256-key blocks, pipelined consumers "
-          "(P staged in shared memory before the next Q·Kᵀ) with the late wait, with and without turns (B), "
-          "against serial consumers (A), 5 rounds per shape.", env="GPU_RUN_AB=ws-fp8-pipe"),
+    Bench("fp8 with P·V's operand in registers, in interleaved rounds", "attention_ab",
+          ("attention_ab_ws-fp8-regs",),
+          "`bench/bench_attention.py --ab ws-fp8-regs`: fp8 keys-last with P·V's operand in registers (`P_REGS`): "
+          "serial consumers over 256-key blocks, without and with turns, and pipelined consumers over 128-key "
+          "blocks in 4 stages (B), against pipelined consumers over 256-key blocks with P staged in shared memory, "
+          "the late wait and turns (A), 5 rounds per shape.", env="GPU_RUN_AB=ws-fp8-regs"),
     Bench("Throughput under concurrency", "bench_concurrency", ("bench_concurrency",),
           "`bench/bench_concurrency.py`: 1 to 16 clients against one server per shape, inline tensors and CUDA IPC "
           "regions."),
@@ -887,8 +889,9 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                  f"{tf('triton pv_fp8 v-keys-last', 128, 'fp8')}" + _ahead_of_flashinfer(ad), "bench_attention"))
     rows += [_fp8_ab_row("attention_ab_ws-fp8-wide", "fp8 attention (V keys-last) over 256-key blocks, serial, "
                          "against 128-key blocks pipelined with turns", {"PINGPONG": False}, results),
-             _fp8_ab_row("attention_ab_ws-fp8-pipe", "fp8 attention over 256-key blocks, pipelined with turns (the "
-                         "default), against serial", {"PINGPONG": True}, results)]
+             _fp8_ab_row("attention_ab_ws-fp8-regs", "fp8 attention over 256-key blocks, serial with turns and P·V's "
+                         "operand in registers (the default), against pipelined with P staged",
+                         {"PINGPONG": True, "PIPE": False}, results)]
     k = load("bench_kernels", results)
     kr = k["results"]
 

@@ -638,7 +638,7 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
                  IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True), USE_ORDER=use_order,
                  RESCALE_EARLY=ws.get("RESCALE_EARLY", False), PINGPONG=ws.get("PINGPONG", False),
                  PV_WAIT_LATE=ws.get("PV_WAIT_LATE", False), P_REGS=ws.get("P_REGS", False),
-                 Q_REGS=ws.get("Q_REGS", False), EXP2_POLY=ws.get("EXP2_POLY", 0))
+                 EXP2_POLY=ws.get("EXP2_POLY", 0))
     # every compile-time parameter given (one left out would compile as a runtime value)
     assert not [n for n in names if n.isupper() and n not in const
                 and n not in ("Q", "K", "KR", "V", "O", "LSE", "B", "ORDER")]
@@ -660,6 +660,10 @@ print(json.dumps(out))
 """
 
 
+#: fp8 keys-last pipelined over 256-key blocks, P staged, with the late wait and turns
+FP8_PIPE_256 = dict(PIPE=True, BLOCK_N=256, STAGES=2, PV_WAIT_LATE=True, PINGPONG=True)
+
+
 @pytest.mark.skipif(not triton.__version__.startswith("3.6") or ga.gluon is None,
                     reason="sm_90 cross-compile check of the Gluon kernel written for Triton 3.6")
 def test_warp_specialized_defaults_cross_compile_for_sm90():
@@ -671,11 +675,13 @@ def test_warp_specialized_defaults_cross_compile_for_sm90():
     orders = [(0, False), (ta._SORT_MAX, False), (0, True)]
     jobs = [("bf16", ta.CONFIGS[torch.bfloat16]["WS"], s, False, o) for s, o in orders]
     jobs += [("fp8e4nv", ta.KEYS_LAST_FP8["WS"], s, True, o) for s, o in orders]
-    # neighbours: the pipelined bf16 consumers taking turns, fp8 serial, fp8 over 128-key blocks
+    # neighbours: the pipelined bf16 consumers taking turns; fp8 with P staged (the default's
+    # fallback for K without rows past its end), pipelined over 256-key blocks, over 128
     jobs += [("bf16", dict(ta.CONFIGS[torch.bfloat16]["WS"], PINGPONG=True), 0, False, False),
-             ("fp8e4nv", dict(ta.KEYS_LAST_FP8["WS"], PIPE=False, PINGPONG=False, PV_WAIT_LATE=False), 0, True, False),
-             ("fp8e4nv", dict(ta.KEYS_LAST_FP8["WS"], BLOCK_N=128, STAGES=3), 0, True, False)]
-    assert ta.CONFIGS[torch.bfloat16]["WS"]["PV_WAIT_LATE"] and ta.KEYS_LAST_FP8["WS"]["PV_WAIT_LATE"]
+             ("fp8e4nv", dict(ta.KEYS_LAST_FP8["WS"], P_REGS=False), 0, True, False),
+             ("fp8e4nv", FP8_PIPE_256, 0, True, False),
+             ("fp8e4nv", dict(FP8_PIPE_256, BLOCK_N=128, STAGES=3), 0, True, False)]
+    assert ta.CONFIGS[torch.bfloat16]["WS"]["PV_WAIT_LATE"] and ta.KEYS_LAST_FP8["WS"]["P_REGS"]
     for res in _cross_compile(_XCOMPILE_WS, jobs):
         print(res)
         # the pipelined bf16 consumers with turns keep one word on the stack (cuobjdump -sass:
@@ -689,13 +695,9 @@ def test_warp_specialized_defaults_cross_compile_for_sm90():
 
 #: fp8 keys-last with P·V's operand in registers (``P_REGS``): serial over 256-key blocks,
 #: with and without turns; pipelined over 128-key blocks in 4 stages with the late wait and turns
-#: (with ``Q_REGS`` Q·Kᵀ's operand from registers too)
 P_REGS_WS = {"serial_bn256": dict(PIPE=False, BLOCK_N=256, STAGES=2, P_REGS=True),
              "serial_bn256_pingpong": dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True, P_REGS=True),
              "pipe_bn128_s4": dict(PIPE=True, BLOCK_N=128, STAGES=4, PV_WAIT_LATE=True, PINGPONG=True, P_REGS=True),
-             "serial_bn256_q_regs": dict(PIPE=False, BLOCK_N=256, STAGES=2, P_REGS=True, Q_REGS=True),
-             "pipe_bn128_s4_q_regs": dict(PIPE=True, BLOCK_N=128, STAGES=4, PV_WAIT_LATE=True, PINGPONG=True,
-                                          P_REGS=True, Q_REGS=True),
              "serial_bn256_exp2_poly": dict(PIPE=False, BLOCK_N=256, STAGES=2, P_REGS=True, EXP2_POLY=1)}
 
 
@@ -706,15 +708,14 @@ def test_warp_specialized_p_in_registers_cross_compiles_for_sm90():
     relabelled, not moved (the kernel asserts the conversion trivial), so no P goes through
     shared memory (the kernel's only shared stores are its barriers' and the epilogue's:
     fewer than with P staged), no spills, less shared memory than with P staged (its 2 x 16
-    KiB buffers gone at 256-key blocks), the late wait kept in the pipelined consumers. With
-    Q·Kᵀ's operand in registers too (``Q_REGS``) a few words go to the stack (<= 32 B)."""
+    KiB buffers gone at 256-key blocks), the late wait kept in the pipelined consumers."""
     staged = dict(P_REGS_WS["serial_bn256"], P_REGS=False)
     jobs = [("fp8e4nv", ws, 0, True, True) for ws in (staged, *P_REGS_WS.values())]
     base, *regs = _cross_compile(_XCOMPILE_WS, jobs)
     print(base)
     for res in regs:
         print(res)
-        assert res["stack"] <= (32 if res["ws"].get("Q_REGS") else 0), res
+        assert res["stack"] == 0, res
         assert res["wgmma"] > 0 and {24, 240} <= set(res["setmaxnreg"]), res
         assert res["sts"] < base["sts"], (res, base)
         if res["ws"]["BLOCK_N"] == 256:
@@ -728,8 +729,8 @@ def test_warp_specialized_p_in_registers_cross_compiles_for_sm90():
 def test_warp_specialized_exp2_poly_cross_compiles_for_sm90():
     """``EXP2_POLY=1`` moves 1 of every 8 softmax exp2s from the SFU to the FMA pipes: fewer
     MUFU.EX2 than the same config without it, no spills, and the pipelined consumers keep
-    every SFU exp2 before P·V's wait (the late wait), for the defaults of both dtypes."""
-    fp8, bf16 = ta.KEYS_LAST_FP8["WS"], ta.CONFIGS[torch.bfloat16]["WS"]
+    every SFU exp2 before P·V's wait (the late wait), for bf16's default and fp8 pipelined."""
+    fp8, bf16 = FP8_PIPE_256, ta.CONFIGS[torch.bfloat16]["WS"]
     jobs = [(dt, dict(ws, EXP2_POLY=n), 0, dt != "bf16", True) for dt, ws in (("fp8e4nv", fp8), ("bf16", bf16))
             for n in (0, 1)]
     f0, f1, b0, b1 = _cross_compile(_XCOMPILE_WS, jobs)
@@ -786,7 +787,6 @@ WS_CFGS = {
     "ws_pipe_pingpong": dict(WS=dict(PIPE=True, PINGPONG=True)),
     "ws_pipe_wait_late": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True)),
     "ws_serial_pingpong": dict(WS=dict(PIPE=False, PINGPONG=True)),
-    "ws_serial_q_regs": dict(WS=dict(PIPE=False, Q_REGS=True)),  # Q·Kᵀ's operand from registers
     "ws_pipe_wait_late_exp2_poly": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True, EXP2_POLY=1)),  # 1 in 8 exp2s on FMAs
 }
 needs_ws = pytest.mark.skipif(

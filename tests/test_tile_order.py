@@ -150,3 +150,18 @@ def test_start_up_is_a_time_whatever_the_key_block():
         assert narrow == wide, (q, k)
         built += narrow is not None
     assert built > 20  # the batches pack: not a comparison of Nones
+
+
+def test_the_engine_case_is_packed_for_both_dtypes_defaults():
+    """tests/gpu/test_engine_gpu.py's packed-launch-order case (4 segments, 544 tiles at
+    H=16) gets a packed order over each dtype's default key block (bf16 128, fp8 256): the
+    GPU test checks the order changes no bit, so it must have one to check."""
+    import torch
+
+    from ctxprefill.backends import triton_attention as ta
+
+    q_lens, k_lens = [256, 2048, 640, 1408], [9280, 2320, 6960, 3472]
+    for ws in (ta.CONFIGS[torch.bfloat16]["WS"], ta.KEYS_LAST_FP8["WS"]):
+        order = tile_order(q_lens, k_lens, 16, SMS, 128, ws["BLOCK_N"])
+        assert order is not None, ws
+        check_every_tile_once(order, q_lens, 16)

@@ -232,14 +232,15 @@ def test_launch_count_matches_profiler(case, cache_dtype, kvb, prefill, fused, h
                          ids=["bf16", "fp8"])
 def test_packed_launch_order_in_the_engine_changes_no_bit(cache_dtype, kvb, prefill):
     """A ragged request whose chunk the gluon backend gives a packed launch order (4
-    sequences in one 32k-row chunk at H=16: 512 tiles) — the engine copies it to the device
+    sequences in one 32k-row chunk at H=16: 544 tiles, over 128- and 256-key blocks alike:
+    ``tile_order`` packs it for both dtypes' defaults) — the engine copies it to the device
     before the chunk's attention — gives the same bits, fused and generic, as the same
     backend with no order (every tile computes the same either way), and one launch of
     attention."""
     backend, why = _triton_backend()
     if backend is None or not backend.caps.launch_order:
         pytest.skip(f"no backend with a launch order here (gluon needs Hopper): {why or backend.name}")
-    case = dict(contexts=[6960, 2320, 9280, 3472], queries=[256, 1792, 640, 1408], W=32768, block=64, heads=16,
+    case = dict(contexts=[9280, 2320, 6960, 3472], queries=[256, 2048, 640, 1408], W=32768, block=64, heads=16,
                 blocks=400)
     eng = make_engine(case, cache_dtype, kvb, prefill, backend)
     q, seqs = make_request(eng, case)
@@ -259,9 +260,10 @@ def test_packed_launch_order_in_the_engine_changes_no_bit(cache_dtype, kvb, pref
 @pytest.mark.parametrize("cache_dtype,kvb", [("auto", "bf16"), ("fp8", "fp8")], ids=["auto-bf16", "fp8-fp8"])
 def test_p_in_registers_in_the_engine(cache_dtype, kvb, monkeypatch):
     """fp8 prefill through the gluon backend with P·V's operand in registers (``P_REGS``,
-    serial over 256-key blocks) as the keys-last default: every K the engine hands attention,
-    fused and generic, holds the rows past its end that P_REGS reads; the two paths give the
-    same bits chunk by chunk; the result is the staged default's within fp8's bound."""
+    serial over 256-key blocks: the keys-last default): every K the engine hands attention,
+    fused and generic, holds the rows past its end that P_REGS reads, and every launch runs
+    it; the two paths give the same bits chunk by chunk; the result is P staged's within
+    fp8's bound."""
     backend, why = _triton_backend()
     if backend is None or backend.name != "gluon":
         pytest.skip(f"P_REGS is the gluon kernel's (Hopper): {why or backend.name}")
@@ -272,9 +274,10 @@ def test_p_in_registers_in_the_engine(cache_dtype, kvb, monkeypatch):
              blocks=1200)
     eng = make_engine(c, cache_dtype, kvb, "fp8", backend)
     q, seqs = make_request(eng, c)
+    assert ta.KEYS_LAST_FP8["WS"]["P_REGS"]
+    monkeypatch.setattr(ta, "KEYS_LAST_FP8", dict(ta.KEYS_LAST_FP8, WS=dict(ta.KEYS_LAST_FP8["WS"], P_REGS=False)))
     staged = eng.prefill_context(q, seqs, fused=True)
-    monkeypatch.setattr(ta, "KEYS_LAST_FP8", dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=256, STAGES=2,
-                                                                          P_REGS=True)))
+    monkeypatch.undo()
     launched = []
     real_launch = ga.launch
     signature = inspect.signature(real_launch)

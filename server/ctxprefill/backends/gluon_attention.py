@@ -37,11 +37,10 @@ the loader lands K's rows permuted within 16-key groups (a 5-D TMA box, ``_key_o
 that the registers holding a thread's scores are those of its fp8 operand with V in key
 order, a relabelling the kernel asserts moves nothing. It reads whole 16-key groups, up
 to ``P_REGS_SLACK_ROWS`` rows past a segment (masked out of the scores), which must lie in
-K's storage (``check_p_regs``). ``Q_REGS`` loads each consumer's Q into registers once,
-so that every block's Q·Kᵀ reads only K from shared memory (bf16 serial fits the register
-file; pipelined bf16 spills). ``EXP2_POLY`` computes 1 (or 2) of every 8 of the softmax's exp2s
-on the FMA pipes (``_exp2``), FA4's offload of the SFU. None of the three is a default:
-the defaults are the measured ones.
+K's storage (``check_p_regs``). ``EXP2_POLY`` computes 1 (or 2) of every 8 of the
+softmax's exp2s on the FMA pipes (``_exp2``), FA4's offload of the SFU. The defaults are
+the measured ones (``triton_attention``): fp8 runs serial over 256-key blocks with turns
+and ``P_REGS``; ``EXP2_POLY`` is no default.
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory, bf16 with 128×128 tiles and 2 stages: Q 48 KiB +
@@ -99,7 +98,7 @@ def _exp2_mixed_asm(poly: int) -> str:
 #: Tiles, stages, pipelining. 2 consumers x 64 query rows = BLOCK_M 128 (fixed). The
 #: caller's defaults per dtype are in ``triton_attention`` (measured there).
 CONFIG: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True, RESCALE_EARLY=False,
-                              PINGPONG=False, PV_WAIT_LATE=False, P_REGS=False, Q_REGS=False, EXP2_POLY=0)
+                              PINGPONG=False, PV_WAIT_LATE=False, P_REGS=False, EXP2_POLY=0)
 #: rows a key tensor must hold past the last segment's end for ``P_REGS`` (its K loads
 #: read whole 16-key groups: up to 15 rows past a segment, masked out of the scores): what
 #: every keys-last K the engine packs leaves (``ops.pack.KEY_SLACK_ROWS``)
@@ -327,7 +326,7 @@ if gluon is not None:
                      C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
                      RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
-                     P_REGS: gl.constexpr, Q_REGS: gl.constexpr, EXP2_POLY: gl.constexpr):
+                     P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
         K_INSTR: gl.constexpr = 32 if IS_FP8 else 16
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -350,10 +349,6 @@ if gluon is not None:
         p_smem = p_s.index(C)
         if n_blocks > 0:
             mbarrier.wait(q_bar.index(C), 0)
-        if Q_REGS:  # Q·Kᵀ's operand from registers: each block reads only K from shared memory
-            q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4 if IS_FP8 else 2)
-            qn = qn.load(q_layout)
-            qr = qr.load(q_layout)
         if PIPE:
             if n_blocks > 0:
                 # block 0: scores and softmax, its P·V waits for the next iteration
@@ -452,7 +447,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
         SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
         USE_ORDER: gl.constexpr, RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
-        P_REGS: gl.constexpr, Q_REGS: gl.constexpr, EXP2_POLY: gl.constexpr,
+        P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr,
     ):
         HALF_M: gl.constexpr = BLOCK_M // 2
         pid_m = gl.program_id(0)
@@ -562,11 +557,11 @@ if gluon is not None:
             (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                             0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                            PV_WAIT_LATE, P_REGS, Q_REGS, EXP2_POLY)),
+                            PV_WAIT_LATE, P_REGS, EXP2_POLY)),
             (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                             1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                            PV_WAIT_LATE, P_REGS, Q_REGS, EXP2_POLY)),
+                            PV_WAIT_LATE, P_REGS, EXP2_POLY)),
             (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
                           q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks, BLOCK_M, BLOCK_N, STAGES, V_T, P_REGS)),
         ], [4, 1], [240, 24])
@@ -626,7 +621,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], PIPE=cfg["PIPE"],
         SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t, EARLY_K=cfg["EARLY_K"],
         USE_ORDER=order is not None, RESCALE_EARLY=cfg["RESCALE_EARLY"], PINGPONG=cfg["PINGPONG"],
-        PV_WAIT_LATE=cfg["PV_WAIT_LATE"], P_REGS=cfg["P_REGS"], Q_REGS=cfg["Q_REGS"], EXP2_POLY=cfg["EXP2_POLY"],
+        PV_WAIT_LATE=cfg["PV_WAIT_LATE"], P_REGS=cfg["P_REGS"], EXP2_POLY=cfg["EXP2_POLY"],
         num_warps=4,
         maxnreg=_MAXNREG,
     )

@@ -144,10 +144,9 @@ CONFIGS: dict[torch.dtype, dict[str, Any]] = {
 #: by 1.06-1.10 over the same 6 shapes, medians of 5 interleaved rounds each (``--ab
 #: ws-fp8-wide``, H200, 2026-12-04, commit f3b7d6f, attention_ab_ws-fp8-wide.json); with
 #: turns 1.02-1.08. Pipelined over 256-key blocks (P staged in shared memory before the next
-#: Q·Kᵀ, which keeps it within 240 registers) with the late wait and turns: 0.99-1.04 of
-#: serial, the same bits (``--ab ws-fp8-pipe``, commit 8cbf881, attention_ab_ws-fp8-pipe.json).
-#: Serial with turns and P·V's operand in registers (``P_REGS``: no P through shared memory)
-#: beats that pipelined kernel by 1.05-1.06 over the same 6 shapes (``--ab ws-fp8-regs``,
+#: Q·Kᵀ, which keeps it within 240 registers) with the late wait and turns runs level with
+#: serial. Serial with turns and P·V's operand in registers (``P_REGS``: no P through shared
+#: memory) beats that pipelined kernel by 1.05-1.06 over the same 6 shapes (``--ab ws-fp8-regs``,
 #: H200, 2026-12-05, commit 5d6bb38, attention_ab_ws-fp8-regs.json): the default. Where a
 #: caller's K lacks the rows past its end P_REGS reads, ``ws_config`` stages P instead.
 KEYS_LAST_FP8: dict[str, Any] = dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True,

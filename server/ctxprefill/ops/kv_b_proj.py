@@ -20,9 +20,8 @@ import torch
 from . import launches
 
 #: the bf16 GEMM's kernel on a Hopper GPU: "cublas" (torch's matmul) or "gluon"
-#: (ops/kv_b_proj_gluon.py, persistent and warp-specialized; the same sum, each output
-#: rounded once from fp32); cuBLAS until a run of bench/probe_gemm.py and
-#: ``ctxprefill bench --gemm gluon`` says otherwise
+#: (ops/kv_b_proj_gluon.py, persistent and warp-specialized; the same bits on the H200);
+#: cuBLAS leads on the engine's 16k-row chunks (bench/probe_gemm.py, docs/DESIGN.md)
 GEMM = "cublas"
 
 

@@ -26,8 +26,8 @@ Shared memory: ``STAGES`` × (A 16 KiB + B ``BN`` × 128 B) + 2 consumers' resul
 × ``BN`` × 2 B cooperative, 2 × 128 × ``BN`` × 2 B ping-pong): 208 KiB at ``BN`` 256 in 3
 stages, 192 KiB ping-pong at ``BN`` 128 in 4. Registers: the loader gives its budget to
 the consumers (``setmaxnreg`` 24 / 240; each accumulator 128 fp32 a thread).
-Opt-in: ``bench/probe_gemm.py`` times it against cuBLAS in one process; the engine keeps
-cuBLAS until such a run says otherwise.
+Opt-in (``ops.kv_b_proj.GEMM``): ``bench/probe_gemm.py`` times it against cuBLAS in one
+process, and on the engine's 16k-row chunks cuBLAS leads (docs/DESIGN.md).
 """
 
 from __future__ import annotations
