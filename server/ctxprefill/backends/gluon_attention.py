@@ -28,8 +28,8 @@ on 4 × 1,024 rows by 3.9-7.9 % (two rounds each; H200, 2026-12-04, commit 58e91
 ``--sweep ws-rescale``); off. ``PV_WAIT_LATE`` keeps P·V's wait after the softmax in the
 machine code (ptxas moves it above the softmax otherwise, which undoes the pipelining);
 ``PINGPONG`` makes the two consumers take turns issuing their MMAs (FA3's ping-pong). The
-backend's defaults (``triton_attention``) pipeline with the late wait, for fp8 over 256-key
-blocks and with turns (docs/DESIGN.md).
+backend's defaults (``triton_attention``): bf16 pipelined with the late wait; fp8 serial
+over 256-key blocks with turns and ``P_REGS`` (docs/DESIGN.md).
 
 ``P_REGS`` (fp8) keeps P·V's operand in registers, as bf16 does, instead of staging P in
 shared memory (2 × 16 KiB at 256-key blocks, and each block's P written and read there):
@@ -38,14 +38,13 @@ that the registers holding a thread's scores are those of its fp8 operand with V
 order, a relabelling the kernel asserts moves nothing. It reads whole 16-key groups, up
 to ``P_REGS_SLACK_ROWS`` rows past a segment (masked out of the scores), which must lie in
 K's storage (``check_p_regs``). ``EXP2_POLY`` computes 1 (or 2) of every 8 of the
-softmax's exp2s on the FMA pipes (``_exp2``), FA4's offload of the SFU. The defaults are
-the measured ones (``triton_attention``): fp8 runs serial over 256-key blocks with turns
-and ``P_REGS``; ``EXP2_POLY`` is no default.
+softmax's exp2s on the FMA pipes (``_exp2``), FA4's offload of the SFU; measured slower or
+level, it is no default.
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory, bf16 with 128×128 tiles and 2 stages: Q 48 KiB +
 2 × (K 48 + V 32) = 208 KiB; fp8 with 128×256 tiles and 2 stages: Q 24 + 2 × (K 48 + V 32)
-+ P 2 × 16 = 216 KiB.
+= 184 KiB with ``P_REGS``, + P 2 × 16 = 216 KiB with P staged.
 
 Semantics are those of ``triton_attention.mla_context_attention`` (non-causal): ragged
 segments through per-(segment, head) device-side tensor descriptors, so a tile's rows
