@@ -999,7 +999,7 @@ def _keys_last(v, k_lens):
                                 dict(PIPE=True, BLOCK_N=256, STAGES=2, PV_WAIT_LATE=True, PINGPONG=True),
                                 dict(PIPE=True, BLOCK_N=256, STAGES=2, PV_WAIT_LATE=True, PINGPONG=True, EXP2_POLY=1)],
                          ids=["pipe_s2", "pipe_s3", "serial_s3", "pipe_s3_wait_late", "serial_bn256",
-                              "serial_bn256_pingpong", "pipe_bn256_wait_late_pingpong", "default_exp2_poly"])
+                              "serial_bn256_pingpong", "pipe_bn256_wait_late_pingpong", "pipe_bn256_exp2_poly"])
 def test_gpu_warp_specialized_fp8_keys_last(ws):
     """fp8 q/k/v, V keys-last, P·V in fp8 (P through shared memory): against float64 from
     the dequantized inputs within the P·V-in-fp8 bound (5e-2), ragged with empty segments."""
