@@ -1060,6 +1060,24 @@ def test_gpu_warp_specialized_fp8_p_in_registers(ws):
 
 
 
+@needs_ws
+def test_gpu_p_regs_inputs_checked_once_a_launch(monkeypatch):
+    """The default fp8 keys-last config (P_REGS) checks K's rows past its end once a launch
+    (``ws_config``), not again in ``launch``; asked for in ``config``, once too (``launch``)."""
+    calls = []
+    real = ga.p_regs_problem
+    monkeypatch.setattr(ga, "p_regs_problem", lambda *a: calls.append(1) or real(*a))
+    q, k, v, cu_q, cu_k = make_batch([100, 50], [70, 200], 4, FP8, device="cuda", seed=7)
+    vt, cv = _keys_last(v, [70, 200])
+    k = _with_slack(k)
+    assert ta.KEYS_LAST_FP8["WS"]["P_REGS"]
+    for config in (None, dict(PV_FP8=True, WS=dict(ta.KEYS_LAST_FP8["WS"]))):
+        calls.clear()
+        mla_context_attention(q, k, vt, cu_q, cu_k, 100, 200, 0.07, config=config, v_layout="hdt", cu_seqlens_v=cv)
+        assert len(calls) == 1, config
+    torch.cuda.synchronize()
+
+
 def test_exp2_polynomial_ptx_within_its_bound():
     """``EXP2_POLY``'s PTX, step by step in float32 from its own constants: within 7.5e-5
     of 2^x over [-125, 8] (fp8 P is scaled by 2^8), and a positive float below 2^-124 for

@@ -75,7 +75,7 @@ def test_keys_last_pack_leaves_rows_past_k(T, cu):
     from pathlib import Path
 
     from ctxprefill.backends import gluon_attention as ga
-    from ctxprefill.ops.pack import KEY_SLACK_ROWS, keys_last_layout
+    from ctxprefill.ops.pack import KEY_SLACK_ROWS, keys_last_layout, rows_readable
 
     g = torch.Generator().manual_seed(T)
     k_nope, k_pe, v = kv_view(T, 3, torch.bfloat16, g)
@@ -86,7 +86,7 @@ def test_keys_last_pack_leaves_rows_past_k(T, cu):
         assert k8.shape == gk8.shape == (T, 3, 192) and k8.is_contiguous() and gk8.is_contiguous()
         assert torch.equal(bits(k8), bits(gk8)) and torch.equal(bits(vt), bits(gvt))
         for k in (k8, gk8):
-            assert ga.rows_readable(k) == T + KEY_SLACK_ROWS and ga.rows_readable(k[..., 128:]) == T + KEY_SLACK_ROWS
+            assert rows_readable(k) == T + KEY_SLACK_ROWS and rows_readable(k[..., 128:]) == T + KEY_SLACK_ROWS
         k8_rows, _ = fused_mla_kv_concat_quant_fp8(k_nope, pe, v)  # row-major V: no rows past K needed
         assert torch.equal(bits(k8_rows), bits(k8))
     launchers = (Path(__file__).resolve().parents[1] / "csrc" / "launchers.h").read_text()

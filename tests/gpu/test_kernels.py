@@ -196,9 +196,8 @@ def test_kv_concat_quant_fp8_keys_last(cuda_ext, T, H, dtype, pe, segs):
     k8, vt = cuda_ext.fused_mla_kv_concat_quant_fp8_vt(k_nope, k_pe, v, layout.cu_k_dev, layout.cu_v_dev,
                                                        layout.v_cols)
     assert k8.shape == (T, H, 192) and vt.shape == (H, 128, layout.v_cols) and vt.is_contiguous()
-    from ctxprefill.backends.gluon_attention import rows_readable  # K's rows past its end (P_REGS reads them)
-
-    assert k8.is_contiguous() and rows_readable(k8) == T + pack_op.KEY_SLACK_ROWS
+    # K's rows past its end (attention that loads whole 16-key groups reads them)
+    assert k8.is_contiguous() and pack_op.rows_readable(k8) == T + pack_op.KEY_SLACK_ROWS
     rk, rv = fused_mla_kv_concat_quant_fp8_reference(k_nope, k_pe, v, layout)
     assert_same(k8, rk, "k fused vs reference")
     assert_same(vt, rv, "v keys-last fused vs reference")

@@ -71,9 +71,9 @@ from ..ops._gluon import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from ..ops.pack import KEY_SLACK_ROWS
+from ..ops.pack import KEY_SLACK_ROWS, rows_readable
 
-__all__ = ["CONFIG", "GLUON_ERR", "gluon", "launch"]
+__all__ = ["CONFIG", "GLUON_ERR", "gluon", "launch", "rows_readable"]
 
 _P_SHIFT = 8.0  # fp8 P·V: P scaled by 2**8 before its e4m3 cast (as triton_attention)
 
@@ -567,14 +567,6 @@ if gluon is not None:
 
 
 
-def rows_readable(t: torch.Tensor) -> int:
-    """Rows of ``t``'s first dimension that lie in its storage from its first row on: its
-    own, and those past its end where ``t`` is a view of a larger buffer."""
-    elems = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
-    row = 1 + sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:], strict=True))
-    return max(0, (elems - row) // t.stride(0) + 1) if t.dim() and t.stride(0) > 0 else 0
-
-
 def p_regs_problem(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v_t: bool) -> str | None:
     """Why ``P_REGS`` cannot run on these inputs (it wants fp8, keys-last V, and K — ``k``,
     ``kr`` — readable for ``P_REGS_SLACK_ROWS`` rows past their last row), or None."""
@@ -597,15 +589,17 @@ def check_p_regs(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v_t: bool) 
 def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
            lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, cu_v: torch.Tensor, qk_scale: float,
            grid: tuple[int, int, int], sort_b: int, v_t: bool, config: dict[str, Any] | None = None,
-           order: torch.Tensor | None = None, m_tiles: int = 0) -> None:
+           order: torch.Tensor | None = None, m_tiles: int = 0, p_regs_checked: bool = False) -> None:
     """Launch the kernel on inputs ``triton_attention.mla_context_attention`` validated
     (non-causal; q/k/v with 16-byte aligned bases and strides; ``k`` read for its first
     128 columns, ``kr`` [Tk, H, 64] the rope keys; ``qk_scale`` in log2
     units; ``grid`` (query tiles of BLOCK_M, H, B)). With ``order`` (int32 tile codes on
     the device, ``tile_order``; ``m_tiles`` the query tiles they count with) the launch
-    is 1-D, one program per code, in that order."""
+    is 1-D, one program per code, in that order. ``p_regs_checked``: the caller has checked
+    that these inputs take ``P_REGS`` (``triton_attention.ws_config``), so it is not checked
+    again (two storage lookups a tensor, host time of every launch)."""
     cfg = dict(CONFIG, **(config or {}))
-    if cfg["P_REGS"]:
+    if cfg["P_REGS"] and not p_regs_checked:
         check_p_regs(q, k, kr, v_t)
     if cfg["EXP2_POLY"] not in (0, 1, 2):
         raise ValueError(f"EXP2_POLY (exp2s of every 8 on the FMA pipes) must be 0, 1 or 2, got {cfg['EXP2_POLY']}")

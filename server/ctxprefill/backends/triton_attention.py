@@ -80,6 +80,7 @@ from typing import Any, ClassVar, no_type_check
 
 import torch
 
+from ..ops._gluon import tma_scratch
 from . import gluon_attention as _ws
 from . import tile_order as _tile_order
 from ._triton import TRITON_ERR as _TRITON_ERR
@@ -563,7 +564,7 @@ def mla_context_attention(
                and _capability(q.device) >= (9, 0)
                and grid[0] * grid[1] * grid[2] * _TMA_SCRATCH_PER_PROGRAM <= _TMA_SCRATCH_CAP)
     if use_tma and q.device.type == "cuda":
-        triton.set_allocator(_tma_scratch)  # a ContextVar: set in the calling thread, every call
+        triton.set_allocator(tma_scratch)  # a ContextVar: set in the calling thread, every call
     ws = cfg.get("WS")
     if ws and use_tma and not causal and (not is_fp8 or (v_t and pv_fp8)) and _ws.gluon is not None \
             and q.device.type == "cuda" and _capability(q.device)[0] == 9:
@@ -575,7 +576,7 @@ def mla_context_attention(
         _ws.launch(q, k, kr, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                    cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v, float(scale) * _LOG2E, ws_grid,
                    0 if ordered else sort_b, v_t, ws_cfg, order=None if tile_order is None else tile_order.codes,
-                   m_tiles=0 if tile_order is None else tile_order.m_tiles)
+                   m_tiles=0 if tile_order is None else tile_order.m_tiles, p_regs_checked=not _asks_p_regs(config))
         return out, lse
     sq, sk, sv, sr = strides
     _mla_ctx_attn_fwd[grid](
@@ -597,13 +598,17 @@ def ws_config(ws: dict | bool, config: dict | None, q: torch.Tensor, k: torch.Te
     """The Gluon kernel's config for a call: ``ws`` over its defaults. ``P_REGS`` where it
     comes from the defaults and the inputs cannot take it (K without the rows past its end
     that it reads) falls back to P staged in shared memory; asked for in ``config``, the
-    launch refuses such inputs."""
+    launch refuses such inputs (the inputs are checked once, here or there)."""
     cfg = dict(_ws.CONFIG, **(ws if isinstance(ws, dict) else {}))
-    asked = (config or {}).get("WS")
-    asked_p_regs = isinstance(asked, dict) and "P_REGS" in asked
-    if cfg["P_REGS"] and not asked_p_regs and _ws.p_regs_problem(q, k, kr, v_t) is not None:
+    if cfg["P_REGS"] and not _asks_p_regs(config) and _ws.p_regs_problem(q, k, kr, v_t) is not None:
         cfg["P_REGS"] = False
     return cfg
+
+
+def _asks_p_regs(config: dict | None) -> bool:
+    """Whether a caller's ``config`` sets the Gluon kernel's ``P_REGS`` itself."""
+    ws = (config or {}).get("WS")
+    return isinstance(ws, dict) and "P_REGS" in ws
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -684,12 +689,6 @@ def _tma_ok(*ts: torch.Tensor, strides: Sequence[tuple[int, ...]] | None = None)
         if t.data_ptr() % 16 or any(x * e % 16 for x in st[:-1]):
             return False
     return True
-
-
-def _tma_scratch(size: int, alignment: int, stream: object) -> torch.Tensor:
-    # global scratch for the device-side tensor descriptors (128 B each per program);
-    # from torch's caching allocator, so no extra launch
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 #: both kernels load K's nope and rope columns as two tiles anyway: from two tensors they

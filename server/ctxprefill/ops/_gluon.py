@@ -1,12 +1,23 @@
 """Gluon (Triton's explicit-layout dialect, Triton >= 3.5) and the Hopper operations its
 kernels here use, imported once for them (ops/kv_b_proj_gluon.py,
 backends/gluon_attention.py). They stay importable where it is absent and report
-``GLUON_ERR`` as the reason."""
+``GLUON_ERR`` as the reason. Also the scratch allocator that every kernel creating
+tensor descriptors on the device needs (``tma_scratch``)."""
 
 from typing import Any
 
-__all__ = ["GLUON_ERR", "fence_async_shared", "gl", "gluon", "mbarrier", "tma", "triton", "warpgroup_mma",
-           "warpgroup_mma_wait"]
+import torch
+
+__all__ = ["GLUON_ERR", "fence_async_shared", "gl", "gluon", "mbarrier", "tma", "tma_scratch", "triton",
+           "warpgroup_mma", "warpgroup_mma_wait"]
+
+
+def tma_scratch(size: int, alignment: int, stream: object) -> torch.Tensor:
+    """Triton's allocator (``triton.set_allocator``): global scratch for the device-side
+    tensor descriptors (128 B each per program), from torch's caching allocator, so no
+    extra launch."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
 
 triton: Any
 gluon: Any

@@ -32,11 +32,11 @@ def kv_b_proj(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         launches.note(1)
         x = x.to(weight.dtype)
     launches.note(1)
-    if GEMM == "gluon" and x.is_cuda and x.dtype == torch.bfloat16:
+    if GEMM == "gluon" and x.is_cuda:
         from . import kv_b_proj_gluon
 
-        if kv_b_proj_gluon.problem(x, weight) is None:
-            return kv_b_proj_gluon.kv_b_proj_gluon(x, weight)
+        if kv_b_proj_gluon.problem(x, weight) is None:  # checked once: launch does not again
+            return kv_b_proj_gluon.launch(x, weight)
     y = x @ weight.t()
     if y.dtype != torch.bfloat16:
         launches.note(1)

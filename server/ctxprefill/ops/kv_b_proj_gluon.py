@@ -4,8 +4,8 @@
 :func:`ops.kv_b_proj.kv_b_proj` computes for a bf16 weight through cuBLAS. Its reduction
 is short (K = 512: eight 64-wide steps a tile), so a tile's prologue (its first loads)
 and epilogue (storing 128 × 256 bf16) are long next to its main loop; a kernel that runs
-them in series with the MMAs leaves the tensor cores idle for them
-(``bench/probe_gemm.py``: cuBLAS at 72–82 % of a large GEMM's rate on these shapes).
+them in series with the MMAs leaves the tensor cores idle for them (cuBLAS runs these
+shapes well below a large GEMM's rate: ``bench/probe_gemm.py``).
 
 One program per SM walks its tiles (``GROUP_M`` rows of tiles at a time, so that
 neighbouring programs share the weight's columns in L2), three partitions:
@@ -44,12 +44,13 @@ from ._gluon import (
     gluon,
     mbarrier,
     tma,
+    tma_scratch,
     triton,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-__all__ = ["CONFIG", "GLUON_ERR", "TUNING", "kv_b_proj_gluon", "problem"]
+__all__ = ["CONFIG", "GLUON_ERR", "TUNING", "kv_b_proj_gluon", "launch", "problem"]
 
 #: BM: a tile's rows (64 for each consumer; with PINGPONG, one consumer's); BN, STAGES,
 #: GROUP_M, PINGPONG: the knobs bench/probe_gemm.py tries
@@ -178,6 +179,11 @@ def _device_facts(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)[0], torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Whether bf16 ``t``'s rows can go through TMA: contiguous, 16-byte aligned base and stride."""
+    return not t.numel() or (t.stride(1) == 1 and (t.stride(0) * 2) % 16 == 0 and t.data_ptr() % 16 == 0)
+
+
 def problem(latent: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why the kernel cannot take these operands, or None: bf16 on a Hopper GPU, 2-D, rows
     contiguous, row strides and the base 16-byte aligned (TMA's terms)."""
@@ -190,14 +196,9 @@ def problem(latent: torch.Tensor, weight: torch.Tensor) -> str | None:
     if latent.device.type != "cuda" or weight.device != latent.device or _device_facts(latent.get_device())[0] != 9:
         return f"needs both on one Hopper GPU, got {latent.device} and {weight.device}"
     for name, t in (("latent", latent), ("weight", weight)):
-        if t.numel() and (t.stride(1) != 1 or (t.stride(0) * 2) % 16 or t.data_ptr() % 16):
+        if not _tma_rows(t):
             return f"{name}: rows must be contiguous, 16-byte aligned, with a 16-byte multiple stride"
     return None
-
-
-def _tma_scratch(size: int, alignment: int, stream: object) -> torch.Tensor:
-    # global scratch for the device-side tensor descriptors, from torch's caching allocator
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def kv_b_proj_gluon(latent: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
@@ -208,23 +209,31 @@ def kv_b_proj_gluon(latent: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
     why = problem(latent, weight)
     if why is not None:
         raise ValueError(f"kv_b_proj_gluon: {why}")
+    M, N = latent.shape[0], weight.shape[0]
+    if out is not None and (out.shape != (M, N) or out.dtype != torch.bfloat16 or out.device != latent.device
+                            or not _tma_rows(out)):
+        raise ValueError(f"kv_b_proj_gluon: out must be [{M}, {N}] bf16 on {latent.device} with contiguous, "
+                         f"16-byte aligned rows; got {list(out.shape)} {out.dtype} on {out.device}, strides "
+                         f"{out.stride()}")
+    return launch(latent, weight, out, config)
+
+
+def launch(latent: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+           config: dict[str, Any] | None = None) -> torch.Tensor:
+    """:func:`kv_b_proj_gluon` on operands :func:`problem` accepted (and a checked ``out``),
+    without checking them again."""
     cfg = dict(CONFIG, **(config or {}))
     M, K = latent.shape
     N = weight.shape[0]
     if out is None:
         out = torch.empty((M, N), dtype=torch.bfloat16, device=latent.device)
-    elif out.shape != (M, N) or out.dtype != torch.bfloat16 or out.device != latent.device or out.numel() and (
-            out.stride(1) != 1 or (out.stride(0) * 2) % 16 or out.data_ptr() % 16):
-        raise ValueError(f"kv_b_proj_gluon: out must be [{M}, {N}] bf16 on {latent.device} with contiguous, "
-                         f"16-byte aligned rows; got {list(out.shape)} {out.dtype} on {out.device}, strides "
-                         f"{out.stride()}")
     if M == 0 or N == 0:
         return out
     if K == 0:  # an empty sum
         return out.zero_()
     tiles = -(-M // cfg["BM"]) * -(-N // cfg["BN"])
     sms = _device_facts(latent.get_device())[1]
-    triton.set_allocator(_tma_scratch)  # a ContextVar: set in the calling thread, every call
+    triton.set_allocator(tma_scratch)  # a ContextVar: set in the calling thread, every call
     _kv_b_proj_ws[(min(sms, tiles),)](
         latent, weight, out, M, N, K, latent.stride(0), weight.stride(0), out.stride(0),
         BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],

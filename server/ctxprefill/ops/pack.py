@@ -33,6 +33,14 @@ def key_buffer(T: int, H: int, width: int, device: torch.device) -> torch.Tensor
     return torch.empty((T + KEY_SLACK_ROWS, H, width), dtype=FP8, device=device)[:T]
 
 
+def rows_readable(t: torch.Tensor) -> int:
+    """Rows of ``t``'s first dimension that lie in its storage from its first row on: its
+    own, and those past its end where ``t`` is a view of a larger buffer (``key_buffer``)."""
+    elems = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    row = 1 + sum((n - 1) * st for n, st in zip(t.shape[1:], t.stride()[1:], strict=True))
+    return max(0, (elems - row) // t.stride(0) + 1) if t.dim() and t.stride(0) > 0 else 0
+
+
 def _flat_pe(k_pe: torch.Tensor) -> torch.Tensor:
     """[T, R] or [T, 1, R] -> [T, R] (a view)."""
     return k_pe.reshape(k_pe.shape[0], k_pe.shape[-1])
