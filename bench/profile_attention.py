@@ -16,7 +16,6 @@ the warps' stall reasons (math pipe throttle, MIO throttle, barrier, long scoreb
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -40,7 +39,6 @@ def main(argv=None) -> int:
     p.add_argument("--ab", default="ws-fp8-regs", choices=list(ba.AB))
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--case", default="1x8192q/16384k", choices=[c[0] for c in ba.cases()])
-    p.add_argument("--out", help="also write the launches' configs, in order, as JSON here")
     a = p.parse_args(argv)
     import torch
 
@@ -61,10 +59,6 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     rows = [dict(launch=i, dtype=dt, config=cfg, gflop=ba.gflop(ql, kl, a.heads))
             for i, (dt, cfg) in enumerate(configs)]
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(dict(ab=a.ab, heads=a.heads, case=a.case, device=torch.cuda.get_device_name(), launches=rows),
-                      f, indent=1)
     for r in rows:
         print(r)
     return 0

@@ -340,8 +340,8 @@ def validate_prefill(request: PrefillRequest, config: EngineConfig, instance_id:
                                            f"(q.shape[0] must equal the sum)")
     # every used block id in [0, num_blocks), in one pass (as unsigned, a negative id is
     # past every valid one), then int32; numpy, not torch: 1,024 blocks (64k tokens) took
-    # ~140 µs through torch, host time of every request. argmax, not a max reduction: half
-    # the host time where the request finds the caches cold (bench/probe_host_cold.py)
+    # ~140 µs through torch, host time of every request. argmax, not a max reduction: less
+    # of numpy's code to run where the request finds the caches cold (bench/probe_host_cold.py)
     if nseq == 1 and max_need:
         table = rows[0].reshape(1, -1)
     else:
