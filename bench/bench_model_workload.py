@@ -42,8 +42,10 @@ keeps the float64 work small at 128k) against float64 attention
 over the context without the earlier chunks' ``cache_write`` latents (what lost writes would
 give). Exit code 1 when a check is over ``--tolerance``.
 
-``--heads 128 16`` runs one server per head count, one after the other; the JSON is
-rewritten after each.
+``--heads 128 16`` runs one server per head count, one after the other; ``--prefill-dtype
+bf16 fp8`` one per dtype for each (fp8: q sent in fp8 e4m3, the server quantizing k and v;
+its floor is the same model's, attention FLOPs at the bf16 GEMM rate, its check within the
+engine's fp8 bound, 6e-2); the JSON is rewritten after each server.
 
   PYTHONPATH=server:client:bench python3 bench/bench_model_workload.py --out bench/results/bench_model_workload.json
   PYTHONPATH=server:client:bench python3 bench/bench_model_workload.py --device cpu --layers 2 --heads 2 \\
@@ -79,7 +81,13 @@ KIND = "model_workload"
 L, R, QK, V = 512, 64, 192, 128  # latent, rope, q·k and value dims
 FILL_PIECE = 16384  # tokens per WriteCache of the fill
 PHASES = ("validate", "queue", "input", "compute", "output")  # the server's Stats.phase_nanos, in order
+BF16_TOL, FP8_TOL = 1e-2, 6e-2  # output relative error and LSE difference against float64
 RING_SLOTS, RING_SLOT_BYTES = 2, 1 << 17  # a slot holds a request: refs, block table, slot mapping
+
+
+def tolerance(ns: argparse.Namespace, prefill_dtype: str) -> float:
+    """The check's bound: ``--tolerance``, else the engine's against float64 (bf16 1e-2, fp8 6e-2)."""
+    return ns.tolerance if ns.tolerance is not None else FP8_TOL if prefill_dtype == "fp8" else BF16_TOL
 
 
 def _sync(dev: torch.device) -> None:
@@ -129,10 +137,12 @@ class Tensors:
         return o + (layer * shape[1] + row) * math.prod(shape[2:]) * dt.itemsize
 
     def input(self, name: str, layer: int, row: int, n: int) -> Any:
-        """Rows ``[row, row + n)`` of layer ``layer`` as a request input (bf16)."""
-        from ctxprefill_client import BF16
+        """Rows ``[row, row + n)`` of layer ``layer`` as a request input (bf16, or fp8 for an fp8 q)."""
+        from ctxprefill_client import BF16, FP8_E4M3
 
-        return self.region.input(BF16, (n, *self.at[name][1][2:]), self.offset(name, layer, row))
+        _, shape, dt = self.at[name]
+        return self.region.input(FP8_E4M3 if dt == torch.float8_e4m3fn else BF16, (n, *shape[2:]),
+                                 self.offset(name, layer, row))
 
     def ref(self, name: str, layer: int, nbytes: int) -> Any:
         return self.region.ref(self.offset(name, layer), nbytes)
@@ -145,9 +155,11 @@ class Tensors:
             self.region.unlink()
 
 
-def check_layer(ns: argparse.Namespace, H: int, w: Workload, t: Tensors, kept: list, layer: int) -> dict[str, Any]:
+def check_layer(ns: argparse.Namespace, H: int, w: Workload, t: Tensors, kept: list, layer: int,
+                info: Any) -> dict[str, Any]:
     """The last chunk's answer for ``layer`` against float64 attention over the latents written
-    (and, the control, over the context without the chunks' cache_write latents)."""
+    (and, the control, over the context without the chunks' cache_write latents), as the
+    server's cache holds them (``info.cache_dtype``); within ``tolerance(info.prefill_dtype)``."""
     from ctxprefill.app import build_engine
     from ctxprefill.engine.request import SequenceSpec
     from ctxprefill.settings import ServeSettings
@@ -159,7 +171,8 @@ def check_layer(ns: argparse.Namespace, H: int, w: Workload, t: Tensors, kept: l
     rows = min(n, ns.check_rows)
     eng = build_engine(ServeSettings(device="cpu", heads=H, num_shards=H // hs, layers=1, first_layer=layer,
                                      seed=ns.seed, block_size=ns.block_size, num_blocks=w.num_blocks,
-                                     workspace_tokens=ns.block_size))  # the server's weights, heads [0, hs)
+                                     workspace_tokens=ns.block_size, cache_dtype=info.cache_dtype,
+                                     prefill_dtype=info.prefill_dtype))  # the server's weights, heads [0, hs)
     kv, pe = torch.cat([a for a, _ in kept]), torch.cat([b for _, b in kept])  # [max_context, L], [.., R] bf16
     slots = torch.from_numpy(w.slots)
     q = t.t["q"][layer, :rows, :hs].to("cpu", copy=True)
@@ -172,7 +185,9 @@ def check_layer(ns: argparse.Namespace, H: int, w: Workload, t: Tensors, kept: l
     err = {"layer": layer, "rows": rows, "heads": hs, "context_tokens": ctx,
            "output_error": relative_error(out, ref_out), "lse_error": (lse.double() - ref_lse).abs().max().item(),
            "control_output_error": relative_error(out, control)}
-    err["ok"] = err["output_error"] <= ns.tolerance and err["lse_error"] <= ns.tolerance
+    tol = tolerance(ns, info.prefill_dtype)
+    err["tolerance"] = tol
+    err["ok"] = err["output_error"] <= tol and err["lse_error"] <= tol
     return err
 
 
@@ -215,8 +230,9 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
     from ctxprefill_client import SystemSharedMemoryRegion
 
     Ly, C, cs, bs = ns.layers, ns.chunk, w.context_start, torch.bfloat16
+    qt = torch.float8_e4m3fn if info.prefill_dtype == "fp8" else bs  # fp8 prefill: q arrives in fp8
     piece = max(1, min(FILL_PIECE, cs))
-    t = Tensors(client, kind, dev, {"q": ((Ly, C, H, QK), bs), "qbuf": ((1, C, H, QK), bs),
+    t = Tensors(client, kind, dev, {"q": ((Ly, C, H, QK), qt), "qbuf": ((1, C, H, QK), qt),
                                     "kv": ((Ly, ns.new, L), bs), "pe": ((Ly, ns.new, R), bs),
                                     "out": ((Ly, C, H, V), bs), "lse": ((Ly, H, C), torch.float32),
                                     "fkv": ((1, piece, L), bs), "fpe": ((1, piece, R), bs)})
@@ -226,7 +242,7 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
     keep = set(ns.check_layers if ns.check_layers is not None else [Ly - 1])
     kept: dict[int, list] = {layer: [] for layer in keep}
 
-    def fill_random(x: torch.Tensor) -> None:
+    def fill_random(x: torch.Tensor) -> None:  # (an fp8 q: normals, all inside e4m3's range, rounded)
         x.copy_(torch.randn(x.shape, generator=gen, device=dev))
 
     runs: list[dict[str, Any]] = []
@@ -268,12 +284,13 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
                     fl = engine_bench.floor_seconds(cfg, [r["context_tokens"]], [r["new_tokens"]], ceil,
                                                     rate=rate, pack=packs) if rate in ceil else None
                     r[key] = Ly * fl["total_s"] * 1e3 if fl else None
-            checks = [check_layer(ns, H, w, t, kept[layer], layer) for layer in sorted(keep)]
+            checks = [check_layer(ns, H, w, t, kept[layer], layer, info) for layer in sorted(keep)]
             for c in checks:
                 log(f"H={H} layer {c['layer']} ({order} order): output error {c['output_error']:.2e}, LSE "
-                    f"{c['lse_error']:.2e} against float64 ({'within' if c['ok'] else 'OVER'} {ns.tolerance:g}); "
+                    f"{c['lse_error']:.2e} against float64 ({'within' if c['ok'] else 'OVER'} {c['tolerance']:g}); "
                     f"without the chunks' writes {c['control_output_error']:.2e}")
-            runs.append({"order": order, **summarize(ns, H, w, rows, fill, checks, packs), "clocks": clocks})
+            runs.append({"order": order, "prefill_dtype": info.prefill_dtype, "cache_dtype": info.cache_dtype,
+                         **summarize(ns, H, w, rows, fill, checks, packs), "clocks": clocks})
     finally:
         t.close(client)
         client.unregister_shared_memory(ring_region.name)
@@ -381,21 +398,22 @@ def summarize(ns: argparse.Namespace, H: int, w: Workload, rows: list[dict], fil
             "check_ok": all(c["ok"] for c in checks)}
 
 
-def run_heads(ns: argparse.Namespace, H: int, w: Workload, kind: str, dev: torch.device, ceil: dict,
+def run_heads(ns: argparse.Namespace, H: int, prefill: str, w: Workload, kind: str, dev: torch.device, ceil: dict,
               logdir: str) -> list[dict[str, Any]]:
-    """One server for ``H`` heads; one run per ``--orders`` entry on it, in turn."""
+    """One server for ``H`` heads and ``prefill`` dtype; one run per ``--orders`` entry on it, in turn."""
     from ctxprefill_client import PrefillContextClient
 
     flags: dict[str, object] = {"device": str(dev), "heads": H, "layers": ns.layers, "block_size": ns.block_size,
                                 "num_blocks": w.num_blocks, "seed": ns.seed, "grace_seconds": 5,
-                                "shared_memory": "all" if kind == "cuda" else "system", "request_ring": True}
+                                "shared_memory": "all" if kind == "cuda" else "system", "request_ring": True,
+                                "cache_dtype": ns.cache_dtype, "prefill_dtype": prefill}
     if ns.workspace_tokens:
         flags["workspace_tokens"] = ns.workspace_tokens
     if ns.cuda_graphs:
         flags["cuda_graphs"] = True
     if "stream" in ns.orders:
         flags["request_ring_stream_order"] = True
-    server = ServerProcess(f"workload_h{H}", flags, logdir)
+    server = ServerProcess(f"workload_h{H}_{prefill}", flags, logdir)
     log("starting the server: " + server.cmd)
     try:
         ready_s = server.wait_ready(ns.ready_timeout)
@@ -425,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=1024, help="new tokens per chunk")
     p.add_argument("--max-context", type=int, default=131072, help="tokens cached once the prefill is done")
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--prefill-dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16"],
+                   help="one server per dtype (serve --prefill-dtype; fp8: q sent in fp8, k and v quantized)")
+    p.add_argument("--cache-dtype", choices=["auto", "fp8", "fp8_ds_mla"], default="auto",
+                   help="the servers' cache (serve --cache-dtype)")
     p.add_argument("--workspace-tokens", type=int, default=None, help="the server's (default: its own)")
     p.add_argument("--shared-memory", choices=["auto", "cuda", "system"], default="auto",
                    help="where the tensors live: auto = cuda on a CUDA device, else system")
@@ -436,7 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-layers", type=int, nargs="*", default=None, help="default: the last layer")
     p.add_argument("--check-rows", type=int, default=16)
     p.add_argument("--check-heads", type=int, default=4)
-    p.add_argument("--tolerance", type=float, default=1e-2, help="output relative error and LSE difference")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help=f"output relative error and LSE difference (default {BF16_TOL:g} for bf16 prefill, "
+                        f"{FP8_TOL:g} for fp8)")
     p.add_argument("--build-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="build each layer's request while the layer before it runs (RequestRing.prepare)")
     p.add_argument("--cuda-graphs", action="store_true",
@@ -477,30 +501,31 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "shared_memory": kind, "ceilings": ceil, "args": vars(ns)}
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as logdir:
-        for H in ns.heads:
-            runs += run_heads(ns, H, w, kind, dev, ceil, logdir)
+        for H, prefill in [(H, p) for H in ns.heads for p in ns.prefill_dtype]:
+            runs += run_heads(ns, H, prefill, w, kind, dev, ceil, logdir)
             for r in runs[-len(ns.orders):]:
-                o = r["order"]
-                log(f"H={H} ({o} order): {r['calls']} calls in {r['wall_s']:.3f} s, floor sum {r['floor_s']:.3f} s "
+                o = f"{r['order']} order, {prefill} prefill"
+                log(f"H={H} ({o}): {r['calls']} calls in {r['wall_s']:.3f} s, floor sum {r['floor_s']:.3f} s "
                     f"(ratio {r['ratio']:.2f}); {r['context_tokens_per_s']:.3g} context tokens/s (floor "
                     f"{r['floor_context_tokens_per_s']:.3g})")
                 per_call = {k: f"{v / r['calls'] * 1e3:.3f}" for k, v in r["server_phase_s"].items()}
-                log(f"H={H} ({o} order): device stages per call, ms: "
+                log(f"H={H} ({o}): device stages per call, ms: "
                     f"{ {k: round(v / r['calls'] * 1e3, 3) for k, v in r['stage_s'].items()} }")
-                log(f"H={H} ({o} order): per call, ms: client-observed {r['calls_s'] / r['calls'] * 1e3:.3f}, "
+                log(f"H={H} ({o}): per call, ms: client-observed {r['calls_s'] / r['calls'] * 1e3:.3f}, "
                     f"server {r['server_total_s'] / r['calls'] * 1e3:.3f} ({per_call})")
             if ns.out:
                 tmp = ns.out + ".tmp"
                 with open(tmp, "w") as f:
                     json.dump(engine_bench._clean({"meta": meta, "runs": runs}), f, indent=1)
                 os.replace(tmp, ns.out)
-    print(f"\n{'H':>4} {'order':>6} {'chunk':>5} {'context':>8} {'wall ms':>9} {'floor ms':>9} {'ratio':>6} "
-          f"{'compute ms':>10}")
+    print(f"\n{'H':>4} {'prefill':>7} {'order':>6} {'chunk':>5} {'context':>8} {'wall ms':>9} {'floor ms':>9} "
+          f"{'ratio':>6} {'compute ms':>10}")
     for r in runs:
         for row in r["rows"]:
             fl = row["floor_ms"] if row["floor_ms"] is not None else float("nan")
-            print(f"{r['heads']:4d} {r['order']:>6} {row['chunk']:5d} {row['context_tokens']:8d} "
-                  f"{row['wall_ms']:9.2f} {fl:9.2f} {_div(row['wall_ms'], fl):6.2f} {row['server_compute_ms']:10.2f}")
+            print(f"{r['heads']:4d} {r['prefill_dtype']:>7} {r['order']:>6} {row['chunk']:5d} "
+                  f"{row['context_tokens']:8d} {row['wall_ms']:9.2f} {fl:9.2f} {_div(row['wall_ms'], fl):6.2f} "
+                  f"{row['server_compute_ms']:10.2f}")
     return 0 if all(r["check_ok"] for r in runs) else 1
 
 

@@ -553,6 +553,12 @@ def _period(r: dict) -> str:
     return f"{statistics.median(p):.3f}" if p else "—"
 
 
+def _prefill(r: dict) -> str:
+    """A workload run's prefill dtype (runs that do not name it were bf16), with its cache's where not bf16."""
+    cache = r.get("cache_dtype", "auto")
+    return r.get("prefill_dtype", "bf16") + ("" if cache == "auto" else f" ({cache} cache)")
+
+
 def model_workload_table(d: Doc) -> str:
     """``bench/bench_model_workload.py``: a DeepSeek-V3-shaped model's prefill through the request ring, per head
     count, against the sum of its calls' floors."""
@@ -568,19 +574,21 @@ def model_workload_table(d: Doc) -> str:
              "hosts between calls; order stream (a stream-ordered ring, on the same server): each layer's q is "
              "written on the caller's stream, the server's work waits for it on the device and is answered once "
              "queued, and a chunk's wall time ends when its device work has. "
-             "Floor: each call's kv_b_proj and attention FLOPs at the measured bf16 GEMM rate "
+             "Floor: each call's kv_b_proj and attention FLOPs at the measured bf16 GEMM rate (fp8 prefill's "
+             "attention too: fp8's tensor cores are rated at twice that, so its floor is a yardstick, not its limit) "
              f"plus its gather/pack bytes at the measured copy bandwidth, summed over the calls (held: at the GEMM "
              f"rate held for {a['sustained_gemm_s']:g} s, the clock the power cap leaves). Context tokens/s: "
              f"the context tokens the calls attended, summed, per second (one GPU).", "",
-             "| heads | order | layers | chunks | calls | wall s | server compute s | floor sum s | wall / floor "
-             "| wall / held floor | context tokens/s | at the floor | SM clock MHz (median, power cap share) "
-             "| float64 check |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| heads | prefill | order | layers | chunks | calls | wall s | server compute s | floor sum s "
+             "| wall / floor | wall / held floor | context tokens/s | at the floor "
+             "| SM clock MHz (median, power cap share) | float64 check |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["runs"]:
         check = ", ".join(f"layer {c['layer']}: {c['output_error']:.1e}" for c in r["checks"]) or "n/a"
         ck = r.get("clocks")
         clock = (f"{ck['sm_mhz_median']:.0f} ({ck['reasons'].get('sw_power_cap', 0.0):.0%})" if ck else "n/a")
-        lines.append(f"| {r['heads']} | {r.get('order', 'host')} | {r['layers']} | {r['chunks']} | {r['calls']} "
+        lines.append(f"| {r['heads']} | {_prefill(r)} | {r.get('order', 'host')} | {r['layers']} | {r['chunks']} "
+                     f"| {r['calls']} "
                      f"| {r['wall_s']:.3f} "
                      f"| {r['server_compute_s']:.3f} | {_num(r['floor_s'], '.3f')} | {_num(r['ratio'], '.2f')} "
                      f"| {_num(r['ratio_held'], '.2f')} "
@@ -595,15 +603,16 @@ def model_workload_table(d: Doc) -> str:
                   "includes the server holding a request until one of the ring's unfinished ones is done (at most "
                   "one per slot), and the period is the median time from one layer's result reaching the caller's "
                   "stream to the next's (the device's time per call).", "",
-                  "| heads | order | caller | server | validate | compute | device stages | compute − device "
-                  "| outside the server | period on the caller's stream |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| heads | prefill | order | caller | server | validate | compute | device stages "
+                  "| compute − device | outside the server | period on the caller's stream |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in d["runs"]:
             n, ph = r["calls"], r["server_phase_s"]
             dev = sum(r["stage_s"].values())
             timed = bool(r["stage_s"])
             dev_ms = f"{dev / n * 1e3:.3f}" if timed else "—"
             beyond_ms = f"{(ph['compute'] - dev) / n * 1e3:.3f}" if timed else "—"
-            lines.append(f"| {r['heads']} | {r.get('order', 'host')} | {r['calls_s'] / n * 1e3:.3f} "
+            lines.append(f"| {r['heads']} | {_prefill(r)} | {r.get('order', 'host')} | {r['calls_s'] / n * 1e3:.3f} "
                          f"| {r['server_total_s'] / n * 1e3:.3f} "
                          f"| {ph['validate'] / n * 1e3:.3f} | {ph['compute'] / n * 1e3:.3f} "
                          f"| {dev_ms} | {beyond_ms} "
@@ -767,11 +776,13 @@ BENCHMARKS = (
           "rounding out of the comparison."),
     Bench("A DeepSeek-V3-shaped model's prefill through the request ring", "bench_model_workload",
           ("bench_model_workload", "bench_model_workload_graphs"),
-          "`bench/bench_model_workload.py`: 61 layers at 128 and at 16 heads, 8,192 new tokens in 1,024-token chunks "
+          "`bench/bench_model_workload.py --prefill-dtype bf16 fp8`: 61 layers at 128 and at 16 heads, bf16 and fp8 "
+          "prefill (a server each), 8,192 new tokens in 1,024-token chunks "
           "over a context growing to 128k, every layer's call through a CUDA IPC request ring as an engine issues "
           "them (its cache_write writing the chunk's latents), against the sum of the calls' floors; each answer "
           "awaited with its work done (host order), then through a stream-ordered ring on the same server (stream "
-          "order); the last chunk's answers checked against float64; then the same served with `--cuda-graphs`. "
+          "order); the last chunk's answers checked against float64; then the same served with `--cuda-graphs` "
+          "(bf16). "
           "Per call: where its time goes — the device's stages, the server's host phases, the hand-offs."),
 )
 
@@ -919,10 +930,12 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
     a = wl["meta"]["args"]
     heads = sorted({r["heads"] for r in wl["runs"]}, reverse=True)
     parts = []
-    for order in ("stream", "host"):
-        runs = sorted((r for r in wl["runs"] if r.get("order", "host") == order), key=lambda r: -r["heads"])
+    for prefill, order in [(p, o) for p in sorted({_prefill(r) for r in wl["runs"]}) for o in ("stream", "host")]:
+        runs = sorted((r for r in wl["runs"] if r.get("order", "host") == order and _prefill(r) == prefill),
+                      key=lambda r: -r["heads"])
         if runs:
-            parts.append(f"{order} order: wall " + " / ".join(f"{r['wall_s']:.2f}" for r in runs) + " s, "
+            parts.append(f"{prefill} prefill, {order} order: wall "
+                         + " / ".join(f"{r['wall_s']:.2f}" for r in runs) + " s, "
                          + " / ".join(f"{r['ratio']:.2f}×" for r in runs) + " the floor sums ("
                          + " / ".join(f"{r['floor_s']:.2f}" for r in runs) + " s), "
                          + " / ".join(f"{r['ratio_held']:.2f}×" for r in runs) + " the held floor")

@@ -281,10 +281,12 @@ want bench_model_prefill && run_step bench_model_prefill_fp32 150 5 - python3 be
 # ---- 7f. a DeepSeek-V3-shaped workload: 61 layers at 128 and at 16 heads (one server each), 8,192 new tokens in
 # 1,024-token chunks over a context growing to 128k, every layer's call through a CUDA IPC request ring, each
 # waited for before the next layer's; wall time against the sum of the calls' floors, per-GPU context tokens/s
-# (host order, then a stream-ordered ring on the same server: calls ordered on the device by CUDA events)
+# (host order, then a stream-ordered ring on the same server: calls ordered on the device by CUDA events),
+# with bf16 and then with fp8 prefill (a server each)
 # (GPU_RUN_WORKLOAD_ARGS: more options, e.g. "--heads 16" or "--cache-write separate")
-want bench_model_workload && run_step bench_model_workload 300 5 - python3 bench/bench_model_workload.py \
-  --device cuda --orders host stream ${GPU_RUN_WORKLOAD_ARGS:-} --out "$OUT/bench_model_workload.json"
+want bench_model_workload && run_step bench_model_workload 540 5 - python3 bench/bench_model_workload.py \
+  --device cuda --orders host stream --prefill-dtype bf16 fp8 ${GPU_RUN_WORKLOAD_ARGS:-} \
+  --out "$OUT/bench_model_workload.json"
 # the same with the server's --cuda-graphs (a step's shape captured once, replayed for the other layers)
 want bench_model_workload_graphs && run_step bench_model_workload_graphs 300 5 - python3 bench/bench_model_workload.py \
   --device cuda --cuda-graphs --orders host stream ${GPU_RUN_WORKLOAD_ARGS:-} --out "$OUT/bench_model_workload_graphs.json"

@@ -34,8 +34,8 @@ def _run(tmp_path, monkeypatch, *args):
     return rc, json.loads(out.read_text())
 
 
-def _floor(heads, context, new, rate, packs):
-    cfg = EngineConfig(shape=ModelShape(heads=heads), cache=CacheConfig("auto", 16, 7))
+def _floor(heads, context, new, rate, packs, cache="auto", prefill="bf16"):
+    cfg = EngineConfig(shape=ModelShape(heads=heads), cache=CacheConfig(cache, 16, 7), prefill_dtype=prefill)
     return floor_seconds(cfg, [context], [new], CEIL, rate=rate, pack=packs)["total_s"]
 
 
@@ -98,3 +98,25 @@ def test_two_orders_on_one_server_share_one_fill_and_each_is_checked(tmp_path, m
         assert r["check_ok"] and r["checks"][0]["control_output_error"] > 0.1
         assert r["clocks"] is None  # no NVML on the CPU
         assert all(x["result_period_ms"] is None for x in r["rows"])  # host order has no stream period
+
+
+def test_fp8_prefill_sends_fp8_q_and_checks_within_the_fp8_bound(tmp_path, monkeypatch):
+    # one server per prefill dtype, both over an fp8 cache: fp8's q travels as e4m3, its k and v
+    # are quantized by the server, its answer is checked within the engine's fp8 bound and its
+    # floor is the model's for fp8 prefill (the quantize pass's bytes)
+    rc, d = _run(tmp_path, monkeypatch, "--heads", "2", "--prefill-dtype", "bf16", "fp8", "--cache-dtype", "fp8")
+    assert rc == 0
+    assert [(r["heads"], r["prefill_dtype"], r["cache_dtype"]) for r in d["runs"]] == [(2, "bf16", "fp8"),
+                                                                                        (2, "fp8", "fp8")]
+    bf16, fp8 = d["runs"]
+    assert "--prefill-dtype fp8" in fp8["server"]["cmd"] and "--cache-dtype fp8" in fp8["server"]["cmd"]
+    assert fp8["server"]["prefill_dtype"] == "fp8" and bf16["server"]["prefill_dtype"] == "bf16"
+    assert bf16["checks"][0]["tolerance"] == 1e-2 and fp8["checks"][0]["tolerance"] == 6e-2
+    for r in (bf16, fp8):
+        c = r["checks"][0]
+        assert r["check_ok"] and c["output_error"] <= c["tolerance"] and c["control_output_error"] > 0.1
+        want = sum(2 * _floor(2, c, 16, "matmul_flops_per_s", r["packs_k"], "fp8", r["prefill_dtype"])
+                   for c in (64, 80))
+        assert r["floor_s"] == pytest.approx(want)
+    assert fp8["floor_s"] > bf16["floor_s"]  # fp8 prefill also reads v and writes it quantized
+    assert fp8["packs_k"] and "pack" in fp8["stage_s"]  # fp8 prefill always packs: it quantizes k
