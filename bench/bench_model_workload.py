@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import math
 import os
@@ -72,7 +73,7 @@ for _sub in ("client", "server", "bench"):
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from ctxprefill_bench import engine_bench  # noqa: E402
+from ctxprefill_bench import engine_bench, mps  # noqa: E402
 from ctxprefill_bench.run_info import commit, utc_now  # noqa: E402
 from progress import log  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
@@ -471,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
                         "--request-ring-stream-order; CUDA): each layer's q written into one buffer on the caller's "
                         "stream, the calls ordered by CUDA events and answered once queued, the chunk's wall time "
                         "ending when its device work has")
+    p.add_argument("--mps", action="store_true",
+                   help="run this process and the servers as clients of a CUDA MPS daemon started for the run "
+                        "(one shared GPU context instead of time-slicing between the processes')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of each RPC, seconds")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start")
@@ -480,7 +484,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--layers, --new, --chunk, --block-size must be >= 1 and --max-context >= --new")
     if any(not 0 <= x < ns.layers for x in ns.check_layers or []):
         p.error("--check-layers: layers in [0, --layers)")
+    if ns.mps and not mps.available():
+        p.error("--mps: nvidia-cuda-mps-control is not on the PATH")
+    with mps.mps_daemon() if ns.mps else contextlib.nullcontext():  # before this process initializes CUDA
+        return run(ns, p)
 
+
+def run(ns: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    """The servers, their runs and the JSON, for checked arguments; 0 when every check held."""
     from ctxprefill.settings import resolve_device
 
     dev = resolve_device(ns.device)
