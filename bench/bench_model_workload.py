@@ -46,6 +46,9 @@ give). Exit code 1 when a check is over ``--tolerance``.
 bf16 fp8`` one per dtype for each (fp8: q sent in fp8 e4m3, the server quantizing k and v;
 its floor is the same model's, attention FLOPs at the bf16 GEMM rate, its check within the
 engine's fp8 bound, 6e-2); the JSON is rewritten after each server.
+``--mps`` runs this process (the caller) and the servers as clients of a CUDA MPS daemon
+started for the run (``ctxprefill_bench/mps.py``): their work then shares one GPU context
+instead of the GPU time-slicing between the two processes' contexts at every call.
 
   PYTHONPATH=server:client:bench python3 bench/bench_model_workload.py --out bench/results/bench_model_workload.json
   PYTHONPATH=server:client:bench python3 bench/bench_model_workload.py --device cpu --layers 2 --heads 2 \\
