@@ -85,13 +85,7 @@ KIND = "model_workload"
 L, R, QK, V = 512, 64, 192, 128  # latent, rope, q·k and value dims
 FILL_PIECE = 16384  # tokens per WriteCache of the fill
 PHASES = ("validate", "queue", "input", "compute", "output")  # the server's Stats.phase_nanos, in order
-BF16_TOL, FP8_TOL = 1e-2, 6e-2  # output relative error and LSE difference against float64
 RING_SLOTS, RING_SLOT_BYTES = 2, 1 << 17  # a slot holds a request: refs, block table, slot mapping
-
-
-def tolerance(ns: argparse.Namespace, prefill_dtype: str) -> float:
-    """The check's bound: ``--tolerance``, else the engine's against float64 (bf16 1e-2, fp8 6e-2)."""
-    return ns.tolerance if ns.tolerance is not None else FP8_TOL if prefill_dtype == "fp8" else BF16_TOL
 
 
 def _sync(dev: torch.device) -> None:
@@ -163,12 +157,13 @@ def check_layer(ns: argparse.Namespace, H: int, w: Workload, t: Tensors, kept: l
                 info: Any) -> dict[str, Any]:
     """The last chunk's answer for ``layer`` against float64 attention over the latents written
     (and, the control, over the context without the chunks' cache_write latents), as the
-    server's cache holds them (``info.cache_dtype``); within ``tolerance(info.prefill_dtype)``."""
+    server's cache holds them (``info.cache_dtype``); within ``--tolerance``,
+    else the engine's bound for ``info.prefill_dtype``."""
     from ctxprefill.app import build_engine
     from ctxprefill.engine.request import SequenceSpec
     from ctxprefill.settings import ServeSettings
     from ctxprefill_bench.reference64 import prefill_context_float64
-    from ctxprefill_bench.workload import relative_error
+    from ctxprefill_bench.workload import FLOAT64_TOLERANCE, relative_error
 
     hs = max(d for d in range(1, min(H, ns.check_heads) + 1) if H % d == 0)  # heads [0, hs): one head shard
     n, ctx, cs = w.new[-1], w.context[-1], w.context_start
@@ -189,7 +184,7 @@ def check_layer(ns: argparse.Namespace, H: int, w: Workload, t: Tensors, kept: l
     err = {"layer": layer, "rows": rows, "heads": hs, "context_tokens": ctx,
            "output_error": relative_error(out, ref_out), "lse_error": (lse.double() - ref_lse).abs().max().item(),
            "control_output_error": relative_error(out, control)}
-    tol = tolerance(ns, info.prefill_dtype)
+    tol = ns.tolerance if ns.tolerance is not None else FLOAT64_TOLERANCE[info.prefill_dtype]
     err["tolerance"] = tol
     err["ok"] = err["output_error"] <= tol and err["lse_error"] <= tol
     return err
@@ -293,8 +288,7 @@ def drive(ns: argparse.Namespace, H: int, w: Workload, client: Any, info: Any, k
                 log(f"H={H} layer {c['layer']} ({order} order): output error {c['output_error']:.2e}, LSE "
                     f"{c['lse_error']:.2e} against float64 ({'within' if c['ok'] else 'OVER'} {c['tolerance']:g}); "
                     f"without the chunks' writes {c['control_output_error']:.2e}")
-            runs.append({"order": order, "prefill_dtype": info.prefill_dtype, "cache_dtype": info.cache_dtype,
-                         **summarize(ns, H, w, rows, fill, checks, packs), "clocks": clocks})
+            runs.append({"order": order, **summarize(ns, H, w, rows, fill, checks, packs), "clocks": clocks})
     finally:
         t.close(client)
         client.unregister_shared_memory(ring_region.name)
@@ -463,8 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-rows", type=int, default=16)
     p.add_argument("--check-heads", type=int, default=4)
     p.add_argument("--tolerance", type=float, default=None,
-                   help=f"output relative error and LSE difference (default {BF16_TOL:g} for bf16 prefill, "
-                        f"{FP8_TOL:g} for fp8)")
+                   help="output relative error and LSE difference (default: the engine's bound for the prefill "
+                        "dtype, ctxprefill_bench.workload.FLOAT64_TOLERANCE)")
     p.add_argument("--build-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="build each layer's request while the layer before it runs (RequestRing.prepare)")
     p.add_argument("--cuda-graphs", action="store_true",
@@ -537,7 +531,7 @@ def run(ns: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     for r in runs:
         for row in r["rows"]:
             fl = row["floor_ms"] if row["floor_ms"] is not None else float("nan")
-            print(f"{r['heads']:4d} {r['prefill_dtype']:>7} {r['order']:>6} {row['chunk']:5d} "
+            print(f"{r['heads']:4d} {r['server']['prefill_dtype']:>7} {r['order']:>6} {row['chunk']:5d} "
                   f"{row['context_tokens']:8d} {row['wall_ms']:9.2f} {fl:9.2f} {_div(row['wall_ms'], fl):6.2f} "
                   f"{row['server_compute_ms']:10.2f}")
     return 0 if all(r["check_ok"] for r in runs) else 1

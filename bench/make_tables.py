@@ -554,9 +554,9 @@ def _period(r: dict) -> str:
 
 
 def _prefill(r: dict) -> str:
-    """A workload run's prefill dtype (runs that do not name it were bf16), with its cache's where not bf16."""
-    cache = r.get("cache_dtype", "auto")
-    return r.get("prefill_dtype", "bf16") + ("" if cache == "auto" else f" ({cache} cache)")
+    """A workload run's prefill dtype (its server's), with its cache's where not bf16."""
+    cache = r["server"]["cache_dtype"]
+    return r["server"]["prefill_dtype"] + ("" if cache == "auto" else f" ({cache} cache)")
 
 
 def model_workload_table(d: Doc) -> str:

@@ -106,8 +106,8 @@ def test_fp8_prefill_sends_fp8_q_and_checks_within_the_fp8_bound(tmp_path, monke
     # floor is the model's for fp8 prefill (the quantize pass's bytes)
     rc, d = _run(tmp_path, monkeypatch, "--heads", "2", "--prefill-dtype", "bf16", "fp8", "--cache-dtype", "fp8")
     assert rc == 0
-    assert [(r["heads"], r["prefill_dtype"], r["cache_dtype"]) for r in d["runs"]] == [(2, "bf16", "fp8"),
-                                                                                        (2, "fp8", "fp8")]
+    assert [(r["heads"], r["server"]["prefill_dtype"], r["server"]["cache_dtype"]) for r in d["runs"]] == [
+        (2, "bf16", "fp8"), (2, "fp8", "fp8")]
     bf16, fp8 = d["runs"]
     assert "--prefill-dtype fp8" in fp8["server"]["cmd"] and "--cache-dtype fp8" in fp8["server"]["cmd"]
     assert fp8["server"]["prefill_dtype"] == "fp8" and bf16["server"]["prefill_dtype"] == "bf16"
@@ -115,7 +115,7 @@ def test_fp8_prefill_sends_fp8_q_and_checks_within_the_fp8_bound(tmp_path, monke
     for r in (bf16, fp8):
         c = r["checks"][0]
         assert r["check_ok"] and c["output_error"] <= c["tolerance"] and c["control_output_error"] > 0.1
-        want = sum(2 * _floor(2, c, 16, "matmul_flops_per_s", r["packs_k"], "fp8", r["prefill_dtype"])
+        want = sum(2 * _floor(2, c, 16, "matmul_flops_per_s", r["packs_k"], "fp8", r["server"]["prefill_dtype"])
                    for c in (64, 80))
         assert r["floor_s"] == pytest.approx(want)
     assert fp8["floor_s"] > bf16["floor_s"]  # fp8 prefill also reads v and writes it quantized

@@ -15,7 +15,7 @@ from ctxprefill.app import build_engine
 from ctxprefill.settings import ServeSettings
 
 from .reference64 import prefill_context_float64
-from .workload import make_request, relative_error
+from .workload import FLOAT64_TOLERANCE, make_request, relative_error
 
 DEMO_CONTEXTS = [700, 0, 256, 1000, 33]
 DEMO_QUERIES = [16, 8, 1, 24, 12]
@@ -34,7 +34,7 @@ def run_demo(s: ServeSettings, contexts=DEMO_CONTEXTS, queries=DEMO_QUERIES,
     q, seqs = make_request(engine, contexts, queries, seed=s.seed)
     W = workspace_tokens or min(cfg.workspace_tokens, 512)
     ref_out, ref_lse = prefill_context_float64(engine, q, seqs)
-    tol = 6e-2 if cfg.prefill_dtype == "fp8" else 1e-2
+    tol = FLOAT64_TOLERANCE[cfg.prefill_dtype]
     ok = True
     results = {}
     print(f"contexts={contexts} queries={queries} workspace_tokens={W}")

@@ -31,7 +31,7 @@ from ctxprefill.weights import load_kv_b_proj, prepare, random_kv_b_proj
 
 from .demo import DEMO_CONTEXTS, DEMO_QUERIES
 from .reference64 import prefill_context_float64
-from .workload import relative_error
+from .workload import FLOAT64_TOLERANCE, relative_error
 
 
 def _local_weights(info, s: ServeSettings, shape: ModelShape, layer: int):
@@ -154,7 +154,7 @@ def run_remote_demo(target: str, s: ServeSettings, contexts=DEMO_CONTEXTS, queri
     fin = torch.isfinite(ref_lse)
     dl = (lse.double()[fin] - ref_lse[fin]).abs().max().item() if bool(fin.any()) else 0.0
     empty_ok = bool((lse[~fin] == float("-inf")).all()) and bool((out[~fin.t()] == 0).all())
-    tol = 6e-2 if info.prefill_dtype == "fp8" else 1e-2
+    tol = FLOAT64_TOLERANCE[info.prefill_dtype]
     ok = err <= tol and dl <= tol and empty_ok
     print(f"{st['path']:8} {st['num_chunks']:6d} {lau:42} {err:11.2e} {dl:10.2e} {ms:8.2f}")
     print(f"error vs float64 within {tol}: {ok}" + ("" if empty_ok else " (rows without context are not 0 / -inf)"))
