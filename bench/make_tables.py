@@ -25,6 +25,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from ctxprefill_bench import growth  # noqa: E402
 from plot_engine import ctx_label, kind, run_line  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -474,35 +475,36 @@ def sharded_table(d: Doc) -> str:
     return "\n".join(lines) + "\n"
 
 
-def growth_table(d: Doc) -> str:
-    """Least-squares fit ``t = a + b · context`` of the fused request and of its floor, per (H, new, prefill
-    dtype) with three or more context lengths: the growth per context token and the largest distance of a
-    measured point from the line (a step from re-allocation or re-planning shows there)."""
-    groups: dict[tuple[int, int, str, str], list[dict]] = {}
-    for r in d.get("rows", []):
-        if "fused_s" in r:
-            groups.setdefault((r["heads"], r["new"], r["cache_dtype"], r["prefill_dtype"]), []).append(r)
-    lines = ["| H | new | cache | prefill | contexts | fused ns / context token | floor ns / context token "
-             "| fused / floor growth | largest distance from the line |", "|---|---|---|---|---|---|---|---|---|"]
-    for (h, new, cache, prefill), rows in sorted(groups.items()):
-        if len({r["context"] for r in rows}) < 3:
-            continue
-        xs = [float(r["context"]) for r in rows]
+def growth_table(d: Doc, axis: str = "context") -> str:
+    """The lines fitted along ``axis`` (ctxprefill_bench/growth.py): as the run recorded them,
+    or fitted here for a file written without them. Per token of ``axis``: the fused request's
+    growth, its replay's (where the run had one), the floor's, and the slopes between
+    neighbouring points (a step from re-allocation or re-planning shows as one far above the
+    line)."""
+    fitted = [g for g in (d.get("growth") or growth.growth(d.get("rows", []), axis)) if g["axis"] == axis]
+    if not fitted:
+        return ""
+    held = growth.AXES[axis]
+    graph = all("graph_ns_per_token" in g for g in fitted)
+    lines = [f"| H | {held} | cache | prefill | {axis} tokens | fused ns / token | "
+             + ("CUDA graph ns / token | " if graph else "") + "floor ns / token | fused / floor growth "
+             "| fused between neighbouring points, ns / token | fused line at no tokens, ms |",
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if graph else "")]
+    for g in fitted:
+        xs = g["tokens"]
+        span = f"{_tok(min(xs), axis)}–{_tok(max(xs), axis)} ({len(xs)})"
+        nb = g["fused_neighbour_ns_per_token"]
+        lines.append(f"| {g['heads']} | {_tok(g[held], held)} | {g['cache_dtype']} | {g['prefill_dtype']} | {span} "
+                     f"| {g['fused_ns_per_token']:.2f} | "
+                     + (f"{g['graph_ns_per_token']:.2f} | " if graph else "")
+                     + f"{_num(g.get('floor_ns_per_token'), '.2f')} | {_num(g.get('fused_over_floor_growth'), '.2f')} "
+                     f"| {min(nb):.2f}–{max(nb):.2f} | {g['fused_fixed_ms']:.3f} |")
+    return "\n".join(lines) + "\n"
 
-        def fit(ys: list[float], xs: list[float] = xs) -> tuple[float, float, float]:
-            n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-            b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-            a = my - b * mx
-            worst = max(abs(y - (a + b * x)) / (a + b * x) for x, y in zip(xs, ys)) if n else 0.0
-            return a, b, worst
 
-        _, bf, worst = fit([r["fused_s"] for r in rows])
-        floors = [r.get("floor_s") for r in rows]
-        bl = fit([f for f in floors if f is not None])[1] if None not in floors else float("nan")
-        ctx = f"{min(xs) / 1024:.0f}k–{max(xs) / 1024:.0f}k ({len(xs)})"
-        lines.append(f"| {h} | {new:,} | {cache} | {prefill} | {ctx} | {bf * 1e9:.2f} | {bl * 1e9:.2f} "
-                     f"| {bf / bl:.2f} | {worst * 100:.1f} % |")
-    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+def _tok(n: int, axis: str) -> str:
+    """Tokens as the tables name them: context 8k, 1024k; new tokens 1,024."""
+    return ctx_label(n) if axis == "context" else f"{n:,}"
 
 
 def model_prefill_table(d: Doc) -> str:
@@ -648,9 +650,9 @@ def table(d: Doc) -> str:
         return gemm_table(d)
     if kind(d) == "concurrency":
         return concurrency_table(d)
-    growth = growth_table(d)
-    return engine_table(d) + ("\nGrowth with context (least squares over the rows above):\n\n" + growth
-                              if growth else "")
+    fitted = growth_table(d)
+    return engine_table(d) + ("\nGrowth with context (least squares over the rows above):\n\n" + fitted
+                              if fitted else "")
 
 
 # ---------------------------------------------------------------------------- benchmarks
@@ -898,11 +900,7 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                  f"ours {tf('triton', 16)} / {tf('triton', 128)}, FlashInfer {fi} FA3 {tf('flashinfer fa3', 16)} / "
                  f"{tf('flashinfer fa3', 128)}; ours {tf('triton pv_fp8 v-keys-last', 16, 'fp8')} / "
                  f"{tf('triton pv_fp8 v-keys-last', 128, 'fp8')}" + _ahead_of_flashinfer(ad), "bench_attention"))
-    rows += [_fp8_ab_row("attention_ab_ws-fp8-wide", "fp8 attention (V keys-last) over 256-key blocks, serial, "
-                         "against 128-key blocks pipelined with turns", {"PINGPONG": False}, results),
-             _fp8_ab_row("attention_ab_ws-fp8-regs", "fp8 attention over 256-key blocks, serial with turns and P·V's "
-                         "operand in registers (the default), against pipelined with P staged",
-                         {"PINGPONG": True, "PIPE": False}, results)]
+    rows += [_cost_row("bench_engine_scaling", "context", results), _cost_row("bench_engine_new", "new", results)]
     k = load("bench_kernels", results)
     kr = k["results"]
 
@@ -938,7 +936,10 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                          + " / ".join(f"{r['wall_s']:.2f}" for r in runs) + " s, "
                          + " / ".join(f"{r['ratio']:.2f}×" for r in runs) + " the floor sums ("
                          + " / ".join(f"{r['floor_s']:.2f}" for r in runs) + " s), "
-                         + " / ".join(f"{r['ratio_held']:.2f}×" for r in runs) + " the held floor")
+                         + " / ".join(f"{r['ratio_held']:.2f}×" for r in runs) + " the held floor, "
+                         + " / ".join(f"{r['context_tokens_per_s'] / 1e6:.2f}" for r in runs)
+                         + " M context tokens/s against the floor's "
+                         + " / ".join(f"{r['floor_context_tokens_per_s'] / 1e6:.2f}" for r in runs))
     rows.append((f"A DeepSeek-V3-shaped prefill through the CUDA IPC request ring: {wl['runs'][0]['layers']} layers, "
                  f"{a['new']:,} new tokens in {a['chunk']:,}-token chunks up to 128k context, "
                  + " / ".join(str(h) for h in heads) + " heads",
@@ -954,20 +955,39 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
     return rows
 
 
-def _fp8_ab_row(name: str, what: str, b_has: dict[str, Any], results: str) -> tuple[str, str, str]:
-    """A README row of an fp8 ``--ab`` file: B's and A's median TFLOP/s at 1×8192 q (16 / 128 heads),
-    then B / A over its shapes (the pair whose B config has ``b_has``)."""
-    rs = [r for r in load(name, results)["results"] if "ratio_median" in r
-          and all(r["config_b"]["WS"].get(k, False) == v for k, v in b_has.items())]
-    big = [_row(rs, H=h, case="1x8192q/16384k") for h in (16, 128)]
-
-    def med(key: str) -> str:
-        return " / ".join(f"{statistics.median(r[key]):.0f}" for r in big)
-
-    ratios = [r["ratio_median"] for r in rs]
-    return (f"{what}: 8,192 q over 16k keys, 16 / 128 heads (TFLOP/s, median of interleaved rounds); B / A on "
-            "1×8192, 4×1024, 1×1024 q and a ragged batch",
-            f"{med('tflops_b')} against {med('tflops_a')}; {min(ratios):.2f}–{max(ratios):.2f}×", name)
+def _cost_row(name: str, axis: str, results: str) -> tuple[str, str, str]:
+    """A README row of a ``ctxprefill bench`` grid along ``axis`` (context or new tokens):
+    per head count and prefill dtype (cache dtype auto), the fused request and its floor at
+    the axis' ends, and along context the fitted growth per token where the run recorded it."""
+    d = load(name, results)
+    rows = [r for r in d["rows"] if "fused_s" in r and r["cache_dtype"] == "auto"]
+    keys = sorted({(r["heads"], r["prefill_dtype"]) for r in rows})
+    xs = sorted({r[axis] for r in rows})
+    held = {r[growth.AXES[axis]] for r in rows}
+    label = ctx_label if axis == "context" else (lambda n: f"{n:,}")
+    where = (f"{label(xs[0])} → {label(xs[-1])} context ({len(xs)} lengths), {', '.join(f'{n:,}' for n in held)} "
+             f"new" if axis == "context" else
+             f"{label(xs[0])} → {label(xs[-1])} new tokens ({len(xs)} counts) over "
+             f"{', '.join(ctx_label(n) for n in held)} context")
+    fitted = {(g["heads"], g["prefill_dtype"]): g for g in d.get("growth", []) if g["axis"] == axis
+              and g["cache_dtype"] == "auto"}
+    cells = []
+    for h, pd in keys:
+        ends = [_row(rows, heads=h, prefill_dtype=pd, **{axis: x}) for x in (xs[0], xs[-1])]
+        cell = (f"{_ms(ends[0]['fused_s'])} → {_ms(ends[1]['fused_s'])} against {_ms(ends[0]['floor_s'])} → "
+                f"{_ms(ends[1]['floor_s'])}")
+        g = fitted.get((h, pd))
+        if g is not None:
+            nb = g["fused_neighbour_ns_per_token"]
+            cell += (f", {g['fused_ns_per_token']:.2f} against {g['floor_ns_per_token']:.2f} ns a token "
+                     f"({min(nb):.2f}–{max(nb):.2f} between neighbours)")
+        cells.append(cell)
+    what = ("fused and floor ms at the ends" + (", fitted growth per context token and its range between "
+                                                "neighbouring lengths" if fitted else "")
+            + " (ctxprefill bench; the fit and the plot: bench/results)" if axis == "context" else
+            "fused and floor ms at the ends (the plot: bench/results)")
+    return (f"Cost against work, {where}, " + " / ".join(f"H={h} {pd}" for h, pd in keys) + f": {what}",
+            " / ".join(cells), name)
 
 
 def readme_block(readme_dir: str, results: str = RESULTS) -> str:

@@ -315,3 +315,20 @@ def test_a_named_commit_that_is_the_checkouts_older_head_is_marked_dirty(monkeyp
     else:
         monkeypatch.setenv("CTXPREFILL_COMMIT", named)
     assert run_info.commit() == want
+
+
+def test_bench_records_its_growth_with_context(tmp_path):
+    """Three context lengths or more: the run records the fused request's line along
+    context (growth.py) beside its rows; no floor on the CPU, so no floor's line."""
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--device", "cpu", "--heads", "2", "--new", "4", "--context", "128", "256", "512",
+               "--cache-dtype", "auto", "--prefill-dtype", "bf16", "--workspace-tokens", "128", "--iters", "1",
+               "--out", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    (g,) = d["growth"]
+    assert (g["heads"], g["new"], g["axis"], g["tokens"]) == (2, 4, "context", [128, 256, 512])
+    ys = {r["context"]: r["fused_s"] for r in d["rows"]}
+    assert g["fused_neighbour_ns_per_token"] == pytest.approx([(ys[256] - ys[128]) / 128 * 1e9,
+                                                               (ys[512] - ys[256]) / 256 * 1e9])
+    assert "floor_ns_per_token" not in g and "fused_over_floor_growth" not in g

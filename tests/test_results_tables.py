@@ -57,29 +57,56 @@ def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
-def test_every_figure_in_the_readme_block_is_in_its_json(mt):
+def _check_figures(block: str, base: str) -> None:
     """Each result cell's numbers, parsed back, are fields of the row's JSON (seconds shown as ms,
-    rounded as printed); its GPU, date and commit are the JSON's."""
+    rates in M/s, rounded as printed); its GPU, date and commit are the JSON's. ``base``: the
+    directory the block's links are relative to."""
+    lines = [x for x in block.splitlines() if x.startswith("| ")]
+    assert _cells(lines[0]) == ["measured", "result", "GPU", "date", "commit", "data"]
+    rows = lines[1:]  # the separator line starts "|-"
+    assert 5 <= len(rows) <= 12
+    for line in rows:
+        measure, result, gpu, date, commit, data = _cells(line)
+        (path,) = re.findall(r"\]\(((?:bench/)?results/[\w.-]+\.json)\)", data)
+        with open(os.path.join(base, path)) as f:
+            raw = f.read()
+        values = _numbers(json.loads(raw))
+        figures = re.findall(r"(?<![\w.])(\d+)(?:\.(\d+))?(?![\w.])", result)
+        assert figures, line
+        for whole, frac in figures:
+            x, tol = float(f"{whole}.{frac or 0}"), 0.5 * 10.0 ** -len(frac) + 1e-9
+            assert any(abs(v * s - x) <= tol for v in values for s in (1.0, 1e3, 1e-6)), \
+                f"{x} ({measure}) is no field of {path}"
+        assert gpu in raw and commit in raw and date in raw, line
+
+
+def test_every_figure_in_the_readme_block_is_in_its_json(mt):
     text = _readme()
-    blocks = [mt.readme_block(ROOT)] + ([_block(text)] if "<!-- results:begin -->" in text else [])
-    for block in blocks:
-        lines = [x for x in block.splitlines() if x.startswith("| ")]
-        assert _cells(lines[0]) == ["measured", "result", "GPU", "date", "commit", "data"]
-        rows = lines[2:]
-        assert 5 <= len(rows) <= 10
-        for line in rows:
-            measure, result, gpu, date, commit, data = _cells(line)
-            (path,) = re.findall(r"\]\((bench/results/[\w.-]+\.json)\)", data)
-            with open(os.path.join(ROOT, path)) as f:
-                raw = f.read()
-            values = _numbers(json.loads(raw))
-            figures = re.findall(r"(?<![\w.])(\d+)(?:\.(\d+))?(?![\w.])", result)
-            assert figures, line
-            for whole, frac in figures:
-                x, tol = float(f"{whole}.{frac or 0}"), 0.5 * 10.0 ** -len(frac) + 1e-9
-                assert any(abs(v * s - x) <= tol for v in values for s in (1.0, 1e3)), \
-                    f"{x} ({measure}) is no field of {path}"
-            assert gpu in raw and commit in raw and date in raw, line
+    for block in [mt.readme_block(ROOT)] + ([_block(text)] if "<!-- results:begin -->" in text else []):
+        _check_figures(block, ROOT)
+
+
+def test_cost_row_shows_the_growth_the_run_recorded(mt, tmp_path):
+    """A scaling run that recorded its lines along context (``ctxprefill bench`` does): the
+    README's cost row gives the fused and floor growth per token and the neighbours' range,
+    each a field of the file; without them, the ends alone."""
+    from ctxprefill_bench import growth
+
+    res = tmp_path / "results"
+    shutil.copytree(RESULTS, res)
+    row = next(x for x in mt.readme_block(str(tmp_path), results=str(res)).splitlines()
+               if "bench_engine_scaling.json" in x)
+    assert "ns a token" not in row
+    d = json.loads((res / "bench_engine_scaling.json").read_text())
+    d["growth"] = growth.growth(d["rows"])
+    (res / "bench_engine_scaling.json").write_text(json.dumps(d))
+    block = mt.readme_block(str(tmp_path), results=str(res))
+    row = next(x for x in block.splitlines() if "bench_engine_scaling.json" in x)
+    g = next(g for g in d["growth"] if g["heads"] == 16 and g["prefill_dtype"] == "bf16")
+    nb = g["fused_neighbour_ns_per_token"]
+    assert (f"{g['fused_ns_per_token']:.2f} against {g['floor_ns_per_token']:.2f} ns a token "
+            f"({min(nb):.2f}–{max(nb):.2f} between neighbours)") in row
+    _check_figures(block, str(tmp_path))
 
 
 def test_results_folder_is_flat_and_listed(mt):

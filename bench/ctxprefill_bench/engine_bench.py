@@ -36,7 +36,7 @@ import torch
 from ctxprefill.app import build_engine
 from ctxprefill.settings import ServeSettings
 
-from . import run_info
+from . import growth, run_info
 
 GRIDS = {
     # the headline shape (1,024 new over 64k), every dtype combination
@@ -336,9 +336,15 @@ def _clean(x):
 
 
 def _write_json(path: str, meta: dict, rows: list) -> None:
+    """The run so far; ``growth``: the lines fitted along context (growth.py) where the grid
+    has three or more context lengths."""
+    doc = {"meta": meta, "rows": rows}
+    fitted = growth.growth(rows)
+    if fitted:
+        doc["growth"] = fitted
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(_clean({"meta": meta, "rows": rows}), f, indent=1)
+        json.dump(_clean(doc), f, indent=1)
     os.replace(tmp, path)
 
 
