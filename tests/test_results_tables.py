@@ -179,3 +179,25 @@ def test_first_copy_label_follows_the_probe(mt, tmp_path):
         row = next(line for line in block.splitlines() if line.startswith("| Host time of a request"))
         assert ("at most" in row) is bound, (mark, row)
         assert ("an upper bound" in mt.host_table(probe)) is bound, mark
+
+
+def test_whole_request_rows_give_every_dtypes_graph_against_its_floor(mt, tmp_path):
+    """The whole-request rows give the range of the CUDA graph's ratio to its floor over every
+    cache and prefill dtype of that head count, and at the held GEMM rate where the run
+    recorded it."""
+    res = tmp_path / "results"
+    shutil.copytree(RESULTS, res)
+    d = json.loads((res / "bench_engine.json").read_text())
+    at64k = [r for r in d["rows"] if r["heads"] == 16 and r["new"] == 1024 and r["context"] == 65536]
+    ratios = [r["fused_graph_over_floor"] for r in at64k]
+
+    def row() -> str:
+        return next(x for x in mt.readme_block(str(tmp_path), results=str(res)).splitlines()
+                    if x.startswith("| Whole request, 16 heads"))
+
+    assert f"as a CUDA graph {min(ratios):.2f}–{max(ratios):.2f}× the floor |" in row()
+    for i, r in enumerate(at64k):
+        r["fused_graph_over_sustained_floor"] = 0.5 + 0.1 * i
+    (res / "bench_engine.json").write_text(json.dumps(d))
+    assert f"× the floor (0.50–{0.5 + 0.1 * (len(at64k) - 1):.2f}× at the held GEMM rate)" in row()
+    _check_figures(mt.readme_block(str(tmp_path), results=str(res)), str(tmp_path))

@@ -564,6 +564,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                 "fused_graph_outside_s": fgr["outside_s"]} if fgr else {}),
             "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],
             **({"floor_sustained_s": held, "fused_over_sustained_floor": tf / held} if held else {}),
+            **({"fused_graph_over_sustained_floor": fgr["median_s"] / held} if held and fgr else {}),
             "generic_stage_s": g["stage_s"], "fused_stage_s": f["stage_s"],
             "generic_host_gap_s": gap_g, "fused_host_gap_s": gap_f,
             "generic_span_s": g["span_s"], "fused_span_s": f["span_s"],
