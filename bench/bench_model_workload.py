@@ -49,6 +49,9 @@ engine's fp8 bound, 6e-2); the JSON is rewritten after each server.
 ``--mps`` runs this process (the caller) and the servers as clients of a CUDA MPS daemon
 started for the run (``ctxprefill_bench/mps.py``): their work then shares one GPU context
 instead of the GPU time-slicing between the two processes' contexts at every call.
+``--mps-ab ROUNDS`` measures what that changes: the same run, in turn without and with
+``--mps``, ROUNDS times, each a process of its own (MPS is set before CUDA starts), written
+as one JSON whose runs carry ``mps`` and ``round``.
 
   PYTHONPATH=server:client:bench python3 bench/bench_model_workload.py --out bench/results/bench_model_workload.json
   PYTHONPATH=server:client:bench python3 bench/bench_model_workload.py --device cpu --layers 2 --heads 2 \\
@@ -63,6 +66,7 @@ import contextlib
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -472,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mps", action="store_true",
                    help="run this process and the servers as clients of a CUDA MPS daemon started for the run "
                         "(one shared GPU context instead of time-slicing between the processes')")
+    p.add_argument("--mps-ab", type=int, default=0, metavar="ROUNDS",
+                   help="ROUNDS rounds of this run without and then with --mps, each a process of its own, into "
+                        "one JSON (--out) whose runs carry mps and round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of each RPC, seconds")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start")
@@ -481,10 +488,58 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--layers, --new, --chunk, --block-size must be >= 1 and --max-context >= --new")
     if any(not 0 <= x < ns.layers for x in ns.check_layers or []):
         p.error("--check-layers: layers in [0, --layers)")
-    if ns.mps and not mps.available():
-        p.error("--mps: nvidia-cuda-mps-control is not on the PATH")
+    if (ns.mps or ns.mps_ab) and not mps.available():
+        p.error(f"--mps{'-ab' if ns.mps_ab else ''}: nvidia-cuda-mps-control is not on the PATH")
+    if ns.mps_ab:
+        if ns.mps_ab < 0 or ns.mps or not ns.out:
+            p.error("--mps-ab: a number of rounds >= 1, with --out, without --mps (each round runs both)")
+        return mps_ab(ns, sys.argv[1:] if argv is None else argv)
     with mps.mps_daemon() if ns.mps else contextlib.nullcontext():  # before this process initializes CUDA
         return run(ns, p)
+
+
+def _without(argv: list[str], *options: str) -> list[str]:
+    """``argv`` less ``options`` and their values (``--out x`` or ``--out=x``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in options:
+            skip = True
+        elif not a.startswith(tuple(f"{o}=" for o in options)):
+            out.append(a)
+    return out
+
+
+def mps_ab(ns: argparse.Namespace, argv: list[str]) -> int:
+    """``--mps-ab``: this run without and with ``--mps`` in turn, ``ns.mps_ab`` rounds, each a
+    child process; their runs, labelled ``mps`` and ``round``, in one JSON (rewritten after
+    each). 0 when every child's checks held."""
+    rest = _without(argv, "--mps-ab", "--out")
+    meta: dict[str, Any] | None = None
+    runs: list[dict] = []
+    rc = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(1, ns.mps_ab + 1):
+            for on in (False, True):
+                out = os.path.join(tmp, f"{rnd}-{int(on)}.json")
+                log(f"--mps-ab round {rnd} of {ns.mps_ab}: MPS {'on' if on else 'off'}")
+                done = subprocess.run([sys.executable, os.path.abspath(__file__), *rest, *(["--mps"] if on else []),
+                                       "--out", out], check=False)
+                rc = rc or done.returncode
+                if not os.path.exists(out):
+                    log(f"--mps-ab: the run with MPS {'on' if on else 'off'} wrote nothing (exit {done.returncode})")
+                    return done.returncode or 1
+                with open(out) as f:
+                    doc = json.load(f)
+                if meta is None:
+                    meta = {**doc["meta"], "args": {**doc["meta"]["args"], "mps": None, "mps_ab": ns.mps_ab}}
+                runs += [{**r, "mps": on, "round": rnd} for r in doc["runs"]]
+                tmp_out = ns.out + ".tmp"
+                with open(tmp_out, "w") as f:
+                    json.dump({"meta": meta, "runs": runs}, f, indent=1)
+                os.replace(tmp_out, ns.out)
+    return rc
 
 
 def run(ns: argparse.Namespace, p: argparse.ArgumentParser) -> int:

@@ -561,10 +561,16 @@ def _prefill(r: dict) -> str:
     return r["server"]["prefill_dtype"] + ("" if cache == "auto" else f" ({cache} cache)")
 
 
+def _mps(r: dict) -> str:
+    """A --mps-ab run's MPS cell and its separator: "on (2) | "."""
+    return f"{'on' if r['mps'] else 'off'} ({r['round']}) | "
+
+
 def model_workload_table(d: Doc) -> str:
     """``bench/bench_model_workload.py``: a DeepSeek-V3-shaped model's prefill through the request ring, per head
     count, against the sum of its calls' floors."""
     meta, a = d["meta"], d["meta"]["args"]
+    ab = any("mps" in r for r in d["runs"])  # a --mps-ab run
     lines = [_run_line(d), "",
              f"One sequence: {a['new']:,} new tokens in {a['chunk']:,}-token chunks over a context growing to "
              f"{a['max_context']:,} tokens, every layer's PrefillContext through a request ring (tensors in "
@@ -580,16 +586,21 @@ def model_workload_table(d: Doc) -> str:
              "attention too: fp8's tensor cores are rated at twice that, so its floor is a yardstick, not its limit) "
              f"plus its gather/pack bytes at the measured copy bandwidth, summed over the calls (held: at the GEMM "
              f"rate held for {a['sustained_gemm_s']:g} s, the clock the power cap leaves). Context tokens/s: "
-             f"the context tokens the calls attended, summed, per second (one GPU).", "",
-             "| heads | prefill | order | layers | chunks | calls | wall s | server compute s | floor sum s "
-             "| wall / floor | wall / held floor | context tokens/s | at the floor "
+             f"the context tokens the calls attended, summed, per second (one GPU)."
+             + (f" `--mps-ab {a['mps_ab']}`: the same run without and with the caller and the server under one CUDA "
+                f"MPS daemon, in turn, {a['mps_ab']} round{'s' if a['mps_ab'] != 1 else ''} (MPS column: on or off, "
+                f"the round)."
+                if a.get("mps_ab") else ""), "",
+             "| heads | prefill | order | " + ("MPS | " if ab else "") + "layers | chunks | calls | wall s "
+             "| server compute s | floor sum s | wall / floor | wall / held floor | context tokens/s | at the floor "
              "| SM clock MHz (median, power cap share) | float64 check |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ab else "")]
     for r in d["runs"]:
         check = ", ".join(f"layer {c['layer']}: {c['output_error']:.1e}" for c in r["checks"]) or "n/a"
         ck = r.get("clocks")
         clock = (f"{ck['sm_mhz_median']:.0f} ({ck['reasons'].get('sw_power_cap', 0.0):.0%})" if ck else "n/a")
-        lines.append(f"| {r['heads']} | {_prefill(r)} | {r.get('order', 'host')} | {r['layers']} | {r['chunks']} "
+        lines.append(f"| {r['heads']} | {_prefill(r)} | {r.get('order', 'host')} | {_mps(r) if ab else ''}"
+                     f"{r['layers']} | {r['chunks']} "
                      f"| {r['calls']} "
                      f"| {r['wall_s']:.3f} "
                      f"| {r['server_compute_s']:.3f} | {_num(r['floor_s'], '.3f')} | {_num(r['ratio'], '.2f')} "
@@ -605,16 +616,17 @@ def model_workload_table(d: Doc) -> str:
                   "includes the server holding a request until one of the ring's unfinished ones is done (at most "
                   "one per slot), and the period is the median time from one layer's result reaching the caller's "
                   "stream to the next's (the device's time per call).", "",
-                  "| heads | prefill | order | caller | server | validate | compute | device stages "
-                  "| compute − device | outside the server | period on the caller's stream |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| heads | prefill | order | " + ("MPS | " if ab else "") + "caller | server | validate | compute "
+                  "| device stages | compute − device | outside the server | period on the caller's stream |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ab else "")]
         for r in d["runs"]:
             n, ph = r["calls"], r["server_phase_s"]
             dev = sum(r["stage_s"].values())
             timed = bool(r["stage_s"])
             dev_ms = f"{dev / n * 1e3:.3f}" if timed else "—"
             beyond_ms = f"{(ph['compute'] - dev) / n * 1e3:.3f}" if timed else "—"
-            lines.append(f"| {r['heads']} | {_prefill(r)} | {r.get('order', 'host')} | {r['calls_s'] / n * 1e3:.3f} "
+            lines.append(f"| {r['heads']} | {_prefill(r)} | {r.get('order', 'host')} | {_mps(r) if ab else ''}"
+                         f"{r['calls_s'] / n * 1e3:.3f} "
                          f"| {r['server_total_s'] / n * 1e3:.3f} "
                          f"| {ph['validate'] / n * 1e3:.3f} | {ph['compute'] / n * 1e3:.3f} "
                          f"| {dev_ms} | {beyond_ms} "

@@ -283,7 +283,8 @@ want bench_model_prefill && run_step bench_model_prefill_fp32 150 5 - python3 be
 # waited for before the next layer's; wall time against the sum of the calls' floors, per-GPU context tokens/s
 # (host order, then a stream-ordered ring on the same server: calls ordered on the device by CUDA events),
 # with bf16 and then with fp8 prefill (a server each)
-# (GPU_RUN_WORKLOAD_ARGS: more options, e.g. "--heads 16" or "--cache-write separate")
+# (GPU_RUN_WORKLOAD_ARGS: more options, e.g. "--heads 16" or "--cache-write separate"; "--heads 16 --prefill-dtype
+# bf16 --mps-ab 2": without and with a CUDA MPS daemon in turn, two rounds)
 want bench_model_workload && run_step bench_model_workload 540 5 - python3 bench/bench_model_workload.py \
   --device cuda --orders host stream --prefill-dtype bf16 fp8 ${GPU_RUN_WORKLOAD_ARGS:-} \
   --out "$OUT/bench_model_workload.json"

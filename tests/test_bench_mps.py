@@ -1,6 +1,7 @@
 """bench/ctxprefill_bench/mps.py against a stand-in control binary: the daemon gets private
 pipe and log directories, this process's environment names them only while it runs, and it
-is told to quit through them; bench_model_workload refuses --mps where MPS is missing."""
+is told to quit through them; bench_model_workload refuses --mps where MPS is missing, and
+its --mps-ab runs itself without and with --mps in turn into one JSON."""
 
 import os
 import stat
@@ -55,7 +56,7 @@ def test_daemon_without_a_control_pipe_is_an_error(fake_control, tmp_path):
     assert fake_control.read_text().splitlines() == ["cmd quit"]
 
 
-def test_workload_refuses_mps_where_it_is_missing(monkeypatch, tmp_path, capsys):
+def _workload_module():
     import importlib.util
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,8 +64,67 @@ def test_workload_refuses_mps_where_it_is_missing(monkeypatch, tmp_path, capsys)
                                                   os.path.join(root, "bench", "bench_model_workload.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_workload_refuses_mps_where_it_is_missing(monkeypatch, tmp_path, capsys):
+    mod = _workload_module()
     monkeypatch.setenv("PATH", str(tmp_path))  # no control binary
     with pytest.raises(SystemExit) as e:
         mod.main(["--device", "cpu", "--mps", "--out", str(tmp_path / "w.json")])
     assert e.value.code == 2 and "--mps" in capsys.readouterr().err
     assert not (tmp_path / "w.json").exists()
+
+
+def test_mps_ab_runs_without_and_with_mps_in_turn_into_one_json(fake_control, monkeypatch, tmp_path):
+    """--mps-ab 2: four child runs, off/on/off/on, each the same arguments less --mps-ab and
+    --out (--mps added to the second of each round), their runs labelled in one JSON that
+    the results table shows with an MPS column."""
+    import json
+    import subprocess
+
+    import make_tables
+
+    mod = _workload_module()
+    calls = []
+
+    def fake_run(cmd, check=False):
+        calls.append(cmd)
+        out = cmd[cmd.index("--out") + 1]
+        on = "--mps" in cmd
+        run = {"heads": 2, "order": "host", "layers": 2, "chunks": 2, "calls": 4, "wall_s": 2.0 if on else 3.0,
+               "server_compute_s": 1.0, "floor_s": 1.0, "ratio": 2.0 if on else 3.0, "ratio_held": 1.5,
+               "context_tokens_per_s": 1e6, "floor_context_tokens_per_s": 2e6, "checks": [], "calls_s": 2.0,
+               "server_total_s": 1.5, "server_phase_s": {"validate": 0.1, "compute": 1.0},
+               "stage_s": {"attention": 0.5}, "rows": [], "server": {"prefill_dtype": "bf16", "cache_dtype": "auto"}}
+        with open(out, "w") as f:
+            json.dump({"meta": {"kind": "model_workload", "date": "2026-12-05T00:00:00+00:00", "commit": "abc1234",
+                                "gpu": "NVIDIA H200", "torch": "2", "shared_memory": "cuda",
+                                "args": {"new": 32, "chunk": 16, "max_context": 96, "cache_write": "with-prefill",
+                                         "sustained_gemm_s": 2.0, "mps": on}}, "runs": [run]}, f)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(mod.subprocess, "run", fake_run)
+    out = tmp_path / "ab.json"
+    assert mod.main(["--device", "cpu", "--layers", "2", "--mps-ab", "2", f"--out={out}", "--heads", "2"]) == 0
+    assert [("--mps" in c) for c in calls] == [False, True, False, True]
+    for c in calls:
+        assert c[2:c.index("--out")] in (["--device", "cpu", "--layers", "2", "--heads", "2"],
+                                         ["--device", "cpu", "--layers", "2", "--heads", "2", "--mps"])
+        assert "--mps-ab" not in c and str(out) not in " ".join(c)
+    d = json.loads(out.read_text())
+    assert [(r["mps"], r["round"], r["wall_s"]) for r in d["runs"]] == [(False, 1, 3.0), (True, 1, 2.0),
+                                                                         (False, 2, 3.0), (True, 2, 2.0)]
+    assert d["meta"]["args"]["mps_ab"] == 2 and d["meta"]["args"]["mps"] is None
+    table = make_tables.model_workload_table(d)
+    assert "| 2 | bf16 | host | off (1) | 2 | 2 | 4 | 3.000 |" in table
+    assert "| 2 | bf16 | host | on (2) | 500.000 |" in table  # per call: the caller's 2 s over 4 calls
+    assert "`--mps-ab 2`" in table
+
+
+def test_mps_ab_wants_out_and_no_mps(fake_control, tmp_path, capsys):
+    mod = _workload_module()
+    for argv in (["--mps-ab", "1"], ["--mps-ab", "1", "--mps", "--out", str(tmp_path / "x.json")]):
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--device", "cpu", *argv])
+        assert e.value.code == 2 and "--mps-ab" in capsys.readouterr().err
