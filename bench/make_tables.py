@@ -778,7 +778,8 @@ BENCHMARKS = (
           "bf16 and fp8 prefill, plotted on log axes; the growth per context token fitted below.",
           plots=("engine_latency.png",)),
     Bench("Cost against new tokens", "bench_engine_new", ("bench_engine_new",),
-          "`ctxprefill bench --new 128 1024 4096 16384`: 128 to 16k new tokens over 64k context, 16 and 128 heads."),
+          "`ctxprefill bench --new 128 1024 4096 16384`: 128 to 16k new tokens over 64k context, 16 and 128 heads, "
+          "plotted on log axes.", plots=("engine_latency_new.png",)),
     Bench("A DeepSeek-V3 model's chunked prefill over CUDA IPC", "bench_model_prefill",
           ("bench_model_prefill", "bench_model_prefill_fp32"),
           "`bench/bench_model_prefill.py`: a random transformers DeepSeek-V3 model (4 layers, 16 heads) prefills "
@@ -833,7 +834,9 @@ def results_readme(results: str = RESULTS) -> str:
            "Each step writes `$OUT/<file>.json` (`$OUT` defaults to `./.out`) under the name it has here: copy the "
            "files over these, then run `python bench/make_tables.py`, `python bench/make_tables.py --readme "
            "README.md` and, for the plots, `python bench/plot_engine.py bench/results/bench_engine.json "
-           "bench/results/bench_concurrency_ring.json` (then drop the plots not listed below).", "",
+           "bench/results/bench_concurrency_ring.json` (then drop the plots not listed below) and `python "
+           "bench/plot_engine.py --only engine_latency.png engine_latency_new.png "
+           "bench/results/bench_engine_scaling.json bench/results/bench_engine_new.json`.", "",
            "| benchmark | file | step | GPU | date | commit |", "|---|---|---|---|---|---|"]
     for b in BENCHMARKS:
         for f in b.files:

@@ -9,7 +9,8 @@ From a ``ctxprefill bench`` JSON (``meta.kind == "engine"``, or rows with ``spee
   shape when the JSON has more than one (new, context) pair;
 - ``engine_latency.png`` (more than one context length): request time against context
   length, log axes, one line per (H, new tokens): fused solid, generic dashed, floor dotted;
-  one panel per dtype pair.
+  one panel per dtype pair; ``engine_latency_new.png`` (more than one count of new tokens):
+  the same against new tokens, one line per (H, context).
 
 From a ``bench/bench_concurrency.py`` JSON (``meta.kind == "concurrency"``):
 - ``concurrency.png``: requests/s, context tokens/s and latency p50/p99 against clients,
@@ -19,6 +20,8 @@ Every title carries the run's date, GPU, torch version and commit (from the JSON
 Without matplotlib the script says so and exits 0 (``pip install matplotlib``).
 
     python bench/plot_engine.py bench/results/bench_engine.json [bench/results/bench_concurrency_ring.json]
+    python bench/plot_engine.py --only engine_latency.png engine_latency_new.png \
+        bench/results/bench_engine_scaling.json bench/results/bench_engine_new.json
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Sequence
 
 STAGES = ("gather", "cast", "kv_b_proj", "pack", "attention", "merge")
 HEADLINE = (1024, 65536)  # the headline shape: 1,024 new tokens over 64k context
@@ -206,18 +212,25 @@ def plot_stages(d: dict, out_dir: str) -> list[str]:
     return paths
 
 
-def plot_latency(d: dict, out_dir: str) -> str | None:
-    """Request time against context length; None when the JSON has one context length."""
+#: per axis of a grid: (the other axis, the PNG, the title, the x label)
+LATENCY_AXES = {"context": ("new", "engine_latency.png", "Latency against context length", "context tokens"),
+                "new": ("context", "engine_latency_new.png", "Latency against new tokens", "new tokens")}
+
+
+def plot_latency(d: dict, out_dir: str, axis: str = "context") -> str | None:
+    """Request time against ``axis`` (context or new tokens), log axes; None when the JSON
+    has one value of it."""
     rows = measured(d)
-    if len({r["context"] for r in rows}) < 2:
+    if len({r[axis] for r in rows}) < 2:
         return None
+    other, name, title, xlabel = LATENCY_AXES[axis]
     plt = _plt()
     pairs = _pairs(rows)
     caches = [c for c in dict.fromkeys(p[0] for p in pairs)]
     prefills = [p for p in dict.fromkeys(p[1] for p in pairs)]
     fig, axes = plt.subplots(len(prefills), len(caches), figsize=(5 * len(caches), 4 * len(prefills)),
                              squeeze=False)
-    hn = sorted({(r["heads"], r["new"]) for r in rows})
+    hn = sorted({(r["heads"], r[other]) for r in rows})
     for i, pd in enumerate(prefills):
         for j, cd in enumerate(caches):
             ax = axes[i, j]
@@ -226,26 +239,27 @@ def plot_latency(d: dict, out_dir: str) -> str | None:
                 ax.set_axis_off()
                 continue
             for k, (h, n) in enumerate(hn):
-                line = sorted((r for r in sub if (r["heads"], r["new"]) == (h, n)), key=lambda r: r["context"])
+                line = sorted((r for r in sub if (r["heads"], r[other]) == (h, n)), key=lambda r: r[axis])
                 if not line:
                     continue
-                xs = [r["context"] for r in line]
-                ax.plot(xs, [r["fused_s"] * 1e3 for r in line], "-o", color=f"C{k}", ms=3, label=f"H={h}, {n} new")
+                xs = [r[axis] for r in line]
+                label = f"H={h}, {n} new" if other == "new" else f"H={h}, over {ctx_label(n)}"
+                ax.plot(xs, [r["fused_s"] * 1e3 for r in line], "-o", color=f"C{k}", ms=3, label=label)
                 ax.plot(xs, [r["generic_s"] * 1e3 for r in line], "--", color=f"C{k}", lw=1)
                 fl = [(x, _floor_s(r)) for x, r in zip(xs, line) if _floor_s(r) is not None]
                 if fl:
                     ax.plot([x for x, _ in fl], [f * 1e3 for _, f in fl], ":", color=f"C{k}", lw=1, alpha=0.7)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ctxs = sorted({r["context"] for r in sub})
-            ax.set_xticks(ctxs, [ctx_label(c) for c in ctxs])
-            ax.set_xlabel("context tokens")
+            ticks = sorted({r[axis] for r in sub})
+            ax.set_xticks(ticks, [ctx_label(c) if axis == "context" else f"{c:,}" for c in ticks])
+            ax.set_xlabel(xlabel)
             ax.set_ylabel("ms per request")
             ax.set_title(f"cache {cd}, prefill {pd}  (fused —, generic --, floor ··)", fontsize=8)
             ax.grid(True, which="both", lw=0.3, alpha=0.5)
             ax.legend(fontsize=6)
-    fig.suptitle(f"Latency against context length\n{run_line(d['meta'])}", fontsize=9)
-    return _save(fig, out_dir, "engine_latency.png", 100)
+    fig.suptitle(f"{title}\n{run_line(d['meta'])}", fontsize=9)
+    return _save(fig, out_dir, name, 100)
 
 
 # ----------------------------------------------------------------------------- concurrency
@@ -287,24 +301,30 @@ def plot_concurrency(d: dict, out_dir: str) -> str:
     return _save(fig, out_dir, "concurrency.png", 110)
 
 
-def plot_file(path: str, out_dir: str | None = None) -> list[str]:
-    """Every plot of one JSON file; the PNG paths written."""
-    d = load(path)
+def plot_file(path: str, out_dir: str | None = None, only: Sequence[str] = ()) -> list[str]:
+    """Every plot of one JSON file (``only``: those of these names); the PNG paths written."""
     out = out_dir or os.path.dirname(os.path.abspath(path))
+    if only:  # made aside, the others dropped: each file's plots share names
+        with tempfile.TemporaryDirectory() as tmp:
+            keep = [p for p in plot_file(path, tmp) if os.path.basename(p) in only]
+            os.makedirs(out, exist_ok=True)
+            return [shutil.move(p, os.path.join(out, os.path.basename(p))) for p in keep]
+    d = load(path)
     os.makedirs(out, exist_ok=True)
     if kind(d) == "concurrency":
         return [plot_concurrency(d, out)] if any("requests_per_s" in r for r in d.get("rows", [])) else []
     if not measured(d):
         return []
     paths = [plot_speedup(d, out), *plot_stages(d, out)]
-    lat = plot_latency(d, out)
-    return paths + ([lat] if lat else [])
+    return paths + [p for p in (plot_latency(d, out, axis) for axis in LATENCY_AXES) if p]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+", help="ctxprefill bench and/or bench_concurrency.py JSON files")
     ap.add_argument("--out-dir", default=None, help="where the PNGs go (default: beside each JSON)")
+    ap.add_argument("--only", nargs="+", default=(), metavar="PNG",
+                    help="write only the plots of these names (e.g. engine_latency.png)")
     ns = ap.parse_args(argv)
     try:
         _plt()
@@ -313,7 +333,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 0
     for p in ns.json:
-        written = plot_file(p, ns.out_dir)
+        written = plot_file(p, ns.out_dir, ns.only)
         print(f"{p}: wrote {', '.join(written) if written else 'nothing (no measured rows)'}")
     return 0
 

@@ -246,6 +246,13 @@ def test_plots(tmp_path, bench_mods):
     (tmp_path / "conc.json").write_text(json.dumps(conc))
     written = pe.plot_file(str(tmp_path / "conc.json"), str(tmp_path / "png"))
     assert [os.path.basename(p) for p in written] == ["concurrency.png"]
+    # new tokens as the grid's axis: latency against them; --only keeps the one asked for
+    d = json.loads(eng.read_text())
+    d["rows"] = [{**r, "new": 128 if r["context"] == 8192 else 1024, "context": 65536} for r in d["rows"]]
+    (tmp_path / "new.json").write_text(json.dumps(d))
+    written = pe.plot_file(str(tmp_path / "new.json"), str(tmp_path / "only"), ["engine_latency_new.png"])
+    assert written == [str(tmp_path / "only" / "engine_latency_new.png")]
+    assert os.listdir(tmp_path / "only") == ["engine_latency_new.png"]
     for p in os.listdir(tmp_path / "png"):
         assert os.path.getsize(tmp_path / "png" / p) > 10_000
     assert pe.run_line(conc["meta"]) == "2026-11-30 · cpu · torch 2.13 · commit abc"
