@@ -687,7 +687,7 @@ BENCHMARKS = (
           "one engine in one process runs the same request through the fused and the generic path (bit for bit "
           "the same answer), timed per stage, beside the floor (kv_b_proj and attention FLOPs at the measured GEMM "
           "rate + gather/pack bytes at the measured copy bandwidth).",
-          plots=("engine_stages.png", "engine_speedup.png")),
+          plots=("engine_stages.png",)),
     Bench("Ragged requests", "bench_engine_ragged", ("bench_engine_ragged",),
           "`ctxprefill bench --sequences 4 --workspace-tokens 65536`: the request split unevenly over 4 sequences "
           "in one 64k-row chunk."),
@@ -834,9 +834,10 @@ def results_readme(results: str = RESULTS) -> str:
            "Each step writes `$OUT/<file>.json` (`$OUT` defaults to `./.out`) under the name it has here: copy the "
            "files over these, then run `python bench/make_tables.py`, `python bench/make_tables.py --readme "
            "README.md` and, for the plots, `python bench/plot_engine.py bench/results/bench_engine.json "
-           "bench/results/bench_concurrency_ring.json` (then drop the plots not listed below) and `python "
-           "bench/plot_engine.py --only engine_latency.png engine_latency_new.png "
-           "bench/results/bench_engine_scaling.json bench/results/bench_engine_new.json`.", "",
+           "bench/results/bench_concurrency_ring.json --only engine_stages.png concurrency.png` and `python "
+           "bench/plot_engine.py bench/results/bench_engine_scaling.json bench/results/bench_engine_new.json --only "
+           "engine_latency.png engine_latency_new.png` (the files share plot names: each command keeps the ones "
+           "listed below).", "",
            "| benchmark | file | step | GPU | date | commit |", "|---|---|---|---|---|---|"]
     for b in BENCHMARKS:
         for f in b.files:

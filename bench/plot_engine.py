@@ -3,8 +3,9 @@
 From a ``ctxprefill bench`` JSON (``meta.kind == "engine"``, or rows with ``speedup``):
 - ``engine_speedup.png``: generic time / fused time, grouped bars per shape (H, new, context),
   one bar per (cache, prefill) dtype pair, one panel per H;
-- ``engine_stages.png``: time per stage, stacked, generic | fused | floor (and a mark at the
-  floor at the GEMM rate held under the power cap, where the JSON has it), for the headline
+- ``engine_stages.png``: time per stage, stacked, generic | fused | floor (and marks at the
+  fused request's time as a CUDA graph and at the floor at the GEMM rate held under the
+  power cap, where the JSON has them), for the headline
   shape (1,024 new over 64k context when present); ``engine_stages_grid.png`` for every
   shape when the JSON has more than one (new, context) pair;
 - ``engine_latency.png`` (more than one context length): request time against context
@@ -20,8 +21,8 @@ Every title carries the run's date, GPU, torch version and commit (from the JSON
 Without matplotlib the script says so and exits 0 (``pip install matplotlib``).
 
     python bench/plot_engine.py bench/results/bench_engine.json [bench/results/bench_concurrency_ring.json]
-    python bench/plot_engine.py --only engine_latency.png engine_latency_new.png \
-        bench/results/bench_engine_scaling.json bench/results/bench_engine_new.json
+    python bench/plot_engine.py bench/results/bench_engine_scaling.json bench/results/bench_engine_new.json \
+        --only engine_latency.png engine_latency_new.png
 """
 
 from __future__ import annotations
@@ -157,6 +158,11 @@ def _stage_panel(ax, sub: list[dict], title: str, legend: bool) -> None:
         ax.scatter([i + off for i in range(len(sub)) if walls[i]], [w for w in walls if w],
                    marker="_", s=120, color="black", zorder=3, label="request time" if k == 0 else None)
         top = max([top, *bottom, *walls])
+        if key == "fused_stage_s":  # the same request with its chunk loop replayed as a CUDA graph
+            graph = [(i + off, r["fused_graph_s"] * 1e3) for i, r in enumerate(sub) if r.get("fused_graph_s")]
+            if graph:
+                ax.scatter([x for x, _ in graph], [y for _, y in graph], marker="_", s=120, color="C9", zorder=3,
+                           label="request time, CUDA graph")
     floor_at = (2 if packed else 1) * width
     floors = [_floor_s(r) for r in sub]
     if any(f is not None for f in floors):
