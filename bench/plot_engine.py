@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import struct
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -48,13 +49,37 @@ def _plt():
     return plt
 
 
-def _save(fig, out_dir: str, name: str, dpi: int) -> str:
-    """Lay out (leaving room for the two-line suptitle), write ``out_dir/name``, close."""
+#: the PNG text key naming the run a plot was made from (its run_line), read back by png_run
+RUN_KEY = "Source"
+
+
+def _save(fig, out_dir: str, name: str, dpi: int, meta: dict) -> str:
+    """Lay out (leaving room for the two-line suptitle), write ``out_dir/name`` with the run it
+    shows (``meta``'s run_line) as a PNG text field, close."""
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
     path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, metadata={RUN_KEY: run_line(meta)})
     _plt().close(fig)
     return path
+
+
+def png_run(path: str) -> str | None:
+    """The run a PNG written here was made from (its ``RUN_KEY`` text field), or None."""
+    with open(path, "rb") as f:
+        data = f.read()
+    at = 8  # after the signature: chunks of length, type, data, CRC
+    while at + 8 <= len(data):
+        (n,), kind_ = struct.unpack(">I", data[at:at + 4]), data[at + 4:at + 8]
+        if kind_ == b"tEXt":
+            key, _, text = data[at + 8:at + 8 + n].partition(b"\0")
+            if key.decode("latin-1") == RUN_KEY:
+                return text.decode("latin-1")
+        elif kind_ == b"iTXt":  # text outside latin-1: keyword, 0, flags, method, language, 0, keyword, 0, text
+            key, _, rest = data[at + 8:at + 8 + n].partition(b"\0")
+            if key.decode("latin-1") == RUN_KEY:
+                return rest[2:].split(b"\0", 2)[2].decode("utf-8")
+        at += 12 + n
+    return None
 
 
 def load(path: str) -> dict:
@@ -136,7 +161,7 @@ def plot_speedup(d: dict, out_dir: str) -> str:
         ax.set_title(f"H={h}", fontsize=9)
         ax.legend(fontsize=7, ncol=min(4 if len(shapes) > 2 else 2, len(pairs) + 1), loc="upper left")
     fig.suptitle(f"Fused over generic path by shape\n{run_line(d['meta'])}", fontsize=9)
-    return _save(fig, out_dir, "engine_speedup.png", 110)
+    return _save(fig, out_dir, "engine_speedup.png", 110, d["meta"])
 
 
 def _stage_panel(ax, sub: list[dict], title: str, legend: bool) -> None:
@@ -200,7 +225,7 @@ def plot_stages(d: dict, out_dir: str) -> list[str]:
                      + "fused, floor (left to right)", True)
     fig.suptitle(f"Time per stage, {new} new tokens over {ctx_label(ctx)} context\n{run_line(d['meta'])}",
                  fontsize=9)
-    paths.append(_save(fig, out_dir, "engine_stages.png", 110))
+    paths.append(_save(fig, out_dir, "engine_stages.png", 110, d["meta"]))
     if len(set(nc)) > 1:  # more shapes than the headline one: every shape, one panel each
         hn = sorted({(h, n) for h, n, _ in shapes})
         ctxs = sorted({c for _, _, c in shapes})
@@ -214,7 +239,7 @@ def plot_stages(d: dict, out_dir: str) -> list[str]:
                 else:
                     axes[i, j].set_axis_off()
         fig.suptitle(f"Time per stage, every shape\n{run_line(d['meta'])}", fontsize=10)
-        paths.append(_save(fig, out_dir, "engine_stages_grid.png", 80))
+        paths.append(_save(fig, out_dir, "engine_stages_grid.png", 80, d["meta"]))
     return paths
 
 
@@ -265,7 +290,7 @@ def plot_latency(d: dict, out_dir: str, axis: str = "context") -> str | None:
             ax.grid(True, which="both", lw=0.3, alpha=0.5)
             ax.legend(fontsize=6)
     fig.suptitle(f"{title}\n{run_line(d['meta'])}", fontsize=9)
-    return _save(fig, out_dir, name, 100)
+    return _save(fig, out_dir, name, 100, d["meta"])
 
 
 # ----------------------------------------------------------------------------- concurrency
@@ -304,7 +329,7 @@ def plot_concurrency(d: dict, out_dir: str) -> str:
     qs = d["meta"].get("queue_size")
     fig.suptitle(f"Throughput under concurrency (one server per shape{f', --queue-size {qs}' if qs else ''})\n"
                  f"{run_line(d['meta'])}", fontsize=9)
-    return _save(fig, out_dir, "concurrency.png", 110)
+    return _save(fig, out_dir, "concurrency.png", 110, d["meta"])
 
 
 def plot_file(path: str, out_dir: str | None = None, only: Sequence[str] = ()) -> list[str]:

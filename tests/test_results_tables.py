@@ -201,3 +201,15 @@ def test_whole_request_rows_give_every_dtypes_graph_against_its_floor(mt, tmp_pa
     (res / "bench_engine.json").write_text(json.dumps(d))
     assert f"× the floor (0.50–{0.5 + 0.1 * (len(at64k) - 1):.2f}× at the held GEMM rate)" in row()
     _check_figures(mt.readme_block(str(tmp_path), results=str(res)), str(tmp_path))
+
+
+def test_every_plot_shows_its_benchmarks_current_run(mt):
+    """Each listed plot names, in its PNG text, the run it was drawn from: one of its
+    benchmark's JSON files as they are now (a plot left from an earlier run fails)."""
+    import plot_engine
+
+    for b in (b for b in mt.BENCHMARKS if b.plots):
+        runs = {plot_engine.run_line(mt.load(f)["meta"]) for f in b.files}
+        for p in b.plots:
+            got = plot_engine.png_run(os.path.join(RESULTS, p))
+            assert got in runs, f"{p} shows {got!r}, not a current run of {b.files}: remake it (results README)"
