@@ -246,6 +246,7 @@ def test_plots(tmp_path, bench_mods):
     (tmp_path / "conc.json").write_text(json.dumps(conc))
     written = pe.plot_file(str(tmp_path / "conc.json"), str(tmp_path / "png"))
     assert [os.path.basename(p) for p in written] == ["concurrency.png"]
+    assert pe.png_run(written[0]) == "2026-11-30 · cpu · torch 2.13 · commit abc"  # the run, in the PNG
     # new tokens as the grid's axis: latency against them; --only keeps the one asked for
     d = json.loads(eng.read_text())
     d["rows"] = [{**r, "new": 128 if r["context"] == 8192 else 1024, "context": 65536} for r in d["rows"]]
