@@ -213,3 +213,17 @@ def test_every_plot_shows_its_benchmarks_current_run(mt):
         for p in b.plots:
             got = plot_engine.png_run(os.path.join(RESULTS, p))
             assert got in runs, f"{p} shows {got!r}, not a current run of {b.files}: remake it (results README)"
+
+
+def test_docs_cite_runs_that_bench_results_holds():
+    """A benchmark figure in the docs names its commit, and that run is in bench/results (its
+    JSON replaced, the figure must follow). RELIABILITY.md's figures are tests' output, not
+    benchmarks'."""
+    held = "".join(open(os.path.join(RESULTS, n)).read() for n in os.listdir(RESULTS) if n.endswith(".json"))
+    docs = ["README.md"] + [os.path.join("docs", n) for n in os.listdir(os.path.join(ROOT, "docs"))
+                            if n.endswith(".md") and n != "RELIABILITY.md"]
+    for doc in docs:
+        with open(os.path.join(ROOT, doc)) as f:
+            text = f.read()
+        for m in re.finditer(r"commit[ `]*([0-9a-f]{7,40})\b", text):
+            assert f'"{m.group(1)}' in held, f"{doc} cites commit {m.group(1)}, a run bench/results no longer holds"
