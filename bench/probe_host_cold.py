@@ -8,7 +8,10 @@ they take a few µs; timed per request on a GPU host they take several times tha
 step of a request), because the host waited for the device in between and comes back to
 caches that hold something else. This probe runs the three steps on a CPU engine (no
 GPU needed) back to back, and again after touching ``--evict-mb`` of memory before each
-request (the cold case), and prints the medians in µs as JSON:
+request (the cold case), and prints the medians in µs as JSON. ``quick_*``: the same for
+the path a one-sequence request of a shape that replayed before takes
+(``Engine._quick_replay``): its shape's key (``shape``), the remembered shape and its
+block ids checked (``block ids``), the staging written from them (``fill``):
 
   PYTHONPATH=server:client:bench python3 bench/probe_host_cold.py [--heads 16] [--evict-mb 64]
 """
@@ -32,12 +35,13 @@ import numpy as np  # noqa: E402
 from ctxprefill.app import build_engine  # noqa: E402
 from ctxprefill.engine.engine import Engine  # noqa: E402
 from ctxprefill.engine.graphs import LoopGraphs  # noqa: E402
-from ctxprefill.engine.loop import uses_keys_last  # noqa: E402
-from ctxprefill.engine.request import PrefillRequest, validate_prefill  # noqa: E402
+from ctxprefill.engine.loop import RowMetadata, uses_keys_last  # noqa: E402
+from ctxprefill.engine.request import PrefillRequest, shape_of, validate_prefill  # noqa: E402
 from ctxprefill.settings import ServeSettings  # noqa: E402
 from ctxprefill_bench.engine_bench import make_device_request  # noqa: E402
 
 STEPS = ("validate", "shape", "fill")
+QUICK_STEPS = ("shape", "block ids", "fill")
 
 
 def host_steps(engine: Engine, request: PrefillRequest, rounds: int, evict: np.ndarray | None) -> dict[str, float]:
@@ -68,6 +72,38 @@ def host_steps(engine: Engine, request: PrefillRequest, rounds: int, evict: np.n
     return out
 
 
+def quick_steps(engine: Engine, request: PrefillRequest, rounds: int, evict: np.ndarray | None) -> dict[str, float]:
+    """:func:`host_steps` of the quick path (the request's shape remembered first, as its
+    replay remembers it)."""
+    cfg = engine.config
+    graphs = LoopGraphs()
+    keys_last = uses_keys_last(engine.backend, cfg.prefill_dtype == "fp8", request.q.dtype)
+    checked = validate_prefill(request, cfg, engine.instance_id)
+    key, hm = graphs.shape(checked.layer_position, cfg.fused, cfg.unpacked_keys, checked.q,
+                           engine._gemm_weights[0], checked.query_lens, checked.chunks, checked.block_table, keys_last)
+    engine.remember_shape((shape_of(request, engine.instance_id), cfg.fused, cfg.unpacked_keys), checked, key, hm)
+    staging = np.empty(1 << 20, dtype=np.int32)
+    got: dict[str, list[float]] = {s: [] for s in QUICK_STEPS}
+    pc = time.perf_counter
+    for _ in range(rounds):
+        if evict is not None:
+            evict[::64] += 1
+        t0 = pc()
+        shape = (shape_of(request, engine.instance_id), cfg.fused, cfg.unpacked_keys)
+        t1 = pc()
+        found = engine.known_shape(request, shape)
+        t2 = pc()
+        assert found is not None
+        known, row = found
+        RowMetadata(known.vectors, row, known.block_offset).fill(staging)
+        t3 = pc()
+        for s, a, b in zip(QUICK_STEPS, (t0, t1, t2), (t1, t2, t3), strict=True):
+            got[s].append((b - a) * 1e6)
+    out = {s: round(statistics.median(v), 2) for s, v in got.items()}
+    out["total"] = round(sum(out[s] for s in QUICK_STEPS), 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", type=int, default=16)
@@ -87,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     host_steps(engine, request, 50, None)  # every shape remembered
     result = {"heads": a.heads, "new": a.new, "context": a.context, "prefill_dtype": a.prefill_dtype,
               "evict_mb": a.evict_mb, "hot_us": host_steps(engine, request, a.rounds, None),
-              "cold_us": host_steps(engine, request, a.rounds, evict)}
+              "cold_us": host_steps(engine, request, a.rounds, evict),
+              "quick_hot_us": quick_steps(engine, request, a.rounds, None),
+              "quick_cold_us": quick_steps(engine, request, a.rounds, evict)}
     print(json.dumps(result, indent=1))
     return 0
 

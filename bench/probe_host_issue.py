@@ -128,7 +128,8 @@ STEPS = ("validate", "inputs", "metadata", "copies in", "to first stage", "issue
 
 def host_steps_us(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> dict:
     """Median host time of each step of a normal (unheld) request, in µs: validation (with
-    the plan), the loop's inputs (none on a replay), the chunk metadata (and on a replay its
+    the plan; a replay of a one-sequence shape that replayed before checks its block ids
+    alone, ``Engine.known_shape``), the loop's inputs (none on a replay), the chunk metadata (and on a replay its
     graph's lookup), the copies of the metadata (and q, on a replay) into device memory, the
     rest up to the first stage, the stages' issue and the device's work, the synchronize and event
     readout, the return to the caller; and ``first copy``: from the call to the first
@@ -159,7 +160,8 @@ def host_steps_us(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> dic
     # the stage's start and the graph in one call (``launch``, an attribute of each captured
     # loop), which returns the time the copies were queued: the copies in end there, the first
     # stage starts at the call's end.
-    wraps = [(engine_mod, "validate_prefill", None, "checked"), (engine_mod.Engine, "loop_inputs", None, "inputs"),
+    wraps = [(engine_mod, "validate_prefill", None, "checked"), (engine_mod.Engine, "known_shape", None, "checked"),
+             (engine_mod.Engine, "loop_inputs", None, "inputs"),
              (loop_mod, "_upload", "copy0", "copy1"), (graphs_mod.CapturedLoop, "load", "copy0", "copy1"),
              (graphs_mod.CapturedLoop, "_stage", "copy0"),
              (timing.StageTimer, "begin", "first_stage"), (timing.StageTimer, "finish", "finish", "finished")]

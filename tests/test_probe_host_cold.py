@@ -15,8 +15,9 @@ def test_probe_reports_every_step_hot_and_cold(capsys):
     assert probe_host_cold.main(["--context", "4096", "--new", "64", "--rounds", "5", "--evict-mb", "1"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert (got["context"], got["new"], got["evict_mb"]) == (4096, 64, 1)
-    for case in ("hot_us", "cold_us"):
+    for case, names in (("hot_us", probe_host_cold.STEPS), ("cold_us", probe_host_cold.STEPS),
+                        ("quick_hot_us", probe_host_cold.QUICK_STEPS), ("quick_cold_us", probe_host_cold.QUICK_STEPS)):
         steps = got[case]
-        assert set(steps) == {*probe_host_cold.STEPS, "total"}
-        assert all(steps[s] > 0 for s in probe_host_cold.STEPS)
-        assert abs(steps["total"] - sum(steps[s] for s in probe_host_cold.STEPS)) < 0.05
+        assert set(steps) == {*names, "total"}
+        assert all(steps[s] > 0 for s in names)
+        assert abs(steps["total"] - sum(steps[s] for s in names)) < 0.05

@@ -21,6 +21,7 @@ from ctxprefill.backends import registry
 from ctxprefill.config import CacheConfig, EngineConfig, ModelShape
 from ctxprefill.engine.engine import Engine, SequenceSpec
 from ctxprefill.engine.graphs import GRAPH_STAGE
+from ctxprefill.errors import OutOfRange
 from ctxprefill.weights import prepare, random_kv_b_proj
 from ctxprefill_client import slot_mapping
 
@@ -106,6 +107,8 @@ def test_replay_equals_the_eager_loop_bit_for_bit(case, cache_dtype, kvb, prefil
     eager2 = eng.prefill_context(q2, seqs2, graphs_on=False)
     replay2 = eng.prefill_context(q2, seqs2)
     assert eng.graphs.replays == 2 and same_bits(replay2, eager2) and not same_bits(eager2, eager)
+    # one sequence: both replays took the quick path (the shape's checks and metadata remembered)
+    assert eng.quick_replays == (2 if len(c["contexts"]) == 1 else 0)
 
 
 def test_the_replays_result_outlives_the_next_replay():
@@ -195,7 +198,7 @@ def test_one_graph_serves_every_layer(kvb, prefill):
     # graph's buffer, not copied) and back to another (copied)
     order = [0, 1, 2, 2, 0, 0, 1, 2, 2]
     runs = [eng.prefill_context(*reqs[layer], layer=layer) for layer in order]
-    assert (eng.graphs.captures, eng.graphs.replays) == (1, 7)
+    assert (eng.graphs.captures, eng.graphs.replays) == (1, 7) and eng.quick_replays == 0  # ragged: in full
     for layer, r in zip(order, runs, strict=True):
         assert same_bits(r, eager[layer]), layer
     [loop] = eng.graphs._graphs.values()
@@ -206,6 +209,27 @@ def test_one_graph_serves_every_layer(kvb, prefill):
     got = [eng.prefill_context(reqs[2][0], shorter, layer=layer) for layer in (0, 1, 2)]
     assert eng.graphs.captures == 2 and same_bits(got[2], want)
     assert same_bits(eng.prefill_context(*reqs[0], layer=0), eager[0])  # the first shape still replays
+
+
+def test_one_sequence_replays_of_every_layer_take_the_quick_path():
+    """A one-sequence shape replayed on one layer is remembered per layer: the next requests
+    of each layer check their block ids alone and replay the shared graph with their own
+    block offset, weight and cache, bit for bit their eager loops."""
+    c = CASES["long"]
+    eng = make_engine(c, "auto", "bf16", "bf16", layers=3)
+    reqs = [make_request(eng, c, seed=20 + layer, layer=layer) for layer in range(3)]
+    eager = [eng.prefill_context(q, seqs, layer=layer, graphs_on=False) for layer, (q, seqs) in enumerate(reqs)]
+    order = [0, 1, 2, 2, 0, 1]  # eager, eager + capture, a replay in full, then quick ones
+    runs = [eng.prefill_context(*reqs[layer], layer=layer) for layer in order]
+    assert eng.graphs is not None and (eng.graphs.captures, eng.graphs.replays, eng.quick_replays) == (1, 4, 3)
+    for layer, r in zip(order, runs, strict=True):
+        assert same_bits(r, eager[layer]), layer
+    # a block id past the cache: refused by the full checks, naming it; nothing replayed
+    q, seqs = reqs[1]
+    bad = [SequenceSpec(seqs[0].query_len, seqs[0].context_len, [*seqs[0].block_table[:-1], c["blocks"]])]
+    with pytest.raises(OutOfRange, match=r"sequences\[0\]\.block_table"):
+        eng.prefill_context(q, bad, layer=1)
+    assert (eng.graphs.replays, eng.quick_replays) == (4, 3)
 
 
 def test_observed_requests_run_eagerly_and_shapes_are_bounded():

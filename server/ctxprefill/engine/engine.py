@@ -7,15 +7,17 @@ the service's queue decides who goes next.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..backends import registry
@@ -28,9 +30,11 @@ from ..ops.pack import fused_mla_kv_concat
 from ..weights import KvBProjWeights
 from .graphs import LoopGraphs
 from .loop import (
+    HostMetadata,
     LoopInputs,
     Observer,
     PendingLoop,
+    RowMetadata,
     start_chunk_loop,
     unpacked_keys_wanted,
     use_unpacked_keys,
@@ -45,6 +49,9 @@ from .request import (
     ReadRequest,
     SequenceSpec,
     WriteRequest,
+    block_row,
+    checked_cache_write,
+    shape_of,
     validate_prefill,
     validate_read,
     validate_write,
@@ -80,6 +87,19 @@ class PrefillStats:
     checked_ns: tuple[int, int] | None = None
     stages: list[StageSpan] | None = None
     queued: bool = False  # taken before the device work ran (PendingPrefill.queued_stats): no device times
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _KnownShape:
+    """A one-sequence request shape that replayed: what its checks, plan and metadata gave."""
+
+    layer_position: int
+    need: int  # block-table entries its context uses (>= 1)
+    chunks: tuple[ContextChunk, ...]
+    context_tokens: int
+    graph: Hashable  # its key among the engine's captured loops
+    vectors: np.ndarray  # int32: its chunk metadata (HostMetadata.vectors; read only)
+    block_offset: int  # added to its block ids on the way up (its layer's place in the shared cache)
 
 
 @dataclasses.dataclass
@@ -192,6 +212,9 @@ class Engine:
         # cache's block ids fit the int32 block table
         shared = self.cache_storage if len(per_layer) * config.cache.num_blocks < 2**31 else None
         self.graphs = LoopGraphs(shared, config.cache.num_blocks) if self.device.type == "cuda" else None
+        # one-sequence shapes that replayed, and what their checks and metadata gave (_quick_replay)
+        self._known: collections.OrderedDict[Hashable, _KnownShape] = collections.OrderedDict()
+        self.quick_replays = 0
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         """Make the engine's GPU the current one: Triton launches and CUDA events use the
@@ -333,11 +356,19 @@ class Engine:
         ``stages``: what a traced request's spans show). ``graphs_on``: replay the shape's
         CUDA graph where it can (engine/graphs.py), ``config.cuda_graphs`` unless given."""
         cfg = self.config
+        fused = cfg.fused if fused is None else fused
+        graphs = self.graphs if (cfg.cuda_graphs if graphs_on is None else graphs_on) else None
+        shape = None
+        if graphs is not None and observer is None and not timeline:
+            shape = shape_of(request, self.instance_id)
+            if shape is not None:
+                shape = (shape, fused, cfg.unpacked_keys if unpacked_keys is None else unpacked_keys)
+                quick = self._quick_replay(request, shape, graphs, fused)
+                if quick is not None:
+                    return quick
         t_check = time.perf_counter_ns() if timeline else 0
         checked = validate_prefill(request, cfg, self.instance_id)
         checked_ns = (t_check, time.perf_counter_ns()) if timeline else None
-        fused = cfg.fused if fused is None else fused
-        graphs = self.graphs if (cfg.cuda_graphs if graphs_on is None else graphs_on) else None
         if graphs is None or observer is not None or not graphs.eligible(timeline, checked.stop, len(checked.chunks)):
             with self._lock, self._on_device():
                 pending = start_chunk_loop(self.loop_inputs(checked, unpacked_keys, timeline), self.backend, fused,
@@ -355,10 +386,63 @@ class Engine:
                 replayed = graphs.replay(key, hm, q, weight, checked.stop, len(checked.chunks))
                 pending = replayed if replayed is not None else graphs.start_eager(
                     self.loop_inputs(checked, unpacked_keys, timeline, q), self.backend, fused, key, hm)
+            if shape is not None:  # the shape's next request may take the quick path
+                self.remember_shape(shape, checked, key, hm)
         return PendingPrefill(self, pending, dict(
             chunks=checked.chunks, path="fused" if fused else "generic", fp8_path=cfg.fp8_path_labels,
             context_tokens=sum(checked.context_lens), query_tokens=int(checked.q.shape[0]), checked_ns=checked_ns),
             checked.cache_write)
+
+    #: one-sequence shapes remembered (_known), the oldest forgotten first
+    MAX_KNOWN = 4096
+
+    def remember_shape(self, shape: Hashable, checked: CheckedPrefill, graph: Hashable, hm: HostMetadata) -> None:
+        """Remember what a one-sequence request of ``shape`` (with context) was checked and
+        planned to, its key among the captured loops and its chunk vectors."""
+        need = -(-checked.context_lens[0] // self.config.cache.block_size)
+        if need and shape not in self._known:
+            self._known[shape] = _KnownShape(checked.layer_position, need, tuple(checked.chunks),
+                                             checked.context_lens[0], graph, hm.vectors, hm.block_offset)
+            while len(self._known) > self.MAX_KNOWN:
+                self._known.popitem(last=False)
+
+    def known_shape(self, request: PrefillRequest, shape: Hashable) -> tuple[_KnownShape, np.ndarray] | None:
+        """(what a request of ``shape`` — a one-sequence shape that replayed before — was
+        checked and planned to, the request's block ids, checked), or None where its shape
+        is not remembered or its block table fails (the full checks then name the field)."""
+        known = self._known.get(shape)
+        if known is None:
+            return None
+        row = block_row(request.sequences[0].block_table, known.need, self.config.cache.num_blocks)
+        return None if row is None else (known, row)
+
+    def _quick_replay(self, request: PrefillRequest, shape: Hashable, graphs: LoopGraphs,
+                      fused: bool) -> PendingPrefill | None:
+        """A request of a remembered shape replayed with only what differs between such
+        requests checked: its block ids (and its cache_write). Every other check of
+        ``validate_prefill`` has one outcome per shape, and this shape passed them; its plan,
+        chunk vectors and graph are the shape's. None where the request needs the full path
+        (the shape unknown, a block table that fails, a stop signal that rules out a replay,
+        its graph dropped since)."""
+        got = self.known_shape(request, shape)
+        if got is None:
+            return None
+        known, row = got
+        if known.graph not in graphs or not graphs.eligible(False, request.stop, len(known.chunks)):
+            return None
+        write = None
+        if request.cache_write is not None:
+            write = checked_cache_write(request.cache_write, self.config, known.layer_position)
+        q = self._on_engine_device(request.q)
+        with self._lock, self._on_device():
+            pending = graphs.replay(known.graph, RowMetadata(known.vectors, row, known.block_offset), q,
+                                    self._gemm_weights[known.layer_position], request.stop, len(known.chunks))
+        if pending is None:
+            return None
+        self.quick_replays += 1
+        return PendingPrefill(self, pending, dict(
+            chunks=list(known.chunks), path="fused" if fused else "generic", fp8_path=self.config.fp8_path_labels,
+            context_tokens=known.context_tokens, query_tokens=int(q.shape[0]), checked_ns=None), write)
 
     def _on_engine_device(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the engine's device: itself where it is there, else copied in stream order."""

@@ -46,6 +46,7 @@ from .loop import (
     HostMetadata,
     LoopInputs,
     PendingLoop,
+    Upload,
     device_metadata,
     host_metadata_of,
     launch_orders,
@@ -99,7 +100,7 @@ class CapturedLoop:
             and self.lse.is_contiguous()
         self._exec = raw_exec() if raw_ok and raw_exec else 0
 
-    def _stage(self, hm: HostMetadata, weight: torch.Tensor) -> bool:
+    def _stage(self, hm: Upload, weight: torch.Tensor) -> bool:
         """Write a request's metadata into staging once the copy out of it before is done;
         whether the layer's weight goes in too (another layer's is in the buffer: a 32 MB
         copy at 128 heads; :attr:`holds` is set once its copy is queued)."""
@@ -116,7 +117,7 @@ class CapturedLoop:
             return args
         return args[:6]
 
-    def load(self, hm: HostMetadata, q: torch.Tensor, weight: torch.Tensor) -> None:
+    def load(self, hm: Upload, q: torch.Tensor, weight: torch.Tensor) -> None:
         """Copy a request's metadata, q (and its layer's weight, where the graph serves every
         layer) into the graph's buffers: the request's first device work (queued, the host
         does not wait)."""
@@ -134,7 +135,7 @@ class CapturedLoop:
         if new_weight:
             self.holds = weight.data_ptr()
 
-    def replay(self, hm: HostMetadata, q: torch.Tensor, weight: torch.Tensor) -> PendingLoop:
+    def replay(self, hm: Upload, q: torch.Tensor, weight: torch.Tensor) -> PendingLoop:
         """Queue a request's replay: its copies in, the graph, the copies of out and LSE out
         of the graph's buffers (the ``graph`` stage, timed)."""
         timer = StageTimer(self.q.device, self.stream)
@@ -192,6 +193,10 @@ class LoopGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether shape ``key`` has a captured loop."""
+        return key in self._graphs
+
     @staticmethod
     def eligible(timeline: bool, stop: StopSignal | None, chunks: int) -> bool:
         """Whether a request may run as a replay: no timeline, and no stop signal over
@@ -212,7 +217,7 @@ class LoopGraphs:
         hm = host_metadata_of(query_lens, chunks, block_table, keys_last, offset)
         return (*where, fused, unpacked_keys, q.shape, q.dtype, *hm.layout()), hm
 
-    def replay(self, key: Hashable, hm: HostMetadata, q: torch.Tensor, weight: torch.Tensor,
+    def replay(self, key: Hashable, hm: Upload, q: torch.Tensor, weight: torch.Tensor,
                stop: StopSignal | None, chunks: int) -> PendingLoop | None:
         """Queue the replay of shape ``key``'s graph for a request (``q`` on the device,
         ``weight``: its layer's), or None where the shape has none."""

@@ -26,7 +26,7 @@ import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import cast
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -234,6 +234,31 @@ class HostMetadata:
         """Everything of the upload but its values: equal for requests whose metadata
         lands in the same places (what a captured loop needs to replay)."""
         return (self.chunk_layout, self.block_table.shape)
+
+
+class Upload(Protocol):
+    """A request's metadata upload, written into a replay's page-locked staging."""
+
+    def fill(self, out: np.ndarray) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RowMetadata:
+    """A one-sequence request's upload — the bytes :meth:`HostMetadata.fill` writes — from
+    its shape's remembered vectors and its block ids as the caller gave them (int64 or
+    int32, checked by ``request.block_row``): no int32 table made on the way."""
+
+    vectors: np.ndarray  # int32 [m], HostMetadata.vectors of the shape
+    row: np.ndarray  # int64 or int32 [need >= 1], every id in [0, num_blocks)
+    block_offset: int
+
+    def fill(self, out: np.ndarray) -> None:
+        m = self.vectors.size
+        out[:m] = self.vectors
+        if self.block_offset:
+            np.add(self.row, self.block_offset, out=out[m : m + self.row.size], casting="unsafe")
+        else:  # an assignment casts as "unsafe" does: the ids fit int32 (checked)
+            out[m : m + self.row.size] = self.row
 
 
 def uses_keys_last(backend: AttentionBackend, fp8_prefill: bool, q_dtype: torch.dtype) -> bool:

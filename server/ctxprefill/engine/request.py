@@ -20,6 +20,10 @@ A request may carry a :class:`StopSignal`: the chunk loop asks it between chunks
 stops (``DeadlineExceeded`` / ``Cancelled``) once its deadline passed or its caller went
 away; nothing is written then.
 
+A one-sequence request's checks but its block ids have one outcome per :func:`shape_of`;
+the engine remembers a shape that replayed and checks the next such request's block ids
+alone (:func:`block_row`), running ``validate_prefill`` where they fail.
+
 What the wire adds (a tensor's byte length, message size limits, shared-memory
 placement) is the service's to check before it builds these.
 """
@@ -48,6 +52,8 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.int32: "INT32", torch.int64: "INT64", torch.uint8: "UINT8",
 }
 _LATENT_DTYPES = (torch.bfloat16, torch.float32)
+# numpy's dtypes of the native byte order, compared by identity (block_row: a request's host time)
+_INT64, _INT32, _UINT64, _UINT32 = (np.dtype(t) for t in (np.int64, np.int32, np.uint64, np.uint32))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -241,6 +247,11 @@ def validate_write(request: WriteRequest, config: EngineConfig, instance_id: str
     return _checked_write(request, config, config.layer_position(request.layer), "")
 
 
+def checked_cache_write(request: WriteRequest, config: EngineConfig, layer_position: int) -> CheckedWrite:
+    """A PrefillContext's ``cache_write`` checked as :func:`validate_prefill` checks it."""
+    return _checked_write(request, config, layer_position, "cache_write.")
+
+
 def _checked_write(request: WriteRequest, config: EngineConfig, layer_position: int, where: str) -> CheckedWrite:
     """``where``: the prefix of the request's fields in error messages (``cache_write.``)."""
     slots = _host_slots(request.slot_mapping, config.cache.num_slots, True, f"{where}slot_mapping")
@@ -273,6 +284,45 @@ def _used_blocks(table: Sequence[int] | np.ndarray | torch.Tensor, need: int) ->
     if len(table) <= 2 * need + 1024:
         return np.array(table, dtype=np.int64)[:need]
     return np.asarray(table[:need], dtype=np.int64)
+
+
+def shape_of(request: PrefillRequest, instance_id: str) -> tuple[object, ...] | None:
+    """What :func:`validate_prefill` checks of a one-sequence request but its block ids — its
+    layer, q's dtype and shape, the sequence's query and context lengths — as a key (a
+    request equal in it passes or fails those checks alike), or None for a request with
+    more sequences, a plan, a workspace or another instance expected (checked in full)."""
+    if request.plan is not None or request.workspace_tokens is not None or len(request.sequences) != 1 \
+            or (request.expected_instance_id is not None and request.expected_instance_id != instance_id):
+        return None
+    s = request.sequences[0]
+    q = request.q
+    return request.layer, q.dtype, q.shape, s.query_len, s.context_len
+
+
+def block_row(table: Sequence[int] | np.ndarray | torch.Tensor, need: int, num_blocks: int) -> np.ndarray | None:
+    """A block table's first ``need`` ids, int64 or int32 (as given), where it has them all
+    in ``[0, num_blocks)``; None otherwise (:func:`validate_prefill` names what is wrong).
+    The check of a request whose :func:`shape_of` passed before."""
+    if isinstance(table, np.ndarray):
+        if table.dtype is not _INT64 and table.dtype is not _INT32:  # (another byte order: the full checks)
+            return None
+        row = table[:need]
+    elif isinstance(table, torch.Tensor):
+        return None
+    else:
+        if len(table) < need:
+            return None
+        try:
+            row = _used_blocks(table, need)
+        except (OverflowError, TypeError, ValueError):
+            return None
+    if row.shape != (need,):
+        return None
+    if need:
+        unsigned = row.view(_UINT64 if row.dtype is _INT64 else _UINT32)
+        if unsigned.item(unsigned.argmax()) >= num_blocks:
+            return None
+    return row
 
 
 def validate_prefill(request: PrefillRequest, config: EngineConfig, instance_id: str) -> CheckedPrefill:
@@ -362,5 +412,5 @@ def validate_prefill(request: PrefillRequest, config: EngineConfig, instance_id:
 
     write = None
     if request.cache_write is not None:
-        write = _checked_write(request.cache_write, config, position, "cache_write.")
+        write = checked_cache_write(request.cache_write, config, position)
     return CheckedPrefill(q, position, W, query_lens, context_lens, block_table, chunks, write, request.stop)
