@@ -10,8 +10,8 @@ caches that hold something else. This probe runs the three steps on a CPU engine
 GPU needed) back to back, and again after touching ``--evict-mb`` of memory before each
 request (the cold case), and prints the medians in µs as JSON. ``quick_*``: the same for
 the path a one-sequence request of a shape that replayed before takes
-(``Engine._quick_replay``): its shape's key (``shape``), the remembered shape and its
-block ids checked (``block ids``), the staging written from them (``fill``):
+(``Engine._quick_replay``): its shape's key (``shape``), the remembered shape, its layer
+and block ids checked (``block ids``), the staging written from them (``fill``):
 
   PYTHONPATH=server:client:bench python3 bench/probe_host_cold.py [--heads 16] [--evict-mb 64]
 """
@@ -36,7 +36,7 @@ from ctxprefill.app import build_engine  # noqa: E402
 from ctxprefill.engine.engine import Engine  # noqa: E402
 from ctxprefill.engine.graphs import LoopGraphs  # noqa: E402
 from ctxprefill.engine.loop import RowMetadata, uses_keys_last  # noqa: E402
-from ctxprefill.engine.request import PrefillRequest, shape_of, validate_prefill  # noqa: E402
+from ctxprefill.engine.request import PrefillRequest, validate_prefill  # noqa: E402
 from ctxprefill.settings import ServeSettings  # noqa: E402
 from ctxprefill_bench.engine_bench import make_device_request  # noqa: E402
 
@@ -81,7 +81,7 @@ def quick_steps(engine: Engine, request: PrefillRequest, rounds: int, evict: np.
     checked = validate_prefill(request, cfg, engine.instance_id)
     key, hm = graphs.shape(checked.layer_position, cfg.fused, cfg.unpacked_keys, checked.q,
                            engine._gemm_weights[0], checked.query_lens, checked.chunks, checked.block_table, keys_last)
-    engine.remember_shape((shape_of(request, engine.instance_id), cfg.fused, cfg.unpacked_keys), checked, key, hm)
+    engine.remember_shape(engine.shape_key(request, graphs, cfg.fused, None), checked, key, hm)
     staging = np.empty(1 << 20, dtype=np.int32)
     got: dict[str, list[float]] = {s: [] for s in QUICK_STEPS}
     pc = time.perf_counter
@@ -89,13 +89,13 @@ def quick_steps(engine: Engine, request: PrefillRequest, rounds: int, evict: np.
         if evict is not None:
             evict[::64] += 1
         t0 = pc()
-        shape = (shape_of(request, engine.instance_id), cfg.fused, cfg.unpacked_keys)
+        shape = engine.shape_key(request, graphs, cfg.fused, None)
         t1 = pc()
         found = engine.known_shape(request, shape)
         t2 = pc()
         assert found is not None
-        known, row = found
-        RowMetadata(known.vectors, row, known.block_offset).fill(staging)
+        known, _, row = found
+        RowMetadata(known.vectors, row, 0).fill(staging)  # one layer: its blocks at no offset
         t3 = pc()
         for s, a, b in zip(QUICK_STEPS, (t0, t1, t2), (t1, t2, t3), strict=True):
             got[s].append((b - a) * 1e6)

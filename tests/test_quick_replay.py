@@ -1,5 +1,5 @@
 """A one-sequence request of a shape that replayed before takes the quick path
-(``Engine._quick_replay``): only its block ids (and cache_write) are checked, the shape's
+(``Engine._quick_replay``): only its layer, block ids (and cache_write) are checked, the shape's
 plan, chunk vectors and graph reused. On the CPU the engine has no CUDA graphs, so a
 stand-in ``LoopGraphs`` records what a replay would stage; every request is also checked in
 full (``validate_prefill``) and staged the full path's way (``LoopGraphs.shape``), and the
@@ -114,13 +114,18 @@ def test_another_layer_of_the_shape_stages_its_own_block_offset(engine):
     reqs = {layer: PrefillRequest(_q(8), [SequenceSpec(8, 130, table)], layer=layer) for layer in (0, 2)}
     for layer in (0, 0, 0, 2, 2):
         _run(eng, reqs[layer])
-    # replays: layer 0's third request (quick), layer 2's first (full: its shape is new, the
-    # graph is shared) and second (quick)
-    assert g.replays == 3 and eng.quick_replays == 2
+    # replays: layer 0's third request and layer 2's both, all quick (the shape and the graph
+    # are every layer's; the layer is checked per request)
+    assert g.replays == 3 and eng.quick_replays == 3
     for (_, staged, weight), layer in zip(g.staged, (0, 2, 2), strict=True):
         want = _full_staging(eng, reqs[layer])
         assert np.array_equal(staged[: want.size], want) and weight == eng._gemm_weights[layer].data_ptr()
     assert (g.staged[-1][1][want.size - 9: want.size] == table + 2 * NB).all()
+    # a layer the engine does not hold: the full checks refuse it, naming the field
+    bad = dataclasses.replace(reqs[2], layer=3)
+    want_error = _error(lambda: validate_prefill(bad, eng.config, eng.instance_id))
+    assert want_error[1].startswith("layer") and _error(lambda: _run(eng, bad)) == want_error
+    assert eng.quick_replays == 3
 
 
 def _error(fn):

@@ -212,16 +212,16 @@ def test_one_graph_serves_every_layer(kvb, prefill):
 
 
 def test_one_sequence_replays_of_every_layer_take_the_quick_path():
-    """A one-sequence shape replayed on one layer is remembered per layer: the next requests
-    of each layer check their block ids alone and replay the shared graph with their own
-    block offset, weight and cache, bit for bit their eager loops."""
+    """A one-sequence shape that replayed is remembered for every layer (they share its
+    graph): the next requests of any layer check their layer and block ids alone and replay
+    with their own block offset, weight and cache, bit for bit their eager loops."""
     c = CASES["long"]
     eng = make_engine(c, "auto", "bf16", "bf16", layers=3)
     reqs = [make_request(eng, c, seed=20 + layer, layer=layer) for layer in range(3)]
     eager = [eng.prefill_context(q, seqs, layer=layer, graphs_on=False) for layer, (q, seqs) in enumerate(reqs)]
-    order = [0, 1, 2, 2, 0, 1]  # eager, eager + capture, a replay in full, then quick ones
+    order = [0, 1, 2, 2, 0, 1]  # eager, eager + capture, then quick replays (the shape is every layer's)
     runs = [eng.prefill_context(*reqs[layer], layer=layer) for layer in order]
-    assert eng.graphs is not None and (eng.graphs.captures, eng.graphs.replays, eng.quick_replays) == (1, 4, 3)
+    assert eng.graphs is not None and (eng.graphs.captures, eng.graphs.replays, eng.quick_replays) == (1, 4, 4)
     for layer, r in zip(order, runs, strict=True):
         assert same_bits(r, eager[layer]), layer
     # a block id past the cache: refused by the full checks, naming it; nothing replayed
@@ -229,7 +229,7 @@ def test_one_sequence_replays_of_every_layer_take_the_quick_path():
     bad = [SequenceSpec(seqs[0].query_len, seqs[0].context_len, [*seqs[0].block_table[:-1], c["blocks"]])]
     with pytest.raises(OutOfRange, match=r"sequences\[0\]\.block_table"):
         eng.prefill_context(q, bad, layer=1)
-    assert (eng.graphs.replays, eng.quick_replays) == (4, 3)
+    assert (eng.graphs.replays, eng.quick_replays) == (4, 4)
 
 
 def test_observed_requests_run_eagerly_and_shapes_are_bounded():

@@ -24,6 +24,7 @@ from ..backends import registry
 from ..backends.base import AttentionBackend
 from ..cache import PagedLatentCache
 from ..config import EngineConfig
+from ..errors import CtxPrefillError
 from ..ops import _cuda, launches
 from ..ops.fp8 import FP8
 from ..ops.pack import fused_mla_kv_concat
@@ -93,13 +94,11 @@ class PrefillStats:
 class _KnownShape:
     """A one-sequence request shape that replayed: what its checks, plan and metadata gave."""
 
-    layer_position: int
     need: int  # block-table entries its context uses (>= 1)
     chunks: tuple[ContextChunk, ...]
     context_tokens: int
     graph: Hashable  # its key among the engine's captured loops
     vectors: np.ndarray  # int32: its chunk metadata (HostMetadata.vectors; read only)
-    block_offset: int  # added to its block ids on the way up (its layer's place in the shared cache)
 
 
 @dataclasses.dataclass
@@ -360,9 +359,8 @@ class Engine:
         graphs = self.graphs if (cfg.cuda_graphs if graphs_on is None else graphs_on) else None
         shape = None
         if graphs is not None and observer is None and not timeline:
-            shape = shape_of(request, self.instance_id)
+            shape = self.shape_key(request, graphs, fused, unpacked_keys)
             if shape is not None:
-                shape = (shape, fused, cfg.unpacked_keys if unpacked_keys is None else unpacked_keys)
                 quick = self._quick_replay(request, shape, graphs, fused)
                 if quick is not None:
                     return quick
@@ -396,30 +394,44 @@ class Engine:
     #: one-sequence shapes remembered (_known), the oldest forgotten first
     MAX_KNOWN = 4096
 
+    def shape_key(self, request: PrefillRequest, graphs: LoopGraphs, fused: bool,
+                  unpacked_keys: bool | None) -> Hashable | None:
+        """A one-sequence request's shape (``request.shape_of``) with the path it takes, and
+        its layer where each layer has its own graphs; None: not one (checked in full)."""
+        shape = shape_of(request, self.instance_id)
+        if shape is None:
+            return None
+        unpacked = self.config.unpacked_keys if unpacked_keys is None else unpacked_keys
+        return shape, fused, unpacked, None if graphs.cache is not None else request.layer
+
     def remember_shape(self, shape: Hashable, checked: CheckedPrefill, graph: Hashable, hm: HostMetadata) -> None:
         """Remember what a one-sequence request of ``shape`` (with context) was checked and
         planned to, its key among the captured loops and its chunk vectors."""
         need = -(-checked.context_lens[0] // self.config.cache.block_size)
         if need and shape not in self._known:
-            self._known[shape] = _KnownShape(checked.layer_position, need, tuple(checked.chunks),
-                                             checked.context_lens[0], graph, hm.vectors, hm.block_offset)
+            self._known[shape] = _KnownShape(need, tuple(checked.chunks), checked.context_lens[0], graph, hm.vectors)
             while len(self._known) > self.MAX_KNOWN:
                 self._known.popitem(last=False)
 
-    def known_shape(self, request: PrefillRequest, shape: Hashable) -> tuple[_KnownShape, np.ndarray] | None:
+    def known_shape(self, request: PrefillRequest, shape: Hashable) -> tuple[_KnownShape, int, np.ndarray] | None:
         """(what a request of ``shape`` — a one-sequence shape that replayed before — was
-        checked and planned to, the request's block ids, checked), or None where its shape
-        is not remembered or its block table fails (the full checks then name the field)."""
+        checked and planned to, the request's layer position and block ids, checked), or
+        None where its shape is not remembered or its layer or block table fails (the full
+        checks then name the field)."""
         known = self._known.get(shape)
         if known is None:
             return None
+        try:
+            position = self.config.layer_position(request.layer)
+        except CtxPrefillError:
+            return None
         row = block_row(request.sequences[0].block_table, known.need, self.config.cache.num_blocks)
-        return None if row is None else (known, row)
+        return None if row is None else (known, position, row)
 
     def _quick_replay(self, request: PrefillRequest, shape: Hashable, graphs: LoopGraphs,
                       fused: bool) -> PendingPrefill | None:
         """A request of a remembered shape replayed with only what differs between such
-        requests checked: its block ids (and its cache_write). Every other check of
+        requests checked: its layer, its block ids (and its cache_write). Every other check of
         ``validate_prefill`` has one outcome per shape, and this shape passed them; its plan,
         chunk vectors and graph are the shape's. None where the request needs the full path
         (the shape unknown, a block table that fails, a stop signal that rules out a replay,
@@ -427,16 +439,18 @@ class Engine:
         got = self.known_shape(request, shape)
         if got is None:
             return None
-        known, row = got
+        known, position, row = got
         if known.graph not in graphs or not graphs.eligible(False, request.stop, len(known.chunks)):
             return None
         write = None
         if request.cache_write is not None:
-            write = checked_cache_write(request.cache_write, self.config, known.layer_position)
+            write = checked_cache_write(request.cache_write, self.config, position)
         q = self._on_engine_device(request.q)
+        # the layer's place in the shared cache (LoopGraphs.shape); 0 where each layer has its graphs
+        offset = position * graphs.blocks_per_layer if graphs.cache is not None else 0
         with self._lock, self._on_device():
-            pending = graphs.replay(known.graph, RowMetadata(known.vectors, row, known.block_offset), q,
-                                    self._gemm_weights[known.layer_position], request.stop, len(known.chunks))
+            pending = graphs.replay(known.graph, RowMetadata(known.vectors, row, offset), q,
+                                    self._gemm_weights[position], request.stop, len(known.chunks))
         if pending is None:
             return None
         self.quick_replays += 1

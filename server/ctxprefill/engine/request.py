@@ -20,9 +20,10 @@ A request may carry a :class:`StopSignal`: the chunk loop asks it between chunks
 stops (``DeadlineExceeded`` / ``Cancelled``) once its deadline passed or its caller went
 away; nothing is written then.
 
-A one-sequence request's checks but its block ids have one outcome per :func:`shape_of`;
-the engine remembers a shape that replayed and checks the next such request's block ids
-alone (:func:`block_row`), running ``validate_prefill`` where they fail.
+A one-sequence request's checks but its layer and block ids have one outcome per
+:func:`shape_of`; the engine remembers a shape that replayed and checks the next such
+request's layer and block ids alone (:func:`block_row`), running ``validate_prefill``
+where they fail.
 
 What the wire adds (a tensor's byte length, message size limits, shared-memory
 placement) is the service's to check before it builds these.
@@ -287,16 +288,16 @@ def _used_blocks(table: Sequence[int] | np.ndarray | torch.Tensor, need: int) ->
 
 
 def shape_of(request: PrefillRequest, instance_id: str) -> tuple[object, ...] | None:
-    """What :func:`validate_prefill` checks of a one-sequence request but its block ids — its
-    layer, q's dtype and shape, the sequence's query and context lengths — as a key (a
-    request equal in it passes or fails those checks alike), or None for a request with
-    more sequences, a plan, a workspace or another instance expected (checked in full)."""
+    """What :func:`validate_prefill` checks of a one-sequence request but its layer and block
+    ids — q's dtype and shape, the sequence's query and context lengths — as a key (requests
+    equal in it pass or fail those checks alike), or None for a request with more
+    sequences, a plan, a workspace or another instance expected (checked in full)."""
     if request.plan is not None or request.workspace_tokens is not None or len(request.sequences) != 1 \
             or (request.expected_instance_id is not None and request.expected_instance_id != instance_id):
         return None
     s = request.sequences[0]
     q = request.q
-    return request.layer, q.dtype, q.shape, s.query_len, s.context_len
+    return q.dtype, q.shape, s.query_len, s.context_len
 
 
 def block_row(table: Sequence[int] | np.ndarray | torch.Tensor, need: int, num_blocks: int) -> np.ndarray | None:
