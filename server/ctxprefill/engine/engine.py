@@ -353,7 +353,9 @@ class Engine:
         unless given (benchmarks compare the paths on one engine). ``timeline``: keep when
         its checks and plan ran and each stage's place (``PrefillStats.checked_ns`` and
         ``stages``: what a traced request's spans show). ``graphs_on``: replay the shape's
-        CUDA graph where it can (engine/graphs.py), ``config.cuda_graphs`` unless given."""
+        CUDA graph where it can (engine/graphs.py), ``config.cuda_graphs`` unless given; a
+        one-sequence request of a shape that replayed before then checks only its layer and
+        block ids (:meth:`_quick_replay`)."""
         cfg = self.config
         fused = cfg.fused if fused is None else fused
         graphs = self.graphs if (cfg.cuda_graphs if graphs_on is None else graphs_on) else None
