@@ -294,6 +294,7 @@ def _measure(a: argparse.Namespace) -> list[dict]:
                 row[f"{name}_host_steps_us"] = host_steps_us(engine, q, seqs, fused, graphs, a.iters)
         row["replay_launch_rounds"] = replay_launch_rounds(engine, q, seqs, a.rounds, a.iters)
         row["graph_replays"] = engine.graphs.replays
+        row["graph_quick_replays"] = engine.quick_replays  # of them, one-sequence shapes known before (quick checks)
         if not row["graph_replays"]:  # else the "graph" rows would be the eager loop's
             raise SystemExit(f"probe_host_issue: H={heads} {pd}: the graph path never replayed")
         # the pieces, one call each (device held): what a stage's bracket costs the host
