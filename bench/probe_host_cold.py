@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Hashable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _sub in ("client", "server", "bench"):
@@ -35,8 +36,8 @@ import numpy as np  # noqa: E402
 from ctxprefill.app import build_engine  # noqa: E402
 from ctxprefill.engine.engine import Engine  # noqa: E402
 from ctxprefill.engine.graphs import LoopGraphs  # noqa: E402
-from ctxprefill.engine.loop import RowMetadata, uses_keys_last  # noqa: E402
-from ctxprefill.engine.request import PrefillRequest, validate_prefill  # noqa: E402
+from ctxprefill.engine.loop import HostMetadata, RowMetadata, uses_keys_last  # noqa: E402
+from ctxprefill.engine.request import CheckedPrefill, PrefillRequest, validate_prefill  # noqa: E402
 from ctxprefill.settings import ServeSettings  # noqa: E402
 from ctxprefill_bench.engine_bench import make_device_request  # noqa: E402
 
@@ -44,64 +45,67 @@ STEPS = ("validate", "shape", "fill")
 QUICK_STEPS = ("shape", "block ids", "fill")
 
 
-def host_steps(engine: Engine, request: PrefillRequest, rounds: int, evict: np.ndarray | None) -> dict[str, float]:
-    """Median µs of each step over ``rounds`` requests; ``evict``: an array written through
-    (one byte a cache line) before each request."""
-    cfg = engine.config
-    graphs = LoopGraphs()
-    weight = engine._gemm_weights[0]
-    keys_last = uses_keys_last(engine.backend, cfg.prefill_dtype == "fp8", request.q.dtype)
-    staging = np.empty(1 << 20, dtype=np.int32)
-    got: dict[str, list[float]] = {s: [] for s in STEPS}
-    pc = time.perf_counter
+def _medians(steps: tuple[str, ...], rounds: int, evict: np.ndarray | None,
+             one: Callable[[], tuple[float, ...]]) -> dict[str, float]:
+    """Median µs of each step over ``rounds`` calls of ``one`` (its steps' perf_counter
+    boundaries); ``evict``: an array written through (one byte a cache line) before each."""
+    got: dict[str, list[float]] = {s: [] for s in steps}
     for _ in range(rounds):
         if evict is not None:
             evict[::64] += 1
-        t0 = pc()
-        checked = validate_prefill(request, cfg, engine.instance_id)
-        t1 = pc()
-        _, hm = graphs.shape(checked.layer_position, cfg.fused, cfg.unpacked_keys, checked.q, weight,
-                             checked.query_lens, checked.chunks, checked.block_table, keys_last)
-        t2 = pc()
-        hm.fill(staging[: hm.size])
-        t3 = pc()
-        for s, a, b in zip(STEPS, (t0, t1, t2), (t1, t2, t3), strict=True):
+        ts = one()
+        for s, a, b in zip(steps, ts[:-1], ts[1:], strict=True):
             got[s].append((b - a) * 1e6)
     out = {s: round(statistics.median(v), 2) for s, v in got.items()}
-    out["total"] = round(sum(out[s] for s in STEPS), 2)
+    out["total"] = round(sum(out[s] for s in steps), 2)
     return out
 
 
-def quick_steps(engine: Engine, request: PrefillRequest, rounds: int, evict: np.ndarray | None) -> dict[str, float]:
-    """:func:`host_steps` of the quick path (the request's shape remembered first, as its
-    replay remembers it)."""
+def _shape(engine: Engine, graphs: LoopGraphs, checked: CheckedPrefill) -> tuple[Hashable, HostMetadata]:
+    """LoopGraphs.shape of a checked request, as the engine makes it before a replay."""
     cfg = engine.config
-    graphs = LoopGraphs()
-    keys_last = uses_keys_last(engine.backend, cfg.prefill_dtype == "fp8", request.q.dtype)
-    checked = validate_prefill(request, cfg, engine.instance_id)
-    key, hm = graphs.shape(checked.layer_position, cfg.fused, cfg.unpacked_keys, checked.q,
-                           engine._gemm_weights[0], checked.query_lens, checked.chunks, checked.block_table, keys_last)
-    engine.remember_shape(engine.shape_key(request, graphs, cfg.fused, None), checked, key, hm)
-    staging = np.empty(1 << 20, dtype=np.int32)
-    got: dict[str, list[float]] = {s: [] for s in QUICK_STEPS}
-    pc = time.perf_counter
-    for _ in range(rounds):
-        if evict is not None:
-            evict[::64] += 1
+    keys_last = uses_keys_last(engine.backend, cfg.prefill_dtype == "fp8", checked.q.dtype)
+    return graphs.shape(checked.layer_position, cfg.fused, cfg.unpacked_keys, checked.q,
+                        engine._gemm_weights[checked.layer_position], checked.query_lens, checked.chunks,
+                        checked.block_table, keys_last)
+
+
+def host_steps(engine: Engine, request: PrefillRequest, rounds: int, evict: np.ndarray | None) -> dict[str, float]:
+    """:func:`_medians` of the full path's steps: the checks, the shape, the staging."""
+    graphs, staging, pc = LoopGraphs(), np.empty(1 << 20, dtype=np.int32), time.perf_counter
+
+    def one() -> tuple[float, ...]:
         t0 = pc()
-        shape = engine.shape_key(request, graphs, cfg.fused, None)
+        checked = validate_prefill(request, engine.config, engine.instance_id)
+        t1 = pc()
+        _, hm = _shape(engine, graphs, checked)
+        t2 = pc()
+        hm.fill(staging[: hm.size])
+        return t0, t1, t2, pc()
+
+    return _medians(STEPS, rounds, evict, one)
+
+
+def quick_steps(engine: Engine, request: PrefillRequest, rounds: int, evict: np.ndarray | None) -> dict[str, float]:
+    """:func:`_medians` of the quick path's steps (the request's shape remembered first, as
+    its replay remembers it): its key, its layer and block ids checked, the staging."""
+    graphs, staging, pc = LoopGraphs(), np.empty(1 << 20, dtype=np.int32), time.perf_counter
+    fused = engine.config.fused
+    checked = validate_prefill(request, engine.config, engine.instance_id)
+    engine.remember_shape(engine.shape_key(request, graphs, fused, None), checked, *_shape(engine, graphs, checked))
+
+    def one() -> tuple[float, ...]:
+        t0 = pc()
+        shape = engine.shape_key(request, graphs, fused, None)
         t1 = pc()
         found = engine.known_shape(request, shape)
         t2 = pc()
         assert found is not None
         known, _, row = found
         RowMetadata(known.vectors, row, 0).fill(staging)  # one layer: its blocks at no offset
-        t3 = pc()
-        for s, a, b in zip(QUICK_STEPS, (t0, t1, t2), (t1, t2, t3), strict=True):
-            got[s].append((b - a) * 1e6)
-    out = {s: round(statistics.median(v), 2) for s, v in got.items()}
-    out["total"] = round(sum(out[s] for s in QUICK_STEPS), 2)
-    return out
+        return t0, t1, t2, pc()
+
+    return _medians(QUICK_STEPS, rounds, evict, one)
 
 
 def main(argv: list[str] | None = None) -> int:
