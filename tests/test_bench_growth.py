@@ -33,3 +33,12 @@ def test_the_graph_is_fitted_where_every_row_has_one():
     with_graph[1].pop("fused_graph_s")
     (g,) = growth.growth(with_graph)
     assert "graph_ns_per_token" not in g and g["fused_ns_per_token"] == pytest.approx(1000.0)
+
+
+def test_a_line_along_new_tokens_holds_the_context():
+    rows = [_row(16, 65536, 1e-3 + 2e-6 * n, 1e-6 * n, new=n) for n in (128, 1024, 4096)]
+    rows.append(_row(16, 8192, 1.0, 1.0, new=128))  # another context, one point: no line
+    (g,) = growth.growth(rows, "new")
+    assert (g["axis"], g["context"], g["tokens"]) == ("new", 65536, [128, 1024, 4096])
+    assert g["fused_ns_per_token"] == pytest.approx(2000.0) and g["fused_fixed_ms"] == pytest.approx(1.0)
+    assert g["fused_over_floor_growth"] == pytest.approx(2.0)
