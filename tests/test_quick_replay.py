@@ -134,21 +134,21 @@ def _error(fn):
     return type(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("table,context", [
-    ([0, 1, 2, 3, 4, 5, 6, 7, NB], 130),  # an id past the cache
-    ([0, 1, 2, 3, -1, 5, 6, 7, 8], 130),  # a negative id
-    ([0, 1, 2, 3, 4, 5, 6, 7], 130),  # one block short
-    (np.asarray([0, 1, 2, 3, 4, 5, 6, 7, 2**33], dtype=np.int64), 130),  # wraps to 0 as int32
-    (np.asarray([0, 1, 2, 3, 4, 5, 6, 7, 8], dtype=np.float64), 130),  # not ids: the full checks decide
-    (torch.arange(9), 130),
+@pytest.mark.parametrize("table", [
+    [0, 1, 2, 3, 4, 5, 6, 7, NB],  # an id past the cache
+    [0, 1, 2, 3, -1, 5, 6, 7, 8],  # a negative id
+    [0, 1, 2, 3, 4, 5, 6, 7],  # one block short
+    np.asarray([0, 1, 2, 3, 4, 5, 6, 7, 2**33], dtype=np.int64),  # wraps to 0 as int32
+    np.asarray([0, 1, 2, 3, 4, 5, 6, 7, 8], dtype=np.float64),  # not ids: the full checks decide
+    torch.arange(9),
 ])
-def test_a_request_the_quick_checks_refuse_gets_the_full_paths_answer(engine, table, context):
+def test_a_request_the_quick_checks_refuse_gets_the_full_paths_answer(engine, table):
     eng = engine
     good = PrefillRequest(_q(8), [SequenceSpec(8, 130, list(range(9)))], layer=1)
     for _ in range(3):
         _run(eng, good)
     assert eng.quick_replays == 1
-    bad = dataclasses.replace(good, sequences=[SequenceSpec(8, context, table)])
+    bad = dataclasses.replace(good, sequences=[SequenceSpec(8, 130, table)])
     try:
         want = validate_prefill(bad, eng.config, eng.instance_id)
     except CtxPrefillError as e:
