@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import struct
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -64,22 +63,13 @@ def _save(fig, out_dir: str, name: str, dpi: int, meta: dict) -> str:
 
 
 def png_run(path: str) -> str | None:
-    """The run a PNG written here was made from (its ``RUN_KEY`` text field), or None."""
-    with open(path, "rb") as f:
-        data = f.read()
-    at = 8  # after the signature: chunks of length, type, data, CRC
-    while at + 8 <= len(data):
-        (n,), kind_ = struct.unpack(">I", data[at:at + 4]), data[at + 4:at + 8]
-        if kind_ == b"tEXt":
-            key, _, text = data[at + 8:at + 8 + n].partition(b"\0")
-            if key.decode("latin-1") == RUN_KEY:
-                return text.decode("latin-1")
-        elif kind_ == b"iTXt":  # text outside latin-1: keyword, 0, flags, method, language, 0, keyword, 0, text
-            key, _, rest = data[at + 8:at + 8 + n].partition(b"\0")
-            if key.decode("latin-1") == RUN_KEY:
-                return rest[2:].split(b"\0", 2)[2].decode("utf-8")
-        at += 12 + n
-    return None
+    """The run a PNG written here was made from (its ``RUN_KEY`` text field), or None.
+    Pillow reads it: matplotlib's own dependency, there wherever plots are made."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        text = im.info.get(RUN_KEY)
+    return text if isinstance(text, str) else None
 
 
 def load(path: str) -> dict:
