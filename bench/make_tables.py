@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ctxprefill_bench import growth  # noqa: E402
-from plot_engine import ctx_label, kind, run_line  # noqa: E402
+from plot_engine import ctx_label, kind, run_line, tokens_label  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -492,19 +492,15 @@ def growth_table(d: Doc, axis: str = "context") -> str:
              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if graph else "")]
     for g in fitted:
         xs = g["tokens"]
-        span = f"{_tok(min(xs), axis)}–{_tok(max(xs), axis)} ({len(xs)})"
+        span = f"{tokens_label(min(xs), axis)}–{tokens_label(max(xs), axis)} ({len(xs)})"
         nb = g["fused_neighbour_ns_per_token"]
-        lines.append(f"| {g['heads']} | {_tok(g[held], held)} | {g['cache_dtype']} | {g['prefill_dtype']} | {span} "
+        lines.append(f"| {g['heads']} | {tokens_label(g[held], held)} | {g['cache_dtype']} | {g['prefill_dtype']} "
+                     f"| {span} "
                      f"| {g['fused_ns_per_token']:.2f} | "
                      + (f"{g['graph_ns_per_token']:.2f} | " if graph else "")
                      + f"{_num(g.get('floor_ns_per_token'), '.2f')} | {_num(g.get('fused_over_floor_growth'), '.2f')} "
                      f"| {min(nb):.2f}–{max(nb):.2f} | {g['fused_fixed_ms']:.3f} |")
     return "\n".join(lines) + "\n"
-
-
-def _tok(n: int, axis: str) -> str:
-    """Tokens as the tables name them: context 8k, 1024k; new tokens 1,024."""
-    return ctx_label(n) if axis == "context" else f"{n:,}"
 
 
 def model_prefill_table(d: Doc) -> str:
@@ -994,12 +990,11 @@ def _cost_row(name: str, axis: str, results: str) -> tuple[str, str, str]:
     rows = [r for r in d["rows"] if "fused_s" in r and r["cache_dtype"] == "auto"]
     keys = sorted({(r["heads"], r["prefill_dtype"]) for r in rows})
     xs = sorted({r[axis] for r in rows})
-    held = {r[growth.AXES[axis]] for r in rows}
-    label = ctx_label if axis == "context" else (lambda n: f"{n:,}")
-    where = (f"{label(xs[0])} → {label(xs[-1])} context ({len(xs)} lengths), {', '.join(f'{n:,}' for n in held)} "
-             f"new" if axis == "context" else
-             f"{label(xs[0])} → {label(xs[-1])} new tokens ({len(xs)} counts) over "
-             f"{', '.join(ctx_label(n) for n in held)} context")
+    other = growth.AXES[axis]
+    held = ", ".join(tokens_label(n, other) for n in sorted({r[other] for r in rows}))
+    where = (f"{tokens_label(xs[0], axis)} → {tokens_label(xs[-1], axis)} "
+             + (f"context ({len(xs)} lengths), {held} new" if axis == "context" else
+                f"new tokens ({len(xs)} counts) over {held} context"))
     fitted = {(g["heads"], g["prefill_dtype"]): g for g in d.get("growth", []) if g["axis"] == axis
               and g["cache_dtype"] == "auto"}
     cells = []

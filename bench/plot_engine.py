@@ -95,6 +95,11 @@ def ctx_label(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
+def tokens_label(n: int, axis: str) -> str:
+    """Tokens of a grid's axis as the plots and tables name them: context 64k, new 1,024."""
+    return ctx_label(n) if axis == "context" else f"{n:,}"
+
+
 def measured(d: dict) -> list[dict]:
     return [r for r in d.get("rows", []) if "speedup" in r and "error" not in r and "skipped" not in r]
 
@@ -273,7 +278,7 @@ def plot_latency(d: dict, out_dir: str, axis: str = "context") -> str | None:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ticks = sorted({r[axis] for r in sub})
-            ax.set_xticks(ticks, [ctx_label(c) if axis == "context" else f"{c:,}" for c in ticks])
+            ax.set_xticks(ticks, [tokens_label(c, axis) for c in ticks])
             ax.set_xlabel(xlabel)
             ax.set_ylabel("ms per request")
             ax.set_title(f"cache {cd}, prefill {pd}  (fused —, generic --, floor ··)", fontsize=8)
