@@ -90,13 +90,13 @@ def quick_steps(engine: Engine, request: PrefillRequest, rounds: int, evict: np.
     """:func:`_medians` of the quick path's steps (the request's shape remembered first, as
     its replay remembers it): its key, its layer and block ids checked, the staging."""
     graphs, staging, pc = LoopGraphs(), np.empty(1 << 20, dtype=np.int32), time.perf_counter
-    fused = engine.config.fused
+    path = engine.config.fused, engine.config.unpacked_keys
     checked = validate_prefill(request, engine.config, engine.instance_id)
-    engine.remember_shape(engine.shape_key(request, graphs, fused, None), checked, *_shape(engine, graphs, checked))
+    engine.remember_shape(engine.shape_key(request, graphs, *path), checked, *_shape(engine, graphs, checked))
 
     def one() -> tuple[float, ...]:
         t0 = pc()
-        shape = engine.shape_key(request, graphs, fused, None)
+        shape = engine.shape_key(request, graphs, *path)
         t1 = pc()
         found = engine.known_shape(request, shape)
         t2 = pc()

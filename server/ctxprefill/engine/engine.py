@@ -358,10 +358,11 @@ class Engine:
         block ids (:meth:`_quick_replay`)."""
         cfg = self.config
         fused = cfg.fused if fused is None else fused
+        unpacked = cfg.unpacked_keys if unpacked_keys is None else unpacked_keys
         graphs = self.graphs if (cfg.cuda_graphs if graphs_on is None else graphs_on) else None
         shape = None
         if graphs is not None and observer is None and not timeline:
-            shape = self.shape_key(request, graphs, fused, unpacked_keys)
+            shape = self.shape_key(request, graphs, fused, unpacked)
             if shape is not None:
                 quick = self._quick_replay(request, shape, graphs, fused)
                 if quick is not None:
@@ -371,13 +372,12 @@ class Engine:
         checked_ns = (t_check, time.perf_counter_ns()) if timeline else None
         if graphs is None or observer is not None or not graphs.eligible(timeline, checked.stop, len(checked.chunks)):
             with self._lock, self._on_device():
-                pending = start_chunk_loop(self.loop_inputs(checked, unpacked_keys, timeline), self.backend, fused,
+                pending = start_chunk_loop(self.loop_inputs(checked, unpacked, timeline), self.backend, fused,
                                            observer)
         else:
             # a replay needs the request's shape and metadata alone (no loop inputs): made
             # here, before the lock, while the device may still run the request before
             q = self._on_engine_device(checked.q)
-            unpacked = cfg.unpacked_keys if unpacked_keys is None else unpacked_keys
             weight = self._gemm_weights[checked.layer_position]
             key, hm = graphs.shape(checked.layer_position, fused, unpacked, q, weight, checked.query_lens,
                                    checked.chunks, checked.block_table,
@@ -385,25 +385,27 @@ class Engine:
             with self._lock, self._on_device():
                 replayed = graphs.replay(key, hm, q, weight, checked.stop, len(checked.chunks))
                 pending = replayed if replayed is not None else graphs.start_eager(
-                    self.loop_inputs(checked, unpacked_keys, timeline, q), self.backend, fused, key, hm)
+                    self.loop_inputs(checked, unpacked, timeline, q), self.backend, fused, key, hm)
             if shape is not None:  # the shape's next request may take the quick path
                 self.remember_shape(shape, checked, key, hm)
-        return PendingPrefill(self, pending, dict(
-            chunks=checked.chunks, path="fused" if fused else "generic", fp8_path=cfg.fp8_path_labels,
-            context_tokens=sum(checked.context_lens), query_tokens=int(checked.q.shape[0]), checked_ns=checked_ns),
-            checked.cache_write)
+        return PendingPrefill(self, pending, self._stats(checked.chunks, fused, sum(checked.context_lens), checked.q,
+                                                         checked_ns), checked.cache_write)
+
+    def _stats(self, chunks: list[ContextChunk], fused: bool, context_tokens: int, q: torch.Tensor,
+               checked_ns: tuple[int, int] | None) -> dict[str, Any]:
+        """A request's PrefillStats known before its work runs."""
+        return dict(chunks=chunks, path="fused" if fused else "generic", fp8_path=self.config.fp8_path_labels,
+                    context_tokens=context_tokens, query_tokens=int(q.shape[0]), checked_ns=checked_ns)
 
     #: one-sequence shapes remembered (_known), the oldest forgotten first
     MAX_KNOWN = 4096
 
-    def shape_key(self, request: PrefillRequest, graphs: LoopGraphs, fused: bool,
-                  unpacked_keys: bool | None) -> Hashable | None:
+    def shape_key(self, request: PrefillRequest, graphs: LoopGraphs, fused: bool, unpacked: bool) -> Hashable | None:
         """A one-sequence request's shape (``request.shape_of``) with the path it takes, and
         its layer where each layer has its own graphs; None: not one (checked in full)."""
         shape = shape_of(request, self.instance_id)
         if shape is None:
             return None
-        unpacked = self.config.unpacked_keys if unpacked_keys is None else unpacked_keys
         return shape, fused, unpacked, None if graphs.cache is not None else request.layer
 
     def remember_shape(self, shape: Hashable, checked: CheckedPrefill, graph: Hashable, hm: HostMetadata) -> None:
@@ -456,9 +458,8 @@ class Engine:
         if pending is None:
             return None
         self.quick_replays += 1
-        return PendingPrefill(self, pending, dict(
-            chunks=list(known.chunks), path="fused" if fused else "generic", fp8_path=self.config.fp8_path_labels,
-            context_tokens=known.context_tokens, query_tokens=int(q.shape[0]), checked_ns=None), write)
+        return PendingPrefill(self, pending, self._stats(list(known.chunks), fused, known.context_tokens, q, None),
+                              write)
 
     def _on_engine_device(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the engine's device: itself where it is there, else copied in stream order."""

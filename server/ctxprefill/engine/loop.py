@@ -223,12 +223,7 @@ class HostMetadata:
     def fill(self, out: np.ndarray) -> None:
         """Write the upload into ``out`` (int32 ``[size]``): a replay's page-locked staging
         takes it so, with no array made in between."""
-        m = self.vectors.size
-        out[:m] = self.vectors
-        if self.block_offset:
-            np.add(self.block_table.ravel(), np.int32(self.block_offset), out=out[m:])
-        else:
-            out[m:] = self.block_table.ravel()
+        fill_upload(out, self.vectors, self.block_table.ravel(), self.block_offset)
 
     def layout(self) -> tuple[object, ...]:
         """Everything of the upload but its values: equal for requests whose metadata
@@ -253,12 +248,18 @@ class RowMetadata:
     block_offset: int
 
     def fill(self, out: np.ndarray) -> None:
-        m = self.vectors.size
-        out[:m] = self.vectors
-        if self.block_offset:
-            np.add(self.row, self.block_offset, out=out[m : m + self.row.size], casting="unsafe")
-        else:  # an assignment casts as "unsafe" does: the ids fit int32 (checked)
-            out[m : m + self.row.size] = self.row
+        fill_upload(out, self.vectors, self.row, self.block_offset)
+
+
+def fill_upload(out: np.ndarray, vectors: np.ndarray, ids: np.ndarray, block_offset: int) -> None:
+    """An upload into int32 ``out``: the chunk vectors, then the block ids plus
+    ``block_offset`` (int32 or int64 ids, each fitting int32 with its offset: checked)."""
+    m = vectors.size
+    out[:m] = vectors
+    if block_offset:
+        np.add(ids, block_offset, out=out[m : m + ids.size], casting="unsafe")
+    else:  # an assignment casts as "unsafe" does
+        out[m : m + ids.size] = ids
 
 
 def uses_keys_last(backend: AttentionBackend, fp8_prefill: bool, q_dtype: torch.dtype) -> bool:

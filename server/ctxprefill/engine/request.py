@@ -311,19 +311,21 @@ def block_row(table: Sequence[int] | np.ndarray | torch.Tensor, need: int, num_b
     elif isinstance(table, torch.Tensor):
         return None
     else:
-        if len(table) < need:
-            return None
         try:
             row = _used_blocks(table, need)
         except (OverflowError, TypeError, ValueError):
             return None
-    if row.shape != (need,):
+    if row.shape != (need,) or (need and _largest_id(row) >= num_blocks):  # short, or an id out of range
         return None
-    if need:
-        unsigned = row.view(_UINT64 if row.dtype is _INT64 else _UINT32)
-        if unsigned.item(unsigned.argmax()) >= num_blocks:
-            return None
     return row
+
+
+def _largest_id(ids: np.ndarray) -> int:
+    """The largest of int64 or int32 ``ids`` read as unsigned, so that a negative id is past
+    every valid one: one pass for both ends of the range. argmax, not a max reduction: less
+    of numpy's code to run where the request finds the caches cold (bench/probe_host_cold.py)."""
+    unsigned = ids.view(_UINT64 if ids.itemsize == 8 else _UINT32)
+    return int(unsigned.item(unsigned.argmax()))
 
 
 def validate_prefill(request: PrefillRequest, config: EngineConfig, instance_id: str) -> CheckedPrefill:
@@ -389,18 +391,15 @@ def validate_prefill(request: PrefillRequest, config: EngineConfig, instance_id:
     if total_q != q_shape[0]:
         raise InvalidArgument("sequences", f"query_len values sum to {total_q} but q has {q_shape[0]} rows "
                                            f"(q.shape[0] must equal the sum)")
-    # every used block id in [0, num_blocks), in one pass (as unsigned, a negative id is
-    # past every valid one), then int32; numpy, not torch: 1,024 blocks (64k tokens) took
-    # ~140 µs through torch, host time of every request. argmax, not a max reduction: less
-    # of numpy's code to run where the request finds the caches cold (bench/probe_host_cold.py)
+    # every used block id in [0, num_blocks) (_largest_id), then int32; numpy, not torch:
+    # 1,024 blocks (64k tokens) took ~140 µs through torch, host time of every request
     if nseq == 1 and max_need:
         table = rows[0].reshape(1, -1)
     else:
         table = np.zeros((nseq, max(max_need, 1)), dtype=np.int64)
         for i, used in enumerate(rows):
             table[i, : used.shape[0]] = used
-    unsigned = table.view(np.uint64)
-    if max_need and unsigned.item(unsigned.argmax()) >= num_blocks:
+    if max_need and _largest_id(table) >= num_blocks:
         i, j = (int(k[0]) for k in np.nonzero((table < 0) | (table >= num_blocks)))
         raise OutOfRange(f"sequences[{i}].block_table[{j}]", f"block {int(table[i, j])} is outside [0, {num_blocks})")
     block_table = table.astype(np.int32)
