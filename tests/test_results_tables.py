@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -94,10 +95,12 @@ def test_cost_row_shows_the_growth_the_run_recorded(mt, tmp_path):
 
     res = tmp_path / "results"
     shutil.copytree(RESULTS, res)
+    d = json.loads((res / "bench_engine_scaling.json").read_text())
+    d.pop("growth", None)  # a file written without the fit
+    (res / "bench_engine_scaling.json").write_text(json.dumps(d))
     row = next(x for x in mt.readme_block(str(tmp_path), results=str(res)).splitlines()
                if "bench_engine_scaling.json" in x)
     assert "ns a token" not in row
-    d = json.loads((res / "bench_engine_scaling.json").read_text())
     d["growth"] = growth.growth(d["rows"])
     (res / "bench_engine_scaling.json").write_text(json.dumps(d))
     block = mt.readme_block(str(tmp_path), results=str(res))
@@ -190,6 +193,9 @@ def test_whole_request_rows_give_every_dtypes_graph_against_its_floor(mt, tmp_pa
     d = json.loads((res / "bench_engine.json").read_text())
     at64k = [r for r in d["rows"] if r["heads"] == 16 and r["new"] == 1024 and r["context"] == 65536]
     ratios = [r["fused_graph_over_floor"] for r in at64k]
+    for r in at64k:  # a run that did not record the held rate's ratio
+        r.pop("fused_graph_over_sustained_floor", None)
+    (res / "bench_engine.json").write_text(json.dumps(d))
 
     def row() -> str:
         return next(x for x in mt.readme_block(str(tmp_path), results=str(res)).splitlines()
@@ -219,7 +225,7 @@ def test_docs_cite_runs_that_bench_results_holds():
     """A benchmark figure in the docs names its commit, and that run is in bench/results (its
     JSON replaced, the figure must follow). RELIABILITY.md's figures are tests' output, not
     benchmarks'."""
-    held = "".join(open(os.path.join(RESULTS, n)).read() for n in os.listdir(RESULTS) if n.endswith(".json"))
+    held = "".join(p.read_text() for p in Path(RESULTS).glob("*.json"))
     docs = ["README.md"] + [os.path.join("docs", n) for n in os.listdir(os.path.join(ROOT, "docs"))
                             if n.endswith(".md") and n != "RELIABILITY.md"]
     for doc in docs:
