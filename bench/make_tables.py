@@ -475,27 +475,24 @@ def sharded_table(d: Doc) -> str:
     return "\n".join(lines) + "\n"
 
 
-def growth_table(d: Doc, axis: str = "context") -> str:
-    """The lines fitted along ``axis`` (ctxprefill_bench/growth.py): as the run recorded them,
-    or fitted here for a file written without them. Per token of ``axis``: the fused request's
-    growth, its replay's (where the run had one), the floor's, and the slopes between
-    neighbouring points (a step from re-allocation or re-planning shows as one far above the
-    line)."""
-    fitted = [g for g in (d.get("growth") or growth.growth(d.get("rows", []), axis)) if g["axis"] == axis]
+def growth_table(d: Doc) -> str:
+    """The lines fitted along context (ctxprefill_bench/growth.py, from the rows: what
+    ``ctxprefill bench`` records beside them). Per context token: the fused request's growth,
+    its replay's (where the run had one), the floor's, and the slopes between neighbouring
+    lengths (a step from re-allocation or re-planning shows as one far above the line)."""
+    fitted = growth.growth(d.get("rows", []))
     if not fitted:
         return ""
-    held = growth.AXES[axis]
     graph = all("graph_ns_per_token" in g for g in fitted)
-    lines = [f"| H | {held} | cache | prefill | {axis} tokens | fused ns / token | "
+    lines = ["| H | new | cache | prefill | context tokens | fused ns / token | "
              + ("CUDA graph ns / token | " if graph else "") + "floor ns / token | fused / floor growth "
              "| fused between neighbouring points, ns / token | fused line at no tokens, ms |",
              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if graph else "")]
     for g in fitted:
         xs = g["tokens"]
-        span = f"{tokens_label(min(xs), axis)}–{tokens_label(max(xs), axis)} ({len(xs)})"
         nb = g["fused_neighbour_ns_per_token"]
-        lines.append(f"| {g['heads']} | {tokens_label(g[held], held)} | {g['cache_dtype']} | {g['prefill_dtype']} "
-                     f"| {span} "
+        lines.append(f"| {g['heads']} | {g['new']:,} | {g['cache_dtype']} | {g['prefill_dtype']} "
+                     f"| {ctx_label(min(xs))}–{ctx_label(max(xs))} ({len(xs)}) "
                      f"| {g['fused_ns_per_token']:.2f} | "
                      + (f"{g['graph_ns_per_token']:.2f} | " if graph else "")
                      + f"{_num(g.get('floor_ns_per_token'), '.2f')} | {_num(g.get('fused_over_floor_growth'), '.2f')} "
