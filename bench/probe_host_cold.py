@@ -24,7 +24,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _sub in ("client", "server", "bench"):
@@ -36,8 +36,8 @@ import numpy as np  # noqa: E402
 from ctxprefill.app import build_engine  # noqa: E402
 from ctxprefill.engine.engine import Engine  # noqa: E402
 from ctxprefill.engine.graphs import LoopGraphs  # noqa: E402
-from ctxprefill.engine.loop import HostMetadata, RowMetadata, uses_keys_last  # noqa: E402
-from ctxprefill.engine.request import CheckedPrefill, PrefillRequest, validate_prefill  # noqa: E402
+from ctxprefill.engine.loop import RowMetadata  # noqa: E402
+from ctxprefill.engine.request import PrefillRequest, validate_prefill  # noqa: E402
 from ctxprefill.settings import ServeSettings  # noqa: E402
 from ctxprefill_bench.engine_bench import make_device_request  # noqa: E402
 
@@ -61,15 +61,6 @@ def _medians(steps: tuple[str, ...], rounds: int, evict: np.ndarray | None,
     return out
 
 
-def _shape(engine: Engine, graphs: LoopGraphs, checked: CheckedPrefill) -> tuple[Hashable, HostMetadata]:
-    """LoopGraphs.shape of a checked request, as the engine makes it before a replay."""
-    cfg = engine.config
-    keys_last = uses_keys_last(engine.backend, cfg.prefill_dtype == "fp8", checked.q.dtype)
-    return graphs.shape(checked.layer_position, cfg.fused, cfg.unpacked_keys, checked.q,
-                        engine._gemm_weights[checked.layer_position], checked.query_lens, checked.chunks,
-                        checked.block_table, keys_last)
-
-
 def host_steps(engine: Engine, request: PrefillRequest, rounds: int, evict: np.ndarray | None) -> dict[str, float]:
     """:func:`_medians` of the full path's steps: the checks, the shape, the staging."""
     graphs, staging, pc = LoopGraphs(), np.empty(1 << 20, dtype=np.int32), time.perf_counter
@@ -78,7 +69,7 @@ def host_steps(engine: Engine, request: PrefillRequest, rounds: int, evict: np.n
         t0 = pc()
         checked = validate_prefill(request, engine.config, engine.instance_id)
         t1 = pc()
-        _, hm = _shape(engine, graphs, checked)
+        _, hm = engine.graph_shape(graphs, checked, engine.config.fused, engine.config.unpacked_keys, checked.q)
         t2 = pc()
         hm.fill(staging[: hm.size])
         return t0, t1, t2, pc()
@@ -92,7 +83,8 @@ def quick_steps(engine: Engine, request: PrefillRequest, rounds: int, evict: np.
     graphs, staging, pc = LoopGraphs(), np.empty(1 << 20, dtype=np.int32), time.perf_counter
     path = engine.config.fused, engine.config.unpacked_keys
     checked = validate_prefill(request, engine.config, engine.instance_id)
-    engine.remember_shape(engine.shape_key(request, graphs, *path), checked, *_shape(engine, graphs, checked))
+    engine.remember_shape(engine.shape_key(request, graphs, *path), checked,
+                         *engine.graph_shape(graphs, checked, *path, checked.q))
 
     def one() -> tuple[float, ...]:
         t0 = pc()

@@ -18,7 +18,7 @@ import torch
 from ctxprefill.app import build_engine
 from ctxprefill.engine.engine import SequenceSpec
 from ctxprefill.engine.graphs import LoopGraphs
-from ctxprefill.engine.loop import PendingLoop, RowMetadata, host_metadata_of, uses_keys_last
+from ctxprefill.engine.loop import PendingLoop, RowMetadata, host_metadata_of
 from ctxprefill.engine.plan import ContextChunk
 from ctxprefill.engine.request import (
     PrefillRequest,
@@ -75,9 +75,7 @@ def _q(tq: int, seed: int = 0) -> torch.Tensor:
 def _full_staging(eng, request: PrefillRequest) -> np.ndarray:
     """What the full path stages for ``request``: its checks, then LoopGraphs.shape's metadata."""
     c = validate_prefill(request, eng.config, eng.instance_id)
-    keys_last = uses_keys_last(eng.backend, False, c.q.dtype)
-    _, hm = eng.graphs.shape(c.layer_position, True, True, c.q, eng._gemm_weights[c.layer_position],
-                             c.query_lens, c.chunks, c.block_table, keys_last)
+    _, hm = eng.graph_shape(eng.graphs, c, True, True, c.q)
     return hm.host
 
 

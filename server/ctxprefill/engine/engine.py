@@ -379,9 +379,7 @@ class Engine:
             # here, before the lock, while the device may still run the request before
             q = self._on_engine_device(checked.q)
             weight = self._gemm_weights[checked.layer_position]
-            key, hm = graphs.shape(checked.layer_position, fused, unpacked, q, weight, checked.query_lens,
-                                   checked.chunks, checked.block_table,
-                                   uses_keys_last(self.backend, cfg.prefill_dtype == "fp8", q.dtype))
+            key, hm = self.graph_shape(graphs, checked, fused, unpacked, q)
             with self._lock, self._on_device():
                 replayed = graphs.replay(key, hm, q, weight, checked.stop, len(checked.chunks))
                 pending = replayed if replayed is not None else graphs.start_eager(
@@ -396,6 +394,15 @@ class Engine:
         """A request's PrefillStats known before its work runs."""
         return dict(chunks=chunks, path="fused" if fused else "generic", fp8_path=self.config.fp8_path_labels,
                     context_tokens=context_tokens, query_tokens=int(q.shape[0]), checked_ns=checked_ns)
+
+    def graph_shape(self, graphs: LoopGraphs, checked: CheckedPrefill, fused: bool, unpacked: bool,
+                    q: torch.Tensor) -> tuple[Hashable, HostMetadata]:
+        """A checked request's key among ``graphs``' captured loops and the metadata its replay
+        stages (``LoopGraphs.shape``); ``q``: its q on the engine's device."""
+        position = checked.layer_position
+        return graphs.shape(position, fused, unpacked, q, self._gemm_weights[position], checked.query_lens,
+                            checked.chunks, checked.block_table,
+                            uses_keys_last(self.backend, self.config.prefill_dtype == "fp8", q.dtype))
 
     #: one-sequence shapes remembered (_known), the oldest forgotten first
     MAX_KNOWN = 4096
