@@ -1,4 +1,7 @@
-"""Shared test helpers: an engine for a dtype combination, on any device."""
+"""Shared test helpers: an engine for a dtype combination, on any device; ``ctxprefill bench``
+on the CPU."""
+
+import json
 
 import torch
 
@@ -34,3 +37,13 @@ def record_chunks(engine, q, seqs, fused, **kw):
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes, for comparisons with atol = rtol = 0 that also compare NaNs and -0."""
     return t.contiguous().view(torch.uint8)
+
+
+def cpu_bench(tmp_path, *args: str) -> dict:
+    """``ctxprefill bench --device cpu ARGS`` into a JSON under ``tmp_path``: its exit code
+    0, the JSON it wrote."""
+    from ctxprefill.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--device", "cpu", *args, "--out", str(out)]) == 0
+    return json.loads(out.read_text())

@@ -5,16 +5,13 @@ import json
 
 import pytest
 
-from ctxprefill.cli import main
 from ctxprefill_bench import engine_bench as bench
+from engine_helpers import cpu_bench
 
 
 def test_bench_tiny_grid(tmp_path):
-    out = tmp_path / "b.json"
-    rc = main(["bench", "--device", "cpu", "--heads", "2", "--new", "4", "--context", "300", "--cache-dtype", "fp8",
-               "--prefill-dtype", "bf16", "fp8", "--workspace-tokens", "128", "--iters", "1", "--out", str(out)])
-    assert rc == 0
-    rows = json.loads(out.read_text())["rows"]
+    rows = cpu_bench(tmp_path, "--heads", "2", "--new", "4", "--context", "300", "--cache-dtype", "fp8",
+                     "--prefill-dtype", "bf16", "fp8", "--workspace-tokens", "128", "--iters", "1")["rows"]
     assert len(rows) == 2 and all(r["bit_identical"] and r["chunks"] == 3 for r in rows)
     fp8 = [r for r in rows if r["prefill_dtype"] == "fp8"][0]
     assert fp8["fused_launches"]["pack"] == 3 and fp8["generic_launches"]["pack"] == 15
@@ -28,12 +25,9 @@ def test_full_grid_is_the_issue_grid():
 
 def test_bench_grid_full_narrowed_by_flags(tmp_path):
     """An axis flag overrides that axis of --grid full; the others keep the grid's values."""
-    out = tmp_path / "b.json"
-    rc = main(["bench", "--device", "cpu", "--grid", "full", "--heads", "2", "--new", "4", "--context", "200",
-               "--cache-dtype", "auto", "--prefill-dtype", "bf16", "--workspace-tokens", "128", "--iters", "3",
-               "--min-iters", "2", "--target-s", "0", "--out", str(out)])
-    assert rc == 0
-    d = json.loads(out.read_text())
+    d = cpu_bench(tmp_path, "--grid", "full", "--heads", "2", "--new", "4", "--context", "200", "--cache-dtype", "auto",
+                  "--prefill-dtype", "bf16", "--workspace-tokens", "128", "--iters", "3", "--min-iters", "2",
+                  "--target-s", "0")
     assert d["meta"]["grid"] == "full" and d["meta"]["axes"]["heads"] == [2] and d["meta"]["rows_planned"] == 1
     assert d["meta"]["kind"] == "engine" and d["meta"]["rows_done"] == 1 and d["meta"]["torch"]
     (r,) = d["rows"]
@@ -56,11 +50,8 @@ def test_bench_grid_full_narrowed_by_flags(tmp_path):
 
 
 def test_bench_budget_zero_skips_everything(tmp_path):
-    out = tmp_path / "b.json"
-    rc = main(["bench", "--device", "cpu", "--heads", "2", "--new", "4", "--context", "300", "600",
-               "--cache-dtype", "auto", "--prefill-dtype", "bf16", "--budget-s", "0", "--out", str(out)])
-    assert rc == 0
-    d = json.loads(out.read_text())
+    d = cpu_bench(tmp_path, "--heads", "2", "--new", "4", "--context", "300", "600", "--cache-dtype", "auto",
+                  "--prefill-dtype", "bf16", "--budget-s", "0")
     assert d["meta"]["rows_skipped"] == 2 and d["meta"]["rows_done"] == 0
     assert all(r["skipped"].startswith("budget") for r in d["rows"])
 
@@ -77,12 +68,9 @@ def test_bench_budget_skips_rows_predicted_not_to_fit(tmp_path, monkeypatch):
         return 1e9 if len(calls) == 2 else 0.0  # second row: too long; third: fits
 
     monkeypatch.setattr(bench, "predict_row_s", predict)
-    out = tmp_path / "b.json"
-    rc = main(["bench", "--device", "cpu", "--heads", "2", "--new", "4", "--context", "100", "200", "300",
-               "--cache-dtype", "auto", "--prefill-dtype", "bf16", "--workspace-tokens", "128", "--iters", "1",
-               "--budget-s", "600", "--out", str(out)])
-    assert rc == 0
-    rows = json.loads(out.read_text())["rows"]
+    rows = cpu_bench(tmp_path, "--heads", "2", "--new", "4", "--context", "100", "200", "300", "--cache-dtype", "auto",
+                     "--prefill-dtype", "bf16", "--workspace-tokens", "128", "--iters", "1",
+                     "--budget-s", "600")["rows"]
     assert [("skipped" in r, r["context"]) for r in rows] == [(False, 100), (True, 200), (False, 300)]
     assert rows[1]["predicted_s"] == 1e9 and "speedup" in rows[2] and calls == [0, 1, 1]
 
@@ -155,12 +143,9 @@ def test_bench_ragged_sequences(tmp_path):
     comparison needs the Triton backend on a GPU: none here, so no such column.)"""
     assert bench.split_ragged(1000, 4, bench.RAGGED_CONTEXT_WEIGHTS) == [315, 105, 421, 159]
     assert sum(bench.split_ragged(7, 3, (1.0, 7.0))) == 7
-    out = tmp_path / "r.json"
-    rc = main(["bench", "--device", "cpu", "--heads", "2", "--new", "16", "--context", "600", "--sequences", "3",
-               "--cache-dtype", "auto", "--prefill-dtype", "bf16", "--workspace-tokens", "256", "--iters", "1",
-               "--out", str(out)])
-    assert rc == 0
-    (row,) = json.loads(out.read_text())["rows"]
+    (row,) = cpu_bench(tmp_path, "--heads", "2", "--new", "16", "--context", "600", "--sequences", "3",
+                       "--cache-dtype", "auto", "--prefill-dtype", "bf16", "--workspace-tokens", "256",
+                       "--iters", "1")["rows"]
     assert row["sequences"] == 3 and sum(row["context_lens"]) == 600 and sum(row["new_lens"]) == 16
     assert len(set(row["context_lens"])) == 3 and row["bit_identical"] and row["chunks"] >= 3
     assert "fused_no_launch_order_s" not in row
@@ -267,7 +252,6 @@ def test_bench_kernels_targets_cover_the_stated_regime():
     gathers of >= 2**18 rows, merges at T·H >= 2**20; smaller rows and the baselines none.
     The recorded GPU run (bench/results/bench_kernels.json) holds the verdicts these give."""
     import importlib.util
-    import json
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -320,12 +304,8 @@ def test_a_named_commit_that_is_the_checkouts_older_head_is_marked_dirty(monkeyp
 def test_bench_records_its_growth_with_context(tmp_path):
     """Three context lengths or more: the run records the fused request's line along
     context (growth.py) beside its rows; no floor on the CPU, so no floor's line."""
-    out = tmp_path / "b.json"
-    rc = main(["bench", "--device", "cpu", "--heads", "2", "--new", "4", "--context", "128", "256", "512",
-               "--cache-dtype", "auto", "--prefill-dtype", "bf16", "--workspace-tokens", "128", "--iters", "1",
-               "--out", str(out)])
-    assert rc == 0
-    d = json.loads(out.read_text())
+    d = cpu_bench(tmp_path, "--heads", "2", "--new", "4", "--context", "128", "256", "512", "--cache-dtype", "auto",
+                  "--prefill-dtype", "bf16", "--workspace-tokens", "128", "--iters", "1")
     (g,) = d["growth"]
     assert (g["heads"], g["new"], g["axis"], g["tokens"]) == (2, 4, "context", [128, 256, 512])
     ys = {r["context"]: r["fused_s"] for r in d["rows"]}

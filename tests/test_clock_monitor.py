@@ -1,7 +1,6 @@
 """clock_monitor.py: samples taken while work runs, summarized (a fake NVML on the CPU);
 no samples off CUDA; ``ctxprefill bench --clocks-s`` records why there are none."""
 
-import json
 import threading
 import time
 
@@ -69,14 +68,10 @@ def test_off_cuda_there_is_nothing_to_sample():
 
 
 def test_bench_records_why_there_are_no_clocks(tmp_path):
-    from ctxprefill.cli import main
+    from engine_helpers import cpu_bench
 
-    out = tmp_path / "b.json"
-    rc = main(["bench", "--device", "cpu", "--heads", "2", "--new", "4", "--context", "200", "--cache-dtype", "auto",
-               "--prefill-dtype", "bf16", "--workspace-tokens", "128", "--iters", "1", "--clocks-s", "0.1",
-               "--out", str(out)])
-    assert rc == 0
-    d = json.loads(out.read_text())
+    d = cpu_bench(tmp_path, "--heads", "2", "--new", "4", "--context", "200", "--cache-dtype", "auto",
+                  "--prefill-dtype", "bf16", "--workspace-tokens", "128", "--iters", "1", "--clocks-s", "0.1")
     assert d["meta"]["clocks"]["available"] is False and "CUDA" in d["meta"]["clocks"]["why_not"]
     (r,) = d["rows"]
     assert r["generic_clocks"] is None and r["fused_clocks"] is None and r["bit_identical"]
