@@ -32,8 +32,9 @@ def _inputs(query_lens, context_lens, workspace, block_size=16):
 ])
 def test_each_chunk_gets_its_own_values(query_lens, context_lens, workspace, keys_last):
     x = _inputs(query_lens, context_lens, workspace)
-    bt, meta = _chunk_metadata(x, "cpu", keys_last)
-    assert np.array_equal(bt.numpy(), x.block_table)
+    dm = _chunk_metadata(x, "cpu", keys_last)
+    meta = dm.chunks
+    assert np.array_equal(dm.block_table.numpy(), x.block_table)
     q_off = np.concatenate([[0], np.cumsum(query_lens)])
     assert len(meta) == len(x.chunks)
     for c, m in zip(x.chunks, meta, strict=True):
@@ -55,7 +56,7 @@ def test_each_chunk_gets_its_own_values(query_lens, context_lens, workspace, key
 
 def test_equal_vectors_are_one_tensor():
     x = _inputs([1024], [65536], 16384)
-    _, meta = _chunk_metadata(x, "cpu")
+    meta = _chunk_metadata(x, "cpu").chunks
     assert len(meta) == 4
     # cu_k, cu_q: one view each
     assert all(m.cu_seqlens_k is meta[0].cu_seqlens_k and m.cu_seqlens_q is meta[0].cu_seqlens_q for m in meta)
@@ -64,9 +65,11 @@ def test_equal_vectors_are_one_tensor():
 
 
 def test_metadata_is_frozen():
-    _, meta = _chunk_metadata(_inputs([3, 5], [40, 90], 64), "cpu")
+    dm = _chunk_metadata(_inputs([3, 5], [40, 90], 64), "cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        meta[0].q0 = 1
+        dm.chunks[0].q0 = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dm.block_table = dm.block_table
 
 
 def test_layout_names_what_a_captured_loop_bakes_in():

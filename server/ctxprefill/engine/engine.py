@@ -101,6 +101,15 @@ class _KnownShape:
     vectors: np.ndarray  # int32: its chunk metadata (HostMetadata.vectors; read only)
 
 
+@dataclasses.dataclass(slots=True)  # not frozen: a frozen one costs the quick path ~0.2 us more
+class _KnownRequest:
+    """A request of a remembered shape whose layer and block ids passed their checks."""
+
+    shape: _KnownShape
+    position: int  # its layer's position in the cache
+    row: np.ndarray  # its block ids (request.block_row), int64 or int32 [shape.need]
+
+
 @dataclasses.dataclass
 class PrefillResult:
     out: torch.Tensor  # [Tq, H, V] bf16
@@ -424,11 +433,11 @@ class Engine:
             while len(self._known) > self.MAX_KNOWN:
                 self._known.popitem(last=False)
 
-    def known_shape(self, request: PrefillRequest, shape: Hashable) -> tuple[_KnownShape, int, np.ndarray] | None:
-        """(what a request of ``shape`` — a one-sequence shape that replayed before — was
-        checked and planned to, the request's layer position and block ids, checked), or
-        None where its shape is not remembered or its layer or block table fails (the full
-        checks then name the field)."""
+    def known_shape(self, request: PrefillRequest, shape: Hashable) -> _KnownRequest | None:
+        """What a request of ``shape`` (a one-sequence shape that replayed before) was checked
+        and planned to, with the request's layer position and block ids, checked; None where
+        its shape is not remembered or its layer or block table fails (the full checks then
+        name the field)."""
         known = self._known.get(shape)
         if known is None:
             return None
@@ -437,7 +446,7 @@ class Engine:
         except CtxPrefillError:
             return None
         row = block_row(request.sequences[0].block_table, known.need, self.config.cache.num_blocks)
-        return None if row is None else (known, position, row)
+        return None if row is None else _KnownRequest(known, position, row)
 
     def _quick_replay(self, request: PrefillRequest, shape: Hashable, graphs: LoopGraphs,
                       fused: bool) -> PendingPrefill | None:
@@ -450,7 +459,7 @@ class Engine:
         got = self.known_shape(request, shape)
         if got is None:
             return None
-        known, position, row = got
+        known, position = got.shape, got.position
         if known.graph not in graphs or not graphs.eligible(False, request.stop, len(known.chunks)):
             return None
         write = None
@@ -460,7 +469,7 @@ class Engine:
         # the layer's place in the shared cache (LoopGraphs.shape); 0 where each layer has its graphs
         offset = position * graphs.blocks_per_layer if graphs.cache is not None else 0
         with self._lock, self._on_device():
-            pending = graphs.replay(known.graph, RowMetadata(known.vectors, row, offset), q,
+            pending = graphs.replay(known.graph, RowMetadata(known.vectors, got.row, offset), q,
                                     self._gemm_weights[position], request.stop, len(known.chunks))
         if pending is None:
             return None

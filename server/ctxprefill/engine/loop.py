@@ -99,6 +99,14 @@ class ChunkMeta:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class DeviceMetadata:
+    """A request's chunk metadata on the device (:func:`device_metadata`): views of its one upload."""
+
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    chunks: list[ChunkMeta]  # one per chunk of the plan
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class _HostChunk:
     """A chunk's metadata on the host, and where its vectors lie in the request's upload
     (shared by the requests of a shape: read only)."""
@@ -339,9 +347,9 @@ def _chunk_vectors(query_lens: Sequence[int], chunks: Sequence[ContextChunk], ke
     return _ChunkVectors(vectors, tuple(sizes), tuple(spans), Layout(layout))
 
 
-def device_metadata(hm: HostMetadata, dev: torch.Tensor) -> tuple[torch.Tensor, list[ChunkMeta]]:
-    """(the block table on the device ``[B, max_blocks]``, every chunk's :class:`ChunkMeta`)
-    as views of ``dev``, the upload of ``hm.host`` (int32 [n]), made in one call."""
+def device_metadata(hm: HostMetadata, dev: torch.Tensor) -> DeviceMetadata:
+    """The block table and every chunk's :class:`ChunkMeta` as views of ``dev``, the upload
+    of ``hm.host`` (int32 [n]), made in one call."""
     parts = dev.split_with_sizes(hm.sizes)
     meta = [
         ChunkMeta(cu_seqlens_k=parts[h.part_k], context_starts=parts[h.part_starts], cu_seqlens_q=parts[h.part_q],
@@ -349,18 +357,16 @@ def device_metadata(hm: HostMetadata, dev: torch.Tensor) -> tuple[torch.Tensor, 
                   keys_last=KeysLast(h.cu_k, h.cu_v, parts[h.part_k], parts[h.part_v]) if hm.keys_last else None)
         for h in hm.spans
     ]
-    return parts[-1].view(hm.block_table.shape), meta
+    return DeviceMetadata(parts[-1].view(hm.block_table.shape), meta)
 
 
-def upload_metadata(hm: HostMetadata, device: torch.device | str) -> tuple[torch.Tensor, list[ChunkMeta]]:
+def upload_metadata(hm: HostMetadata, device: torch.device | str) -> DeviceMetadata:
     """:func:`device_metadata` of ``hm`` moved to ``device`` in one copy for the whole request."""
     return device_metadata(hm, _upload(hm.host, torch.device(device)))
 
 
-def _chunk_metadata(x: LoopInputs, device: torch.device | str,
-                    keys_last: bool = False) -> tuple[torch.Tensor, list[ChunkMeta]]:
-    """(the block table on the device ``[B, max_blocks]``, and every chunk's
-    :class:`ChunkMeta`), built on the host and moved to the device in one copy."""
+def _chunk_metadata(x: LoopInputs, device: torch.device | str, keys_last: bool = False) -> DeviceMetadata:
+    """:class:`DeviceMetadata` of ``x``, built on the host and moved to the device in one copy."""
     return upload_metadata(host_metadata(x, keys_last), device)
 
 
@@ -453,7 +459,7 @@ class _Untimed(StageTimer):
 
 def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
                      observer: Observer | None = None, *,
-                     metadata: tuple[torch.Tensor, list[ChunkMeta]] | None = None,
+                     metadata: DeviceMetadata | None = None,
                      launch_orders: Sequence[LaunchOrder | None] | None = None,
                      timed: bool = True) -> PendingLoop:
     """Queue the chunk loop's work on the device and return without waiting for it (with a
@@ -472,7 +478,8 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
 
     keys_last = uses_keys_last(backend, x.fp8_prefill, q.dtype)
     v_layout: VLayout = "hdt" if keys_last else "thd"
-    block_table, meta = metadata if metadata is not None else _chunk_metadata(x, device, keys_last)
+    dm = metadata if metadata is not None else _chunk_metadata(x, device, keys_last)
+    block_table, meta = dm.block_table, dm.chunks
     ws_dtype = FP8 if x.gather_raw_fp8 else torch.bfloat16
     # bf16 prefill on the fused path: K's two parts go to attention where they lie (no pack
     # stage, no K buffer) when the backend reads the keys unpacked
