@@ -12,7 +12,9 @@ Measured, in this order, in the same process:
   ([k_nope | v] per head) and the k_pe view of a workspace. (A layout with every
   head's k_nope rows first, so that a token's k_nope is one dense span, was measured
   on 2026-11-29: no difference, 84.5 % either way for bf16);
-- gather, every cache dtype / out dtype: the kernel vs ``gather_reference``;
+- gather, every cache dtype / out dtype: the kernel vs ``gather_reference``; and the
+  engine's 16k-row chunk (bf16 cache) after a read flush and after a write flush ("L2
+  dirty"): what the write-back of dirty lines costs a gather that follows kernels that wrote;
 - merge (in place, strided out / LSE): the kernel vs ``merge_reference``.
 
 Time: median of CUDA-event timings after warm-up, with the L2 cache flushed before
@@ -72,8 +74,9 @@ def target_pct(row: dict) -> float | None:
     return None
 
 
-def do_bench(fn, rep_ms: float = 60.0, warmup_ms: float = 15.0, flush: bool = True) -> float:
-    """Median milliseconds of ``fn`` on the current stream."""
+def do_bench(fn, rep_ms: float = 60.0, warmup_ms: float = 15.0, flush: bool = True, dirty: bool = False) -> float:
+    """Median milliseconds of ``fn`` on the current stream. ``dirty``: the flush writes its
+    256 MB instead (the L2 left full of dirty lines, as after a kernel that wrote)."""
     global _flush
     if flush and _flush is None:
         _flush = torch.ones(64 << 20, dtype=torch.int32, device="cuda")  # 256 MB
@@ -96,7 +99,10 @@ def do_bench(fn, rep_ms: float = 60.0, warmup_ms: float = 15.0, flush: bool = Tr
             # evict the L2 by READING 256 MB: the L2 (50 MB) is left holding clean lines.
             # A write flush (zero_) would leave up to 50 MB of dirty lines whose write-back
             # then lands inside the measured kernel's time.
-            _flush.max()
+            if dirty:
+                _flush.fill_(1)
+            else:
+                _flush.max()
         starts[i].record()
         fn()
         ends[i].record()
@@ -237,8 +243,12 @@ def main() -> int:
 
     # ---- gather ----------------------------------------------------------------------
     bs = 64
-    for rows, (cd, od) in itertools.product((65536, 262144),  # a 64k workspace; a whole 256k context
-                                            (("auto", BF16), ("fp8", BF16), ("fp8", FP8), ("fp8_ds_mla", BF16))):
+    # a 64k workspace; a whole 256k context; and the engine's 16k-row chunk after a clean and
+    # after a dirty L2 (the engine's gather follows kernels that wrote: kv_b_proj, attention)
+    cases = [(rows, cd_od, False) for rows, cd_od in itertools.product(
+        (65536, 262144), (("auto", BF16), ("fp8", BF16), ("fp8", FP8), ("fp8_ds_mla", BF16)))]
+    cases += [(16384, ("auto", BF16), False), (16384, ("auto", BF16), True)]
+    for rows, (cd, od), dirty in cases:
         lens = [rows - 3 * 4096, 4096, 4096, 4096]
         nblocks = rows // bs + 16
         cache = torch.zeros((nblocks * bs, bytes_per_slot(cd)), dtype=torch.uint8, device=dev)
@@ -256,11 +266,12 @@ def main() -> int:
         gather_reference(cache, bt, cu, st, ref, cd, 1.0, bs)
         eq = torch.equal(bits(out), bits(ref))
         nbytes = (rows * bytes_per_slot(cd), rows * 576 * od.itemsize)
-        name = f"{cd}->{'fp8' if od == FP8 else 'bf16'}"
-        f = add("gather", f"kernel {name}", do_bench(lambda: ext.gather(cache, bt, cu, st, out, cd, 1.0, bs), rep),
+        name = f"{cd}->{'fp8' if od == FP8 else 'bf16'}" + (", L2 dirty" if dirty else "")
+        f = add("gather", f"kernel {name}",
+                do_bench(lambda: ext.gather(cache, bt, cu, st, out, cd, 1.0, bs), rep, dirty=dirty),
                 nbytes, eq, rows=rows, block_size=bs)
         g = add("gather", f"torch {name}",
-                do_bench(lambda: gather_reference(cache, bt, cu, st, ref, cd, 1.0, bs), rep), nbytes,
+                do_bench(lambda: gather_reference(cache, bt, cu, st, ref, cd, 1.0, bs), rep, dirty=dirty), nbytes,
                 rows=rows, block_size=bs)
         f["speedup_vs_torch"] = round(g["ms"] / f["ms"], 2)
         cache = out = ref = None  # freed (not del: the timed lambdas name them)
@@ -326,7 +337,8 @@ def main() -> int:
                    "interpolated, scaled so that the 1:1 copy gives the measured copy" if mix_table else
                    "t = read_bytes/read_only + write_bytes/write_only, scaled to the measured copy"),
         mix_copies_tbps={str(w): round(t, 4) for w, t in mix_table.items()},
-        method="median CUDA-event time, L2 flushed by a 256 MB read before each repetition",
+        method="median CUDA-event time, L2 flushed by a 256 MB read before each repetition (a write for the "
+               "rows marked L2 dirty)",
         all_bit_equal=all(r.get("bit_equal_to_reference", True) for r in results),
         targets_met=all(r["meets_target"] for r, _ in targets), seconds=round(time.time() - t_start, 1),
         results=results,
