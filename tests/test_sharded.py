@@ -35,13 +35,14 @@ from ctxprefill.settings import ServeSettings, shard_spec
 from ctxprefill.weights import BLOCK, dequantize, prepare, random_kv_b_proj, shard_kv_b_proj
 from ctxprefill_client import (
     AsyncShardedPrefillClient,
+    CtxPrefillError,
     PrefillContextClient,
     ServerRestartedError,
     ShardedPrefillClient,
     float32_to_bf16_bits,
     float32_to_fp8_e4m3_bits,
 )
-from ctxprefill_client.sharded import ShardLayoutError
+from ctxprefill_client.sharded import ShardedReadMismatchError, ShardLayoutError
 from service_process import ServerProcess
 
 HEAD_ROWS = 256  # P + V
@@ -317,6 +318,70 @@ def test_async_sharded_client(deployments):
     raw, res = asyncio.run(go())
     np.testing.assert_array_equal(raw, dep.whole.read_cache(dep.slots))
     _assert_bit_equal(res, want)
+
+
+class _Disagreeing:
+    """A shard's client stand-in whose cache answers are its own: ``written`` slots, ``fill`` bytes."""
+
+    def __init__(self, written: int, fill: int):
+        self.written, self.fill = written, fill
+
+    def write_cache(self, *a, **kw):
+        return self.written
+
+    def read_cache(self, *a, **kw):
+        return np.full((2, 4), self.fill, np.uint8)
+
+    def close(self):
+        pass
+
+
+class _AsyncDisagreeing(_Disagreeing):
+    async def write_cache(self, *a, **kw):
+        return self.written
+
+    async def read_cache(self, *a, **kw):
+        return np.full((2, 4), self.fill, np.uint8)
+
+    async def close(self):
+        pass
+
+
+def test_shards_that_disagree_are_named_by_both_clients():
+    """Shards that wrote different slot counts, or hold different bytes, fail the call; the
+    error names the shards (in head order: targets given in the other order), the sync and
+    the asyncio client alike; shards that agree pass."""
+    targets = ["127.0.0.1:1", "127.0.0.1:2"]  # never dialled: the clients are stand-ins
+    layout = ([None, None], [1, 0])  # head order: target 1, then target 0
+    written = r"shards wrote different numbers of slots: \{'127.0.0.1:2': 5, '127.0.0.1:1': 7\}"
+    mismatch = "shard 127.0.0.1:1 holds other bytes than shard 127.0.0.1:2"
+
+    with ShardedPrefillClient(targets, retries=0) as sc:
+        for c in sc.clients:
+            c.close()
+        sc.clients, sc._layout = [_Disagreeing(7, 1), _Disagreeing(5, 2)], layout
+        with pytest.raises(CtxPrefillError, match=written):
+            sc.write_cache(None, None, None)
+        with pytest.raises(ShardedReadMismatchError, match=mismatch):
+            sc.read_cache(None, verify=True)
+        assert sc.read_cache(None, shard=1)[0, 0] == 1  # unverified: the one shard read
+        sc.clients = [_Disagreeing(5, 3), _Disagreeing(5, 3)]
+        assert sc.write_cache(None, None, None) == 5 and sc.read_cache(None, verify=True)[0, 0] == 3
+
+    async def go():
+        sc = AsyncShardedPrefillClient(targets, retries=0)
+        await sc.close()
+        sc.clients, sc._layout = [_AsyncDisagreeing(7, 1), _AsyncDisagreeing(5, 2)], layout
+        with pytest.raises(CtxPrefillError, match=written):
+            await sc.write_cache(None, None, None)
+        with pytest.raises(ShardedReadMismatchError, match=mismatch):
+            await sc.read_cache(None, verify=True)
+        assert (await sc.read_cache(None, shard=1))[0, 0] == 1
+        sc.clients = [_AsyncDisagreeing(5, 3), _AsyncDisagreeing(5, 3)]
+        assert await sc.write_cache(None, None, None) == 5
+        assert (await sc.read_cache(None, verify=True))[0, 0] == 3
+
+    asyncio.run(go())
 
 
 def test_layout_is_validated(deployments):

@@ -227,13 +227,12 @@ def concat_results(results: list[PrefillResult], targets: list[str], infos: list
         "shards": shards,
     }
     ids = [r.instance_id for r in results]
-    written = {r.slots_written for r in results}
-    if len(written) > 1:  # every shard holds the whole cache: a cache_write writes the same slots in each
-        raise CtxPrefillError(f"shards wrote different numbers of slots: {[r.slots_written for r in results]}")
+    # every shard holds the whole cache: a cache_write writes the same slots in each
+    written = _one_count([r.slots_written for r in results], targets)
     return ShardedPrefillResult(
         output=output, output_bits=bits, lse=lse, stats=stats, instance_id=",".join(ids),
         request_id=results[0].request_id, raw=None, shard_results=list(results), instance_ids=ids,
-        slots_written=written.pop(),
+        slots_written=written,
     )
 
 
@@ -252,6 +251,30 @@ def _info_of(layout: tuple[list[ServerInfo], list[int]] | None, target: int) -> 
 
 def _materialize(sequences: Iterable[Any]) -> list[Any]:
     return sequences if isinstance(sequences, list) else list(sequences)
+
+
+def _one_count(written: list[int], targets: list[str]) -> int:
+    """The slots every shard wrote (``written`` and ``targets`` in head order), or
+    CtxPrefillError naming each shard's count where they differ."""
+    if len(set(written)) != 1:
+        raise CtxPrefillError(f"shards wrote different numbers of slots: {dict(zip(targets, written, strict=True))}")
+    return written[0]
+
+
+def _same_bytes(reads: list[np.ndarray], targets: list[str]) -> None:
+    """ShardedReadMismatchError naming the first shard whose bytes differ from the first
+    shard's (``reads`` and ``targets`` in head order)."""
+    for t, r in zip(targets[1:], reads[1:], strict=True):
+        if not np.array_equal(r, reads[0]):
+            raise ShardedReadMismatchError(f"shard {t} holds other bytes than shard {targets[0]}")
+
+
+def _shared_workspace(infos: list[ServerInfo], workspace_tokens: int | None) -> int | None:
+    """The workspace every shard plans with: the caller's, else the smallest default where
+    the shards' defaults differ (so that they plan the same chunks)."""
+    if workspace_tokens is None and len({i.workspace_tokens for i in infos}) > 1:
+        return min(i.workspace_tokens for i in infos)
+    return workspace_tokens
 
 
 # --------------------------------------------------------------------------- sync client
@@ -360,10 +383,7 @@ class ShardedPrefillClient:
         _, order = self._shards()
         n = self._all(lambda i: self.clients[i].write_cache(slot_mapping, kv_c, k_pe, timeout=timeout, layer=layer),
                       order)
-        if len(set(n)) != 1:
-            written = dict(zip(self.shard_targets, n, strict=True))
-            raise CtxPrefillError(f"shards wrote different numbers of slots: {written}")
-        return n[0]
+        return _one_count(n, self.shard_targets)
 
     def read_cache(self, slot_mapping: Any, *, verify: bool = False, shard: int = 0,
                    timeout: float | None = None, layer: int | None = None) -> np.ndarray:
@@ -377,9 +397,7 @@ class ShardedPrefillClient:
             except Exception as e:
                 raise _annotate(e, self.targets[i], infos[shard], i) from None
         res = self._all(lambda i: self.clients[i].read_cache(slot_mapping, timeout=timeout, layer=layer), order)
-        for t, r in zip(self.shard_targets[1:], res[1:], strict=True):
-            if not np.array_equal(r, res[0]):
-                raise ShardedReadMismatchError(f"shard {t} holds other bytes than shard {self.shard_targets[0]}")
+        _same_bytes(res, self.shard_targets)
         return res[shard]
 
     def prefill_context(
@@ -402,8 +420,7 @@ class ShardedPrefillClient:
         infos, order = self._shards()
         seqs = _materialize(sequences)
         plan = None if plan is None else _materialize(plan)
-        if workspace_tokens is None and len({i.workspace_tokens for i in infos}) > 1:
-            workspace_tokens = min(i.workspace_tokens for i in infos)
+        workspace_tokens = _shared_workspace(infos, workspace_tokens)
         parts = split_q(q, infos[0].total_heads, self.head_ranges, infos[0].prefill_dtype, q_dtype)
 
         def one(k: int) -> PrefillResult:
@@ -487,9 +504,7 @@ class AsyncShardedPrefillClient:
         _, order = await self._shards()
         n = await self._all(lambda i: self.clients[i].write_cache(slot_mapping, kv_c, k_pe, timeout=timeout,
                                                                   layer=layer), order)
-        if len(set(n)) != 1:
-            raise CtxPrefillError(f"shards wrote different numbers of slots: {n}")
-        return n[0]
+        return _one_count(n, [self.targets[i] for i in order])
 
     async def read_cache(self, slot_mapping: Any, *, verify: bool = False, shard: int = 0,
                          timeout: float | None = None, layer: int | None = None) -> np.ndarray:
@@ -497,9 +512,7 @@ class AsyncShardedPrefillClient:
         read = order if verify else [order[shard]]
         res = await self._all(lambda i: self.clients[i].read_cache(slot_mapping, timeout=timeout, layer=layer), read)
         if verify:
-            for r in res[1:]:
-                if not np.array_equal(r, res[0]):
-                    raise ShardedReadMismatchError("shards hold different bytes for the same slots")
+            _same_bytes(res, [self.targets[i] for i in order])
             return res[shard]
         return res[0]
 
@@ -519,8 +532,7 @@ class AsyncShardedPrefillClient:
         infos, order = await self._shards()
         seqs = _materialize(sequences)
         plan = None if plan is None else _materialize(plan)
-        if workspace_tokens is None and len({i.workspace_tokens for i in infos}) > 1:
-            workspace_tokens = min(i.workspace_tokens for i in infos)
+        workspace_tokens = _shared_workspace(infos, workspace_tokens)
         ranges = [(i.head_start, i.head_end) for i in infos]
         parts = split_q(q, infos[0].total_heads, ranges, infos[0].prefill_dtype, q_dtype)
         res = await asyncio.gather(
