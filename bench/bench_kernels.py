@@ -97,7 +97,7 @@ def do_bench(fn, rep_ms: float = 60.0, warmup_ms: float = 15.0, flush: bool = Tr
     for i in range(n):
         if flush:
             # evict the L2 by READING 256 MB: the L2 (50 MB) is left holding clean lines.
-            # A write flush (zero_) would leave up to 50 MB of dirty lines whose write-back
+            # A write flush (``dirty``) leaves up to 50 MB of dirty lines whose write-back
             # then lands inside the measured kernel's time.
             if dirty:
                 _flush.fill_(1)
