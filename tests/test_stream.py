@@ -1,13 +1,16 @@
 """PrefillContextStream (in-process server on the CPU): requests over one call give what
 PrefillContext gives, in request order, several in flight; a failed request is answered
 in-band and the stream goes on; a message that does not parse ends the stream; the
-client's AsyncPrefillStream maps in-band errors to the unary call's exceptions."""
+client's AsyncPrefillStream maps in-band errors to the unary call's exceptions; both
+clients' streams refuse misuse with an error that says so and report a stream past its
+deadline as DEADLINE_EXCEEDED."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -15,7 +18,13 @@ import pytest
 
 from ctxprefill.service.interceptors import INTERNAL_MESSAGE
 from ctxprefill_api import pb
-from ctxprefill_client import AsyncPrefillContextClient, CtxPrefillError, CtxPrefillRpcError, ServerRestartedError
+from ctxprefill_client import (
+    AsyncPrefillContextClient,
+    CtxPrefillError,
+    CtxPrefillRpcError,
+    PrefillContextClient,
+    ServerRestartedError,
+)
 from inprocess_service import Harness, prefill_req, small_engine
 from service_process import parse_metrics, sample_sum
 
@@ -268,3 +277,52 @@ def test_an_unexpected_error_is_internal_in_band_and_the_stream_goes_on(engine, 
     with caplog.at_level(logging.ERROR, logger="ctxprefill.service"):
         asyncio.run(main())
     assert any("secret detail" in r.getMessage() and "PrefillContextStream" in r.getMessage() for r in caplog.records)
+
+
+def test_client_streams_refuse_misuse_and_cancel_what_is_in_flight_on_close(engine):
+    """Both clients' streams: a result with none in flight and a request on a closed stream
+    are errors that say so; closing with a request in flight cancels the call (no answer
+    waited for); a stream past its deadline reports DEADLINE_EXCEEDED naming the method."""
+    q = np.random.default_rng(2).standard_normal((3, 1, 192), dtype=np.float32)
+    seqs = [(3, 20, [3, 4])]
+
+    def sync_client(target: str) -> None:
+        with PrefillContextClient(target, timeout=30, retries=0) as c:
+            s = c.prefill_stream()
+            with pytest.raises(CtxPrefillError, match="no request in flight"):
+                s.result()
+            s.submit(q, seqs)
+            s.close()
+            assert not s.is_open and s.in_flight == 0
+            with pytest.raises(CtxPrefillError, match="the stream is closed"):
+                s.submit(q, seqs)
+            s.close()  # again: nothing to do
+            with c.prefill_stream(timeout=0.2) as late:
+                time.sleep(0.5)
+                late.submit(q, seqs)
+                with pytest.raises(CtxPrefillRpcError) as e:
+                    late.result()
+                assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and e.value.method == "PrefillContextStream"
+
+    async def main():
+        async with Harness(engine, queue_size=8) as h:
+            await asyncio.get_running_loop().run_in_executor(None, sync_client, h.target)
+            async with AsyncPrefillContextClient("in-process", channel=h.channel, timeout=30, retries=0) as c:
+                s = c.prefill_stream()
+                with pytest.raises(CtxPrefillError, match="no request in flight"):
+                    await s.result()
+                await s.submit(q, seqs)
+                await s.close()
+                assert not s.is_open and s.in_flight == 0
+                with pytest.raises(CtxPrefillError, match="the stream is closed"):
+                    await s.submit(q, seqs)
+                await s.close()
+                late = c.prefill_stream(timeout=0.2)
+                await asyncio.sleep(0.5)
+                with pytest.raises(CtxPrefillRpcError) as e:
+                    await late.submit(q, seqs)
+                    await late.result()
+                assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and e.value.method == "PrefillContextStream"
+                await late.close()
+
+    asyncio.run(main())

@@ -658,18 +658,22 @@ class InstanceTracker:
 _STATUS_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 
 
+def status_error(method: str, code: grpc.StatusCode | None, details: str,
+                 expected_sent: str | None) -> CtxPrefillError:
+    """The exception for a call of ``method`` that ended with status ``code``:
+    FAILED_PRECONDITION after a request that named an instance is a restart."""
+    if code == grpc.StatusCode.FAILED_PRECONDITION and expected_sent is not None:
+        return ServerRestartedError(method, expected_sent, None, details)
+    return CtxPrefillRpcError(method, code, details)
+
+
 def in_band_error(method: str, err: pb.RequestError, expected_sent: str | None) -> CtxPrefillError:
     """The exception for a stream request's in-band error: what :func:`map_rpc_error`
     gives for the same status on a unary call."""
-    code = _STATUS_BY_NUMBER.get(err.code, grpc.StatusCode.UNKNOWN)
-    if code == grpc.StatusCode.FAILED_PRECONDITION and expected_sent is not None:
-        return ServerRestartedError(method, expected_sent, None, err.message)
-    return CtxPrefillRpcError(method, code, err.message)
+    return status_error(method, _STATUS_BY_NUMBER.get(err.code, grpc.StatusCode.UNKNOWN), err.message, expected_sent)
 
 
 def map_rpc_error(method: str, err: grpc.RpcError, expected_sent: str | None) -> CtxPrefillError:
     code = err.code() if hasattr(err, "code") else None
     details = (err.details() if hasattr(err, "details") else str(err)) or ""
-    if code == grpc.StatusCode.FAILED_PRECONDITION and expected_sent is not None:
-        return ServerRestartedError(method, expected_sent, None, details)
-    return CtxPrefillRpcError(method, code, details)
+    return status_error(method, code, details, expected_sent)

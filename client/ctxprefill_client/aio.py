@@ -218,7 +218,7 @@ class AsyncPrefillContextClient:
         """A :class:`~ctxprefill_client.stream.AsyncPrefillStream`: PrefillContext requests one after
         another (or several in flight) over one open ``PrefillContextStream`` call, which
         costs less per request than a call each. ``timeout`` bounds the whole stream
-        (default: the client's). Use it as a async context manager."""
+        (default: the client's). Use it as an async context manager."""
         return AsyncPrefillStream(self, timeout)
 
     # ------------------------------------------------------------------ shared memory

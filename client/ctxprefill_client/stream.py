@@ -23,6 +23,7 @@ client's) bounds the whole stream: give a long-lived stream a long one.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import queue
 from collections.abc import Iterable
@@ -40,6 +41,7 @@ from ._common import (
     in_band_error,
     map_rpc_error,
     parse_prefill_response,
+    status_error,
 )
 from ._trace_context import with_trace_context
 from .shared_memory import SharedMemoryRef
@@ -199,7 +201,14 @@ class AsyncPrefillStream:
         try:
             await self._call.write(msg)
         except grpc.RpcError as err:
+            self._pending.remove(pending)
             raise map_rpc_error(METHOD, err, pending.expected) from err
+        except asyncio.InvalidStateError:  # the call has ended (its deadline passed, the server stopped)
+            self._pending.remove(pending)
+            code, details = await self._call.code(), await self._call.details()
+            if code == grpc.StatusCode.OK:
+                raise CtxPrefillError("the server ended the stream") from None
+            raise status_error(METHOD, code, details or "", pending.expected) from None
 
     async def result(self) -> PrefillResult:
         if not self._pending:
