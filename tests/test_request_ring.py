@@ -11,7 +11,9 @@ processes on the CPU, through the client package:
 - attaching is refused with the right code and field: rings off, unknown region, bad
   geometry, past the region, overlapping rings, the limit;
 - lifetime: closing detaches (the server goes on), unregistering the region or
-  shrinking its object ends the ring's call, and draining ends it with UNAVAILABLE.
+  shrinking its object ends the ring's call, and draining ends it with UNAVAILABLE; a
+  client waiting for an answer is released when the call ends;
+- the client refuses misuse before it writes a slot, with an error that says what is wrong.
 """
 
 from __future__ import annotations
@@ -174,6 +176,46 @@ def test_a_prepared_request_takes_no_slot_and_reads_q_when_it_runs(client, refer
         for r in (data, ring_region):
             r.close()
             r.unlink()
+
+
+def test_the_client_refuses_misuse_before_writing_a_slot(client, region, reference):
+    """The client's own checks, each an error that says what is wrong, the ring usable after:
+    a region that is not system memory, a ring past its region, a request while others are in
+    flight on prefill_context, result() for a request sent raw, a request on a closed ring."""
+    client.register_system_shared_memory(region)
+    with pytest.raises(TypeError, match="SystemSharedMemoryRegion"):
+        client.attach_request_ring(object())
+    with pytest.raises(ValueError, match="does not fit region 'ring'"):
+        client.attach_request_ring(region, num_slots=8, slot_bytes=SLOT_BYTES)
+    ring = client.attach_request_ring(region, num_slots=2, slot_bytes=SLOT_BYTES)
+    assert repr(ring) == f"RequestRing('ring', num_slots=2, slot_bytes={SLOT_BYTES}, offset=0, in_flight=0)"
+    ring.submit(Q, SEQS)
+    with pytest.raises(CtxPrefillError, match="in flight on this ring"):
+        ring.prefill_context(Q, SEQS)
+    assert repr(ring).endswith("in_flight=1)")
+    assert same(ring.result(), reference)
+    ring.send(pb.PrefillContextRequest.FromString(ring.prepare(Q, SEQS).data))
+    with pytest.raises(CtxPrefillError, match="sent with send"):
+        ring.result()
+    assert same(ring.prefill_context(Q, SEQS), reference)  # the raw answer was read and its slot freed
+    ring.close()
+    assert not ring.is_open
+    with pytest.raises(CtxPrefillError, match="the request ring is closed"):
+        ring.submit(Q, SEQS)
+
+
+def test_a_ring_that_ends_while_an_answer_is_awaited_raises(client, region):
+    """A client waiting for an answer that will not come (here: a slot it never wrote) is
+    released when the ring's call ends, its deadline here, with the call's status: spinning,
+    then sleeping between checks, never hanging."""
+    client.register_system_shared_memory(region)
+    ring = client.attach_request_ring(region, num_slots=2, slot_bytes=SLOT_BYTES, timeout=1.0, spin_s=0.05)
+    ring._pending.append((0, 1, None))  # the bookkeeping of a request whose slot was never written
+    t0 = time.monotonic()
+    with expect(grpc.StatusCode.DEADLINE_EXCEEDED, "the request ring was detached"):
+        ring.receive()
+    assert time.monotonic() - t0 < 10 and not ring.is_open
+    ring.close()
 
 
 # ----------------------------------------------------------------------------- in-band failures
