@@ -419,6 +419,14 @@ def m_many_sequences(d, w):
                 "sequences[0].context_len")
 
 
+def m_many_plan_chunks(d, w):
+    """More plan chunks than a request may list: refused before any is read. (Empty
+    ``ContextChunk`` messages, field 6, are the two bytes 32 00.)"""
+    n = d.integer(65537, 70000)
+    return Case("too many plan chunks", "PrefillContext", w.prefill_request().SerializeToString() + b"\x32\x00" * n,
+                (IA,), "plan")
+
+
 def m_workspace(d, w):
     req = w.prefill_request()
     req.workspace_tokens = d.outside(w.bs, w.server_W, I64_MIN, I64_MAX)
@@ -643,8 +651,8 @@ def v_read(d, w):
 
 
 HOSTILE = (m_q_dtype, m_q_shape, m_q_data, m_q_rows, m_negative_len, m_block_table_short, m_block_id_range,
-           m_workspace, m_instance, m_request_id, m_many_sequences, m_plan, m_plan, m_plan, m_prefill_garbage,
-           m_write_slots, m_write_latent, m_write_garbage, m_read, m_read_garbage, m_info_garbage,
+           m_workspace, m_instance, m_request_id, m_many_sequences, m_many_plan_chunks, m_plan, m_plan, m_plan,
+           m_prefill_garbage, m_write_slots, m_write_latent, m_write_garbage, m_read, m_read_garbage, m_info_garbage,
            lambda d, w: m_instance(d, w, "WriteCache"), lambda d, w: m_instance(d, w, "ReadCache"))
 VALID = (v_prefill, v_prefill_nonfinite, v_write_skipped, v_read)
 

@@ -240,12 +240,14 @@ def test_codec_refuses_bad_shapes_before_allocating(shape, data, needle):
     assert ei.value.field == "kv_c" and needle in ei.value.message
 
 
-def test_codec_refuses_unknown_and_unwanted_dtypes():
+def test_codec_refuses_unknown_dtypes_and_the_engine_unwanted_ones(engine):
     with pytest.raises(InvalidArgument, match="UNSPECIFIED"):
         codec.decode(pb.Tensor(dtype=0, shape=[1], data=b"\0"), "q")
-    with pytest.raises(InvalidArgument, match="expected INT64"):
-        codec.decode(pb.Tensor(dtype=pb.DATA_TYPE_INT32, shape=[1], data=b"\0" * 4), "slot_mapping",
-                     (pb.DATA_TYPE_INT64,))
+    # a known dtype a field does not take: the engine's one check names it
+    msg = pb.ReadCacheRequest(slot_mapping=pb.Tensor(dtype=pb.DATA_TYPE_INT32, shape=[1], data=b"\0" * 4))
+    with pytest.raises(InvalidArgument, match="INT64") as ei:
+        validate_read(codec.decode_read(msg), engine.config, "this-instance")
+    assert ei.value.field == "slot_mapping"
 
 
 # ------------------------------------------------------------------------ request checks
@@ -286,6 +288,9 @@ def test_prefill_checks_name_the_field(engine):
     assert fails(lambda r: r.plan.add(first_sequence=0, num_sequences=1, context_start=[0],
                                       context_len=[70])) == "plan[0]"
     assert fails(lambda r: None, max_bytes=1 << 20) == "q"  # the response would not fit a message
+    # the request's own bounds, checked before anything of it is built
+    assert fails(lambda r: setattr(r, "request_id", "r" * (codec.MAX_REQUEST_ID + 1))) == "request_id"
+    assert fails(lambda r: r.plan.extend([pb.ContextChunk()] * (codec.MAX_PLAN_CHUNKS + 1))) == "plan"
     # a valid explicit plan comes through as ContextChunks
     r = pb.PrefillContextRequest()
     r.CopyFrom(ok)

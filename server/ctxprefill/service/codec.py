@@ -87,24 +87,15 @@ def dtype_name(wire: int) -> str:
     return "UNSPECIFIED" if wire == 0 else f"<{int(wire)}>"
 
 
-def torch_dtype(wire: int) -> torch.dtype:
-    return _WIRE[wire][0]
-
-
-def check_tensor(msg: pb.Tensor, field: str, dtypes: tuple[int, ...] | None = None,
-                 ndim: int | None = None) -> tuple[int, tuple[int, ...]]:
-    """Checks of a Tensor message that need no allocation; returns (wire dtype, shape)."""
+def check_tensor(msg: pb.Tensor, field: str) -> tuple[int, tuple[int, ...]]:
+    """Checks of a Tensor message that need no allocation; returns (wire dtype, shape).
+    Which dtypes and shapes a field takes is the engine's to check (validation once)."""
     wire = msg.dtype
     if wire not in _WIRE:
         raise InvalidArgument(field, f"unsupported dtype {dtype_name(wire)}")
-    if dtypes is not None and wire not in dtypes:
-        allowed = " or ".join(dtype_name(d) for d in dtypes)
-        raise InvalidArgument(field, f"dtype {dtype_name(wire)} not allowed here (expected {allowed})")
     shape = tuple(msg.shape)
     if len(shape) > MAX_DIMS:
         raise InvalidArgument(field, f"has {len(shape)} dimensions, at most {MAX_DIMS} are accepted")
-    if ndim is not None and len(shape) != ndim:
-        raise InvalidArgument(field, f"must have {ndim} dimensions, got shape {list(shape)}")
     for d in shape:
         if d < 0 or d > MAX_EXTENT:
             raise InvalidArgument(field, f"shape {list(shape)} has an extent outside [0, {MAX_EXTENT}]")
@@ -114,8 +105,8 @@ def check_tensor(msg: pb.Tensor, field: str, dtypes: tuple[int, ...] | None = No
     return wire, shape
 
 
-def decode(msg: pb.Tensor, field: str, dtypes: tuple[int, ...] | None = None, ndim: int | None = None,
-           data: bytes | memoryview | None = None, shm: Lease | None = None, index: bool = False) -> torch.Tensor:
+def decode(msg: pb.Tensor, field: str, data: bytes | memoryview | None = None, shm: Lease | None = None,
+           index: bool = False) -> torch.Tensor:
     """A CPU tensor viewing ``msg.data`` (read-only; do not write into it).
 
     ``data`` may pass ``msg.data`` when the caller already holds it (each access of a
@@ -127,7 +118,7 @@ def decode(msg: pb.Tensor, field: str, dtypes: tuple[int, ...] | None = None, nd
     INVALID_ARGUMENT). ``index``: the tensor holds indices; it must be in system memory
     and is copied (checks then read what the engine will use).
     """
-    wire, shape = check_tensor(msg, field, dtypes, ndim)
+    wire, shape = check_tensor(msg, field)
     value_dtype, storage_dtype, name = _WIRE[wire]
     if data is None:
         data = msg.data
