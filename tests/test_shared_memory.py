@@ -7,9 +7,9 @@ Against real ``ctxprefill serve`` processes (``--shared-memory system`` and the 
   output / LSE written into it is bit-identical to the inline path (sync and asyncio
   clients, each placement alone too);
 - every refusal has its code and names its field, changes nothing, and the server
-  goes on serving: shared memory off, unknown region, bad / missing / symlinked key,
-  ranges past a region or an object, size and alignment mismatches, a result range
-  too small or overlapping, a name registered twice, the limits, use after unregister,
+  goes on serving: shared memory off, unknown region, bad / missing / symlinked key, a
+  key that is not a regular file (a FIFO), ranges past a region or an object, size and
+  alignment mismatches, a result range too small or overlapping, a name registered twice, the limits, use after unregister,
   an object truncated under a registered region;
 - unregister one and all, status, the metrics.
 And the registry on its own: a region unregistered while a request holds it stays
@@ -252,6 +252,14 @@ def test_registration_refusals(server, client, region, tmp_path):
             client.register_system_shared_memory("x", link, 16)
     finally:
         os.unlink(f"/dev/shm/{link}")
+    # nor anything but a regular file: a FIFO opens read-write, and a read of it would block
+    fifo = key()
+    os.mkfifo(f"/dev/shm/{fifo}", 0o600)
+    try:
+        with expect(C.FAILED_PRECONDITION, "key", "not a regular file"):
+            client.register_system_shared_memory("x", fifo, 16)
+    finally:
+        os.unlink(f"/dev/shm/{fifo}")
     # the same name twice; a CUDA region on a CPU server with system shared memory only
     client.register_system_shared_memory(region)
     with expect(C.ALREADY_EXISTS, "name", "main"):
