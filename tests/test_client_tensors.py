@@ -344,8 +344,37 @@ def test_encode_rejects_bad_combinations():
         T.encode_tensor(np.array([1 << 40]), T.INT32, name="b")
     with pytest.raises(ValueError, match="^q: BF16 needs"):
         T.encode_tensor(np.zeros(3, np.int32), T.BF16, name="q")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^q: FP8_E4M3 needs"):
+        T.encode_tensor(np.zeros(3, np.int32), T.FP8_E4M3, name="q")
+    with pytest.raises(ValueError, match="^x: FP32 needs a numeric array"):
+        T.encode_tensor(np.array(["a"]), T.FP32, name="x")
+    with pytest.raises(ValueError, match="^x: unsupported dtype <99>"):
+        T.encode_tensor(np.zeros(3, np.int32), 99, name="x")
+    with pytest.raises(ValueError, match="^q: RawTensor is BF16, asked for FP8_E4M3"):
+        T.encode_tensor(T.RawTensor(T.BF16, np.zeros(3, np.uint16)), T.FP8_E4M3, name="q")
+    with pytest.raises(ValueError, match="needs bits of dtype uint16"):
         T.RawTensor(T.BF16, np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match="numpy array"):
+        T.RawTensor(T.BF16, [0, 1])
+    with pytest.raises(ValueError, match="unsupported tensor dtype UNSPECIFIED"):
+        T.storage_dtype(0)
+    with pytest.raises(ValueError, match="bf16 bits must be an integer array"):
+        T.bf16_bits_to_float32(np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="fp8 bits must be an integer array"):
+        T.fp8_e4m3_bits_to_float32(np.zeros(2, np.float32))
+
+
+def test_integer_input_and_wider_bits_convert_as_documented():
+    """Integer values to fp8 go through float64 (exact for these); bits given in a wider
+    integer dtype are narrowed to the storage dtype; RawTensor.from_float rounds per dtype."""
+    ints = np.array([0, 1, -3, 448, 1000])
+    np.testing.assert_array_equal(T.float32_to_fp8_e4m3_bits(ints), T.float32_to_fp8_e4m3_bits(ints.astype(np.float64)))
+    assert T.fp8_e4m3_bits_to_float32(T.float32_to_fp8_e4m3_bits(ints)).tolist() == [0, 1, -3, 448, 448]
+    np.testing.assert_array_equal(T.bf16_bits_to_float32(np.array([0x3F80], np.int64)), [1.0])
+    np.testing.assert_array_equal(T.fp8_e4m3_bits_to_float32(np.array([0x38], np.int32)), [1.0])
+    r = T.RawTensor.from_float([1.0, 2.5], T.FP32)
+    assert r.dtype_name == "FP32" and r.bits.dtype == np.float32 and r.to_numpy().tolist() == [1.0, 2.5]
+    assert T.RawTensor.from_float([1.0], T.BF16).bits.tolist() == [0x3F80]
 
 
 # --------------------------------------------------------------------------- cache slots
