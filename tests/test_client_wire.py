@@ -1,5 +1,6 @@
 """Requests whose tensor bytes are appended at serialization (ctxprefill_client/wire.py)
-parse, on the server's side, to the same message as one built the plain protobuf way."""
+parse, on the server's side, to the same message as one built the plain protobuf way;
+every documented form of a sequence and a plan chunk makes the same message."""
 
 from __future__ import annotations
 
@@ -107,3 +108,41 @@ def test_a_block_table_entry_out_of_int32_range_is_refused():
             build_prefill_request(np.zeros((1, 4, 192), np.uint16), [(1, 3, table)], request_id=None,
                                   workspace_tokens=None, plan=None, expected=None, q_dtype=None,
                                   server_prefill_dtype=None)
+
+
+def test_every_sequence_and_plan_form_gives_the_same_request():
+    """Sequences as Sequence, pb.Sequence, dict or tuple, and plan chunks as ContextChunk,
+    pb.ContextChunk, dict or 4-tuple, make the same message; anything else is a TypeError
+    naming its index."""
+    from ctxprefill_client import ContextChunk, Sequence
+
+    q = np.zeros((5, 4, 192), np.uint16)
+    seq_forms = [
+        [(3, 40, [2, 7, 1]), (2, 0)],
+        [Sequence(3, 40, (2, 7, 1)), Sequence(2, 0)],
+        [pb.Sequence(query_len=3, context_len=40, block_table=[2, 7, 1]), pb.Sequence(query_len=2)],
+        [{"query_len": 3, "context_len": 40, "block_table": [2, 7, 1]}, {"query_len": 2, "context_len": 0}],
+    ]
+    chunk = (0, 1, (0,), (40,))
+    plan_forms = [
+        [chunk],
+        [ContextChunk(*chunk)],
+        [pb.ContextChunk(first_sequence=0, num_sequences=1, context_start=[0], context_len=[40])],
+        [{"first_sequence": 0, "num_sequences": 1, "context_start": [0], "context_len": [40]}],
+    ]
+
+    def build(seqs, plan):
+        return serialize_request(build_prefill_request(q, seqs, request_id=None, workspace_tokens=None, plan=plan,
+                                                       expected=None, q_dtype=None, server_prefill_dtype=None))
+
+    want = build(seq_forms[0], plan_forms[0])
+    assert {build(s, p) for s in seq_forms for p in plan_forms} == {want}
+    parsed = pb.PrefillContextRequest.FromString(want)
+    assert [(s.query_len, s.context_len, list(s.block_table)) for s in parsed.sequences] == [(3, 40, [2, 7, 1]),
+                                                                                           (2, 0, [])]
+    with pytest.raises(TypeError, match=r"^sequences\[1\]"):
+        build([(3, 40, [2, 7, 1]), 5], None)
+    with pytest.raises(TypeError, match=r"^sequences\[0\]"):
+        build([(3,)], None)
+    with pytest.raises(TypeError, match=r"^plan\[0\]"):
+        build(seq_forms[0], [(0, 1, (0,))])
