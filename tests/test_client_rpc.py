@@ -388,6 +388,35 @@ def test_bad_response_is_reported():
         parse_prefill_response(resp, 3)
 
 
+def test_a_placement_the_request_did_not_ask_for_is_reported():
+    """Results the server says it wrote into shared memory are read only where the request
+    offered them: not asked for, another region or offset, more bytes than offered, or a
+    size that disagrees with the shape all raise ResponseDecodeError naming the tensor."""
+    from ctxprefill_client import ResponseDecodeError, SharedMemoryRef
+    from ctxprefill_client._common import parse_prefill_response
+
+    out_bytes = 3 * H * V * 2
+    asked = SharedMemoryRef("r", 4096, out_bytes)
+
+    def resp(region="r", offset=4096, nbytes=out_bytes, shape=(3, H, V), dtype=T.BF16):
+        out = pb.Tensor(dtype=dtype, shape=list(shape))
+        out.shared_memory.region, out.shared_memory.offset, out.shared_memory.byte_size = region, offset, nbytes
+        return pb.PrefillContextResponse(output=out, lse=encode_tensor(np.zeros((H, 3), np.float32)))
+
+    res = parse_prefill_response(resp(), 3, output_region=asked)  # as asked: a reference (no local region)
+    assert res.output_ref.region == "r" and res.output_ref.byte_size == out_bytes and res.output_bits is None
+    for r, offered, needle in (
+        (resp(), None, "the request did not ask for that"),
+        (resp(region="other"), asked, "written to 'other' at 4096"),
+        (resp(offset=0), asked, "at 0, asked for 'r' at 4096"),
+        (resp(nbytes=out_bytes - 2), asked, f"{out_bytes - 2} bytes written"),
+        (resp(shape=(4, H, V), nbytes=4 * H * V * 2), SharedMemoryRef("r", 4096, out_bytes), "were offered"),
+        (resp(dtype=T.FP32), asked, "unexpected dtype"),
+    ):
+        with pytest.raises(ResponseDecodeError, match=f"^output: .*{needle}"):
+            parse_prefill_response(r, 3, output_region=offered)
+
+
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8", "fp8_ds_mla"])
 def test_orchestrator_reads_every_cache_layout(cache_dtype):
     """Slot bytes built with torch per CONTRACT §2 decode to the right values in the example."""
