@@ -152,6 +152,14 @@ def test_layer_range_selection(fp8_model):
         select(m, first_layer=4, num_layers=3)
     with pytest.raises(ConfigError, match=r"--first-layer 6: config.json's num_hidden_layers is 6"):
         select(m, first_layer=6)
+    for bad, message in ((dict(first_layer=-1), r"--first-layer must be an integer >= 0, got -1"),
+                         (dict(first_layer=True), r"--first-layer must be an integer >= 0, got True"),
+                         (dict(num_layers=0), r"--layers must be an integer >= 1, got 0")):
+        with pytest.raises(ConfigError, match=message):
+            select(m, **bad)
+    with pytest.raises(ConfigError, match=r"the model has 1025 layers from --first-layer 0; a server holds at most "
+                                          r"1024: select fewer with --layers"):
+        select(dataclasses.replace(m, num_layers=1025))
     mtp = dataclasses.replace(m, mtp_layers=1)  # DeepSeek-V3 stores its MTP layer as model.layers.61
     assert select(mtp) == ckpt.Selection(4, 0, 6, m.softmax_scale)
     assert select(mtp, first_layer=6, num_layers=1).first_layer == 6
@@ -235,6 +243,17 @@ def test_a_layer_split_across_two_shards_is_read_from_both(tmp_path, fp8_model, 
     [w] = load_model_kv_b_proj(path, 2, 1, 4)
     assert sorted(spy.files) == sorted([wm[key], "extra.safetensors"])
     assert torch.equal(w.scale, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_block_scales_load_as_their_float32_values(fp8_model, tmp_path, dtype):
+    """Scales stored in BF16 or F16 (SCALE_DTYPES) dequantize as the same values in F32 do."""
+    path = copy_of(fp8_model, tmp_path / "m")
+    edit_tensor(path, scale_key(0), lambda t: t.to(dtype))
+    as_f32 = copy_of(path, tmp_path / "f32")
+    edit_tensor(as_f32, scale_key(0), lambda t: t.float())
+    [w], [want] = load_model_kv_b_proj(path, 0, 1, 4), load_model_kv_b_proj(as_f32, 0, 1, 4)
+    assert same(w, want) and torch.equal(w.compute, want.compute)
 
 
 def test_fp8_block_scales_dequantize_as_weights_py_does(fp8_model, tmp_path):
@@ -419,6 +438,20 @@ def _not_fp8_in_config(p):
     edit_config(p, quantization_config=...)
 
 
+def _write(p, name, text):
+    with open(os.path.join(p, name), "w") as f:
+        f.write(text)
+
+
+def _corrupt_shard(p):
+    with open(os.path.join(p, index_of(p)[weight_key(1)]), "wb") as f:
+        f.write(b"\xff" * 64)
+
+
+def _one_layer_bf16(p):
+    edit_tensor(p, weight_key(1), lambda t: t.to(torch.bfloat16))
+
+
 BAD_DIRS = [
     (_no_config, r"no config.json in it"),
     (_bad_json, r"config.json is not readable JSON"),
@@ -443,6 +476,27 @@ BAD_DIRS = [
     (_wrong_shape, r"kv_b_proj.weight has shape \[512, 512\]; config.json \(num_attention_heads 4"),
     (_wrong_scale_shape, r"weight_scale_inv has shape \[3, 4\], expected \[8, 4\]"),
     (_not_fp8_in_config, r"is F8_E4M3 but config.json has no quantization_config"),
+    (lambda p: _write(p, "config.json", "[1, 2]"), r"config.json must hold a JSON object"),
+    (lambda p: edit_config(p, rope_scaling="yarn"),
+     r"config.json's rope_scaling must be an object or null, got 'yarn'"),
+    (lambda p: edit_config(p, rope_scaling={"type": "yarn", "factor": "40", "mscale_all_dim": 1.0}),
+     r"config.json's rope_scaling.factor must be a finite number, got '40'"),
+    (lambda p: edit_config(p, num_nextn_predict_layers=-1),
+     r"config.json's num_nextn_predict_layers must be an integer >= 0, got -1"),
+    (lambda p: edit_config(p, quantization_config="fp8"), r"config.json's quantization_config must be an object"),
+    (lambda p: edit_config(p, quantization_config={"quant_method": "fp8", "fmt": "e5m2",
+                                                   "weight_block_size": [128, 128]}),
+     r"quantization_config.fmt 'e5m2' is not supported"),
+    (lambda p: _write(p, "model.safetensors.index.json", '{"metadata": {}}'), r"has no weight_map object"),
+    (lambda p: _write(p, "model.safetensors.index.json", "[1]"), r"index.json is not a readable JSON object"),
+    (_corrupt_shard, r"model-0000\d-of-00006.safetensors is not a readable safetensors file"),
+    (lambda p: edit_tensor(p, weight_key(0), lambda t: t.float()),
+     r"model.layers.0.self_attn.kv_b_proj.weight has dtype F32; BF16 or F8_E4M3 expected"),
+    (lambda p: edit_tensor(p, scale_key(0), lambda t: t.to(torch.int32)),
+     r"model.layers.0.self_attn.kv_b_proj.weight_scale_inv has dtype I32; F32, BF16, F16 expected"),
+    (lambda p: edit_tensor(p, weight_key(0), lambda t: t.reshape(2, -1, t.shape[1]).contiguous()),
+     r"weight has shape \[2, 512, 512\]; a 2-D \[out, in\] weight is expected"),
+    (_one_layer_bf16, r"the layers' kv_b_proj weights differ in dtype \(bf16, fp8\)"),
 ]
 
 

@@ -439,7 +439,7 @@ def _layer(model: ModelConfig, layer: int, read: dict[str, _Read], heads: int, r
         raise ConfigError(f"--model: {scale_key(layer)} has shape {s.shape}, expected {want_s} "
                           f"([ceil(N/{BLOCK}), ceil(L/{BLOCK})] for {key} {want})")
     if s.dtype not in SCALE_DTYPES:
-        raise ConfigError(f"--model: {scale_key(layer)} has dtype {s.dtype}; F32 expected")
+        raise ConfigError(f"--model: {scale_key(layer)} has dtype {s.dtype}; {', '.join(SCALE_DTYPES)} expected")
     scale = s.tensor.float()
     if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
         raise ConfigError(f"--model: layer {layer}'s {scale_key(layer)} holds scales that are not finite and "
