@@ -1,5 +1,7 @@
 """Settings from the environment (CONTRACT §8): each flag's ``CTXPREFILL_<NAME>`` goes through the
-flag's own type and choices; a value they refuse stops the parse with an error naming the variable."""
+flag's own type and choices; a value they refuse stops the parse with an error naming the variable.
+Values the types allow but the server does not (limits, ports, the cache's size) are ConfigErrors
+naming the flag."""
 
 import argparse
 
@@ -71,3 +73,41 @@ def test_bad_flag_values_keep_argparse_messages(capsys):
     with pytest.raises(SystemExit):
         settings(["--port", "x"])
     assert "argument --port: invalid int value: 'x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(grace_seconds=-1), "--grace-seconds must be >= 0, got -1"),
+    (dict(grace_seconds=float("nan")), "--grace-seconds must be >= 0, got nan"),
+    (dict(max_message_bytes=1 << 20), "--max-message-bytes must be in [4194304, 2147483647], got 1048576"),
+    (dict(max_message_bytes=2**31), "--max-message-bytes must be in [4194304, 2147483647], got 2147483648"),
+    (dict(queue_size=0), "--queue-size must be >= 1, got 0"),
+    (dict(port=65536), "--port must be in [0, 65535], got 65536"),
+    (dict(metrics_port=-1), "--metrics-port must be in [0, 65535], got -1"),
+])
+def test_the_servers_own_limits_are_checked_naming_the_flag(changes, message):
+    from ctxprefill.errors import ConfigError
+    from ctxprefill.settings import check_serve_settings
+
+    check_serve_settings(ServeSettings())  # the defaults pass
+    with pytest.raises(ConfigError) as e:
+        check_serve_settings(ServeSettings(**changes))
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(heads=0), "--heads must be an integer >= 1, got 0"),
+    (dict(num_blocks=0), "--num-blocks must be an integer >= 1, got 0"),
+    (dict(num_blocks=2**26, block_size=64), "--num-blocks × --block-size must stay below 2**31 slots"),
+    (dict(kv_b_proj_dtype="int8"), "kv_b_proj dtype must be one of"),
+    (dict(softmax_scale=0.0), "softmax scale must be finite and > 0, got 0.0"),
+    (dict(softmax_scale=float("inf")), "softmax scale must be finite and > 0, got inf"),
+    (dict(weights="/nonexistent/w.safetensors"), "--weights: no such file '/nonexistent/w.safetensors'"),
+])
+def test_the_engines_settings_are_checked_before_a_port_is_bound(changes, message):
+    from ctxprefill.errors import ConfigError
+    from ctxprefill.settings import check_engine_settings
+
+    check_engine_settings(ServeSettings(device="cpu"))  # the defaults pass
+    with pytest.raises(ConfigError) as e:
+        check_engine_settings(ServeSettings(device="cpu", **changes))
+    assert message in str(e.value)
