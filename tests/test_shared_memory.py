@@ -9,8 +9,8 @@ Against real ``ctxprefill serve`` processes (``--shared-memory system`` and the 
 - every refusal has its code and names its field, changes nothing, and the server
   goes on serving: shared memory off, unknown region, bad / missing / symlinked key, a
   key that is not a regular file (a FIFO), ranges past a region or an object, size and
-  alignment mismatches, a result range too small or overlapping, a name registered twice, the limits, use after unregister,
-  an object truncated under a registered region;
+  alignment mismatches, a result range too small or overlapping, a name registered
+  twice, the limits, use after unregister, an object truncated under a registered region;
 - unregister one and all, status, the metrics.
 And the registry on its own: a region unregistered while a request holds it stays
 open until the request ends; system regions are read through the object's descriptor

@@ -55,6 +55,22 @@ def test_weights_errors_name_the_problem(tmp_path):
         load_kv_b_proj(p, SHAPE)
     with pytest.raises(ConfigError, match="no such file"):
         load_kv_b_proj(str(tmp_path / "missing"), SHAPE)
+    fp8 = torch.zeros(768, 512).to(torch.float8_e4m3fn)
+    for extra, message in (
+        ({"kv_b_proj.weight_scale": torch.ones(2)}, r"kv_b_proj.weight_scale must be a scalar, has shape \(2,\)"),
+        ({"kv_b_proj.weight_scale": torch.tensor(0.0)}, "scales must be finite and positive"),
+        ({"kv_b_proj.weight_scale_inv": torch.full((6, 4), float("inf"))}, "scales must be finite and positive"),
+    ):
+        save_file({"kv_b_proj.weight": fp8, **extra}, p)
+        with pytest.raises(ConfigError, match=message):
+            load_kv_b_proj(p, SHAPE)
+    save_file({"kv_b_proj.weight": torch.zeros(768, 512)}, p)  # float32
+    with pytest.raises(ConfigError, match="has dtype torch.float32; bf16 or float8_e4m3fn expected"):
+        load_kv_b_proj(p, SHAPE)
+    save_file({"model.layers.3.self_attn.kv_b_proj.weight": torch.zeros(768, 512, dtype=torch.bfloat16)}, p)
+    with pytest.raises(ConfigError, match=r"it holds \['model.layers.3.self_attn.kv_b_proj.weight'\]: set "
+                                          r"--weights-prefix to the part before kv_b_proj.weight"):
+        load_kv_b_proj(p, SHAPE)
 
 
 def test_weights_file_is_never_unpickled(tmp_path):

@@ -93,7 +93,8 @@ def load_kv_b_proj(path: str, shape: ModelShape, prefix: str = "") -> KvBProjWei
             if key not in keys:
                 near = sorted(k for k in keys if k.endswith("kv_b_proj.weight"))
                 raise ConfigError(f"--weights: {path} has no tensor {key!r}"
-                                  + (f" (did you mean prefix for {near[:3]}?)" if near else ""))
+                                  + (f" (it holds {near[:3]}: set --weights-prefix to the part before "
+                                     f"kv_b_proj.weight)" if near else ""))
             weight = f.get_tensor(key)
             scale_inv = f.get_tensor(key_inv) if key_inv in keys else None
             scale = f.get_tensor(key_scale) if key_scale in keys else None
