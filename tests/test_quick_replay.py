@@ -228,3 +228,24 @@ def test_block_row():
     for table in ([3, 1], [3, 1, 4], [3, -1, 2], np.asarray([3, 1, 2], dtype=np.uint8), np.asarray([[3, 1, 2]]),
                   torch.tensor(ok), np.asarray([3, 1, 2**32 + 1]), [3, 1, 2**70], ["x", 1, 2]):
         assert block_row(table, 3, 4) is None, table
+
+
+def test_the_shapes_remembered_are_bounded_the_oldest_forgotten(engine, monkeypatch):
+    """A client that sends ever new shapes grows nothing without bound: at most MAX_KNOWN
+    shapes are remembered (the oldest forgotten first: its next request goes the full way),
+    and the graphs count at most MAX_SEEN shapes towards their capture."""
+    import ctxprefill.engine.graphs as graphs_mod
+
+    eng = engine
+    eng.MAX_KNOWN = 3
+    monkeypatch.setattr(graphs_mod, "MAX_SEEN", 2)
+    table = list(range(5, 5 + 9))
+    reqs = [PrefillRequest(_q(tq), [SequenceSpec(tq, 130, table)], layer=0) for tq in range(1, 6)]
+    for r in reqs:
+        _run(eng, r)
+    assert len(eng._known) == 3 and len(eng.graphs._seen) == 2 and eng.graphs.captures == 0
+
+    def known(r):
+        return eng.known_shape(r, eng.shape_key(r, eng.graphs, True, True)) is not None
+
+    assert [known(r) for r in reqs] == [False, False, True, True, True]
