@@ -283,3 +283,23 @@ def test_rate_limit_filter_passes_a_repeated_line_once_a_second_with_a_count():
         logger.removeHandler(handler)
         logger.removeFilter(flt)
     assert len(records) == 3
+
+
+def test_rate_limit_filter_off_the_event_loop_and_under_many_messages(monkeypatch):
+    """Without a running loop the held-back count rides on the next line that passes; the
+    windows kept are bounded (MAX_KEYS), so a flood of distinct lines costs no growing memory."""
+    now = [100.0]
+    monkeypatch.setattr("ctxprefill.service.http.time.monotonic", lambda: now[0])
+    flt = RateLimitFilter(interval=1.0)
+
+    def rec(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("ctxprefill.test", logging.WARNING, __file__, 1, msg, None, None)
+
+    assert flt.filter(rec("busy")) and not flt.filter(rec("busy")) and not flt.filter(rec("busy"))
+    now[0] += 1.0
+    r = rec("busy")
+    assert flt.filter(r) and r.suppressed == 2  # no loop: counted on the next line that passes
+    flt.MAX_KEYS = 8
+    for i in range(20):
+        assert flt.filter(rec(f"distinct {i}"))
+        assert len(flt._windows) <= 8
