@@ -113,6 +113,15 @@ class RawH2:
         self._pump()
         return sid
 
+    def open_empty(self, method: str, metadata: tuple[tuple[str, str], ...] = ()) -> int:
+        """A call that ends (half-closes) without sending any message."""
+        sid = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":path", f"{SERVICE}/{method}"),
+                                     (":authority", "localhost"), ("content-type", "application/grpc"),
+                                     ("te", "trailers"), *metadata], end_stream=True)
+        self._flush()
+        return sid
+
     def _pump(self) -> None:
         for sid, (prefix, body, sent, end) in list(self._todo.items()):
             if sid in self.status:
@@ -273,6 +282,18 @@ def test_unauthenticated_uploads_are_refused_before_they_are_read(edge):
     assert sample_sum(m["ctxprefill_rejected_requests_total"], reason="unauthenticated") >= 24
     assert sample_sum(m["grpc_server_msg_received_total"], grpc_method="WriteCache") == 0  # no message was read
     _served(edge)
+
+
+def test_a_unary_call_that_ends_without_its_message_is_invalid_argument(edge):
+    """A call half-closed before any message: INVALID_ARGUMENT naming the request (not the
+    receive timeout's refusal), and the server goes on."""
+    token = (("authorization", f"Bearer {TOKEN}"),)
+    with RawH2(int(edge.target.rsplit(":", 1)[1])) as raw:
+        sids = [raw.open_empty(m, token) for m in ("ReadCache", "PrefillContext", "WriteCache")]
+        assert raw.run(10, lambda: all(s in raw.status for s in sids))
+        for s in sids:
+            assert raw.status[s] == ("3", "request: the call ended before its message"), raw.status
+    assert _served(edge) < 5
 
 
 def test_reads_are_bounded_by_the_inflight_budget_and_the_receive_timeout(edge):
