@@ -211,10 +211,9 @@ def test_a_ring_that_ends_while_an_answer_is_awaited_raises(client, region):
     client.register_system_shared_memory(region)
     ring = client.attach_request_ring(region, num_slots=2, slot_bytes=SLOT_BYTES, timeout=1.0, spin_s=0.05)
     ring._pending.append((0, 1, None))  # the bookkeeping of a request whose slot was never written
-    t0 = time.monotonic()
     with expect(grpc.StatusCode.DEADLINE_EXCEEDED, "the request ring was detached"):
         ring.receive()
-    assert time.monotonic() - t0 < 10 and not ring.is_open
+    assert not ring.is_open
     ring.close()
 
 
