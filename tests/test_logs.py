@@ -194,6 +194,25 @@ def test_a_weights_error_exits_2_before_anything_listens(tmp_path):
         assert json.loads(line)["msg"] != "listening", r.stderr
 
 
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_a_port_in_use_exits_2_with_one_line_naming_the_flag(flag):
+    """A port another process holds is a configuration error naming its flag (gRPC never
+    shares a port: no SO_REUSEPORT), not a second listener or a traceback."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        ports = {"--port": "0", "--metrics-port": "0", flag: port}
+        r = _cli("serve", "--device", "cpu", "--heads", "1", "--num-blocks", "8", "--block-size", "16",
+                 "--workspace-tokens", "64", "--host", "127.0.0.1", *[x for kv in ports.items() for x in kv])
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ctxprefill: configuration error: {flag} {port}: cannot bind"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_the_model_loader_logs_its_progress(tmp_path, monkeypatch, caplog):
     write_model(str(tmp_path / "m"), TinyModel(layers=3, heads=2, shards=2))
     monkeypatch.setattr(checkpoint, "PROGRESS_EVERY_S", 0.0)  # a line at every step
