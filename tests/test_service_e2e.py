@@ -13,7 +13,8 @@ and k_scale 0.5; fp8_ds_mla with fp8 weights and fp8 prefill):
   the calls made;
 - ``demo --target`` passes against it;
 - SIGTERM with a request in flight: the request completes, the process exits 0
-  within the grace period, later requests get UNAVAILABLE.
+  within the grace period, later requests get UNAVAILABLE; a second SIGTERM cancels
+  what is in flight and exits at once.
 """
 
 from __future__ import annotations
@@ -469,3 +470,39 @@ def test_sigterm_drains_in_flight_and_exits_zero(served):
     stream.close()
     log = served.proc.log()
     assert '"msg": "draining"' in log and '"msg": "stopped"' in log
+
+
+def test_a_second_sigterm_cuts_the_grace_period_short():
+    """Draining waits for the request in flight; a second SIGTERM stops at once: that request
+    is cancelled (its chunk loop stops at its next chunk) and the process exits 0, long
+    before its 600 s grace would end."""
+    import signal
+
+    nb = 40000  # one 640k-token context in 10,000 chunks of 64: several seconds on the CPU
+    with ServerProcess({"heads": 1, "block_size": 16, "num_blocks": nb + 1, "workspace_tokens": 64},
+                       grace_seconds=600) as p:
+        result: dict = {}
+
+        def slow_request():
+            try:
+                with PrefillContextClient(p.target, retries=0, timeout=600) as c:
+                    result["res"] = c.prefill_context(np.zeros((4, 1, 192), np.uint16), [(4, 16 * nb, range(nb))])
+            except Exception as e:  # noqa: BLE001
+                result["err"] = e
+
+        t = threading.Thread(target=slow_request)
+        t.start()
+        t_end = time.monotonic() + 60
+        while not sample_sum(p.scrape()["grpc_server_started_total"], grpc_method="PrefillContext"):
+            assert time.monotonic() < t_end
+            time.sleep(0.01)
+        time.sleep(0.5)  # admitted and running (its check takes milliseconds, its work seconds)
+        p.proc.send_signal(signal.SIGTERM)
+        while '"draining"' not in p.log() and time.monotonic() < t_end:
+            time.sleep(0.01)
+        assert p.proc.poll() is None  # draining: the request is still running
+        p.proc.send_signal(signal.SIGTERM)
+        assert p.proc.wait(timeout=60) == 0, p.log()
+        t.join(60)
+        assert "res" not in result and isinstance(result.get("err"), CtxPrefillRpcError), result
+        assert "second signal: cutting the grace period short" in p.log()
