@@ -690,3 +690,37 @@ def test_orchestrator_example_through_shared_memory(tmp_path):
                                   "--query-lens", "4", "--shared-memory", "system"]) == 0
     finally:
         proc.kill()
+
+
+def _as_guest(key: str, then: str) -> str:
+    """Run, in another Python process, an attach to segment ``key`` followed by ``then``;
+    its stderr (empty unless something warned)."""
+    import subprocess
+    import sys
+
+    from service_process import env_with_sources
+
+    code = ("from ctxprefill_client import SystemSharedMemoryRegion\n"
+            f"r = SystemSharedMemoryRegion('guest', key={key!r}, create=False)\n{then}\n")
+    p = subprocess.run([sys.executable, "-c", code], env=env_with_sources(), capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stderr
+
+
+def test_a_process_that_attaches_leaves_the_segment_to_its_creator():
+    """Attaching (create=False) and exiting leaves the segment in place, without the resource
+    tracker's warnings (Python's tracker would otherwise unlink it under its creator); an
+    explicit unlink() by the guest removes it."""
+    from multiprocessing import resource_tracker
+
+    with SystemSharedMemoryRegion("owner", 4096) as r:
+        assert _as_guest(r.key, "r.buf[0] = 7\nr.close()") == ""
+        assert os.path.exists(f"/dev/shm/{r.key}") and r.buf[0] == 7
+    r = SystemSharedMemoryRegion("owner", 4096)
+    try:
+        assert _as_guest(r.key, "r.close()\nr.unlink()") == ""
+        assert not os.path.exists(f"/dev/shm/{r.key}")
+    finally:
+        r.close()
+        resource_tracker.unregister(r._shm._name, "shared_memory")  # gone: this process's tracker forgets it

@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import collections
 import math
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -131,8 +133,8 @@ def _nbytes(dtype: int, shape: Iterable[int]) -> int:
 class SystemSharedMemoryRegion:
     """A POSIX shared-memory segment of ``byte_size`` bytes (``/dev/shm/<key>``), to be
     registered under ``name``. ``key`` None: a fresh random key. ``create=False``
-    attaches to an existing segment ``key`` instead (note: on Python <= 3.12 the
-    resource tracker then unlinks it when this process exits).
+    attaches to an existing segment ``key`` instead; the segment stays its creator's
+    (this process's exit never unlinks it, only an explicit :meth:`unlink` does).
 
     Use as a context manager, or call :meth:`close` (and :meth:`unlink` for a segment
     this object created). Numpy views handed out (``ndarray``, results) must be
@@ -145,7 +147,12 @@ class SystemSharedMemoryRegion:
         if create and byte_size < 1:
             raise ValueError(f"byte_size must be >= 1, got {byte_size}")
         self.name = name
-        self._shm = shared_memory.SharedMemory(name=key, create=create, size=byte_size if create else 0)
+        # an attached segment is not tracked: Python's resource tracker would unlink it, under
+        # its creator, when this process exits (Python >= 3.13 takes track=False for that)
+        untracked = {} if create or sys.version_info < (3, 13) else {"track": False}
+        self._shm = shared_memory.SharedMemory(name=key, create=create, size=byte_size if create else 0, **untracked)
+        if not create and sys.version_info < (3, 13):
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
         self._created = create
         self.key = self._shm.name.lstrip("/")
         self.byte_size = int(byte_size) if create else int(self._shm.size)
@@ -210,6 +217,8 @@ class SystemSharedMemoryRegion:
 
     def unlink(self) -> None:
         """Remove the segment's name (the memory goes when every process unmapped it)."""
+        if not self._created and sys.version_info < (3, 13):  # unlink() unregisters what it unlinks
+            resource_tracker.register(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
         self._shm.unlink()
 
     def __enter__(self) -> SystemSharedMemoryRegion:
