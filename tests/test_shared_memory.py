@@ -171,6 +171,31 @@ def test_write_cache_and_prefill_bit_identical_to_inline(client, region):
     assert client.shared_memory_status()[0].requests_in_flight == 0
 
 
+def test_the_asyncio_client_registers_inspects_and_unregisters(client, region):
+    """AsyncPrefillContextClient's shared-memory calls: register (by object and by name and
+    key), status of one and of all, unregister one and all; refusals as the sync client's."""
+    async def main():
+        async with AsyncPrefillContextClient(client.target, retries=0, timeout=60) as ac:
+            st = await ac.register_system_shared_memory(region)
+            assert (st.name, st.kind, st.key, st.byte_size, st.offset) == ("main", "system", region.key,
+                                                                          REGION_BYTES, 0)
+            await ac.register_system_shared_memory("tail", region.key, 4096, offset=4096)
+            assert sorted(s.name for s in await ac.shared_memory_status()) == ["main", "tail"]
+            [tail] = await ac.shared_memory_status("tail")
+            assert (tail.offset, tail.byte_size, tail.requests_in_flight) == (4096, 4096, 0)
+            with expect(grpc.StatusCode.ALREADY_EXISTS, "name"):
+                await ac.register_system_shared_memory("tail", region.key, 16)
+            with expect(grpc.StatusCode.UNIMPLEMENTED, "--shared-memory"):
+                await ac.register_cuda_shared_memory("g", b"\0" * 64, 0, 16)
+            assert await ac.unregister_shared_memory("tail") == ["tail"]
+            with expect(grpc.StatusCode.NOT_FOUND, "name"):
+                await ac.shared_memory_status("tail")
+            assert await ac.unregister_shared_memory("") == ["main"]
+            assert await ac.shared_memory_status() == []
+
+    asyncio.run(main())
+
+
 def test_metrics_count_regions_and_bytes(server, client, region):
     client.register_system_shared_memory(region)
     q_in = region.write(Q, 0, BF16)
