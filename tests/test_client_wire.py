@@ -146,3 +146,25 @@ def test_every_sequence_and_plan_form_gives_the_same_request():
         build([(3,)], None)
     with pytest.raises(TypeError, match=r"^plan\[0\]"):
         build(seq_forms[0], [(0, 1, (0,))])
+
+
+def test_q_takes_the_servers_prefill_dtype_unless_told():
+    """A float q is rounded to bf16, or to fp8 e4m3 for an fp8-prefill server; bits keep their
+    own dtype; q_dtype wins; a shared-memory q of another dtype than q_dtype is refused."""
+    from ctxprefill_client import SharedMemoryRef, SharedMemoryTensor, float32_to_fp8_e4m3_bits
+
+    q = np.random.default_rng(3).standard_normal((2, 4, 192), dtype=np.float32)
+
+    def sent(x, q_dtype=None, server=None):
+        req = build_prefill_request(x, [(2, 0, [])], request_id=None, workspace_tokens=None, plan=None,
+                                    expected=None, q_dtype=q_dtype, server_prefill_dtype=server)
+        return pb.PrefillContextRequest.FromString(serialize_request(req)).q
+
+    assert sent(q).dtype == BF16 and sent(q, server="bf16").dtype == BF16
+    fp8 = sent(q, server="fp8")
+    assert fp8.dtype == FP8_E4M3 and fp8.data == float32_to_fp8_e4m3_bits(q).tobytes()
+    assert sent(q, q_dtype=BF16, server="fp8").dtype == BF16
+    assert sent(np.zeros((2, 4, 192), np.uint16), server="fp8").dtype == BF16  # bits say what they are
+    shm = SharedMemoryTensor(BF16, (2, 4, 192), SharedMemoryRef("r", 0, 2 * 4 * 192 * 2))
+    with pytest.raises(ValueError, match="^q: the shared-memory tensor is BF16, q_dtype asks for FP8_E4M3$"):
+        sent(shm, q_dtype=FP8_E4M3)

@@ -32,6 +32,7 @@ from .tensors import (
     RawTensor,
     bf16_bits_to_float32,
     decode_tensor,
+    dtype_name,
     encode_tensor,
     storage_dtype,
     tensor_bits,
@@ -463,7 +464,8 @@ def _q_tensor(q: Any, q_dtype: int | None, server_prefill_dtype: str | None) -> 
     """A Tensor message (shared memory) or ``(wire dtype, bits)`` (inline)."""
     if isinstance(q, SharedMemoryTensor):
         if q_dtype is not None and q_dtype != q.dtype:
-            raise ValueError(f"q: the shared-memory tensor is {q.dtype}, q_dtype asks for {q_dtype}")
+            raise ValueError(f"q: the shared-memory tensor is {dtype_name(q.dtype)}, q_dtype asks for "
+                             f"{dtype_name(q_dtype)}")
         return q.to_proto()
     if isinstance(q, RawTensor):
         return tensor_bits(q, q_dtype, name="q")
