@@ -159,6 +159,29 @@ def test_a_refused_call_has_its_code_and_no_stage_spans(engine, traced):
     assert not _children(spans, rpc)
 
 
+def test_a_server_error_marks_the_span_as_an_error(engine, traced, monkeypatch):
+    """INTERNAL (an unexpected exception in the engine) is the server's error: the RPC span's
+    status is ERROR with the code, where a caller's error leaves it unset."""
+    t, exporter = traced
+
+    def broken(*a, **kw):
+        raise ValueError("secret detail")
+
+    monkeypatch.setattr(engine, "start_prefill", broken)
+
+    async def main():
+        async with Harness(engine, tracing=t) as h:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await h.stub.PrefillContext(prefill_req(), timeout=30)
+            assert e.value.code() == grpc.StatusCode.INTERNAL
+
+    asyncio.run(main())
+    rpc = _one(exporter.get_finished_spans(), f"{SERVICE}/PrefillContext")
+    assert rpc.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INTERNAL.value[0]
+    assert rpc.status.status_code == otel_trace.StatusCode.ERROR and rpc.status.description == "INTERNAL"
+    assert "secret detail" not in str(dict(rpc.attributes))  # the details stay in the server's log
+
+
 def test_stream_requests_get_a_span_each(engine, traced):
     t, exporter = traced
 
