@@ -91,6 +91,8 @@ def test_weights_file_is_never_unpickled(tmp_path):
         (lambda: CacheConfig(block_size=0), "--block-size"),
         (lambda: CacheConfig(k_scale=float("nan")), "--k-scale"),
         (lambda: ModelShape(heads=0), "--heads"),
+        (lambda: ModelShape(kv_lora_rank=256), r"only L=512, P=128, R=64, V=128 .* got \(256, 128, 64, 128\)"),
+        (lambda: ModelShape(v_head_dim=192), r"got \(512, 128, 64, 192\)"),
         (lambda: EngineConfig(cache=CacheConfig(block_size=64), workspace_tokens=32), "--workspace-tokens"),
         (lambda: EngineConfig(prefill_dtype="fp16"), "--prefill-dtype"),
     ],
