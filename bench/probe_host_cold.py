@@ -93,7 +93,7 @@ def quick_steps(engine: Engine, request: PrefillRequest, rounds: int, evict: np.
         found = engine.known_shape(request, shape)
         t2 = pc()
         assert found is not None
-        RowMetadata(found.shape.vectors, found.row, 0).fill(staging)  # one layer: its blocks at no offset
+        RowMetadata(found.known.vectors, found.row, 0).fill(staging)  # one layer: its blocks at no offset
         return t0, t1, t2, pc()
 
     return _medians(QUICK_STEPS, rounds, evict, one)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import subprocess
+import sys
 import uuid
 from types import SimpleNamespace
 
@@ -49,7 +51,7 @@ from ctxprefill_client import (
     float32_to_bf16_bits,
 )
 from rpc_errors import expect
-from service_process import SHARED_MEMORY_MARKS, ServerProcess, sample_sum
+from service_process import SHARED_MEMORY_MARKS, ServerProcess, env_with_sources, sample_sum
 
 pytestmark = SHARED_MEMORY_MARKS
 
@@ -720,11 +722,6 @@ def test_orchestrator_example_through_shared_memory(tmp_path):
 def _as_guest(key: str, then: str) -> str:
     """Run, in another Python process, an attach to segment ``key`` followed by ``then``;
     its stderr (empty unless something warned)."""
-    import subprocess
-    import sys
-
-    from service_process import env_with_sources
-
     code = ("from ctxprefill_client import SystemSharedMemoryRegion\n"
             f"r = SystemSharedMemoryRegion('guest', key={key!r}, create=False)\n{then}\n")
     p = subprocess.run([sys.executable, "-c", code], env=env_with_sources(), capture_output=True, text=True,

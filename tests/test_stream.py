@@ -323,6 +323,7 @@ def test_client_streams_refuse_misuse_and_cancel_what_is_in_flight_on_close(engi
                     await late.submit(q, seqs)
                     await late.result()
                 assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and e.value.method == "PrefillContextStream"
+                assert late.in_flight == 0  # a request the ended call never took is not left pending
                 await late.close()
 
     asyncio.run(main())

@@ -194,6 +194,30 @@ def _check_q_shape(shape: tuple[int, ...], total_heads: int) -> None:
         raise ValueError(f"q: shape {list(shape)} is not [Tq, {total_heads}, P+R] (the model's heads)")
 
 
+def _one_count(written: list[int], targets: list[str]) -> int:
+    """The slots every shard wrote (``written`` and ``targets`` in head order), or
+    CtxPrefillError naming each shard's count where they differ."""
+    if len(set(written)) != 1:
+        raise CtxPrefillError(f"shards wrote different numbers of slots: {dict(zip(targets, written, strict=True))}")
+    return written[0]
+
+
+def _same_bytes(reads: list[np.ndarray], targets: list[str]) -> None:
+    """ShardedReadMismatchError naming the first shard whose bytes differ from the first
+    shard's (``reads`` and ``targets`` in head order)."""
+    for t, r in zip(targets[1:], reads[1:], strict=True):
+        if not np.array_equal(r, reads[0]):
+            raise ShardedReadMismatchError(f"shard {t} holds other bytes than shard {targets[0]}")
+
+
+def _shared_workspace(infos: list[ServerInfo], workspace_tokens: int | None) -> int | None:
+    """The workspace every shard plans with: the caller's, else the smallest default where
+    the shards' defaults differ (so that they plan the same chunks)."""
+    if workspace_tokens is None and len({i.workspace_tokens for i in infos}) > 1:
+        return min(i.workspace_tokens for i in infos)
+    return workspace_tokens
+
+
 def concat_results(results: list[PrefillResult], targets: list[str], infos: list[ServerInfo]) -> ShardedPrefillResult:
     """Shard results in head order -> one result of the whole model."""
     output = np.concatenate([r.output for r in results], axis=1)
@@ -251,30 +275,6 @@ def _info_of(layout: tuple[list[ServerInfo], list[int]] | None, target: int) -> 
 
 def _materialize(sequences: Iterable[Any]) -> list[Any]:
     return sequences if isinstance(sequences, list) else list(sequences)
-
-
-def _one_count(written: list[int], targets: list[str]) -> int:
-    """The slots every shard wrote (``written`` and ``targets`` in head order), or
-    CtxPrefillError naming each shard's count where they differ."""
-    if len(set(written)) != 1:
-        raise CtxPrefillError(f"shards wrote different numbers of slots: {dict(zip(targets, written, strict=True))}")
-    return written[0]
-
-
-def _same_bytes(reads: list[np.ndarray], targets: list[str]) -> None:
-    """ShardedReadMismatchError naming the first shard whose bytes differ from the first
-    shard's (``reads`` and ``targets`` in head order)."""
-    for t, r in zip(targets[1:], reads[1:], strict=True):
-        if not np.array_equal(r, reads[0]):
-            raise ShardedReadMismatchError(f"shard {t} holds other bytes than shard {targets[0]}")
-
-
-def _shared_workspace(infos: list[ServerInfo], workspace_tokens: int | None) -> int | None:
-    """The workspace every shard plans with: the caller's, else the smallest default where
-    the shards' defaults differ (so that they plan the same chunks)."""
-    if workspace_tokens is None and len({i.workspace_tokens for i in infos}) > 1:
-        return min(i.workspace_tokens for i in infos)
-    return workspace_tokens
 
 
 # --------------------------------------------------------------------------- sync client

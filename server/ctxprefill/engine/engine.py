@@ -105,9 +105,9 @@ class _KnownShape:
 class _KnownRequest:
     """A request of a remembered shape whose layer and block ids passed their checks."""
 
-    shape: _KnownShape
+    known: _KnownShape
     position: int  # its layer's position in the cache
-    row: np.ndarray  # its block ids (request.block_row), int64 or int32 [shape.need]
+    row: np.ndarray  # its block ids (request.block_row), int64 or int32 [known.need]
 
 
 @dataclasses.dataclass
@@ -459,7 +459,7 @@ class Engine:
         got = self.known_shape(request, shape)
         if got is None:
             return None
-        known, position = got.shape, got.position
+        known, position = got.known, got.position
         if known.graph not in graphs or not graphs.eligible(False, request.stop, len(known.chunks)):
             return None
         write = None
