@@ -46,9 +46,10 @@ give). Exit code 1 when a check is over ``--tolerance``.
 bf16 fp8`` one per dtype for each (fp8: q sent in fp8 e4m3, the server quantizing k and v;
 its floor is the same model's, attention FLOPs at the bf16 GEMM rate, its check within the
 engine's fp8 bound, 6e-2); the JSON is rewritten after each server.
-``--mps`` runs this process (the caller) and the servers as clients of a CUDA MPS daemon
-started for the run (``ctxprefill_bench/mps.py``): their work then shares one GPU context
-instead of the GPU time-slicing between the two processes' contexts at every call.
+``--mps`` runs the caller (a child of this process, which owns the daemon and is no client
+of it) and the servers as clients of a CUDA MPS daemon started for the run
+(``ctxprefill_bench/mps.py``): their work then shares one GPU context instead of the GPU
+time-slicing between the two processes' contexts at every call.
 ``--mps-ab ROUNDS`` measures what that changes: the same run, in turn without and with
 ``--mps``, ROUNDS times, each a process of its own (MPS is set before CUDA starts), written
 as one JSON whose runs carry ``mps`` and ``round``.
@@ -62,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import math
 import os
@@ -476,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mps", action="store_true",
                    help="run this process and the servers as clients of a CUDA MPS daemon started for the run "
                         "(one shared GPU context instead of time-slicing between the processes')")
+    p.add_argument("--mps-client", action="store_true", help=argparse.SUPPRESS)  # --mps's child, in the daemon
     p.add_argument("--mps-ab", type=int, default=0, metavar="ROUNDS",
                    help="ROUNDS rounds of this run without and then with --mps, each a process of its own, into "
                         "one JSON (--out) whose runs carry mps and round")
@@ -494,8 +495,13 @@ def main(argv: list[str] | None = None) -> int:
         if ns.mps_ab < 0 or ns.mps or not ns.out:
             p.error("--mps-ab: a number of rounds >= 1, with --out, without --mps (each round runs both)")
         return mps_ab(ns, sys.argv[1:] if argv is None else argv)
-    with mps.mps_daemon() if ns.mps else contextlib.nullcontext():  # before this process initializes CUDA
-        return run(ns, p)
+    if ns.mps and not ns.mps_client:
+        # the run is a child of the daemon's owner, which is no client of it (mps.py)
+        with mps.mps_daemon() as env:
+            return subprocess.run([sys.executable, os.path.abspath(__file__),
+                                   *(sys.argv[1:] if argv is None else argv), "--mps-client"],
+                                  env={**os.environ, **env}, check=False).returncode
+    return run(ns, p)
 
 
 def _without(argv: list[str], *options: str) -> list[str]:

@@ -1,7 +1,8 @@
 """bench/ctxprefill_bench/mps.py against a stand-in control binary: the daemon gets private
-pipe and log directories, this process's environment names them only while it runs, and it
-is told to quit through them; bench_model_workload refuses --mps where MPS is missing, and
-its --mps-ab runs itself without and with --mps in turn into one JSON."""
+pipe and log directories, named to its clients and not in this process's environment, and it
+is told to quit through them; bench_model_workload refuses --mps where MPS is missing, runs
+--mps as a client child of a process outside the daemon, and its --mps-ab runs itself
+without and with --mps in turn into one JSON."""
 
 import os
 import stat
@@ -37,11 +38,11 @@ def test_private_daemon_started_named_and_quit(fake_control):
     assert mps.available()
     with mps.mps_daemon() as env:
         pipe, logdir = env["CUDA_MPS_PIPE_DIRECTORY"], env["CUDA_MPS_LOG_DIRECTORY"]
-        assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == pipe and os.environ["CUDA_MPS_LOG_DIRECTORY"] == logdir
+        # the owner is no client: its quit would wait for the owner itself to exit
+        assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+        assert os.environ["CUDA_MPS_LOG_DIRECTORY"] == "/somewhere/else"
         assert os.path.exists(os.path.join(pipe, "control")) and os.path.isdir(logdir)
         assert os.path.commonpath([pipe, logdir]).rsplit(os.sep, 1)[-1].startswith("ctxprefill-mps-")
-    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ  # restored: unset before
-    assert os.environ["CUDA_MPS_LOG_DIRECTORY"] == "/somewhere/else"  # restored: set before
     assert not os.path.exists(pipe)  # its directory removed
     assert fake_control.read_text().splitlines() == [f"start {logdir}", f"cmd quit {pipe}"]
 
@@ -54,6 +55,14 @@ def test_daemon_without_a_control_pipe_is_an_error(fake_control, tmp_path):
             pass
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
     assert fake_control.read_text().splitlines() == ["cmd quit"]
+
+
+def test_a_daemon_that_does_not_quit_is_reported_not_waited_for(fake_control, tmp_path, capsys):
+    # quit waits while a client runs (here: forever); the owner gives up after its timeout, saying so
+    (tmp_path / "bin" / mps.CONTROL).write_text(FAKE.replace('echo "cmd', 'sleep 30; echo "cmd'))
+    with mps.mps_daemon(quit_timeout_s=0.3):
+        pass
+    assert "did not quit within 0.3 s" in capsys.readouterr().err
 
 
 def _workload_module():
@@ -74,6 +83,32 @@ def test_workload_refuses_mps_where_it_is_missing(monkeypatch, tmp_path, capsys)
         mod.main(["--device", "cpu", "--mps", "--out", str(tmp_path / "w.json")])
     assert e.value.code == 2 and "--mps" in capsys.readouterr().err
     assert not (tmp_path / "w.json").exists()
+
+
+def test_workload_mps_runs_its_caller_as_a_child_inside_the_daemon(fake_control, monkeypatch, tmp_path):
+    """--mps: this process starts the daemon and stays out of it; the run is a child with the
+    same arguments and --mps-client, the daemon named in the child's environment only, and
+    the daemon is told to quit once the child has exited."""
+    import subprocess
+    import sys
+
+    mod = _workload_module()
+    real_run, children = subprocess.run, []
+
+    def run(cmd, *args, env=None, **kw):
+        if cmd[0] != sys.executable:  # the control binary
+            return real_run(cmd, *args, env=env, **kw)
+        children.append(cmd)
+        pipe = env["CUDA_MPS_PIPE_DIRECTORY"]
+        assert os.path.exists(os.path.join(pipe, "control")) and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+        assert fake_control.read_text().count("cmd quit") == 0  # the daemon runs while the child does
+        return subprocess.CompletedProcess(cmd, 3)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    argv = ["--device", "cpu", "--mps", "--layers", "2", "--out", str(tmp_path / "w.json")]
+    assert mod.main(argv) == 3  # the child's exit code
+    assert len(children) == 1 and children[0][2:] == [*argv, "--mps-client"]
+    assert fake_control.read_text().splitlines()[-1].startswith("cmd quit")
 
 
 def test_mps_ab_runs_without_and_with_mps_in_turn_into_one_json(fake_control, monkeypatch, tmp_path):

@@ -6,7 +6,10 @@ temporary directory), so it serves only the processes given its environment, and
 stopped through its own pipe (``quit``): nothing else on the machine is touched.
 
   with mps_daemon() as env:   # env: the variables a client process needs
-      ...                     # set before CUDA is initialized in this process
+      subprocess.run(cmd, env={**os.environ, **env})
+
+The process that starts the daemon stays out of it: ``quit`` waits for every client to
+exit, so a process quitting its own daemon would wait on itself.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,14 +32,11 @@ def available() -> bool:
 
 
 @contextlib.contextmanager
-def mps_daemon(start_timeout_s: float = 10.0) -> Iterator[dict[str, str]]:
-    """Start a private MPS daemon, set its pipe and log directories in ``os.environ`` (so
-    this process, once it initializes CUDA, and the subprocesses it starts are its
-    clients) and yield them; on exit ask it to quit and restore the environment."""
+def mps_daemon(start_timeout_s: float = 10.0, quit_timeout_s: float = 30.0) -> Iterator[dict[str, str]]:
+    """Start a private MPS daemon and yield the pipe and log directories its clients need in
+    their environment; on exit ask it to quit. This process's environment is left as it is."""
     if not available():
         raise RuntimeError(f"{CONTROL} is not on the PATH: CUDA MPS is not installed here")
-    keys = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
-    saved = {k: os.environ.get(k) for k in keys}
     with tempfile.TemporaryDirectory(prefix="ctxprefill-mps-", ignore_cleanup_errors=True) as root:
         env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"),
                "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")}
@@ -50,12 +51,10 @@ def mps_daemon(start_timeout_s: float = 10.0) -> Iterator[dict[str, str]]:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the MPS daemon made no control pipe in {start_timeout_s} s")
                 time.sleep(0.05)
-            os.environ.update(env)
             yield env
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            subprocess.run([CONTROL], input=b"quit\n", env=full, timeout=30, check=False)
+            try:
+                subprocess.run([CONTROL], input=b"quit\n", env=full, timeout=quit_timeout_s, check=False)
+            except subprocess.TimeoutExpired:
+                print(f"mps: the daemon in {root} did not quit within {quit_timeout_s} s: a client of it "
+                      "is still running", file=sys.stderr)
