@@ -474,8 +474,8 @@ def main(argv: list[str] | None = None) -> int:
                         "stream, the calls ordered by CUDA events and answered once queued, the chunk's wall time "
                         "ending when its device work has")
     p.add_argument("--mps", action="store_true",
-                   help="run this process and the servers as clients of a CUDA MPS daemon started for the run "
-                        "(one shared GPU context instead of time-slicing between the processes')")
+                   help="run the caller (a child of this process) and the servers as clients of a CUDA MPS daemon "
+                        "started for the run (one shared GPU context instead of time-slicing between the processes')")
     p.add_argument("--mps-client", action="store_true", help=argparse.SUPPRESS)  # --mps's child, in the daemon
     p.add_argument("--mps-ab", type=int, default=0, metavar="ROUNDS",
                    help="ROUNDS rounds of this run without and then with --mps, each a process of its own, into "
