@@ -240,6 +240,12 @@ class Engine:
         return self.config.fused and self.device.type == "cuda" and _cuda.load() is not None
 
     @property
+    def cuda_graphs_active(self) -> bool:
+        """``--cuda-graphs`` asked for and possible: the engine is on a CUDA device (elsewhere
+        every request runs the eager loop)."""
+        return self.config.cuda_graphs and self.graphs is not None
+
+    @property
     def unpacked_keys_active(self) -> bool:
         """The fused path packs no K for this engine's requests (``loop.use_unpacked_keys``,
         which the chunk loop asks per request)."""
