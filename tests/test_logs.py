@@ -199,6 +199,20 @@ def test_a_weights_error_exits_2_before_anything_listens(tmp_path):
         assert json.loads(line)["msg"] != "listening", r.stderr
 
 
+@pytest.mark.parametrize("backend", ["triton", "cudnn"])
+def test_a_named_backend_the_device_cannot_run_exits_2_before_anything_listens(backend):
+    r = _cli("serve", "--device", "cpu", "--heads", "1", "--num-blocks", "8", "--block-size", "16",
+             "--workspace-tokens", "64", "--port", "0", "--metrics-port", "0", "--backend", backend,
+             "--log-level", "INFO")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"ctxprefill: configuration error: --backend {backend}: attention backend "
+                                f"'{backend}' is not available"), r.stderr
+    assert "needs a CUDA device, got cpu" in lines[-1]
+    for line in lines[:-1]:  # nothing bound, nothing loaded
+        assert json.loads(line)["msg"] not in ("listening", "weights loaded"), r.stderr
+
+
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
 def test_a_port_in_use_exits_2_with_one_line_naming_the_flag(flag):
     """A port another process holds is a configuration error naming its flag (gRPC never

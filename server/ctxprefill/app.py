@@ -14,6 +14,7 @@ import psutil
 import torch
 
 from . import __version__
+from .backends import registry
 from .checkpoint import load_model_kv_b_proj
 from .config import CacheConfig, EngineConfig, ModelShape, check_layers
 from .engine.engine import Engine, SequenceSpec
@@ -252,7 +253,12 @@ def serve(settings: ServeSettings) -> int:
     setup_logging()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     check_serve_settings(settings)
-    check_engine_settings(settings)
+    config = check_engine_settings(settings)
+    if settings.backend != "auto":  # a named backend this device cannot run: refused before a port is bound
+        try:
+            registry.requested(settings.backend, resolve_device(settings.device), q_dtype(config))
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"--backend {settings.backend}: {e}") from None
     security = load_security(settings)
     check_exposure(settings, security)  # beyond loopback: a credential or --allow-insecure, before anything starts
     tracing = from_settings(settings.otlp_endpoint, __version__)

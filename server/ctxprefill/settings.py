@@ -395,18 +395,20 @@ def check_serve_settings(s: ServeSettings) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 65535], got {v}")
 
 
-def check_engine_settings(s: ServeSettings) -> None:
+def check_engine_settings(s: ServeSettings) -> EngineConfig:
     """The engine's cheap configuration checks, before any port is bound (the full build,
-    weights included, runs after binding so that liveness answers while it loads)."""
+    weights included, runs after binding so that liveness answers while it loads); the
+    config they checked (its kv_b_proj dtype bf16 where a weights file will say)."""
     shape = ModelShape(heads=s.heads, softmax_scale=s.softmax_scale)
     cache = CacheConfig(s.cache_dtype, s.block_size, s.num_blocks, s.k_scale)
-    EngineConfig(shape=shape, cache=cache, kv_b_proj_dtype="bf16" if s.weights else s.kv_b_proj_dtype,
-                 prefill_dtype=s.prefill_dtype, workspace_tokens=s.workspace_tokens, fused=not s.generic,
-                 backend=s.backend, max_context_token_heads=s.max_context_token_heads)
+    config = EngineConfig(shape=shape, cache=cache, kv_b_proj_dtype="bf16" if s.weights else s.kv_b_proj_dtype,
+                          prefill_dtype=s.prefill_dtype, workspace_tokens=s.workspace_tokens, fused=not s.generic,
+                          backend=s.backend, max_context_token_heads=s.max_context_token_heads)
     resolve_device(s.device)
     shard_spec(s)  # --shard-index / --num-shards against --heads
     if s.weights and not os.path.isfile(s.weights):
         raise ConfigError(f"--weights: no such file {s.weights!r}")
+    return config
 
 
 def layer_prefix(prefix: str, layer: int, num_layers: int) -> str:

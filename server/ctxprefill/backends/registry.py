@@ -116,6 +116,16 @@ def backend_class(name: str) -> type[AttentionBackend]:
     return got
 
 
+def requested(name: str, device: torch.device, q_dtype: torch.dtype) -> type[AttentionBackend]:
+    """The class of backend ``name`` (not "auto") where it can serve ``q_dtype`` on
+    ``device``; ValueError saying why not (ImportError where its module cannot load)."""
+    cls = backend_class(name)
+    why = cls.unavailable_reason(torch.device(device), q_dtype)
+    if why is not None:
+        raise ValueError(f"attention backend {name!r} is not available for {q_dtype} on {device}: {why}")
+    return cls
+
+
 def create(name: str, device: torch.device, q_dtype: torch.dtype,
            probe: ProbeShape | None = None) -> tuple[AttentionBackend, str]:
     """(backend, why it was chosen). ``name="auto"`` picks the first usable one, or, given
@@ -123,11 +133,7 @@ def create(name: str, device: torch.device, q_dtype: torch.dtype,
     the margin ``_PROBE_MARGIN`` over the first)."""
     device = torch.device(device)
     if name != "auto":
-        cls = backend_class(name)
-        why = cls.unavailable_reason(device, q_dtype)
-        if why is not None:
-            raise ValueError(f"attention backend {name!r} is not available for {q_dtype} on {device}: {why}")
-        return cls(), "requested"
+        return requested(name, device, q_dtype)(), "requested"
     if probe is not None and device.type == "cuda":
         return _auto_by_probe(device, q_dtype, probe)
     usable, skipped = _usable(_AUTO_ORDER, device, q_dtype, first_only=True)
