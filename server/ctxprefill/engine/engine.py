@@ -246,6 +246,13 @@ class Engine:
         return self.config.cuda_graphs and self.graphs is not None
 
     @property
+    def cuda_graphs_reason(self) -> str | None:
+        """Why ``--cuda-graphs``, asked for, does not run; None where it runs or was not asked for."""
+        if not self.config.cuda_graphs or self.graphs is not None:
+            return None
+        return f"CUDA graphs need a CUDA device, got {self.device.type}: every request runs eagerly"
+
+    @property
     def unpacked_keys_active(self) -> bool:
         """The fused path packs no K for this engine's requests (``loop.use_unpacked_keys``,
         which the chunk loop asks per request)."""
