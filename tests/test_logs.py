@@ -157,9 +157,10 @@ def test_a_bad_log_level_exits_2_naming_where_it_came_from():
 
 def test_a_served_process_writes_only_json_lines():
     """...and its "serving" line says what runs: here --cuda-graphs asked for on the CPU,
-    which runs every request eagerly and says why."""
+    which runs every request eagerly and says why; a setting without effect (--k-scale on a
+    bf16 cache) is a warning before anything listens."""
     proc = ServerProcess({"heads": 1, "block_size": 16, "num_blocks": 8, "workspace_tokens": 64,
-                          "log_level": "DEBUG", "cuda_graphs": True})
+                          "log_level": "DEBUG", "cuda_graphs": True, "k_scale": 2.0})
     try:
         proc.wait_ready()
         with PrefillContextClient(proc.target, retries=0, timeout=60) as c:
@@ -179,6 +180,9 @@ def test_a_served_process_writes_only_json_lines():
     serving = next(g for g in lines if g["msg"] == "serving")
     assert serving["device"] == "cpu" and serving["cuda_graphs"] is False and serving["fused_kernels"] is False
     assert "need a CUDA device, got cpu" in serving["cuda_graphs_reason"]
+    ignored = next(g for g in lines if g["msg"] == "settings without effect")
+    assert ignored["level"] == "WARNING" and msgs.index("settings without effect") < msgs.index("listening")
+    assert ignored["settings"] == ["--k-scale (needs --cache-dtype fp8: fp8_ds_mla keeps a scale per tile)"]
     done = next(g for g in lines if g["msg"] == "prefill done")
     assert done["request_id"] == 'id with "quotes"\nand a newline' and done["chunks"] == 1
     assert any(g.get("request_id") == "bad-1" and "INVALID_ARGUMENT" in g["msg"] for g in lines)

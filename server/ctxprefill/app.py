@@ -24,6 +24,7 @@ from .settings import (
     ServeSettings,
     check_engine_settings,
     check_serve_settings,
+    ineffective_settings,
     layer_prefix,
     resolve_device,
     shard_spec,
@@ -254,6 +255,9 @@ def serve(settings: ServeSettings) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     check_serve_settings(settings)
     config = check_engine_settings(settings)
+    ignored = ineffective_settings(settings)
+    if ignored:
+        logging.getLogger("ctxprefill.lifecycle").warning("settings without effect", extra={"settings": ignored})
     if settings.backend != "auto":  # a named backend this device cannot run: refused before a port is bound
         try:
             registry.requested(settings.backend, resolve_device(settings.device), q_dtype(config))

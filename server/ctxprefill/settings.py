@@ -312,6 +312,33 @@ def shared_memory_kinds(s: ServeSettings) -> tuple[str, ...]:
     return kinds
 
 
+def ineffective_settings(s: ServeSettings) -> list[str]:
+    """The settings changed from their defaults that tune a feature this configuration has
+    off, each as ``"--flag (needs ...)"``: they do nothing. Logged as a warning, not refused,
+    so that one set of flags (a values file, an environment) serves deployments with the
+    feature on and off."""
+    defaults = ServeSettings()
+    random_weights = not s.weights and not s.model
+    rules = (  # (settings, whether what they tune is on, what it needs)
+        (("shared_memory_max_regions", "shared_memory_max_bytes", "shared_memory_pin"), s.shared_memory != "off",
+         "--shared-memory"),
+        (("request_ring_max", "request_ring_spin_us", "request_ring_poll_us", "request_ring_overlap",
+          "request_ring_stream_order"), s.request_ring, "--request-ring"),
+        (("request_ring_stream_order_timeout_s",), s.request_ring and s.request_ring_stream_order,
+         "--request-ring-stream-order"),
+        (("weights_prefix",), bool(s.weights), "--weights"),
+        (("seed", "kv_b_proj_dtype"), random_weights, "random weights: no --weights or --model"),
+        (("k_scale",), s.cache_dtype == "fp8", "--cache-dtype fp8: fp8_ds_mla keeps a scale per tile"),
+    )
+
+    def flag(name: str) -> str:  # as given: a switch turned off is its --no- form
+        dashed = name.replace("_", "-")
+        return f"--no-{dashed}" if getattr(s, name) is False and getattr(defaults, name) is True else f"--{dashed}"
+
+    return [f"{flag(name)} (needs {needs})" for names, on, needs in rules if not on
+            for name in names if getattr(s, name) != getattr(defaults, name)]
+
+
 def check_request_ring(s: ServeSettings, kinds: tuple[str, ...]) -> None:
     """``--request-ring`` and its limits (ConfigError naming the flag)."""
     if not s.request_ring:
