@@ -102,6 +102,7 @@ def test_the_servers_own_limits_are_checked_naming_the_flag(changes, message):
     (dict(softmax_scale=0.0), "softmax scale must be finite and > 0, got 0.0"),
     (dict(softmax_scale=float("inf")), "softmax scale must be finite and > 0, got inf"),
     (dict(weights="/nonexistent/w.safetensors"), "--weights: no such file '/nonexistent/w.safetensors'"),
+    (dict(backend="triton"), "--backend triton: attention backend 'triton' is not available"),
 ])
 def test_the_engines_settings_are_checked_before_a_port_is_bound(changes, message):
     from ctxprefill.errors import ConfigError

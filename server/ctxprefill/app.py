@@ -14,7 +14,6 @@ import psutil
 import torch
 
 from . import __version__
-from .backends import registry
 from .checkpoint import load_model_kv_b_proj
 from .config import CacheConfig, EngineConfig, ModelShape, check_layers
 from .engine.engine import Engine, SequenceSpec
@@ -247,22 +246,17 @@ def serve(settings: ServeSettings) -> int:
     import asyncio
 
     from .service.exposure import check_exposure
-    from .service.logs import setup_logging
+    from .service.logs import lifecycle, setup_logging
     from .service.security import load_security
     from .service.tracing import from_settings
 
     setup_logging()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     check_serve_settings(settings)
-    config = check_engine_settings(settings)
+    check_engine_settings(settings)
     ignored = ineffective_settings(settings)
     if ignored:
-        logging.getLogger("ctxprefill.lifecycle").warning("settings without effect", extra={"settings": ignored})
-    if settings.backend != "auto":  # a named backend this device cannot run: refused before a port is bound
-        try:
-            registry.requested(settings.backend, resolve_device(settings.device), q_dtype(config))
-        except (ValueError, ImportError) as e:
-            raise ConfigError(f"--backend {settings.backend}: {e}") from None
+        lifecycle.warning("settings without effect", extra={"settings": ignored})
     security = load_security(settings)
     check_exposure(settings, security)  # beyond loopback: a credential or --allow-insecure, before anything starts
     tracing = from_settings(settings.otlp_endpoint, __version__)

@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
+from .backends import registry
 from .checkpoint import MODEL_FIELDS, resolve_model
 from .config import KV_B_PROJ_DTYPES, MAX_CONTEXT_TOKEN_HEADS, PREFILL_DTYPES, CacheConfig, EngineConfig, ModelShape
+from .engine.request import q_dtype
 from .errors import ConfigError
 from .ops.slot_format import CACHE_DTYPES
 
@@ -422,20 +424,23 @@ def check_serve_settings(s: ServeSettings) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 65535], got {v}")
 
 
-def check_engine_settings(s: ServeSettings) -> EngineConfig:
+def check_engine_settings(s: ServeSettings) -> None:
     """The engine's cheap configuration checks, before any port is bound (the full build,
-    weights included, runs after binding so that liveness answers while it loads); the
-    config they checked (its kv_b_proj dtype bf16 where a weights file will say)."""
+    weights included, runs after binding so that liveness answers while it loads)."""
     shape = ModelShape(heads=s.heads, softmax_scale=s.softmax_scale)
     cache = CacheConfig(s.cache_dtype, s.block_size, s.num_blocks, s.k_scale)
     config = EngineConfig(shape=shape, cache=cache, kv_b_proj_dtype="bf16" if s.weights else s.kv_b_proj_dtype,
                           prefill_dtype=s.prefill_dtype, workspace_tokens=s.workspace_tokens, fused=not s.generic,
                           backend=s.backend, max_context_token_heads=s.max_context_token_heads)
-    resolve_device(s.device)
+    device = resolve_device(s.device)
+    if s.backend != "auto":  # a named backend this device cannot run (auto picks among those that can)
+        try:
+            registry.requested(s.backend, device, q_dtype(config))
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"--backend {s.backend}: {e}") from None
     shard_spec(s)  # --shard-index / --num-shards against --heads
     if s.weights and not os.path.isfile(s.weights):
         raise ConfigError(f"--weights: no such file {s.weights!r}")
-    return config
 
 
 def layer_prefix(prefix: str, layer: int, num_layers: int) -> str:
