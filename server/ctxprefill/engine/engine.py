@@ -246,10 +246,12 @@ class Engine:
         return self.config.cuda_graphs and self.graphs is not None
 
     @property
-    def cuda_graphs_reason(self) -> str | None:
-        """Why ``--cuda-graphs``, asked for, does not run; None where it runs or was not asked for."""
-        if not self.config.cuda_graphs or self.graphs is not None:
-            return None
+    def cuda_graphs_reason(self) -> str:
+        """Why the chunk loop is not replayed as CUDA graphs ("" when it is)."""
+        if self.cuda_graphs_active:
+            return ""
+        if not self.config.cuda_graphs:
+            return "not asked for (--cuda-graphs)"
         return f"CUDA graphs need a CUDA device, got {self.device.type}: every request runs eagerly"
 
     @property
