@@ -745,4 +745,7 @@ def test_a_process_that_attaches_leaves_the_segment_to_its_creator():
         assert not os.path.exists(f"/dev/shm/{r.key}")
     finally:
         r.close()
-        resource_tracker.unregister(r._shm._name, "shared_memory")  # gone: this process's tracker forgets it
+        if os.path.exists(f"/dev/shm/{r.key}"):  # the guest did not remove it: ours to
+            r.unlink()
+        else:  # gone: this process's tracker forgets it
+            resource_tracker.unregister(r._shm._name, "shared_memory")

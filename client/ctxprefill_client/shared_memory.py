@@ -130,6 +130,11 @@ def _nbytes(dtype: int, shape: Iterable[int]) -> int:
 # --------------------------------------------------------------------------- system memory
 
 
+#: SharedMemory takes ``track=False`` (Python >= 3.13); before, an attached segment is
+#: taken out of the resource tracker by hand
+_TRACK_FLAG = sys.version_info >= (3, 13)
+
+
 class SystemSharedMemoryRegion:
     """A POSIX shared-memory segment of ``byte_size`` bytes (``/dev/shm/<key>``), to be
     registered under ``name``. ``key`` None: a fresh random key. ``create=False``
@@ -148,10 +153,10 @@ class SystemSharedMemoryRegion:
             raise ValueError(f"byte_size must be >= 1, got {byte_size}")
         self.name = name
         # an attached segment is not tracked: Python's resource tracker would unlink it, under
-        # its creator, when this process exits (Python >= 3.13 takes track=False for that)
-        untracked = {} if create or sys.version_info < (3, 13) else {"track": False}
+        # its creator, when this process exits
+        untracked = {} if create or not _TRACK_FLAG else {"track": False}
         self._shm = shared_memory.SharedMemory(name=key, create=create, size=byte_size if create else 0, **untracked)
-        if not create and sys.version_info < (3, 13):
+        if not create and not _TRACK_FLAG:
             resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
         self._created = create
         self.key = self._shm.name.lstrip("/")
@@ -217,7 +222,7 @@ class SystemSharedMemoryRegion:
 
     def unlink(self) -> None:
         """Remove the segment's name (the memory goes when every process unmapped it)."""
-        if not self._created and sys.version_info < (3, 13):  # unlink() unregisters what it unlinks
+        if not self._created and not _TRACK_FLAG:  # unlink() unregisters what it unlinks
             resource_tracker.register(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
         self._shm.unlink()
 
