@@ -237,7 +237,7 @@ def test_the_shapes_remembered_are_bounded_the_oldest_forgotten(engine, monkeypa
     import ctxprefill.engine.graphs as graphs_mod
 
     eng = engine
-    eng.MAX_KNOWN = 3
+    monkeypatch.setattr(eng, "MAX_KNOWN", 3)
     monkeypatch.setattr(graphs_mod, "MAX_SEEN", 2)
     table = list(range(5, 5 + 9))
     reqs = [PrefillRequest(_q(tq), [SequenceSpec(tq, 130, table)], layer=0) for tq in range(1, 6)]

@@ -2,8 +2,6 @@
 this configuration has off is named, as the flag was given, with what it needs; defaults,
 and settings whose feature is on, are not."""
 
-import dataclasses
-
 from ctxprefill.settings import ServeSettings, ineffective_settings
 
 
@@ -31,8 +29,7 @@ def test_settings_whose_feature_is_off_are_named_with_what_they_need():
         "--k-scale (needs --cache-dtype fp8: fp8_ds_mla keeps a scale per tile)",
     ]
     # the ring on, stream order off: its timeout does nothing
-    ring = dataclasses.replace(ServeSettings(), shared_memory="system", request_ring=True,
-                               request_ring_stream_order_timeout_s=5.0)
+    ring = ServeSettings(shared_memory="system", request_ring=True, request_ring_stream_order_timeout_s=5.0)
     assert ineffective_settings(ring) == ["--request-ring-stream-order-timeout-s (needs --request-ring-stream-order)"]
     # a weights file or a model decides the weights: the random ones' seed and dtype do nothing
     for source in ({"weights": "w.safetensors"}, {"model": "/m"}):
