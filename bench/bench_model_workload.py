@@ -484,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of each RPC, seconds")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start")
     p.add_argument("--out", default=None, help="write JSON results here (rewritten after each head count)")
+    argv = sys.argv[1:] if argv is None else argv  # the children's arguments (--mps, --mps-ab)
     ns = p.parse_args(argv)
     if min(ns.layers, ns.new, ns.chunk, ns.block_size) < 1 or ns.max_context < ns.new:
         p.error("--layers, --new, --chunk, --block-size must be >= 1 and --max-context >= --new")
@@ -494,12 +495,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.mps_ab:
         if ns.mps_ab < 0 or ns.mps or not ns.out:
             p.error("--mps-ab: a number of rounds >= 1, with --out, without --mps (each round runs both)")
-        return mps_ab(ns, sys.argv[1:] if argv is None else argv)
+        return mps_ab(ns, argv)
     if ns.mps and not ns.mps_client:
         # the run is a child of the daemon's owner, which is no client of it (mps.py)
         with mps.mps_daemon() as env:
-            return subprocess.run([sys.executable, os.path.abspath(__file__),
-                                   *(sys.argv[1:] if argv is None else argv), "--mps-client"],
+            return subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--mps-client"],
                                   env={**os.environ, **env}, check=False).returncode
     return run(ns, p)
 
