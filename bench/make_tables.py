@@ -393,6 +393,11 @@ def _first_copy_queued(d: Doc) -> bool:
     return str(d["meta"].get("graph_first_copy", "")).startswith("the copies queued")
 
 
+def _has_copies_path(d: Doc) -> bool:
+    """Whether a probe_host file has the copying replay (graph_copies) beside the in-place one."""
+    return any("graph_copies_request_s" in r for r in d["rows"])
+
+
 def host_table(d: Doc) -> str:
     """``bench/probe_host_issue.py``: where a request's host time goes, the device held."""
     first = ("the time that call returns for the copies queued" if _first_copy_queued(d)
@@ -401,12 +406,14 @@ def host_table(d: Doc) -> str:
              "the first stage (device held); µs per host step and from the call to the first device copy queued "
              "(median; graph: the fused path replayed as a CUDA graph, which takes no loop inputs, queued through the "
              f"CUDA extension, whose one call queues the copies in and launches the graph: its first copy is {first}; "
-             "graph_torch: the same replay queued through torch's calls, beside it).", "",
+             + ("q is read and out and LSE written in place; graph_copies: the same replay copying q into the graph's "
+                "buffer and out and LSE out of it; " if _has_copies_path(d) else "")
+             + "graph_torch: the same replay queued through torch's calls, copying, beside it).", "",
              "| H | new | ctx | prefill | path | request ms | outside the stages ms | device span ms | "
              "before stages ms | " + " | ".join(f"{s} µs" for s in _STEPS) + " | to the first copy µs |",
              "|---|---|---|---|---|---|---|---|---|" + "---|" * len(_STEPS) + "---|"]
     for r in d["rows"]:
-        for p in ("generic", "fused", "graph", "graph_torch"):
+        for p in ("generic", "fused", "graph", "graph_copies", "graph_torch"):
             st = r.get(f"{p}_host_steps_us")
             if st is None:
                 continue
@@ -419,7 +426,19 @@ def host_table(d: Doc) -> str:
              ("attention_call_us", "attention call")]
     order = ", ".join(f"H={r['heads']} {r['prefill_dtype']}" for r in d["rows"])
     ab = [(r, r["replay_launch_rounds"]) for r in d["rows"] if "replay_launch_rounds" in r]
-    if ab:
+    if ab and "in_place_outside_s" in ab[0][1]:
+        lines += ["", "A replay in place against one copying q in and out and LSE out, both through the CUDA "
+                  f"extension, {len(ab[0][1]['in_place_outside_s'])} interleaved rounds (median of each, µs; "
+                  "outside the stage, then the stage): " + "; ".join(
+                      f"H={r['heads']} {r['prefill_dtype']} "
+                      + ("" if x["in_place"] else "(not in place: the capture's check failed) ")
+                      + f"outside {statistics.median(x['in_place_outside_s']) * 1e6:.1f} against "
+                      f"{statistics.median(x['copies_outside_s']) * 1e6:.1f}, stage "
+                      f"{statistics.median(x['in_place_stage_s']) * 1e6:.1f} against "
+                      f"{statistics.median(x['copies_stage_s']) * 1e6:.1f} (saving, median over rounds: "
+                      f"{x['median_saving_outside_s'] * 1e6:.1f} and {x['median_saving_stage_s'] * 1e6:.1f})"
+                      for r, x in ab) + "."]
+    elif ab:
         lines += ["", "A replay's time outside its stage queued through the CUDA extension against torch's calls, "
                   f"{len(ab[0][1]['extension_outside_s'])} interleaved rounds (median of each, µs): " + "; ".join(
                       f"H={r['heads']} {r['prefill_dtype']} {statistics.median(x['extension_outside_s']) * 1e6:.1f} "

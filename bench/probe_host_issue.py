@@ -45,17 +45,23 @@ from ctxprefill_bench.engine_bench import make_device_request, time_request  # n
 HOLD_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: longer than anything issued behind it
 
 
-#: the paths probed: (name, fused, graphs_on). graph_torch: the replay queued through torch's
-#: calls (Tensor.copy_, Event.record, CUDAGraph.replay), the baseline of the extension's launch
-PATHS = (("generic", False, False), ("fused", True, False), ("graph", True, True), ("graph_torch", True, True))
+#: the paths probed: (name, fused, graphs_on). graph: the replay through the extension, q read
+#: and out and LSE written in place where the capture found and checked that
+#: (engine/graphs.py); graph_copies: the same with q copied into the graph's buffer and out
+#: and LSE copied out of it; graph_torch: copying, queued through torch's calls
+#: (Tensor.copy_, Event.record, CUDAGraph.replay), the baseline of the extension's launch
+PATHS = (("generic", False, False), ("fused", True, False), ("graph", True, True), ("graph_copies", True, True),
+         ("graph_torch", True, True))
 
 
 @contextlib.contextmanager
-def replays_through_torch(engine, on: bool):
-    """Within: every captured loop replays through torch's calls (``on``), not the extension's."""
+def replay_mode(engine, path: str):
+    """Within: every captured loop replays as ``path`` says (a PATHS name; graph and the
+    eager paths: as the engine does)."""
     with contextlib.ExitStack() as patches:
-        if on:
-            for loop in engine.graphs._graphs.values():
+        for loop in engine.graphs._graphs.values() if path in ("graph_copies", "graph_torch") else ():
+            patches.enter_context(mock.patch.object(loop, "in_place", False))
+            if path == "graph_torch":
                 patches.enter_context(mock.patch.object(loop, "_exec", 0))
         yield
 
@@ -107,19 +113,24 @@ def issue_time_s(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> tupl
 
 
 def replay_launch_rounds(engine, q, seqs, rounds: int, iters: int) -> dict:
-    """The replay's time outside its stage queued through the extension and through torch's
-    calls, in ``rounds`` interleaved rounds of ``iters`` requests each (a host's state drifts
-    over a run: adjacent rounds see the same one): each round's median per path, in s, and
-    the median over rounds of their difference (torch's minus the extension's)."""
-    got: dict[str, list[float]] = {"extension": [], "torch": []}
+    """The replay's time outside its stage and its stage's time, in place and copying q in
+    and out and LSE out (both through the extension), in ``rounds`` interleaved rounds of
+    ``iters`` requests each (a host's state drifts over a run: adjacent rounds see the same
+    one): each round's medians per mode, in s, and the median over rounds of their
+    differences (the copying mode's minus the in-place one's)."""
+    got: dict[str, list[float]] = {f"{m}_{k}": [] for m in ("in_place", "copies") for k in ("outside_s", "stage_s")}
     for _ in range(rounds):
-        for name, through_torch in (("extension", False), ("torch", True)):
-            with replays_through_torch(engine, through_torch):
+        for mode, path in (("in_place", "graph"), ("copies", "graph_copies")):
+            with replay_mode(engine, path):
                 t = time_request(engine, q, seqs, True, engine.device, max_iters=iters, min_iters=iters, target_s=0,
                                  graphs_on=True)
-            got[name].append(t["outside_s"])
-    diff = statistics.median(b - a for a, b in zip(got["extension"], got["torch"], strict=True))
-    return {"extension_outside_s": got["extension"], "torch_outside_s": got["torch"], "median_saving_s": diff}
+            got[f"{mode}_outside_s"].append(t["outside_s"])
+            got[f"{mode}_stage_s"].append(sum(t["stage_s"].values()))
+    for k in ("outside_s", "stage_s"):
+        got[f"median_saving_{k}"] = statistics.median(b - a for a, b in zip(got[f"in_place_{k}"], got[f"copies_{k}"],
+                                                                          strict=True))
+    got["in_place"] = all(loop.in_place for loop in engine.graphs._graphs.values())
+    return got
 
 
 #: a request's host steps, in order (probe_host_issue.host_steps_us)
@@ -175,13 +186,14 @@ def host_steps_us(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> dic
 
         return wrapped
 
-    launches = [loop for loop in engine.graphs._graphs.values() if loop.launch is not None]
+    launches = [(loop, name) for loop in engine.graphs._graphs.values() for name in ("launch", "launch_in_place")
+                if getattr(loop, name) is not None]
     got: dict[str, list[float]] = {k: [] for k in (*STEPS, "first copy")}
     with contextlib.ExitStack() as patches:
         for owner, name, before, *after in wraps:
             patches.enter_context(mock.patch.object(owner, name, marking(getattr(owner, name), before, *after)))
-        for loop in launches:
-            patches.enter_context(mock.patch.object(loop, "launch", launching(loop.launch)))
+        for loop, name in launches:
+            patches.enter_context(mock.patch.object(loop, name, launching(getattr(loop, name))))
         for t0, t1 in _requests(engine, q, seqs, fused, graphs, iters, marks):
             m = marks
             # a replay takes no loop inputs: its shape and metadata come straight from the
@@ -280,7 +292,7 @@ def _measure(a: argparse.Namespace) -> list[dict]:
         q, seqs = make_device_request(engine, [a.context], [a.new])
         row = {"heads": heads, "new": a.new, "context": a.context, "prefill_dtype": pd}
         for name, fused, graphs in PATHS:
-            with replays_through_torch(engine, name == "graph_torch"):
+            with replay_mode(engine, name):
                 t = time_request(engine, q, seqs, fused, engine.device, max_iters=a.iters, min_iters=a.iters,
                                  target_s=0, graphs_on=graphs)
                 row[f"{name}_request_s"] = t["median_s"]
@@ -295,6 +307,14 @@ def _measure(a: argparse.Namespace) -> list[dict]:
         row["replay_launch_rounds"] = replay_launch_rounds(engine, q, seqs, a.rounds, a.iters)
         row["graph_replays"] = engine.graphs.replays
         row["graph_quick_replays"] = engine.quick_replays  # of them, one-sequence shapes known before (quick checks)
+        # the captured loop's arguments into q, out and LSE (engine/graphs.py's GraphPatch), and
+        # why its replays copy ("" where they run in place)
+        for loop in engine.graphs._graphs.values():
+            row["graph_copies_because"] = loop.copies_because
+            if loop.patch is not None:
+                row["graph_patch"] = {"arguments": list(loop.patch.counts),
+                                      "descriptors": list(loop.patch.descriptor_counts),
+                                      "nodes": loop.patch.nodes, "unlisted_nodes": loop.patch.unlisted}
         if not row["graph_replays"]:  # else the "graph" rows would be the eager loop's
             raise SystemExit(f"probe_host_issue: H={heads} {pd}: the graph path never replayed")
         # the pieces, one call each (device held): what a stage's bracket costs the host

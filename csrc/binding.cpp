@@ -25,6 +25,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/extension.h>
 
+#include "graph_patch.h"
 #include "launchers.h"
 
 namespace {
@@ -529,12 +530,13 @@ void copies_async(const std::vector<int64_t>& triples, int64_t stream, int64_t e
 // Every handle is checked before anything is queued. Returns CLOCK_MONOTONIC (Python's
 // time.perf_counter on Linux) in seconds once the copies were queued: the request's first
 // device work, which a host probe cannot mark from outside the call.
-double graph_launch(const std::vector<int64_t>& triples, int64_t staged, int64_t begin, int64_t graph_exec,
-                    int64_t stream) {
-  const char* op = "graph_launch";
+double launch_graph(const char* op, const std::vector<int64_t>& triples, int64_t staged, int64_t begin,
+                    int64_t graph_exec, int64_t stream, ctxprefill::GraphPatch* patch,
+                    const std::vector<int64_t>& bases) {
   if (staged == 0 || begin == 0 || graph_exec == 0)
     throw std::invalid_argument(msg(op, ": staged, begin and graph_exec must be handles; got ", staged, ", ",
                                     begin, ", ", graph_exec));
+  if (patch != nullptr) patch->apply(std::vector<uint64_t>(bases.begin(), bases.end()));
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   enqueue_copies(op, triples, s);
   timespec queued{};
@@ -543,6 +545,28 @@ double graph_launch(const std::vector<int64_t>& triples, int64_t staged, int64_t
   cuda_call(op, "cudaEventRecord of event", 1, cudaEventRecord(reinterpret_cast<cudaEvent_t>(begin), s));
   cuda_call(op, "cudaGraphLaunch of graph", 0, cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(graph_exec), s));
   return static_cast<double>(queued.tv_sec) + static_cast<double>(queued.tv_nsec) * 1e-9;
+}
+
+double graph_launch(const std::vector<int64_t>& triples, int64_t staged, int64_t begin, int64_t graph_exec,
+                    int64_t stream) {
+  return launch_graph("graph_launch", triples, staged, begin, graph_exec, stream, nullptr, {});
+}
+
+// GraphPatch (csrc/graph_patch.h) for Python: found over a torch CUDAGraph's raw graph and
+// exec (kept graph), then launch() = graph_launch with the kernels' arguments first pointed
+// at the request's buffers. A launch that throws from the patch leaves the exec's arguments
+// unknown: the caller drops the graph.
+std::unique_ptr<ctxprefill::GraphPatch> graph_patch_new(int64_t graph, int64_t graph_exec,
+                                                        const std::vector<int64_t>& buffers) {
+  return std::make_unique<ctxprefill::GraphPatch>(reinterpret_cast<cudaGraph_t>(graph),
+                                                  reinterpret_cast<cudaGraphExec_t>(graph_exec),
+                                                  std::vector<uint64_t>(buffers.begin(), buffers.end()));
+}
+
+double graph_patch_launch(ctxprefill::GraphPatch& patch, const std::vector<int64_t>& bases,
+                          const std::vector<int64_t>& triples, int64_t staged, int64_t begin, int64_t graph_exec,
+                          int64_t stream) {
+  return launch_graph("GraphPatch.launch", triples, staged, begin, graph_exec, stream, &patch, bases);
 }
 
 }  // namespace
@@ -583,4 +607,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "all on a cudaStream_t handle; returns CLOCK_MONOTONIC seconds (time.perf_counter's clock on Linux) "
         "once the copies were queued",
         py::arg("triples"), py::arg("staged"), py::arg("begin"), py::arg("graph_exec"), py::arg("stream"));
+  py::class_<ctxprefill::GraphPatch>(m, "GraphPatch",
+                                     "a captured graph's kernel arguments that point into given buffers, "
+                                     "redirected per launch")
+      .def(py::init(&graph_patch_new), "raw cudaGraph_t and its cudaGraphExec_t handles, buffers as "
+           "(base, bytes, ...) addresses", py::arg("graph"), py::arg("graph_exec"), py::arg("buffers"))
+      .def("launch", &graph_patch_launch,
+           "graph_launch with every found argument first pointed at bases (one per buffer)", py::arg("bases"),
+           py::arg("triples"), py::arg("staged"), py::arg("begin"), py::arg("graph_exec"), py::arg("stream"))
+      .def("apply", [](ctxprefill::GraphPatch& p, const std::vector<int64_t>& bases) {
+             p.apply(std::vector<uint64_t>(bases.begin(), bases.end()));
+           }, "point every found argument at bases (one per buffer), for the next launch", py::arg("bases"))
+      .def_property_readonly("counts", &ctxprefill::GraphPatch::counts, "per buffer: arguments found")
+      .def_property_readonly("descriptor_counts", &ctxprefill::GraphPatch::descriptor_counts,
+                             "per buffer: TMA descriptors among them")
+      .def_property_readonly("nodes", &ctxprefill::GraphPatch::nodes, "kernel nodes rewritten by a launch")
+      .def_property_readonly("unlisted", &ctxprefill::GraphPatch::unlisted,
+                             "kernel nodes whose arguments could not be listed");
 }

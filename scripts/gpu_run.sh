@@ -205,7 +205,7 @@ want profile_host && run_step profile_host 200 5 "$OUT/profile_host.txt" bash -c
 # the host's time to issue a 16-head request with the device held (no waits), and its pieces
 # PROBE_HOST_HEADS: the head counts probed (default 16; "16 128" adds the 128-head request);
 # PROBE_HOST_ARGS: more of its options (e.g. --no-gc, --cpu-latency-us 0: idle CPUs held awake)
-want probe_host && run_step probe_host 150 5 - python3 bench/probe_host_issue.py --heads ${PROBE_HOST_HEADS:-16} \
+want probe_host && run_step probe_host 240 5 - python3 bench/probe_host_issue.py --heads ${PROBE_HOST_HEADS:-16} \
   ${PROBE_HOST_ARGS:-} --out "$OUT/probe_host.json"
 
 # kv_b_proj's GEMM shapes: cuBLAS against a Triton persistent TMA kernel, beside the burst rate

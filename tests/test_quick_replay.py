@@ -42,7 +42,7 @@ class StandInGraphs(LoopGraphs):
         super().__init__(*a, **k)
         self.staged: list[tuple[object, np.ndarray, int]] = []
 
-    def _capture(self, key, x, hm, backend, fused):
+    def _capture(self, key, x, hm, backend, fused, eager):
         self._graphs[key] = hm.size
         self.captures += 1
 

@@ -97,10 +97,11 @@ def test_replay_equals_the_eager_loop_bit_for_bit(case, cache_dtype, kvb, prefil
     assert set(runs[2].stats.stage_ns) == {GRAPH_STAGE} and runs[2].stats.stage_ns[GRAPH_STAGE] > 0
     for r in runs:
         assert same_bits(r, eager)
-    # the replay's launches are the captured loop's, and its two copies out
-    want = dict(eager.stats.launches)
-    want[GRAPH_STAGE] = 2
-    assert dict(runs[2].stats.launches) == want
+    # the capture found q's, out's and LSE's arguments and checked a replay in place: the
+    # replay's launches are the captured loop's alone (no copies out)
+    [loop] = eng.graphs._graphs.values()
+    assert loop.in_place and all(loop.patch.counts), loop.copies_because
+    assert dict(runs[2].stats.launches) == dict(eager.stats.launches)
     # another request of the same shape (other blocks, cache contents, q) replays with its values
     q2, seqs2 = make_request(eng, c, seed=2)
     assert [s.block_table for s in seqs2] != [s.block_table for s in seqs]
@@ -134,10 +135,12 @@ def test_the_replays_result_outlives_the_next_replay():
 
 
 def test_contiguous_replays_launch_through_the_extension(cuda_ext):
-    """A contiguous q's replay is queued by the extension's graph_launch (the copies in, the
-    stage's start, the graph) and copies_async (the copies out, the stage's end): the path
-    the bit-for-bit tests above take. graph_launch returns the time the copies were queued
-    on time.perf_counter's clock, and refuses a null handle before queuing."""
+    """A contiguous, aligned q's replay is queued by the extension's GraphPatch.launch (the
+    arguments pointed at q, out and LSE, the metadata's copy, the stage's start, the graph)
+    and copies_async (the stage's end); with in-place replays off, by graph_launch (the copies
+    in, the stage's start, the graph) and copies_async (the copies out, the stage's end).
+    Both return the time the copies were queued on time.perf_counter's clock, and refuse a
+    null handle before queuing."""
     c = CASES["long"]
     eng = make_engine(c, "auto", "bf16", "bf16")
     q, seqs = make_request(eng, c, seed=1)
@@ -146,21 +149,65 @@ def test_contiguous_replays_launch_through_the_extension(cuda_ext):
     assert eng.graphs is not None
     [loop] = eng.graphs._graphs.values()
     assert loop.launch is cuda_ext.graph_launch and loop._exec != 0
+    assert isinstance(loop.patch, cuda_ext.GraphPatch) and loop.launch_in_place == loop.patch.launch and loop.in_place
     times = []
 
-    def timed(*args):
-        t0 = time.perf_counter()
-        queued = cuda_ext.graph_launch(*args)
-        times.append((t0, queued, time.perf_counter()))
-        return queued
+    def timing(call):
+        def timed(*args):
+            t0 = time.perf_counter()
+            queued = call(*args)
+            times.append((t0, queued, time.perf_counter()))
+            return queued
+        return timed
 
-    loop.launch = timed
+    loop.launch, loop.launch_in_place = timing(cuda_ext.graph_launch), timing(loop.patch.launch)
     runs.append(eng.prefill_context(q, seqs))
-    [(t0, queued, t1)] = times
-    assert isinstance(queued, float) and t0 <= queued <= t1, times
-    assert same_bits(runs[2], eager) and runs[2].stats.stage_ns[GRAPH_STAGE] > 0
+    loop.in_place = False
+    runs.append(eng.prefill_context(q, seqs))
+    assert len(times) == 2
+    for t0, queued, t1 in times:
+        assert isinstance(queued, float) and t0 <= queued <= t1, times
+    for r in runs[2:]:
+        assert same_bits(r, eager) and r.stats.stage_ns[GRAPH_STAGE] > 0
+    assert runs[2].stats.launches.get(GRAPH_STAGE, 0) == 0 and runs[3].stats.launches[GRAPH_STAGE] == 2
     with pytest.raises(ValueError, match="handles"):
         cuda_ext.graph_launch([], 0, 0, loop._exec, 0)
+    with pytest.raises(ValueError, match="handles"):
+        loop.patch.launch(loop.captured, [], 0, 0, loop._exec, 0)
+
+
+def test_in_place_replays_read_the_requests_q_and_write_new_tensors(cuda_ext):
+    """After the capture, the graph's own q buffer is never read by an in-place replay
+    (overwritten here, the answers stay the eager loop's) and each result is a tensor of
+    its own; a q off the 256-byte alignment replays copying, with the arguments pointed back
+    at the graph's buffers, and the next aligned q in place again. GraphPatch refuses bases
+    off the captured alignment and buffers that are not (base, bytes) pairs."""
+    c = CASES["long"]
+    eng = make_engine(c, "auto", "bf16", "bf16")
+    q, seqs = make_request(eng, c, seed=1)
+    for _ in range(2):
+        eng.prefill_context(q, seqs)
+    assert eng.graphs is not None
+    [loop] = eng.graphs._graphs.values()
+    assert loop.in_place
+    loop.q.fill_(7.0)
+    q2, seqs2 = make_request(eng, c, seed=2)
+    eager2 = eng.prefill_context(q2, seqs2, graphs_on=False)
+    a, b = eng.prefill_context(q2, seqs2), eng.prefill_context(q2, seqs2)
+    assert same_bits(a, eager2) and same_bits(b, eager2)
+    assert len({a.out.data_ptr(), b.out.data_ptr(), loop.out.data_ptr()}) == 3
+    big = torch.empty(q2.numel() + 256, dtype=q2.dtype, device=DEV)
+    off = big[64:64 + q2.numel()].view(q2.shape)  # 128 bytes past an allocation's start
+    off.copy_(q2)
+    assert off.data_ptr() % 256 and not loop.takes_in_place(off)
+    copied = eng.prefill_context(off, seqs2)
+    assert same_bits(copied, eager2) and copied.stats.launches[GRAPH_STAGE] == 2
+    assert same_bits(eng.prefill_context(q2, seqs2), eager2)
+    assert eng.graphs.replays == 4
+    with pytest.raises(ValueError, match="alignment"):
+        loop.patch.apply([loop.captured[0] + 16, *loop.captured[1:]])
+    with pytest.raises(ValueError, match="pairs"):
+        cuda_ext.GraphPatch(loop.graph.raw_cuda_graph(), loop._exec, [1, 2, 3])
 
 
 def test_a_strided_q_replays_through_torchs_copy(cuda_ext):

@@ -4,10 +4,17 @@ A 16-head request's Python issues its ~27 launches about as fast as the device r
 them, so the device waits on the host inside the loop; a graph replays the same kernels
 with the same arguments in one launch (the same bits, tested: tests/gpu/test_graphs_gpu.py).
 The host still checks every request and makes its chunk metadata (remembered per shape),
-and copies the metadata, q and the layer's weight into the graph's buffers; after the
-replay the output and LSE are copied out of them (the next replay overwrites them).
-Where the CUDA extension is loaded, a replay is two calls into it — the copies in, the
-stage's start event and the graph's launch; the copies out and the stage's end event —
+and copies the metadata (and the layer's weight, where another layer's is in) into the
+graph's buffers. q, the output and LSE stay where they are: the kernel arguments that
+point into the captured q, out and LSE buffers (raw addresses and TMA descriptors) are
+found once at capture and pointed at the request's tensors before each launch
+(csrc/graph_patch.h), a copy in of 50 MB and out of 34 MB saved at 128 heads. A capture
+checks this once: a replay in place, with the captured q overwritten by NaN, must give
+the eager loop's bits, else the shape's replays copy q in and out and LSE out of the
+graph's buffers (as they do for a q that is strided or not 256-byte aligned).
+Where the CUDA extension is loaded, a replay is two calls into it — the arguments
+redirected, the copies in, the stage's start event and the graph's launch; the copies out
+(if any) and the stage's end event —
 since each of torch's calls (copy, event record, replay) dispatches and checks on the host,
 microseconds a replay.
 
@@ -20,9 +27,9 @@ by the layer, so one graph serves every layer (the layers of a model's step shar
 shape). A shape is captured the second time it comes (the first ran eagerly and warmed
 every kernel), after that request's loop is queued; at most ``max_graphs`` are kept,
 the least recently used dropped. A replay has no per-stage times: its stats carry one
-stage, ``graph``, the replay's device time with the copies of out and LSE out of the
-graph's buffers (the copies in come before it, as the eager loop's uploads come before
-its first stage). Requests that want more (an observer, a
+stage, ``graph``, the replay's device time (with the copies of out and LSE out of the
+graph's buffers, where it makes them; the copies in come before it, as the eager loop's
+uploads come before its first stage). Requests that want more (an observer, a
 traced timeline) or that could stop part way (a stop signal over more than
 ``STOP_AHEAD`` chunks: a replay runs to its end) run eagerly.
 """
@@ -63,6 +70,9 @@ log = logging.getLogger("ctxprefill.engine")
 #: shapes counted before their second request, at most (the oldest forgotten first)
 MAX_SEEN = 4096
 GRAPH_STAGE = "graph"
+#: a request's q, out and LSE are read and written in place where their addresses keep
+#: the captured buffers' alignment to this (the kernels were specialized for it)
+IN_PLACE_ALIGN = 256
 
 
 @dataclasses.dataclass
@@ -85,20 +95,24 @@ class CapturedLoop:
     holds: int = 0  # data_ptr of the layer weight ``weight`` holds a copy of (weights never change)
     launch: Any = None  # the CUDA extension's graph_launch where it and the graph's exec handle are at hand
     reader: StageTimer | None = None  # the last replay's timer: once it has finished, staging is free
+    patch: Any = None  # the extension's GraphPatch over (q, out, lse) where found (a kept graph)
+    in_place: bool = False  # replays read q and write out and LSE in place (checked at capture)
+    copies_because: str = "not checked"  # why replays copy q in and out and LSE out ("" when in place)
+    launch_in_place: Any = None  # patch.launch
 
     def __post_init__(self) -> None:
         self._staging = self.staging.numpy()
         self._stream = self.stream.cuda_stream
-        # copies_async's (dst, src, bytes) triples: the metadata, q, the weight (their sources per request)
-        self._copy_args = [self.meta.data_ptr(), self.staging.data_ptr(), self.meta.nbytes,
-                           self.q.data_ptr(), 0, self.q.nbytes]
-        if self.weight is not None:
-            self._copy_args += [self.weight.data_ptr(), 0, self.weight.nbytes]
+        self._meta_copy = [self.meta.data_ptr(), self.staging.data_ptr(), self.meta.nbytes]
         raw_exec = getattr(self.graph, "raw_cuda_graph_exec", None)  # absent from older torch releases
         # the copies out are raw byte copies into tensors made like out and LSE: dense ones
         raw_ok = self.launch is not None and self.copies is not None and self.out.is_contiguous() \
             and self.lse.is_contiguous()
         self._exec = raw_exec() if raw_ok and raw_exec else 0
+        self.captured: list[int] = []  # the patch's buffers: the graph's q, out and LSE
+        if self.patch is not None:
+            self.captured = [self.q.data_ptr(), self.out.data_ptr(), self.lse.data_ptr()]
+            self.launch_in_place = self.patch.launch
 
     def _stage(self, hm: Upload, weight: torch.Tensor) -> bool:
         """Write a request's metadata into staging once the copy out of it before is done;
@@ -109,19 +123,30 @@ class CapturedLoop:
         hm.fill(self._staging)
         return self.weight is not None and weight.data_ptr() != self.holds
 
-    def _copy_args_for(self, q: torch.Tensor, weight: torch.Tensor, new_weight: bool) -> list[int]:
-        args = self._copy_args
-        args[4] = q.data_ptr()
+    def _copy_args_for(self, q: torch.Tensor | None, weight: torch.Tensor, new_weight: bool) -> list[int]:
+        """copies_async's (dst, src, bytes) triples: the metadata, q (None: read in place),
+        the layer's weight where it is new."""
+        args = self._meta_copy if q is None else [*self._meta_copy, self.q.data_ptr(), q.data_ptr(), self.q.nbytes]
         if new_weight:
-            args[7] = weight.data_ptr()
-            return args
-        return args[:6]
+            assert self.weight is not None
+            return [*args, self.weight.data_ptr(), weight.data_ptr(), self.weight.nbytes]
+        return args
+
+    def takes_in_place(self, q: torch.Tensor) -> bool:
+        """Whether a replay for ``q`` reads it (and writes out and LSE) in place."""
+        return self.in_place and bool(self._exec) and q.is_contiguous() and q.data_ptr() % IN_PLACE_ALIGN == 0
+
+    def restore(self) -> None:
+        """The kernels' arguments back on the graph's own q, out and LSE (a replay that copies)."""
+        if self.patch is not None:
+            self.patch.apply(self.captured)
 
     def load(self, hm: Upload, q: torch.Tensor, weight: torch.Tensor) -> None:
         """Copy a request's metadata, q (and its layer's weight, where the graph serves every
         layer) into the graph's buffers: the request's first device work (queued, the host
         does not wait)."""
         new_weight = self._stage(hm, weight)
+        self.restore()
         if self.copies is not None and q.is_contiguous():
             # every copy in one call (torch's copy_ dispatches and checks each), staging's event after them
             self.copies(self._copy_args_for(q, weight, new_weight), self._stream, self.staged.cuda_event)
@@ -137,21 +162,32 @@ class CapturedLoop:
 
     def replay(self, hm: Upload, q: torch.Tensor, weight: torch.Tensor) -> PendingLoop:
         """Queue a request's replay: its copies in, the graph, the copies of out and LSE out
-        of the graph's buffers (the ``graph`` stage, timed)."""
+        of the graph's buffers where it does not write them in place (the ``graph`` stage,
+        timed). Raises RuntimeError where redirecting the arguments failed (the graph's
+        arguments are then unknown: the caller drops it)."""
         timer = StageTimer(self.q.device, self.stream)
+        in_place = self.takes_in_place(q)
         if self._exec and q.is_contiguous():
             # the copies in, the stage's start and the graph's launch in one call, the copies
             # out and the stage's end in another: torch's replay would also refill its
             # random-number seeds (two kernels) for a loop that draws none
             new_weight = self._stage(hm, weight)
+            out, lse = torch.empty_like(self.out), torch.empty_like(self.lse)
             started, begin = timer.begin_recorded_by_caller(GRAPH_STAGE)
-            self.launch(self._copy_args_for(q, weight, new_weight), self.staged.cuda_event, begin, self._exec,
-                        self._stream)
+            if in_place:
+                self.launch_in_place([q.data_ptr(), out.data_ptr(), lse.data_ptr()],
+                                     self._copy_args_for(None, weight, new_weight), self.staged.cuda_event, begin,
+                                     self._exec, self._stream)
+                back = []
+            else:
+                self.restore()
+                self.launch(self._copy_args_for(q, weight, new_weight), self.staged.cuda_event, begin, self._exec,
+                            self._stream)
+                back = [out.data_ptr(), self.out.data_ptr(), out.nbytes, lse.data_ptr(), self.lse.data_ptr(),
+                        lse.nbytes]
             if new_weight:
                 self.holds = weight.data_ptr()
-            out, lse = torch.empty_like(self.out), torch.empty_like(self.lse)
-            self.copies([out.data_ptr(), self.out.data_ptr(), out.nbytes, lse.data_ptr(), self.lse.data_ptr(),
-                         lse.nbytes], self._stream, timer.end_recorded_by_caller(started))
+            self.copies(back, self._stream, timer.end_recorded_by_caller(started))
         else:
             self.load(hm, q, weight)
             started = timer.begin(GRAPH_STAGE)
@@ -160,14 +196,64 @@ class CapturedLoop:
             timer.end(started)  # the stage holds the copies out: its work, as its launch count says
         self.reader = timer
         counts = Counter(self.launches)
-        counts[GRAPH_STAGE] += 2  # the two copies out
+        if not in_place:
+            counts[GRAPH_STAGE] += 2  # the two copies out
         return PendingLoop(out, lse, counts, timer, self.unpacked_keys)
 
+    def check_in_place(self, q: torch.Tensor, want: PendingLoop) -> str:
+        """Turn in-place replays on where one, for ``q`` (the capturing request's, whose
+        metadata and weight the graph's buffers hold) with the graph's own q overwritten by
+        NaN, gives ``want`` (that request's eager loop) bit for bit; "" then, else why not.
+        The arguments go back on the graph's buffers either way."""
+        if self.patch is None or not self._exec:
+            return "no GraphPatch" if self.patch is None else "no exec handle"
+        found = list(self.patch.counts)
+        if not all(found):
+            return f"arguments found per buffer (q, out, lse): {found}"
+        if not (q.is_contiguous() and q.data_ptr() % IN_PLACE_ALIGN == 0):
+            return "the capturing request's q is strided or unaligned"
+        self.q.view(torch.uint8).fill_(0xFF)  # NaN in bf16 and e4m3fn: a read of the graph's q shows
+        out, lse = torch.empty_like(self.out), torch.empty_like(self.lse)
+        begin = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        begin.record(self.stream)  # torch makes the cudaEvent_t at the first record
+        try:
+            self.launch_in_place([q.data_ptr(), out.data_ptr(), lse.data_ptr()], [], self.staged.cuda_event,
+                                 begin.cuda_event, self._exec, self._stream)
+        finally:
+            self.restore()
+        self.stream.synchronize()
+        same = torch.equal(out.view(torch.int16), want.out.view(torch.int16)) and \
+            torch.equal(lse.view(torch.int32), want.lse.view(torch.int32))
+        self.in_place = same
+        return "" if same else "an in-place replay differed from the eager loop"
 
-def _extension_calls() -> tuple[Any, Any]:
-    """The CUDA extension's (copies_async, graph_launch) where it is loaded and has them, else None each."""
+
+def _extension_calls() -> tuple[Any, Any, Any]:
+    """The CUDA extension's (copies_async, graph_launch, GraphPatch) where it is loaded and
+    has them, else None each."""
     ext = _cuda.load()
-    return getattr(ext, "copies_async", None), getattr(ext, "graph_launch", None)
+    return getattr(ext, "copies_async", None), getattr(ext, "graph_launch", None), getattr(ext, "GraphPatch", None)
+
+
+def _new_graph() -> tuple[torch.cuda.CUDAGraph, bool]:
+    """(a graph, whether it keeps its cudaGraph_t: GraphPatch reads its nodes; it is then
+    instantiated by the caller after the capture), where torch offers that."""
+    try:
+        return torch.cuda.CUDAGraph(keep_graph=True), True
+    except TypeError:  # an older torch: no kept graph, no patch
+        return torch.cuda.CUDAGraph(), False
+
+
+def _find_patch(graph: torch.cuda.CUDAGraph, patch_type: Any, q: torch.Tensor, out: torch.Tensor,
+                lse: torch.Tensor) -> Any:
+    """The extension's GraphPatch over ``graph``'s kernel arguments into q, out and LSE, or
+    None (logged) where the graph cannot be patched."""
+    try:
+        return patch_type(graph.raw_cuda_graph(), graph.raw_cuda_graph_exec(),
+                          [q.data_ptr(), q.nbytes, out.data_ptr(), out.nbytes, lse.data_ptr(), lse.nbytes])
+    except (RuntimeError, ValueError) as e:
+        log.info("captured loop copies q in and out and LSE out (%s)", str(e).splitlines()[0][:200])
+        return None
 
 
 class LoopGraphs:
@@ -227,9 +313,22 @@ class LoopGraphs:
         self._graphs.move_to_end(key)
         if stop is not None:
             stop.check(0, chunks)
-        pending = cap.replay(hm, q, weight)
+        try:
+            pending = cap.replay(hm, q, weight)
+        except RuntimeError as e:  # its arguments half redirected: the shape runs eagerly from now on
+            if not str(e).startswith("graph_patch:"):
+                raise
+            self._drop(key)
+            log.warning("captured loop dropped (%s); the shape runs eagerly", str(e).splitlines()[0][:200])
+            return None
         self.replays += 1
         return pending
+
+    def _drop(self, key: Hashable) -> None:
+        """Forget shape ``key``'s graph for good."""
+        dropped = self._graphs.pop(key)
+        self._failed.add(key)
+        dropped.staged.synchronize()  # its page-locked staging goes back to torch's pool: not while read
 
     def start_eager(self, x: LoopInputs, backend: AttentionBackend, fused: bool, key: Hashable,
                     hm: HostMetadata) -> PendingLoop:
@@ -243,11 +342,13 @@ class LoopGraphs:
             x = dataclasses.replace(x, cache=self.cache)
         pending = start_chunk_loop(x, backend, fused, metadata=upload_metadata(hm, x.q.device))
         if seen >= 2 and key not in self._failed:
-            self._capture(key, x, hm, backend, fused)
+            self._capture(key, x, hm, backend, fused, pending)
         return pending
 
     def _capture(self, key: Hashable, x: LoopInputs, hm: HostMetadata, backend: AttentionBackend,
-                 fused: bool) -> None:
+                 fused: bool, eager: PendingLoop) -> None:
+        """Capture ``x``'s loop as shape ``key``'s graph; ``eager``: the same request's
+        eager loop, which an in-place replay must equal (:meth:`CapturedLoop.check_in_place`)."""
         staging = torch.from_numpy(hm.host).pin_memory()
         meta = torch.empty(hm.size, dtype=torch.int32, device=x.q.device)
         meta.copy_(staging, non_blocking=True)
@@ -259,7 +360,7 @@ class LoopGraphs:
         xs = dataclasses.replace(x, q=q, stop=None, weight=x.weight if weight is None else weight)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
+        graph, kept = _new_graph()
         stream = torch.cuda.Stream(x.q.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(x.q.device))
         try:
@@ -270,6 +371,8 @@ class LoopGraphs:
                                               launch_orders=orders, timed=False)
                 finally:
                     graph.capture_end()
+            if kept:
+                graph.instantiate()
         except Exception as e:  # a kernel that cannot be captured: this shape runs eagerly
             self._failed.add(key)
             log.warning("chunk loop not captured as a CUDA graph (%s: %s); the shape runs eagerly",
@@ -277,12 +380,18 @@ class LoopGraphs:
             return
         finally:
             torch.cuda.current_stream(x.q.device).wait_stream(stream)
-        copies, launch = _extension_calls()
-        self._graphs[key] = CapturedLoop(graph, q, meta, staging, staged, looped.out, looped.lse,
-                                         looped.counts, use_unpacked_keys(backend, fused, x.unpacked_keys,
-                                                                          x.fp8_prefill), orders,
-                                         torch.cuda.current_stream(x.q.device), copies, weight,
-                                         x.weight.data_ptr() if weight is not None else 0, launch)
+        copies, launch, patch_type = _extension_calls()
+        patch = None
+        if kept and launch is not None and patch_type is not None:
+            patch = _find_patch(graph, patch_type, q, looped.out, looped.lse)
+        cap = CapturedLoop(graph, q, meta, staging, staged, looped.out, looped.lse, looped.counts,
+                           use_unpacked_keys(backend, fused, x.unpacked_keys, x.fp8_prefill), orders,
+                           torch.cuda.current_stream(x.q.device), copies, weight,
+                           x.weight.data_ptr() if weight is not None else 0, launch, patch=patch)
+        cap.copies_because = cap.check_in_place(x.q, eager)
+        if cap.copies_because:
+            log.info("captured loop replays through its own q, out and LSE (%s)", cap.copies_because)
+        self._graphs[key] = cap
         self.captures += 1
         while len(self._graphs) > self.max_graphs:
             _, dropped = self._graphs.popitem(last=False)

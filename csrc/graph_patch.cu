@@ -1,0 +1,268 @@
+// GraphPatch (graph_patch.h): host code only; nvcc compiles it with the kernels.
+#include "graph_patch.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+namespace ctxprefill {
+namespace {
+
+using GetParamsFn = CUresult (*)(CUgraphNode, CUDA_KERNEL_NODE_PARAMS*);
+using ExecSetParamsFn = CUresult (*)(CUgraphExec, CUgraphNode, const CUDA_KERNEL_NODE_PARAMS*);
+using FuncParamInfoFn = CUresult (*)(CUfunction, size_t, size_t*, size_t*);
+using KernelParamInfoFn = CUresult (*)(CUkernel, size_t, size_t*, size_t*);
+using ReplaceAddressFn = CUresult (*)(CUtensorMap*, void*);
+
+// The driver calls used here, fetched once through the runtime (nullptr where the driver lacks one).
+struct Driver {
+  GetParamsFn get_params = nullptr;
+  ExecSetParamsFn exec_set_params = nullptr;
+  FuncParamInfoFn func_param_info = nullptr;
+  KernelParamInfoFn kernel_param_info = nullptr;
+  ReplaceAddressFn replace_address = nullptr;
+};
+
+void* entry_point(const char* symbol, unsigned int version) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  const cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &p, version, cudaEnableDefault, &found);
+#else
+  (void)version;
+  const cudaError_t e = cudaGetDriverEntryPoint(symbol, &p, cudaEnableDefault, &found);
+#endif
+  if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return p;
+}
+
+const Driver& driver() {
+  static const Driver d = [] {
+    Driver r;
+    // 12000: the _v2 kernel-node calls (CUDA_KERNEL_NODE_PARAMS_v2); 12040: the parameter queries
+    r.get_params = reinterpret_cast<GetParamsFn>(entry_point("cuGraphKernelNodeGetParams", 12000));
+    r.exec_set_params = reinterpret_cast<ExecSetParamsFn>(entry_point("cuGraphExecKernelNodeSetParams", 12000));
+    r.func_param_info = reinterpret_cast<FuncParamInfoFn>(entry_point("cuFuncGetParamInfo", 12040));
+    r.kernel_param_info = reinterpret_cast<KernelParamInfoFn>(entry_point("cuKernelGetParamInfo", 12040));
+    r.replace_address = reinterpret_cast<ReplaceAddressFn>(entry_point("cuTensorMapReplaceAddress", 12000));
+    return r;
+  }();
+  return d;
+}
+
+std::string cat(const std::string& a) { return a; }
+template <typename... A>
+std::string cat(const std::string& a, const A&... rest) { return a + cat(rest...); }
+std::string num(uint64_t v) { return std::to_string(v); }
+
+void runtime_call(const char* what, cudaError_t e) {
+  if (e == cudaSuccess) return;
+  (void)cudaGetLastError();
+  throw std::runtime_error(cat("graph_patch: ", what, " failed: ", cudaGetErrorString(e)));
+}
+
+// The buffer [base, base + size) that holds address v, or -1.
+int buffer_of(const std::vector<uint64_t>& base, const std::vector<uint64_t>& size, uint64_t v) {
+  for (size_t b = 0; b < base.size(); ++b)
+    if (v >= base[b] && v - base[b] < size[b]) return static_cast<int>(b);
+  return -1;
+}
+
+// The first buffer that [lo, hi) overlaps, or -1.
+int buffer_overlapping(const std::vector<uint64_t>& base, const std::vector<uint64_t>& size, uint64_t lo,
+                       uint64_t hi) {
+  for (size_t b = 0; b < base.size(); ++b)
+    if (lo < base[b] + size[b] && base[b] < hi) return static_cast<int>(b);
+  return -1;
+}
+
+// The global address of the CUtensorMap at `src`, learnt without assuming its layout: a
+// copy given a probe address shows which 8-byte word holds it, and the map given back the
+// value of that word must come out byte for byte as it was. False where either fails.
+bool descriptor_address(const unsigned char* src, uint64_t* address) {
+  const ReplaceAddressFn replace = driver().replace_address;
+  if (replace == nullptr) return false;
+  CUtensorMap map, probe, check;  // alignas(64) by their declaration
+  std::memcpy(&map, src, sizeof(map));
+  probe = map;
+  constexpr uint64_t kProbe = 0x00007a5a5a5a5a00ull;  // 256-byte aligned, never dereferenced
+  if (replace(&probe, reinterpret_cast<void*>(kProbe)) != CUDA_SUCCESS) return false;
+  uint64_t pw[sizeof(CUtensorMap) / 8], mw[sizeof(CUtensorMap) / 8];
+  std::memcpy(pw, &probe, sizeof(pw));
+  std::memcpy(mw, &map, sizeof(mw));
+  for (size_t j = 0; j < sizeof(pw) / 8; ++j) {
+    if (pw[j] != kProbe || mw[j] == 0 || mw[j] % 16 != 0) continue;
+    check = map;
+    if (replace(&check, reinterpret_cast<void*>(mw[j])) == CUDA_SUCCESS &&
+        std::memcmp(&check, &map, sizeof(map)) == 0) {
+      *address = mw[j];
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+GraphPatch::GraphPatch(cudaGraph_t graph, cudaGraphExec_t exec, const std::vector<uint64_t>& buffers)
+    : exec_(exec) {
+  if (graph == nullptr || exec == nullptr) throw std::invalid_argument("graph_patch: graph and exec must be handles");
+  if (buffers.empty() || buffers.size() % 2 != 0)
+    throw std::invalid_argument(cat("graph_patch: buffers must be (base, bytes) pairs; got ", num(buffers.size()),
+                                    " values"));
+  for (size_t i = 0; i < buffers.size(); i += 2) {
+    if (buffers[i] == 0 || buffers[i + 1] == 0)
+      throw std::invalid_argument(cat("graph_patch: buffer ", num(i / 2), " has a null base or no bytes"));
+    base_.push_back(buffers[i]);
+    size_.push_back(buffers[i + 1]);
+  }
+  current_ = base_;
+  const Driver& d = driver();
+  if (d.get_params == nullptr || d.exec_set_params == nullptr || d.func_param_info == nullptr)
+    throw std::runtime_error("graph_patch: the driver lacks the kernel-node calls (CUDA 12.4 or later needed)");
+  size_t n = 0;
+  runtime_call("cudaGraphGetNodes", cudaGraphGetNodes(graph, nullptr, &n));
+  std::vector<cudaGraphNode_t> all(n);
+  runtime_call("cudaGraphGetNodes", cudaGraphGetNodes(graph, all.data(), &n));
+  for (cudaGraphNode_t node : all) {
+    cudaGraphNodeType type;
+    runtime_call("cudaGraphNodeGetType", cudaGraphNodeGetType(node, &type));
+    int b = -1;
+    if (type == cudaGraphNodeTypeKernel) {
+      scan(node);
+    } else if (type == cudaGraphNodeTypeMemcpy) {
+      cudaMemcpy3DParms p{};
+      runtime_call("cudaGraphMemcpyNodeGetParams", cudaGraphMemcpyNodeGetParams(node, &p));
+      for (const cudaPitchedPtr& pp : {p.srcPtr, p.dstPtr}) {
+        const uint64_t lo = reinterpret_cast<uint64_t>(pp.ptr);
+        // every byte the copy could touch from its pointer (positions and pitches included)
+        const uint64_t span = (p.srcPos.x + p.dstPos.x + p.extent.width) +
+                              static_cast<uint64_t>(pp.pitch) * (p.extent.height + p.srcPos.y + p.dstPos.y + 1) *
+                                  (p.extent.depth + p.srcPos.z + p.dstPos.z + 1);
+        if (lo != 0 && b < 0) b = buffer_overlapping(base_, size_, lo, lo + span);
+      }
+    } else if (type == cudaGraphNodeTypeMemset) {
+      cudaMemsetParams p{};
+      runtime_call("cudaGraphMemsetNodeGetParams", cudaGraphMemsetNodeGetParams(node, &p));
+      const uint64_t lo = reinterpret_cast<uint64_t>(p.dst);
+      b = buffer_overlapping(base_, size_, lo, lo + static_cast<uint64_t>(p.pitch + p.width * p.elementSize) *
+                                                   (p.height + 1));
+    } else if (type == cudaGraphNodeTypeGraph || type == cudaGraphNodeTypeConditional) {
+      throw std::runtime_error("graph_patch: the graph holds a child or conditional graph");
+    }
+    if (b >= 0)
+      throw std::runtime_error(cat("graph_patch: a copy or memset node touches buffer ", num(b),
+                                   " (only kernel arguments are redirected)"));
+  }
+}
+
+void GraphPatch::scan(CUgraphNode node) {
+  const Driver& d = driver();
+  CUDA_KERNEL_NODE_PARAMS p;
+  std::memset(&p, 0, sizeof(p));
+  if (d.get_params(node, &p) != CUDA_SUCCESS || p.kernelParams == nullptr ||
+      (p.func == nullptr && (p.kern == nullptr || d.kernel_param_info == nullptr))) {
+    ++unlisted_;
+    return;
+  }
+  std::vector<size_t> offsets, sizes;
+  for (size_t i = 0;; ++i) {
+    size_t off = 0, sz = 0;
+    const CUresult r = p.func != nullptr ? d.func_param_info(p.func, i, &off, &sz)
+                                         : d.kernel_param_info(p.kern, i, &off, &sz);
+    if (r == CUDA_ERROR_INVALID_VALUE) break;  // past the last parameter
+    if (r != CUDA_SUCCESS) {
+      ++unlisted_;
+      return;
+    }
+    offsets.push_back(off);
+    sizes.push_back(sz);
+  }
+  size_t total = 0;
+  for (size_t i = 0; i < offsets.size(); ++i) total = std::max(total, offsets[i] + sizes[i]);
+  Node n;
+  n.node = node;
+  n.raw.reset(new unsigned char[total + 64]);
+  const uint64_t at = reinterpret_cast<uint64_t>(n.raw.get());
+  n.bytes = n.raw.get() + ((64 - at % 64) % 64);  // parameter offsets keep their alignment (a CUtensorMap's: 64)
+  n.uses.assign(base_.size(), false);
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    unsigned char* arg = n.bytes + offsets[i];
+    std::memcpy(arg, p.kernelParams[i], sizes[i]);
+    n.args.push_back(arg);
+    uint64_t a = 0;
+    if (sizes[i] == sizeof(CUtensorMap) && offsets[i] % 64 == 0 && descriptor_address(arg, &a)) {
+      const int b = buffer_of(base_, size_, a);
+      if (b >= 0) n.sites.push_back({static_cast<uint32_t>(offsets[i]), static_cast<uint32_t>(b), a - base_[b], true});
+      continue;  // a descriptor's other words are sizes and strides
+    }
+    for (size_t w = (offsets[i] + 7) / 8 * 8; w + 8 <= offsets[i] + sizes[i]; w += 8) {
+      uint64_t v;
+      std::memcpy(&v, n.bytes + w, 8);
+      const int b = buffer_of(base_, size_, v);
+      if (b >= 0) n.sites.push_back({static_cast<uint32_t>(w), static_cast<uint32_t>(b), v - base_[b], false});
+    }
+  }
+  if (n.sites.empty()) return;
+  for (const Site& s : n.sites) n.uses[s.buffer] = true;
+  n.params = p;
+  n.params.kernelParams = n.args.data();
+  n.params.extra = nullptr;
+  nodes_.push_back(std::move(n));
+}
+
+void GraphPatch::apply(const std::vector<uint64_t>& bases) {
+  if (bases.size() != base_.size())
+    throw std::invalid_argument(cat("graph_patch: ", num(base_.size()), " bases expected; got ", num(bases.size())));
+  std::vector<bool> changed(bases.size());
+  bool any = false;
+  for (size_t b = 0; b < bases.size(); ++b) {
+    if (bases[b] == 0 || (bases[b] - base_[b]) % 256 != 0)
+      throw std::invalid_argument(cat("graph_patch: base ", num(b), " (", num(bases[b]),
+                                      ") must keep the captured buffer's alignment to 256 bytes"));
+    changed[b] = bases[b] != current_[b];
+    any = any || changed[b];
+  }
+  if (!any) return;
+  const Driver& d = driver();
+  for (Node& n : nodes_) {
+    bool touched = false;
+    for (size_t b = 0; b < bases.size(); ++b) touched = touched || (changed[b] && n.uses[b]);
+    if (!touched) continue;
+    for (const Site& s : n.sites) {
+      if (!changed[s.buffer]) continue;
+      const uint64_t a = bases[s.buffer] + s.delta;
+      if (s.descriptor) {
+        if (d.replace_address(reinterpret_cast<CUtensorMap*>(n.bytes + s.offset), reinterpret_cast<void*>(a)) !=
+            CUDA_SUCCESS)
+          throw std::runtime_error("graph_patch: cuTensorMapReplaceAddress failed");
+      } else {
+        std::memcpy(n.bytes + s.offset, &a, 8);
+      }
+    }
+    const CUresult r = d.exec_set_params(exec_, n.node, &n.params);
+    if (r != CUDA_SUCCESS)
+      throw std::runtime_error(cat("graph_patch: cuGraphExecKernelNodeSetParams failed (CUresult ", num(r), ")"));
+  }
+  current_ = bases;
+}
+
+std::vector<int64_t> GraphPatch::counts() const {
+  std::vector<int64_t> c(base_.size(), 0);
+  for (const Node& n : nodes_)
+    for (const Site& s : n.sites) ++c[s.buffer];
+  return c;
+}
+
+std::vector<int64_t> GraphPatch::descriptor_counts() const {
+  std::vector<int64_t> c(base_.size(), 0);
+  for (const Node& n : nodes_)
+    for (const Site& s : n.sites)
+      if (s.descriptor) ++c[s.buffer];
+  return c;
+}
+
+}  // namespace ctxprefill

@@ -1,0 +1,68 @@
+// A captured graph's kernel arguments that hold addresses inside given buffers, found once
+// and pointed at other buffers of the same size before each launch: a replay reads the
+// request's q and writes its output where they lie, with no copy in or out.
+//
+// Plain C++ over the CUDA runtime and driver (the driver's calls fetched through
+// cudaGetDriverEntryPointByVersion: no libcuda link); csrc/binding.cpp wraps it for Python
+// (engine/graphs.py). Errors are thrown: std::invalid_argument for bad arguments,
+// std::runtime_error for a graph that cannot be patched or a CUDA call that failed.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+namespace ctxprefill {
+
+class GraphPatch {
+ public:
+  // Finds, in `graph`'s kernel nodes, each argument word that holds an address inside one
+  // of `buffers` (base, bytes, base, bytes, ...) and each TMA descriptor (CUtensorMap)
+  // whose global address lies inside one. `exec` is `graph` instantiated; it is what
+  // apply() rewrites. Throws std::runtime_error where a copy or memset node touches a
+  // buffer or the graph holds a child graph (what apply() could not redirect).
+  GraphPatch(cudaGraph_t graph, cudaGraphExec_t exec, const std::vector<uint64_t>& buffers);
+
+  // Points every found argument at `bases` (one per buffer, in order): buffer b's
+  // argument at captured address a becomes bases[b] + (a - captured base b). Only the
+  // nodes whose arguments change are written. Each base must keep its buffer's
+  // captured alignment to 256 bytes (what the kernels were specialized and checked for).
+  void apply(const std::vector<uint64_t>& bases);
+
+  // per buffer: the arguments found pointing into it (raw words and descriptors)
+  std::vector<int64_t> counts() const;
+  // per buffer: the descriptors among them
+  std::vector<int64_t> descriptor_counts() const;
+  // kernel nodes rewritten by apply(), and kernel nodes whose arguments could not be listed
+  int64_t nodes() const { return static_cast<int64_t>(nodes_.size()); }
+  int64_t unlisted() const { return unlisted_; }
+
+ private:
+  struct Site {
+    uint32_t offset;  // byte offset in the node's argument bytes
+    uint32_t buffer;
+    uint64_t delta;   // captured address - captured base
+    bool descriptor;  // a CUtensorMap (rewritten with cuTensorMapReplaceAddress), else a raw address word
+  };
+  struct Node {
+    CUgraphNode node;
+    CUDA_KERNEL_NODE_PARAMS params;  // kernelParams points into args
+    std::unique_ptr<unsigned char[]> raw;  // the argument bytes, 64-byte aligned inside
+    unsigned char* bytes;
+    std::vector<void*> args;
+    std::vector<Site> sites;
+    std::vector<bool> uses;  // per buffer: whether a site points into it
+  };
+  void scan(CUgraphNode node);
+  CUgraphExec exec_;
+  std::vector<uint64_t> base_, size_;  // captured buffers
+  std::vector<uint64_t> current_;      // bases the exec's arguments point at now
+  std::vector<Node> nodes_;
+  int64_t unlisted_ = 0;
+};
+
+}  // namespace ctxprefill
