@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 namespace ctxprefill {
 namespace {
@@ -79,6 +80,17 @@ int buffer_overlapping(const std::vector<uint64_t>& base, const std::vector<uint
   return -1;
 }
 
+// [first, last + 1) of the bytes a 3D copy reads or writes at one end: rows of `pitch`
+// bytes, slices of `pitch * ysize` (a 1D copy has no pitch). (0, 0) for an array end.
+std::pair<uint64_t, uint64_t> copied_bytes(const cudaPitchedPtr& p, const cudaPos& at, const cudaExtent& e) {
+  const uint64_t base = reinterpret_cast<uint64_t>(p.ptr);
+  if (base == 0) return {0, 0};
+  const uint64_t slice = static_cast<uint64_t>(p.pitch) * p.ysize;
+  const uint64_t first = base + at.z * slice + at.y * p.pitch + at.x;
+  const uint64_t rows = e.height > 0 ? e.height - 1 : 0, slices = e.depth > 0 ? e.depth - 1 : 0;
+  return {first, first + slices * slice + rows * p.pitch + e.width};
+}
+
 // The global address of the CUtensorMap at `src`, learnt without assuming its layout: a
 // copy given a probe address shows which 8-byte word holds it, and the map given back the
 // value of that word must come out byte for byte as it was. False where either fails.
@@ -136,20 +148,18 @@ GraphPatch::GraphPatch(cudaGraph_t graph, cudaGraphExec_t exec, const std::vecto
     } else if (type == cudaGraphNodeTypeMemcpy) {
       cudaMemcpy3DParms p{};
       runtime_call("cudaGraphMemcpyNodeGetParams", cudaGraphMemcpyNodeGetParams(node, &p));
-      for (const cudaPitchedPtr& pp : {p.srcPtr, p.dstPtr}) {
-        const uint64_t lo = reinterpret_cast<uint64_t>(pp.ptr);
-        // every byte the copy could touch from its pointer (positions and pitches included)
-        const uint64_t span = (p.srcPos.x + p.dstPos.x + p.extent.width) +
-                              static_cast<uint64_t>(pp.pitch) * (p.extent.height + p.srcPos.y + p.dstPos.y + 1) *
-                                  (p.extent.depth + p.srcPos.z + p.dstPos.z + 1);
-        if (lo != 0 && b < 0) b = buffer_overlapping(base_, size_, lo, lo + span);
+      const cudaPitchedPtr ends[2] = {p.srcPtr, p.dstPtr};
+      const cudaPos at[2] = {p.srcPos, p.dstPos};
+      for (int i = 0; i < 2 && b < 0; ++i) {
+        const auto [lo, hi] = copied_bytes(ends[i], at[i], p.extent);
+        if (lo != 0) b = buffer_overlapping(base_, size_, lo, hi);
       }
     } else if (type == cudaGraphNodeTypeMemset) {
       cudaMemsetParams p{};
       runtime_call("cudaGraphMemsetNodeGetParams", cudaGraphMemsetNodeGetParams(node, &p));
       const uint64_t lo = reinterpret_cast<uint64_t>(p.dst);
-      b = buffer_overlapping(base_, size_, lo, lo + static_cast<uint64_t>(p.pitch + p.width * p.elementSize) *
-                                                   (p.height + 1));
+      const uint64_t rows = p.height > 0 ? p.height - 1 : 0;
+      b = buffer_overlapping(base_, size_, lo, lo + rows * p.pitch + static_cast<uint64_t>(p.width) * p.elementSize);
     } else if (type == cudaGraphNodeTypeGraph || type == cudaGraphNodeTypeConditional) {
       throw std::runtime_error("graph_patch: the graph holds a child or conditional graph");
     }
