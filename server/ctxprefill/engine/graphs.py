@@ -80,7 +80,7 @@ class CapturedLoop:
     """One shape's loop as a graph, over its static buffers."""
 
     graph: torch.cuda.CUDAGraph
-    q: torch.Tensor  # [Tq, H, 192]: the request's q is copied here
+    q: torch.Tensor  # [Tq, H, 192]: the request's q is copied here (a replay that copies)
     meta: torch.Tensor  # int32 [n]: the chunk metadata and block table (HostMetadata.host)
     staging: torch.Tensor  # int32 [n], page-locked: meta's source
     staged: torch.cuda.Event  # the last copy out of staging is done
@@ -388,7 +388,12 @@ class LoopGraphs:
                            use_unpacked_keys(backend, fused, x.unpacked_keys, x.fp8_prefill), orders,
                            torch.cuda.current_stream(x.q.device), copies, weight,
                            x.weight.data_ptr() if weight is not None else 0, launch, patch=patch)
-        cap.copies_because = cap.check_in_place(x.q, eager)
+        try:
+            cap.copies_because = cap.check_in_place(x.q, eager)
+        except RuntimeError as e:  # the arguments could not be pointed back: the graph is not kept
+            self._failed.add(key)
+            log.warning("chunk loop's graph not kept (%s); the shape runs eagerly", str(e).splitlines()[0][:200])
+            return
         if cap.copies_because:
             log.info("captured loop replays through its own q, out and LSE (%s)", cap.copies_because)
         self._graphs[key] = cap
