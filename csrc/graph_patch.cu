@@ -142,31 +142,49 @@ GraphPatch::GraphPatch(cudaGraph_t graph, cudaGraphExec_t exec, const std::vecto
   for (cudaGraphNode_t node : all) {
     cudaGraphNodeType type;
     runtime_call("cudaGraphNodeGetType", cudaGraphNodeGetType(node, &type));
-    int b = -1;
     if (type == cudaGraphNodeTypeKernel) {
       scan(node);
-    } else if (type == cudaGraphNodeTypeMemcpy) {
-      cudaMemcpy3DParms p{};
-      runtime_call("cudaGraphMemcpyNodeGetParams", cudaGraphMemcpyNodeGetParams(node, &p));
-      const cudaPitchedPtr ends[2] = {p.srcPtr, p.dstPtr};
-      const cudaPos at[2] = {p.srcPos, p.dstPos};
-      for (int i = 0; i < 2 && b < 0; ++i) {
-        const auto [lo, hi] = copied_bytes(ends[i], at[i], p.extent);
-        if (lo != 0) b = buffer_overlapping(base_, size_, lo, hi);
-      }
-    } else if (type == cudaGraphNodeTypeMemset) {
-      cudaMemsetParams p{};
-      runtime_call("cudaGraphMemsetNodeGetParams", cudaGraphMemsetNodeGetParams(node, &p));
-      const uint64_t lo = reinterpret_cast<uint64_t>(p.dst);
-      const uint64_t rows = p.height > 0 ? p.height - 1 : 0;
-      b = buffer_overlapping(base_, size_, lo, lo + rows * p.pitch + static_cast<uint64_t>(p.width) * p.elementSize);
+    } else if (type == cudaGraphNodeTypeMemcpy || type == cudaGraphNodeTypeMemset) {
+      scan_copy(node, type == cudaGraphNodeTypeMemset);
     } else if (type == cudaGraphNodeTypeGraph || type == cudaGraphNodeTypeConditional) {
       throw std::runtime_error("graph_patch: the graph holds a child or conditional graph");
     }
-    if (b >= 0)
-      throw std::runtime_error(cat("graph_patch: a copy or memset node touches buffer ", num(b),
-                                   " (only kernel arguments are redirected)"));
   }
+}
+
+void GraphPatch::scan_copy(CUgraphNode node, bool set) {
+  Copy c{};
+  c.node = node;
+  c.set = set;
+  c.buffer[0] = c.buffer[1] = -1;
+  std::pair<uint64_t, uint64_t> ends[2] = {{0, 0}, {0, 0}};
+  uint64_t ptr[2] = {0, 0};
+  if (set) {
+    runtime_call("cudaGraphMemsetNodeGetParams", cudaGraphMemsetNodeGetParams(node, &c.memset));
+    ptr[1] = reinterpret_cast<uint64_t>(c.memset.dst);
+    const uint64_t rows = c.memset.height > 0 ? c.memset.height - 1 : 0;
+    ends[1] = {ptr[1], ptr[1] + rows * c.memset.pitch + static_cast<uint64_t>(c.memset.width) * c.memset.elementSize};
+  } else {
+    runtime_call("cudaGraphMemcpyNodeGetParams", cudaGraphMemcpyNodeGetParams(node, &c.copy));
+    ptr[0] = reinterpret_cast<uint64_t>(c.copy.srcPtr.ptr);
+    ptr[1] = reinterpret_cast<uint64_t>(c.copy.dstPtr.ptr);
+    ends[0] = copied_bytes(c.copy.srcPtr, c.copy.srcPos, c.copy.extent);
+    ends[1] = copied_bytes(c.copy.dstPtr, c.copy.dstPos, c.copy.extent);
+  }
+  bool found = false;
+  for (int e = 0; e < 2; ++e) {
+    if (ends[e].first == 0) continue;
+    const int b = buffer_overlapping(base_, size_, ends[e].first, ends[e].second);
+    if (b < 0) continue;
+    // redirected by its pointer: every byte it touches must lie in the buffer
+    if (buffer_of(base_, size_, ptr[e]) != b || ends[e].second > base_[b] + size_[b])
+      throw std::runtime_error(cat("graph_patch: a copy or memset node reaches into buffer ", num(b),
+                                   " from outside it"));
+    c.buffer[e] = b;
+    c.delta[e] = ptr[e] - base_[b];
+    found = true;
+  }
+  if (found) copies_.push_back(c);
 }
 
 void GraphPatch::scan(CUgraphNode node) {
@@ -237,6 +255,16 @@ void GraphPatch::apply(const std::vector<uint64_t>& bases) {
     any = any || changed[b];
   }
   if (!any) return;
+  try {
+    redirect(bases, changed);
+  } catch (...) {
+    std::fill(current_.begin(), current_.end(), 0);  // unknown: the next apply rewrites every argument
+    throw;
+  }
+  current_ = bases;
+}
+
+void GraphPatch::redirect(const std::vector<uint64_t>& bases, const std::vector<bool>& changed) {
   const Driver& d = driver();
   for (Node& n : nodes_) {
     bool touched = false;
@@ -257,13 +285,29 @@ void GraphPatch::apply(const std::vector<uint64_t>& bases) {
     if (r != CUDA_SUCCESS)
       throw std::runtime_error(cat("graph_patch: cuGraphExecKernelNodeSetParams failed (CUresult ", num(r), ")"));
   }
-  current_ = bases;
+  for (Copy& c : copies_) {
+    bool touched = false;
+    for (int e = 0; e < 2; ++e) touched = touched || (c.buffer[e] >= 0 && changed[c.buffer[e]]);
+    if (!touched) continue;
+    for (int e = 0; e < 2; ++e) {
+      if (c.buffer[e] < 0) continue;
+      void* a = reinterpret_cast<void*>(bases[c.buffer[e]] + c.delta[e]);
+      if (c.set) c.memset.dst = a;
+      else (e == 0 ? c.copy.srcPtr : c.copy.dstPtr).ptr = a;
+    }
+    const cudaError_t r = c.set ? cudaGraphExecMemsetNodeSetParams(exec_, c.node, &c.memset)
+                                : cudaGraphExecMemcpyNodeSetParams(exec_, c.node, &c.copy);
+    runtime_call(c.set ? "cudaGraphExecMemsetNodeSetParams" : "cudaGraphExecMemcpyNodeSetParams", r);
+  }
 }
 
 std::vector<int64_t> GraphPatch::counts() const {
   std::vector<int64_t> c(base_.size(), 0);
   for (const Node& n : nodes_)
     for (const Site& s : n.sites) ++c[s.buffer];
+  for (const Copy& k : copies_)
+    for (int e = 0; e < 2; ++e)
+      if (k.buffer[e] >= 0) ++c[k.buffer[e]];
   return c;
 }
 

@@ -22,23 +22,26 @@ class GraphPatch {
  public:
   // Finds, in `graph`'s kernel nodes, each argument word that holds an address inside one
   // of `buffers` (base, bytes, base, bytes, ...) and each TMA descriptor (CUtensorMap)
-  // whose global address lies inside one. `exec` is `graph` instantiated; it is what
-  // apply() rewrites. Throws std::runtime_error where a copy or memset node touches a
-  // buffer or the graph holds a child graph (what apply() could not redirect).
+  // whose global address lies inside one; and each copy or memset node's end inside one.
+  // `exec` is `graph` instantiated; it is what apply() rewrites. Throws
+  // std::runtime_error where a copy or memset reaches into a buffer from outside it or the
+  // graph holds a child graph (what apply() could not redirect).
   GraphPatch(cudaGraph_t graph, cudaGraphExec_t exec, const std::vector<uint64_t>& buffers);
 
   // Points every found argument at `bases` (one per buffer, in order): buffer b's
   // argument at captured address a becomes bases[b] + (a - captured base b). Only the
   // nodes whose arguments change are written. Each base must keep its buffer's
   // captured alignment to 256 bytes (what the kernels were specialized and checked for).
+  // Where a CUDA call fails part way, the next apply() rewrites every argument.
   void apply(const std::vector<uint64_t>& bases);
 
   // per buffer: the arguments found pointing into it (raw words and descriptors)
   std::vector<int64_t> counts() const;
   // per buffer: the descriptors among them
   std::vector<int64_t> descriptor_counts() const;
-  // kernel nodes rewritten by apply(), and kernel nodes whose arguments could not be listed
-  int64_t nodes() const { return static_cast<int64_t>(nodes_.size()); }
+  // nodes rewritten by apply() (kernels, copies and memsets), and kernel nodes whose
+  // arguments could not be listed
+  int64_t nodes() const { return static_cast<int64_t>(nodes_.size() + copies_.size()); }
   int64_t unlisted() const { return unlisted_; }
 
  private:
@@ -57,7 +60,18 @@ class GraphPatch {
     std::vector<Site> sites;
     std::vector<bool> uses;  // per buffer: whether a site points into it
   };
+  struct Copy {  // a copy (or memset: `set`) node with an end inside a buffer
+    CUgraphNode node;
+    bool set;
+    cudaMemcpy3DParms copy;
+    cudaMemsetParams memset;
+    int buffer[2];     // per end (source, destination; a memset's is its destination): the buffer, or -1
+    uint64_t delta[2]; // that end's pointer - the buffer's captured base
+  };
+  void redirect(const std::vector<uint64_t>& bases, const std::vector<bool>& changed);
   void scan(CUgraphNode node);
+  void scan_copy(CUgraphNode node, bool set);
+  std::vector<Copy> copies_;
   CUgraphExec exec_;
   std::vector<uint64_t> base_, size_;  // captured buffers
   std::vector<uint64_t> current_;      // bases the exec's arguments point at now
