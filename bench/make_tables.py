@@ -393,6 +393,17 @@ def _first_copy_queued(d: Doc) -> bool:
     return str(d["meta"].get("graph_first_copy", "")).startswith("the copies queued")
 
 
+def _in_place_rounds(rows: list[dict]) -> str:
+    """The README's words for probe_host's interleaved rounds of in-place and copying
+    replays (medians, ms outside the stages), or "" where the file has none."""
+    got = [r["replay_launch_rounds"] for r in rows if "in_place_outside_s" in r.get("replay_launch_rounds", {})]
+    if len(got) != len(rows):
+        return ""
+    return ("; in interleaved rounds later in the run, replayed in place against copying q in and out and LSE out: "
+            + " / ".join(f"{statistics.median(x['in_place_outside_s']) * 1e3:.3f} against "
+                         f"{statistics.median(x['copies_outside_s']) * 1e3:.3f}" for x in got))
+
+
 def _has_copies_path(d: Doc) -> bool:
     """Whether a probe_host file has the copying replay (graph_copies) beside the in-place one."""
     return any("graph_copies_request_s" in r for r in d["rows"])
@@ -924,7 +935,8 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                           "as a CUDA graph (µs; at most: the call that queues the copies also launches the graph)"),
                      " / ".join(f"{_ms(r['fused_outside_s'], '.3f')} → {_ms(r['graph_outside_s'], '.3f')}"
                                 for r in host) + "; "
-                     + " / ".join(f"{r['graph_host_steps_us']['first copy']:.0f}" for r in host), "probe_host"))
+                     + " / ".join(f"{r['graph_host_steps_us']['first copy']:.0f}" for r in host)
+                     + _in_place_rounds(host), "probe_host"))
     ad = load("bench_attention", results)
     att = [r for r in ad["results"] if r.get("case") == "1x8192q/16384k" and not r.get("causal") and "tflops" in r]
 
