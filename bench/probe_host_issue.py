@@ -9,8 +9,9 @@ the fused path's attention "running slower" than the generic path's on the same 
 this measures without it: a spin kernel (``torch.cuda._sleep``) holds the device first,
 so that nothing the host does waits on the device, and the host's time from the call to
 the request's one synchronize is its issue time. The same for single calls of the loop's
-pieces (per call, device held the same way). Three paths: generic, fused, and fused with
-its chunk loop replayed as a CUDA graph (engine/graphs.py).
+pieces (per call, device held the same way). The paths: generic, fused, and fused with
+its chunk loop replayed as a CUDA graph (engine/graphs.py) in place, copying, and through
+torch's calls (PATHS).
 
   PYTHONPATH=server:client python3 bench/probe_host_issue.py --out bench/results/probe_host.json
 """
@@ -141,7 +142,7 @@ def host_steps_us(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> dic
     """Median host time of each step of a normal (unheld) request, in µs: validation (with
     the plan; a replay of a one-sequence shape that replayed before checks its block ids
     alone, ``Engine.known_shape``), the loop's inputs (none on a replay), the chunk metadata (and on a replay its
-    graph's lookup), the copies of the metadata (and q, on a replay) into device memory, the
+    graph's lookup), the copies of the metadata (and q, on a copying replay) into device memory, the
     rest up to the first stage, the stages' issue and the device's work, the synchronize and event
     readout, the return to the caller; and ``first copy``: from the call to the first
     device work queued (the end of the copies in: q is already on the device; on a replay
