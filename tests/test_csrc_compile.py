@@ -2,7 +2,8 @@
 
 Every ``csrc/*.cu`` is compiled with nvcc (``-c``, the flags the extension build uses,
 including torch.utils.cpp_extension's defaults) with all warnings as errors, and
-ptxas must report no register spills (a spill in a streaming kernel costs bandwidth).
+ptxas must report no register spills in a file with kernels (a spill in a streaming
+kernel costs bandwidth; graph_patch.cu is host code).
 The torch binding cannot be compiled here (torch's CUDA build is on the GPU machine
 only), but it is syntax-checked against this machine's torch headers where they
 are present. Files are compiled in parallel: about 20 s on 2 cores.
@@ -73,6 +74,9 @@ def test_cu_compiles_for_sm90a(compiled, name):
     warnings = [ln for ln in log.splitlines() if "warning" in ln.lower()]
     assert not warnings, f"{name}: compiler warnings:\n" + "\n".join(warnings)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if "__global__" not in (CSRC / name).read_text():  # host code only (graph_patch.cu): no kernel to report
+        assert not spills
+        return
     assert spills, f"{name}: no ptxas report in the output (-Xptxas -v)"
     bad = [s for s in spills if s != ("0", "0")]
     assert not bad, f"{name}: register spills in {len(bad)} kernel(s): {bad}\n{log[-4000:]}"
