@@ -145,3 +145,29 @@ def test_a_patch_that_fails_drops_its_graph_and_the_request_runs_eagerly(monkeyp
     with pytest.raises(RuntimeError, match="cudaGraphLaunch"):
         lg.replay("other", HM, q, torch.empty(1), None, 1)
     assert "other" in lg
+
+
+def test_a_replays_mode_reaches_its_stats_and_the_metrics(monkeypatch):
+    """PendingLoop's mode ("in_place", "copying"; "" for an eager loop) is the request's
+    ``PrefillStats.replay`` and counts under ``ctxprefill_graph_replays_total{mode}``, whose
+    two series exist from the start."""
+    from collections import Counter
+
+    from ctxprefill.engine.engine import PrefillStats
+    from ctxprefill.service.metrics import Metrics
+    from service_process import parse_metrics, sample_sum
+
+    monkeypatch.setattr(graphs, "StageTimer", Timer)
+    calls: list[tuple] = []
+    assert loop_with(calls, Patch(calls)).replay(HM, aligned((4, 1, 192)), torch.empty(1)).replay == "in_place"
+    assert loop_with(calls, None, in_place=False).replay(HM, aligned((4, 1, 192)), torch.empty(1)).replay == "copying"
+    m = Metrics()
+
+    def series(mode: str) -> float:
+        return sample_sum(parse_metrics(m.render().decode())["ctxprefill_graph_replays_total"], mode=mode)
+
+    assert series("in_place") == series("copying") == 0
+    fp8 = {"cache_dtype": "auto", "kv_b_proj_dtype": "bf16", "prefill_dtype": "bf16"}
+    for mode in ("in_place", "in_place", "copying", ""):
+        m.observe_prefill(PrefillStats([], Counter(), "fused", fp8, {}, 1, 0, 0, replay=mode), 0.001)
+    assert (series("in_place"), series("copying")) == (2, 1)

@@ -329,6 +329,9 @@ def test_served_requests_replay_with_the_same_answers(cuda_ext):
         m = proc.scrape()
         replays = sample_sum(m["ctxprefill_stage_duration_seconds_count"], stage="graph")
         assert replays == 2, replays  # the third and fourth
+        # read q and wrote the output in place (the server's q: a fresh device copy, aligned)
+        assert sample_sum(m["ctxprefill_graph_replays_total"], mode="in_place") == 2
+        assert sample_sum(m["ctxprefill_graph_replays_total"], mode="copying") == 0
     finally:
         proc.terminate(30)
         proc.kill()

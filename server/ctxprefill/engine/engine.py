@@ -88,6 +88,7 @@ class PrefillStats:
     checked_ns: tuple[int, int] | None = None
     stages: list[StageSpan] | None = None
     queued: bool = False  # taken before the device work ran (PendingPrefill.queued_stats): no device times
+    replay: str = ""  # replayed as a CUDA graph: "in_place" (q read, output written where they are) or "copying"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -143,14 +144,14 @@ class PendingPrefill:
     def queued_stats(self, total_ns: int) -> PrefillStats:
         """The stats known while the work is queued (no stage times; ``total_ns`` the host's)."""
         return PrefillStats(**self._stats, launches=self._pending.counts, stage_ns={}, total_ns=total_ns,
-                            unpacked_keys=self._pending.unpacked_keys, queued=True)
+                            unpacked_keys=self._pending.unpacked_keys, queued=True, replay=self._pending.replay)
 
     def result(self) -> PrefillResult:
         self.write_cache()
         with self._engine._on_device():
             r = self._pending.finish()
         stats = PrefillStats(**self._stats, launches=r.launches, stage_ns=r.stage_ns, total_ns=r.total_ns,
-                             span_ns=r.span_ns, unpacked_keys=r.unpacked_keys, stages=r.stages)
+                             span_ns=r.span_ns, unpacked_keys=r.unpacked_keys, stages=r.stages, replay=r.replay)
         return PrefillResult(r.out, r.lse, stats)
 
 

@@ -198,7 +198,7 @@ class CapturedLoop:
         counts = Counter(self.launches)
         if not in_place:
             counts[GRAPH_STAGE] += 2  # the two copies out
-        return PendingLoop(out, lse, counts, timer, self.unpacked_keys)
+        return PendingLoop(out, lse, counts, timer, self.unpacked_keys, "in_place" if in_place else "copying")
 
     def check_in_place(self, q: torch.Tensor, want: PendingLoop) -> str:
         """Turn in-place replays on where one, for ``q`` (the capturing request's, whose

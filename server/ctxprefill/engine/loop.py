@@ -143,6 +143,7 @@ class LoopResult:
     span_ns: int = 0  # first stage's start to last stage's end (engine/timing.py)
     unpacked_keys: bool = False  # attention read the keys unpacked, where they lie (no K pack)
     stages: list[StageSpan] | None = None  # with LoopInputs.stage_places: each stage's place
+    replay: str = ""  # a CUDA-graph replay's mode (engine/graphs.py): "in_place" or "copying"; "" eagerly
 
 
 #: observer(chunk_index, chunk, q, k, v, out, lse) — tests compare paths chunk by chunk
@@ -429,17 +430,17 @@ class PendingLoop:
     (the request's last event, not the whole device: a request queued behind it is not
     waited for) and reads the stage timings."""
 
-    __slots__ = ("out", "lse", "counts", "timer", "unpacked_keys")
+    __slots__ = ("out", "lse", "counts", "timer", "unpacked_keys", "replay")
 
     def __init__(self, out: torch.Tensor, lse: torch.Tensor, counts: Counter[str], timer: StageTimer,
-                 unpacked_keys: bool = False):
+                 unpacked_keys: bool = False, replay: str = ""):
         self.out, self.lse, self.counts, self.timer = out, lse, counts, timer
-        self.unpacked_keys = unpacked_keys
+        self.unpacked_keys, self.replay = unpacked_keys, replay
 
     def finish(self) -> LoopResult:
         stage_ns, total_ns = self.timer.finish()
         return LoopResult(self.out, self.lse, self.counts, stage_ns, total_ns, self.timer.span_ns,
-                          self.unpacked_keys, self.timer.stages)
+                          self.unpacked_keys, self.timer.stages, self.replay)
 
 
 def run_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,

@@ -71,6 +71,13 @@ class Metrics:
             ["cache_dtype", "kv_b_proj_dtype", "prefill_dtype"], registry=r,
         )
         self.chunks = Counter("ctxprefill_chunks_total", "Context chunks computed, by pack path.", ["path"], registry=r)
+        self.graph_replays = Counter(
+            "ctxprefill_graph_replays_total",
+            "PrefillContext requests whose chunk loop replayed as a CUDA graph (--cuda-graphs), by mode: in_place "
+            "(q read and the output written where they are) or copying (through the graph's own buffers).",
+            ["mode"], registry=r)
+        for mode in ("in_place", "copying"):  # zero series from the start: rate() sees the first replay
+            self.graph_replays.labels(mode)
         self.context_tokens = Counter(
             "ctxprefill_context_tokens_total", "Cached context tokens attended to (sum of context_len).", registry=r
         )
@@ -270,6 +277,8 @@ class Metrics:
             self._child(self.chunks, path).inc(n_chunks)
             fp = stats.fp8_path
             self._child(self.fp8_path, fp["cache_dtype"], fp["kv_b_proj_dtype"], fp["prefill_dtype"]).inc(n_chunks)
+        if stats.replay:
+            self._child(self.graph_replays, stats.replay).inc()
         self.context_tokens.inc(stats.context_tokens)
         self.query_tokens.inc(stats.query_tokens)
         for stage, ns in stats.stage_ns.items():
