@@ -429,7 +429,9 @@ def run_heads(ns: argparse.Namespace, H: int, prefill: str, w: Workload, kind: s
             about = {"cmd": server.cmd, "ready_s": ready_s, "attention_backend": info.attention_backend,
                      "fused_kernels_active": info.fused_kernels_active, "workspace_tokens": info.workspace_tokens,
                      "cache_dtype": info.cache_dtype, "prefill_dtype": info.prefill_dtype,
-                     "num_blocks": info.num_blocks}
+                     "num_blocks": info.num_blocks,
+                     # the requests replayed as CUDA graphs, in place or copying (every order's)
+                     "graph_replays": server.counter("ctxprefill_graph_replays_total", "mode")}
     finally:
         server.stop(timeout=15)
     about["log_tail"] = server.tail(20)

@@ -74,6 +74,15 @@ class ServerProcess:
         except OSError:
             return False
 
+    def counter(self, name: str, label: str) -> dict[str, float]:
+        """Counter ``name``'s samples on the server's /metrics page now, by ``label``'s value."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5.0) as r:
+            page = r.read().decode()
+        return {s.labels[label]: s.value for fam in text_string_to_metric_families(page)
+                for s in fam.samples if s.name == name}
+
     def wait_ready(self, timeout: float) -> float:
         """Seconds until ready (TimeoutError with the log's tail past ``timeout``)."""
         t = time.monotonic()

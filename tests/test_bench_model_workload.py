@@ -73,6 +73,7 @@ def test_workload_through_the_ring_matches_float64(tmp_path, monkeypatch):
             assert c["ok"] and c["output_error"] <= 1e-2 and c["lse_error"] <= 1e-2
             assert c["control_output_error"] > 0.1
         assert "--layers 2" in r["server"]["cmd"] and "--request-ring" in r["server"]["cmd"]
+        assert r["server"]["graph_replays"] == {"in_place": 0.0, "copying": 0.0}  # scraped: none on a CPU
 
 
 def test_separate_cache_writes_are_timed_apart(tmp_path, monkeypatch):
