@@ -654,6 +654,13 @@ def model_workload_table(d: Doc) -> str:
                          f"| {ph['validate'] / n * 1e3:.3f} | {ph['compute'] / n * 1e3:.3f} "
                          f"| {dev_ms} | {beyond_ms} "
                          f"| {(r['calls_s'] - r['server_total_s']) / n * 1e3:.3f} | {_period(r)} |")
+    replays = {(r["heads"], _prefill(r)): r["server"]["graph_replays"] for r in d["runs"]
+               if (r.get("server") or {}).get("graph_replays")}
+    if a.get("cuda_graphs") and replays:
+        lines += ["", "Requests replayed as CUDA graphs, per server (its orders together; "
+                  "`ctxprefill_graph_replays_total`), in place / copying: " + "; ".join(
+                      f"{h} heads {p} {g.get('in_place', 0):.0f} / {g.get('copying', 0):.0f}"
+                      for (h, p), g in replays.items()) + "."]
     return "\n".join(lines) + "\n"
 
 

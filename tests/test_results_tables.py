@@ -209,6 +209,29 @@ def test_whole_request_rows_give_every_dtypes_graph_against_its_floor(mt, tmp_pa
     _check_figures(mt.readme_block(str(tmp_path), results=str(res)), str(tmp_path))
 
 
+def test_host_row_and_tables_give_the_in_place_rounds_and_replay_modes(mt):
+    """probe_host's interleaved rounds of in-place and copying replays reach the README's
+    host row (their medians, ms) and its table; a graphs workload whose servers recorded
+    their replays by mode says how many went in place."""
+    import statistics
+
+    probe = json.loads(Path(RESULTS, "probe_host.json").read_text())
+    rounds = [r["replay_launch_rounds"] for r in probe["rows"]]
+    row = next(x for x in mt.readme_block(ROOT, results=RESULTS).splitlines() if x.startswith("| Host time"))
+    for x in rounds:
+        assert (f"{statistics.median(x['in_place_outside_s']) * 1e3:.3f} against "
+                f"{statistics.median(x['copies_outside_s']) * 1e3:.3f}") in row
+    assert "A replay in place against one copying" in mt.host_table(probe)
+    wl = json.loads(Path(RESULTS, "bench_model_workload_graphs.json").read_text())
+    for r in wl["runs"]:  # a run that did not record them
+        r["server"].pop("graph_replays", None)
+    assert "replayed as CUDA graphs, per server" not in mt.model_workload_table(wl)
+    for r in wl["runs"]:
+        r["server"]["graph_replays"] = {"in_place": 976.0, "copying": 0.0}
+    assert f"{wl['runs'][0]['heads']} heads" in mt.model_workload_table(wl).split("per server")[1]
+    assert "976 / 0" in mt.model_workload_table(wl)
+
+
 def test_every_plot_shows_its_benchmarks_current_run(mt):
     """Each listed plot names, in its PNG text, the run it was drawn from: one of its
     benchmark's JSON files as they are now (a plot left from an earlier run fails)."""
