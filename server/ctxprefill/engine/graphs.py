@@ -9,7 +9,8 @@ graph's buffers. q, the output and LSE stay where they are: the kernel arguments
 point into the captured q, out and LSE buffers (raw addresses and TMA descriptors) are
 found once at capture and pointed at the request's tensors before each launch
 (csrc/graph_patch.h), a copy in of 50 MB and out of 34 MB saved at 128 heads. A capture
-checks this once: a replay in place, with the captured q overwritten by NaN, must give
+checks this once (and waits for it: the capturing request's host work does not overlap
+its device work): a replay in place, with the captured q overwritten by NaN, must give
 the eager loop's bits, else the shape's replays copy q in and out and LSE out of the
 graph's buffers (as they do for a q that is strided or not 256-byte aligned).
 Where the CUDA extension is loaded, a replay is two calls into it — the arguments
@@ -71,7 +72,8 @@ log = logging.getLogger("ctxprefill.engine")
 MAX_SEEN = 4096
 GRAPH_STAGE = "graph"
 #: a request's q, out and LSE are read and written in place where their addresses keep
-#: the captured buffers' alignment to this (the kernels were specialized for it)
+#: the captured buffers' alignment to this (the kernels were specialized for it;
+#: GraphPatch.apply, csrc/graph_patch.cu, refuses any other)
 IN_PLACE_ALIGN = 256
 
 
@@ -247,16 +249,20 @@ def _new_graph() -> tuple[torch.cuda.CUDAGraph, bool]:
         return torch.cuda.CUDAGraph(), False
 
 
-def _find_patch(graph: torch.cuda.CUDAGraph, patch_type: Any, q: torch.Tensor, out: torch.Tensor,
-                lse: torch.Tensor) -> Any:
-    """The extension's GraphPatch over ``graph``'s kernel arguments into q, out and LSE, or
-    None (logged) where the graph cannot be patched."""
+def _find_patch(graph: torch.cuda.CUDAGraph, kept: bool, q: torch.Tensor, out: torch.Tensor,
+                lse: torch.Tensor) -> tuple[Any, str]:
+    """(the extension's GraphPatch over ``graph``'s kernel arguments into q, out and LSE,
+    "") or (None, why the graph cannot be patched); ``kept``: the graph kept its cudaGraph_t."""
+    _, launch, patch_type = _extension_calls()
+    if launch is None or patch_type is None:
+        return None, "the CUDA extension has no GraphPatch"
+    if not kept:
+        return None, "torch keeps no cudaGraph_t (CUDAGraph(keep_graph=True))"
     try:
         return patch_type(graph.raw_cuda_graph(), graph.raw_cuda_graph_exec(),
-                          [q.data_ptr(), q.nbytes, out.data_ptr(), out.nbytes, lse.data_ptr(), lse.nbytes])
+                          [q.data_ptr(), q.nbytes, out.data_ptr(), out.nbytes, lse.data_ptr(), lse.nbytes]), ""
     except (RuntimeError, ValueError) as e:
-        log.info("captured loop copies q in and out and LSE out (%s)", str(e).splitlines()[0][:200])
-        return None
+        return None, str(e).splitlines()[0][:200]
 
 
 class LoopGraphs:
@@ -265,9 +271,9 @@ class LoopGraphs:
     ``cache``: every layer's cache as one allocation (layer i's block b is its block
     ``i * blocks_per_layer + b``), where the engine has one: then a shape's graph serves
     every layer — it reads the whole cache through block ids offset by the request's
-    layer, and the layer's weight is copied into it with q — and the graphs share one
-    memory pool (their replays never overlap, and each replay's output is copied out
-    before the next). Without it each layer's shape is its own graph."""
+    layer, and the layer's weight is copied into it — and the graphs share one memory
+    pool (their replays never overlap, and each replay's output is written to tensors of
+    its own or copied out before the next). Without it each layer's shape is its own graph."""
 
     def __init__(self, cache: torch.Tensor | None = None, blocks_per_layer: int = 0, max_graphs: int = 8):
         self.cache, self.blocks_per_layer = cache, blocks_per_layer
@@ -321,16 +327,16 @@ class LoopGraphs:
         except RuntimeError as e:  # its arguments half redirected: the shape runs eagerly from now on
             if not str(e).startswith("graph_patch:"):
                 raise
-            self._drop(key)
+            self._forget(key)
+            self._failed.add(key)
             log.warning("captured loop dropped (%s); the shape runs eagerly", str(e).splitlines()[0][:200])
             return None
         self.replays += 1
         return pending
 
-    def _drop(self, key: Hashable) -> None:
-        """Forget shape ``key``'s graph for good."""
+    def _forget(self, key: Hashable) -> None:
+        """Drop shape ``key``'s graph."""
         dropped = self._graphs.pop(key)
-        self._failed.add(key)
         dropped.staged.synchronize()  # its page-locked staging goes back to torch's pool: not while read
 
     def start_eager(self, x: LoopInputs, backend: AttentionBackend, fused: bool, key: Hashable,
@@ -383,16 +389,14 @@ class LoopGraphs:
             return
         finally:
             torch.cuda.current_stream(x.q.device).wait_stream(stream)
-        copies, launch, patch_type = _extension_calls()
-        patch = None
-        if kept and launch is not None and patch_type is not None:
-            patch = _find_patch(graph, patch_type, q, looped.out, looped.lse)
+        copies, launch, _ = _extension_calls()
+        patch, why = _find_patch(graph, kept, q, looped.out, looped.lse)
         cap = CapturedLoop(graph, q, meta, staging, staged, looped.out, looped.lse, looped.counts,
                            use_unpacked_keys(backend, fused, x.unpacked_keys, x.fp8_prefill), orders,
                            torch.cuda.current_stream(x.q.device), copies, weight,
                            x.weight.data_ptr() if weight is not None else 0, launch, patch=patch)
         try:
-            cap.copies_because = cap.check_in_place(x.q, eager)
+            cap.copies_because = cap.check_in_place(x.q, eager) if patch is not None else why
         except RuntimeError as e:  # the arguments could not be pointed back: the graph is not kept
             self._failed.add(key)
             log.warning("chunk loop's graph not kept (%s); the shape runs eagerly", str(e).splitlines()[0][:200])
@@ -402,5 +406,4 @@ class LoopGraphs:
         self._graphs[key] = cap
         self.captures += 1
         while len(self._graphs) > self.max_graphs:
-            _, dropped = self._graphs.popitem(last=False)
-            dropped.staged.synchronize()  # its page-locked staging goes back to torch's pool: not while read
+            self._forget(next(iter(self._graphs)))  # the least recently used
