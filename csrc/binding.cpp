@@ -25,6 +25,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/extension.h>
 
+#include "driver_entry.h"
 #include "graph_patch.h"
 #include "launchers.h"
 
@@ -357,21 +358,8 @@ using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 // its end is refused before a kernel reads it), fetched through the runtime: no libcuda
 // link needed. nullptr when the driver does not provide it.
 MemGetAddressRangeFn mem_get_address_range() {
-  static const MemGetAddressRangeFn fn = []() -> MemGetAddressRangeFn {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault,
-                                                           &found);
-#else
-    const cudaError_t e = cudaGetDriverEntryPoint("cuMemGetAddressRange", &p, cudaEnableDefault, &found);
-#endif
-    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
-      (void)cudaGetLastError();
-      return nullptr;
-    }
-    return reinterpret_cast<MemGetAddressRangeFn>(p);
-  }();
+  static const auto fn =
+      reinterpret_cast<MemGetAddressRangeFn>(ctxprefill::driver_entry_point("cuMemGetAddressRange", 12000));
   return fn;
 }
 

@@ -1,6 +1,8 @@
 // GraphPatch (graph_patch.h): host code only; nvcc compiles it with the kernels.
 #include "graph_patch.h"
 
+#include "driver_entry.h"
+
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -24,31 +26,16 @@ struct Driver {
   ReplaceAddressFn replace_address = nullptr;
 };
 
-void* entry_point(const char* symbol, unsigned int version) {
-  void* p = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-  const cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &p, version, cudaEnableDefault, &found);
-#else
-  (void)version;
-  const cudaError_t e = cudaGetDriverEntryPoint(symbol, &p, cudaEnableDefault, &found);
-#endif
-  if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return p;
-}
-
 const Driver& driver() {
   static const Driver d = [] {
     Driver r;
     // 12000: the _v2 kernel-node calls (CUDA_KERNEL_NODE_PARAMS_v2); 12040: the parameter queries
-    r.get_params = reinterpret_cast<GetParamsFn>(entry_point("cuGraphKernelNodeGetParams", 12000));
-    r.exec_set_params = reinterpret_cast<ExecSetParamsFn>(entry_point("cuGraphExecKernelNodeSetParams", 12000));
-    r.func_param_info = reinterpret_cast<FuncParamInfoFn>(entry_point("cuFuncGetParamInfo", 12040));
-    r.kernel_param_info = reinterpret_cast<KernelParamInfoFn>(entry_point("cuKernelGetParamInfo", 12040));
-    r.replace_address = reinterpret_cast<ReplaceAddressFn>(entry_point("cuTensorMapReplaceAddress", 12000));
+    r.get_params = reinterpret_cast<GetParamsFn>(driver_entry_point("cuGraphKernelNodeGetParams", 12000));
+    r.exec_set_params =
+        reinterpret_cast<ExecSetParamsFn>(driver_entry_point("cuGraphExecKernelNodeSetParams", 12000));
+    r.func_param_info = reinterpret_cast<FuncParamInfoFn>(driver_entry_point("cuFuncGetParamInfo", 12040));
+    r.kernel_param_info = reinterpret_cast<KernelParamInfoFn>(driver_entry_point("cuKernelGetParamInfo", 12040));
+    r.replace_address = reinterpret_cast<ReplaceAddressFn>(driver_entry_point("cuTensorMapReplaceAddress", 12000));
     return r;
   }();
   return d;

@@ -2,8 +2,8 @@
 // and pointed at other buffers of the same size before each launch: a replay reads the
 // request's q and writes its output where they lie, with no copy in or out.
 //
-// Plain C++ over the CUDA runtime and driver (the driver's calls fetched through
-// cudaGetDriverEntryPointByVersion: no libcuda link); csrc/binding.cpp wraps it for Python
+// Plain C++ over the CUDA runtime and driver (the driver's calls fetched through the
+// runtime, csrc/driver_entry.h: no libcuda link); csrc/binding.cpp wraps it for Python
 // (engine/graphs.py). Errors are thrown: std::invalid_argument for bad arguments,
 // std::runtime_error for a graph that cannot be patched or a CUDA call that failed.
 #pragma once
