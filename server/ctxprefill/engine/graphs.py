@@ -249,12 +249,12 @@ def _new_graph() -> tuple[torch.cuda.CUDAGraph, bool]:
         return torch.cuda.CUDAGraph(), False
 
 
-def _find_patch(graph: torch.cuda.CUDAGraph, kept: bool, q: torch.Tensor, out: torch.Tensor,
+def _find_patch(graph: torch.cuda.CUDAGraph, kept: bool, patch_type: Any, q: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor) -> tuple[Any, str]:
     """(the extension's GraphPatch over ``graph``'s kernel arguments into q, out and LSE,
-    "") or (None, why the graph cannot be patched); ``kept``: the graph kept its cudaGraph_t."""
-    _, launch, patch_type = _extension_calls()
-    if launch is None or patch_type is None:
+    "") or (None, why the graph cannot be patched); ``kept``: the graph kept its
+    cudaGraph_t; ``patch_type``: the extension's GraphPatch where its graph_launch is at hand."""
+    if patch_type is None:
         return None, "the CUDA extension has no GraphPatch"
     if not kept:
         return None, "torch keeps no cudaGraph_t (CUDAGraph(keep_graph=True))"
@@ -389,8 +389,8 @@ class LoopGraphs:
             return
         finally:
             torch.cuda.current_stream(x.q.device).wait_stream(stream)
-        copies, launch, _ = _extension_calls()
-        patch, why = _find_patch(graph, kept, q, looped.out, looped.lse)
+        copies, launch, patch_type = _extension_calls()
+        patch, why = _find_patch(graph, kept, patch_type if launch is not None else None, q, looped.out, looped.lse)
         cap = CapturedLoop(graph, q, meta, staging, staged, looped.out, looped.lse, looped.counts,
                            use_unpacked_keys(backend, fused, x.unpacked_keys, x.fp8_prefill), orders,
                            torch.cuda.current_stream(x.q.device), copies, weight,
