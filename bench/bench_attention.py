@@ -24,6 +24,7 @@ ends with the attention targets' verdict lines (``target_lines``), also stored i
   python bench/bench_attention.py --sweep --out bench/results/attention_sweep.json
   python bench/bench_attention.py --sweep ws --out bench/results/attention_sweep_ws.json
   python bench/bench_attention.py --ab ws-wait --out bench/results/attention_ab_ws-wait.json
+  python bench/bench_attention.py --key-scan --out /tmp/attention_key_scan.json
 Stays within --budget-s seconds (optional competitors are skipped past it).
 """
 
@@ -587,6 +588,74 @@ def flashinfer_rounds(args, data, provs, shapes) -> list[dict]:
     return out
 
 
+#: --key-scan: one segment of 8,192 queries over each of these key counts
+KEY_SCAN = (4096, 8192, 16384, 32768)
+
+
+def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys against xs."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def key_scan_fit(rounds: list[dict], H: int, ql: int = 8192) -> dict:
+    """Per kernel (ours, theirs), the line ms = a + b·keys through the per-length medians of
+    ``rounds`` (``_interleaved`` records with ``keys``): ``rate_tflops`` = the work of one more
+    key / b, the rate of a tile's key loop; ``fixed_ms`` = a, the time that does not grow with
+    the keys (launch, every tile's start and end); ``fixed_share_16k`` = a over the time at
+    16,384 keys."""
+    got: dict = dict(H=H, q=ql, keys=[r["keys"] for r in rounds])
+    for who in ("ours", "theirs"):
+        ms = [gflop([ql], [r["keys"]], H) / sorted(r[f"tflops_{who}"])[len(r[f"tflops_{who}"]) // 2]
+              for r in rounds]
+        a, b = line_fit([float(r["keys"]) for r in rounds], ms)
+        got[who] = dict(ms=[round(m, 4) for m in ms], fixed_ms=round(a, 4),
+                        rate_tflops=round(gflop([ql], [1], H) / b, 1),
+                        fixed_share_16k=round(a / (a + b * 16384), 4))
+    return got
+
+
+def run_key_scan(args):
+    """Where ours and FlashInfer's FA3 (bf16) spend a launch: one segment of 8,192 queries
+    over each of ``KEY_SCAN`` keys, the two measured in turn (``--verdict-rounds``), and per
+    kernel a line through the medians (:func:`key_scan_fit`): the rate of the key loop apart
+    from the time every tile pays once."""
+    scale = 192**-0.5
+    data = Inputs()
+    out = []
+    for H in args.heads:
+        rounds = []
+        for kl in KEY_SCAN:
+            name = f"1x8192q/{kl}k"
+            rec = dict(H=H, case=name, keys=kl, dtype="bf16", verdict=FLASHINFER_VERDICT,
+                       rounds=args.verdict_rounds)
+
+            def make(H=H, name=name, kl=kl):
+                x = data.get(H, name, [8192], [kl])
+                flop = gflop([8192], [kl], H)
+                fns = [prov_triton(*x["bf16"], x["cq"], x["ck"], [8192], [kl], scale),
+                       prov_flashinfer(*x["bf16"], x["cq"], x["ck"], [8192], [kl], scale)]
+                for fn in fns:  # compiled outside the rounds
+                    fn()
+                return ("tflops_ours", (fns[0], flop)), ("tflops_theirs", (fns[1], flop))
+
+            rec = _interleaved(rec, f"H={H:<3} {name:<16} ours / FlashInfer FA3", make, args)
+            out.append(rec)
+            if "error" not in rec:
+                rounds.append(rec)
+        data._d.clear()  # this head count's inputs (up to ~5 GB at 128 heads)
+        if len(rounds) >= 2:
+            fit = key_scan_fit(rounds, H)
+            out.append(dict(fit=fit))
+            for who in ("ours", "theirs"):
+                f = fit[who]
+                log(f"H={H:<3} {who:<6} key loop {f['rate_tflops']:6.1f} TFLOP/s, fixed {f['fixed_ms']:.3f} ms "
+                    f"({100 * f['fixed_share_16k']:.1f} % of the 16k-key launch)")
+    return out
+
+
 # ---------------------------------------------------------------------------- sweep
 def _c(BM, BN, w, s, tma=True, **kw):
     return dict(BLOCK_M=BM, BLOCK_N=BN, num_warps=w, num_stages=s, USE_TMA=tma, **kw)
@@ -796,6 +865,9 @@ def main():
                          "1,024-row chunks; ws-rescale: where the pipelined kernel rescales O")
     ap.add_argument("--ab", choices=list(AB), help="pairs of the warp-specialized kernel's configs, B against A in "
                     "interleaved rounds, instead of the table (ws-wait: P·V's wait held after the softmax, turns)")
+    ap.add_argument("--key-scan", action="store_true",
+                    help="ours against FlashInfer's FA3 (bf16) over 4k to 32k keys, interleaved: the key loop's "
+                         "rate and the time every tile pays once, per kernel")
     args = ap.parse_args()
     if args.flashinfer_fp8:
         FLASHINFER_DTYPES.append("fp8")
@@ -807,9 +879,10 @@ def main():
 
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
         f"default configs {({str(k): v for k, v in CONFIGS.items()})}")
-    results = run_ab(args) if args.ab else run_sweep(args) if args.sweep else run_table(args)
+    results = (run_key_scan(args) if args.key_scan else run_ab(args) if args.ab else run_sweep(args) if args.sweep
+               else run_table(args))
     targets = []
-    if not args.sweep and not args.ab:
+    if not args.sweep and not args.ab and not args.key_scan:
         print_table(results)
         targets = target_lines(results)
         for line, _ in targets:
@@ -819,7 +892,8 @@ def main():
     meta = dict(device=torch.cuda.get_device_name(), date=run_info.utc_now(), commit=run_info.commit(),
                 torch=torch.__version__, triton=triton.__version__, flashinfer=_flashinfer_version(),
                 configs={str(k): v for k, v in CONFIGS.items()}, flops_rule="2*visible_pairs*H*(192+128)",
-                mode="ab" if args.ab else "sweep" if args.sweep else "table", wall_s=elapsed(),
+                mode="key_scan" if args.key_scan else "ab" if args.ab else "sweep" if args.sweep else "table",
+                wall_s=elapsed(),
                 targets=[dict(line=line, met=met) for line, met in targets])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

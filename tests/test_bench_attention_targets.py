@@ -156,3 +156,24 @@ def test_ab_and_sweep_configs_name_only_the_kernels_parameters():
     pairs = ba.AB["ws-fp8-regs"][0]
     assert got[0] == (pairs[0][0], pairs[0][1]) and len(got) == 1 + len(pairs)
     assert [c for _, c in got[1:]] == [b for _, _, b in pairs] and all(c["WS"]["P_REGS"] for _, c in got[1:])
+
+
+def test_key_scan_fit_recovers_a_line():
+    """The key scan's fit gives back the fixed time and the key loop's rate of launches that
+    take ms = a + b·keys, per kernel, from the median round of each length."""
+    H, rounds = 16, []
+    per_key_ms = {"ours": 2e-4, "theirs": 1.9e-4}
+    fixed_ms = {"ours": 0.05, "theirs": 0.02}
+    for kl in ba.KEY_SCAN:
+        rec = dict(keys=kl)
+        for who in ("ours", "theirs"):
+            ms = fixed_ms[who] + per_key_ms[who] * kl
+            tf = ba.gflop([8192], [kl], H) / ms
+            rec[f"tflops_{who}"] = [tf * 0.5, tf, tf * 2]  # the median round is the true one
+        rounds.append(rec)
+    fit = ba.key_scan_fit(rounds, H)
+    for who in ("ours", "theirs"):
+        assert fit[who]["fixed_ms"] == pytest.approx(fixed_ms[who], abs=1e-4)
+        assert fit[who]["rate_tflops"] == pytest.approx(ba.gflop([8192], [1], H) / per_key_ms[who], rel=1e-3)
+        share = fixed_ms[who] / (fixed_ms[who] + per_key_ms[who] * 16384)
+        assert fit[who]["fixed_share_16k"] == pytest.approx(share, abs=1e-4)
