@@ -297,6 +297,30 @@ def test_observed_requests_run_eagerly_and_shapes_are_bounded():
     assert len(eng.graphs) == 1 and eng.graphs.captures == 4  # each shape captured again after its eviction
 
 
+def test_captures_of_new_shapes_reuse_the_pools_memory():
+    """Shapes of a growing context (a model's prefill, chunk after chunk) each get a graph;
+    the captures after the first reuse the blocks the first freed in the shared pool, so the
+    memory they add is far less than the first one's: what each graph keeps (q, out, LSE,
+    metadata), not its loop's workspace again."""
+    c = dict(CASES["long"], contexts=[32768], queries=[256], W=8192, blocks=600)  # ~150 MB a chunk's work
+    eng = make_engine(c, "auto", "bf16", "bf16")
+    assert eng.graphs is not None
+    added = []
+    for extra in range(4):
+        ce = dict(c, contexts=[c["contexts"][0] + 1024 * extra])
+        q, seqs = make_request(eng, ce, seed=1 + extra)
+        eng.prefill_context(q, seqs)  # eager: the shape's kernels warmed
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        eng.prefill_context(q, seqs)  # captured
+        torch.cuda.synchronize()
+        added.append(torch.cuda.memory_reserved() - before)
+    assert eng.graphs.captures == 4 and len(eng.graphs) == 4
+    # (a graph's own buffers take a segment or two of the allocator's: 2 or 20 MB each)
+    assert added[0] > 100 << 20
+    assert max(added[1:]) < added[0] / 4, f"bytes reserved by each capture: {added}"
+
+
 def test_served_requests_replay_with_the_same_answers(cuda_ext):
     """``ctxprefill serve --cuda-graphs``: a request repeated through gRPC (a deadline
     on each: a stop signal over 2 chunks) answers the same bits eagerly and replayed, and

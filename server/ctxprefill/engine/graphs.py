@@ -282,6 +282,10 @@ class LoopGraphs:
         self._seen: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
         self._failed: set[Hashable] = set()
         self._pool: Any = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle)
+        # every capture on this one stream: torch's allocator reuses a freed block only on the
+        # stream that allocated it, so a capture on a stream of its own would keep the pool's
+        # blocks of every earlier capture and add its own (as torch.cuda.graph shares one)
+        self._capture_stream: torch.cuda.Stream | None = None
         self.replays = 0
         self.captures = 0
 
@@ -370,7 +374,9 @@ class LoopGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph, kept = _new_graph()
-        stream = torch.cuda.Stream(x.q.device)  # type: ignore[no-untyped-call]
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(x.q.device)  # type: ignore[no-untyped-call]
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(x.q.device))
         try:
             with torch.cuda.stream(stream):
