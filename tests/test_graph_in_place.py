@@ -171,3 +171,19 @@ def test_a_replays_mode_reaches_its_stats_and_the_metrics(monkeypatch):
     for mode in ("in_place", "in_place", "copying", ""):
         m.observe_prefill(PrefillStats([], Counter(), "fused", fp8, {}, 1, 0, 0, replay=mode), 0.001)
     assert (series("in_place"), series("copying")) == (2, 1)
+
+
+def test_clear_drops_every_graph_and_the_pool():
+    """Out of memory, the engine drops its graphs (engine_worker.oom_guarded's release):
+    every captured loop waits for its staging and goes, the shared pool is let go, and the
+    shapes counted start again (captured from their next second request)."""
+    lg = LoopGraphs()
+    waited: list[str] = []
+    for key in ("a", "b"):
+        lg._graphs[key] = loop_with([], None)
+        lg._graphs[key].staged = SimpleNamespace(synchronize=lambda key=key: waited.append(key))
+        lg._seen[key] = 2
+    lg._pool = (0, 1)
+    assert lg.clear() == 2
+    assert len(lg) == 0 and not lg._seen and lg._pool is None and waited == ["a", "b"]
+    assert lg.clear() == 0

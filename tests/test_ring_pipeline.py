@@ -214,3 +214,32 @@ def test_a_stalled_stream_ordered_ring_is_let_go_and_keeps_its_requests_regions(
             ring.stopped.result()
     finally:
         w.stop()
+
+
+def test_a_ring_request_out_of_memory_releases_the_graphs_before_its_answer():
+    """A ring request that runs out of memory is answered RESOURCE_EXHAUSTED in-band, after
+    the servicer's release (the engine's CUDA graphs) ran, as a unary call's would."""
+    import torch
+
+    from ctxprefill.service import streams
+    from ctxprefill_api import pb
+
+    released: list[int] = []
+
+    class Call:
+        stop = type("Stop", (), {"gone": None})()
+
+        def start(self, defer, order):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.88 GiB")
+
+        def abandon(self):
+            pass
+
+    ring = type("Ring", (), dict(payload_bytes=1 << 16, peer="ipv4:127.0.0.1:1", order=None,
+                                 stopped=concurrent.futures.Future()))()
+    payload = pb.PrefillContextRequest(request_id="r1").SerializeToString()
+    answer = streams.start_ring_request(ring, 0, payload, [], open_call=lambda msg, rid, t0: Call(),
+                                        metrics=Metrics(), release=lambda: released.append(1) or 2)
+    got = pb.PrefillContextStreamResponse.FromString(answer())
+    assert released == [1] and got.request_id == "r1"
+    assert got.error.code == 8 and "out of memory" in got.error.message  # RESOURCE_EXHAUSTED

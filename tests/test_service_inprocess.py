@@ -135,6 +135,8 @@ def test_out_of_memory_is_resource_exhausted_and_the_server_goes_on(engine, monk
         return orig(*a, **kw)
 
     monkeypatch.setattr(engine, "start_prefill", start_prefill)
+    released = []  # the engine's CUDA graphs dropped before the answer (their pool's memory back)
+    monkeypatch.setattr(engine, "release_graphs", lambda: released.append(len(calls)) or 3)
 
     async def main():
         async with Harness(engine) as h:
@@ -142,6 +144,7 @@ def test_out_of_memory_is_resource_exhausted_and_the_server_goes_on(engine, monk
                 await h.stub.PrefillContext(prefill_req(), timeout=30)
             assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "out of memory" in ei.value.details()
+            assert released == [1]
             r = await h.stub.PrefillContext(prefill_req(), timeout=30)
             assert list(r.output.shape) == [2, 1, 128] and r.stats.num_chunks == 1
             page = parse_metrics(h.metrics.render().decode())

@@ -10,6 +10,7 @@ eager loop (an observer) get it; at most ``max_graphs`` shapes are kept.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import time
@@ -297,11 +298,12 @@ def test_observed_requests_run_eagerly_and_shapes_are_bounded():
     assert len(eng.graphs) == 1 and eng.graphs.captures == 4  # each shape captured again after its eviction
 
 
-def test_captures_of_new_shapes_reuse_the_pools_memory():
+def test_captures_of_new_shapes_reuse_the_pools_memory_and_release_it():
     """Shapes of a growing context (a model's prefill, chunk after chunk) each get a graph;
     the captures after the first reuse the blocks the first freed in the shared pool, so the
     memory they add is far less than the first one's: what each graph keeps (q, out, LSE,
-    metadata), not its loop's workspace again."""
+    metadata), not its loop's workspace again. Dropping the graphs (what an out-of-memory
+    request does) gives the pool back, and shapes are captured again."""
     c = dict(CASES["long"], contexts=[32768], queries=[256], W=8192, blocks=600)  # ~150 MB a chunk's work
     eng = make_engine(c, "auto", "bf16", "bf16")
     assert eng.graphs is not None
@@ -319,6 +321,17 @@ def test_captures_of_new_shapes_reuse_the_pools_memory():
     # (a graph's own buffers take a segment or two of the allocator's: 2 or 20 MB each)
     assert added[0] > 100 << 20
     assert max(added[1:]) < added[0] / 4, f"bytes reserved by each capture: {added}"
+    # out of memory, the engine drops its graphs: the pool's memory goes back to the device
+    torch.cuda.empty_cache()  # (the eager loops' cached blocks first: not the pool's)
+    held = torch.cuda.memory_reserved()
+    assert eng.release_graphs() == 4 and len(eng.graphs) == 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert held - torch.cuda.memory_reserved() >= added[0] / 2, (held, torch.cuda.memory_reserved(), added)
+    q, seqs = make_request(eng, c, seed=9)
+    for _ in range(3):  # captured again from the shape's second request
+        r = eng.prefill_context(q, seqs)
+    assert eng.graphs.captures == 5 and GRAPH_STAGE in r.stats.stage_ns
 
 
 def test_served_requests_replay_with_the_same_answers(cuda_ext):

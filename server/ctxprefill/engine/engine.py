@@ -303,6 +303,11 @@ class Engine:
         return sum(c.slots_used for c in self.caches)
 
     # -- cache ------------------------------------------------------------------------
+    def release_graphs(self) -> int:
+        """Drop every captured loop and their memory pool (out of memory: the graphs are a
+        cache that gives way to requests); how many were dropped."""
+        return self.graphs.clear() if self.graphs is not None else 0
+
     def write(self, request: WriteRequest) -> WriteResult:
         """Check (``request.validate_write``) and insert the latents; the slots written
         and the kernels launched."""

@@ -338,6 +338,17 @@ class LoopGraphs:
         self.replays += 1
         return pending
 
+    def clear(self) -> int:
+        """Drop every graph and the shared pool (torch frees a pool once no graph holds it:
+        the allocator's next ``empty_cache`` gives its memory back); how many were dropped.
+        Shapes are captured again from their second request on."""
+        dropped = len(self._graphs)
+        for key in list(self._graphs):
+            self._forget(key)
+        self._seen.clear()
+        self._pool = None
+        return dropped
+
     def _forget(self, key: Hashable) -> None:
         """Drop shape ``key``'s graph."""
         dropped = self._graphs.pop(key)

@@ -90,6 +90,7 @@ class EngineWorker:
         # request rings (request_ring.py): polled by this thread between queued calls
         self._rings: tuple[AttachedRing, ...] = ()
         self.ring_handler: RingHandler | None = None  # set by the servicer
+        self.release_on_oom: Callable[[], int] | None = None  # set by the servicer (oom_guarded's release)
         self.ring_spin_s, self.ring_poll_s = float(ring_spin_s), float(ring_poll_s)
         self.ring_overlap = bool(ring_overlap)  # False: each ring request is answered before the next starts
         self._thread = threading.Thread(target=self._run, name="ctxprefill-engine", daemon=True)
@@ -250,7 +251,7 @@ class EngineWorker:
                                             "deadline"))
             return
         try:
-            result = job.context.run(oom_guarded, job.fn, self.metrics)
+            result = job.context.run(oom_guarded, job.fn, self.metrics, self.release_on_oom)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
             cf.set_exception(e)
         else:
@@ -267,9 +268,11 @@ def _done() -> None:
 _WAKE = object()  # a queue item that only wakes the engine thread (a ring was attached)
 
 
-def oom_guarded(fn: Callable[[], T], metrics: Metrics) -> T:
+def oom_guarded(fn: Callable[[], T], metrics: Metrics, release: Callable[[], int] | None = None) -> T:
     """Run ``fn``; a device (or host) out-of-memory error becomes RESOURCE_EXHAUSTED after
-    the memory the failed request held is freed, so that the server goes on."""
+    the memory the failed request held is freed, so that the server goes on; ``release``
+    (the engine's :meth:`~ctxprefill.engine.engine.Engine.release_graphs`) drops what is
+    kept only to go faster first, so that the retry finds that memory too."""
     oom = None
     try:
         return fn()
@@ -278,11 +281,13 @@ def oom_guarded(fn: Callable[[], T], metrics: Metrics) -> T:
             raise
         oom = str(e).splitlines()[0] if str(e) else type(e).__name__
     # outside the except block: the traceback (and the tensors its frames hold) is gone
+    dropped = release() if release is not None else 0
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     metrics.rejected.labels(reason="out_of_memory").inc()
-    log.warning("request ran out of memory; freed the allocator cache and going on: %s", oom)
+    log.warning("request ran out of memory; dropped %d CUDA graphs, freed the allocator cache and going on: %s",
+                dropped, oom)
     raise RpcStatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"out of memory for this request ({oom}); retry smaller (fewer tokens, a smaller "
                          f"workspace_tokens) or later", "out_of_memory")

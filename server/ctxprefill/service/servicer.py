@@ -80,7 +80,12 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                                         pin=settings.shared_memory_pin)
         self.rings = RingTable(self.shm, settings.request_ring_max) if settings.request_ring else None
         worker.ring_handler = functools.partial(streams.start_ring_request, open_call=self._open_ring_request,
-                                                metrics=metrics)
+                                                metrics=metrics, release=self._release_memory)
+        worker.release_on_oom = self._release_memory
+
+    def _release_memory(self) -> int:
+        """On the engine thread, after an out-of-memory error: the engine's CUDA graphs go."""
+        return self.engine.release_graphs() if self.engine is not None else 0
 
     # -- lifecycle (called by server.py) ---------------------------------------------
     def attach_engine(self, engine: Engine) -> None:

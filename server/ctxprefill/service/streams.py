@@ -118,7 +118,8 @@ async def answer_stream(request_iterator: AsyncIterator[Any], answer: Callable[[
 
 
 def start_ring_request(ring: AttachedRing, slot: int, payload: bytes | None, defer: list[Callable[[], None]], *,
-                       open_call: Callable[[Any, str, int], PrefillCall], metrics: Metrics) -> Callable[[], bytes]:
+                       open_call: Callable[[Any, str, int], PrefillCall], metrics: Metrics,
+                       release: Callable[[], int] | None = None) -> Callable[[], bytes]:
     """On the engine thread: one ring request (from ``slot``), run as PrefillContext —
     parsed, opened (``open_call(msg, request_id, t0)``) and its device work queued;
     returns a function that waits for it (a stream-ordered ring's: that does not) and
@@ -145,7 +146,7 @@ def start_ring_request(ring: AttachedRing, slot: int, payload: bytes | None, def
         call.stop.gone = ring.stopped.done  # the ring let go: the request stops between chunks
         try:
             order = ring.order.slot(slot) if ring.order is not None else None
-            finish = oom_guarded(functools.partial(call.start, defer, order), metrics)
+            finish = oom_guarded(functools.partial(call.start, defer, order), metrics, release)
         finally:
             call.abandon()  # releases only if the work never started
     except Exception as e:  # noqa: BLE001 - answered in-band, with the status a unary call would get
@@ -155,7 +156,7 @@ def start_ring_request(ring: AttachedRing, slot: int, payload: bytes | None, def
     def answer() -> bytes:
         request_id_var.set(request_id_for_logs(request_id))  # the next request may have set it
         try:
-            done = None if finish is None else oom_guarded(finish, metrics)
+            done = None if finish is None else oom_guarded(finish, metrics, release)
             data: bytes = nest(pb.PrefillContextStreamResponse(request_id=request_id), "response",
                                call.response(done)).SerializeToString()
             if len(data) > ring.payload_bytes:
