@@ -246,6 +246,11 @@ class Engine:
         every request runs the eager loop)."""
         return self.config.cuda_graphs and self.graphs is not None
 
+    def release_graphs(self) -> int:
+        """Drop every captured loop and their memory pool (out of memory: the graphs are a
+        cache that gives way to requests); how many were dropped."""
+        return self.graphs.clear() if self.graphs is not None else 0
+
     @property
     def cuda_graphs_reason(self) -> str:
         """Why the chunk loop is not replayed as CUDA graphs ("" when it is)."""
@@ -303,11 +308,6 @@ class Engine:
         return sum(c.slots_used for c in self.caches)
 
     # -- cache ------------------------------------------------------------------------
-    def release_graphs(self) -> int:
-        """Drop every captured loop and their memory pool (out of memory: the graphs are a
-        cache that gives way to requests); how many were dropped."""
-        return self.graphs.clear() if self.graphs is not None else 0
-
     def write(self, request: WriteRequest) -> WriteResult:
         """Check (``request.validate_write``) and insert the latents; the slots written
         and the kernels launched."""

@@ -27,7 +27,8 @@ per request: the engine's layers are one cache allocation, addressed by block id
 by the layer, so one graph serves every layer (the layers of a model's step share its
 shape). A shape is captured the second time it comes (the first ran eagerly and warmed
 every kernel), after that request's loop is queued; at most ``max_graphs`` are kept,
-the least recently used dropped. A replay has no per-stage times: its stats carry one
+the least recently used dropped, and all of them, with their memory pool, when a request
+runs out of memory (:meth:`LoopGraphs.clear`). A replay has no per-stage times: its stats carry one
 stage, ``graph``, the replay's device time (with the copies of out and LSE out of the
 graph's buffers, where it makes them; the copies in come before it, as the eager loop's
 uploads come before its first stage). Requests that want more (an observer, a
