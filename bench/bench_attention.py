@@ -24,7 +24,7 @@ ends with the attention targets' verdict lines (``target_lines``), also stored i
   python bench/bench_attention.py --sweep --out bench/results/attention_sweep.json
   python bench/bench_attention.py --sweep ws --out bench/results/attention_sweep_ws.json
   python bench/bench_attention.py --ab ws-wait --out bench/results/attention_ab_ws-wait.json
-  python bench/bench_attention.py --key-scan --out /tmp/attention_key_scan.json
+  python bench/bench_attention.py --flashinfer --key-scan --out bench/results/bench_attention.json
 Stays within --budget-s seconds (optional competitors are skipped past it).
 """
 
@@ -590,6 +590,7 @@ def flashinfer_rounds(args, data, provs, shapes) -> list[dict]:
 
 #: --key-scan: one segment of 8,192 queries over each of these key counts
 KEY_SCAN = (4096, 8192, 16384, 32768)
+KEY_SCAN_VERDICT = "key scan: " + FLASHINFER_VERDICT
 
 
 def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -629,7 +630,7 @@ def run_key_scan(args):
         rounds = []
         for kl in KEY_SCAN:
             name = f"1x8192q/{kl}k"
-            rec = dict(H=H, case=name, keys=kl, dtype="bf16", verdict=FLASHINFER_VERDICT,
+            rec = dict(H=H, case=name, keys=kl, dtype="bf16", verdict=KEY_SCAN_VERDICT,
                        rounds=args.verdict_rounds)
 
             def make(H=H, name=name, kl=kl):
@@ -866,8 +867,8 @@ def main():
     ap.add_argument("--ab", choices=list(AB), help="pairs of the warp-specialized kernel's configs, B against A in "
                     "interleaved rounds, instead of the table (ws-wait: P·V's wait held after the softmax, turns)")
     ap.add_argument("--key-scan", action="store_true",
-                    help="ours against FlashInfer's FA3 (bf16) over 4k to 32k keys, interleaved: the key loop's "
-                         "rate and the time every tile pays once, per kernel")
+                    help="with --flashinfer, after the table: ours against FlashInfer's FA3 (bf16) over 4k to 32k "
+                         "keys, interleaved: the key loop's rate and the time every tile pays once, per kernel")
     args = ap.parse_args()
     if args.flashinfer_fp8:
         FLASHINFER_DTYPES.append("fp8")
@@ -879,10 +880,13 @@ def main():
 
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
         f"default configs {({str(k): v for k, v in CONFIGS.items()})}")
-    results = (run_key_scan(args) if args.key_scan else run_ab(args) if args.ab else run_sweep(args) if args.sweep
-               else run_table(args))
+    if args.key_scan and (args.sweep or args.ab or not args.flashinfer):
+        sys.exit("--key-scan runs with the table and --flashinfer (after it: FlashInfer's kernels compiled)")
+    results = run_ab(args) if args.ab else run_sweep(args) if args.sweep else run_table(args)
+    if args.key_scan:
+        results += run_key_scan(args)
     targets = []
-    if not args.sweep and not args.ab and not args.key_scan:
+    if not args.sweep and not args.ab:
         print_table(results)
         targets = target_lines(results)
         for line, _ in targets:
@@ -892,8 +896,7 @@ def main():
     meta = dict(device=torch.cuda.get_device_name(), date=run_info.utc_now(), commit=run_info.commit(),
                 torch=torch.__version__, triton=triton.__version__, flashinfer=_flashinfer_version(),
                 configs={str(k): v for k, v in CONFIGS.items()}, flops_rule="2*visible_pairs*H*(192+128)",
-                mode="key_scan" if args.key_scan else "ab" if args.ab else "sweep" if args.sweep else "table",
-                wall_s=elapsed(),
+                mode="ab" if args.ab else "sweep" if args.sweep else "table", wall_s=elapsed(),
                 targets=[dict(line=line, met=met) for line, met in targets])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -571,10 +571,18 @@ def run(ns: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     meta = {"kind": KIND, "date": utc_now(), "commit": commit(), "gpu": gpu, "device": str(dev),
             "torch": torch.__version__, "shared_memory": kind, "ceilings": ceil, "args": vars(ns)}
     runs: list[dict] = []
+    meta["failed"] = []  # configurations whose server or calls failed: recorded, the others still run
     with tempfile.TemporaryDirectory() as logdir:
         for H, prefill in [(H, p) for H in ns.heads for p in ns.prefill_dtype]:
-            runs += run_heads(ns, H, prefill, w, kind, dev, ceil, logdir)
-            for r in runs[-len(ns.orders):]:
+            try:
+                got = run_heads(ns, H, prefill, w, kind, dev, ceil, logdir)
+            except Exception as e:  # noqa: BLE001 - one configuration's failure is a result too
+                why = f"{type(e).__name__}: {str(e)[:600]}"
+                meta["failed"].append({"heads": H, "prefill_dtype": prefill, "error": why})
+                log(f"H={H} ({prefill} prefill) FAILED: {why}")
+                got = []
+            runs += got
+            for r in got:
                 o = f"{r['order']} order, {prefill} prefill"
                 log(f"H={H} ({o}): {r['calls']} calls in {r['wall_s']:.3f} s, floor sum {r['floor_s']:.3f} s "
                     f"(ratio {r['ratio']:.2f}); {r['context_tokens_per_s']:.3g} context tokens/s (floor "
@@ -597,7 +605,7 @@ def run(ns: argparse.Namespace, p: argparse.ArgumentParser) -> int:
             print(f"{r['heads']:4d} {r['server']['prefill_dtype']:>7} {r['order']:>6} {row['chunk']:5d} "
                   f"{row['context_tokens']:8d} {row['wall_ms']:9.2f} {fl:9.2f} {_div(row['wall_ms'], fl):6.2f} "
                   f"{row['server_compute_ms']:10.2f}")
-    return 0 if all(r["check_ok"] for r in runs) else 1
+    return 0 if all(r["check_ok"] for r in runs) and not meta["failed"] else 1
 
 
 if __name__ == "__main__":

@@ -243,6 +243,7 @@ def _pivot(rows: list[dict], row_key: Callable[[dict], str], col_key: Callable[[
 
 #: bench_attention.py's FLASHINFER_VERDICT: the records of ours against FlashInfer in interleaved rounds
 FLASHINFER_VERDICT = "ours / flashinfer fa3"
+KEY_SCAN_VERDICT = "key scan: " + FLASHINFER_VERDICT  # (--key-scan's rounds)
 
 
 def _flashinfer_rounds(d: Doc) -> list[dict]:
@@ -259,7 +260,7 @@ def attention_table(d: Doc) -> str:
              "run's time budget).", ""]
     lines += _pivot(rows, _provider, lambda r: f"H={r['H']} {r['case']}", "provider")
     rounds = [r for r in d["results"] if "ratio_median" in r]  # the interleaved rounds' records
-    verdict = [r for r in rounds if r.get("verdict") != FLASHINFER_VERDICT]
+    verdict = [r for r in rounds if r.get("verdict") not in (FLASHINFER_VERDICT, KEY_SCAN_VERDICT)]
     if verdict:
         lines += ["", "Ragged ×4 over 4×1024 of equal work (interleaved rounds):", "",
                   "| H | dtype | provider | rounds | median | min | max |", "|---|---|---|---|---|---|---|"]
@@ -273,6 +274,16 @@ def attention_table(d: Doc) -> str:
         lines += [f"| {r['H']} | {r['case']} | {r['rounds']} | {statistics.median(r['tflops_ours']):.1f} "
                   f"| {statistics.median(r['tflops_theirs']):.1f} | {r['ratio_median']:.3f} | {r['ratio_min']:.3f} "
                   f"| {r['ratio_max']:.3f} |" for r in ahead]
+    fits = [r["fit"] for r in d["results"] if "fit" in r]
+    if fits:
+        lines += ["", "Where a launch's time goes (`--key-scan`): one segment of 8,192 queries over "
+                  f"{', '.join(f'{k:,}' for k in fits[0]['keys'])} keys, ours and FA3 in turn per round (bf16); per "
+                  "kernel a line through the median times: its slope is the key loop's rate, its intercept the time "
+                  "the launch pays once per tile, whatever the keys (start, first loads, epilogue).", "",
+                  "| H | kernel | key loop TFLOP/s | fixed ms | fixed share at 16,384 keys |", "|---|---|---|---|---|"]
+        lines += [f"| {f['H']} | {who} | {f[k]['rate_tflops']:.1f} | {f[k]['fixed_ms']:.3f} "
+                  f"| {100 * f[k]['fixed_share_16k']:.1f} % |"
+                  for f in fits for k, who in (("ours", "ours"), ("theirs", "FlashInfer FA3"))]
     if meta.get("targets"):
         lines += ["", "Targets (CONTRACT §6):", ""]
         lines += [f"- {t['line']}" + ("" if t["met"] else " — **missed**") for t in meta["targets"]]
@@ -630,6 +641,8 @@ def model_workload_table(d: Doc) -> str:
                      f"| {_num(r['ratio_held'], '.2f')} "
                      f"| {_num(r['context_tokens_per_s'], '.3g')} | {_num(r['floor_context_tokens_per_s'], '.3g')} "
                      f"| {clock} | {check} |")
+    for f in meta.get("failed", []):  # a configuration that did not run to its end
+        lines.append(f"| {f['heads']} | {f['prefill_dtype']} | failed: {f['error'][:200]} |")
     if all("server_phase_s" in r for r in d["runs"]):
         lines += ["", "Per call, ms: the caller's wait (submit to answer), the server's host phases (validate: "
                   "parse and decode; compute: the engine call, its device work waited for), the device time of its "

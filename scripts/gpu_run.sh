@@ -16,7 +16,7 @@
 #   6. bench/bench_attention.py, if present                                           -> bench_attention.json
 # and, when named in GPU_RUN_STEPS: bench_engine (64k headline rows), bench_engine_ragged, bench_engine_full
 # (the 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
-# bench_rpc_floor, attention_sweep_ws, attention_ab, attention_key_scan, ncu_attention, bench_attention_flashinfer, probe_write, hostile_sanitizer,
+# bench_rpc_floor, attention_sweep_ws, attention_ab, ncu_attention, bench_attention_flashinfer, probe_write, hostile_sanitizer,
 # bench_sharded, profile_host, probe_host, probe_gemm, bench_ring_overlap (request rings with and without
 # --request-ring-overlap), bench_transport_pin (system regions page-locked and pageable, alternating),
 # bench_inline_parse (the event loop's parse of an inline request, with and without protobuf's copies),
@@ -261,7 +261,7 @@ want bench_rpc_floor_awake && run_step bench_rpc_floor_awake 60 5 - python3 benc
 # ---- 7c. FlashInfer's FA3 ragged prefill next to ours (carried wheels; compiles on first use)
 # (GPU_RUN_FI_ARGS replaces the provider filter and budget, e.g. "--budget-s 175": every provider)
 want bench_attention_flashinfer && run_step bench_attention_flashinfer 420 5 - python3 bench/bench_attention.py \
-  --flashinfer ${GPU_RUN_FI_ARGS:---providers triton flashinfer cudnn --no-flex --budget-s 400} \
+  --flashinfer ${GPU_RUN_FI_ARGS:---providers triton flashinfer cudnn --no-flex --budget-s 400 --key-scan} \
   --out "$OUT/bench_attention.json"
 
 # ---- 7d. how fast writes stream, by every way to write (for the bf16 pack: is 3.38 TB/s torch's
@@ -314,11 +314,6 @@ for ab in ${GPU_RUN_AB:-ws-wait}; do
   want attention_ab && run_step "attention_ab $ab" 300 5 - python3 bench/bench_attention.py --ab "$ab" \
     --budget-s 240 --out "$OUT/attention_ab_$ab.json"
 done
-
-# ---- 8a'''. ours against FlashInfer's FA3 over 4k to 32k keys, interleaved: each kernel's key-loop rate
-# and the time every tile pays once (its ~90 s JIT build included)
-want attention_key_scan && run_step attention_key_scan 300 5 - python3 bench/bench_attention.py --key-scan \
-  --budget-s 280 --out "$OUT/attention_key_scan.json"
 
 # ---- 8a''. one launch of each config of an --ab entry (GPU_RUN_NCU_AB) under Nsight Compute (clocks left alone):
 # tensor pipe share, SM clock, shared-memory wavefronts, stall reasons -> ncu_attention.csv (the

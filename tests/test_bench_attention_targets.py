@@ -104,6 +104,29 @@ def test_the_tables_read_the_rounds_the_bench_writes():
     import make_tables
 
     assert make_tables.FLASHINFER_VERDICT == ba.FLASHINFER_VERDICT
+    assert make_tables.KEY_SCAN_VERDICT == ba.KEY_SCAN_VERDICT != ba.FLASHINFER_VERDICT
+
+
+def test_the_key_scan_is_its_own_table_and_not_a_verdict():
+    """--key-scan's records, after the table's: their fit is a table of its own, and their
+    rounds are neither the ragged verdict nor the FlashInfer rounds of the targets."""
+    import json
+
+    import make_tables
+
+    d = json.loads(open(os.path.join(ROOT, "bench", "results", "bench_attention.json")).read())
+    before = make_tables.attention_table(d)
+    targets = ba.target_lines(d["results"])
+    rounds = [dict(H=16, case=f"1x8192q/{k}k", keys=k, dtype="bf16", verdict=ba.KEY_SCAN_VERDICT, rounds=3,
+                   tflops_ours=[600.0] * 3, tflops_theirs=[650.0] * 3, ratio_median=0.5, ratio_min=0.25,
+                   ratio_max=0.75) for k in ba.KEY_SCAN]
+    fit = ba.key_scan_fit(rounds, 16)
+    d["results"] += [*rounds, dict(fit=fit)]
+    table = make_tables.attention_table(d)
+    assert "Where a launch's time goes" not in before and "Where a launch's time goes" in table
+    assert f"| 16 | ours | {fit['ours']['rate_tflops']:.1f} | {fit['ours']['fixed_ms']:.3f} |" in table
+    assert f"| 16 | FlashInfer FA3 | {fit['theirs']['rate_tflops']:.1f} |" in table
+    assert "| 0.500 | 0.250 | 0.750 |" not in table and ba.target_lines(d["results"]) == targets
 
 
 def test_run_ab_alternates_and_takes_the_median_ratio(monkeypatch):

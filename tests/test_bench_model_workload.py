@@ -23,12 +23,14 @@ TINY = ["--device", "cpu", "--layers", "2", "--new", "32", "--chunk", "16", "--m
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm: POSIX shared memory")
 
 
-def _run(tmp_path, monkeypatch, *args):
+def _run(tmp_path, monkeypatch, *args, patch=None):
     spec = importlib.util.spec_from_file_location("bench_model_workload",
                                                   os.path.join(ROOT, "bench", "bench_model_workload.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     monkeypatch.setattr(mod.engine_bench, "measure_ceilings", lambda dev, sustained_s=0.0: dict(CEIL))
+    if patch is not None:
+        patch(mod)
     out = tmp_path / "w.json"
     rc = mod.main([*TINY, *args, "--out", str(out)])
     return rc, json.loads(out.read_text())
@@ -74,6 +76,26 @@ def test_workload_through_the_ring_matches_float64(tmp_path, monkeypatch):
             assert c["control_output_error"] > 0.1
         assert "--layers 2" in r["server"]["cmd"] and "--request-ring" in r["server"]["cmd"]
         assert r["server"]["graph_replays"] == {"in_place": 0.0, "copying": 0.0}  # scraped: none on a CPU
+
+
+def test_a_failed_configuration_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch):
+    """A configuration whose server or calls fail (a server out of memory, say) is recorded
+    in the JSON's meta with its error, the configurations after it still run, and the exit
+    code says that one failed."""
+    def fail_first(mod):
+        orig = mod.run_heads
+
+        def run_heads(ns, H, *a):
+            if H == 4:
+                raise RuntimeError("AttachRequestRing failed: RESOURCE_EXHAUSTED: out of memory for this request")
+            return orig(ns, H, *a)
+
+        monkeypatch.setattr(mod, "run_heads", run_heads)
+
+    rc, d = _run(tmp_path, monkeypatch, "--heads", "4", "2", patch=fail_first)
+    assert rc == 1 and [r["heads"] for r in d["runs"]] == [2] and d["runs"][0]["check_ok"]
+    assert d["meta"]["failed"] == [{"heads": 4, "prefill_dtype": "bf16", "error": "RuntimeError: AttachRequestRing "
+                                    "failed: RESOURCE_EXHAUSTED: out of memory for this request"}]
 
 
 def test_separate_cache_writes_are_timed_apart(tmp_path, monkeypatch):

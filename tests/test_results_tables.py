@@ -230,6 +230,10 @@ def test_host_row_and_tables_give_the_in_place_rounds_and_replay_modes(mt):
         r["server"]["graph_replays"] = {"in_place": 976.0, "copying": 0.0}
     assert f"{wl['runs'][0]['heads']} heads" in mt.model_workload_table(wl).split("per server")[1]
     assert "976 / 0" in mt.model_workload_table(wl)
+    # a configuration that failed is a row of its own, with its error
+    assert "failed:" not in mt.model_workload_table(wl)
+    wl["meta"]["failed"] = [{"heads": 128, "prefill_dtype": "bf16", "error": "RuntimeError: out of memory"}]
+    assert "| 128 | bf16 | failed: RuntimeError: out of memory |" in mt.model_workload_table(wl)
 
 
 def test_every_plot_shows_its_benchmarks_current_run(mt):
