@@ -9,6 +9,7 @@ or is let go when that outlives the timeout (``service/stream_order.py``, events
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 
 import pytest
 
@@ -238,8 +239,9 @@ def test_a_ring_request_out_of_memory_releases_the_graphs_before_its_answer():
     ring = type("Ring", (), dict(payload_bytes=1 << 16, peer="ipv4:127.0.0.1:1", order=None,
                                  stopped=concurrent.futures.Future()))()
     payload = pb.PrefillContextRequest(request_id="r1").SerializeToString()
-    answer = streams.start_ring_request(ring, 0, payload, [], open_call=lambda msg, rid, t0: Call(),
-                                        metrics=Metrics(), release=lambda: released.append(1) or 2)
-    got = pb.PrefillContextStreamResponse.FromString(answer())
+    ctx = contextvars.copy_context()  # the engine thread's: the request's peer and id stay in it
+    answer = ctx.run(streams.start_ring_request, ring, 0, payload, [], open_call=lambda msg, rid, t0: Call(),
+                     metrics=Metrics(), release=lambda: released.append(1) or 2)
+    got = pb.PrefillContextStreamResponse.FromString(ctx.run(answer))
     assert released == [1] and got.request_id == "r1"
     assert got.error.code == 8 and "out of memory" in got.error.message  # RESOURCE_EXHAUSTED
