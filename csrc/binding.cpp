@@ -609,7 +609,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("counts", &ctxprefill::GraphPatch::counts, "per buffer: arguments found")
       .def_property_readonly("descriptor_counts", &ctxprefill::GraphPatch::descriptor_counts,
                              "per buffer: TMA descriptors among them")
-      .def_property_readonly("nodes", &ctxprefill::GraphPatch::nodes, "kernel nodes rewritten by a launch")
+      .def_property_readonly("nodes", &ctxprefill::GraphPatch::nodes, "nodes a launch rewrites (kernels, copies and memsets)")
       .def_property_readonly("unlisted", &ctxprefill::GraphPatch::unlisted,
                              "kernel nodes whose arguments could not be listed");
 }

@@ -203,7 +203,6 @@ void GraphPatch::scan(CUgraphNode node) {
   n.raw.reset(new unsigned char[total + 64]);
   const uint64_t at = reinterpret_cast<uint64_t>(n.raw.get());
   n.bytes = n.raw.get() + ((64 - at % 64) % 64);  // parameter offsets keep their alignment (a CUtensorMap's: 64)
-  n.uses.assign(base_.size(), false);
   for (size_t i = 0; i < offsets.size(); ++i) {
     unsigned char* arg = n.bytes + offsets[i];
     std::memcpy(arg, p.kernelParams[i], sizes[i]);
@@ -222,7 +221,6 @@ void GraphPatch::scan(CUgraphNode node) {
     }
   }
   if (n.sites.empty()) return;
-  for (const Site& s : n.sites) n.uses[s.buffer] = true;
   n.params = p;
   n.params.kernelParams = n.args.data();
   n.params.extra = nullptr;
@@ -254,9 +252,7 @@ void GraphPatch::apply(const std::vector<uint64_t>& bases) {
 void GraphPatch::redirect(const std::vector<uint64_t>& bases, const std::vector<bool>& changed) {
   const Driver& d = driver();
   for (Node& n : nodes_) {
-    bool touched = false;
-    for (size_t b = 0; b < bases.size(); ++b) touched = touched || (changed[b] && n.uses[b]);
-    if (!touched) continue;
+    if (std::none_of(n.sites.begin(), n.sites.end(), [&](const Site& s) { return changed[s.buffer]; })) continue;
     for (const Site& s : n.sites) {
       if (!changed[s.buffer]) continue;
       const uint64_t a = bases[s.buffer] + s.delta;

@@ -58,7 +58,6 @@ class GraphPatch {
     unsigned char* bytes;
     std::vector<void*> args;
     std::vector<Site> sites;
-    std::vector<bool> uses;  // per buffer: whether a site points into it
   };
   struct Copy {  // a copy (or memset: `set`) node with an end inside a buffer
     CUgraphNode node;
