@@ -35,6 +35,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -593,14 +594,6 @@ KEY_SCAN = (4096, 8192, 16384, 32768)
 KEY_SCAN_VERDICT = "key scan: " + FLASHINFER_VERDICT
 
 
-def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of ys against xs."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - slope * mx, slope
-
-
 def key_scan_fit(rounds: list[dict], H: int, ql: int = 8192) -> dict:
     """Per kernel (ours, theirs), the line ms = a + b·keys through the per-length medians of
     ``rounds`` (``_interleaved`` records with ``keys``): ``rate_tflops`` = the work of one more
@@ -609,9 +602,8 @@ def key_scan_fit(rounds: list[dict], H: int, ql: int = 8192) -> dict:
     16,384 keys."""
     got: dict = dict(H=H, q=ql, keys=[r["keys"] for r in rounds])
     for who in ("ours", "theirs"):
-        ms = [gflop([ql], [r["keys"]], H) / sorted(r[f"tflops_{who}"])[len(r[f"tflops_{who}"]) // 2]
-              for r in rounds]
-        a, b = line_fit([float(r["keys"]) for r in rounds], ms)
+        ms = [gflop([ql], [r["keys"]], H) / statistics.median(r[f"tflops_{who}"]) for r in rounds]
+        b, a = statistics.linear_regression([float(r["keys"]) for r in rounds], ms)
         got[who] = dict(ms=[round(m, 4) for m in ms], fixed_ms=round(a, 4),
                         rate_tflops=round(gflop([ql], [1], H) / b, 1),
                         fixed_share_16k=round(a / (a + b * 16384), 4))
@@ -632,6 +624,9 @@ def run_key_scan(args):
             name = f"1x8192q/{kl}k"
             rec = dict(H=H, case=name, keys=kl, dtype="bf16", verdict=KEY_SCAN_VERDICT,
                        rounds=args.verdict_rounds)
+            if elapsed() > args.budget_s:  # as the table's optional phases: the step's time is capped
+                out.append(dict(rec, skipped="time budget"))
+                continue
 
             def make(H=H, name=name, kl=kl):
                 x = data.get(H, name, [8192], [kl])

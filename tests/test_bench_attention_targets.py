@@ -200,3 +200,13 @@ def test_key_scan_fit_recovers_a_line():
         assert fit[who]["rate_tflops"] == pytest.approx(ba.gflop([8192], [1], H) / per_key_ms[who], rel=1e-3)
         share = fixed_ms[who] / (fixed_ms[who] + per_key_ms[who] * 16384)
         assert fit[who]["fixed_share_16k"] == pytest.approx(share, abs=1e-4)
+
+
+def test_the_key_scan_keeps_to_the_time_budget(monkeypatch):
+    """Past ``--budget-s`` the scan measures nothing (the step's time is capped; its JSON is
+    written at the end): every length is recorded as skipped, and no line is fitted."""
+    monkeypatch.setattr(ba, "prov_triton", lambda *a, **k: pytest.fail("measured past the budget"))
+    args = type("Args", (), dict(heads=[16], verdict_rounds=3, rep=1, budget_s=-1.0))()
+    out = ba.run_key_scan(args)
+    assert [r["keys"] for r in out] == list(ba.KEY_SCAN)
+    assert all(r["skipped"] == "time budget" and "fit" not in r for r in out)
