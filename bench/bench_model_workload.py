@@ -569,9 +569,9 @@ def run(ns: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         f"in {len(w.new)} chunks over {w.context[0]}..{w.context[-1]} context; copy "
         f"{ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
     meta = {"kind": KIND, "date": utc_now(), "commit": commit(), "gpu": gpu, "device": str(dev),
-            "torch": torch.__version__, "shared_memory": kind, "ceilings": ceil, "args": vars(ns)}
+            "torch": torch.__version__, "shared_memory": kind, "ceilings": ceil, "args": vars(ns),
+            "failed": []}  # configurations whose server or calls failed: recorded, the others still run
     runs: list[dict] = []
-    meta["failed"] = []  # configurations whose server or calls failed: recorded, the others still run
     with tempfile.TemporaryDirectory() as logdir:
         for H, prefill in [(H, p) for H in ns.heads for p in ns.prefill_dtype]:
             try:

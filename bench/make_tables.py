@@ -406,18 +406,11 @@ def _first_copy_queued(d: Doc) -> bool:
 
 def _in_place_rounds(rows: list[dict]) -> str:
     """The README's words for probe_host's interleaved rounds of in-place and copying
-    replays (medians, ms outside the stages), or "" where the file has none."""
-    got = [r["replay_launch_rounds"] for r in rows if "in_place_outside_s" in r.get("replay_launch_rounds", {})]
-    if len(got) != len(rows):
-        return ""
+    replays (medians, ms outside the stages)."""
     return ("; in interleaved rounds later in the run, replayed in place against copying q in and out and LSE out: "
             + " / ".join(f"{statistics.median(x['in_place_outside_s']) * 1e3:.3f} against "
-                         f"{statistics.median(x['copies_outside_s']) * 1e3:.3f}" for x in got))
-
-
-def _has_copies_path(d: Doc) -> bool:
-    """Whether a probe_host file has the copying replay (graph_copies) beside the in-place one."""
-    return any("graph_copies_request_s" in r for r in d["rows"])
+                         f"{statistics.median(x['copies_outside_s']) * 1e3:.3f}"
+                         for x in (r["replay_launch_rounds"] for r in rows)))
 
 
 def host_table(d: Doc) -> str:
@@ -428,9 +421,9 @@ def host_table(d: Doc) -> str:
              "the first stage (device held); µs per host step and from the call to the first device copy queued "
              "(median; graph: the fused path replayed as a CUDA graph, which takes no loop inputs, queued through the "
              f"CUDA extension, whose one call queues the copies in and launches the graph: its first copy is {first}; "
-             + ("q is read and out and LSE written in place; graph_copies: the same replay copying q into the graph's "
-                "buffer and out and LSE out of it; " if _has_copies_path(d) else "")
-             + "graph_torch: the same replay queued through torch's calls, copying, beside it).", "",
+             "q is read and out and LSE written in place; graph_copies: the same replay copying q into the graph's "
+             "buffer and out and LSE out of it; graph_torch: the same replay queued through torch's calls, copying, "
+             "beside it).", "",
              "| H | new | ctx | prefill | path | request ms | outside the stages ms | device span ms | "
              "before stages ms | " + " | ".join(f"{s} µs" for s in _STEPS) + " | to the first copy µs |",
              "|---|---|---|---|---|---|---|---|---|" + "---|" * len(_STEPS) + "---|"]
@@ -447,25 +440,18 @@ def host_table(d: Doc) -> str:
              ("h2d_pinned_4k_us", "4 KiB H2D pinned"), ("validate_us", "validation"),
              ("attention_call_us", "attention call")]
     order = ", ".join(f"H={r['heads']} {r['prefill_dtype']}" for r in d["rows"])
-    ab = [(r, r["replay_launch_rounds"]) for r in d["rows"] if "replay_launch_rounds" in r]
-    if ab and "in_place_outside_s" in ab[0][1]:
-        lines += ["", "A replay in place against one copying q in and out and LSE out, both through the CUDA "
-                  f"extension, {len(ab[0][1]['in_place_outside_s'])} interleaved rounds (median of each, µs; "
-                  "outside the stage, then the stage): " + "; ".join(
-                      f"H={r['heads']} {r['prefill_dtype']} "
-                      + ("" if x["in_place"] else "(not in place: the capture's check failed) ")
-                      + f"outside {statistics.median(x['in_place_outside_s']) * 1e6:.1f} against "
-                      f"{statistics.median(x['copies_outside_s']) * 1e6:.1f}, stage "
-                      f"{statistics.median(x['in_place_stage_s']) * 1e6:.1f} against "
-                      f"{statistics.median(x['copies_stage_s']) * 1e6:.1f} (saving, median over rounds: "
-                      f"{x['median_saving_outside_s'] * 1e6:.1f} and {x['median_saving_stage_s'] * 1e6:.1f})"
-                      for r, x in ab) + "."]
-    elif ab:
-        lines += ["", "A replay's time outside its stage queued through the CUDA extension against torch's calls, "
-                  f"{len(ab[0][1]['extension_outside_s'])} interleaved rounds (median of each, µs): " + "; ".join(
-                      f"H={r['heads']} {r['prefill_dtype']} {statistics.median(x['extension_outside_s']) * 1e6:.1f} "
-                      f"against {statistics.median(x['torch_outside_s']) * 1e6:.1f} (saving, median over rounds: "
-                      f"{x['median_saving_s'] * 1e6:.1f})" for r, x in ab) + "."]
+    ab = [(r, r["replay_launch_rounds"]) for r in d["rows"]]
+    lines += ["", "A replay in place against one copying q in and out and LSE out, both through the CUDA "
+              f"extension, {len(ab[0][1]['in_place_outside_s'])} interleaved rounds (median of each, µs; "
+              "outside the stage, then the stage): " + "; ".join(
+                  f"H={r['heads']} {r['prefill_dtype']} "
+                  + ("" if x["in_place"] else "(not in place: the capture's check failed) ")
+                  + f"outside {statistics.median(x['in_place_outside_s']) * 1e6:.1f} against "
+                  f"{statistics.median(x['copies_outside_s']) * 1e6:.1f}, stage "
+                  f"{statistics.median(x['in_place_stage_s']) * 1e6:.1f} against "
+                  f"{statistics.median(x['copies_stage_s']) * 1e6:.1f} (saving, median over rounds: "
+                  f"{x['median_saving_outside_s'] * 1e6:.1f} and {x['median_saving_stage_s'] * 1e6:.1f})"
+                  for r, x in ab) + "."]
     lines += ["", f"Host cost of one call, µs ({order}): " + "; ".join(
         f"{t} " + ", ".join(_num(r.get(k), ".1f") for r in d["rows"]) for k, t in costs) + "."]
     return "\n".join(lines) + "\n"
