@@ -207,9 +207,10 @@ class CapturedLoop:
         """Turn in-place replays on where one, for ``q`` (the capturing request's, whose
         metadata and weight the graph's buffers hold) with the graph's own q overwritten by
         NaN, gives ``want`` (that request's eager loop) bit for bit; "" then, else why not.
-        The arguments go back on the graph's buffers either way."""
-        if self.patch is None or not self._exec:
-            return "no GraphPatch" if self.patch is None else "no exec handle"
+        The arguments go back on the graph's buffers either way. (Called where a patch was found.)"""
+        assert self.patch is not None
+        if not self._exec:
+            return "no exec handle"
         found = list(self.patch.counts)
         if not all(found):
             return f"arguments found per buffer (q, out, lse): {found}"
