@@ -61,7 +61,7 @@ def replay_mode(engine, path: str):
     eager paths: as the engine does)."""
     with contextlib.ExitStack() as patches:
         for loop in engine.graphs._graphs.values() if path in ("graph_copies", "graph_torch") else ():
-            patches.enter_context(mock.patch.object(loop, "in_place", False))
+            patches.enter_context(mock.patch.object(loop, "copies_because", "copying, as the probe asks"))
             if path == "graph_torch":
                 patches.enter_context(mock.patch.object(loop, "_exec", 0))
         yield

@@ -249,3 +249,37 @@ def test_the_shapes_remembered_are_bounded_the_oldest_forgotten(engine, monkeypa
         return eng.known_shape(r, eng.shape_key(r, eng.graphs, True, True)) is not None
 
     assert [known(r) for r in reqs] == [False, False, True, True, True]
+
+
+class FailingCaptures(LoopGraphs):
+    """Every capture raises ``error`` (as ``LoopGraphs._capture`` meets it: handed to
+    ``_not_captured``); counts the attempts."""
+
+    def __init__(self, error: Exception, *a, **k):
+        super().__init__(*a, **k)
+        self.error, self.attempts = error, 0
+
+    def _capture(self, key, x, hm, backend, fused, eager):
+        self.attempts += 1
+        self._not_captured(key, self.error)
+
+
+@pytest.mark.parametrize("oom", [True, False], ids=["out_of_memory", "cannot_capture"])
+def test_a_capture_out_of_memory_is_tried_again_once_the_graphs_release_theirs(engine, oom):
+    """A shape whose capture found no memory runs eagerly, without another attempt per
+    request, until the graphs give their memory back (``Engine.release_graphs``, what an
+    out-of-memory request calls): from then on it is captured at its second request again.
+    A capture that failed otherwise is never tried again."""
+    eng = engine
+    error = torch.OutOfMemoryError("CUDA out of memory") if oom else RuntimeError("operation not permitted")
+    g = eng.graphs = FailingCaptures(error, eng.cache_storage, NB)
+    req = PrefillRequest(_q(8), [SequenceSpec(8, 130, list(range(9)))], layer=0)
+    want = eng.start_prefill(req, graphs_on=False).result()
+    for _ in range(4):
+        got = _run(eng, req).result()
+        assert torch.equal(got.out, want.out) and torch.equal(got.lse, want.lse)
+    assert g.attempts == 1 and len(g) == 0 and g.replays == 0
+    eng.release_graphs()
+    for _ in range(3):
+        _run(eng, req).result()
+    assert g.attempts == (2 if oom else 1)

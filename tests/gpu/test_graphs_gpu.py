@@ -163,7 +163,7 @@ def test_contiguous_replays_launch_through_the_extension(cuda_ext):
 
     loop.launch, loop.launch_in_place = timing(cuda_ext.graph_launch), timing(loop.patch.launch)
     runs.append(eng.prefill_context(q, seqs))
-    loop.in_place = False
+    loop.copies_because = "copying, as the test asks"
     runs.append(eng.prefill_context(q, seqs))
     assert len(times) == 2
     for t0, queued, t1 in times:
@@ -332,6 +332,36 @@ def test_captures_of_new_shapes_reuse_the_pools_memory_and_release_it():
     for _ in range(3):  # captured again from the shape's second request
         r = eng.prefill_context(q, seqs)
     assert eng.graphs.captures == 5 and GRAPH_STAGE in r.stats.stage_ns
+
+
+def test_a_capture_out_of_memory_runs_eagerly_until_the_graphs_release_theirs(monkeypatch):
+    """The chunk loop's capture raising torch's out-of-memory error (mid-capture, as the
+    graph's pool would): the request is answered by its eager loop, the shape's later
+    requests run eagerly without another capture, and once the graphs gave their memory
+    back (``Engine.release_graphs``) the shape is captured again and replays bit for bit."""
+    from ctxprefill.engine import graphs
+
+    c = CASES["long"]
+    eng = make_engine(c, "auto", "bf16", "bf16")
+    q, seqs = make_request(eng, c, seed=1)
+    eager = eng.prefill_context(q, seqs, graphs_on=False)
+    real, captures = graphs.start_chunk_loop, []
+
+    def short_of_memory(*a, **k):
+        if k.get("timed") is False:  # the capture's call
+            captures.append(torch.cuda.is_current_stream_capturing())
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.88 GiB")
+        return real(*a, **k)
+
+    monkeypatch.setattr(graphs, "start_chunk_loop", short_of_memory)
+    runs = [eng.prefill_context(q, seqs) for _ in range(4)]
+    assert captures == [True] and len(eng.graphs) == 0 and eng.graphs.replays == 0
+    assert all(same_bits(r, eager) and GRAPH_STAGE not in r.stats.stage_ns for r in runs)
+    monkeypatch.setattr(graphs, "start_chunk_loop", real)
+    eng.release_graphs()
+    runs = [eng.prefill_context(q, seqs) for _ in range(3)]
+    assert eng.graphs.captures == 1 and eng.graphs.replays == 1 and GRAPH_STAGE in runs[-1].stats.stage_ns
+    assert all(same_bits(r, eager) for r in runs)
 
 
 def test_served_requests_replay_with_the_same_answers(cuda_ext):

@@ -99,8 +99,7 @@ class CapturedLoop:
     launch: Any = None  # the CUDA extension's graph_launch where it and the graph's exec handle are at hand
     reader: StageTimer | None = None  # the last replay's timer: once it has finished, staging is free
     patch: Any = None  # the extension's GraphPatch over (q, out, lse) where found (a kept graph)
-    in_place: bool = False  # replays read q and write out and LSE in place (checked at capture)
-    copies_because: str = "not checked"  # why replays copy q in and out and LSE out ("" when in place)
+    copies_because: str = "not checked"  # why replays copy q in and out and LSE out ("": in place)
     launch_in_place: Any = None  # patch.launch
 
     def __post_init__(self) -> None:
@@ -134,6 +133,11 @@ class CapturedLoop:
             assert self.weight is not None
             return [*args, self.weight.data_ptr(), weight.data_ptr(), self.weight.nbytes]
         return args
+
+    @property
+    def in_place(self) -> bool:
+        """Replays read q and write out and LSE in place (the capture's check passed)."""
+        return not self.copies_because
 
     def takes_in_place(self, q: torch.Tensor) -> bool:
         """Whether a replay for ``q`` reads it (and writes out and LSE) in place."""
@@ -231,7 +235,6 @@ class CapturedLoop:
         self.stream.synchronize()
         same = torch.equal(out.view(torch.int16), want.out.view(torch.int16)) and \
             torch.equal(lse.view(torch.int32), want.lse.view(torch.int32))
-        self.in_place = same
         return "" if same else "an in-place replay differed from the eager loop"
 
 
@@ -283,6 +286,7 @@ class LoopGraphs:
         self._graphs: collections.OrderedDict[Hashable, CapturedLoop] = collections.OrderedDict()
         self._seen: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
         self._failed: set[Hashable] = set()
+        self._short_of_memory: set[Hashable] = set()  # captures that ran out of memory (until clear)
         self._pool: Any = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle)
         # every capture on this one stream: torch's allocator reuses a freed block only on the
         # stream that allocated it, so a capture on a stream of its own would keep the pool's
@@ -343,13 +347,24 @@ class LoopGraphs:
     def clear(self) -> int:
         """Drop every graph and the shared pool (torch frees a pool once no graph holds it:
         the allocator's next ``empty_cache`` gives its memory back); how many were dropped.
-        Shapes are captured again from their second request on."""
+        Shapes are captured again from their second request on, those whose capture ran
+        out of memory included."""
         dropped = len(self._graphs)
         for key in list(self._graphs):
             self._forget(key)
         self._seen.clear()
+        self._short_of_memory.clear()
         self._pool = None
         return dropped
+
+    def _not_captured(self, key: Hashable, e: Exception) -> None:
+        """Shape ``key``'s capture raised ``e``: the shape runs eagerly, for good, or, where
+        the graph found no memory, until the graphs give theirs back (:meth:`clear`)."""
+        oom = isinstance(e, torch.OutOfMemoryError)
+        (self._short_of_memory if oom else self._failed).add(key)
+        log.warning("chunk loop not captured as a CUDA graph (%s: %s); the shape runs eagerly%s",
+                    type(e).__name__, str(e).splitlines()[0][:200],
+                    " until the graphs release their memory" if oom else "")
 
     def _forget(self, key: Hashable) -> None:
         """Drop shape ``key``'s graph."""
@@ -367,7 +382,7 @@ class LoopGraphs:
         if self.cache is not None:  # hm's block ids address the whole cache
             x = dataclasses.replace(x, cache=self.cache)
         pending = start_chunk_loop(x, backend, fused, metadata=upload_metadata(hm, x.q.device))
-        if seen >= 2 and key not in self._failed:
+        if seen >= 2 and key not in self._failed and key not in self._short_of_memory:
             self._capture(key, x, hm, backend, fused, pending)
         return pending
 
@@ -401,10 +416,8 @@ class LoopGraphs:
                     graph.capture_end()
             if kept:
                 graph.instantiate()
-        except Exception as e:  # a kernel that cannot be captured: this shape runs eagerly
-            self._failed.add(key)
-            log.warning("chunk loop not captured as a CUDA graph (%s: %s); the shape runs eagerly",
-                        type(e).__name__, str(e).splitlines()[0][:200])
+        except Exception as e:  # a kernel that cannot be captured, or no memory for the graph
+            self._not_captured(key, e)
             return
         finally:
             torch.cuda.current_stream(x.q.device).wait_stream(stream)
