@@ -3,7 +3,8 @@
 The configs are those of one ``bench_attention.py --ab`` entry (each A and B once, in
 order). Every config is compiled and run once first, then run once more inside an NVTX
 range named ``profiled``, so that ``ncu --nvtx --nvtx-include profiled/`` profiles exactly
-one launch per config, in the order it prints them. What to read in ncu's report:
+one launch per config, in the order it prints them (``--flashinfer``: FlashInfer's FA3 on
+the same bf16 inputs last; ncu then without ``-k``, so that its kernels are profiled too). What to read in ncu's report:
 the tensor pipe's share of cycles, the SM clock it ran at, shared-memory wavefronts and
 the warps' stall reasons (math pipe throttle, MIO throttle, barrier, long scoreboard).
 
@@ -39,6 +40,8 @@ def main(argv=None) -> int:
     p.add_argument("--ab", default="ws-fp8-regs", choices=list(ba.AB))
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--case", default="1x8192q/16384k", choices=[c[0] for c in ba.cases()])
+    p.add_argument("--flashinfer", action="store_true",
+                   help="one launch of FlashInfer's FA3 (bf16) after ours, in the same range (ncu without -k)")
     a = p.parse_args(argv)
     import torch
 
@@ -49,6 +52,9 @@ def main(argv=None) -> int:
     x = ba.Inputs().get(a.heads, a.case, ql, kl)
     configs = configs_of(a.ab)
     fns = [ba.prov_triton(*x[dt], x["cq"], x["ck"], ql, kl, 192**-0.5, config=cfg) for dt, cfg in configs]
+    if a.flashinfer:
+        fns.append(ba.prov_flashinfer(*x["bf16"], x["cq"], x["ck"], ql, kl, 192**-0.5))
+        configs.append(("bf16", {"provider": "flashinfer fa3"}))
     for fn in fns:  # compiled and warmed, outside the profiled range
         fn()
     torch.cuda.synchronize()

@@ -318,11 +318,13 @@ done
 
 # ---- 8a''. one launch of each config of an --ab entry (GPU_RUN_NCU_AB) under Nsight Compute (clocks left alone):
 # tensor pipe share, SM clock, shared-memory wavefronts, stall reasons -> ncu_attention.csv (the
-# launches' configs, in order, in ncu_attention.log)
+# launches' configs, in order, in ncu_attention.log). Beside FlashInfer's FA3:
+# GPU_RUN_NCU_ARGS="--flashinfer" GPU_RUN_NCU_K="" (every kernel in the range)
 want ncu_attention && run_step ncu_attention 240 5 "$OUT/ncu_attention.log" ncu --clock-control none --nvtx \
-  --nvtx-include profiled/ -k regex:_mla_attn_ws_fwd --section SpeedOfLight --section ComputeWorkloadAnalysis \
+  --nvtx-include profiled/ ${GPU_RUN_NCU_K--k regex:_mla_attn_ws_fwd} --section SpeedOfLight --section ComputeWorkloadAnalysis \
   --section WarpStateStats --section MemoryWorkloadAnalysis_Tables --csv --page details \
-  --log-file "$OUT/ncu_attention.csv" python3 bench/profile_attention.py --ab "${GPU_RUN_NCU_AB:-ws-fp8-regs}"
+  --log-file "$OUT/ncu_attention.csv" python3 bench/profile_attention.py --ab "${GPU_RUN_NCU_AB:-ws-fp8-regs}" \
+  ${GPU_RUN_NCU_ARGS:-}
 
 # ---- 8b. hostile requests against a GPU server under memcheck (reduced set) ----------------------
 want hostile_sanitizer && run_step hostile_sanitizer 200 5 "$OUT/hostile_sanitizer.log" env HOSTILE_COUNT=300 \
