@@ -42,8 +42,7 @@ softmax's exp2s on the FMA pipes (``_exp2``), FA4's offload of the SFU; measured
 level, it is no default.
 
 ``PERSIST`` (one segment, all its tiles alike): a program per SM runs tile after tile (every
-``num_programs``-th tile, query tiles fastest: those running at once share a head's keys
-in L2), the rings' slots, query loads and turns counted on across
+``num_programs``-th tile code), the rings' slots, query loads and turns counted on across
 tiles. The loader loads a tile's queries as soon as both consumers' last Q·Kᵀ of the tile
 before is done, so that a tile's start (descriptors, queries, first keys) overlaps the
 last blocks and the stores of the one before, which a program per tile pays in turn (the
@@ -486,15 +485,6 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
-    def _persist_code(t, n_heads, m_tiles):
-        """``PERSIST``'s t-th tile: query tiles fastest, so that the tiles running at once share
-        a head or two (its keys stay in L2), as a program per tile's grid order has them."""
-        m = t % m_tiles
-        rest = t // m_tiles
-        return ((rest // n_heads) * m_tiles + m) * n_heads + rest % n_heads
-
-    @gluon.jit
-    @no_type_check
     def _descriptors(Q, K, KR, V, cu_v, b, h, q_start, q_len, k_start, k_len,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, V_T: gl.constexpr, P_REGS: gl.constexpr):
@@ -555,10 +545,9 @@ if gluon is not None:
         landed (they are rewritten in place)."""
         g0 = 0
         tq = 0
-        for t in range(gl.program_id(0), B * m_tiles * n_heads, gl.num_programs(0)):
-            b, h, q_start, q_len, m0, k_start, k_len, n_blocks = _tile_of(_persist_code(t, n_heads, m_tiles), True,
-                                                                          cu_q, cu_k, n_heads, m_tiles, BLOCK_M,
-                                                                          BLOCK_N)
+        for code in range(gl.program_id(0), B * m_tiles * n_heads, gl.num_programs(0)):
+            b, h, q_start, q_len, m0, k_start, k_len, n_blocks = _tile_of(code, True, cu_q, cu_k, n_heads, m_tiles,
+                                                                          BLOCK_M, BLOCK_N)
             if n_blocks > 0:
                 qn_d, qr_d, kn_d, kr_d, v_d = _descriptors(
                     Q, K, KR, V, cu_v, b, h, q_start, q_len, k_start, k_len, stride_qt, stride_qh, stride_kt,
@@ -587,10 +576,9 @@ if gluon is not None:
         g0 = 0
         tq = 0
         gt = 0
-        for t in range(gl.program_id(0), B * m_tiles * n_heads, gl.num_programs(0)):
-            b, h, q_start, q_len, m0, k_start, k_len, n_blocks = _tile_of(_persist_code(t, n_heads, m_tiles), True,
-                                                                          cu_q, cu_k, n_heads, m_tiles, BLOCK_M,
-                                                                          BLOCK_N)
+        for code in range(gl.program_id(0), B * m_tiles * n_heads, gl.num_programs(0)):
+            b, h, q_start, q_len, m0, k_start, k_len, n_blocks = _tile_of(code, True, cu_q, cu_k, n_heads, m_tiles,
+                                                                          BLOCK_M, BLOCK_N)
             _ws_consumer(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, q_free, O, LSE,
                          q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale, g0, tq, gt,
                          C, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
