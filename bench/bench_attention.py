@@ -35,7 +35,6 @@ import itertools
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -678,10 +677,10 @@ SWEEP = {
             _c(128, 128, 8, 2, PV_FP8=True, v_layout="hdt")],
 }
 def _ws(pipe, bn, stages, EARLY_K=True, RESCALE_EARLY=False, PINGPONG=False, PV_WAIT_LATE=False,  # noqa: N803
-        P_REGS=False, EXP2_POLY=0, PERSIST=False, **kw):  # (the kernel's own names)
+        P_REGS=False, EXP2_POLY=0, **kw):  # (the kernel's own names)
     return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages, EARLY_K=EARLY_K, RESCALE_EARLY=RESCALE_EARLY,
                         PINGPONG=PINGPONG, PV_WAIT_LATE=PV_WAIT_LATE, P_REGS=P_REGS,
-                        EXP2_POLY=EXP2_POLY, **({"PERSIST": True} if PERSIST else {})), **kw)
+                        EXP2_POLY=EXP2_POLY), **kw)
 
 
 # the warp-specialized Gluon kernel (--sweep ws): serial or pipelined consumers, key block,
@@ -721,7 +720,6 @@ _SERIAL_FP8 = _ws(False, 128, 3, **_FP8_KL)
 _PIPE_FP8_128 = _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL)
 _SERIAL_FP8_256 = _ws(False, 256, 2, **_FP8_KL)
 _PIPE_FP8_256 = _ws(True, 256, 2, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL)
-_FP8_DEFAULT = _ws(False, 256, 2, PINGPONG=True, P_REGS=True, **_FP8_KL)  # triton_attention.KEYS_LAST_FP8
 AB = {
     # P·V's wait held after the softmax (bf16), with turns (both dtypes), pipelined fp8 against serial
     "ws-wait": ([("bf16", _ws(True, 128, 2), _PIPE_LATE),
@@ -751,13 +749,6 @@ AB = {
                                                  **_FP8_KL)),
                       ("fp8", _PIPE_FP8_256, _ws(False, 256, 2, P_REGS=True, EXP2_POLY=1, **_FP8_KL))],
                      AB_SHAPES),
-    # one segment's tiles over a program per SM (PERSIST: a tile's queries and first keys load
-    # while the tile before finishes) against a program per tile, both dtypes' defaults, over
-    # 4k keys too (where a tile's start and end weigh most)
-    "ws-persist": ([("bf16", _PIPE_LATE, _ws(True, 128, 2, PV_WAIT_LATE=True, PERSIST=True)),
-                    ("fp8", _FP8_DEFAULT, _ws(False, 256, 2, PINGPONG=True, P_REGS=True, PERSIST=True, **_FP8_KL))],
-                   [(16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "1x8192q/4096k"), (128, "1x8192q/4096k"),
-                    (128, "1x1024q/16384k"), (16, "1x1024q/16384k")]),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),
@@ -805,14 +796,6 @@ def run_sweep(args):
     return results + [dict(best=list(best.values()))]
 
 
-def one_segment(name: str) -> tuple[str, list[int], list[int]]:
-    """A case named "1x{q}q/{k}k" outside ``cases()``: one segment of q queries over k keys."""
-    m = re.fullmatch(r"1x(\d+)q/(\d+)k", name)
-    if m is None:
-        raise ValueError(f"not a case of cases() nor 1x<q>q/<k>k: {name}")
-    return name, [int(m[1])], [int(m[2])]
-
-
 def run_ab(args):
     """Each shape and pair of ``AB[args.ab]``: config B against config A, interleaved."""
     scale = 192**-0.5
@@ -826,7 +809,7 @@ def run_ab(args):
     for (H, name), (dt, cfg_a, cfg_b) in itertools.product(ab_shapes, ab_pairs):
         if H not in args.heads:
             continue
-        _, ql, kl = byname[name] if name in byname else one_segment(name)
+        _, ql, kl = byname[name]
         rec = dict(H=H, case=name, dtype=dt, config_a=cfg_a, config_b=cfg_b, rounds=args.verdict_rounds)
         if elapsed() > args.budget_s:
             out.append(dict(rec, skipped="time budget"))

@@ -629,17 +629,6 @@ def pv_wait_order(k):
     return loops
 
 
-def key_loop_spills(k):
-    # local-memory loads and stores (spills) in each innermost loop that issues wgmma: the key loops
-    sass = cuobjdump(k, "-sass")
-    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loops = [(int(m[1], 16), addr) for addr, text in ins
-             for m in [re.match(r"@!?P\d\s+BRA\s+0x([0-9a-f]+)", text)] if m and int(m[1], 16) < addr]
-    inner = [(a, b) for a, b in loops if not any(a < c and d < b for c, d in loops)]
-    bodies = [[t for x, t in ins if a <= x <= b] for a, b in inner]
-    return [sum(t.startswith(("STL", "LDL")) for t in body) for body in bodies if any("GMMA" in t for t in body)]
-
-
 out = []
 for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
     sig = {n: {"Q": "*" + dt, "K": "*" + dt, "KR": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32",
@@ -649,7 +638,7 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
                  IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True), USE_ORDER=use_order,
                  RESCALE_EARLY=ws.get("RESCALE_EARLY", False), PINGPONG=ws.get("PINGPONG", False),
                  PV_WAIT_LATE=ws.get("PV_WAIT_LATE", False), P_REGS=ws.get("P_REGS", False),
-                 EXP2_POLY=ws.get("EXP2_POLY", 0), PERSIST=ws.get("PERSIST", False))
+                 EXP2_POLY=ws.get("EXP2_POLY", 0))
     # every compile-time parameter given (one left out would compile as a runtime value)
     assert not [n for n in names if n.isupper() and n not in const
                 and n not in ("Q", "K", "KR", "V", "O", "LSE", "B", "ORDER")]
@@ -662,7 +651,7 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
     regs, stack = resources(k)
     ex2 = cuobjdump(k, "-sass").count("MUFU.EX2")
     out.append(dict(dt=dt, ws=ws, sort_b=sort_b, use_order=use_order, regs=regs, stack=stack, smem=k.metadata.shared,
-                    ex2=ex2, key_loop_spills=key_loop_spills(k),
+                    ex2=ex2,
                     pv_wait=pv_wait_order(k), sts=len(re.findall(r"st\.shared", k.asm["ptx"])),
                     wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
                     setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
@@ -702,24 +691,6 @@ def test_warp_specialized_defaults_cross_compile_for_sm90():
         assert {24, 240} <= set(res["setmaxnreg"]), res
         if res["ws"]["PIPE"]:  # both consumers' loops, the softmax whole before P·V's wait
             assert len(res["pv_wait"]) == 2 and all(0 < n == total for n, total in res["pv_wait"]), res
-
-
-@pytest.mark.skipif(not triton.__version__.startswith("3.6") or ga.gluon is None,
-                    reason="sm_90 cross-compile check of the Gluon kernel written for Triton 3.6")
-def test_warp_specialized_persistent_cross_compiles_for_sm90():
-    """``PERSIST`` (a program per SM over one segment's tiles) builds for an H200 from both
-    defaults: wgmma in each consumer's key loop and no spill there (the per-tile values
-    the loader and consumers keep across tiles may spill: once a tile), registers moved as
-    without it, the softmax whole before P·V's wait in the pipelined bf16 key loops."""
-    jobs = [("bf16", dict(ta.CONFIGS[torch.bfloat16]["WS"], PERSIST=True), 0, False, False),
-            ("fp8e4nv", dict(ta.KEYS_LAST_FP8["WS"], PERSIST=True), 0, True, False)]
-    for res in _cross_compile(_XCOMPILE_WS, jobs):
-        print(res)
-        assert res["wgmma"] > 0 and res["smem"] <= 232448 and {24, 240} <= set(res["setmaxnreg"]), res
-        assert len(res["key_loop_spills"]) == 2 and not any(res["key_loop_spills"]), res
-        if res["ws"]["PIPE"]:  # the key loops (the tile loops around them hold them: not counted)
-            inner = [w for w in res["pv_wait"] if w[0]]
-            assert len(inner) == 2 and all(n == total for n, total in inner), res
 
 
 #: fp8 keys-last with P·V's operand in registers (``P_REGS``): serial over 256-key blocks,
@@ -911,44 +882,6 @@ def test_gpu_warp_specialized_pipelined_same_bits_as_serial(dtype, block_n, stag
     assert torch.isfinite(la[:, :1000]).all()
     for b, lb in rest:
         assert torch.equal(a, b) and torch.equal(la, lb)
-
-
-@needs_ws
-@pytest.mark.parametrize("dtype,ws", [
-    (torch.bfloat16, dict(PIPE=True, PV_WAIT_LATE=True)),  # the bf16 default
-    (torch.bfloat16, dict(PIPE=True, PV_WAIT_LATE=True, PINGPONG=True)),
-    (torch.bfloat16, dict(PIPE=False)),
-    (FP8, dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True, P_REGS=True)),  # the fp8 default
-    (FP8, dict(PIPE=True, BLOCK_N=128, STAGES=3, PV_WAIT_LATE=True)),
-], ids=["bf16", "bf16_pingpong", "bf16_serial", "fp8", "fp8_pipe"])
-def test_gpu_warp_specialized_persistent_same_bits(dtype, ws):
-    """``PERSIST`` (one segment: a program per SM running tile after tile, the rings, query
-    loads and turns counted on across tiles) computes each tile as a program of its own
-    does: the same bits as without, over more tiles than SMs (128 heads: ~8 a program),
-    a last key block partial or whole, one key block, no keys (out 0, LSE -inf); against
-    float64 too."""
-    for seed, (q_len, k_len, H) in enumerate([(1000, 2500, 128), (300, 4096, 128), (129, 100, 16), (640, 0, 16)]):
-        q, k, v, cu_q, cu_k = make_batch([q_len], [k_len], H, dtype, device="cuda", seed=seed)
-        kw: dict = {}
-        if dtype == FP8:
-            v, cv = _keys_last(v, [k_len])
-            kw = dict(v_layout="hdt", cu_seqlens_v=cv)
-            if ws.get("P_REGS"):  # K read in whole 16-key groups: rows past its end to read
-                k = torch.cat([k, torch.zeros(ga.P_REGS_SLACK_ROWS, H, 192, dtype=k.dtype, device="cuda")])[:k_len]
-        base = dict(PV_FP8=True) if dtype == FP8 else {}
-        runs = [mla_context_attention(q, k, v, cu_q, cu_k, q_len, k_len, 0.07, **kw,
-                                      config=dict(base, WS=dict(ws, PERSIST=on)))
-                for on in (False, True)]
-        names = _kernel_names(lambda: mla_context_attention(q, k, v, cu_q, cu_k, q_len, k_len, 0.07, **kw,
-                                                            config=dict(base, WS=dict(ws, PERSIST=True))))
-        torch.cuda.synchronize()
-        (a, la), (b, lb) = runs
-        assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], names
-        assert torch.equal(a, b) and torch.equal(la, lb), (q_len, k_len, H)
-        if k_len == 0:
-            assert (b == 0).all() and (lb == float("-inf")).all()
-        elif dtype == torch.bfloat16:
-            check(b, lb, *reference(q.float(), k.float(), v.float(), cu_q, cu_k, 0.07))
 
 
 @needs_ws

@@ -41,14 +41,6 @@ K's storage (``check_p_regs``). ``EXP2_POLY`` computes 1 (or 2) of every 8 of th
 softmax's exp2s on the FMA pipes (``_exp2``), FA4's offload of the SFU; measured slower or
 level, it is no default.
 
-``PERSIST`` (one segment, all its tiles alike): a program per SM runs tile after tile (every
-``num_programs``-th tile code), the rings' slots, query loads and turns counted on across
-tiles. The loader loads a tile's queries as soon as both consumers' last Q·Kᵀ of the tile
-before is done, so that a tile's start (descriptors, queries, first keys) overlaps the
-last blocks and the stores of the one before, which a program per tile pays in turn (the
-fixed time per tile that ``bench_attention.py --key-scan`` fits). Each tile's descriptors
-are written over the last ones, after the copies through those landed.
-
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory, bf16 with 128×128 tiles and 2 stages: Q 48 KiB +
 2 × (K 48 + V 32) = 208 KiB; fp8 with 128×256 tiles and 2 stages: Q 24 + 2 × (K 48 + V 32)
@@ -65,7 +57,6 @@ kernel for the chunks it takes; the registry serves it as the ``"gluon"`` backen
 
 from __future__ import annotations
 
-import functools
 from typing import Any, no_type_check
 
 import torch
@@ -106,7 +97,7 @@ def _exp2_mixed_asm(poly: int) -> str:
 #: Tiles, stages, pipelining. 2 consumers x 64 query rows = BLOCK_M 128 (fixed). The
 #: caller's defaults per dtype are in ``triton_attention`` (measured there).
 CONFIG: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True, RESCALE_EARLY=False,
-                              PINGPONG=False, PV_WAIT_LATE=False, P_REGS=False, EXP2_POLY=0, PERSIST=False)
+                              PINGPONG=False, PV_WAIT_LATE=False, P_REGS=False, EXP2_POLY=0)
 #: rows a key tensor must hold past the last segment's end for ``P_REGS`` (its K loads
 #: read whole 16-key groups: up to 15 rows past a segment, masked out of the scores): what
 #: every keys-last K the engine packs leaves (``ops.pack.KEY_SLACK_ROWS``)
@@ -136,32 +127,26 @@ if gluon is not None:
     @gluon.jit
     @no_type_check  # device code: Triton's compiler types it, not mypy
     def _ws_loader(qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
-                   q_bar, k_bar, v_bar, k_free, v_free, q_free, m0, n_blocks, g0, tq,
+                   q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr,
-                   P_REGS: gl.constexpr, PERSIST: gl.constexpr):
-        """One tile's loads: its queries, then K and V of its ``n_blocks`` key blocks into
-        the rings' slots from slot ``g0`` on (the blocks of the program's earlier tiles);
-        ``tq``: the program's tiles with keys before this one (``PERSIST``: its queries wait
-        for the consumers to free the last tile's)."""
+                   P_REGS: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
         if n_blocks > 0:
             for c in gl.static_range(2):
-                if PERSIST:
-                    mbarrier.wait(q_free.index(c), (tq & 1) ^ 1)
                 bar = q_bar.index(c)
                 mbarrier.expect(bar, qn_d.block_type.nbytes + qr_d.block_type.nbytes)
                 tma.async_copy_global_to_shared(qn_d, [m0 + c * HALF_M, 0], bar, qn_s.index(c))
                 tma.async_copy_global_to_shared(qr_d, [m0 + c * HALF_M, 128], bar, qr_s.index(c))
-            _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, 0, g0, BLOCK_N, STAGES, P_REGS)
+            _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, 0, BLOCK_N, STAGES, P_REGS)
         for j in range(n_blocks):
             # K of the next block before V of this one: the consumers free a K slot as soon
             # as its scores are computed (a softmax and a P·V earlier than its V slot), and
             # they need the next K first (FA3's order)
             if j + 1 < n_blocks:
-                _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j + 1, g0, BLOCK_N, STAGES, P_REGS)
-            s = (g0 + j) % STAGES
+                _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j + 1, BLOCK_N, STAGES, P_REGS)
+            s = j % STAGES
             # a slot's barrier starts "phase 1 complete": the first pass does not wait
-            mbarrier.wait(v_free.index(s), (((g0 + j) // STAGES) & 1) ^ 1)
+            mbarrier.wait(v_free.index(s), ((j // STAGES) & 1) ^ 1)
             vb = v_bar.index(s)
             mbarrier.expect(vb, v_d.block_type.nbytes)
             if V_T:
@@ -171,12 +156,12 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
-    def _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j, g0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    def _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                 P_REGS: gl.constexpr):
-        """K of block j (nope and rope) into slot g0 + j of the ring, once the consumers freed
-        it; with ``P_REGS`` through 5-D descriptors whose rows land in ``_key_of``'s order."""
-        s = (g0 + j) % STAGES
-        mbarrier.wait(k_free.index(s), (((g0 + j) // STAGES) & 1) ^ 1)
+        """K of block j (nope and rope) into its slot, once the consumers freed it; with
+        ``P_REGS`` through 5-D descriptors whose rows land in ``_key_of``'s order."""
+        s = j % STAGES
+        mbarrier.wait(k_free.index(s), ((j // STAGES) & 1) ^ 1)
         kb = k_bar.index(s)
         mbarrier.expect(kb, kn_d.block_type.nbytes + kr_d.block_type.nbytes)
         if P_REGS:
@@ -196,15 +181,6 @@ if gluon is not None:
         scores; otherwise with V, after P·V: the release before K and V were freed apart)."""
         if now:
             mbarrier.arrive(k_free.index(s), count=1)
-
-    @gluon.jit
-    @no_type_check
-    def _free_q(q_free, C: gl.constexpr, last, on: gl.constexpr):
-        """``PERSIST``: consumer C's query slot is free once its tile's last Q·Kᵀ is done
-        (``last``): the loader may load the program's next tile's queries."""
-        if on:
-            if last:
-                mbarrier.arrive(q_free.index(C), count=1)
 
     @gluon.jit
     @no_type_check
@@ -343,16 +319,13 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
-    def _ws_consumer(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, q_free,
+    def _ws_consumer(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn,
                      O, LSE,  # noqa: E741  (the output, as in BLAS)
-                     q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale, g0, tq, gt,
+                     q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                      C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
                      RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
-                     P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, PERSIST: gl.constexpr):
-        """Consumer C's half of one tile: its key blocks in the rings' slots from ``g0`` on,
-        its queries the program's ``tq``-th with keys, its turns (``PINGPONG``) from ``gt``
-        on (what the program's earlier tiles used: ``PERSIST``); the output and LSE stored."""
+                     P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
         K_INSTR: gl.constexpr = 32 if IS_FP8 else 16
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -374,30 +347,28 @@ if gluon is not None:
         qr = qr_s.index(C)
         p_smem = p_s.index(C)
         if n_blocks > 0:
-            mbarrier.wait(q_bar.index(C), tq & 1)
+            mbarrier.wait(q_bar.index(C), 0)
         if PIPE:
             if n_blocks > 0:
                 # block 0: scores and softmax, its P·V waits for the next iteration
-                s0 = g0 % STAGES
-                mbarrier.wait(k_bar.index(s0), (g0 // STAGES) & 1)
-                _turn_wait(turn, C, gt, PINGPONG)
-                s_tok = _qk(qn, qr, kn_s, kr_s, s0, zero_s)
+                mbarrier.wait(k_bar.index(0), 0)
+                _turn_wait(turn, C, 0, PINGPONG)
+                s_tok = _qk(qn, qr, kn_s, kr_s, 0, zero_s)
                 _turn_pass(turn, C, PINGPONG)
                 sc = warpgroup_mma_wait(0, deps=(s_tok, ))
-                _free_k(k_free, s0, EARLY_K)
-                _free_q(q_free, C, n_blocks == 1, PERSIST)
+                _free_k(k_free, 0, EARLY_K)
                 p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, 0, k_len, qk_scale, offs_n, IS_FP8, EXP2_POLY)
                 # fp8: P goes to shared memory (or becomes the register operand) before the
                 # next Q·Kᵀ is issued, so that its registers are free for that block's scores
                 if IS_FP8:
                     p = _hand_over_p(p, p_smem, p_layout, P_REGS)
                 for j in range(1, n_blocks):
-                    s = (g0 + j) % STAGES
-                    ph = ((g0 + j) // STAGES) & 1
-                    prev = (g0 + j - 1) % STAGES
-                    prev_ph = ((g0 + j - 1) // STAGES) & 1
+                    s = j % STAGES
+                    ph = (j // STAGES) & 1
+                    prev = (j - 1) % STAGES
+                    prev_ph = ((j - 1) // STAGES) & 1
                     mbarrier.wait(k_bar.index(s), ph)
-                    _turn_wait(turn, C, gt + j, PINGPONG)  # this block's Q·Kᵀ and the last one's P·V in one turn
+                    _turn_wait(turn, C, j, PINGPONG)  # this block's Q·Kᵀ and the last one's P·V in one turn
                     s_tok = _qk(qn, qr, kn_s, kr_s, s, zero_s)
                     if RESCALE_EARLY:  # the previous block's rescale, under this block's Q·Kᵀ
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -406,7 +377,6 @@ if gluon is not None:
                     _turn_pass(turn, C, PINGPONG)
                     sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # Q·Kᵀ done, P·V may run on
                     _free_k(k_free, s, EARLY_K)
-                    _free_q(q_free, C, j == n_blocks - 1, PERSIST)
                     p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8,
                                                   EXP2_POLY)
                     if PV_WAIT_LATE:  # the softmax (its row sums) before P·V's wait, as written
@@ -418,11 +388,11 @@ if gluon is not None:
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     if IS_FP8:  # the P·V that read the buffer is done
                         p = _hand_over_p(p, p_smem, p_layout, P_REGS)
-                last = (g0 + n_blocks - 1) % STAGES
+                last = (n_blocks - 1) % STAGES
                 if RESCALE_EARLY:
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                mbarrier.wait(v_bar.index(last), ((g0 + n_blocks - 1) // STAGES) & 1)
-                _turn_wait(turn, C, gt + n_blocks, PINGPONG)
+                mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // STAGES) & 1)
+                _turn_wait(turn, C, n_blocks, PINGPONG)
                 o_tok, pop = _pv(p, v_s, last, acc, p_layout, p_smem, V_T, IS_FP8, P_REGS)
                 _turn_pass(turn, C, PINGPONG)
                 acc = _pv_wait(o_tok, pop, IS_FP8, P_REGS)
@@ -430,15 +400,14 @@ if gluon is not None:
                 mbarrier.arrive(v_free.index(last), count=1)
         else:
             for j in range(n_blocks):
-                s = (g0 + j) % STAGES
-                ph = ((g0 + j) // STAGES) & 1
+                s = j % STAGES
+                ph = (j // STAGES) & 1
                 mbarrier.wait(k_bar.index(s), ph)
-                _turn_wait(turn, C, gt + j, PINGPONG)  # serial: the turn covers Q·Kᵀ's issue
+                _turn_wait(turn, C, j, PINGPONG)  # serial: the turn covers Q·Kᵀ's issue
                 s_tok = _qk(qn, qr, kn_s, kr_s, s, zero_s)
                 _turn_pass(turn, C, PINGPONG)
                 sc = warpgroup_mma_wait(0, deps=(s_tok, ))
                 _free_k(k_free, s, EARLY_K)  # the loader may refill K now
-                _free_q(q_free, C, j == n_blocks - 1, PERSIST)
                 p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8,
                                               EXP2_POLY)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -466,128 +435,6 @@ if gluon is not None:
         rows_s = m0 + C * HALF_M + gl.arange(0, HALF_M, layout=row_s)
         gl.store(LSE + h.to(gl.int64) * stride_lh + q_start + rows_s, lse, mask=rows_s < q_len)
 
-    @gluon.jit
-    @no_type_check
-    def _tile_of(code, valid, cu_q, cu_k, n_heads, m_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Tile ``code`` = (b * m_tiles + m) * n_heads + h: (b, h, q_start, q_len, m0,
-        k_start, k_len, n_blocks); an invalid code has no rows. A tile past its segment's
-        end has no key blocks (its loads skipped, its stores masked)."""
-        h = code % n_heads
-        pid_m = (code // n_heads) % m_tiles
-        b = code // (n_heads * m_tiles)
-        q_start = gl.load(cu_q + b)
-        q_len = gl.where(valid, gl.load(cu_q + b + 1) - q_start, 0)
-        m0 = pid_m * BLOCK_M
-        k_start = gl.load(cu_k + b)
-        k_len = gl.load(cu_k + b + 1) - k_start
-        n_blocks = gl.where(m0 < q_len, gl.cdiv(k_len, BLOCK_N), 0)
-        return b, h, q_start, q_len, m0, k_start, k_len, n_blocks
-
-    @gluon.jit
-    @no_type_check
-    def _descriptors(Q, K, KR, V, cu_v, b, h, q_start, q_len, k_start, k_len,
-                     stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, V_T: gl.constexpr, P_REGS: gl.constexpr):
-        """TMA descriptors over one (segment, head)'s q (nope, rope), K (nope, rope) and V:
-        loads past the segment's end read zeros, not the next segment."""
-        HALF_M: gl.constexpr = BLOCK_M // 2
-        dt: gl.constexpr = Q.dtype.element_ty
-        q_seg = Q + q_start.to(gl.int64) * stride_qt + h.to(gl.int64) * stride_qh
-        # K's nope and rope columns through descriptors of their own: one packed K (KR = its
-        # rope columns) or the two where they lie (rope shared by the heads: stride_rh 0)
-        k_seg = K + k_start.to(gl.int64) * stride_kt + h.to(gl.int64) * stride_kh
-        kr_seg = KR + k_start.to(gl.int64) * stride_rt + h.to(gl.int64) * stride_rh
-        q_rows = gl.maximum(q_len, 1)
-        k_rows = gl.maximum(k_len, 1)
-        qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, 128], dt)
-        qr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, 64], dt)
-        qn_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 128], qn_l)
-        qr_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 64], qr_l)
-        if P_REGS:
-            # K as [group, r, q, e, column] (strides 16, 2, 4, 1 rows): key 16 group + 4q + 2r + e
-            # lands in row 16 group + 8r + 2q + e (``_key_of``); whole groups are read, up to 15
-            # rows past the segment (the caller's P_REGS_SLACK_ROWS), masked out of the scores
-            G: gl.constexpr = BLOCK_N // 16
-            k_groups = gl.cdiv(k_rows, 16)
-            kn5_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([G, 2, 4, 2, 128], dt)
-            kr5_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([G, 2, 4, 2, 64], dt)
-            kn_d = tma.make_tensor_descriptor(
-                k_seg, [k_groups, 2, 4, 2, 128], [16 * stride_kt, 2 * stride_kt, 4 * stride_kt, stride_kt, 1],
-                [G, 2, 4, 2, 128], kn5_l)
-            kr_d = tma.make_tensor_descriptor(
-                kr_seg, [k_groups, 2, 4, 2, 64], [16 * stride_rt, 2 * stride_rt, 4 * stride_rt, stride_rt, 1],
-                [G, 2, 4, 2, 64], kr5_l)
-        else:
-            kn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], dt)
-            kr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dt)
-            kn_d = tma.make_tensor_descriptor(k_seg, [k_rows, 128], [stride_kt, 1], [BLOCK_N, 128], kn_l)
-            kr_d = tma.make_tensor_descriptor(kr_seg, [k_rows, 64], [stride_rt, 1], [BLOCK_N, 64], kr_l)
-        if V_T:  # V [H, 128, Tv], keys contiguous from column cu_v[b] (16-byte aligned: the caller's)
-            vt_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, BLOCK_N], dt)
-            v_seg = V + gl.load(cu_v + b).to(gl.int64) + h.to(gl.int64) * stride_vh
-            v_d = tma.make_tensor_descriptor(v_seg, [128, k_rows], [stride_vt, 1], [128, BLOCK_N], vt_l)
-        else:
-            v_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], dt)
-            v_seg = V + k_start.to(gl.int64) * stride_vt + h.to(gl.int64) * stride_vh
-            v_d = tma.make_tensor_descriptor(v_seg, [k_rows, 128], [stride_vt, 1], [BLOCK_N, 128], v_l)
-        return qn_d, qr_d, kn_d, kr_d, v_d
-
-    @gluon.jit
-    @no_type_check
-    def _ps_loader(Q, K, KR, V, cu_q, cu_k, cu_v, B,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
-                   n_heads, m_tiles, qn_s, qr_s, kn_s, kr_s, v_s, q_bar, k_bar, v_bar, k_free, v_free, q_free,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr,
-                   P_REGS: gl.constexpr):
-        """``PERSIST``'s loader: the program's tiles (every ``num_programs``-th code from its
-        id on) one after the other, each tile's queries as soon as the consumers' last Q·Kᵀ
-        of the tile before is done; its descriptors made after the tile before's copies
-        landed (they are rewritten in place)."""
-        g0 = 0
-        tq = 0
-        for code in range(gl.program_id(0), B * m_tiles * n_heads, gl.num_programs(0)):
-            b, h, q_start, q_len, m0, k_start, k_len, n_blocks = _tile_of(code, True, cu_q, cu_k, n_heads, m_tiles,
-                                                                          BLOCK_M, BLOCK_N)
-            if n_blocks > 0:
-                qn_d, qr_d, kn_d, kr_d, v_d = _descriptors(
-                    Q, K, KR, V, cu_v, b, h, q_start, q_len, k_start, k_len, stride_qt, stride_qh, stride_kt,
-                    stride_kh, stride_rt, stride_rh, stride_vt, stride_vh, BLOCK_M, BLOCK_N, V_T, P_REGS)
-                _ws_loader(qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s, q_bar, k_bar, v_bar, k_free,
-                           v_free, q_free, m0, n_blocks, g0, tq, BLOCK_M, BLOCK_N, STAGES, V_T, P_REGS, True)
-                last = g0 + n_blocks - 1
-                mbarrier.wait(k_bar.index(last % STAGES), (last // STAGES) & 1)
-                mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
-                for c in gl.static_range(2):
-                    mbarrier.wait(q_bar.index(c), tq & 1)
-                g0 += n_blocks
-                tq += 1
-
-    @gluon.jit
-    @no_type_check
-    def _ps_consumer(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, q_free,
-                     O, LSE, cu_q, cu_k, B, n_heads, m_tiles,  # noqa: E741  (the output, as in BLAS)
-                     stride_ot, stride_oh, stride_lh, qk_scale,
-                     C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
-                     RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
-                     P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr):
-        """``PERSIST``'s consumer C: the program's tiles in the loader's order, the rings'
-        slots, query loads and turns counted on across them."""
-        g0 = 0
-        tq = 0
-        gt = 0
-        for code in range(gl.program_id(0), B * m_tiles * n_heads, gl.num_programs(0)):
-            b, h, q_start, q_len, m0, k_start, k_len, n_blocks = _tile_of(code, True, cu_q, cu_k, n_heads, m_tiles,
-                                                                          BLOCK_M, BLOCK_N)
-            _ws_consumer(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, q_free, O, LSE,
-                         q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale, g0, tq, gt,
-                         C, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                         PV_WAIT_LATE, P_REGS, EXP2_POLY, True)
-            if n_blocks > 0:
-                g0 += n_blocks
-                tq += 1
-                gt += n_blocks + 1 if PIPE else n_blocks
-
     # the order's bounds vary per batch: not specialized (a value of 1 or a multiple of 16
     # would otherwise compile another variant on a request's path)
     @gluon.jit(do_not_specialize=["n_heads", "m_tiles"])
@@ -599,20 +446,85 @@ if gluon is not None:
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
         SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
         USE_ORDER: gl.constexpr, RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
-        P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, PERSIST: gl.constexpr,
+        P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr,
     ):
         HALF_M: gl.constexpr = BLOCK_M // 2
+        pid_m = gl.program_id(0)
+        h = gl.program_id(1)
+        b = gl.program_id(2)
+        valid = True
+        if USE_ORDER:
+            # 1-D launch in the host's order (``tile_order``): program p runs tile ORDER[p],
+            # code (b * m_tiles + m) * n_heads + h; a code outside the batch runs nothing
+            code = gl.load(ORDER + pid_m)
+            valid = (code >= 0) & (code < B * m_tiles * n_heads)
+            code = gl.where(valid, code, 0)
+            h = code % n_heads
+            pid_m = (code // n_heads) % m_tiles
+            b = code // (n_heads * m_tiles)
+        elif SORT_B > 0:
+            # longest segment first (LPT), as triton_attention: rank r runs the r-th longest
+            L2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
+            i_r = gl.arange(0, SORT_B, layout=gl.SliceLayout(1, L2))
+            i_c = gl.arange(0, SORT_B, layout=gl.SliceLayout(0, L2))
+            kl_r = gl.load(cu_k + i_r + 1, mask=i_r < B, other=0) - gl.load(cu_k + i_r, mask=i_r < B, other=0)
+            kl_c = gl.load(cu_k + i_c + 1, mask=i_c < B, other=0) - gl.load(cu_k + i_c, mask=i_c < B, other=0)
+            kl_r = gl.where(i_r < B, kl_r, -1)
+            kl_c = gl.where(i_c < B, kl_c, -1)
+            ahead = (kl_c[None, :] > kl_r[:, None]) | ((kl_c[None, :] == kl_r[:, None]) & (i_c[None, :] < i_r[:, None]))
+            rank = gl.sum(ahead.to(gl.int32), axis=1)
+            b = gl.sum(gl.where(rank == b, i_r, 0), axis=0)
+        q_start = gl.load(cu_q + b)
+        # a code outside the batch: no rows (nothing computed, every store masked)
+        q_len = gl.where(valid, gl.load(cu_q + b + 1) - q_start, 0)
+        m0 = pid_m * BLOCK_M
+        k_start = gl.load(cu_k + b)
+        k_len = gl.load(cu_k + b + 1) - k_start
+        # a tile past its segment's end does nothing (its loader and consumers see 0 blocks
+        # and its stores are masked): no early return, the partitions all run
+        n_blocks = gl.where(m0 < q_len, gl.cdiv(k_len, BLOCK_N), 0)
+
         dt: gl.constexpr = Q.dtype.element_ty
         qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, 128], dt)
         qr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, 64], dt)
         kn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], dt)
         kr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dt)
-        if V_T:
+        # descriptors over this (segment, head): loads past its end read zeros
+        q_seg = Q + q_start.to(gl.int64) * stride_qt + h.to(gl.int64) * stride_qh
+        # K's nope and rope columns through descriptors of their own: one packed K (KR = its
+        # rope columns) or the two where they lie (rope shared by the heads: stride_rh 0)
+        k_seg = K + k_start.to(gl.int64) * stride_kt + h.to(gl.int64) * stride_kh
+        kr_seg = KR + k_start.to(gl.int64) * stride_rt + h.to(gl.int64) * stride_rh
+        q_rows = gl.maximum(q_len, 1)
+        k_rows = gl.maximum(k_len, 1)
+        qn_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 128], qn_l)
+        qr_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 64], qr_l)
+        if P_REGS:
+            # K as [group, r, q, e, column] (strides 16, 2, 4, 1 rows): key 16 group + 4q + 2r + e
+            # lands in row 16 group + 8r + 2q + e (``_key_of``); whole groups are read, up to 15
+            # rows past the segment (the caller's P_REGS_SLACK_ROWS), masked out of the scores
+            G: gl.constexpr = BLOCK_N // 16
+            k_groups = gl.cdiv(k_rows, 16)
+            kn_d = tma.make_tensor_descriptor(
+                k_seg, [k_groups, 2, 4, 2, 128], [16 * stride_kt, 2 * stride_kt, 4 * stride_kt, stride_kt, 1],
+                [G, 2, 4, 2, 128], gl.NVMMASharedLayout.get_default_for([G, 2, 4, 2, 128], dt))
+            kr_d = tma.make_tensor_descriptor(
+                kr_seg, [k_groups, 2, 4, 2, 64], [16 * stride_rt, 2 * stride_rt, 4 * stride_rt, stride_rt, 1],
+                [G, 2, 4, 2, 64], gl.NVMMASharedLayout.get_default_for([G, 2, 4, 2, 64], dt))
+        else:
+            kn_d = tma.make_tensor_descriptor(k_seg, [k_rows, 128], [stride_kt, 1], [BLOCK_N, 128], kn_l)
+            kr_d = tma.make_tensor_descriptor(kr_seg, [k_rows, 64], [stride_rt, 1], [BLOCK_N, 64], kr_l)
+        if V_T:  # V [H, 128, Tv], keys contiguous from column cu_v[b] (16-byte aligned: the caller's)
             vt_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, BLOCK_N], dt)
+            v_seg = V + gl.load(cu_v + b).to(gl.int64) + h.to(gl.int64) * stride_vh
+            v_d = tma.make_tensor_descriptor(v_seg, [128, k_rows], [stride_vt, 1], [128, BLOCK_N], vt_l)
             v_s = gl.allocate_shared_memory(dt, [STAGES, 128, BLOCK_N], vt_l)
         else:
             v_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], dt)
+            v_seg = V + k_start.to(gl.int64) * stride_vt + h.to(gl.int64) * stride_vh
+            v_d = tma.make_tensor_descriptor(v_seg, [k_rows, 128], [stride_vt, 1], [BLOCK_N, 128], v_l)
             v_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, 128], v_l)
+
         qn_s = gl.allocate_shared_memory(dt, [2, HALF_M, 128], qn_l)
         qr_s = gl.allocate_shared_memory(dt, [2, HALF_M, 64], qr_l)
         kn_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, 128], kn_l)
@@ -631,91 +543,28 @@ if gluon is not None:
         v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         # PINGPONG: consumer c's turn at the tensor cores (the other consumer passes it on)
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        # PERSIST: consumer c's query slot is free for the program's next tile
-        q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for c in gl.static_range(2):
             mbarrier.init(q_bar.index(c), count=1)
             mbarrier.init(turn.index(c), count=1)
-            mbarrier.init(q_free.index(c), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_bar.index(i), count=1)
             mbarrier.init(v_bar.index(i), count=1)
             mbarrier.init(k_free.index(i), count=2)  # both consumers release a slot
             mbarrier.init(v_free.index(i), count=2)
 
-        if PERSIST:
-            # a program per SM over every tile code in grid order (the launch's B, m_tiles, n_heads)
-            gl.warp_specialize([
-                (_ps_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, q_free,
-                                O, LSE, cu_q, cu_k, B, n_heads, m_tiles, stride_ot, stride_oh, stride_lh, qk_scale,
-                                0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                                PV_WAIT_LATE, P_REGS, EXP2_POLY)),
-                (_ps_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, q_free,
-                                O, LSE, cu_q, cu_k, B, n_heads, m_tiles, stride_ot, stride_oh, stride_lh, qk_scale,
-                                1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                                PV_WAIT_LATE, P_REGS, EXP2_POLY)),
-                (_ps_loader, (Q, K, KR, V, cu_q, cu_k, cu_v, B, stride_qt, stride_qh, stride_kt, stride_kh,
-                              stride_rt, stride_rh, stride_vt, stride_vh, n_heads, m_tiles, qn_s, qr_s, kn_s, kr_s,
-                              v_s, q_bar, k_bar, v_bar, k_free, v_free, q_free, BLOCK_M, BLOCK_N, STAGES, V_T,
-                              P_REGS)),
-            ], [4, 1], [240, 24])  # (the loader spills a few of its per-tile values: outside the key loop)
-        else:
-            pid_m = gl.program_id(0)
-            h = gl.program_id(1)
-            b = gl.program_id(2)
-            valid = True
-            if USE_ORDER:
-                # 1-D launch in the host's order (``tile_order``): program p runs tile ORDER[p];
-                # a code outside the batch runs nothing
-                code = gl.load(ORDER + pid_m)
-                valid = (code >= 0) & (code < B * m_tiles * n_heads)
-                code = gl.where(valid, code, 0)
-            elif SORT_B > 0:
-                # longest segment first (LPT), as triton_attention: rank r runs the r-th longest
-                L2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
-                i_r = gl.arange(0, SORT_B, layout=gl.SliceLayout(1, L2))
-                i_c = gl.arange(0, SORT_B, layout=gl.SliceLayout(0, L2))
-                kl_r = gl.load(cu_k + i_r + 1, mask=i_r < B, other=0) - gl.load(cu_k + i_r, mask=i_r < B, other=0)
-                kl_c = gl.load(cu_k + i_c + 1, mask=i_c < B, other=0) - gl.load(cu_k + i_c, mask=i_c < B, other=0)
-                kl_r = gl.where(i_r < B, kl_r, -1)
-                kl_c = gl.where(i_c < B, kl_c, -1)
-                ahead = (kl_c[None, :] > kl_r[:, None]) | ((kl_c[None, :] == kl_r[:, None])
-                                                            & (i_c[None, :] < i_r[:, None]))
-                rank = gl.sum(ahead.to(gl.int32), axis=1)
-                b = gl.sum(gl.where(rank == b, i_r, 0), axis=0)
-                code = (b * gl.num_programs(0) + pid_m) * gl.num_programs(1) + h
-            else:
-                code = (b * gl.num_programs(0) + pid_m) * gl.num_programs(1) + h
-            if USE_ORDER:
-                b, h, q_start, q_len, m0, k_start, k_len, n_blocks = _tile_of(code, valid, cu_q, cu_k, n_heads,
-                                                                              m_tiles, BLOCK_M, BLOCK_N)
-            else:
-                b, h, q_start, q_len, m0, k_start, k_len, n_blocks = _tile_of(
-                    code, valid, cu_q, cu_k, gl.num_programs(1), gl.num_programs(0), BLOCK_M, BLOCK_N)
-            # a tile past its segment's end does nothing (its loader and consumers see 0 blocks
-            # and its stores are masked): no early return, the partitions all run
-            qn_d, qr_d, kn_d, kr_d, v_d = _descriptors(
-                Q, K, KR, V, cu_v, b, h, q_start, q_len, k_start, k_len, stride_qt, stride_qh, stride_kt, stride_kh,
-                stride_rt, stride_rh, stride_vt, stride_vh, BLOCK_M, BLOCK_N, V_T, P_REGS)
-            gl.warp_specialize([
-                (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, q_free,
-                                O, LSE, q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh,
-                                qk_scale, 0, 0, 0, 0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K,
-                                RESCALE_EARLY, PINGPONG, PV_WAIT_LATE, P_REGS, EXP2_POLY, False)),
-                (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, q_free,
-                                O, LSE, q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh,
-                                qk_scale, 0, 0, 0, 1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K,
-                                RESCALE_EARLY, PINGPONG, PV_WAIT_LATE, P_REGS, EXP2_POLY, False)),
-                (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s, q_bar, k_bar, v_bar, k_free,
-                              v_free, q_free, m0, n_blocks, 0, 0, BLOCK_M, BLOCK_N, STAGES, V_T, P_REGS, False)),
-            ], [4, 1], [240, 24])
+        gl.warp_specialize([
+            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
+                            q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
+                            0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
+                            PV_WAIT_LATE, P_REGS, EXP2_POLY)),
+            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
+                            q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
+                            1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
+                            PV_WAIT_LATE, P_REGS, EXP2_POLY)),
+            (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
+                          q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks, BLOCK_M, BLOCK_N, STAGES, V_T, P_REGS)),
+        ], [4, 1], [240, 24])
 
-
-
-@functools.cache
-def _sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (``PERSIST``: a program each)."""
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def p_regs_problem(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v_t: bool) -> str | None:
@@ -755,13 +604,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
     if cfg["EXP2_POLY"] not in (0, 1, 2):
         raise ValueError(f"EXP2_POLY (exp2s of every 8 on the FMA pipes) must be 0, 1 or 2, got {cfg['EXP2_POLY']}")
     H = q.shape[1]
-    # PERSIST: one segment's tiles (all alike) over one program per SM
-    persist = bool(cfg["PERSIST"]) and order is None and grid[2] == 1
     if order is not None:
         grid = (order.numel(), 1, 1)
-    elif persist:
-        m_tiles = grid[0]
-        grid = (min(grid[0] * grid[1], _sms(q.device)), 1, 1)
     _mla_attn_ws_fwd[grid](
         q, k, kr, v, out, lse, cu_q, cu_k, cu_v, qk_scale, cu_q.numel() - 1,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), kr.stride(0), kr.stride(1),
@@ -770,7 +614,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], PIPE=cfg["PIPE"],
         SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t, EARLY_K=cfg["EARLY_K"],
         USE_ORDER=order is not None, RESCALE_EARLY=cfg["RESCALE_EARLY"], PINGPONG=cfg["PINGPONG"],
-        PV_WAIT_LATE=cfg["PV_WAIT_LATE"], P_REGS=cfg["P_REGS"], EXP2_POLY=cfg["EXP2_POLY"], PERSIST=persist,
+        PV_WAIT_LATE=cfg["PV_WAIT_LATE"], P_REGS=cfg["P_REGS"], EXP2_POLY=cfg["EXP2_POLY"],
         num_warps=4,
         maxnreg=_MAXNREG,
     )
