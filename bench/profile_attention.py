@@ -4,9 +4,10 @@ The configs are those of one ``bench_attention.py --ab`` entry (each A and B onc
 order). Every config is compiled and run once first, then run once more inside an NVTX
 range named ``profiled``, so that ``ncu --nvtx --nvtx-include profiled/`` profiles exactly
 one launch per config, in the order it prints them (``--flashinfer``: FlashInfer's FA3 on
-the same bf16 inputs last; ncu then without ``-k``, so that its kernels are profiled too). What to read in ncu's report:
-the tensor pipe's share of cycles, the SM clock it ran at, shared-memory wavefronts and
-the warps' stall reasons (math pipe throttle, MIO throttle, barrier, long scoreboard).
+the same bf16 inputs last; ncu then without ``-k``, so that its kernels are profiled too).
+What to read in ncu's report: the tensor pipe's share of cycles, the SM clock it ran at,
+shared-memory wavefronts and the warps' stall reasons (math pipe throttle, MIO throttle,
+barrier, long scoreboard).
 
   ncu --clock-control none --nvtx --nvtx-include profiled/ -k regex:_mla_attn_ws_fwd \\
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \\

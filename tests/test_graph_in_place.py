@@ -187,3 +187,18 @@ def test_clear_drops_every_graph_and_the_pool():
     assert lg.clear() == 2
     assert len(lg) == 0 and not lg._seen and lg._pool is None and waited == ["a", "b"]
     assert lg.clear() == 0
+
+
+def test_the_shapes_not_captured_are_bounded(monkeypatch):
+    """The shapes whose capture failed (for good, or out of memory until the graphs release
+    theirs) are kept up to MAX_SEEN each, the oldest forgotten first: a client sending ever
+    new shapes cannot grow them."""
+    monkeypatch.setattr(graphs, "MAX_SEEN", 3)
+    lg = LoopGraphs()
+    for i in range(5):
+        lg._not_captured(("failed", i), RuntimeError("operation not permitted when stream is capturing"))
+        lg._not_captured(("oom", i), torch.OutOfMemoryError("CUDA out of memory"))
+    assert list(lg._failed) == [("failed", i) for i in (2, 3, 4)]
+    assert list(lg._short_of_memory) == [("oom", i) for i in (2, 3, 4)]
+    lg.clear()
+    assert not lg._short_of_memory and len(lg._failed) == 3

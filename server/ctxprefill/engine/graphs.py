@@ -238,6 +238,13 @@ class CapturedLoop:
         return "" if same else "an in-place replay differed from the eager loop"
 
 
+def _mark(shapes: collections.OrderedDict[Hashable, None], key: Hashable) -> None:
+    """Add shape ``key`` to ``shapes``, which keeps the last ``MAX_SEEN``."""
+    shapes[key] = None
+    while len(shapes) > MAX_SEEN:
+        shapes.popitem(last=False)
+
+
 def _extension_calls() -> tuple[Any, Any, Any]:
     """The CUDA extension's (copies_async, graph_launch, GraphPatch) where it is loaded and
     has them, else None each."""
@@ -285,8 +292,10 @@ class LoopGraphs:
         self.max_graphs = max_graphs
         self._graphs: collections.OrderedDict[Hashable, CapturedLoop] = collections.OrderedDict()
         self._seen: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
-        self._failed: set[Hashable] = set()
-        self._short_of_memory: set[Hashable] = set()  # captures that ran out of memory (until clear)
+        # shapes not captured: for good, or until clear (their capture ran out of memory);
+        # each at most MAX_SEEN, the oldest forgotten first (a shape forgotten may be tried again)
+        self._failed: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
+        self._short_of_memory: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
         self._pool: Any = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle)
         # every capture on this one stream: torch's allocator reuses a freed block only on the
         # stream that allocated it, so a capture on a stream of its own would keep the pool's
@@ -338,7 +347,7 @@ class LoopGraphs:
             if not str(e).startswith("graph_patch:"):
                 raise
             self._forget(key)
-            self._failed.add(key)
+            _mark(self._failed, key)
             log.warning("captured loop dropped (%s); the shape runs eagerly", str(e).splitlines()[0][:200])
             return None
         self.replays += 1
@@ -361,7 +370,7 @@ class LoopGraphs:
         """Shape ``key``'s capture raised ``e``: the shape runs eagerly, for good, or, where
         the graph found no memory, until the graphs give theirs back (:meth:`clear`)."""
         oom = isinstance(e, torch.OutOfMemoryError)
-        (self._short_of_memory if oom else self._failed).add(key)
+        _mark(self._short_of_memory if oom else self._failed, key)
         log.warning("chunk loop not captured as a CUDA graph (%s: %s); the shape runs eagerly%s",
                     type(e).__name__, str(e).splitlines()[0][:200],
                     " until the graphs release their memory" if oom else "")
@@ -430,7 +439,7 @@ class LoopGraphs:
         try:
             cap.copies_because = cap.check_in_place(x.q, eager) if patch is not None else why
         except RuntimeError as e:  # the arguments could not be pointed back: the graph is not kept
-            self._failed.add(key)
+            _mark(self._failed, key)
             log.warning("chunk loop's graph not kept (%s); the shape runs eagerly", str(e).splitlines()[0][:200])
             return
         if cap.copies_because:
