@@ -252,8 +252,8 @@ def test_the_shapes_remembered_are_bounded_the_oldest_forgotten(engine, monkeypa
 
 
 class FailingCaptures(LoopGraphs):
-    """Every capture raises ``error`` (as ``LoopGraphs._capture`` meets it: handed to
-    ``_not_captured``); counts the attempts."""
+    """Every capture raises ``error`` (as ``LoopGraphs._capture`` does where a kernel cannot
+    be captured or the graph finds no memory); counts the attempts."""
 
     def __init__(self, error: Exception, *a, **k):
         super().__init__(*a, **k)
@@ -261,7 +261,7 @@ class FailingCaptures(LoopGraphs):
 
     def _capture(self, key, x, hm, backend, fused, eager):
         self.attempts += 1
-        self._not_captured(key, self.error)
+        raise self.error
 
 
 @pytest.mark.parametrize("oom", [True, False], ids=["out_of_memory", "cannot_capture"])

@@ -238,9 +238,10 @@ class CapturedLoop:
         return "" if same else "an in-place replay differed from the eager loop"
 
 
-def _mark(shapes: collections.OrderedDict[Hashable, None], key: Hashable) -> None:
-    """Add shape ``key`` to ``shapes``, which keeps the last ``MAX_SEEN``."""
-    shapes[key] = None
+def _remember(shapes: collections.OrderedDict[Hashable, Any], key: Hashable, value: Any) -> None:
+    """``shapes[key] = value`` as its newest entry; past ``MAX_SEEN`` the oldest are forgotten."""
+    shapes.pop(key, None)
+    shapes[key] = value
     while len(shapes) > MAX_SEEN:
         shapes.popitem(last=False)
 
@@ -347,7 +348,7 @@ class LoopGraphs:
             if not str(e).startswith("graph_patch:"):
                 raise
             self._forget(key)
-            _mark(self._failed, key)
+            _remember(self._failed, key, None)
             log.warning("captured loop dropped (%s); the shape runs eagerly", str(e).splitlines()[0][:200])
             return None
         self.replays += 1
@@ -370,8 +371,8 @@ class LoopGraphs:
         """Shape ``key``'s capture raised ``e``: the shape runs eagerly, for good, or, where
         the graph found no memory, until the graphs give theirs back (:meth:`clear`)."""
         oom = isinstance(e, torch.OutOfMemoryError)
-        _mark(self._short_of_memory if oom else self._failed, key)
-        log.warning("chunk loop not captured as a CUDA graph (%s: %s); the shape runs eagerly%s",
+        _remember(self._short_of_memory if oom else self._failed, key, None)
+        log.warning("chunk loop not kept as a CUDA graph (%s: %s); the shape runs eagerly%s",
                     type(e).__name__, str(e).splitlines()[0][:200],
                     " until the graphs release their memory" if oom else "")
 
@@ -384,21 +385,24 @@ class LoopGraphs:
                     hm: HostMetadata) -> PendingLoop:
         """Queue ``x``'s loop eagerly, its shape ``key`` having no graph (:meth:`replay`
         returned None), and capture the shape the second time it comes."""
-        seen = self._seen.pop(key, 0) + 1
-        self._seen[key] = seen
-        while len(self._seen) > MAX_SEEN:
-            self._seen.popitem(last=False)
+        seen = self._seen.get(key, 0) + 1
+        _remember(self._seen, key, seen)
         if self.cache is not None:  # hm's block ids address the whole cache
             x = dataclasses.replace(x, cache=self.cache)
         pending = start_chunk_loop(x, backend, fused, metadata=upload_metadata(hm, x.q.device))
         if seen >= 2 and key not in self._failed and key not in self._short_of_memory:
-            self._capture(key, x, hm, backend, fused, pending)
+            try:
+                self._capture(key, x, hm, backend, fused, pending)
+            except Exception as e:  # noqa: BLE001 - a graph is a cache: its request runs eagerly all the same
+                self._not_captured(key, e)
         return pending
 
     def _capture(self, key: Hashable, x: LoopInputs, hm: HostMetadata, backend: AttentionBackend,
                  fused: bool, eager: PendingLoop) -> None:
         """Capture ``x``'s loop as shape ``key``'s graph; ``eager``: the same request's
-        eager loop, which an in-place replay must equal (:meth:`CapturedLoop.check_in_place`)."""
+        eager loop, which an in-place replay must equal (:meth:`CapturedLoop.check_in_place`).
+        Raises what stopped it (a kernel that cannot be captured, no memory for the graph's
+        buffers or pool, arguments that could not be pointed back): no graph is kept."""
         staging = torch.from_numpy(hm.host).pin_memory()
         meta = torch.empty(hm.size, dtype=torch.int32, device=x.q.device)
         meta.copy_(staging, non_blocking=True)
@@ -425,9 +429,6 @@ class LoopGraphs:
                     graph.capture_end()
             if kept:
                 graph.instantiate()
-        except Exception as e:  # a kernel that cannot be captured, or no memory for the graph
-            self._not_captured(key, e)
-            return
         finally:
             torch.cuda.current_stream(x.q.device).wait_stream(stream)
         copies, launch, patch_type = _extension_calls()
@@ -436,12 +437,7 @@ class LoopGraphs:
                            use_unpacked_keys(backend, fused, x.unpacked_keys, x.fp8_prefill), orders,
                            torch.cuda.current_stream(x.q.device), copies, weight,
                            x.weight.data_ptr() if weight is not None else 0, launch, patch=patch)
-        try:
-            cap.copies_because = cap.check_in_place(x.q, eager) if patch is not None else why
-        except RuntimeError as e:  # the arguments could not be pointed back: the graph is not kept
-            _mark(self._failed, key)
-            log.warning("chunk loop's graph not kept (%s); the shape runs eagerly", str(e).splitlines()[0][:200])
-            return
+        cap.copies_because = cap.check_in_place(x.q, eager) if patch is not None else why
         if cap.copies_because:
             log.info("captured loop replays through its own q, out and LSE (%s)", cap.copies_because)
         self._graphs[key] = cap
