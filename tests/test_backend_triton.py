@@ -849,14 +849,16 @@ def test_gpu_warp_specialized_schedule_same_bits(pipe, key):
             v, cv = _keys_last(v, k_lens)
             kw = dict(v_layout="hdt", cu_seqlens_v=cv)
         base = dict(PV_FP8=True) if dtype == FP8 else {}
-        runs = [mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, **kw,
-                                      config=dict(base, WS={"PIPE": pipe, "STAGES": 3 if dtype == FP8 else 2,
-                                                            key: on}))
-                for on in (False, True)]
+        cfgs = [dict(base, WS={"PIPE": pipe, "STAGES": 3 if dtype == FP8 else 2, key: on}) for on in (False, True)]
+        runs = [mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, **kw, config=c) for c in cfgs]
         torch.cuda.synchronize()
         (a, la), (b, lb) = runs
         assert torch.isfinite(la[:, :1000]).all(), (H, dtype)
         assert torch.equal(a, b) and torch.equal(la, lb), (H, dtype)
+        for c in cfgs:  # both sides ran the Gluon kernel, not the Triton fallback
+            names = _kernel_names(lambda: mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, **kw,  # noqa: B023
+                                                                config=c))
+            assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], (H, dtype, names)
 
 
 @needs_ws
@@ -875,13 +877,18 @@ def test_gpu_warp_specialized_pipelined_same_bits_as_serial(dtype, block_n, stag
         kw = dict(v_layout="hdt", cu_seqlens_v=cv)
     base = dict(PV_FP8=True) if dtype == FP8 else {}
     ws = dict(BLOCK_N=block_n, STAGES=stages)
-    runs = [mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, **kw, config=dict(base, WS=dict(ws, **c)))
+    cfgs = [dict(base, WS=dict(ws, **c))
             for c in (dict(PIPE=False), dict(PIPE=True), dict(PIPE=True, PV_WAIT_LATE=True, PINGPONG=True))]
+    runs = [mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, **kw, config=c) for c in cfgs]
     torch.cuda.synchronize()
     (a, la), *rest = runs
     assert torch.isfinite(la[:, :1000]).all()
     for b, lb in rest:
         assert torch.equal(a, b) and torch.equal(la, lb)
+    for c in cfgs:  # every schedule ran the Gluon kernel, not the Triton fallback
+        names = _kernel_names(lambda: mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, **kw,  # noqa: B023
+                                                            config=c))
+        assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], (c, names)
 
 
 @needs_ws
