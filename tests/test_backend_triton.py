@@ -629,6 +629,22 @@ def pv_wait_order(k):
     return loops
 
 
+DESCS = ("QN_D", "QR_D", "KN_D", "KR_D")
+
+
+def host_descriptors(dt, ws):
+    # HOST_DESC's launch-wide descriptors as the launch makes them, over small CPU tensors:
+    # their signature types (mangle_type), or None each (a constexpr None) without it
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    cfg = dict(ga.CONFIG, **ws)
+    t = torch.float8_e4m3fn if dt != "bf16" else torch.bfloat16
+    q, k = torch.zeros(256, 2, 192, dtype=t), torch.zeros(256, 2, 192, dtype=t)
+    return [None if d is None else mangle_type(d)
+            for d in ga._host_descriptors(q, k, k[..., 128:], cfg, bool(cfg["HOST_DESC"]))]
+
+
 out = []
 for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
     sig = {n: {"Q": "*" + dt, "K": "*" + dt, "KR": "*" + dt, "V": "*" + dt, "O": "*bf16", "LSE": "*fp32",
@@ -638,10 +654,15 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
                  IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True), USE_ORDER=use_order,
                  RESCALE_EARLY=ws.get("RESCALE_EARLY", False), PINGPONG=ws.get("PINGPONG", False),
                  PV_WAIT_LATE=ws.get("PV_WAIT_LATE", False), P_REGS=ws.get("P_REGS", False),
-                 EXP2_POLY=ws.get("EXP2_POLY", 0))
+                 EXP2_POLY=ws.get("EXP2_POLY", 0), HOST_DESC=ws.get("HOST_DESC", ga.CONFIG["HOST_DESC"]))
+    for n, d in zip(DESCS, host_descriptors(dt, dict(ws, HOST_DESC=const["HOST_DESC"]))):
+        if d is None:
+            const[n] = None
+        else:
+            sig[n] = d
     # every compile-time parameter given (one left out would compile as a runtime value)
     assert not [n for n in names if n.isupper() and n not in const
-                and n not in ("Q", "K", "KR", "V", "O", "LSE", "B", "ORDER")]
+                and n not in ("Q", "K", "KR", "V", "O", "LSE", "B", "ORDER", *DESCS)]
     for n in const:
         sig[n] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -653,6 +674,7 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
     out.append(dict(dt=dt, ws=ws, sort_b=sort_b, use_order=use_order, regs=regs, stack=stack, smem=k.metadata.shared,
                     ex2=ex2,
                     pv_wait=pv_wait_order(k), sts=len(re.findall(r"st\.shared", k.asm["ptx"])),
+                    fences=len(re.findall(r"tensormap\.cp_fenceproxy", k.asm["ptx"])),  # descriptors made per program
                     wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
                     setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                       k.asm["ptx"])))))
@@ -691,6 +713,27 @@ def test_warp_specialized_defaults_cross_compile_for_sm90():
         assert {24, 240} <= set(res["setmaxnreg"]), res
         if res["ws"]["PIPE"]:  # both consumers' loops, the softmax whole before P·V's wait
             assert len(res["pv_wait"]) == 2 and all(0 < n == total for n, total in res["pv_wait"]), res
+        assert res["fences"] == 5, res  # q nope and rope, K nope and rope, V: per (segment, head)
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6") or ga.gluon is None,
+                    reason="sm_90 cross-compile check of the Gluon kernel written for Triton 3.6")
+def test_warp_specialized_host_descriptors_cross_compile_for_sm90():
+    """With ``HOST_DESC`` the defaults read q and K through the launch's descriptors: a
+    program makes only V's (bf16, fp8 with P staged) or V's and K's 5-D ones (``P_REGS``),
+    and builds as the defaults do: no spills, setmaxnreg 24/240, the late wait in place."""
+    bf, f8 = ta.CONFIGS[torch.bfloat16]["WS"], ta.KEYS_LAST_FP8["WS"]
+    jobs = [("bf16", dict(bf, HOST_DESC=True), 0, False, True),
+            ("bf16", dict(bf, HOST_DESC=True), ta._SORT_MAX, False, False),
+            ("fp8e4nv", dict(f8, HOST_DESC=True), 0, True, True),
+            ("fp8e4nv", dict(f8, HOST_DESC=True, P_REGS=False), 0, True, False)]
+    for res in _cross_compile(_XCOMPILE_WS, jobs):
+        print(res)
+        assert res["stack"] == 0 and res["wgmma"] > 0 and res["smem"] <= 232448, res
+        assert {24, 240} <= set(res["setmaxnreg"]), res
+        if res["ws"]["PIPE"]:
+            assert len(res["pv_wait"]) == 2 and all(0 < n == total for n, total in res["pv_wait"]), res
+        assert res["fences"] == (3 if res["ws"].get("P_REGS") else 1), res
 
 
 #: fp8 keys-last with P·V's operand in registers (``P_REGS``): serial over 256-key blocks,
@@ -788,6 +831,8 @@ WS_CFGS = {
     "ws_pipe_wait_late": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True)),
     "ws_serial_pingpong": dict(WS=dict(PIPE=False, PINGPONG=True)),
     "ws_pipe_wait_late_exp2_poly": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True, EXP2_POLY=1)),  # 1 in 8 exp2s on FMAs
+    "ws_pipe_host_desc": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True, HOST_DESC=True)),  # q, K: the launch's
+    "ws_pipe_device_desc": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True, HOST_DESC=False)),  # all made per program
 }
 needs_ws = pytest.mark.skipif(
     not HAS_CUDA or INTERPRETING or ga.gluon is None or torch.cuda.get_device_capability()[0] != 9,
@@ -892,13 +937,53 @@ def test_gpu_warp_specialized_pipelined_same_bits_as_serial(dtype, block_n, stag
 
 
 @needs_ws
+@pytest.mark.parametrize("dtype,ws", [(torch.bfloat16, {}), (FP8, dict(P_REGS=True)), (FP8, dict(P_REGS=False))],
+                         ids=["bf16", "fp8_p_regs", "fp8_p_staged"])
+def test_gpu_warp_specialized_host_descriptors_same_bits(dtype, ws):
+    """q and K read through the launch's descriptors (``HOST_DESC``: a tile's rows past its
+    segment come from the next segment, masked out of the scores or never stored) give the
+    same bits as through descriptors made per (segment, head): packed and unpacked keys
+    (rope shared by the heads), ragged with empty and one-key segments, grid order and the
+    host's launch order; a launch of the Gluon kernel either way (``P_REGS`` reads K through
+    descriptors made per segment with both: the packed keys only, with the rows it reads
+    past the end)."""
+    from ctxprefill.ops.pack import key_buffer
+
+    q_lens, k_lens = [1000, 0, 1, 257, 2048, 64], [4096, 300, 0, 1, 2500, 129]
+    for H in (16, 128):
+        q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, dtype, device="cuda", seed=H + 3)
+        k, k_nope, k_rope = _apart(k, H, dtype, "cuda")
+        kw: dict = {}
+        base: dict = {}
+        if dtype == FP8:
+            v, cv = _keys_last(v, k_lens)
+            kw, base = dict(v_layout="hdt", cu_seqlens_v=cv), dict(PV_FP8=True)
+        order = ta.device_tile_order(q_lens, k_lens, H, q.dtype, q.device)
+        cases = [(k, {}), (k_nope, dict(k_rope=k_rope)), (k, dict(tile_order=order))]
+        if ws.get("P_REGS"):
+            k = key_buffer(*k.shape, k.device).copy_(k)
+            cases = [(k, {}), (k, dict(tile_order=order))]
+        for keys, extra in cases:
+            runs = [mla_context_attention(q, keys, v, cu_q, cu_k, 2048, 4096, 0.07, **kw, **extra,
+                                          config=dict(base, WS=dict(ws, HOST_DESC=host)))
+                    for host in (False, True)]
+            torch.cuda.synchronize()
+            (a, la), (b, lb) = runs
+            assert torch.isfinite(la[:, :1000]).all() and not torch.isnan(b.float()).any(), (H, list(extra))
+            assert torch.equal(a, b) and torch.equal(la, lb), (H, list(extra))
+        names = _kernel_names(lambda: mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, **kw,  # noqa: B023
+                                                            config=dict(base, WS=dict(ws, HOST_DESC=True))))
+        assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], (H, names)
+
+
+@needs_ws
 def test_gpu_warp_specialized_unsorted_many_segments():
     lens = [(i * 37) % 150 for i in range(ta._SORT_MAX + 3)]
     _gpu_case(lens, [(i * 53) % 333 for i in range(len(lens))], 3, torch.bfloat16, False, WS_CFGS["ws_pipe"])
 
 
 @needs_ws
-@pytest.mark.parametrize("ws", ["ws_pipe", "ws_pipe_bn64", "ws_serial"])
+@pytest.mark.parametrize("ws", ["ws_pipe", "ws_pipe_bn64", "ws_serial", "ws_pipe_host_desc", "ws_pipe_device_desc"])
 def test_gpu_warp_specialized_neighbours_do_not_leak(ws):
     """A tile reads past its segment's end; those rows must be zeros, not the next
     segment's values: an inf in the next segment's k/v leaves this segment's result equal

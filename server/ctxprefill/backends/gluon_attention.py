@@ -50,19 +50,27 @@ Semantics are those of ``triton_attention.mla_context_attention`` (non-causal): 
 segments through per-(segment, head) device-side tensor descriptors, so a tile's rows
 past its segment's end read zeros, not the next segment (whose values, inf included,
 must not leak into this one); rows with no keys give out 0 and lse -inf; the LSE is a
-natural log. ``triton_attention.mla_context_attention`` validates the inputs and picks this
-kernel for the chunks it takes; the registry serves it as the ``"gluon"`` backend
-(``triton_attention.GluonAttentionBackend``).
+natural log. Each descriptor a program makes costs a GPU-scope fence before the loads
+it serves: the loader makes V's after issuing the copies of q and the first K.
+``HOST_DESC`` reads q and K through descriptors the launch passes over the whole tensors
+(safe: q rows past a segment only feed rows that are never stored, and keys past it are
+masked out of the scores; V keeps its own, as 0 · inf is not 0); it is opt-in, since
+Triton's launcher spends more host time on descriptor arguments than the kernel saves
+in an eager loop (docs/DESIGN.md). ``triton_attention.mla_context_attention`` validates
+the inputs and picks this kernel for the chunks it takes; the registry serves it as the
+``"gluon"`` backend (``triton_attention.GluonAttentionBackend``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, no_type_check
 
 import torch
 
 from ..ops._gluon import (
     GLUON_ERR,
+    TensorDescriptor,
     fence_async_shared,
     gl,
     gluon,
@@ -96,8 +104,9 @@ def _exp2_mixed_asm(poly: int) -> str:
 
 #: Tiles, stages, pipelining. 2 consumers x 64 query rows = BLOCK_M 128 (fixed). The
 #: caller's defaults per dtype are in ``triton_attention`` (measured there).
+# (HOST_DESC: q and K through the launch's descriptors, ``_host_descriptors``)
 CONFIG: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True, RESCALE_EARLY=False,
-                              PINGPONG=False, PV_WAIT_LATE=False, P_REGS=False, EXP2_POLY=0)
+                              PINGPONG=False, PV_WAIT_LATE=False, P_REGS=False, EXP2_POLY=0, HOST_DESC=False)
 #: rows a key tensor must hold past the last segment's end for ``P_REGS`` (its K loads
 #: read whole 16-key groups: up to 15 rows past a segment, masked out of the scores): what
 #: every keys-last K the engine packs leaves (``ops.pack.KEY_SLACK_ROWS``)
@@ -126,24 +135,37 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check  # device code: Triton's compiler types it, not mypy
-    def _ws_loader(qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
-                   q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks,
+    def _ws_loader(qn_d, qr_d, kn_d, kr_d, v_seg, k_rows, stride_vt, qn_s, qr_s, kn_s, kr_s, v_s,
+                   q_bar, k_bar, v_bar, k_free, v_free, q_row, k_row, h, h_r, n_blocks,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr,
-                   P_REGS: gl.constexpr):
+                   P_REGS: gl.constexpr, HOST_Q: gl.constexpr, HOST_K: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
         if n_blocks > 0:
             for c in gl.static_range(2):
                 bar = q_bar.index(c)
                 mbarrier.expect(bar, qn_d.block_type.nbytes + qr_d.block_type.nbytes)
-                tma.async_copy_global_to_shared(qn_d, [m0 + c * HALF_M, 0], bar, qn_s.index(c))
-                tma.async_copy_global_to_shared(qr_d, [m0 + c * HALF_M, 128], bar, qr_s.index(c))
-            _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, 0, BLOCK_N, STAGES, P_REGS)
+                if HOST_Q:  # [Tq, H, 192] boxes of [64, 1, cols] at (row, head, column)
+                    qn = qn_s.index(c)._reinterpret(qn_s.dtype, [HALF_M, 1, 128], qn_d.layout)
+                    qr = qr_s.index(c)._reinterpret(qr_s.dtype, [HALF_M, 1, 64], qr_d.layout)
+                    tma.async_copy_global_to_shared(qn_d, [q_row + c * HALF_M, h, 0], bar, qn)
+                    tma.async_copy_global_to_shared(qr_d, [q_row + c * HALF_M, h, 128], bar, qr)
+                else:
+                    tma.async_copy_global_to_shared(qn_d, [q_row + c * HALF_M, 0], bar, qn_s.index(c))
+                    tma.async_copy_global_to_shared(qr_d, [q_row + c * HALF_M, 128], bar, qr_s.index(c))
+            _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, 0, k_row, h, h_r, BLOCK_N, STAGES, P_REGS, HOST_K)
+        # V through a descriptor over this (segment, head), so that rows past the segment's end
+        # read zeros (P is 0 there, but 0 · inf is not), made while q and the first K land
+        if V_T:  # [H, 128, Tv]: keys contiguous
+            v_d = tma.make_tensor_descriptor(v_seg, [128, k_rows], [stride_vt, 1], [128, BLOCK_N], v_s.layout)
+        else:
+            v_d = tma.make_tensor_descriptor(v_seg, [k_rows, 128], [stride_vt, 1], [BLOCK_N, 128], v_s.layout)
         for j in range(n_blocks):
             # K of the next block before V of this one: the consumers free a K slot as soon
             # as its scores are computed (a softmax and a P·V earlier than its V slot), and
             # they need the next K first (FA3's order)
             if j + 1 < n_blocks:
-                _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j + 1, BLOCK_N, STAGES, P_REGS)
+                _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j + 1, k_row, h, h_r, BLOCK_N, STAGES, P_REGS,
+                        HOST_K)
             s = j % STAGES
             # a slot's barrier starts "phase 1 complete": the first pass does not wait
             mbarrier.wait(v_free.index(s), ((j // STAGES) & 1) ^ 1)
@@ -156,15 +178,21 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
-    def _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                P_REGS: gl.constexpr):
+    def _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j, k_row, h, h_r, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, P_REGS: gl.constexpr, HOST_K: gl.constexpr):
         """K of block j (nope and rope) into its slot, once the consumers freed it; with
-        ``P_REGS`` through 5-D descriptors whose rows land in ``_key_of``'s order."""
+        ``P_REGS`` through 5-D descriptors whose rows land in ``_key_of``'s order; with
+        ``HOST_K`` through the launch's [Tk, H, cols] descriptors (rope at head ``h_r``)."""
         s = j % STAGES
         mbarrier.wait(k_free.index(s), ((j // STAGES) & 1) ^ 1)
         kb = k_bar.index(s)
         mbarrier.expect(kb, kn_d.block_type.nbytes + kr_d.block_type.nbytes)
-        if P_REGS:
+        if HOST_K:
+            kn = kn_s.index(s)._reinterpret(kn_s.dtype, [BLOCK_N, 1, 128], kn_d.layout)
+            kr = kr_s.index(s)._reinterpret(kr_s.dtype, [BLOCK_N, 1, 64], kr_d.layout)
+            tma.async_copy_global_to_shared(kn_d, [k_row + j * BLOCK_N, h, 0], kb, kn)
+            tma.async_copy_global_to_shared(kr_d, [k_row + j * BLOCK_N, h_r, 0], kb, kr)
+        elif P_REGS:
             G: gl.constexpr = BLOCK_N // 16
             kn = kn_s.index(s)._reinterpret(kn_s.dtype, [G, 2, 4, 2, 128], kn_d.layout)
             kr = kr_s.index(s)._reinterpret(kr_s.dtype, [G, 2, 4, 2, 64], kr_d.layout)
@@ -440,15 +468,17 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["n_heads", "m_tiles"])
     @no_type_check
     def _mla_attn_ws_fwd(
-        Q, K, KR, V, O, LSE, cu_q, cu_k, cu_v, qk_scale, B,  # noqa: E741  (the output, as in BLAS)
+        Q, K, KR, V, O, LSE, QN_D, QR_D, KN_D, KR_D,  # noqa: E741  (the output, as in BLAS)
+        cu_q, cu_k, cu_v, qk_scale, B,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
         stride_ot, stride_oh, stride_lh, ORDER, n_heads, m_tiles,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
         SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
         USE_ORDER: gl.constexpr, RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
-        P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr,
+        P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, HOST_DESC: gl.constexpr,
     ):
         HALF_M: gl.constexpr = BLOCK_M // 2
+        HOST_K: gl.constexpr = HOST_DESC and not P_REGS
         pid_m = gl.program_id(0)
         h = gl.program_id(1)
         b = gl.program_id(2)
@@ -497,9 +527,22 @@ if gluon is not None:
         kr_seg = KR + k_start.to(gl.int64) * stride_rt + h.to(gl.int64) * stride_rh
         q_rows = gl.maximum(q_len, 1)
         k_rows = gl.maximum(k_len, 1)
-        qn_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 128], qn_l)
-        qr_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 64], qr_l)
-        if P_REGS:
+        h_r = gl.where(stride_rh == 0, 0, h)  # the rope keys' head in KR_D (0: shared by the heads)
+        if HOST_DESC:
+            # the launch's descriptors over all of q (a tile's rows past its segment are rows
+            # whose output is never stored) and of K (keys past the segment's end are masked
+            # out of the scores): none made per program, each a GPU-scope fence before any load
+            qn_d = QN_D
+            qr_d = QR_D
+            q_row = q_start + m0
+        else:
+            qn_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 128], qn_l)
+            qr_d = tma.make_tensor_descriptor(q_seg, [q_rows, 192], [stride_qt, 1], [HALF_M, 64], qr_l)
+            q_row = m0
+        if HOST_K:
+            kn_d = KN_D
+            kr_d = KR_D
+        elif P_REGS:
             # K as [group, r, q, e, column] (strides 16, 2, 4, 1 rows): key 16 group + 4q + 2r + e
             # lands in row 16 group + 8r + 2q + e (``_key_of``); whole groups are read, up to 15
             # rows past the segment (the caller's P_REGS_SLACK_ROWS), masked out of the scores
@@ -514,15 +557,14 @@ if gluon is not None:
         else:
             kn_d = tma.make_tensor_descriptor(k_seg, [k_rows, 128], [stride_kt, 1], [BLOCK_N, 128], kn_l)
             kr_d = tma.make_tensor_descriptor(kr_seg, [k_rows, 64], [stride_rt, 1], [BLOCK_N, 64], kr_l)
+        k_row = k_start if HOST_K else 0  # the first key's row in K's descriptors
         if V_T:  # V [H, 128, Tv], keys contiguous from column cu_v[b] (16-byte aligned: the caller's)
             vt_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, BLOCK_N], dt)
             v_seg = V + gl.load(cu_v + b).to(gl.int64) + h.to(gl.int64) * stride_vh
-            v_d = tma.make_tensor_descriptor(v_seg, [128, k_rows], [stride_vt, 1], [128, BLOCK_N], vt_l)
             v_s = gl.allocate_shared_memory(dt, [STAGES, 128, BLOCK_N], vt_l)
         else:
             v_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], dt)
             v_seg = V + k_start.to(gl.int64) * stride_vt + h.to(gl.int64) * stride_vh
-            v_d = tma.make_tensor_descriptor(v_seg, [k_rows, 128], [stride_vt, 1], [BLOCK_N, 128], v_l)
             v_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, 128], v_l)
 
         qn_s = gl.allocate_shared_memory(dt, [2, HALF_M, 128], qn_l)
@@ -561,8 +603,9 @@ if gluon is not None:
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                             1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
                             PV_WAIT_LATE, P_REGS, EXP2_POLY)),
-            (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_d, qn_s, qr_s, kn_s, kr_s, v_s,
-                          q_bar, k_bar, v_bar, k_free, v_free, m0, n_blocks, BLOCK_M, BLOCK_N, STAGES, V_T, P_REGS)),
+            (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_seg, k_rows, stride_vt, qn_s, qr_s, kn_s, kr_s, v_s,
+                          q_bar, k_bar, v_bar, k_free, v_free, q_row, k_row, h, h_r, n_blocks, BLOCK_M, BLOCK_N,
+                          STAGES, V_T, P_REGS, HOST_DESC, HOST_K)),
         ], [4, 1], [240, 24])
 
 
@@ -606,15 +649,52 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
     H = q.shape[1]
     if order is not None:
         grid = (order.numel(), 1, 1)
+    # no keys or no queries at all: no descriptor over them (TMA wants every size > 0)
+    host = bool(cfg["HOST_DESC"]) and q.shape[0] > 0 and k.shape[0] > 0
+    descs = _host_descriptors(q, k, kr, cfg, host)
     _mla_attn_ws_fwd[grid](
-        q, k, kr, v, out, lse, cu_q, cu_k, cu_v, qk_scale, cu_q.numel() - 1,
+        q, k, kr, v, out, lse, *descs, cu_q, cu_k, cu_v, qk_scale, cu_q.numel() - 1,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), kr.stride(0), kr.stride(1),
         v.stride(1) if v_t else v.stride(0), v.stride(0) if v_t else v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), cu_q if order is None else order, H, max(int(m_tiles), 1),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], PIPE=cfg["PIPE"],
         SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t, EARLY_K=cfg["EARLY_K"],
         USE_ORDER=order is not None, RESCALE_EARLY=cfg["RESCALE_EARLY"], PINGPONG=cfg["PINGPONG"],
-        PV_WAIT_LATE=cfg["PV_WAIT_LATE"], P_REGS=cfg["P_REGS"], EXP2_POLY=cfg["EXP2_POLY"],
+        PV_WAIT_LATE=cfg["PV_WAIT_LATE"], P_REGS=cfg["P_REGS"], EXP2_POLY=cfg["EXP2_POLY"], HOST_DESC=host,
         num_warps=4,
         maxnreg=_MAXNREG,
     )
+
+
+def _host_descriptors(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, cfg: dict[str, Any],
+                      host: bool) -> tuple[Any, Any, Any, Any]:
+    """``HOST_DESC``'s launch-wide TMA descriptors (QN_D, QR_D, KN_D, KR_D): q [Tq, H, 192]
+    in boxes of [64, 1, 128] and [64, 1, 64]; k's first 128 columns and kr [Tk, H or 1, 64]
+    in boxes of [BLOCK_N, 1, cols] (None for K under ``P_REGS``, whose 5-D boxes start at a
+    segment); all None without ``host``."""
+    if not host:
+        return None, None, None, None
+    fp8 = q.dtype.itemsize == 1
+    half, bn = cfg["BLOCK_M"] // 2, cfg["BLOCK_N"]
+
+    def desc(t: torch.Tensor, shape: list[int], strides: list[int], box: list[int]) -> Any:
+        return TensorDescriptor(t, shape, strides, box, _box_layout(tuple(box), fp8))
+
+    Tq, H = q.shape[0], q.shape[1]
+    qs = [q.stride(0), q.stride(1), 1]
+    qn = desc(q, [Tq, H, 192], qs, [half, 1, 128])
+    qr = desc(q, [Tq, H, 192], qs, [half, 1, 64])
+    if cfg["P_REGS"]:
+        return qn, qr, None, None
+    Tk = k.shape[0]
+    kn = desc(k, [Tk, H, 128], [k.stride(0), k.stride(1), 1], [bn, 1, 128])
+    # rope keys shared by the heads (head stride 0): one head, its stride any aligned value
+    shared = kr.stride(1) == 0
+    krd = desc(kr, [Tk, 1 if shared else H, 64], [kr.stride(0), 64 if shared else kr.stride(1), 1], [bn, 1, 64])
+    return qn, qr, kn, krd
+
+
+@functools.cache
+def _box_layout(box: tuple[int, ...], fp8: bool) -> Any:
+    """The shared-memory layout of a TMA box, computed once (several µs of host time each)."""
+    return gl.NVMMASharedLayout.get_default_for(list(box), gl.float8e4nv if fp8 else gl.bfloat16)

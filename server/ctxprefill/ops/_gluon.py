@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["GLUON_ERR", "fence_async_shared", "gl", "gluon", "mbarrier", "tma", "tma_scratch", "triton",
-           "warpgroup_mma", "warpgroup_mma_wait"]
+__all__ = ["GLUON_ERR", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "tma", "tma_scratch",
+           "triton", "warpgroup_mma", "warpgroup_mma_wait"]
 
 
 def tma_scratch(size: int, alignment: int, stream: object) -> torch.Tensor:
@@ -22,6 +22,7 @@ def tma_scratch(size: int, alignment: int, stream: object) -> torch.Tensor:
 triton: Any
 gluon: Any
 gl: Any
+TensorDescriptor: Any
 try:
     import triton
     from triton.experimental import gluon
@@ -33,9 +34,10 @@ try:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     GLUON_ERR = ""
 except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-    triton = gluon = gl = None
+    triton = gluon = gl = TensorDescriptor = None
     fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
     GLUON_ERR = f"Gluon (triton.experimental.gluon) unavailable: {e}"
