@@ -35,6 +35,7 @@ import itertools
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -68,6 +69,18 @@ def cases():
         ("ragged4", rq, rk),  # same work as 4x1024q/16384k
         ("1x1024q/16384k", [1024], [16384]),
     ]
+
+
+def shape_of(name: str) -> tuple[list[int], list[int]]:
+    """(q lengths, k lengths) of a case of the table (``cases``), or of one segment named as
+    they are: "1x8192q/1024k" (the A/B runs' shorter chunks)."""
+    for n, ql, kl in cases():
+        if n == name:
+            return ql, kl
+    m = re.fullmatch(r"1x(\d+)q/(\d+)k", name)
+    if m is None:
+        raise KeyError(f"no attention case {name!r}")
+    return [int(m[1])], [int(m[2])]
 
 
 def pairs(q_lens, k_lens, causal):
@@ -677,10 +690,10 @@ SWEEP = {
             _c(128, 128, 8, 2, PV_FP8=True, v_layout="hdt")],
 }
 def _ws(pipe, bn, stages, EARLY_K=True, RESCALE_EARLY=False, PINGPONG=False, PV_WAIT_LATE=False,  # noqa: N803
-        P_REGS=False, EXP2_POLY=0, **kw):  # (the kernel's own names)
+        P_REGS=False, EXP2_POLY=0, HOST_DESC=False, **kw):  # (the kernel's own names)
     return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages, EARLY_K=EARLY_K, RESCALE_EARLY=RESCALE_EARLY,
                         PINGPONG=PINGPONG, PV_WAIT_LATE=PV_WAIT_LATE, P_REGS=P_REGS,
-                        EXP2_POLY=EXP2_POLY), **kw)
+                        EXP2_POLY=EXP2_POLY, HOST_DESC=HOST_DESC), **kw)
 
 
 # the warp-specialized Gluon kernel (--sweep ws): serial or pipelined consumers, key block,
@@ -749,6 +762,13 @@ AB = {
                                                  **_FP8_KL)),
                       ("fp8", _PIPE_FP8_256, _ws(False, 256, 2, P_REGS=True, EXP2_POLY=1, **_FP8_KL))],
                      AB_SHAPES),
+    # q and K through the launch's descriptors (HOST_DESC: one descriptor made per program, V's,
+    # not five; three with P_REGS) against the defaults, where the per-tile cost shows: few keys
+    "ws-host-desc": ([("bf16", _PIPE_LATE, _ws(True, 128, 2, PV_WAIT_LATE=True, HOST_DESC=True)),
+                      ("fp8", _ws(False, 256, 2, PINGPONG=True, P_REGS=True, **_FP8_KL),
+                       _ws(False, 256, 2, PINGPONG=True, P_REGS=True, HOST_DESC=True, **_FP8_KL))],
+                     [(16, "1x8192q/1024k"), (128, "1x8192q/1024k"), (16, "1x8192q/4096k"),
+                      (128, "1x8192q/4096k"), (16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "ragged4")]),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),
@@ -800,7 +820,6 @@ def run_ab(args):
     """Each shape and pair of ``AB[args.ab]``: config B against config A, interleaved."""
     scale = 192**-0.5
     data = Inputs()
-    byname = {c[0]: c for c in cases()}
     ab_pairs, ab_shapes = AB[args.ab]
     from ctxprefill.clock_monitor import ClockMonitor
 
@@ -809,7 +828,7 @@ def run_ab(args):
     for (H, name), (dt, cfg_a, cfg_b) in itertools.product(ab_shapes, ab_pairs):
         if H not in args.heads:
             continue
-        _, ql, kl = byname[name]
+        ql, kl = shape_of(name)
         rec = dict(H=H, case=name, dtype=dt, config_a=cfg_a, config_b=cfg_b, rounds=args.verdict_rounds)
         if elapsed() > args.budget_s:
             out.append(dict(rec, skipped="time budget"))

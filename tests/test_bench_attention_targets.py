@@ -210,3 +210,23 @@ def test_the_key_scan_keeps_to_the_time_budget(monkeypatch):
     out = ba.run_key_scan(args)
     assert [r["keys"] for r in out] == list(ba.KEY_SCAN)
     assert all(r["skipped"] == "time budget" and "fit" not in r for r in out)
+
+
+def test_every_ab_names_cases_and_kernel_options_that_exist():
+    """``--ab``'s pairs run: each shape resolves to lengths (the table's cases, or one
+    segment named "1xQq/Kk"), each warp-specialized config sets only the kernel's options."""
+    from ctxprefill.backends import gluon_attention as ga
+
+    assert ba.shape_of("1x8192q/1024k") == ([8192], [1024])
+    assert ba.shape_of("ragged4") == (ba.cases()[2][1], ba.cases()[2][2])
+    with pytest.raises(KeyError, match="2x8q/8k"):
+        ba.shape_of("2x8q/8k")
+    for name, (pairs, shapes) in ba.AB.items():
+        for _, case in shapes:
+            q_lens, k_lens = ba.shape_of(case)
+            assert len(q_lens) == len(k_lens) >= 1, (name, case)
+        for _, a, b in pairs:
+            for cfg in (a, b):
+                assert set(cfg["WS"]) <= set(ga.CONFIG), (name, cfg)
+            assert a != b, name
+    assert any(b["WS"]["HOST_DESC"] and not a["WS"]["HOST_DESC"] for _, a, b in ba.AB["ws-host-desc"][0])
