@@ -944,9 +944,9 @@ def test_gpu_warp_specialized_host_descriptors_same_bits(dtype, ws):
     segment come from the next segment, masked out of the scores or never stored) give the
     same bits as through descriptors made per (segment, head): packed and unpacked keys
     (rope shared by the heads), ragged with empty and one-key segments, grid order and the
-    host's launch order; a launch of the Gluon kernel either way (``P_REGS`` reads K through
-    descriptors made per segment with both: the packed keys only, with the rows it reads
-    past the end)."""
+    host's launch order; a launch of the Gluon kernel either way. Under ``P_REGS`` K keeps
+    its descriptors made per segment, so only q's change: packed keys, with the rows it
+    reads past their end."""
     from ctxprefill.ops.pack import key_buffer
 
     q_lens, k_lens = [1000, 0, 1, 257, 2048, 64], [4096, 300, 0, 1, 2500, 129]
