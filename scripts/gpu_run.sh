@@ -120,13 +120,16 @@ want build && run_step build 300 15 "$OUT/build.log" python3 -m ctxprefill.ops.b
 if want pytest; then
 : >"$OUT/pytest.log"
 # GPU_RUN_PYTEST narrows the first run to some test files / node ids (and skips the second,
-# whose time it then keeps); tests/gpu takes ~210-300 s on the H200. Each run's reserve
-# keeps time for what follows it (the Triton file, later steps)
+# whose time it then keeps); tests/gpu takes ~210-300 s on the H200. GPU_RUN_PYTEST_K is
+# pytest's -k expression, passed whole ("p_in_registers or exp2_poly"; GPU_RUN_PYTEST is
+# split at spaces). Each run's reserve keeps time for what follows it (the Triton file, later steps)
 LATER=$(for s in $STEPS; do case $s in build|pytest) ;; *) echo "$s";; esac; done)
+K_ARGS=()
+[ -z "${GPU_RUN_PYTEST_K:-}" ] || K_ARGS=(-k "$GPU_RUN_PYTEST_K")
 run_step pytest_gpu 400 "$([ -z "${GPU_RUN_PYTEST:-}" ] && echo 200 || { [ -n "$LATER" ] && echo 150 || echo 5; })" \
   "+$OUT/pytest.log" \
   python3 -m pytest -q -rsfE -p no:cacheprovider --durations=10 --tb=short --junitxml=/tmp/junit.xml \
-  ${GPU_RUN_PYTEST:-tests/gpu}
+  ${GPU_RUN_PYTEST:-tests/gpu} ${K_ARGS[@]+"${K_ARGS[@]}"}
 [ -n "${GPU_RUN_PYTEST:-}" ] || run_step pytest_triton 240 "$([ -n "$LATER" ] && echo 150 || echo 5)" "+$OUT/pytest.log" \
   python3 -m pytest -q -rs -p no:cacheprovider --durations=5 tests/test_backend_triton.py \
   $(ls tests/test_backend_cudnn.py 2>/dev/null)
