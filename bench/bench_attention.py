@@ -778,9 +778,8 @@ SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),
 def run_sweep(args):
     scale = 192**-0.5
     data = Inputs()
-    byname = {c[0]: c for c in cases()}
     sweep, sweep_shapes = SWEEPS[args.sweep]
-    shapes = [(H, byname[n]) for H, n in sweep_shapes if H in args.heads]
+    shapes = [(H, (n, *shape_of(n))) for H, n in sweep_shapes if H in args.heads]
     results, best = [], {}
     for rank in range(max(len(v) for v in sweep.values())):
         for dt, cfgs in sweep.items():

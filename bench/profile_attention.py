@@ -40,7 +40,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ab", default="ws-fp8-regs", choices=list(ba.AB))
     p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--case", default="1x8192q/16384k", choices=[c[0] for c in ba.cases()])
+    p.add_argument("--case", default="1x8192q/16384k",
+                   help="a case of bench_attention's table, or one segment as \"1x8192q/1024k\" (shape_of)")
     p.add_argument("--flashinfer", action="store_true",
                    help="one launch of FlashInfer's FA3 (bf16) after ours, in the same range (ncu without -k)")
     a = p.parse_args(argv)
@@ -49,7 +50,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("profile_attention.py needs a CUDA device")
     os.environ["TRITON_INTERPRET"] = "0"
-    _, ql, kl = next(c for c in ba.cases() if c[0] == a.case)
+    try:
+        ql, kl = ba.shape_of(a.case)
+    except KeyError as e:
+        p.error(str(e))
     x = ba.Inputs().get(a.heads, a.case, ql, kl)
     configs = configs_of(a.ab)
     fns = [ba.prov_triton(*x[dt], x["cq"], x["ck"], ql, kl, 192**-0.5, config=cfg) for dt, cfg in configs]

@@ -527,7 +527,6 @@ if gluon is not None:
         kr_seg = KR + k_start.to(gl.int64) * stride_rt + h.to(gl.int64) * stride_rh
         q_rows = gl.maximum(q_len, 1)
         k_rows = gl.maximum(k_len, 1)
-        h_r = gl.where(stride_rh == 0, 0, h)  # the rope keys' head in KR_D (0: shared by the heads)
         if HOST_DESC:
             # the launch's descriptors over all of q (a tile's rows past its segment are rows
             # whose output is never stored) and of K (keys past the segment's end are masked
@@ -558,6 +557,8 @@ if gluon is not None:
             kn_d = tma.make_tensor_descriptor(k_seg, [k_rows, 128], [stride_kt, 1], [BLOCK_N, 128], kn_l)
             kr_d = tma.make_tensor_descriptor(kr_seg, [k_rows, 64], [stride_rt, 1], [BLOCK_N, 64], kr_l)
         k_row = k_start if HOST_K else 0  # the first key's row in K's descriptors
+        # the rope keys' head in KR_D (0: one head shared by all, stride 0)
+        h_r = gl.where(stride_rh == 0, 0, h) if HOST_K else h
         if V_T:  # V [H, 128, Tv], keys contiguous from column cu_v[b] (16-byte aligned: the caller's)
             vt_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, BLOCK_N], dt)
             v_seg = V + gl.load(cu_v + b).to(gl.int64) + h.to(gl.int64) * stride_vh
