@@ -114,19 +114,24 @@ def issue_time_s(engine, q, seqs, fused: bool, graphs: bool, iters: int) -> tupl
 
 
 def replay_launch_rounds(engine, q, seqs, rounds: int, iters: int) -> dict:
-    """The replay's time outside its stage and its stage's time, in place and copying q in
-    and out and LSE out (both through the extension), in ``rounds`` interleaved rounds of
-    ``iters`` requests each (a host's state drifts over a run: adjacent rounds see the same
-    one): each round's medians per mode, in s, and the median over rounds of their
+    """The replay's time outside its stage, its stage's time and its host steps up to the
+    first copy, in place and copying q in and out and LSE out (both through the extension),
+    in ``rounds`` interleaved rounds of ``iters`` requests each (a host's state drifts over
+    a run: adjacent rounds see the same one): each round's medians per mode (s; the first
+    copy and validation in µs, ``host_steps_us``), and the median over rounds of the
     differences (the copying mode's minus the in-place one's)."""
-    got: dict[str, list[float]] = {f"{m}_{k}": [] for m in ("in_place", "copies") for k in ("outside_s", "stage_s")}
+    got: dict[str, list[float]] = {f"{m}_{k}": [] for m in ("in_place", "copies")
+                                   for k in ("outside_s", "stage_s", "first_copy_us", "validate_us")}
     for _ in range(rounds):
         for mode, path in (("in_place", "graph"), ("copies", "graph_copies")):
             with replay_mode(engine, path):
                 t = time_request(engine, q, seqs, True, engine.device, max_iters=iters, min_iters=iters, target_s=0,
                                  graphs_on=True)
+                steps = host_steps_us(engine, q, seqs, True, True, iters)
             got[f"{mode}_outside_s"].append(t["outside_s"])
             got[f"{mode}_stage_s"].append(sum(t["stage_s"].values()))
+            got[f"{mode}_first_copy_us"].append(steps["first copy"])
+            got[f"{mode}_validate_us"].append(steps["validate"])
     for k in ("outside_s", "stage_s"):
         got[f"median_saving_{k}"] = statistics.median(b - a for a, b in zip(got[f"in_place_{k}"], got[f"copies_{k}"],
                                                                           strict=True))
@@ -290,6 +295,8 @@ def _measure(a: argparse.Namespace) -> list[dict]:
         s = ServeSettings(device="cuda", heads=heads, prefill_dtype=pd, block_size=64,
                           num_blocks=math.ceil(a.context / 64) + 8, workspace_tokens=a.workspace_tokens)
         engine = build_engine(s)
+        if a.pin_cpu is not None:  # this thread only: the threads the engine started keep theirs
+            os.sched_setaffinity(0, {a.pin_cpu})
         q, seqs = make_device_request(engine, [a.context], [a.new])
         row = {"heads": heads, "new": a.new, "context": a.context, "prefill_dtype": pd}
         for name, fused, graphs in PATHS:
@@ -404,6 +411,9 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-latency-us", type=int, default=None,
                    help="hold /dev/cpu_dma_latency at this many microseconds while measuring (bench/pm_qos.py; "
                         "root only): whether idle CPUs' wake-ups are part of a request's host time")
+    p.add_argument("--pin-cpu", type=int, default=None,
+                   help="hold the measuring thread (the engine's caller) on this CPU: whether moving between "
+                        "CPUs is part of a request's host time")
     p.add_argument("--out")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -419,7 +429,7 @@ def main(argv=None) -> int:
         rows = _measure(a)
     if a.out:
         meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "date": run_info.utc_now(),
-                "commit": run_info.commit(), "no_gc": a.no_gc, "cpu_latency": qos,
+                "commit": run_info.commit(), "no_gc": a.no_gc, "cpu_latency": qos, "pinned_cpu": a.pin_cpu,
                 "graph_first_copy": "the copies queued (graph_launch's return)"}
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -184,6 +184,34 @@ def test_first_copy_label_follows_the_probe(mt, tmp_path):
         assert ("an upper bound" in mt.host_table(probe)) is bound, mark
 
 
+def test_first_copy_comes_from_the_interleaved_rounds_where_recorded(mt, tmp_path):
+    """The README's first copy is the median of the probe's interleaved in-place rounds where
+    every row recorded them there (its first pass otherwise), and the host table gives them
+    against the copying rounds."""
+    res = tmp_path / "results"
+    shutil.copytree(RESULTS, res)
+    probe = json.loads((res / "probe_host.json").read_text())
+
+    def row() -> str:
+        (res / "probe_host.json").write_text(json.dumps(probe))
+        block = mt.readme_block(str(tmp_path), results=str(res))
+        return next(line for line in block.splitlines() if line.startswith("| Host time of a request"))
+
+    first_pass = " / ".join(f"{r['graph_host_steps_us']['first copy']:.0f}" for r in probe["rows"])
+    for r in probe["rows"]:
+        r["replay_launch_rounds"].pop("in_place_first_copy_us", None)
+    assert first_pass in row() and "median of the interleaved rounds" not in row()
+    for i, r in enumerate(probe["rows"]):
+        x = r["replay_launch_rounds"]
+        x["in_place_first_copy_us"] = [900.0 + i, 11.0 + i, 12.0 + i]  # median 12 + i: one slow round left out
+        x["copies_first_copy_us"] = [20.0, 21.0, 22.0]
+        x["in_place_validate_us"] = x["copies_validate_us"] = [5.0, 6.0, 7.0]
+    got = row()
+    assert "median of the interleaved rounds in place" in got
+    assert " / ".join(f"{12 + i}" for i in range(len(probe["rows"]))) in got
+    assert "the call to its first copy 12.0 against 21.0 (validation 6.0 against 6.0)" in mt.host_table(probe)
+
+
 def test_whole_request_rows_give_every_dtypes_graph_against_its_floor(mt, tmp_path):
     """The whole-request rows give the range of the CUDA graph's ratio to its floor over every
     cache and prefill dtype of that head count, and at the held GEMM rate where the run
