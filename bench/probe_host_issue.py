@@ -291,11 +291,14 @@ def profile_top(fn, n: int = 200, top: int = 25) -> list[dict]:
 def _measure(a: argparse.Namespace) -> list[dict]:
     """Every (heads, prefill dtype) row, printed as it is measured."""
     rows = []
+    cpus = os.sched_getaffinity(0)
     for heads, pd in [(h, pd) for h in a.heads for pd in a.prefill_dtype]:
         s = ServeSettings(device="cuda", heads=heads, prefill_dtype=pd, block_size=64,
                           num_blocks=math.ceil(a.context / 64) + 8, workspace_tokens=a.workspace_tokens)
+        if a.pin_cpu is not None:  # the engine's threads start on every CPU, then this thread alone moves
+            os.sched_setaffinity(0, cpus)
         engine = build_engine(s)
-        if a.pin_cpu is not None:  # this thread only: the threads the engine started keep theirs
+        if a.pin_cpu is not None:
             os.sched_setaffinity(0, {a.pin_cpu})
         q, seqs = make_device_request(engine, [a.context], [a.new])
         row = {"heads": heads, "new": a.new, "context": a.context, "prefill_dtype": pd}
