@@ -413,13 +413,6 @@ def _in_place_rounds(rows: list[dict]) -> str:
                          for x in (r["replay_launch_rounds"] for r in rows)))
 
 
-def _graph_first_copy_us(r: dict) -> float:
-    """A probe_host row's time from the call to the replay's first device copy, µs: the median
-    over the interleaved in-place rounds where the probe recorded it there, else its first pass."""
-    rounds = r["replay_launch_rounds"].get("in_place_first_copy_us")
-    return statistics.median(rounds) if rounds else float(r["graph_host_steps_us"]["first copy"])
-
-
 def host_table(d: Doc) -> str:
     """``bench/probe_host_issue.py``: where a request's host time goes, the device held."""
     first = ("the time that call returns for the copies queued" if _first_copy_queued(d)
@@ -945,16 +938,20 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
     ph = probe["rows"]
     host = [r for r in ph if "graph_host_steps_us" in r]
     if host:
+        # the call to the replay's first device copy: the median over the interleaved in-place
+        # rounds where the probe recorded it there, else its first pass
+        in_rounds = all("in_place_first_copy_us" in r["replay_launch_rounds"] for r in host)
+        first_us = [statistics.median(r["replay_launch_rounds"]["in_place_first_copy_us"]) if in_rounds
+                    else r["graph_host_steps_us"]["first copy"] for r in host]
         rows.append(("Host time of a request, 1,024 new over 64k, " + " / ".join(
                          f"H={r['heads']} {r['prefill_dtype']}" for r in host)
                      + ": outside the stages, eager → as a CUDA graph (ms); the call to its first device copy, "
                        + ("as a CUDA graph (µs" if _first_copy_queued(probe) else
                           "as a CUDA graph (µs; at most: the call that queues the copies also launches the graph")
-                       + ("; median of the interleaved rounds in place)"
-                          if all("in_place_first_copy_us" in r["replay_launch_rounds"] for r in host) else ")"),
+                       + ("; median of the interleaved rounds in place)" if in_rounds else ")"),
                      " / ".join(f"{_ms(r['fused_outside_s'], '.3f')} → {_ms(r['graph_outside_s'], '.3f')}"
                                 for r in host) + "; "
-                     + " / ".join(f"{_graph_first_copy_us(r):.0f}" for r in host)
+                     + " / ".join(f"{us:.0f}" for us in first_us)
                      + _in_place_rounds(host), "probe_host"))
     ad = load("bench_attention", results)
     att = [r for r in ad["results"] if r.get("case") == "1x8192q/16384k" and not r.get("causal") and "tflops" in r]

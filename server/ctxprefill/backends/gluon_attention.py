@@ -652,7 +652,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
         grid = (order.numel(), 1, 1)
     # no keys or no queries at all: no descriptor over them (TMA wants every size > 0)
     host = bool(cfg["HOST_DESC"]) and q.shape[0] > 0 and k.shape[0] > 0
-    descs = _host_descriptors(q, k, kr, cfg, host)
+    descs = _host_descriptors(q, k, kr, cfg) if host else (None, None, None, None)
     _mla_attn_ws_fwd[grid](
         q, k, kr, v, out, lse, *descs, cu_q, cu_k, cu_v, qk_scale, cu_q.numel() - 1,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), kr.stride(0), kr.stride(1),
@@ -667,14 +667,12 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
     )
 
 
-def _host_descriptors(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, cfg: dict[str, Any],
-                      host: bool) -> tuple[Any, Any, Any, Any]:
+def _host_descriptors(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor,
+                      cfg: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     """``HOST_DESC``'s launch-wide TMA descriptors (QN_D, QR_D, KN_D, KR_D): q [Tq, H, 192]
     in boxes of [64, 1, 128] and [64, 1, 64]; k's first 128 columns and kr [Tk, H or 1, 64]
     in boxes of [BLOCK_N, 1, cols] (None for K under ``P_REGS``, whose 5-D boxes start at a
-    segment); all None without ``host``."""
-    if not host:
-        return None, None, None, None
+    segment)."""
     fp8 = q.dtype.itemsize == 1
     half, bn = cfg["BLOCK_M"] // 2, cfg["BLOCK_N"]
 
