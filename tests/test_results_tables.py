@@ -120,7 +120,8 @@ def test_results_folder_is_flat_and_listed(mt):
     assert len(names) <= 40
     for f in mt.files():  # every table can name its run
         run = mt.run_of(mt.load(f))
-        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", run["date"]) and run["commit"] != "?" and "H200" in run["gpu"], f
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", run["date"]) and run["commit"] != "?", f
+        assert re.search(r"H100|H200", run["gpu"]), f  # a Hopper card the GPU machine lends
 
 
 def test_gpu_run_writes_the_listed_files(mt):
