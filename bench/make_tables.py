@@ -859,8 +859,8 @@ def results_readme(results: str = RESULTS) -> str:
     docs = {f: load(f, results) for f in files()}
     out = ["# Benchmark results", "",
            "One run per benchmark, the JSON each benchmark wrote beside this file; every table names its GPU, date "
-           "and commit. The GPU is an H200 or an H100 (sm_90a both; the GPU machine lends either), so a figure "
-           "is compared only with others of its own run, where the baseline ran beside it. "
+           "and commit. Runs come from an H200 or an H100 (both sm_90a), so a figure is compared only with "
+           "others of its own run, where its baseline ran beside it. "
            "This file is generated: `python bench/make_tables.py` (and `--check` fails where it "
            "differs from the JSON).", "",
            "To measure again, on the GPU machine from the repository root:", "",
