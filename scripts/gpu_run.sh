@@ -120,17 +120,20 @@ want build && run_step build 300 15 "$OUT/build.log" python3 -m ctxprefill.ops.b
 if want pytest; then
 : >"$OUT/pytest.log"
 # GPU_RUN_PYTEST narrows the first run to some test files / node ids (and skips the second,
-# whose time it then keeps); tests/gpu takes ~210-300 s on the H200. GPU_RUN_PYTEST_K is
-# pytest's -k expression, passed whole ("p_in_registers or exp2_poly"; GPU_RUN_PYTEST is
-# split at spaces). Each run's reserve keeps time for what follows it (the Triton file, later steps)
+# whose time it then keeps). GPU_RUN_PYTEST_K is pytest's -k expression, passed whole
+# ("p_in_registers or exp2_poly"; GPU_RUN_PYTEST is split at spaces). Each run's reserve
+# keeps time for what follows it (the Triton file, later steps)
 LATER=$(for s in $STEPS; do case $s in build|pytest) ;; *) echo "$s";; esac; done)
 K_ARGS=()
 [ -z "${GPU_RUN_PYTEST_K:-}" ] || K_ARGS=(-k "$GPU_RUN_PYTEST_K")
-# tests/gpu first claims 300 s of what is left (it needs ~210-300 s): the Triton file's
-# reserve of 200 s shrinks under a smaller budget rather than cut tests/gpu short
-LEFT=$((BUDGET - ($(date +%s) - T0)))
-FIRST_RESERVE=$((LEFT - 300 >= 200 ? 200 : (LEFT - 300 > 5 ? LEFT - 300 : 5)))
-[ -z "${GPU_RUN_PYTEST:-}" ] || FIRST_RESERVE=$([ -n "$LATER" ] && echo 150 || echo 5)
+if [ -z "${GPU_RUN_PYTEST:-}" ]; then
+  # tests/gpu (~210-300 s on the H200) first claims 300 s of what is left: the Triton file's
+  # reserve, 200 s, shrinks under a smaller budget (to 5 s) rather than cut tests/gpu short
+  LEFT=$((BUDGET - ($(date +%s) - T0)))
+  FIRST_RESERVE=$((LEFT - 300 >= 200 ? 200 : (LEFT - 300 > 5 ? LEFT - 300 : 5)))
+else
+  FIRST_RESERVE=$([ -n "$LATER" ] && echo 150 || echo 5)
+fi
 run_step pytest_gpu 400 "$FIRST_RESERVE" \
   "+$OUT/pytest.log" \
   python3 -m pytest -q -rsfE -p no:cacheprovider --durations=10 --tb=short --junitxml=/tmp/junit.xml \
