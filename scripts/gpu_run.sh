@@ -302,7 +302,8 @@ want bench_model_workload && run_step bench_model_workload 540 5 - python3 bench
   --out "$OUT/bench_model_workload.json"
 # the same with the server's --cuda-graphs (a step's shape captured once, replayed for the other layers)
 want bench_model_workload_graphs && run_step bench_model_workload_graphs 300 5 - python3 bench/bench_model_workload.py \
-  --device cuda --cuda-graphs --orders host stream ${GPU_RUN_WORKLOAD_ARGS:-} --out "$OUT/bench_model_workload_graphs.json"
+  --device cuda --cuda-graphs --orders host stream --prefill-dtype bf16 fp8 ${GPU_RUN_WORKLOAD_ARGS:-} \
+  --out "$OUT/bench_model_workload_graphs.json"
 
 # where the host's time goes in that workload (16 heads, graphs): py-spy samples the bench and its
 # server (raw stacks, gzipped), folded for the server's engine thread and the caller's timed loop
