@@ -830,7 +830,7 @@ BENCHMARKS = (
           "them (its cache_write writing the chunk's latents), against the sum of the calls' floors; each answer "
           "awaited with its work done (host order), then through a stream-ordered ring on the same server (stream "
           "order); the last chunk's answers checked against float64; then the same served with `--cuda-graphs` "
-          "(bf16). "
+          "(bf16 and fp8). "
           "Per call: where its time goes — the device's stages, the server's host phases, the hand-offs."),
 )
 
