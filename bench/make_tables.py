@@ -832,6 +832,10 @@ BENCHMARKS = (
           "order); the last chunk's answers checked against float64; then the same served with `--cuda-graphs` "
           "(bf16 and fp8). "
           "Per call: where its time goes — the device's stages, the server's host phases, the hand-offs."),
+    Bench("The same prefill with and without CUDA MPS", "bench_model_workload_mps", ("bench_model_workload_mps",),
+          "`bench/bench_model_workload.py --heads 16 --prefill-dtype bf16 --mps-ab 2`: the 16-head bf16 workload "
+          "above, in turn without and with the caller and the server as clients of one CUDA MPS daemon (their work "
+          "in one GPU context instead of two time-sliced ones), two rounds, each run a process of its own."),
 )
 
 
