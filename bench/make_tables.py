@@ -1015,6 +1015,19 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                  f"{a['new']:,} new tokens in {a['chunk']:,}-token chunks up to 128k context, "
                  + " / ".join(str(h) for h in heads) + " heads",
                  "; ".join(parts), "bench_model_workload"))
+    ab = load("bench_model_workload_mps", results)
+    mps_parts = []
+    for order in ("stream", "host"):
+        off, on = ([r for r in ab["runs"] if r.get("order", "host") == order and r["mps"] is m] for m in (False, True))
+        if off and on:
+            mps_parts.append(f"{order} order: wall " + " / ".join(f"{r['wall_s']:.3f}" for r in off) + " → "
+                             + " / ".join(f"{r['wall_s']:.3f}" for r in on) + " s, "
+                             + " / ".join(f"{r['ratio']:.2f}×" for r in off) + " → "
+                             + " / ".join(f"{r['ratio']:.2f}×" for r in on) + " the floor sums")
+    h, p = ab["runs"][0]["heads"], _prefill(ab["runs"][0])
+    rows.append((f"The same prefill at {h} heads, {p} prefill, without → with the caller and the server under one "
+                 f"CUDA MPS daemon (alternating, {ab['meta']['args']['mps_ab']} rounds each)",
+                 "; ".join(mps_parts), "bench_model_workload_mps"))
     mp = load("bench_model_prefill_fp32", results)
     m, cuda = mp["meta"]["model"], mp["transports"]["cuda"]
     rows.append((f"A transformers DeepSeek-V3 model ({m['layers']} layers, {m['heads']} heads, computing in "
