@@ -1018,15 +1018,16 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
     ab = load("bench_model_workload_mps", results)
     mps_parts = []
     for order in ("stream", "host"):
-        off, on = ([r for r in ab["runs"] if r.get("order", "host") == order and r["mps"] is m] for m in (False, True))
+        runs = [r for r in ab["runs"] if r.get("order", "host") == order]
+        off, on = [r for r in runs if not r["mps"]], [r for r in runs if r["mps"]]
         if off and on:
-            mps_parts.append(f"{order} order: wall " + " / ".join(f"{r['wall_s']:.3f}" for r in off) + " → "
-                             + " / ".join(f"{r['wall_s']:.3f}" for r in on) + " s, "
-                             + " / ".join(f"{r['ratio']:.2f}×" for r in off) + " → "
-                             + " / ".join(f"{r['ratio']:.2f}×" for r in on) + " the floor sums")
-    h, p = ab["runs"][0]["heads"], _prefill(ab["runs"][0])
-    rows.append((f"The same prefill at {h} heads, {p} prefill, without → with the caller and the server under one "
-                 f"CUDA MPS daemon (alternating, {ab['meta']['args']['mps_ab']} rounds each)",
+            def both(fmt: str) -> str:  # the rounds without → with MPS
+                return " → ".join(" / ".join(fmt.format(r) for r in rs) for rs in (off, on))
+            mps_parts.append(f"{order} order: wall {both('{0[wall_s]:.3f}')} s, {both('{0[ratio]:.2f}×')} "
+                             "the floor sums")
+    first = ab["runs"][0]
+    rows.append((f"The same prefill at {first['heads']} heads, {_prefill(first)} prefill, without → with the caller "
+                 f"and the server under one CUDA MPS daemon (alternating, {ab['meta']['args']['mps_ab']} rounds each)",
                  "; ".join(mps_parts), "bench_model_workload_mps"))
     mp = load("bench_model_prefill_fp32", results)
     m, cuda = mp["meta"]["model"], mp["transports"]["cuda"]

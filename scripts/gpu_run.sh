@@ -130,8 +130,8 @@ K_ARGS=()
 if [ -z "${GPU_RUN_PYTEST:-}" ]; then
   # tests/gpu (~210-300 s on the H200) first claims 300 s of what is left: the Triton file's
   # reserve, 200 s, shrinks under a smaller budget (to 5 s) rather than cut tests/gpu short
-  LEFT=$((BUDGET - ($(date +%s) - T0)))
-  FIRST_RESERVE=$((LEFT - 300 >= 200 ? 200 : (LEFT - 300 > 5 ? LEFT - 300 : 5)))
+  FIRST_RESERVE=$((BUDGET - ($(date +%s) - T0) - 300))
+  FIRST_RESERVE=$((FIRST_RESERVE > 200 ? 200 : FIRST_RESERVE < 5 ? 5 : FIRST_RESERVE))
 else
   FIRST_RESERVE=$([ -n "$LATER" ] && echo 150 || echo 5)
 fi
