@@ -180,6 +180,7 @@ def test_a_served_process_writes_only_json_lines():
     serving = next(g for g in lines if g["msg"] == "serving")
     assert serving["device"] == "cpu" and serving["cuda_graphs"] is False and serving["fused_kernels"] is False
     assert "need a CUDA device, got cpu" in serving["cuda_graphs_reason"]
+    assert serving["mps_client"] is None  # a CPU server: no CUDA context to share
     ignored = next(g for g in lines if g["msg"] == "settings without effect")
     assert ignored["level"] == "WARNING" and msgs.index("settings without effect") < msgs.index("listening")
     assert ignored["settings"] == ["--k-scale (needs --cache-dtype fp8: fp8_ds_mla keeps a scale per tile)"]

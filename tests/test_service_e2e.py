@@ -171,6 +171,7 @@ def test_server_info(served):
     assert info.attention_backend == "reference" and info.attention_backend_supports_out
     assert not info.fused_kernels_active and info.fused_kernels_reason
     assert info.workspace_tokens == 256 and info.device == "cpu"
+    assert info.mps_client is None  # unset on a CPU server, read back as None
     assert info.versions["server"] and info.versions["torch"] == torch.__version__
     assert info.max_message_bytes == 1 << 30
     assert len(info.instance_id) >= 16 and info.instance_id != served.engine.instance_id

@@ -195,6 +195,9 @@ class ServerInfo:
     unpacked_keys: bool = False
     # request rings may be stream-ordered (serve --request-ring-stream-order)
     request_ring_stream_order: bool = False
+    # the server's CUDA work runs as a client of an MPS daemon (docs/DEPLOY.md); None: a CPU
+    # server, a driver that cannot say, or a server predating the field
+    mps_client: bool | None = None
 
     @property
     def head_start(self) -> int:
@@ -228,6 +231,7 @@ class ServerInfo:
             "total_heads": m.total_heads or m.num_heads,
             "shared_memory_kinds": kind_names(m.shared_memory_kinds),
             "num_layers": m.num_layers or 1,  # 0: a server predating layers (one layer, 0)
+            "mps_client": m.mps_client if m.HasField("mps_client") else None,
         }
         return cls(**{f.name: special[f.name] if f.name in special else getattr(m, f.name) for f in fields(cls)})
 

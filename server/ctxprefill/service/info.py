@@ -12,6 +12,7 @@ from ctxprefill_api import pb
 
 from .. import __version__
 from ..engine.engine import Engine
+from ..mps import mps_client
 from ..settings import ServeSettings, ShardSpec, shard_spec
 from .shared_memory import CUDA, SYSTEM, SharedMemoryRegistry
 
@@ -23,6 +24,14 @@ def describe_device(device: torch.device) -> str:
         idx = device.index if device.index is not None else torch.cuda.current_device()
         return f"cuda:{idx} ({torch.cuda.get_device_name(idx)})"
     return str(device)
+
+
+def device_mps_client(device: torch.device) -> bool | None:
+    """Whether the server's work on ``device`` runs through MPS (:func:`ctxprefill.mps.mps_client`);
+    None on a CPU."""
+    if device.type != "cuda":
+        return None
+    return mps_client(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def versions() -> pb.Versions:
@@ -64,6 +73,7 @@ def server_info(engine: Engine, settings: ServeSettings, max_message_bytes: int,
         request_ring_max=request_ring_max,
         request_ring_stream_order=bool(request_ring_max) and settings.request_ring_stream_order,
         num_layers=cfg.num_layers, first_layer=cfg.first_layer, unpacked_keys=engine.unpacked_keys_active,
+        mps_client=device_mps_client(engine.device),
     )
 
 

@@ -158,7 +158,7 @@ class Versions(_message.Message):
     def __init__(self, server: _Optional[str] = ..., torch: _Optional[str] = ..., cuda: _Optional[str] = ..., cudnn: _Optional[str] = ..., python: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("instance_id", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "softmax_scale", "cache_dtype", "block_size", "num_blocks", "k_scale", "bytes_per_slot", "kv_b_proj_dtype", "kv_b_proj_scale_format", "weights_source", "prefill_dtype", "attention_backend", "attention_backend_supports_out", "fused_kernels_active", "fused_kernels_reason", "workspace_tokens", "device", "versions", "max_message_bytes", "shard_index", "num_shards", "total_heads", "shared_memory_kinds", "shared_memory_max_regions", "shared_memory_max_bytes", "request_ring_max", "num_layers", "first_layer", "unpacked_keys", "request_ring_stream_order")
+    __slots__ = ("instance_id", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "softmax_scale", "cache_dtype", "block_size", "num_blocks", "k_scale", "bytes_per_slot", "kv_b_proj_dtype", "kv_b_proj_scale_format", "weights_source", "prefill_dtype", "attention_backend", "attention_backend_supports_out", "fused_kernels_active", "fused_kernels_reason", "workspace_tokens", "device", "versions", "max_message_bytes", "shard_index", "num_shards", "total_heads", "shared_memory_kinds", "shared_memory_max_regions", "shared_memory_max_bytes", "request_ring_max", "num_layers", "first_layer", "unpacked_keys", "request_ring_stream_order", "mps_client")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     KV_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class GetServerInfoResponse(_message.Message):
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
     UNPACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_RING_STREAM_ORDER_FIELD_NUMBER: _ClassVar[int]
+    MPS_CLIENT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_heads: int
     kv_lora_rank: int
@@ -229,7 +230,8 @@ class GetServerInfoResponse(_message.Message):
     first_layer: int
     unpacked_keys: bool
     request_ring_stream_order: bool
-    def __init__(self, instance_id: _Optional[str] = ..., num_heads: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_nope_head_dim: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., softmax_scale: _Optional[float] = ..., cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., k_scale: _Optional[float] = ..., bytes_per_slot: _Optional[int] = ..., kv_b_proj_dtype: _Optional[str] = ..., kv_b_proj_scale_format: _Optional[str] = ..., weights_source: _Optional[str] = ..., prefill_dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., attention_backend_supports_out: _Optional[bool] = ..., fused_kernels_active: _Optional[bool] = ..., fused_kernels_reason: _Optional[str] = ..., workspace_tokens: _Optional[int] = ..., device: _Optional[str] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_heads: _Optional[int] = ..., shared_memory_kinds: _Optional[_Iterable[_Union[SharedMemoryKind, str]]] = ..., shared_memory_max_regions: _Optional[int] = ..., shared_memory_max_bytes: _Optional[int] = ..., request_ring_max: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_layer: _Optional[int] = ..., unpacked_keys: _Optional[bool] = ..., request_ring_stream_order: _Optional[bool] = ...) -> None: ...
+    mps_client: bool
+    def __init__(self, instance_id: _Optional[str] = ..., num_heads: _Optional[int] = ..., kv_lora_rank: _Optional[int] = ..., qk_nope_head_dim: _Optional[int] = ..., qk_rope_head_dim: _Optional[int] = ..., v_head_dim: _Optional[int] = ..., softmax_scale: _Optional[float] = ..., cache_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., k_scale: _Optional[float] = ..., bytes_per_slot: _Optional[int] = ..., kv_b_proj_dtype: _Optional[str] = ..., kv_b_proj_scale_format: _Optional[str] = ..., weights_source: _Optional[str] = ..., prefill_dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., attention_backend_supports_out: _Optional[bool] = ..., fused_kernels_active: _Optional[bool] = ..., fused_kernels_reason: _Optional[str] = ..., workspace_tokens: _Optional[int] = ..., device: _Optional[str] = ..., versions: _Optional[_Union[Versions, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_heads: _Optional[int] = ..., shared_memory_kinds: _Optional[_Iterable[_Union[SharedMemoryKind, str]]] = ..., shared_memory_max_regions: _Optional[int] = ..., shared_memory_max_bytes: _Optional[int] = ..., request_ring_max: _Optional[int] = ..., num_layers: _Optional[int] = ..., first_layer: _Optional[int] = ..., unpacked_keys: _Optional[bool] = ..., request_ring_stream_order: _Optional[bool] = ..., mps_client: _Optional[bool] = ...) -> None: ...
 
 class WriteCacheRequest(_message.Message):
     __slots__ = ("slot_mapping", "kv_c", "k_pe", "expected_instance_id", "layer")
