@@ -833,9 +833,10 @@ BENCHMARKS = (
           "(bf16 and fp8). "
           "Per call: where its time goes — the device's stages, the server's host phases, the hand-offs."),
     Bench("The same prefill with and without CUDA MPS", "bench_model_workload_mps", ("bench_model_workload_mps",),
-          "`bench/bench_model_workload.py --heads 16 --prefill-dtype bf16 --mps-ab 2`: the 16-head bf16 workload "
-          "above, in turn without and with the caller and the server as clients of one CUDA MPS daemon (their work "
-          "in one GPU context instead of two time-sliced ones), two rounds, each run a process of its own."),
+          "`bench/bench_model_workload.py --heads 16 128 --prefill-dtype bf16 --mps-ab 2`: the bf16 workload "
+          "above at 16 and 128 heads, in turn without and with the caller and the server as clients of one CUDA MPS "
+          "daemon (their work in one GPU context instead of two time-sliced ones), two rounds, each run a process "
+          "of its own."),
 )
 
 
@@ -1016,19 +1017,21 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                  + " / ".join(str(h) for h in heads) + " heads",
                  "; ".join(parts), "bench_model_workload"))
     ab = load("bench_model_workload_mps", results)
+    ab_heads = sorted({r["heads"] for r in ab["runs"]})
     mps_parts = []
-    for order in ("stream", "host"):
-        runs = [r for r in ab["runs"] if r.get("order", "host") == order]
-        off, on = [r for r in runs if not r["mps"]], [r for r in runs if r["mps"]]
-        if off and on:
-            def both(fmt: str) -> str:  # the rounds without → with MPS
-                return " → ".join(" / ".join(fmt.format(r) for r in rs) for rs in (off, on))
-            mps_parts.append(f"{order} order: wall {both('{0[wall_s]:.3f}')} s, {both('{0[ratio]:.2f}×')} "
-                             "the floor sums")
+    for h in ab_heads:
+        for order in ("stream", "host"):
+            runs = [r for r in ab["runs"] if r["heads"] == h and r.get("order", "host") == order]
+            off, on = [r for r in runs if not r["mps"]], [r for r in runs if r["mps"]]
+            if off and on:
+                def both(fmt: str) -> str:  # the rounds without → with MPS
+                    return " → ".join(" / ".join(fmt.format(r) for r in rs) for rs in (off, on))
+                mps_parts.append(f"{h} heads, {order} order: wall {both('{0[wall_s]:.3f}')} s, "
+                                 f"{both('{0[ratio]:.2f}×')} the floor sums")
     first = ab["runs"][0]
-    rows.append((f"The same prefill at {first['heads']} heads, {_prefill(first)} prefill, without → with the caller "
-                 f"and the server under one CUDA MPS daemon (alternating, {ab['meta']['args']['mps_ab']} rounds each)",
-                 "; ".join(mps_parts), "bench_model_workload_mps"))
+    rows.append((f"The same prefill at {' / '.join(map(str, ab_heads))} heads, {_prefill(first)} prefill, without → "
+                 f"with the caller and the server under one CUDA MPS daemon (alternating, "
+                 f"{ab['meta']['args']['mps_ab']} rounds each)", "; ".join(mps_parts), "bench_model_workload_mps"))
     mp = load("bench_model_prefill_fp32", results)
     m, cuda = mp["meta"]["model"], mp["transports"]["cuda"]
     rows.append((f"A transformers DeepSeek-V3 model ({m['layers']} layers, {m['heads']} heads, computing in "

@@ -22,8 +22,8 @@
 # bench_inline_parse (the event loop's parse of an inline request, with and without protobuf's copies),
 # bench_model_prefill (a transformers DeepSeek-V3 model prefilled in chunks through CUDA IPC, bf16 and float32),
 # bench_model_workload (a 61-layer DeepSeek-V3-shaped prefill through a CUDA IPC request ring against its floors),
-# bench_model_workload_graphs (the same, served with --cuda-graphs), bench_model_workload_mps (16 heads without and
-# with a CUDA MPS daemon), profile_workload (py-spy over the workload),
+# bench_model_workload_graphs (the same, served with --cuda-graphs), bench_model_workload_mps (16 and 128 heads
+# without and with a CUDA MPS daemon), profile_workload (py-spy over the workload),
 # segv (a native backtrace of one test).
 # CTXPREFILL_COMMIT labels the results: pass it from the machine that sends the call (the
 # device's own git may report the commit its checkout started from, not the tree that runs;
@@ -304,9 +304,10 @@ want bench_model_workload && run_step bench_model_workload 540 5 - python3 bench
 want bench_model_workload_graphs && run_step bench_model_workload_graphs 300 5 - python3 bench/bench_model_workload.py \
   --device cuda --cuda-graphs --orders host stream --prefill-dtype bf16 fp8 ${GPU_RUN_WORKLOAD_ARGS:-} \
   --out "$OUT/bench_model_workload_graphs.json"
-# the 16-head bf16 workload without and with a CUDA MPS daemon over the caller and the server, in turn, two rounds
-want bench_model_workload_mps && run_step bench_model_workload_mps 240 5 - python3 bench/bench_model_workload.py \
-  --device cuda --orders host stream --heads 16 --prefill-dtype bf16 --mps-ab 2 \
+# the bf16 workload at 16 and 128 heads without and with a CUDA MPS daemon over the caller and the server, in
+# turn, two rounds (~310 s on an H100)
+want bench_model_workload_mps && run_step bench_model_workload_mps 420 5 - python3 bench/bench_model_workload.py \
+  --device cuda --orders host stream --heads 16 128 --prefill-dtype bf16 --mps-ab 2 \
   --out "$OUT/bench_model_workload_mps.json"
 
 # where the host's time goes in that workload (16 heads, graphs): py-spy samples the bench and its
