@@ -57,6 +57,6 @@ def test_no_driver_library_reads_as_none():
 def test_a_cpu_device_is_not_asked():
     with mock.patch.object(info, "mps_client", side_effect=AssertionError("asked")):
         assert info.device_mps_client(torch.device("cpu")) is None
-    with mock.patch.object(info, "mps_client", return_value=True) as asked:  # a CUDA device is
+    with mock.patch.object(info, "mps_client", return_value=True) as asked:  # a CUDA device is asked by index
         assert info.device_mps_client(torch.device("cuda", 2)) is True
     asked.assert_called_once_with(2)
