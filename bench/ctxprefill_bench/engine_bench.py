@@ -578,7 +578,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
         })
         if ns.out:
             _write_json(ns.out, meta, rows)
-        engine = q = seqs = g = f = rg = rf = fp = None
+        engine = q = seqs = g = f = rg = rf = fp = fgr = unordered = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     done = [r for r in rows if "speedup" in r]
