@@ -1018,16 +1018,17 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                  "; ".join(parts), "bench_model_workload"))
     ab = load("bench_model_workload_mps", results)
     ab_heads = sorted({r["heads"] for r in ab["runs"]})
+
+    def both(runs: list[dict], fmt: str) -> str:  # the rounds without → with MPS
+        return " → ".join(" / ".join(fmt.format(r) for r in runs if bool(r["mps"]) is on) for on in (False, True))
+
     mps_parts = []
     for h in ab_heads:
         for order in ("stream", "host"):
             runs = [r for r in ab["runs"] if r["heads"] == h and r.get("order", "host") == order]
-            off, on = [r for r in runs if not r["mps"]], [r for r in runs if r["mps"]]
-            if off and on:
-                def both(fmt: str) -> str:  # the rounds without → with MPS
-                    return " → ".join(" / ".join(fmt.format(r) for r in rs) for rs in (off, on))
-                mps_parts.append(f"{h} heads, {order} order: wall {both('{0[wall_s]:.3f}')} s, "
-                                 f"{both('{0[ratio]:.2f}×')} the floor sums")
+            if {bool(r["mps"]) for r in runs} == {False, True}:
+                mps_parts.append(f"{h} heads, {order} order: wall {both(runs, '{0[wall_s]:.3f}')} s, "
+                                 f"{both(runs, '{0[ratio]:.2f}×')} the floor sums")
     first = ab["runs"][0]
     rows.append((f"The same prefill at {' / '.join(map(str, ab_heads))} heads, {_prefill(first)} prefill, without → "
                  f"with the caller and the server under one CUDA MPS daemon (alternating, "

@@ -19,9 +19,14 @@ from .shared_memory import CUDA, SYSTEM, SharedMemoryRegistry
 _KIND_PB = {SYSTEM: pb.SHARED_MEMORY_KIND_SYSTEM, CUDA: pb.SHARED_MEMORY_KIND_CUDA}
 
 
+def _cuda_index(device: torch.device) -> int:
+    """A CUDA device's index (the current device for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
+        idx = _cuda_index(device)
         return f"cuda:{idx} ({torch.cuda.get_device_name(idx)})"
     return str(device)
 
@@ -29,9 +34,7 @@ def describe_device(device: torch.device) -> str:
 def device_mps_client(device: torch.device) -> bool | None:
     """Whether the server's work on ``device`` runs through MPS (:func:`ctxprefill.mps.mps_client`);
     None on a CPU."""
-    if device.type != "cuda":
-        return None
-    return mps_client(device.index if device.index is not None else torch.cuda.current_device())
+    return mps_client(_cuda_index(device)) if device.type == "cuda" else None
 
 
 def versions() -> pb.Versions:
