@@ -43,6 +43,10 @@ def _ms(s: float | None, fmt: str = ".2f") -> str:
     return _num(None if s is None else s * 1e3, fmt)
 
 
+def _us(s: float | None, fmt: str = ".0f") -> str:
+    return _num(None if s is None else s * 1e6, fmt)
+
+
 def run_of(d: Doc) -> dict[str, str]:
     """date (YYYY-MM-DD), gpu, torch, commit of a result file, wherever its script put them."""
     meta = d.get("meta") if isinstance(d.get("meta"), dict) else {}
@@ -480,11 +484,17 @@ def gemm_table(d: Doc) -> str:
                   "(× cuBLAS): " + "; ".join(lt) + "."]
     if any("gluon_tflops" in r for r in rows):  # ops/kv_b_proj_gluon.py, where the run had it
         lines += ["", "The persistent warp-specialized Gluon kernel (`ops/kv_b_proj_gluon.py`), best of its "
-                  "tuning list:", "", "| H | rows | Gluon TFLOP/s | of burst | Gluon / cuBLAS | max abs diff "
-                  "from cuBLAS | config |", "|---|---|---|---|---|---|---|"]
+                  "tuning list:", ""]
+        host = any("gluon_host_s" in r for r in rows)  # the host's launch time, where the run had it
+        lines += ["| H | rows | Gluon TFLOP/s | of burst | Gluon / cuBLAS | max abs diff from cuBLAS | "
+                  + ("host µs a call, cuBLAS / Gluon | " if host else "") + "config |",
+                  "|---|---|---|---|---|---|" + ("---|" if host else "") + "---|"]
         lines += [f"| {r['heads']} | {r['rows']:,} | {_num(r.get('gluon_tflops'), '.1f')} "
                   f"| {_num(r.get('gluon_of_burst'), '.0%')} | {_num(r.get('gluon_over_cublas'), '.2f')} "
-                  f"| {_num(r.get('gluon_max_abs_diff'), '.3g')} | {r.get('gluon_config', '—')} |" for r in rows]
+                  f"| {_num(r.get('gluon_max_abs_diff'), '.3g')} "
+                  + (f"| {_us(r.get('cublas_host_s'))} / {_us(r.get('gluon_host_s'))} "
+                     if host else "")
+                  + f"| {r.get('gluon_config', '—')} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

@@ -10,7 +10,10 @@ its own heuristics), a Triton persistent TMA kernel and the persistent warp-spec
 Gluon kernel (``ops/kv_b_proj_gluon.py``: a loader warp running ahead across tiles, TMA
 stores draining under the next tile's MMAs) on the headline shapes (16 and 128 heads,
 16k and 64k rows), next to a large square GEMM's burst rate, and reports how far each
-result is from cuBLAS's (bits may differ: the accumulation order does).
+result is from cuBLAS's (bits may differ: the accumulation order does). Times are the
+device's (a sleep kernel queued ahead of each call hides its launch); the host's time to
+launch cuBLAS and the best Gluon configuration is reported beside them, since an eager
+request pays it where the device waits on the host.
 
     PYTHONPATH=server:client:bench python bench/probe_gemm.py [--out PATH.json]
 """
@@ -21,6 +24,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 import triton
@@ -87,18 +91,41 @@ def triton_gemm(a: torch.Tensor, w: torch.Tensor, cfg: tuple, sms: int) -> torch
     return c
 
 
+#: cycles of the sleep kernel queued ahead of each timed call (~0.5 ms): longer than any
+#: launch here takes on the host, so the call's kernels start as soon as they are queued
+SLEEP_CYCLES = 1_000_000
+
+
 def timed(fn, reps: int = 20) -> float:
-    """Median seconds of ``fn()`` over ``reps`` calls, each bracketed by CUDA events."""
+    """Median device seconds of ``fn()`` over ``reps`` calls, each bracketed by CUDA events
+    queued behind a sleep kernel: the host's launch runs while the device sleeps, so the
+    events time the kernels alone, not the gap a slow launch leaves on an idle device."""
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)
         a.record()
         fn()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def host_s(fn, reps: int = 20) -> float:
+    """Median host seconds ``fn()`` takes to return (to launch its kernels), the device kept
+    busy by a sleep kernel so that no call waits on it."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
     return statistics.median(times)
 
 
@@ -164,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 if gbest is None or t < gbest[0]:
                     gbest = (t, dict(kg.CONFIG, **cfg), diff)
+            row["cublas_host_s"] = host_s(lambda: a @ w.t())
+            if gbest is not None:
+                row["gluon_host_s"] = host_s(lambda: kg.kv_b_proj_gluon(a, w, config=gbest[1]))
             row.update({"cublas_s": t_cublas, "cublas_tflops": flops / t_cublas / 1e12,
                         "cublas_of_burst": flops / t_cublas / burst, "cublaslt_over_cublas": t_cublas / t_lt})
             if gbest is not None:
