@@ -20,16 +20,11 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from ctxprefill.ops import kv_b_proj_gluon as kg
 
+fn = kg._kv_b_proj_ws
+names = fn.arg_names
 out = []
 for cfg in json.loads(sys.argv[1]):
     cfg = dict(kg.CONFIG, **cfg)
-    if cfg.pop("RESIDENT"):  # the resident form's kernel, for K = 512
-        fn = kg._kv_b_proj_resident
-        cfg = {k: v for k, v in cfg.items() if k in fn.arg_names}
-        cfg["K_CHUNKS"] = kg.RESIDENT_MAX_K // cfg["BK"]
-    else:
-        fn = kg._kv_b_proj_ws
-    names = fn.arg_names
     sig = {n: {"A": "*bf16", "B": "*bf16", "Y": "*bf16"}.get(n, "i32") for n in names}
     assert not [n for n in names if n.isupper() and n not in cfg and n not in ("A", "B", "Y", "M", "N", "K")]
     for n in cfg:
@@ -40,7 +35,7 @@ for cfg in json.loads(sys.argv[1]):
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=kg._MAXNREG))
     regs, stack = resources(k)
     ptx = k.asm["ptx"]
-    out.append(dict(cfg=dict(cfg, fn=fn.__name__), regs=regs, stack=stack, smem=k.metadata.shared,
+    out.append(dict(cfg=cfg, regs=regs, stack=stack, smem=k.metadata.shared,
                     wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
                     mma_sync=len(re.findall(r"\bmma\.sync", ptx)),
                     stmatrix=len(re.findall(r"\bstmatrix\b", ptx)),

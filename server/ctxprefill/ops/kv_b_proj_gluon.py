@@ -26,15 +26,8 @@ Shared memory: ``STAGES`` × (A 16 KiB + B ``BN`` × 128 B) + 2 consumers' resul
 × ``BN`` × 2 B cooperative, 2 × 128 × ``BN`` × 2 B ping-pong): 208 KiB at ``BN`` 256 in 3
 stages, 192 KiB ping-pong at ``BN`` 128 in 4. Registers: the loader gives its budget to
 the consumers (``setmaxnreg`` 24 / 240; each accumulator 128 fp32 a thread).
-``RESIDENT`` (K ≤ 512): a program holds a 128-row block of the latent in shared memory
-whole (eight 128 × 64 chunks, 128 KiB) and streams the weight past it, 128 columns a
-tile, so that per k-step only B crosses from L2: 128 FLOPs a byte against 85 for 128 ×
-256 tiles that load both operands, for a GEMM whose operands, not its MMAs, may set the
-pace (every kernel tried runs K = 512 near the same share of the burst rate). Work units
-are row blocks (or column ranges of them, where row blocks are fewer than SMs); a
-program reloads A chunk by chunk once both consumers are past it. 224 KiB in 4 stages.
 Opt-in (``ops.kv_b_proj.GEMM``): ``bench/probe_gemm.py`` times it against cuBLAS in one
-process (docs/DESIGN.md).
+process, and on the engine's 16k-row chunks cuBLAS leads (docs/DESIGN.md).
 """
 
 from __future__ import annotations
@@ -57,18 +50,14 @@ from ._gluon import (
     warpgroup_mma_wait,
 )
 
-__all__ = ["CONFIG", "GLUON_ERR", "RESIDENT_MAX_K", "TUNING", "kv_b_proj_gluon", "launch", "problem", "split_rows"]
+__all__ = ["CONFIG", "GLUON_ERR", "TUNING", "kv_b_proj_gluon", "launch", "problem"]
 
 #: BM: a tile's rows (64 for each consumer; with PINGPONG, one consumer's); BN, STAGES,
-#: GROUP_M, PINGPONG, RESIDENT: the knobs bench/probe_gemm.py tries (RESIDENT: cooperative,
-#: GROUP_M unused)
-CONFIG: dict[str, Any] = dict(BM=128, BN=256, BK=64, STAGES=3, GROUP_M=8, PINGPONG=False, RESIDENT=False)
+#: GROUP_M, PINGPONG: the knobs bench/probe_gemm.py tries
+CONFIG: dict[str, Any] = dict(BM=128, BN=256, BK=64, STAGES=3, GROUP_M=8, PINGPONG=False)
 #: the configurations bench/probe_gemm.py times (changes to CONFIG), each tested on the GPU
 TUNING: list[dict[str, Any]] = [{}, dict(BN=128, STAGES=5), dict(BN=128, STAGES=4, PINGPONG=True),
-                                dict(BN=128, STAGES=5, PINGPONG=True, GROUP_M=4),
-                                dict(BN=128, STAGES=4, RESIDENT=True), dict(BN=128, STAGES=3, RESIDENT=True)]
-#: the largest K the resident form holds (K / BK chunks of BM × BK in shared memory)
-RESIDENT_MAX_K = 512
+                                dict(BN=128, STAGES=5, PINGPONG=True, GROUP_M=4)]
 #: launch: 4 + 4 + 1 warps with 168 registers a thread (3 x 128 x 168 <= 65,536), then
 #: ``setmaxnreg`` moves them: loader 24, consumers 240
 _MAXNREG = 168
@@ -183,109 +172,6 @@ if gluon is not None:
         ], [4, 1], [240, 24])
 
 
-    @gluon.jit
-    @no_type_check
-    def _unit(u, num_n, n_split):
-        """Work unit u's (row block, first column tile, end column tile): each row block cut
-        into ``n_split`` column ranges, none empty (n_split <= num_n)."""
-        part = u % n_split
-        return u // n_split, part * num_n // n_split, (part + 1) * num_n // n_split
-
-    @gluon.jit
-    @no_type_check
-    def _resident_loader(a_d, b_d, a_s, b_s, a_ready, a_free, ready, free, M, N, n_split,
-                         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, K_CHUNKS: gl.constexpr,
-                         STAGES: gl.constexpr):
-        num_n = gl.cdiv(N, BN)
-        g = 0  # B k-steps issued: slot g % STAGES
-        i = 0  # units begun: A's use i
-        for u in range(gl.program_id(0), gl.cdiv(M, BM) * n_split, gl.num_programs(0)):
-            m, n0, n1 = _unit(u, num_n, n_split)
-            mbarrier.wait(a_free.index(0), (i & 1) ^ 1)  # both consumers past the last unit's A
-            for kc in gl.static_range(K_CHUNKS):
-                mbarrier.expect(a_ready.index(kc), a_d.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_d, [m * BM, kc * BK], a_ready.index(kc), a_s.index(kc))
-            for n in range(n0, n1):
-                for kc in gl.static_range(K_CHUNKS):
-                    s = g % STAGES
-                    mbarrier.wait(free.index(s), ((g // STAGES) & 1) ^ 1)
-                    mbarrier.expect(ready.index(s), b_d.block_type.nbytes)
-                    tma.async_copy_global_to_shared(b_d, [n * BN, kc * BK], ready.index(s), b_s.index(s))
-                    g += 1
-            i += 1
-
-    @gluon.jit
-    @no_type_check
-    def _resident_consumer(a_s, b_s, c_s, a_ready, a_free, ready, free, c_d, M, N, n_split, C: gl.constexpr,
-                           BM: gl.constexpr, BN: gl.constexpr, K_CHUNKS: gl.constexpr, STAGES: gl.constexpr):
-        # 64 rows (half C) of every tile of the unit, from the resident A; B from the ring
-        ROWS: gl.constexpr = BM // 2
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BN, 16])
-        num_n = gl.cdiv(N, BN)
-        c_buf = c_s.index(C)
-        g = 0
-        i = 0
-        for u in range(gl.program_id(0), gl.cdiv(M, BM) * n_split, gl.num_programs(0)):
-            m, n0, n1 = _unit(u, num_n, n_split)
-            for n in range(n0, n1):
-                acc = gl.zeros([ROWS, BN], gl.float32, acc_l)
-                for kc in gl.static_range(K_CHUNKS):
-                    s = g % STAGES
-                    mbarrier.wait(a_ready.index(kc), i & 1)  # at once after the unit's first tile
-                    mbarrier.wait(ready.index(s), (g // STAGES) & 1)
-                    acc = warpgroup_mma(a_s.index(kc).slice(C * ROWS, ROWS), b_s.index(s).permute((1, 0)), acc,
-                                        is_async=True)
-                    acc = warpgroup_mma_wait(1, deps=(acc, ))
-                    if kc > 0:  # the group before is done: its slot is free (for this consumer)
-                        mbarrier.arrive(free.index((g - 1) % STAGES), count=1)
-                    g += 1
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(free.index((g - 1) % STAGES), count=1)
-                if n == n1 - 1:  # this consumer is done with the unit's A
-                    mbarrier.arrive(a_free.index(0), count=1)
-                tma.store_wait(0)  # the previous tile's store has left c_buf
-                c_buf.store(acc.to(gl.bfloat16))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(c_d, [m * BM + C * ROWS, n * BN], c_buf)
-            i += 1
-        tma.store_wait(0)
-
-    @gluon.jit
-    @no_type_check
-    def _kv_b_proj_resident(A, B, Y, M, N, K, stride_am, stride_bn, stride_ym, n_split,
-                            BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, K_CHUNKS: gl.constexpr,
-                            STAGES: gl.constexpr):
-        ROWS: gl.constexpr = BM // 2
-        a_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
-        b_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
-        c_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BN], gl.bfloat16)
-        a_d = tma.make_tensor_descriptor(A, [M, K], [stride_am, 1], [BM, BK], a_l)
-        b_d = tma.make_tensor_descriptor(B, [N, K], [stride_bn, 1], [BN, BK], b_l)
-        c_d = tma.make_tensor_descriptor(Y, [M, N], [stride_ym, 1], [ROWS, BN], c_l)
-        a_s = gl.allocate_shared_memory(gl.bfloat16, [K_CHUNKS, BM, BK], a_l)
-        b_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], b_l)
-        c_s = gl.allocate_shared_memory(gl.bfloat16, [2, ROWS, BN], c_l)
-        a_ready = gl.allocate_shared_memory(gl.int64, [K_CHUNKS, 1], mbarrier.MBarrierLayout())
-        a_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(K_CHUNKS):
-            mbarrier.init(a_ready.index(i), count=1)
-        mbarrier.init(a_free.index(0), count=2)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(free.index(i), count=2)
-        gl.warp_specialize([
-            (_resident_consumer, (a_s, b_s, c_s, a_ready, a_free, ready, free, c_d, M, N, n_split, 0, BM, BN,
-                                  K_CHUNKS, STAGES)),
-            (_resident_consumer, (a_s, b_s, c_s, a_ready, a_free, ready, free, c_d, M, N, n_split, 1, BM, BN,
-                                  K_CHUNKS, STAGES)),
-            (_resident_loader, (a_d, b_d, a_s, b_s, a_ready, a_free, ready, free, M, N, n_split, BM, BN, BK,
-                                K_CHUNKS, STAGES)),
-        ], [4, 1], [240, 24])
-
-
 @functools.cache
 def _device_facts(index: int) -> tuple[int, int]:
     """(compute capability's major, SM count) of CUDA device ``index``: looked up once (each
@@ -296,12 +182,6 @@ def _device_facts(index: int) -> tuple[int, int]:
 def _tma_rows(t: torch.Tensor) -> bool:
     """Whether bf16 ``t``'s rows can go through TMA: contiguous, 16-byte aligned base and stride."""
     return not t.numel() or (t.stride(1) == 1 and (t.stride(0) * 2) % 16 == 0 and t.data_ptr() % 16 == 0)
-
-
-def split_rows(num_m: int, num_n: int, sms: int) -> int:
-    """The resident form's column ranges per row block: the count that finishes first, each
-    program's time taken as its units' tiles plus half a tile a unit (reloading A)."""
-    return min(range(1, num_n + 1), key=lambda s: -(-num_m * s // sms) * (num_n / s + 0.5))
 
 
 def problem(latent: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -354,14 +234,6 @@ def launch(latent: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     tiles = -(-M // cfg["BM"]) * -(-N // cfg["BN"])
     sms = _device_facts(latent.get_device())[1]
     triton.set_allocator(tma_scratch)  # a ContextVar: set in the calling thread, every call
-    if cfg["RESIDENT"] and K <= RESIDENT_MAX_K:
-        num_m, num_n = -(-M // cfg["BM"]), -(-N // cfg["BN"])
-        n_split = split_rows(num_m, num_n, sms)
-        _kv_b_proj_resident[(min(sms, num_m * n_split),)](
-            latent, weight, out, M, N, K, latent.stride(0), weight.stride(0), out.stride(0), n_split,
-            BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], K_CHUNKS=-(-K // cfg["BK"]), STAGES=cfg["STAGES"],
-            num_warps=4, maxnreg=_MAXNREG)
-        return out
     _kv_b_proj_ws[(min(sms, tiles),)](
         latent, weight, out, M, N, K, latent.stride(0), weight.stride(0), out.stride(0),
         BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
