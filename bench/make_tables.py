@@ -742,8 +742,9 @@ BENCHMARKS = (
           "host never waits on it.", env='PROBE_HOST_HEADS="16 128"'),
     Bench("kv_b_proj's GEMM: cuBLAS against a persistent kernel", "probe_gemm", ("probe_gemm",),
           "`bench/probe_gemm.py`: the GEMM of kv_b_proj (K = 512) at 16 and 128 heads over 16k and 64k rows, "
-          "torch's (cuBLAS) against a Triton persistent TMA kernel whose epilogue overlaps the next tile's loads, "
-          "alternating in one process, beside an 8192³ GEMM's burst rate."),
+          "torch's (cuBLAS) against a Triton persistent TMA kernel whose epilogue overlaps the next tile's loads "
+          "and the Gluon kernel, alternating in one process, beside an 8192³ GEMM's burst rate; each call's "
+          "device time (a sleep kernel queued ahead hides its launch), and the host's time to launch it."),
     Bench("Kernels against the copy bandwidth", "bench_kernels", ("bench_kernels",),
           "`bench/bench_kernels.py`: the fused pack, gather and merge kernels against their generic / torch forms "
           "and against a device-to-device copy (and plain copies of the same read/write mix, `bench/mix_copy.py`), "
