@@ -130,6 +130,56 @@ def test_ring_answers_equal_prefill_calls(server, client, region, reference):
     assert wait_for(lambda: metric(server, "ctxprefill_request_rings") == 0)
 
 
+def test_reattaching_over_the_same_bytes_at_once_answers_every_request(server, client, region, reference):
+    """A caller that closes its ring and attaches a new one over the same bytes straight away
+    (a benchmark's second run, a client reconnecting) gets every request answered: the new
+    ring waits for the engine thread to let go of the old one, which could otherwise take
+    the new ring's first request from the shared slot and leave it unanswered."""
+    client.register_system_shared_memory(region)
+    for _ in range(8):
+        with client.attach_request_ring(region, num_slots=2, slot_bytes=SLOT_BYTES, timeout=60) as ring:
+            for _ in range(2):  # both slots: the old ring's next slot is the new one's first
+                ring.submit(Q, SEQS)
+            assert same(ring.result(), reference) and same(ring.result(), reference)
+    assert wait_for(lambda: metric(server, "ctxprefill_request_rings") == 0)
+
+
+def test_a_detached_ring_keeps_its_bytes_until_the_engine_thread_lets_go():
+    """The ring table (no server): a ring its caller detached holds its bytes until the
+    engine thread has let go of it; attaching over them is refused meanwhile, naming why."""
+    import torch
+
+    from ctxprefill.errors import AlreadyExists
+    from ctxprefill.service.request_ring import RingTable
+    from ctxprefill.service.shared_memory import SharedMemoryRegistry
+
+    reg = SharedMemoryRegistry(("system",), max_regions=4, max_bytes=1 << 20)
+    reg.attach(torch.device("cpu"))
+    with SystemSharedMemoryRegion("r", 4 * 4096) as shm:
+        reg.register_system("r", shm.key, 0, 4 * 4096)
+        rings = RingTable(reg, 4)
+        old = rings.attach("r", 0, 2, 4096, "unix:")
+        assert old.usable()  # the engine thread's check before it takes a request
+        old.detach()  # the caller went
+        assert rings.letting_go("r", 4096, 8192) == [old] and rings.letting_go("r", 8192, 16384) == []
+        assert rings.letting_go("other", 0, 8192) == []
+        with pytest.raises(AlreadyExists, match="not let go of yet") as ei:
+            rings.attach("r", 4096, 2, 4096, "unix:")
+        assert ei.value.field == "offset"
+        with pytest.raises(AssertionError):
+            rings.forget(old)  # the bytes stay taken while the engine thread holds the ring
+        beside = rings.attach("r", 8192, 2, 4096, "unix:")  # bytes it does not cover: free
+        assert not old.usable() and old.stopped.result() is None  # the engine thread lets go
+        rings.forget(old)
+        assert rings.letting_go("r", 0, 8192) == [] and rings.rings == [beside]
+        new = rings.attach("r", 0, 2, 4096, "unix:")
+        assert new.usable() and not new.detached
+        for r in (new, beside):
+            r.detach()
+            assert not r.usable()
+        reg.unregister("")
+
+
 def test_ring_with_tensors_in_shared_memory(client, reference):
     q_bytes, out_bytes, lse_bytes = Q.nbytes, TQ * H * V * 2, H * TQ * 4
     data = SystemSharedMemoryRegion("data", q_bytes + out_bytes + lse_bytes + 4096)

@@ -75,6 +75,11 @@ class AttachedRing:
         """Ask the engine thread to let go (any thread); ``stopped`` completes when it has."""
         self._stop_asked = True
 
+    @property
+    def detached(self) -> bool:
+        """Its caller let go of it (the engine thread may not have yet: ``stopped``)."""
+        return self._stop_asked
+
     def _shrank(self, size: int) -> FailedPrecondition:
         return FailedPrecondition("region", f"region {self.region.name!r}: shared-memory object "
                                             f"{self.region.key!r} shrank to {size} bytes, below the ring's bytes "
@@ -220,7 +225,8 @@ class RingTable:
         for r in self.rings:
             if r.region is region and offset < r.offset + r.num_slots * r.slot_bytes and r.offset < end:
                 raise AlreadyExists("offset", f"bytes [{offset}, {end}) of region {region_name!r} overlap ring "
-                                              f"{r.ring_id}, attached there")
+                                              f"{r.ring_id}, " + ("detached, which the engine thread has not "
+                                              "let go of yet" if r.detached else "attached there"))
         if len(self.rings) >= self.max_rings:
             raise ResourceExhausted("region", f"{len(self.rings)} rings are attached, the limit "
                                               f"(--request-ring-max) is {self.max_rings}")
@@ -230,6 +236,15 @@ class RingTable:
         self.rings.append(ring)
         return ring
 
+    def letting_go(self, region_name: str, offset: int, end: int) -> list[AttachedRing]:
+        """Rings over bytes [offset, end) of region ``region_name`` that their callers
+        detached and the engine thread still holds: until it lets go (at its next poll) it
+        may take a request from their slots, so no ring is attached over them before."""
+        return [r for r in self.rings if r.detached and not r.stopped.done() and r.region.name == region_name
+                and offset < r.offset + r.num_slots * r.slot_bytes and r.offset < end]
+
     def forget(self, ring: AttachedRing) -> None:
+        """Drop ``ring`` (the engine thread has let go of it: ``stopped``)."""
+        assert ring.stopped.done(), "a ring the engine thread still holds keeps its bytes"
         if ring in self.rings:
             self.rings.remove(ring)
