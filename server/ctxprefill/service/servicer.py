@@ -269,6 +269,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                                                          "--request-ring-stream-order")
             order = functools.partial(StreamOrder.open, list(request.ready_events), device=engine.device,
                                       timeout_s=self.settings.request_ring_stream_order_timeout_s)
+        require_local(context.peer(), "region")  # before any wait: a caller elsewhere is refused at once
         await self._let_go_first(request.region, int(request.offset), int(request.num_slots) * int(request.slot_bytes))
         ring = self.rings.attach(request.region, int(request.offset), int(request.num_slots),
                                  int(request.slot_bytes), context.peer(), order)
