@@ -132,9 +132,9 @@ def test_ring_answers_equal_prefill_calls(server, client, region, reference):
 
 def test_reattaching_over_the_same_bytes_at_once_answers_every_request(server, client, region, reference):
     """A caller that closes its ring and attaches a new one over the same bytes straight away
-    (a benchmark's second run, a client reconnecting) gets every request answered: the new
-    ring waits for the engine thread to let go of the old one, which could otherwise take
-    the new ring's first request from the shared slot and leave it unanswered."""
+    (a benchmark's second run, a client reconnecting) gets every request answered, end to
+    end. The race this path had (the old ring taking the new one's first request) needs the
+    engine thread held between two steps, so it is tested at the table, below."""
     client.register_system_shared_memory(region)
     for _ in range(8):
         with client.attach_request_ring(region, num_slots=2, slot_bytes=SLOT_BYTES, timeout=60) as ring:
@@ -177,6 +177,46 @@ def test_a_detached_ring_keeps_its_bytes_until_the_engine_thread_lets_go():
         for r in (new, beside):
             r.detach()
             assert not r.usable()
+        reg.unregister("")
+
+
+def test_an_attach_over_a_detached_rings_bytes_waits_for_the_let_go():
+    """``RingTable.attach_when_free`` (what AttachRequestRing calls): over a detached ring's
+    bytes it attaches once the engine thread lets go of that ring, not before; past its wait
+    it is refused as the table refuses; a caller elsewhere is refused without waiting."""
+    import asyncio
+
+    import torch
+
+    from ctxprefill.errors import AlreadyExists, PermissionDenied
+    from ctxprefill.service.request_ring import RingTable
+    from ctxprefill.service.shared_memory import SharedMemoryRegistry
+
+    reg = SharedMemoryRegistry(("system",), max_regions=4, max_bytes=1 << 20)
+    reg.attach(torch.device("cpu"))
+
+    async def scenario(rings: RingTable) -> None:
+        old = rings.attach("r", 0, 2, 4096, "unix:")
+        old.detach()
+        t0 = time.monotonic()
+        with pytest.raises(AlreadyExists, match="not let go of yet"):
+            await rings.attach_when_free("r", 0, 2, 4096, "unix:", wait_s=0.05)
+        assert time.monotonic() - t0 >= 0.05  # it waited before refusing
+        t0 = time.monotonic()
+        with pytest.raises(PermissionDenied):
+            await rings.attach_when_free("r", 0, 2, 4096, "ipv4:192.0.2.7:41000", wait_s=5)
+        assert time.monotonic() - t0 < 1
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.1, old.usable)  # the engine thread's next poll lets go
+        t0 = time.monotonic()
+        new = await rings.attach_when_free("r", 0, 2, 4096, "unix:", wait_s=5)
+        assert 0.1 <= time.monotonic() - t0 < 5 and old.stopped.done() and not new.detached
+        new.detach()
+        assert not new.usable()
+
+    with SystemSharedMemoryRegion("r", 4 * 4096) as shm:
+        reg.register_system("r", shm.key, 0, 4 * 4096)
+        asyncio.run(scenario(RingTable(reg, 4)))
         reg.unregister("")
 
 

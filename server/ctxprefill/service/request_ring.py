@@ -21,7 +21,9 @@ the copy is what gets parsed, so that later writes cannot change it under the pa
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import struct
@@ -45,6 +47,10 @@ from .stream_order import StreamOrder
 log = logging.getLogger("ctxprefill.service")
 
 __all__ = ["AttachedRing", "RingTable", "FREE", "REQUEST", "TAKEN", "ANSWER"]
+
+#: how long an attach waits for the engine thread to let go of a detached ring over the
+#: same bytes (it does at its next poll, after the request it is running)
+LET_GO_S = 5.0
 
 _U32 = struct.Struct("<I")
 _SEQ_LENGTH = struct.Struct("<IQ")  # a slot's seq and length, at byte 4 of its header
@@ -79,6 +85,10 @@ class AttachedRing:
     def detached(self) -> bool:
         """Its caller let go of it (the engine thread may not have yet: ``stopped``)."""
         return self._stop_asked
+
+    def covers(self, offset: int, end: int) -> bool:
+        """Whether the ring's bytes meet bytes [offset, end) of its region."""
+        return offset < self.offset + self.num_slots * self.slot_bytes and self.offset < end
 
     def _shrank(self, size: int) -> FailedPrecondition:
         return FailedPrecondition("region", f"region {self.region.name!r}: shared-memory object "
@@ -223,7 +233,7 @@ class RingTable:
         region.check_backing("region", offset, end)
         self.rings = [r for r in self.rings if not r.stopped.done()]
         for r in self.rings:
-            if r.region is region and offset < r.offset + r.num_slots * r.slot_bytes and r.offset < end:
+            if r.region is region and r.covers(offset, end):
                 raise AlreadyExists("offset", f"bytes [{offset}, {end}) of region {region_name!r} overlap ring "
                                               f"{r.ring_id}, " + ("detached, which the engine thread has not "
                                               "let go of yet" if r.detached else "attached there"))
@@ -241,7 +251,20 @@ class RingTable:
         detached and the engine thread still holds: until it lets go (at its next poll) it
         may take a request from their slots, so no ring is attached over them before."""
         return [r for r in self.rings if r.detached and not r.stopped.done() and r.region.name == region_name
-                and offset < r.offset + r.num_slots * r.slot_bytes and r.offset < end]
+                and r.covers(offset, end)]
+
+    async def attach_when_free(self, region_name: str, offset: int, num_slots: int, slot_bytes: int, peer: str,
+                               order: Callable[[int], StreamOrder] | None = None,
+                               wait_s: float = LET_GO_S) -> AttachedRing:
+        """:meth:`attach`, after waiting (up to ``wait_s``) for the engine thread to let go of
+        the rings over the same bytes that their callers detached (:meth:`letting_go`): a
+        caller re-attaching over its last ring's bytes must not share slots with it. Past
+        the wait, :meth:`attach` refuses the overlap; a caller elsewhere, before any wait."""
+        require_local(peer, "region")
+        for r in self.letting_go(region_name, offset, offset + num_slots * slot_bytes):
+            with contextlib.suppress(Exception):  # its reason ended its own call; a timeout: attach refuses
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(r.stopped)), wait_s)
+        return self.attach(region_name, offset, num_slots, slot_bytes, peer, order)
 
     def forget(self, ring: AttachedRing) -> None:
         """Drop ``ring`` (the engine thread has let go of it: ``stopped``)."""

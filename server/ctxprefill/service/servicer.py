@@ -22,7 +22,6 @@ Handlers raise; the interceptors (``interceptors/``) turn exceptions into status
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -54,17 +53,6 @@ log = logging.getLogger("ctxprefill.service")
 
 __all__ = ["SERVICE_NAME", "PrefillContextServicer"]
 T = TypeVar("T")
-
-#: how long an attach waits for the engine thread to let go of a detached ring over the
-#: same bytes (it does at its next poll, after the request it is running)
-RING_LET_GO_S = 5.0
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    """``fn(*args)`` on ``loop`` from any thread; nothing once the loop is closed (the
-    server stopped: nothing is left to update)."""
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(fn, *args)
 
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -269,10 +257,8 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                                                          "--request-ring-stream-order")
             order = functools.partial(StreamOrder.open, list(request.ready_events), device=engine.device,
                                       timeout_s=self.settings.request_ring_stream_order_timeout_s)
-        require_local(context.peer(), "region")  # before any wait: a caller elsewhere is refused at once
-        await self._let_go_first(request.region, int(request.offset), int(request.num_slots) * int(request.slot_bytes))
-        ring = self.rings.attach(request.region, int(request.offset), int(request.num_slots),
-                                 int(request.slot_bytes), context.peer(), order)
+        ring = await self.rings.attach_when_free(request.region, int(request.offset), int(request.num_slots),
+                                                 int(request.slot_bytes), context.peer(), order)
         self.worker.add_ring(ring)
         self.metrics.request_rings.set(len(self.rings.rings))
         log.info("request ring attached", extra={"ring": ring.ring_id, "region": request.region,
@@ -294,22 +280,13 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             # thread lets go at its next poll; the table keeps the ring's bytes until then
             ring.detach()
             drained.cancel()
-            loop = asyncio.get_running_loop()
-            ring.stopped.add_done_callback(lambda _: _call_soon(loop, self._ring_let_go, ring))
+            stopped.add_done_callback(lambda _: self._ring_let_go(ring))
 
     def _ring_let_go(self, ring: AttachedRing) -> None:
         """The engine thread let go of a detached ring (event loop): its bytes are free."""
         self.rings.forget(ring)
         self.metrics.request_rings.set(len(self.rings.rings))
         log.info("request ring detached", extra={"ring": ring.ring_id, "served": ring.served})
-
-    async def _let_go_first(self, region: str, offset: int, size: int) -> None:
-        """Wait (up to ``RING_LET_GO_S``) for the engine thread to let go of detached rings
-        over these bytes: a caller that re-attaches over its last ring's bytes must not share
-        slots with it. Past the wait, attach refuses the overlap (ALREADY_EXISTS)."""
-        for r in self.rings.letting_go(region, offset, offset + size):
-            with contextlib.suppress(Exception):  # its reason ended its own call; a timeout: attach refuses
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(r.stopped)), RING_LET_GO_S)
 
     # -- shared memory -------------------------------------------------------------------
     async def RegisterSystemSharedMemory(self, request: pb.RegisterSystemSharedMemoryRequest,
