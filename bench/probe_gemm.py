@@ -96,37 +96,30 @@ def triton_gemm(a: torch.Tensor, w: torch.Tensor, cfg: tuple, sms: int) -> torch
 SLEEP_CYCLES = 1_000_000
 
 
-def timed(fn, reps: int = 20) -> float:
-    """Median device seconds of ``fn()`` over ``reps`` calls, each bracketed by CUDA events
-    queued behind a sleep kernel: the host's launch runs while the device sleeps, so the
-    events time the kernels alone, not the gap a slow launch leaves on an idle device."""
+def calls(fn, reps: int = 20) -> tuple[float, float]:
+    """Median device and host seconds of ``fn()`` over ``reps`` calls. Each call's CUDA
+    events are queued behind a sleep kernel: the host's launch (timed around the call) runs
+    while the device sleeps, so the events time the kernels alone, not the gap a slow launch
+    leaves on an idle device."""
     fn()
     torch.cuda.synchronize()
-    times = []
+    device, host = [], []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(SLEEP_CYCLES)
         a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
-def host_s(fn, reps: int = 20) -> float:
-    """Median host seconds ``fn()`` takes to return (to launch its kernels), the device kept
-    busy by a sleep kernel so that no call waits on it."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        torch.cuda._sleep(SLEEP_CYCLES)
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+        host.append(time.perf_counter() - t0)
+        b.record()
+        b.synchronize()
+        device.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(device), statistics.median(host)
+
+
+def timed(fn, reps: int = 20) -> float:
+    """Median device seconds of ``fn()`` (:func:`calls`)."""
+    return calls(fn, reps)[0]
 
 
 def timed_with_blas(library: str, fn, reps: int = 20) -> float:
@@ -163,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             flops = 2 * m * n * K_LATENT
             ref = a @ w.t()
             row = {"heads": heads, "rows": m, "n": n, "k": K_LATENT, "burst_tflops": burst / 1e12}
-            t_cublas = timed(lambda: a @ w.t())
+            t_cublas, host_cublas = calls(lambda: a @ w.t())
             t_lt = timed_with_blas("cublaslt", lambda: a @ w.t())
             t_cublas = min(t_cublas, timed(lambda: a @ w.t()))
             row.update({"cublaslt_s": t_lt, "cublaslt_tflops": flops / t_lt / 1e12})
@@ -185,21 +178,19 @@ def main(argv: list[str] | None = None) -> int:
             for cfg in kg.TUNING if not kg.problem(a, w) else []:
                 got = kg.kv_b_proj_gluon(a, w, config=cfg)
                 diff = (got.float() - ref.float()).abs().max().item()
-                t = timed(lambda cfg=cfg: kg.kv_b_proj_gluon(a, w, config=cfg))
+                t, host = calls(lambda cfg=cfg: kg.kv_b_proj_gluon(a, w, config=cfg))
                 t_cublas = min(t_cublas, timed(lambda: a @ w.t()))
                 print(f"  H={heads} M={m} gluon {cfg}: {flops / t / 1e12:7.1f} TFLOP/s  max|diff| {diff:.3g}",
                       flush=True)
                 if gbest is None or t < gbest[0]:
-                    gbest = (t, dict(kg.CONFIG, **cfg), diff)
-            row["cublas_host_s"] = host_s(lambda: a @ w.t())
-            if gbest is not None:
-                row["gluon_host_s"] = host_s(lambda: kg.kv_b_proj_gluon(a, w, config=gbest[1]))
-            row.update({"cublas_s": t_cublas, "cublas_tflops": flops / t_cublas / 1e12,
+                    gbest = (t, dict(kg.CONFIG, **cfg), diff, host)
+            row.update({"cublas_s": t_cublas, "cublas_host_s": host_cublas, "cublas_tflops": flops / t_cublas / 1e12,
                         "cublas_of_burst": flops / t_cublas / burst, "cublaslt_over_cublas": t_cublas / t_lt})
             if gbest is not None:
                 row.update({"gluon_s": gbest[0], "gluon_tflops": flops / gbest[0] / 1e12,
                             "gluon_of_burst": flops / gbest[0] / burst, "gluon_config": gbest[1],
-                            "gluon_max_abs_diff": gbest[2], "gluon_over_cublas": t_cublas / gbest[0]})
+                            "gluon_max_abs_diff": gbest[2], "gluon_over_cublas": t_cublas / gbest[0],
+                            "gluon_host_s": gbest[3]})
             if best is not None:
                 row.update({"triton_s": best[0], "triton_tflops": flops / best[0] / 1e12,
                             "triton_of_burst": flops / best[0] / burst, "triton_config": list(best[1]),
