@@ -399,6 +399,22 @@ def _measure(a: argparse.Namespace) -> list[dict]:
     return rows
 
 
+@contextlib.contextmanager
+def _waiting(how: str):
+    """Within: ``torch.cuda.Event.synchronize`` is the driver's (``sync``) or a loop over the
+    event's query that lets go of the GIL between queries (``poll``)."""
+    if how == "sync":
+        yield
+        return
+
+    def poll(self):
+        while not self.query():
+            time.sleep(0)
+
+    with mock.patch.object(torch.cuda.Event, "synchronize", poll):
+        yield
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heads", type=int, nargs="+", default=[16])
@@ -417,6 +433,9 @@ def main(argv=None) -> int:
     p.add_argument("--pin-cpu", type=int, default=None,
                    help="hold the measuring thread (the engine's caller) on this CPU: whether moving between "
                         "CPUs is part of a request's host time")
+    p.add_argument("--wait", choices=("sync", "poll"), default="sync",
+                   help="how the host waits for a request's last event: the driver's synchronize, or a Python "
+                        "loop over its query (no spin inside the driver): whether the wait leaves the host cold")
     p.add_argument("--out")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -428,11 +447,12 @@ def main(argv=None) -> int:
         gc.collect()
         gc.freeze()
         gc.disable()
-    with pm_qos.cpu_latency(a.cpu_latency_us) as qos:
+    with pm_qos.cpu_latency(a.cpu_latency_us) as qos, _waiting(a.wait):
         rows = _measure(a)
     if a.out:
         meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "date": run_info.utc_now(),
                 "commit": run_info.commit(), "no_gc": a.no_gc, "cpu_latency": qos, "pinned_cpu": a.pin_cpu,
+                "wait": a.wait,
                 "graph_first_copy": "the copies queued (graph_launch's return)"}
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
