@@ -231,6 +231,55 @@ def per_call_us(fn, n: int = 200, hold: bool = True) -> float:
     return statistics.median(rounds)
 
 
+def after_wait_us(fn, n: int = 40) -> dict[str, float]:
+    """Median host time (µs) of one ``fn()`` call: in a loop (``hot``), and right after the
+    thread waited for a spin kernel of ~1.5 or ~12 ms (a 16- and a 128-head request's
+    device time), for ~12 ms of GEMMs (the device at its power cap), and for ~12 ms spent
+    calling ``fn`` over and over (``12 ms busy``): which part of a request's host steps
+    the wait costs, and whether the device's load or the host's idle code is why."""
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.mm(x, x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        torch.mm(x, x)
+    torch.cuda.synchronize()
+    mm_s = (time.perf_counter() - t0) / 20
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    stop.record()
+    stop.synchronize()
+    cycles_per_ms = 10_000_000 / start.elapsed_time(stop)
+
+    def queue(kind: str, ms: float) -> None:
+        if kind == "gemm":
+            for _ in range(max(1, round(ms / 1e3 / mm_s))):
+                torch.mm(x, x)
+        else:
+            torch.cuda._sleep(int(ms * cycles_per_ms))
+
+    def timed_once() -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    got = {"hot": [timed_once() for _ in range(n)]}
+    for name, kind, ms, busy in (("1.5 ms", "spin", 1.5, False), ("12 ms", "spin", 12.0, False),
+                                 ("12 ms gemm", "gemm", 12.0, False), ("12 ms busy", "spin", 12.0, True)):
+        got[name] = []
+        for _ in range(n):
+            queue(kind, ms)
+            if busy:
+                stream = torch.cuda.current_stream()
+                while not stream.query():
+                    fn()
+            else:
+                torch.cuda.synchronize()
+            got[name].append(timed_once())
+    return {k: round(statistics.median(v) * 1e6, 2) for k, v in got.items()}
+
+
 def triton_run_us(fn, n: int = 50) -> float | None:
     """Mean host time per ``fn()`` spent inside the Triton kernels' ``JITFunction.run``
     (device held); None when the backend is not ours."""
@@ -342,6 +391,8 @@ def _measure(a: argparse.Namespace) -> list[dict]:
         # block table and chunk metadata (one copy from pinned memory; pageable beside it)
         request = PrefillRequest(q, seqs)
         row["validate_us"] = per_call_us(lambda: validate_prefill(request, engine.config, engine.instance_id), n=50)
+        row["validate_after_wait_us"] = after_wait_us(lambda: validate_prefill(request, engine.config,
+                                                                               engine.instance_id))
         small = torch.zeros(1100, dtype=torch.int32)
         row["h2d_pageable_4k_us"] = per_call_us(lambda: small.to("cuda"), hold=False)
         row["h2d_pinned_4k_us"] = per_call_us(lambda: small.pin_memory().to("cuda", non_blocking=True), hold=False)
@@ -390,29 +441,14 @@ def _measure(a: argparse.Namespace) -> list[dict]:
         print(f"  per call: event record {r['event_record_us']:.1f}, elapsed_time {r['event_elapsed_us']:.1f}, "
               f"torch.empty {r['empty_us']:.1f}, attention launch {r['attention_call_us']:.1f} "
               f"(in Triton's JITFunction.run: {r['attention_triton_run_us'] or 0:.1f}), "
-              f"request validation {r['validate_us']:.1f}, 4 KB host-to-device copy from pageable memory "
+              f"request validation {r['validate_us']:.1f} (one call, by what the host did before it: "
+              f"{r['validate_after_wait_us']}), 4 KB host-to-device copy from pageable memory "
               f"{r['h2d_pageable_4k_us']:.1f} / pinned, asynchronous {r['h2d_pinned_4k_us']:.1f}")
         for key in ("attention_call_profile", "fused_request_profile", "graph_request_profile"):
             print(f"  {key} (us per call, own time, cProfile-inflated):")
             for e in r[key][:15]:
                 print(f"    {e['own_us']:8.2f} {e['cumulative_us']:9.2f}  x{e['calls_per_call']:<5g} {e['function']}")
     return rows
-
-
-@contextlib.contextmanager
-def _waiting(how: str):
-    """Within: ``torch.cuda.Event.synchronize`` is the driver's (``sync``) or a loop over the
-    event's query that lets go of the GIL between queries (``poll``)."""
-    if how == "sync":
-        yield
-        return
-
-    def poll(self):
-        while not self.query():
-            time.sleep(0)
-
-    with mock.patch.object(torch.cuda.Event, "synchronize", poll):
-        yield
 
 
 def main(argv=None) -> int:
@@ -433,9 +469,6 @@ def main(argv=None) -> int:
     p.add_argument("--pin-cpu", type=int, default=None,
                    help="hold the measuring thread (the engine's caller) on this CPU: whether moving between "
                         "CPUs is part of a request's host time")
-    p.add_argument("--wait", choices=("sync", "poll"), default="sync",
-                   help="how the host waits for a request's last event: the driver's synchronize, or a Python "
-                        "loop over its query (no spin inside the driver): whether the wait leaves the host cold")
     p.add_argument("--out")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -447,12 +480,11 @@ def main(argv=None) -> int:
         gc.collect()
         gc.freeze()
         gc.disable()
-    with pm_qos.cpu_latency(a.cpu_latency_us) as qos, _waiting(a.wait):
+    with pm_qos.cpu_latency(a.cpu_latency_us) as qos:
         rows = _measure(a)
     if a.out:
         meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "date": run_info.utc_now(),
                 "commit": run_info.commit(), "no_gc": a.no_gc, "cpu_latency": qos, "pinned_cpu": a.pin_cpu,
-                "wait": a.wait,
                 "graph_first_copy": "the copies queued (graph_launch's return)"}
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
