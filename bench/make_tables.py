@@ -462,6 +462,12 @@ def host_table(d: Doc) -> str:
                   for r, x in ab) + "."]
     lines += ["", f"Host cost of one call, µs ({order}): " + "; ".join(
         f"{t} " + ", ".join(_num(r.get(k), ".1f") for r in d["rows"]) for k, t in costs) + "."]
+    waits = [r["validate_after_wait_us"] for r in d["rows"] if "validate_after_wait_us" in r]
+    if len(waits) == len(d["rows"]):
+        lines += ["", f"One validation, µs, by what the host did just before it ({order}): " + "; ".join(
+            f"{k} " + ", ".join(f"{w[k]:.1f}" for w in waits) for k in waits[0]) + " (hot: in a loop; "
+            "1.5 ms, 12 ms: after waiting that long for a spin kernel; 12 ms gemm: for GEMMs, the device at "
+            "its power cap; 12 ms busy: after 12 ms spent validating while the spin kernel ran)."]
     return "\n".join(lines) + "\n"
 
 

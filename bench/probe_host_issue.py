@@ -234,18 +234,23 @@ def per_call_us(fn, n: int = 200, hold: bool = True) -> float:
 def after_wait_us(fn, n: int = 40) -> dict[str, float]:
     """Median host time (µs) of one ``fn()`` call: in a loop (``hot``), and right after the
     thread waited for a spin kernel of ~1.5 or ~12 ms (a 16- and a 128-head request's
-    device time), for ~12 ms of GEMMs (the device at its power cap), and for ~12 ms spent
+    device time), for ~12 ms of GEMMs (one graph: the device at its power cap), and for ~12 ms spent
     calling ``fn`` over and over (``12 ms busy``): which part of a request's host steps
     the wait costs, and whether the device's load or the host's idle code is why."""
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     torch.mm(x, x)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     for _ in range(20):
         torch.mm(x, x)
-    torch.cuda.synchronize()
-    mm_s = (time.perf_counter() - t0) / 20
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    stop.record()
+    stop.synchronize()
+    mm_ms = start.elapsed_time(stop) / 20
+    gemms = torch.cuda.CUDAGraph()  # ~12 ms of GEMMs in one launch, as the spin kernel is
+    with torch.cuda.graph(gemms):
+        for _ in range(max(1, round(12.0 / mm_ms))):
+            torch.mm(x, x)
     start.record()
     torch.cuda._sleep(10_000_000)
     stop.record()
@@ -254,8 +259,7 @@ def after_wait_us(fn, n: int = 40) -> dict[str, float]:
 
     def queue(kind: str, ms: float) -> None:
         if kind == "gemm":
-            for _ in range(max(1, round(ms / 1e3 / mm_s))):
-                torch.mm(x, x)
+            gemms.replay()
         else:
             torch.cuda._sleep(int(ms * cycles_per_ms))
 
