@@ -467,7 +467,8 @@ def host_table(d: Doc) -> str:
         lines += ["", f"One validation, µs, by what the host did just before it ({order}): " + "; ".join(
             f"{k} " + ", ".join(f"{w[k]:.1f}" for w in waits) for k in waits[0]) + " (hot: in a loop; "
             "1.5 ms, 12 ms: after waiting that long for a spin kernel; 12 ms gemm: for GEMMs, the device at "
-            "its power cap; 12 ms busy: after 12 ms spent validating while the spin kernel ran)."]
+            "its power cap, queued as one graph from commit bd2d115 on and as ~60 calls before it; 12 ms busy: "
+            "after 12 ms spent validating while the spin kernel ran)."]
     return "\n".join(lines) + "\n"
 
 
@@ -743,9 +744,12 @@ BENCHMARKS = (
     Bench("The whole request, 108-shape grid", "bench_engine_full", ("bench_engine_full",),
           "`ctxprefill bench --grid full`: H ∈ {16, 128} × new ∈ {512, 1,024, 8,192} × context ∈ {8k, 64k, 256k} × "
           "cache {auto, fp8, fp8_ds_mla} × prefill {bf16, fp8}."),
-    Bench("Where a request's host time goes", "probe_host", ("probe_host",),
+    Bench("Where a request's host time goes", "probe_host", ("probe_host", "probe_host_quiet"),
           "`bench/probe_host_issue.py`: the engine's host steps for one request, the device held busy so that the "
-          "host never waits on it.", env='PROBE_HOST_HEADS="16 128"'),
+          "host never waits on it. Two runs on two GPU machines of the same kind: on the first (`probe_host`) a "
+          "12 ms wait for the device costs the next host step ~10× its time, on the second (`probe_host_quiet`) "
+          "~2× (the last table of each).", env='PROBE_HOST_HEADS="16 128"',
+          note=" (`PROBE_HOST_FILE=probe_host_quiet` names the second file)"),
     Bench("kv_b_proj's GEMM: cuBLAS against a persistent kernel", "probe_gemm", ("probe_gemm",),
           "`bench/probe_gemm.py`: the GEMM of kv_b_proj (K = 512) at 16 and 128 heads over 16k and 64k rows, "
           "torch's (cuBLAS) against a Triton persistent TMA kernel whose epilogue overlaps the next tile's loads "
@@ -958,16 +962,18 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
             what = f"; the {len(every)} cache × prefill dtypes as CUDA graphs against their floors"
         rows.append((f"Whole request, {h} heads, bf16 and fp8 prefill, 1,024 new over 64k{what}", "; ".join(cells),
                      "bench_engine"))
-    probe = load("probe_host", results)
-    ph = probe["rows"]
-    host = [r for r in ph if "graph_host_steps_us" in r]
-    if host:
+    for name, where in (("probe_host", ""), ("probe_host_quiet", ", a second machine of the kind")):
+        probe = load(name, results)
+        host = [r for r in probe["rows"] if "graph_host_steps_us" in r]
+        if not host:
+            continue
         # the call to the replay's first device copy: the median over the interleaved in-place
         # rounds where the probe recorded it there, else its first pass
         in_rounds = all("in_place_first_copy_us" in r["replay_launch_rounds"] for r in host)
         first_us = [statistics.median(r["replay_launch_rounds"]["in_place_first_copy_us"]) if in_rounds
                     else r["graph_host_steps_us"]["first copy"] for r in host]
-        rows.append(("Host time of a request, 1,024 new over 64k, " + " / ".join(
+        waits = [r.get("validate_after_wait_us") for r in host]
+        rows.append((f"Host time of a request{where}, 1,024 new over 64k, " + " / ".join(
                          f"H={r['heads']} {r['prefill_dtype']}" for r in host)
                      + ": outside the stages, eager → as a CUDA graph (ms); the call to its first device copy, "
                        + ("as a CUDA graph (µs" if _first_copy_queued(probe) else
@@ -976,7 +982,10 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                      " / ".join(f"{_ms(r['fused_outside_s'], '.3f')} → {_ms(r['graph_outside_s'], '.3f')}"
                                 for r in host) + "; "
                      + " / ".join(f"{us:.0f}" for us in first_us)
-                     + _in_place_rounds(host), "probe_host"))
+                     + _in_place_rounds(host)
+                     + ("; one validation in a loop against right after a 12 ms wait for the device (µs): "
+                        + " / ".join(f"{w['hot']:.1f} against {w['12 ms']:.1f}" for w in waits)
+                        if all(waits) else ""), name))
     ad = load("bench_attention", results)
     att = [r for r in ad["results"] if r.get("case") == "1x8192q/16384k" and not r.get("causal") and "tflops" in r]
 

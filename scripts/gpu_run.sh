@@ -216,9 +216,10 @@ want profile_host && run_step profile_host 200 5 "$OUT/profile_host.txt" bash -c
 
 # the host's time to issue a 16-head request with the device held (no waits), and its pieces
 # PROBE_HOST_HEADS: the head counts probed (default 16; "16 128" adds the 128-head request);
-# PROBE_HOST_ARGS: more of its options (e.g. --no-gc, --cpu-latency-us 0: idle CPUs held awake)
+# PROBE_HOST_ARGS: more of its options (e.g. --no-gc, --cpu-latency-us 0: idle CPUs held awake);
+# PROBE_HOST_FILE: its JSON's name (probe_host; probe_host_quiet, a second machine's run)
 want probe_host && run_step probe_host 240 5 - python3 bench/probe_host_issue.py --heads ${PROBE_HOST_HEADS:-16} \
-  ${PROBE_HOST_ARGS:-} --out "$OUT/probe_host.json"
+  ${PROBE_HOST_ARGS:-} --out "$OUT/${PROBE_HOST_FILE:-probe_host}.json"
 
 # kv_b_proj's GEMM shapes: cuBLAS against a Triton persistent TMA kernel, beside the burst rate
 want probe_gemm && run_step probe_gemm 200 5 - python3 bench/probe_gemm.py --out "$OUT/probe_gemm.json"
