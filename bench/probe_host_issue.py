@@ -234,9 +234,9 @@ def per_call_us(fn, n: int = 200, hold: bool = True) -> float:
 def after_wait_us(fn, n: int = 40) -> dict[str, float]:
     """Median host time (µs) of one ``fn()`` call: in a loop (``hot``), and right after the
     thread waited for a spin kernel of ~1.5 or ~12 ms (a 16- and a 128-head request's
-    device time), for ~12 ms of GEMMs (one graph: the device at its power cap), and for ~12 ms spent
-    calling ``fn`` over and over (``12 ms busy``): which part of a request's host steps
-    the wait costs, and whether the device's load or the host's idle code is why."""
+    device time), for ~12 ms of GEMMs (one graph: the device at its power cap), and for
+    ~12 ms spent calling ``fn`` over and over (``12 ms busy``): which part of a request's
+    host steps the wait costs, and whether the device's load or the waiting is why."""
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     torch.mm(x, x)
     torch.cuda.synchronize()
