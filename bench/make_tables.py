@@ -747,7 +747,7 @@ BENCHMARKS = (
     Bench("Where a request's host time goes", "probe_host", ("probe_host", "probe_host_quiet"),
           "`bench/probe_host_issue.py`: the engine's host steps for one request, the device held busy so that the "
           "host never waits on it. Two runs on two GPU machines of the same kind: on the first (`probe_host`) a "
-          "12 ms wait for the device costs the next host step ~10× its time, on the second (`probe_host_quiet`) "
+          "12 ms wait for the device costs the next host step 10–15× its time, on the second (`probe_host_quiet`) "
           "~2× (the last table of each).", env='PROBE_HOST_HEADS="16 128"',
           note=" (`PROBE_HOST_FILE=probe_host_quiet` names the second file)"),
     Bench("kv_b_proj's GEMM: cuBLAS against a persistent kernel", "probe_gemm", ("probe_gemm",),
