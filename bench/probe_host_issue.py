@@ -237,43 +237,38 @@ def after_wait_us(fn, n: int = 40) -> dict[str, float]:
     device time), for ~12 ms of GEMMs (one graph: the device at its power cap), and for
     ~12 ms spent calling ``fn`` over and over (``12 ms busy``): which part of a request's
     host steps the wait costs, and whether the device's load or the waiting is why."""
-    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    torch.mm(x, x)
-    torch.cuda.synchronize()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        torch.mm(x, x)
-    stop.record()
-    stop.synchronize()
-    mm_ms = start.elapsed_time(stop) / 20
-    gemms = torch.cuda.CUDAGraph()  # ~12 ms of GEMMs in one launch, as the spin kernel is
-    with torch.cuda.graph(gemms):
-        for _ in range(max(1, round(12.0 / mm_ms))):
-            torch.mm(x, x)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    stop.record()
-    stop.synchronize()
-    cycles_per_ms = 10_000_000 / start.elapsed_time(stop)
 
-    def queue(kind: str, ms: float) -> None:
-        if kind == "gemm":
-            gemms.replay()
-        else:
-            torch.cuda._sleep(int(ms * cycles_per_ms))
+    def device_ms(work) -> float:
+        start.record()
+        work()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop)
 
     def timed_once() -> float:
         t = time.perf_counter()
         fn()
         return time.perf_counter() - t
 
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.mm(x, x)
+    mm_ms = device_ms(lambda: [torch.mm(x, x) for _ in range(20)]) / 20
+    gemms = torch.cuda.CUDAGraph()  # ~12 ms of GEMMs in one launch, as the spin kernel is
+    with torch.cuda.graph(gemms):
+        for _ in range(max(1, round(12.0 / mm_ms))):
+            torch.mm(x, x)
+    cycles_per_ms = 10_000_000 / device_ms(lambda: torch.cuda._sleep(10_000_000))
+
+    def spin(ms: float):
+        return lambda: torch.cuda._sleep(int(ms * cycles_per_ms))
+
     got = {"hot": [timed_once() for _ in range(n)]}
-    for name, kind, ms, busy in (("1.5 ms", "spin", 1.5, False), ("12 ms", "spin", 12.0, False),
-                                 ("12 ms gemm", "gemm", 12.0, False), ("12 ms busy", "spin", 12.0, True)):
+    for name, queue, busy in (("1.5 ms", spin(1.5), False), ("12 ms", spin(12.0), False),
+                              ("12 ms gemm", gemms.replay, False), ("12 ms busy", spin(12.0), True)):
         got[name] = []
         for _ in range(n):
-            queue(kind, ms)
+            queue()
             if busy:
                 stream = torch.cuda.current_stream()
                 while not stream.query():
