@@ -53,8 +53,6 @@ log = logging.getLogger("ctxprefill.service")
 
 __all__ = ["SERVICE_NAME", "PrefillContextServicer"]
 T = TypeVar("T")
-
-
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
