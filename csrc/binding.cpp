@@ -13,7 +13,6 @@
 #include <cstring>
 #include <ctime>
 #include <memory>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -264,7 +263,7 @@ void insert(at::Tensor cache, const at::Tensor& kv_c, const at::Tensor& k_pe, co
 
 void gather(const at::Tensor& cache, const at::Tensor& block_table, const at::Tensor& cu_seq_lens,
             const at::Tensor& seq_starts, at::Tensor out, const std::string& cache_dtype, double k_scale,
-            int64_t block_size, const std::optional<at::Tensor>& claim) {
+            int64_t block_size) {
   const char* op = "gather";
   const CacheDtype cd = parse_cache_dtype(cache_dtype);
   ARG_CHECK(cache.is_cuda(), op, ": cache must be a CUDA tensor, got one on ", cache.device());
@@ -293,13 +292,6 @@ void gather(const at::Tensor& cache, const at::Tensor& block_table, const at::Te
   ARG_CHECK(ot != kFp8 || cd == CacheDtype::Fp8, op,
               ": an float8_e4m3fn out (raw bytes) needs the 'fp8' cache, got '", cache_dtype, "'");
   ARG_CHECK(std::isfinite(k_scale), op, ": k_scale must be finite, got ", k_scale);
-  int* counter = nullptr;
-  if (claim.has_value()) {
-    check_device(*claim, op, "claim", dev);
-    check_dtype(*claim, op, "claim", at::ScalarType::Int);
-    ARG_CHECK(claim->numel() == 1, op, ": claim must hold one int32, got ", claim->numel());
-    counter = claim->data_ptr<int32_t>();
-  }
   const int64_t rows = out.size(0);
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(dev);
@@ -307,7 +299,7 @@ void gather(const at::Tensor& cache, const at::Tensor& block_table, const at::Te
                                          block_table.data_ptr<int32_t>(), block_table.stride(0),
                                          block_table.stride(1), block_table.size(1), cu_seq_lens.data_ptr<int32_t>(),
                                          cu_seq_lens.stride(0), seq_starts.data_ptr<int32_t>(), seq_starts.stride(0),
-                                         n, out.data_ptr(), out.stride(0), dtype_of(out), rows, k_scale, counter,
+                                         n, out.data_ptr(), out.stride(0), dtype_of(out), rows, k_scale,
                                          c10::cuda::getCurrentCUDAStream(dev.index()).stream()),
                op);
 }
@@ -584,7 +576,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_pe"), py::arg("slot_mapping"), py::arg("cache_dtype"), py::arg("k_scale"));
   m.def("gather", &gather, "gather one chunk's latents from the paged cache into out [rows, 576]",
         py::arg("cache"), py::arg("block_table"), py::arg("cu_seq_lens"), py::arg("seq_starts"), py::arg("out"),
-        py::arg("cache_dtype"), py::arg("k_scale"), py::arg("block_size"), py::arg("claim") = py::none());
+        py::arg("cache_dtype"), py::arg("k_scale"), py::arg("block_size"));
   m.def("merge", &merge, "merge (part_out, part_lse) into (out, lse) by LSE, in place", py::arg("out"),
         py::arg("lse"), py::arg("part_out"), py::arg("part_lse"));
   m.def("ipc_open", &ipc_open,

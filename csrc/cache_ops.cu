@@ -195,44 +195,12 @@ __device__ __forceinline__ void warp_row_slots(int64_t (&slot)[R], int64_t r0, i
   for (int r = 0; r < R; ++r) slot[r] = __shfl_sync(0xffffffffu, mine, r);
 }
 
-// Warp steps a warp claims at once from a gather's counter.
-constexpr int kClaimSteps = 8;
-
-// A warp's steps of R consecutive rows (r0 .. r0 + R - 1), warp-uniform: grid-stride
-// without `claim`; with it, kClaimSteps steps at a time counted off *claim (zero at the
-// launch), so that the blocks that start first do the work and blocks that start late
-// (a concurrent kernel holding the SMs) find none left.
-struct WarpRows {
-  int* claim;
-  int64_t rows, stride, r0, end;
-  int R, lane;
-  __device__ WarpRows(int* c, int64_t rows_, int64_t warp, int64_t nwarps, int R_, int lane_)
-      : claim(c), rows(rows_), stride(nwarps * R_), r0(warp * R_), end(rows_), R(R_), lane(lane_) {
-    if (claim != nullptr) grab();
-  }
-  __device__ void grab() {
-    int got = 0;
-    if (lane == 0) got = atomicAdd(claim, R * kClaimSteps);
-    r0 = __shfl_sync(0xffffffffu, got, 0);
-    end = r0 + R * kClaimSteps < rows ? r0 + R * kClaimSteps : rows;
-  }
-  __device__ bool more() const { return r0 < rows; }
-  __device__ void next() {
-    if (claim == nullptr) {
-      r0 += stride;
-    } else if ((r0 += R) >= end) {
-      grab();
-    }
-  }
-};
-
 template <int A, CacheDtype CD, bool OUT_FP8>
 __global__ void __launch_bounds__(dev::kThreads)
 gather_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int64_t block_size,
               const int32_t* __restrict__ bt, int64_t bt_s0, int64_t bt_s1, int64_t max_blocks,
               const int32_t* __restrict__ cu, int64_t cu_s, const int32_t* __restrict__ starts, int64_t st_s,
-              int n, uint8_t* __restrict__ out, int64_t out_s0_bytes, int64_t rows, float k_scale,
-              int* __restrict__ claim) {
+              int n, uint8_t* __restrict__ out, int64_t out_s0_bytes, int64_t rows, float k_scale) {
   static_assert(CD != CacheDtype::Fp8DsMla, "fp8_ds_mla has gather_ds_mla_kernel");
   constexpr int64_t BPS = slot_bytes(CD);
   constexpr int U = OUT_FP8 ? 36 : 72;  // 16-byte output chunks per row
@@ -245,10 +213,8 @@ gather_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int64_t blo
   // table: a chain of dependent loads) run side by side, lane r for row r0 + r,
   // instead of one row after another; every lane then fetches each row's slot by
   // shuffle and copies its 16-byte chunks of all R rows, R * K loads in flight.
-  // (32 rows per warp is slower for small gathers: too few warps.) With `claim`, warps
-  // count rows off it instead (claimed_rows): the blocks that start first do the work.
-  for (WarpRows w(claim, rows, warp, nwarps, R, lane); w.more(); w.next()) {
-    const int64_t r0 = w.r0;
+  // (32 rows per warp is slower for small gathers: too few warps.)
+  for (int64_t r0 = warp * R; r0 < rows; r0 += nwarps * R) {
     int64_t slot[R];
     warp_row_slots<R>(slot, r0, lane, rows, cu, cu_s, starts, st_s, n, bt, bt_s0, bt_s1, max_blocks, num_blocks,
                       block_size);
@@ -305,15 +271,13 @@ __global__ void __launch_bounds__(dev::kThreads)
 gather_ds_mla_kernel(const uint8_t* __restrict__ cache, int64_t num_blocks, int64_t block_size,
                      const int32_t* __restrict__ bt, int64_t bt_s0, int64_t bt_s1, int64_t max_blocks,
                      const int32_t* __restrict__ cu, int64_t cu_s, const int32_t* __restrict__ starts, int64_t st_s,
-                     int n, uint8_t* __restrict__ out, int64_t out_s0_bytes, int64_t rows,
-                     int* __restrict__ claim) {
+                     int n, uint8_t* __restrict__ out, int64_t out_s0_bytes, int64_t rows) {
   constexpr int64_t BPS = slot_bytes(CacheDtype::Fp8DsMla);
   static_assert(kLatent == 32 * 16, "a lane per 16 latent bytes");
   const int lane = threadIdx.x & 31;
   const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
-  for (WarpRows w(claim, rows, warp, nwarps, R, lane); w.more(); w.next()) {
-    const int64_t r0 = w.r0;
+  for (int64_t r0 = warp * R; r0 < rows; r0 += nwarps * R) {
     int64_t slot[R];
     warp_row_slots<R>(slot, r0, lane, rows, cu, cu_s, starts, st_s, n, bt, bt_s0, bt_s1, max_blocks, num_blocks,
                       block_size);
@@ -377,13 +341,13 @@ cudaError_t gather_dispatch(const uint8_t* cache, int64_t num_blocks, int64_t bl
                             const int32_t* bt, int64_t bt_s0, int64_t bt_s1, int64_t max_blocks,
                             const int32_t* cu, int64_t cu_s, const int32_t* st, int64_t st_s, int n,
                             uint8_t* out, int64_t out_s0_bytes, bool out_fp8, int64_t rows, float ks,
-                            int* claim, cudaStream_t s) {
-  // one resident wave, grid-stride over the rows (or counting them off `claim`)
+                            cudaStream_t s) {
+  // one resident wave, grid-stride over the rows
 #define CTXP_GAT(CD_, F8_)                                                                                 \
   gather_kernel<A, CD_, F8_><<<grid_one_wave<gather_kernel<A, CD_, F8_>>(rows, dev::kThreads / 32 * 4),   \
                                dev::kThreads, 0, s>>>(cache, num_blocks, block_size, bt, bt_s0, bt_s1,    \
                                                       max_blocks, cu, cu_s, st, st_s, n, out, out_s0_bytes, \
-                                                      rows, ks, claim)
+                                                      rows, ks)
   switch (cd) {
     case CacheDtype::Auto: CTXP_GAT(CacheDtype::Auto, false); break;
     case CacheDtype::Fp8:
@@ -393,7 +357,7 @@ cudaError_t gather_dispatch(const uint8_t* cache, int64_t num_blocks, int64_t bl
     default:  // fp8_ds_mla -> bf16, 8 rows per warp step
       gather_ds_mla_kernel<A, 8><<<grid_one_wave<gather_ds_mla_kernel<A, 8>>(rows, dev::kThreads / 32 * 8),
                                    dev::kThreads, 0, s>>>(cache, num_blocks, block_size, bt, bt_s0, bt_s1, max_blocks,
-                                                          cu, cu_s, st, st_s, n, out, out_s0_bytes, rows, claim);
+                                                          cu, cu_s, st, st_s, n, out, out_s0_bytes, rows);
       break;
   }
 #undef CTXP_GAT
@@ -428,14 +392,8 @@ cudaError_t launch_gather(const uint8_t* cache, int64_t num_blocks, int64_t bloc
                           const int32_t* block_table, int64_t bt_s0, int64_t bt_s1, int64_t max_blocks,
                           const int32_t* cu_seq_lens, int64_t cu_s, const int32_t* seq_starts, int64_t st_s,
                           int64_t num_seqs, void* out, int64_t out_s0, DType out_dtype, int64_t rows,
-                          double k_scale, int* claim, cudaStream_t stream) {
+                          double k_scale, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  // the counter passes rows by at most the claims of warps that find none left
-  if (claim != nullptr && rows >= (int64_t{1} << 30)) claim = nullptr;
-  if (claim != nullptr) {
-    const cudaError_t e = cudaMemsetAsync(claim, 0, sizeof(int), stream);
-    if (e != cudaSuccess) return e;
-  }
   if (block_size <= 0 || num_seqs < 0 || num_seqs > (int64_t)0x7fffffff) return cudaErrorInvalidValue;
   const bool out_fp8 = out_dtype == DType::FP8E4M3;
   if (!out_fp8 && out_dtype != DType::BF16) return cudaErrorInvalidValue;
@@ -447,10 +405,10 @@ cudaError_t launch_gather(const uint8_t* cache, int64_t num_blocks, int64_t bloc
   const float ks = (float)k_scale;
   return vec ? gather_dispatch<16>(cache, num_blocks, block_size, cache_dtype, block_table, bt_s0, bt_s1,
                                    max_blocks, cu_seq_lens, cu_s, seq_starts, st_s, n, o, out_s0_bytes,
-                                   out_fp8, rows, ks, claim, stream)
+                                   out_fp8, rows, ks, stream)
              : gather_dispatch<1>(cache, num_blocks, block_size, cache_dtype, block_table, bt_s0, bt_s1,
                                   max_blocks, cu_seq_lens, cu_s, seq_starts, st_s, n, o, out_s0_bytes,
-                                  out_fp8, rows, ks, claim, stream);
+                                  out_fp8, rows, ks, stream);
 }
 
 }  // namespace ctxprefill

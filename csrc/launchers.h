@@ -97,17 +97,14 @@ cudaError_t launch_insert(uint8_t* cache, int64_t num_slots, CacheDtype cache_dt
 // device, no host sync); it is context token j = seq_starts[b] + r - cu[b], in slot
 // block_table[b, j / block_size] * block_size + j % block_size. A row with no
 // sequence, a block index past max_blocks or a block id outside [0, num_blocks)
-// gets zeros (defense in depth: the host checked every index already). `claim` (one
-// device int, or nullptr): the warps count their rows off it (zeroed on `stream` first)
-// instead of striding over the grid, so that the blocks that start first copy every row;
-// for a gather beside a kernel that holds most SMs (the same bytes either way).
+// gets zeros (defense in depth: the host checked every index already).
 cudaError_t launch_gather(const uint8_t* cache, int64_t num_blocks, int64_t block_size,
                           CacheDtype cache_dtype, const int32_t* block_table,
                           int64_t bt_s0, int64_t bt_s1, int64_t max_blocks,
                           const int32_t* cu_seq_lens, int64_t cu_s,
                           const int32_t* seq_starts, int64_t st_s, int64_t num_seqs,
                           void* out, int64_t out_s0, DType out_dtype, int64_t rows,
-                          double k_scale, int* claim, cudaStream_t stream);
+                          double k_scale, cudaStream_t stream);
 
 // ---- merge (csrc/merge.cu) ------------------------------------------------------
 // In place: (out [T, H, V] bf16, lse [H, T] f32) <- merge with (part [T, H, V] bf16,

@@ -480,7 +480,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                           prefill_dtype=pd,
                           kv_b_proj_dtype=ns.kv_b_proj_dtype, workspace_tokens=ns.workspace_tokens, backend=ns.backend)
         t_row = time.monotonic()
-        engine = q = seqs = g = f = fp = fgr = fgs = None
+        engine = q = seqs = g = f = fp = fgr = None
         try:
             engine = engines.build(s)
             q, seqs = make_device_request(engine, ctx_lens, new_lens, seed=i)
@@ -496,18 +496,12 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                 fp = time_request(engine, q, seqs, True, dev, unpacked_keys=False, **it)
                 same = same and _same_bits(fp["result"], rg)
             # the fused path with its chunk loop replayed as a CUDA graph (engine/graphs.py)
-            # (first with every gather in line, its baseline: then captured again, each next
-            # chunk's gather on a side stream under this chunk's attention)
-            if dev.type == "cuda" and engine.graphs is not None:
-                engine.graphs.prefetch = False
-                fgs = time_request(engine, q, seqs, True, dev, graphs_on=True, **it)
-                engine.release_graphs()
-                engine.graphs.prefetch = True
+            if dev.type == "cuda":
                 fgr = time_request(engine, q, seqs, True, dev, graphs_on=True, **it)
-                same = same and _same_bits(fgr["result"], rg) and _same_bits(fgs["result"], rg)
-                if "graph" not in fgr["stage_s"] or "graph" not in fgs["stage_s"]:  # a capture failed: no figures
+                same = same and _same_bits(fgr["result"], rg)
+                if "graph" not in fgr["stage_s"]:  # not replayed (a capture failed): no graph figures
                     print(f"{H:4d} {new:5d} {ctx:7d} {cd:>10} {pd:>7}: the CUDA graph did not replay", flush=True)
-                    fgr = fgs = None
+                    fgr = None
             unordered = _without_launch_order(engine, q, seqs, dev, it) if ns.sequences > 1 else None
             if unordered is not None:
                 same = same and _same_bits(rf, unordered["result"])
@@ -546,8 +540,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
               f"{stage_ms} {gap_f * 1e3:7.3f} {in_f * 1e3:7.3f} {row_s:6.2f}{'' if same else '  MISMATCH'}"
               + (f"  (fused without launch order {unordered['median_s'] * 1e3:.3f} ms)" if unordered else "")
               + (f"  (unpacked keys; fused with its K pack {fp['median_s'] * 1e3:.3f} ms)" if fp else "")
-              + (f"  (CUDA graph {fgr['median_s'] * 1e3:.3f} ms, {fgr['median_s'] / floor:.2f}x floor; gathers in "
-                 f"line {fgs['median_s'] * 1e3:.3f} ms)" if fgr and fgs else "")
+              + (f"  (CUDA graph {fgr['median_s'] * 1e3:.3f} ms, {fgr['median_s'] / floor:.2f}x floor)" if fgr else "")
               + (f"  SM MHz g|f {clk_g['sm_mhz_median']:.0f}|{clk_f['sm_mhz_median']:.0f}, "
                  f"W {clk_g['power_w_median']:.0f}|{clk_f['power_w_median']:.0f}" if clk_g and clk_f else ""),
               flush=True)
@@ -569,10 +562,6 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
             **({"fused_graph_s": fgr["median_s"], "fused_graph_over_floor": fgr["median_s"] / floor,
                 "fused_graph_replay_s": fgr["stage_s"].get("graph", 0.0),
                 "fused_graph_outside_s": fgr["outside_s"]} if fgr else {}),
-            # the same replay with every chunk's gather in line (no side stream): its baseline
-            **({"fused_graph_inline_s": fgs["median_s"],
-                "fused_graph_inline_replay_s": fgs["stage_s"].get("graph", 0.0),
-                "prefetch_gain": fgs["median_s"] / fgr["median_s"]} if fgr and fgs else {}),
             "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],
             **({"floor_sustained_s": held, "fused_over_sustained_floor": tf / held} if held else {}),
             **({"fused_graph_over_sustained_floor": fgr["median_s"] / held} if held and fgr else {}),

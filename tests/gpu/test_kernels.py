@@ -514,32 +514,6 @@ def test_gather_long_context(cuda_ext, cache_dtype, out_dtype):
     assert_same(got, want, "long gather")
 
 
-@pytest.mark.parametrize("aligned", [True, False], ids=["vec16", "bytes"])
-@pytest.mark.parametrize("cache_dtype,out_dtype", GATHER_CASES, ids=[f"{c}->{'fp8' if o == FP8 else 'bf16'}"
-                                                                     for c, o in GATHER_CASES])
-def test_gather_counting_rows_off_a_claim_gives_the_same_bytes(cuda_ext, cache_dtype, out_dtype, aligned):
-    """With ``claim`` the warps count their rows off a device counter (zeroed by the launch:
-    it starts here at garbage) instead of striding over the grid: the same bytes, twice in
-    a row, on a long ragged chunk (many claims) and a short one (fewer rows than one claim)."""
-    bs = 64
-    for lens in ([70000 - 64 * 50] + [64] * 49 + [0, 3], [5, 0, 2]):
-        cache, bt, cu, st, rows = gather_case(cache_dtype, bs, num_blocks=1200, fill="random_bytes", seed=3, lens=lens)
-        isz = out_dtype.itemsize
-        want = torch.empty((rows, 576), dtype=out_dtype, device=DEV)
-        cuda_ext.gather(cache, bt, cu, st, want, cache_dtype, 1.0, bs)
-        ws = torch.full((rows * 576 * isz + 64,), 7, dtype=torch.uint8, device=DEV)
-        at = 0 if aligned else 2
-        got = ws[at : at + rows * 576 * isz].view(out_dtype).view(rows, 576)
-        claim = torch.full((1,), 123456, dtype=torch.int32, device=DEV)
-        for _ in range(2):
-            gather_op.gather(cache, bt, cu, st, got, cache_dtype, 1.0, bs, claim=claim)
-            assert_bits_equal(got, want, f"claimed rows, {len(lens)} sequences")
-            got.view(torch.uint8).fill_(7)
-        assert int(claim) >= rows  # every row was counted off it
-    with pytest.raises(RuntimeError, match="claim"):
-        cuda_ext.gather(cache, bt, cu, st, want, cache_dtype, 1.0, bs, claim.long())
-
-
 def test_gather_bad_block_ids_give_zeros(cuda_ext):
     bs = 16
     cache, bt, cu, st, rows = gather_case("auto", bs, num_blocks=32, lens=[40, 20], seed=4)

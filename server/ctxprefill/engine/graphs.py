@@ -55,7 +55,6 @@ from .loop import (
     HostMetadata,
     LoopInputs,
     PendingLoop,
-    Prefetch,
     Upload,
     device_metadata,
     host_metadata_of,
@@ -102,7 +101,6 @@ class CapturedLoop:
     patch: Any = None  # the extension's GraphPatch over (q, out, lse) where found (a kept graph)
     copies_because: str = "not checked"  # why replays copy q in and out and LSE out ("": in place)
     launch_in_place: Any = None  # patch.launch
-    prefetch: Prefetch | None = None  # kept alive: the replay gathers into its buffer
 
     def __post_init__(self) -> None:
         self._staging = self.staging.numpy()
@@ -290,13 +288,9 @@ class LoopGraphs:
     pool (their replays never overlap, and each replay's output is written to tensors of
     its own or copied out before the next). Without it each layer's shape is its own graph."""
 
-    def __init__(self, cache: torch.Tensor | None = None, blocks_per_layer: int = 0, max_graphs: int = 8,
-                 prefetch: bool = True):
+    def __init__(self, cache: torch.Tensor | None = None, blocks_per_layer: int = 0, max_graphs: int = 8):
         self.cache, self.blocks_per_layer = cache, blocks_per_layer
         self.max_graphs = max_graphs
-        # captures gather each next chunk on a side stream (loop.Prefetch); False: in line
-        # (the benchmark's baseline); read at each capture
-        self.prefetch = prefetch
         self._graphs: collections.OrderedDict[Hashable, CapturedLoop] = collections.OrderedDict()
         self._seen: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
         # shapes not captured: for good, or until clear (their capture ran out of memory);
@@ -308,9 +302,6 @@ class LoopGraphs:
         # stream that allocated it, so a capture on a stream of its own would keep the pool's
         # blocks of every earlier capture and add its own (as torch.cuda.graph shares one)
         self._capture_stream: torch.cuda.Stream | None = None
-        # the captured loops' second latent buffer and side stream (loop.Prefetch), shared
-        # like the pool: made at the first capture, as large as the engine's workspace
-        self._prefetch: Prefetch | None = None
         self.replays = 0
         self.captures = 0
 
@@ -374,7 +365,6 @@ class LoopGraphs:
         self._seen.clear()
         self._short_of_memory.clear()
         self._pool = None
-        self._prefetch = None
         return dropped
 
     def _not_captured(self, key: Hashable, e: Exception) -> None:
@@ -428,18 +418,13 @@ class LoopGraphs:
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(x.q.device)  # type: ignore[no-untyped-call]
         stream = self._capture_stream
-        if self.prefetch and (self._prefetch is None or self._prefetch.workspace.numel() < x.workspace.numel()):
-            self._prefetch = Prefetch(torch.empty_like(x.workspace),
-                                      torch.cuda.Stream(x.q.device),  # type: ignore[no-untyped-call]
-                                      torch.zeros(1, dtype=torch.int32, device=x.q.device))
         stream.wait_stream(torch.cuda.current_stream(x.q.device))
         try:
             with torch.cuda.stream(stream):
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
                     looped = start_chunk_loop(xs, backend, fused, metadata=device_metadata(hm, meta),
-                                              launch_orders=orders, timed=False,
-                                              prefetch=self._prefetch if self.prefetch else None)
+                                              launch_orders=orders, timed=False)
                 finally:
                     graph.capture_end()
             if kept:
@@ -451,8 +436,7 @@ class LoopGraphs:
         cap = CapturedLoop(graph, q, meta, staging, staged, looped.out, looped.lse, looped.counts,
                            use_unpacked_keys(backend, fused, x.unpacked_keys, x.fp8_prefill), orders,
                            torch.cuda.current_stream(x.q.device), copies, weight,
-                           x.weight.data_ptr() if weight is not None else 0, launch, patch=patch,
-                           prefetch=self._prefetch if looped.prefetched else None)
+                           x.weight.data_ptr() if weight is not None else 0, launch, patch=patch)
         cap.copies_because = cap.check_in_place(x.q, eager) if patch is not None else why
         if cap.copies_because:
             log.info("captured loop replays through its own q, out and LSE (%s)", cap.copies_because)

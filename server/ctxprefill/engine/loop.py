@@ -133,18 +133,6 @@ class _WorkspaceViews:
     k_rope: torch.Tensor | None  # [rows, H, 64], k_pe with a 0 head stride (unpacked keys only)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Prefetch:
-    """Where a captured loop gathers each next chunk while the current one's attention
-    runs: a second latent buffer and a side stream (:func:`start_chunk_loop`)."""
-
-    workspace: torch.Tensor  # uint8, at least as large as LoopInputs.workspace
-    stream: torch.cuda.Stream  # on the loop's device
-    # int32 [1] on the device: the side gather's rows are counted off it (ops.gather's
-    # claim), so that its blocks beside the attention copy them all
-    claim: torch.Tensor
-
-
 @dataclasses.dataclass
 class LoopResult:
     out: torch.Tensor  # [Tq, H, V] bf16
@@ -442,13 +430,12 @@ class PendingLoop:
     (the request's last event, not the whole device: a request queued behind it is not
     waited for) and reads the stage timings."""
 
-    __slots__ = ("out", "lse", "counts", "timer", "unpacked_keys", "replay", "prefetched")
+    __slots__ = ("out", "lse", "counts", "timer", "unpacked_keys", "replay")
 
     def __init__(self, out: torch.Tensor, lse: torch.Tensor, counts: Counter[str], timer: StageTimer,
-                 unpacked_keys: bool = False, replay: str = "", prefetched: bool = False):
+                 unpacked_keys: bool = False, replay: str = ""):
         self.out, self.lse, self.counts, self.timer = out, lse, counts, timer
         self.unpacked_keys, self.replay = unpacked_keys, replay
-        self.prefetched = prefetched  # chunks after the first were gathered on the Prefetch's stream
 
     def finish(self) -> LoopResult:
         stage_ns, total_ns = self.timer.finish()
@@ -475,16 +462,13 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
                      observer: Observer | None = None, *,
                      metadata: DeviceMetadata | None = None,
                      launch_orders: Sequence[LaunchOrder | None] | None = None,
-                     timed: bool = True, prefetch: Prefetch | None = None) -> PendingLoop:
+                     timed: bool = True) -> PendingLoop:
     """Queue the chunk loop's work on the device and return without waiting for it (with a
     stop signal on a GPU: for all but its last ``STOP_AHEAD`` chunks). ``metadata``: the
     request's chunk metadata already on the device (:func:`device_metadata`), else it is
     uploaded here; ``launch_orders``: each chunk's, already on the device, else the
     backend's are made per chunk; ``timed=False``: no stage timing (engine/graphs.py
-    captures the loop so). ``prefetch`` (untimed loops of several chunks on a GPU, no
-    observer or stop signal): chunk i+1's gather runs on its stream into the other of two
-    latent buffers while chunk i's attention runs (the same kernels on the same inputs:
-    the same bits; stage times would overlap, so timed loops gather in line)."""
+    captures the loop so)."""
     q = x.q
     device = q.device
     Tq, H = q.shape[0], x.heads
@@ -526,33 +510,8 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     # A 16-head request's host issues it in about the device's time (docs/DESIGN.md), and a
     # tensor view costs the host 2-5 us: chunks of equal size share their workspace views, and
     # a chunk whose query rows are all of the request's uses the whole tensors, not slices.
-    ws_views: dict[tuple[int, int], _WorkspaceViews] = {}
+    ws_views: dict[int, _WorkspaceViews] = {}
     stop, planned = x.stop, len(x.chunks)
-    side = prefetch if (prefetch is not None and not timed and planned > 1 and device.type == "cuda"
-                        and observer is None and stop is None
-                        and prefetch.workspace.numel() >= max(c.rows for c in x.chunks) * width * ws_dtype.itemsize
-                        ) else None
-    buffers = (x.workspace,) if side is None else (x.workspace, side.workspace)
-
-    def gather_chunk(i: int, claim: torch.Tensor | None = None) -> _WorkspaceViews:
-        """Chunk i's latents into buffer i % 2 (the workspace alone without prefetch)."""
-        c, m, b = x.chunks[i], meta[i], i % len(buffers)
-        rows = c.rows
-        views = ws_views.get((b, rows))
-        if views is None:
-            ws = buffers[b][: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
-            k_pe = ws[:, x.latent :]
-            # unpacked keys: k_pe as every head's rope keys, a head stride of 0 (a view
-            # made only where it is used: each costs the host microseconds)
-            k_rope = k_pe.unsqueeze(1).expand(rows, H, k_pe.shape[1]) if unpacked else None
-            views = ws_views[(b, rows)] = _WorkspaceViews(ws, ws[:, : x.latent], k_pe, k_rope)
-        bt = block_table if c.num_sequences == block_table.shape[0] else \
-            block_table[c.first_sequence : c.first_sequence + c.num_sequences]
-        gather(x.cache, bt, m.cu_seqlens_k, m.context_starts, views.ws, x.cache_dtype, x.k_scale, x.block_size,
-               claim)
-        return views
-
-    ahead: tuple[_WorkspaceViews, torch.cuda.Event] | None = None  # chunk i's prefetched views, gathered then
     ends: list[torch.cuda.Event] = []  # each chunk's last end event, with a stop signal on a GPU
     for i, (c, m) in enumerate(zip(x.chunks, meta, strict=True)):
         timer.chunk = i
@@ -569,13 +528,18 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
             q_c = q[m.q0 : m.q1]
             out_c = None if out is None else out[m.q0 : m.q1]
             lse_c = None if lse is None else lse[:, m.q0 : m.q1]
-        if ahead is None:
-            with stage("gather"):
-                views = gather_chunk(i)
-        else:  # gathered on the side stream while the chunk before's attention ran
-            views, gathered = ahead
-            torch.cuda.current_stream(device).wait_event(gathered)
-            ahead = None
+        with stage("gather"):
+            views = ws_views.get(rows)
+            if views is None:
+                ws = x.workspace[: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
+                k_pe = ws[:, x.latent :]
+                # unpacked keys: k_pe as every head's rope keys, a head stride of 0 (a view
+                # made only where it is used: each costs the host microseconds)
+                k_rope = k_pe.unsqueeze(1).expand(rows, H, k_pe.shape[1]) if unpacked else None
+                views = ws_views[rows] = _WorkspaceViews(ws, ws[:, : x.latent], k_pe, k_rope)
+            bt = block_table if c.num_sequences == block_table.shape[0] else \
+                block_table[c.first_sequence : c.first_sequence + c.num_sequences]
+            gather(x.cache, bt, m.cu_seqlens_k, m.context_starts, views.ws, x.cache_dtype, x.k_scale, x.block_size)
         latent = views.latent
         if x.kv_b_proj_bf16 and latent.dtype != torch.bfloat16:  # else no cast, and no stage:
             with stage("cast"):  # its two events and bookkeeping were ~10 us of host per chunk
@@ -600,10 +564,6 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
             order = _launch_order(backend, x, c, H, q.dtype, device) if caps.launch_order else None
         # a direct chunk with a backend that writes in place: straight into out[token_slice]
         dest = out_c if direct[i] and caps.supports_out else None
-        before_attention = None
-        if side is not None and i + 1 < planned:
-            before_attention = torch.cuda.Event()  # type: ignore[no-untyped-call]  # (torch's is unannotated)
-            before_attention.record()
         with stage("attention"):
             launches.note(caps.launches_per_call)
             o_c, l_c = backend.run_context_chunk(
@@ -615,16 +575,6 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
                     f"attention backend {backend.name!r} claims supports_out but did not write into the "
                     f"out buffer it was given (chunk {i})"
                 )
-        if side is not None and before_attention is not None:
-            # chunk i+1's gather into the other buffer, whose last readers (chunk i-1's
-            # stages) are done once chunk i's attention may start; queued after that
-            # attention, so that its programs are dispatched first
-            side.stream.wait_event(before_attention)
-            with torch.cuda.stream(side.stream), stage("gather"):
-                nxt = gather_chunk(i + 1, side.claim)
-            gathered = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            gathered.record(side.stream)
-            ahead = (nxt, gathered)
         if out_c is None or lse_c is None:  # single: the backend's result is the request's
             out, lse = o_c, l_c
         else:
@@ -644,4 +594,4 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
 
     if out is None or lse is None:  # set above: allocated, or (single) the backend's result
         raise AssertionError("the chunk loop ended without its result tensors")
-    return PendingLoop(out, lse, counts, timer, unpacked, prefetched=side is not None)
+    return PendingLoop(out, lse, counts, timer, unpacked)

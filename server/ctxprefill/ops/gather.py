@@ -43,16 +43,11 @@ def gather_reference(
     return out
 
 
-def gather(cache, block_table, cu_seq_lens, seq_starts, out, cache_dtype: str, k_scale: float, block_size: int,
-           claim: torch.Tensor | None = None):
-    """``claim`` (int32 [1] on the device, CUDA kernel only): its warps count rows off it
-    (zeroed first) rather than striding over the grid, so that the blocks that start first
-    copy every row — for a gather beside a kernel that holds most SMs. The same bytes."""
+def gather(cache, block_table, cu_seq_lens, seq_starts, out, cache_dtype: str, k_scale: float, block_size: int):
     if out.shape[0] == 0:
         return out
     launches.note(1)
     if _cuda.use_cuda(cache):
-        _cuda.load().gather(cache, block_table, cu_seq_lens, seq_starts, out, cache_dtype, float(k_scale), block_size,
-                            claim)
+        _cuda.load().gather(cache, block_table, cu_seq_lens, seq_starts, out, cache_dtype, float(k_scale), block_size)
         return out
     return gather_reference(cache, block_table, cu_seq_lens, seq_starts, out, cache_dtype, k_scale, block_size)
