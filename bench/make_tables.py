@@ -738,12 +738,14 @@ class Bench:
 
 
 BENCHMARKS = (
-    Bench("The whole request, fused vs generic (headline rows)", "bench_engine", ("bench_engine",),
+    Bench("The whole request, fused vs generic (headline rows)", "bench_engine",
+          ("bench_engine", "bench_engine_h200"),
           "`ctxprefill bench` at 16 and 128 heads, 1,024 new tokens over 64k context, every cache and prefill dtype: "
           "one engine in one process runs the same request through the fused and the generic path (bit for bit "
           "the same answer), timed per stage, beside the floor (kv_b_proj and attention FLOPs at the measured GEMM "
-          "rate + gather/pack bytes at the measured copy bandwidth).",
-          plots=("engine_stages.png",)),
+          "rate + gather/pack bytes at the measured copy bandwidth). Two runs: an H100 (`bench_engine`, the machine "
+          "of `probe_host_quiet`; the plot) and an H200 (`bench_engine_h200`).",
+          plots=("engine_stages.png",), note=" (`BENCH_ENGINE_FILE=bench_engine_h200` names the second file)"),
     Bench("Ragged requests", "bench_engine_ragged", ("bench_engine_ragged",),
           "`ctxprefill bench --sequences 4 --workspace-tokens 65536`: the request split unevenly over 4 sequences "
           "in one 64k-row chunk."),
@@ -968,6 +970,7 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
             what = f"; the {len(every)} cache × prefill dtypes as CUDA graphs against their floors"
         rows.append((f"Whole request, {h} heads, bf16 and fp8 prefill, 1,024 new over 64k{what}", "; ".join(cells),
                      "bench_engine"))
+    rows.append(_engine_graph_row("bench_engine_h200", results))
     for name, where in (("probe_host", ""), ("probe_host_quiet", ", a second machine of the kind")):
         probe = load(name, results)
         host = [r for r in probe["rows"] if "graph_host_steps_us" in r]
@@ -1074,6 +1077,27 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                  f"logits {cuda['errors']['logits']:.4f}; remote {cuda['totals']['remote_ms']:.0f} ms, local "
                  f"{cuda['totals']['local_ms']:.0f} ms", "bench_model_prefill_fp32"))
     return rows
+
+
+def _engine_graph_row(name: str, results: str) -> tuple[str, str, str]:
+    """A README row of a second ``ctxprefill bench`` headline run: per head count, the bf16
+    request as a CUDA graph, its floor, every cache and prefill dtype's graph against its floor,
+    and the host's time outside the replay."""
+    d = load(name, results)
+    cells = []
+    for h in (16, 128):
+        every = [r for r in d["rows"] if r["heads"] == h and r["new"] == 1024 and r["context"] == 65536
+                 and r.get("fused_graph_over_floor") is not None]
+        if not every:
+            continue
+        r = _row(every, cache_dtype="auto", prefill_dtype="bf16")
+        g = [x["fused_graph_over_floor"] for x in every]
+        outside = [x["fused_graph_outside_s"] for x in every]
+        cells.append(f"{h} heads: bf16 as a CUDA graph {_ms(r['fused_graph_s'])} ms, floor {_ms(r['floor_s'])} ms; "
+                     f"every cache and prefill dtype {min(g):.2f}–{max(g):.2f}× the floor" + _held_range(every)
+                     + f", the host outside the replay {_ms(min(outside), '.3f')}–{_ms(max(outside), '.3f')} ms")
+    return (f"Whole request on {run_of(d)['gpu']}, 16 / 128 heads, 1,024 new over 64k: the 6 cache × prefill "
+            "dtypes as CUDA graphs against their floors", "; ".join(cells), name)
 
 
 def _held_range(rows: list[dict]) -> str:

@@ -192,9 +192,10 @@ fi
 # ---- 7. the whole request: fused vs generic in one process (ctxprefill bench) ------------------
 # (--clocks-s 1: a second of each path under NVML's eye per row, after its timing: SM clock,
 # power, clock-event reasons — is the fused path's compute slower because it is power-capped?)
-# (GPU_RUN_ENGINE_ARGS: more options, e.g. "--gemm gluon")
+# (GPU_RUN_ENGINE_ARGS: more options, e.g. "--gemm gluon"; BENCH_ENGINE_FILE: its JSON's name, bench_engine;
+# bench_engine_h200, an H200's run)
 want bench_engine && run_step bench_engine 240 5 - python3 -m ctxprefill.cli bench --heads 16 128 --new 1024 \
-  --context 65536 --clocks-s 1 --iters 25 ${GPU_RUN_ENGINE_ARGS:-} --out "$OUT/bench_engine.json"
+  --context 65536 --clocks-s 1 --iters 25 ${GPU_RUN_ENGINE_ARGS:-} --out "$OUT/${BENCH_ENGINE_FILE:-bench_engine}.json"
 # cost against work: request time and floor from 8k to 1M context tokens (1,024 new), and from 128 to 16k new
 # tokens (64k context); make_tables.py fits the growth per context token
 want bench_engine_scaling && run_step bench_engine_scaling 240 5 - python3 -m ctxprefill.cli bench --heads 16 128 \
