@@ -813,6 +813,12 @@ BENCHMARKS = (
           "`bench/bench_concurrency.py --ring-depth 2` at 16 heads with the server's `--request-ring-overlap` on, "
           "off (`--no-request-ring-overlap`) and on again, one after another (the bracketing shows the drift "
           "between runs)."),
+    Bench("Calls overlapping on the device, on / off / on", "bench_request_overlap",
+          ("bench_request_overlap_on", "bench_request_overlap_off", "bench_request_overlap_on2"),
+          "`bench/bench_concurrency.py --transport cuda` at 16 and 128 heads, a unary call per request, with the "
+          "server's `--request-overlap` on (the engine thread starts the next queued request before it finishes "
+          "the one running), off (`--no-request-overlap`) and on again, one after another (the bracketing shows "
+          "the drift between runs)."),
     Bench("Transports against the engine", "bench_transport", ("bench_transport",),
           "`bench/bench_transport.py`: one request through a real server by every transport (inline, system "
           "shared memory, its request ring, CUDA IPC, on a stream, its request ring), against the same request "

@@ -18,7 +18,7 @@
 # (the 108-row grid), bench_concurrency, bench_concurrency_stream, bench_concurrency_ring, bench_transport,
 # bench_rpc_floor, attention_sweep_ws, attention_ab, ncu_attention, bench_attention_flashinfer, probe_write, hostile_sanitizer,
 # bench_sharded, profile_host, probe_host, probe_gemm, bench_ring_overlap (request rings with and without
-# --request-ring-overlap), bench_transport_pin (system regions page-locked and pageable, alternating),
+# --request-ring-overlap), bench_request_overlap (calls with and without --request-overlap), bench_transport_pin (system regions page-locked and pageable, alternating),
 # bench_inline_parse (the event loop's parse of an inline request, with and without protobuf's copies),
 # bench_model_prefill (a transformers DeepSeek-V3 model prefilled in chunks through CUDA IPC, bf16 and float32),
 # bench_model_workload (a 61-layer DeepSeek-V3-shaped prefill through a CUDA IPC request ring against its floors),
@@ -251,6 +251,16 @@ if want bench_ring_overlap; then
     flag=(); [ "$v" = off ] && flag=(--server-flag no-request-ring-overlap)
     run_step "ring_overlap_$v" 60 5 - python3 bench/bench_concurrency.py --shape 16:1024:65536 --clients 1 2 4 \
       --transport cuda --ring-depth 2 --seconds 5 --warmup-s 1 --budget-s 55 "${flag[@]}" --out "$OUT/bench_ring_overlap_$v.json"
+  done
+fi
+# calls queued behind each other overlapping on the device (--request-overlap) against its baseline, same
+# call, CUDA IPC, 16 and 128 heads: on, off, on
+if want bench_request_overlap; then
+  for v in on off on2; do
+    flag=(); [ "$v" = off ] && flag=(--server-flag no-request-overlap)
+    run_step "request_overlap_$v" 110 5 - python3 bench/bench_concurrency.py --shape 16:1024:65536 128:1024:65536 \
+      --clients 1 2 4 --transport cuda --seconds 4 --warmup-s 1 --budget-s 105 "${flag[@]}" \
+      --out "$OUT/bench_request_overlap_$v.json"
   done
 fi
 want bench_transport && run_step bench_transport 240 5 - python3 bench/bench_transport.py --device cuda --iters 60 \

@@ -213,7 +213,7 @@ async def build_server(s: ServeSettings, security: Security, tracing: Tracing | 
 
     metrics = Metrics()
     worker = EngineWorker(metrics, ring_spin_s=s.request_ring_spin_us / 1e6, ring_poll_s=s.request_ring_poll_us / 1e6,
-                          ring_overlap=s.request_ring_overlap)
+                          ring_overlap=s.request_ring_overlap, request_overlap=s.request_overlap)
     servicer = PrefillContextServicer(s, metrics, worker, s.max_message_bytes, s.queue_size)
     closer = ConnectionCloser()  # the gRPC ports are added once bound
     health_servicer = health.aio.HealthServicer()  # overall "" starts SERVING: the process is live

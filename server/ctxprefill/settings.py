@@ -82,6 +82,7 @@ class ServeSettings:
     request_ring_spin_us: int = 20000  # after a ring request, the engine thread polls without sleeping this long
     request_ring_poll_us: int = 100  # then it checks the rings this often
     request_ring_overlap: bool = True  # start the next ring request before answering the previous one
+    request_overlap: bool = True  # start the next queued PrefillContext request before finishing the previous one
     request_ring_stream_order: bool = False  # rings may order requests on the device by CUDA IPC events
     request_ring_stream_order_timeout_s: float = 30.0  # a stream-ordered request unfinished this long: ring detached
     otlp_endpoint: str | None = None  # OpenTelemetry traces to this OTLP/gRPC collector (service/tracing.py)
@@ -182,6 +183,11 @@ _HELP = {
                             "previous one is waited for and answered, so that the device goes from one request to "
                             "the next; --no-request-ring-overlap runs each to its answer first (the baseline of "
                             "bench/bench_concurrency.py's A/B)",
+    "request_overlap": "start the next queued PrefillContext request (a call's or a stream's) before the previous "
+                       "one is waited for and answered, where its start need not wait for the device (a GPU, q in "
+                       "a CUDA region, no cache_write, at most 4 chunks), so that the device goes from one "
+                       "request's work to the next; --no-request-overlap answers each before the next starts (the "
+                       "baseline of bench/bench_concurrency.py's A/B)",
     "request_ring_stream_order": "allow stream-ordered request rings (CUDA): a ring attached with ready_events "
                                  "makes each request's device work wait for the caller's CUDA event instead of the "
                                  "caller's host, and is answered once the work is queued. The caller is trusted with "

@@ -31,6 +31,7 @@ from ..ops.pack import fused_mla_kv_concat
 from ..weights import KvBProjWeights
 from .graphs import LoopGraphs
 from .loop import (
+    STOP_AHEAD,
     HostMetadata,
     LoopInputs,
     Observer,
@@ -41,7 +42,7 @@ from .loop import (
     use_unpacked_keys,
     uses_keys_last,
 )
-from .plan import ContextChunk
+from .plan import ContextChunk, plan_chunks
 from .request import (
     MAX_BLOCK_TABLE_ENTRIES,
     CheckedPrefill,
@@ -370,6 +371,25 @@ class Engine:
         request = PrefillRequest(q, sequences, workspace_tokens, plan, layer)
         return self.start_prefill(request, fused=fused, observer=observer, unpacked_keys=unpacked_keys,
                                   graphs_on=graphs_on)
+
+    def starts_without_waiting(self, request: PrefillRequest) -> bool:
+        """Whether :meth:`start_prefill` would queue ``request``'s device work without the
+        host waiting for the device, judged from its fields alone (unchecked: a request
+        misjudged is still right, only its start waits): a GPU engine, q already on it, no
+        ``cache_write`` (its latents' copy from the host waits for the work queued before
+        it) and no more chunks than the loop queues before it waits for one
+        (``STOP_AHEAD``). The service starts such a request while the one before it runs."""
+        q = request.q
+        if self.device.type != "cuda" or q.get_device() != self._device_index or request.cache_write is not None:
+            return False
+        if request.plan is not None:
+            return len(request.plan) <= STOP_AHEAD
+        try:
+            w = self.config.workspace_tokens if request.workspace_tokens is None else int(request.workspace_tokens)
+            chunks = plan_chunks([int(s.context_len) for s in request.sequences], w, self.config.cache.block_size)
+        except (CtxPrefillError, TypeError, ValueError, AttributeError):
+            return False  # what the request's checks will name
+        return len(chunks) <= STOP_AHEAD
 
     def start_prefill(self, request: PrefillRequest, *, fused: bool | None = None, observer: Observer | None = None,
                       unpacked_keys: bool | None = None, timeline: bool = False,

@@ -55,6 +55,18 @@ class _Job:
     context: contextvars.Context
     fn: Callable[[], Any]
     deadline: float | None  # time.monotonic() seconds
+    # a call in two steps: ``fn`` queues its device work and returns what finishes it (or None:
+    # nothing to finish, the result is None); ``quick()`` says whether that start returns
+    # without waiting for the device, so that it may run before the previous call's finish
+    quick: Callable[[], bool] | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Started:
+    """A two-step call whose device work is queued and whose finish has not run."""
+
+    job: _Job
+    finish: Callable[[], Any]  # may have ``ready()``: whether the work it waits for is done
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,7 +94,7 @@ class EngineWorker:
     """
 
     def __init__(self, metrics: Metrics, ring_spin_s: float = 0.02, ring_poll_s: float = 100e-6,
-                 ring_overlap: bool = True):
+                 ring_overlap: bool = True, request_overlap: bool = True):
         self.metrics = metrics
         self._q: queue.SimpleQueue[_Job | object | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -93,6 +105,9 @@ class EngineWorker:
         self.release_on_oom: Callable[[], int] | None = None  # set by the servicer (oom_guarded's release)
         self.ring_spin_s, self.ring_poll_s = float(ring_spin_s), float(ring_poll_s)
         self.ring_overlap = bool(ring_overlap)  # False: each ring request is answered before the next starts
+        # two-step calls (submit's ``quick``): the next quick one is started before the previous one
+        # finishes; False: each finishes before the next starts
+        self.request_overlap = bool(request_overlap)
         self._thread = threading.Thread(target=self._run, name="ctxprefill-engine", daemon=True)
         self._thread.start()
 
@@ -107,10 +122,16 @@ class EngineWorker:
             self._waiting -= 1
             self.metrics.queue_depth.set(self._waiting)
 
-    def submit(self, fn: Callable[[], T], deadline: float | None = None,
-               stop: StopSignal | None = None) -> asyncio.Future[T]:
-        cf: concurrent.futures.Future[T] = concurrent.futures.Future()
-        job = _Job(cf, contextvars.copy_context(), fn, deadline)
+    def submit(self, fn: Callable[[], Any], deadline: float | None = None,
+               stop: StopSignal | None = None, quick: Callable[[], bool] | None = None) -> asyncio.Future[Any]:
+        """Queue ``fn`` for the engine thread. With ``quick`` it is a call in two steps: ``fn``
+        queues the device work and returns the function that finishes it (waits, answers),
+        whose result the future gets (None where ``fn`` returns None); while one such call's
+        work runs, the engine thread starts the next queued one whose ``quick()`` holds (its
+        start does not wait for the device) before finishing the first, so that the device
+        goes from one call's work to the next (``request_overlap``)."""
+        cf: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        job = _Job(cf, contextvars.copy_context(), fn, deadline, quick)
         with self._lock:
             self._waiting += 1
             self.metrics.queue_depth.set(self._waiting)
@@ -119,7 +140,7 @@ class EngineWorker:
             # gRPC cancels a call when its deadline passes; allow for the two clocks
             return deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
 
-        def on_done(f: concurrent.futures.Future[T]) -> None:
+        def on_done(f: concurrent.futures.Future[Any]) -> None:
             # not the job: the future holds this, and an answer's tensor would wait in a
             # reference cycle for the garbage collector
             if f.cancelled():
@@ -130,7 +151,7 @@ class EngineWorker:
         self._q.put(job)
         awaited = asyncio.wrap_future(cf)
         if stop is not None:
-            def on_cancel(f: asyncio.Future[T]) -> None:
+            def on_cancel(f: asyncio.Future[Any]) -> None:
                 if f.cancelled():  # the caller went away: a running call stops at its next chunk
                     stop.cancel("deadline" if expired() else "cancelled")
 
@@ -148,9 +169,15 @@ class EngineWorker:
 
     def _run(self) -> None:
         hot_until = 0.0  # spin (no sleeping) until then: a ring had a request lately
+        started: _Started | None = None  # a two-step call whose finish has not run
         while True:
             rings = self._rings
-            if not rings:
+            if started is not None:  # the next call, or its finish once its work is done
+                item = self._next_beside(started)
+                if item is _WAKE:
+                    self._finish(started)
+                    started = None
+            elif not rings:
                 item = self._q.get()
             elif time.monotonic() < hot_until:
                 try:
@@ -164,12 +191,42 @@ class EngineWorker:
                 except queue.Empty:
                     item = _WAKE
             if item is None:
+                if started is not None:
+                    self._finish(started)
                 return
             if isinstance(item, _Job):
-                self._call(item)
+                # started ahead of the previous call's finish: a quick two-step call
+                ahead = started is not None and item.quick is not None and self.request_overlap and item.quick()
+                if started is not None and not ahead:
+                    self._finish(started)
+                    started = None
+                if item.quick is None:
+                    self._call(item)
+                else:
+                    nxt = self._start(item)
+                    if started is not None:  # its work was queued first: it finishes first
+                        self._finish(started)
+                    started = nxt
+                    if started is not None and not self.request_overlap:
+                        self._finish(started)
+                        started = None
                 item = None  # its future holds the result (an answer's tensor): not until the next job
+            if rings and started is not None:  # the rings pipeline their own requests
+                self._finish(started)
+                started = None
             if rings and self._poll_rings(rings):
                 hot_until = time.monotonic() + self.ring_spin_s
+
+    def _next_beside(self, started: _Started) -> object:
+        """The next queued item, waited for while ``started``'s work runs; ``_WAKE`` once it
+        is done (or at once where its finish cannot say)."""
+        ready = getattr(started.finish, "ready", None)
+        while ready is not None and not ready():
+            try:
+                return self._q.get(timeout=_BESIDE_POLL_S)
+            except queue.Empty:
+                pass
+        return _WAKE
 
     #: requests served per poll of the rings at most, before queued calls get a turn
     RING_BURST = 16
@@ -238,27 +295,60 @@ class EngineWorker:
         for fn in turn.after:  # metrics, releasing regions: while the caller reads its answer
             fn()
 
-    def _call(self, job: _Job) -> None:
-        """Run one queued call (unless it was cancelled or its deadline passed)."""
+    def _begin(self, job: _Job) -> bool:
+        """Whether queued ``job`` runs now: not when cancelled while queued (counted by
+        on_done) or when its deadline passed (answered DEADLINE_EXCEEDED here)."""
         cf = job.future
         if not cf.set_running_or_notify_cancel():
-            return  # cancelled while queued (client gone, deadline passed): counted by on_done
+            return False
         self._leave_queue()
         if job.deadline is not None and time.monotonic() >= job.deadline:
             self.metrics.rejected.labels(reason="deadline").inc()
             cf.set_exception(RpcStatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                             "the deadline passed while the request was queued; it was not run",
                                             "deadline"))
-            return
+            return False
+        return True
+
+    def _settle(self, job: _Job, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """Run ``fn`` in ``job``'s context under the out-of-memory guard: (True, its result),
+        or (False, None) with its error handed to the job's future."""
         try:
-            result = job.context.run(oom_guarded, job.fn, self.metrics, self.release_on_oom)
+            return True, job.context.run(oom_guarded, fn, self.metrics, self.release_on_oom)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
-            cf.set_exception(e)
-        else:
-            cf.set_result(result)
-        finally:
-            job.fn = _done  # the request's closures (and the tensors they hold) go now, not with the job
-            del job, cf
+            job.future.set_exception(e)
+            return False, None
+
+    def _call(self, job: _Job) -> None:
+        """Run one queued call (unless it was cancelled or its deadline passed)."""
+        if self._begin(job):
+            ok, result = self._settle(job, job.fn)
+            if ok:
+                job.future.set_result(result)
+        job.fn = _done  # the request's closures (and the tensors they hold) go now, not with the job
+        del job
+
+    def _start(self, job: _Job) -> _Started | None:
+        """Start a two-step call: its device work queued, its finish held (None where it
+        did not start, failed or had nothing to finish: its future is then set)."""
+        started = None
+        if self._begin(job):
+            ok, finish = self._settle(job, job.fn)
+            if ok and finish is None:
+                job.future.set_result(None)
+            elif ok:
+                started = _Started(job, finish)
+        job.fn = _done
+        return started
+
+    def _finish(self, started: _Started) -> None:
+        """A started call's finish: its result (or error) to its future."""
+        job = started.job
+        ok, result = self._settle(job, started.finish)
+        if ok:
+            job.future.set_result(result)
+        started.finish = _done
+        del job, started
 
 
 def _done() -> None:
@@ -266,6 +356,8 @@ def _done() -> None:
 
 
 _WAKE = object()  # a queue item that only wakes the engine thread (a ring was attached)
+#: while a started call's work runs, how often the engine thread checks whether it is done
+_BESIDE_POLL_S = 100e-6
 
 
 def oom_guarded(fn: Callable[[], T], metrics: Metrics, release: Callable[[], int] | None = None) -> T:

@@ -72,6 +72,21 @@ class _Started:
     cache_write_shared: bool  # its cache_write reads shared memory
 
 
+@dataclasses.dataclass(frozen=True)
+class _Finish:
+    """What finishes a started request (:meth:`PrefillCall.start`), and whether the work it
+    waits for is done."""
+
+    finish: Callable[[], PrefillDone]
+    placed: torch.cuda.Event | None  # recorded after the request's work and its results' copies
+
+    def __call__(self) -> PrefillDone:
+        return self.finish()
+
+    def ready(self) -> bool:
+        return self.placed is None or self.placed.query()
+
+
 @dataclasses.dataclass(eq=False)
 class PrefillCall:
     """One request from its decoding to its response (the module's steps)."""
@@ -174,7 +189,13 @@ class PrefillCall:
         if order is not None:
             assert fired is not None
             return functools.partial(self._queued, started, order, fired)
-        return functools.partial(self._finish, started)
+        return _Finish(functools.partial(self._finish, started), placed)
+
+    def quick_start(self) -> bool:
+        """Whether :meth:`start` queues the request's work without waiting for the device
+        (``Engine.starts_without_waiting``; q from a CUDA region), so that the engine thread
+        may start it while the request before it runs (engine_worker's ``request_overlap``)."""
+        return self.engine.starts_without_waiting(self.decoded.request)
 
     def _require_device_resident(self) -> None:
         """A stream-ordered request reads and writes device memory only: host memory would

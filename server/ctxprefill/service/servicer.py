@@ -27,7 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
@@ -52,7 +52,6 @@ from .stream_order import StreamOrder
 log = logging.getLogger("ctxprefill.service")
 
 __all__ = ["SERVICE_NAME", "PrefillContextServicer"]
-T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -140,9 +139,11 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
                                f"queue full ({self._admitted} requests admitted, limit {self.queue_size}); retry later",
                                "queue_full")
 
-    async def _run(self, fn: Callable[[], T], context: Context, stop: StopSignal | None = None) -> T:
+    async def _run(self, fn: Callable[[], Any], context: Context, stop: StopSignal | None = None,
+                   quick: Callable[[], bool] | None = None) -> Any:
         """Admit (or refuse at once), queue, await the worker's result. ``stop`` gets the
-        call's deadline, and is cancelled when the call is (the work stops between chunks)."""
+        call's deadline, and is cancelled when the call is (the work stops between chunks);
+        ``quick``: ``fn`` is a two-step call (``EngineWorker.submit``)."""
         self._check_room()
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
@@ -150,7 +151,7 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
             stop.deadline = deadline
         self._admitted += 1
         try:
-            return await self.worker.submit(fn, deadline, stop)
+            return await self.worker.submit(fn, deadline, stop, quick)
         finally:
             self._admitted -= 1
 
@@ -214,7 +215,8 @@ class PrefillContextServicer(pb_grpc.PrefillContextServiceServicer):
         caller_peer.set(context.peer())  # the regions it names are used as this peer's
         call = PrefillCall.open(engine, self.metrics, request, request_id, self.shm, self.max_message_bytes, t0)
         try:
-            done = await self._run(call.run, context, call.stop)
+            # two steps: the engine thread may start it while the request before it runs
+            done = await self._run(call.start, context, call.stop, call.quick_start)
         finally:
             call.abandon()
         return call.response(done)
