@@ -126,11 +126,6 @@ class PrefillCall:
         if self.lease is not None:
             self.lease.abandon()
 
-    def run(self) -> PrefillDone | None:
-        """On the engine thread: start and finish; None when the handler gave up first."""
-        finish = self.start()
-        return None if finish is None else finish()
-
     def _release(self) -> None:
         if self.lease is not None:
             self.lease.end(self.engine.device)
@@ -140,12 +135,13 @@ class PrefillCall:
         """On the engine thread: queue the request's device work, its results' copies and
         its cache_write, and return the function that waits for them (None when the
         handler gave up first). Between the two the engine thread can start the next
-        request (request rings), so that the device is not idle while the host prepares
-        it. ``defer`` takes what may wait until the answer is out (metrics, releasing the
-        regions, once the device is synchronized) — what a request ring does; without
-        it that is done by the finish. ``order`` (a stream-ordered ring's slot): the work
-        waits for the caller's ready event on the device, the slot's done event follows
-        it, and the returned function does not wait (see :meth:`_queued`)."""
+        request (request rings, and calls queued behind it: engine_worker), so that the
+        device is not idle while the host prepares it. ``defer`` takes what may wait until
+        the answer is out (metrics, releasing the regions, once the device is
+        synchronized) — what a request ring does; without it that is done by the finish.
+        ``order`` (a stream-ordered ring's slot): the work waits for the caller's ready
+        event on the device, the slot's done event follows it, and the returned function
+        does not wait (see :meth:`_queued`)."""
         engine, lease, shared = self.engine, self.lease, self.decoded.shared
         t_start = time.perf_counter_ns()
         if order is not None:
