@@ -72,6 +72,15 @@ async def run_calls(worker: EngineWorker, calls: list[Call]) -> list:
         timer.cancel()
 
 
+async def until_started(log: list) -> None:
+    """Until the engine thread has started the first call (its start logged)."""
+    for _ in range(2000):
+        if log:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("the call was not started")
+
+
 @pytest.fixture
 def worker():
     w = EngineWorker(Metrics())
@@ -129,10 +138,7 @@ def test_a_lone_call_finishes_once_its_work_is_done(worker):
 
     async def go():
         fut = worker.submit(a.start, quick=a.quick)
-        for _ in range(200):
-            if log:
-                break
-            await asyncio.sleep(0.001)
+        await until_started(log)
         await asyncio.sleep(0.02)
         assert log == [("start", "a")] and not fut.done()  # its work runs: not finished
         a.done.set()
@@ -180,10 +186,7 @@ def test_a_started_call_finishes_before_the_worker_stops():
 
     async def go():
         fut = w.submit(a.start, quick=a.quick)
-        for _ in range(200):
-            if log:
-                break
-            await asyncio.sleep(0.001)
+        await until_started(log)
         w.stop()  # queued behind it: the worker finishes the started call first
         a.done.set()
         return await asyncio.wait_for(fut, 5)
