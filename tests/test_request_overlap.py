@@ -88,12 +88,17 @@ def worker():
     w.stop()
 
 
+def overlapped(worker: EngineWorker) -> float:
+    return worker.metrics.registry.get_sample_value("ctxprefill_overlapped_requests_total")
+
+
 def test_the_next_quick_call_starts_before_the_previous_one_finishes(worker):
     log: list = []
     calls = [Call(n, log) for n in "abc"]
     assert asyncio.run(run_calls(worker, calls)) == ["a", "b", "c"]
     assert log == [("start", "a"), ("start", "b"), ("finish", "a"), ("start", "c"), ("finish", "b"),
                    ("finish", "c")]
+    assert overlapped(worker) == 2  # b and c, each started while the one before ran
 
 
 def test_a_call_that_is_not_quick_starts_after_the_previous_one_finished(worker):
@@ -128,6 +133,7 @@ def test_without_overlap_each_call_finishes_before_the_next_starts(worker):
     log: list = []
     assert asyncio.run(run_calls(worker, [Call(n, log) for n in "ab"])) == ["a", "b"]
     assert log == [("start", "a"), ("finish", "a"), ("start", "b"), ("finish", "b")]
+    assert overlapped(worker) == 0
 
 
 def test_a_lone_call_finishes_once_its_work_is_done(worker):

@@ -205,6 +205,8 @@ class EngineWorker:
                 else:
                     nxt = self._start(item)
                     if started is not None:  # its work was queued first: it finishes first
+                        if nxt is not None:
+                            self.metrics.overlapped_requests.inc()
                         self._finish(started)
                     started = nxt
                     if started is not None and not self.request_overlap:

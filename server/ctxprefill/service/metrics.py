@@ -174,6 +174,13 @@ class Metrics:
             "end its stream; grpc_server_handled_total counts the streams).",
             ["grpc_code"], registry=r,
         )
+        # -- --request-overlap: a request started while the one before it runs --------------
+        self.overlapped_requests = Counter(
+            "ctxprefill_overlapped_requests_total",
+            "PrefillContext requests (calls' and streams') that the engine thread started while the request "
+            "before them still ran on the device (--request-overlap).",
+            registry=r,
+        )
         # -- request rings (--request-ring): requests that never were gRPC calls --------------
         self.ring_requests = Counter(
             "ctxprefill_ring_requests_total",
