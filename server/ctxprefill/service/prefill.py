@@ -77,14 +77,15 @@ class _Finish:
     """What finishes a started request (:meth:`PrefillCall.start`), and whether the work it
     waits for is done."""
 
-    finish: Callable[[], PrefillDone]
-    placed: torch.cuda.Event | None  # recorded after the request's work and its results' copies
+    call: PrefillCall
+    started: _Started
 
     def __call__(self) -> PrefillDone:
-        return self.finish()
+        return self.call._finish(self.started)
 
     def ready(self) -> bool:
-        return self.placed is None or self.placed.query()
+        placed = self.started.placed  # recorded after the request's work and its results' copies
+        return placed is None or placed.query()
 
 
 @dataclasses.dataclass(eq=False)
@@ -185,7 +186,7 @@ class PrefillCall:
         if order is not None:
             assert fired is not None
             return functools.partial(self._queued, started, order, fired)
-        return _Finish(functools.partial(self._finish, started), placed)
+        return _Finish(self, started)
 
     def quick_start(self) -> bool:
         """Whether :meth:`start` queues the request's work without waiting for the device
