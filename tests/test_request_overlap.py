@@ -176,7 +176,9 @@ def test_a_call_cancelled_while_queued_never_starts(worker):
         for x in (a, b, c):
             x.done.set()
         fa, fb, fc = (worker.submit(x.start, quick=x.quick) for x in (a, b, c))
-        fb.cancel()
+        fb.cancel()  # reaches the worker's future through a loop callback: let it run first
+        for _ in range(2):
+            await asyncio.sleep(0)
         gate.set()
         await hold
         return await fa, await fc, fb.cancelled()
