@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+from ctxprefill import settings
 from ctxprefill.engine.loop import STOP_AHEAD
 from ctxprefill.engine.plan import ContextChunk
 from ctxprefill.engine.request import PrefillRequest, SequenceSpec, WriteRequest
@@ -166,6 +167,22 @@ def test_failures_and_empty_starts_go_to_their_own_calls(worker):
     assert [n for k, n in log if k == "start"] == list("abcde")
 
 
+def test_a_hint_that_raises_runs_its_call_after_the_one_before(worker):
+    """``quick()`` raising must not end the engine thread: the call runs, not ahead."""
+    log: list = []
+    a, b, c = Call("a", log), Call("b", log), Call("c", log)
+
+    def broken() -> bool:
+        raise RuntimeError("a bad hint")
+
+    b.quick = broken  # type: ignore[method-assign]
+    assert asyncio.run(asyncio.wait_for(run_calls(worker, [a, b, c]), 10)) == ["a", "b", "c"]
+    assert log == [("start", "a"), ("finish", "a"), ("start", "b"), ("start", "c"), ("finish", "b"),
+                   ("finish", "c")]
+    assert overlapped(worker) == 1  # c alone
+    assert worker._thread.is_alive()
+
+
 def test_a_call_cancelled_while_queued_never_starts(worker):
     log: list = []
 
@@ -231,3 +248,5 @@ def test_starts_without_waiting_only_where_the_start_queues_work_alone():
     assert not eng.starts_without_waiting(req(bs, bs, cache_write=w))
     eng._device_index = 0  # q on another device than the engine's
     assert not eng.starts_without_waiting(req(bs, bs))
+    # the flag's help names the same bound
+    assert f"at most {STOP_AHEAD} chunks" in settings._HELP["request_overlap"]

@@ -196,7 +196,7 @@ class EngineWorker:
                 return
             if isinstance(item, _Job):
                 # started ahead of the previous call's finish: a quick two-step call
-                ahead = started is not None and item.quick is not None and self.request_overlap and item.quick()
+                ahead = started is not None and self.request_overlap and _quick(item)
                 if started is not None and not ahead:
                     self._finish(started)
                     started = None
@@ -204,7 +204,7 @@ class EngineWorker:
                     self._call(item)
                 else:
                     nxt = self._start(item)
-                    if started is not None:  # its work was queued first: it finishes first
+                    if ahead and started is not None:  # its work was queued first: it finishes first
                         if nxt is not None:
                             self.metrics.overlapped_requests.inc()
                         self._finish(started)
@@ -355,6 +355,19 @@ class EngineWorker:
 
 def _done() -> None:
     return None
+
+
+def _quick(job: _Job) -> bool:
+    """Whether ``job`` is a two-step call whose start need not wait for the device. A hint:
+    where asking raises, no (the call then runs after the one before it, and its start
+    reports what is wrong)."""
+    if job.quick is None:
+        return False
+    try:
+        return job.quick()
+    except Exception:  # noqa: BLE001 - the engine thread must outlive a bad hint
+        log.debug("a call's quick() raised; it starts after the one before it", exc_info=True)
+        return False
 
 
 _WAKE = object()  # a queue item that only wakes the engine thread (a ring was attached)
