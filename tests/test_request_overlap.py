@@ -155,6 +155,19 @@ def test_a_lone_call_finishes_once_its_work_is_done(worker):
     assert log == [("start", "a"), ("finish", "a")]
 
 
+def test_a_lone_call_that_is_not_quick_is_finished_at_once(worker):
+    """Nothing queued and not quick: no watching (a wake-up every 100 µs, an answer up to
+    that late) — the engine thread goes straight to its finish, which does the waiting."""
+    log: list = []
+    a = Call("a", log, quick=False)
+
+    async def go():
+        return await asyncio.wait_for(worker.submit(a.start, quick=a.quick), 5)
+
+    assert asyncio.run(go()) == "a"
+    assert log == [("start", "a"), ("finish", "a")] and not a.done.is_set()  # finished before 'ready'
+
+
 def test_failures_and_empty_starts_go_to_their_own_calls(worker):
     log: list = []
     calls = [Call("a", log), Call("b", log, start_error=ValueError("b's start")),

@@ -67,6 +67,9 @@ class _Started:
 
     job: _Job
     finish: Callable[[], Any]  # may have ``ready()``: whether the work it waits for is done
+    # a quick call: while its work runs the engine thread watches the queue for the next one
+    # (a call that is not quick is finished at once, waiting in its finish: no polling)
+    watch: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -195,15 +198,15 @@ class EngineWorker:
                     self._finish(started)
                 return
             if isinstance(item, _Job):
-                # started ahead of the previous call's finish: a quick two-step call
-                ahead = started is not None and self.request_overlap and _quick(item)
+                quick = self.request_overlap and _quick(item)
+                ahead = started is not None and quick  # started before the previous call's finish
                 if started is not None and not ahead:
                     self._finish(started)
                     started = None
                 if item.quick is None:
                     self._call(item)
                 else:
-                    nxt = self._start(item)
+                    nxt = self._start(item, watch=quick)
                     if ahead and started is not None:  # its work was queued first: it finishes first
                         if nxt is not None:
                             self.metrics.overlapped_requests.inc()
@@ -221,9 +224,16 @@ class EngineWorker:
 
     def _next_beside(self, started: _Started) -> object:
         """The next queued item, waited for while ``started``'s work runs; ``_WAKE`` once it
-        is done (or at once where its finish cannot say)."""
+        is done. Watching costs a wake-up every ``_BESIDE_POLL_S`` and answers up to that
+        much after the work is done, so a call that is not quick (or whose finish cannot
+        say) gets only what is queued already, then is finished, waiting in its finish."""
         ready = getattr(started.finish, "ready", None)
-        while ready is not None and not ready():
+        if not started.watch or ready is None:
+            try:
+                return self._q.get_nowait()
+            except queue.Empty:
+                return _WAKE
+        while not ready():
             try:
                 return self._q.get(timeout=_BESIDE_POLL_S)
             except queue.Empty:
@@ -330,16 +340,17 @@ class EngineWorker:
         job.fn = _done  # the request's closures (and the tensors they hold) go now, not with the job
         del job
 
-    def _start(self, job: _Job) -> _Started | None:
+    def _start(self, job: _Job, watch: bool = False) -> _Started | None:
         """Start a two-step call: its device work queued, its finish held (None where it
-        did not start, failed or had nothing to finish: its future is then set)."""
+        did not start, failed or had nothing to finish: its future is then set); ``watch``:
+        a quick call (:meth:`_next_beside`)."""
         started = None
         if self._begin(job):
             ok, finish = self._settle(job, job.fn)
             if ok and finish is None:
                 job.future.set_result(None)
             elif ok:
-                started = _Started(job, finish)
+                started = _Started(job, finish, watch)
         job.fn = _done
         return started
 
