@@ -1090,7 +1090,7 @@ def _engine_graph_row(name: str, results: str) -> tuple[str, str, str]:
     request as a CUDA graph, its floor, every cache and prefill dtype's graph against its floor,
     and the host's time outside the replay."""
     d = load(name, results)
-    cells = []
+    cells, dtypes = [], set()
     for h in (16, 128):
         every = [r for r in d["rows"] if r["heads"] == h and r["new"] == 1024 and r["context"] == 65536
                  and r.get("fused_graph_over_floor") is not None]
@@ -1099,11 +1099,12 @@ def _engine_graph_row(name: str, results: str) -> tuple[str, str, str]:
         r = _row(every, cache_dtype="auto", prefill_dtype="bf16")
         g = [x["fused_graph_over_floor"] for x in every]
         outside = [x["fused_graph_outside_s"] for x in every]
+        dtypes |= {(x["cache_dtype"], x["prefill_dtype"]) for x in every}
         cells.append(f"{h} heads: bf16 as a CUDA graph {_ms(r['fused_graph_s'])} ms, floor {_ms(r['floor_s'])} ms; "
                      f"every cache and prefill dtype {min(g):.2f}–{max(g):.2f}× the floor" + _held_range(every)
                      + f", the host outside the replay {_ms(min(outside), '.3f')}–{_ms(max(outside), '.3f')} ms")
-    return (f"Whole request on {run_of(d)['gpu']}, 16 / 128 heads, 1,024 new over 64k: the 6 cache × prefill "
-            "dtypes as CUDA graphs against their floors", "; ".join(cells), name)
+    return (f"Whole request on {run_of(d)['gpu']}, 16 / 128 heads, 1,024 new over 64k: the {len(dtypes)} cache × "
+            "prefill dtypes as CUDA graphs against their floors", "; ".join(cells), name)
 
 
 def _held_range(rows: list[dict]) -> str:
