@@ -12,6 +12,7 @@ import pytest
 triton = pytest.importorskip("triton", reason="triton is not importable")
 
 import cross_compile  # noqa: E402
+from ctxprefill.ops import kv_b_proj as kvb  # noqa: E402
 from ctxprefill.ops import kv_b_proj_gluon as kg  # noqa: E402
 
 _XCOMPILE_GEMM = cross_compile.RESOURCES + r"""
@@ -56,3 +57,58 @@ def test_gemm_configs_cross_compile_for_sm90():
         assert {24, 240} <= set(res["setmaxnreg"]), res
         assert res["stmatrix"] > 0 and res["tma_store"] > 0, res
 
+
+
+_XCOMPILE_PAGED = cross_compile.RESOURCES + r"""
+import json, re, sys
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from ctxprefill.ops import kv_b_proj_gluon as kg
+
+fn = kg._kv_b_proj_paged_ws
+names = fn.arg_names
+ptrs = {"A": "*bf16", "KIN": "*bf16", "B": "*bf16", "Y": "*bf16", "KOUT": "*bf16", "BT": "*i32", "CU": "*i32",
+        "ST": "*i32"}
+out = []
+for cfg in json.loads(sys.argv[1]):
+    cfg = dict(kg.CONFIG, **cfg)
+    sig = {n: ptrs.get(n, "i32") for n in names}
+    for n in cfg:
+        sig[n] = "constexpr"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")
+             or n.startswith("stride_")}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cfg.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=kg._MAXNREG))
+    regs, stack = resources(k)
+    ptx = k.asm["ptx"]
+    out.append(dict(cfg=cfg, regs=regs, stack=stack, smem=k.metadata.shared,
+                    wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
+                    tma_load=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", ptx)),
+                    tma_store=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
+                    setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                                      ptx)))))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6") or bool(kg.GLUON_ERR),
+                    reason="sm_90 cross-compile check of the Gluon GEMM written for Triton 3.6")
+def test_paged_gemm_cross_compiles_for_sm90():
+    """The GEMM that reads its latent from the paged cache (launch_paged): the default
+    configuration compiles to the same wgmma, no spills (the loader's slot lookups within its
+    24 registers), within 227 KiB of shared memory with its k_pe buffer; per tile two A loads
+    (one per 64-row half) beside B's, and per row of tiles two k_pe loads and two stores."""
+    (res,) = cross_compile.cross_compile(_XCOMPILE_PAGED, [{}])
+    print(res)
+    assert res["wgmma"] == [f"m64n{res['cfg']['BN']}k16"], res
+    assert res["stack"] == 0, f"register spills: {res}"
+    assert res["smem"] <= 232448, res
+    assert {24, 240} <= set(res["setmaxnreg"]), res
+    assert res["tma_load"] == 5 and res["tma_store"] >= 3, res
+
+
+def test_chunk_pages_aligned():
+    assert kvb.chunk_pages_aligned([0, 16384], (0,)) and kvb.chunk_pages_aligned([0, 640, 1000], (64, 128))
+    assert kvb.chunk_pages_aligned([0, 100], (16384,))  # the last sequence may end anywhere
+    assert not kvb.chunk_pages_aligned([0, 100, 200], (0, 0))  # the second sequence starts at row 100
+    assert not kvb.chunk_pages_aligned([0, 128], (32,))  # its first context token is mid-page

@@ -349,6 +349,56 @@ def test_gluon_gemm_in_the_engine(prefill, monkeypatch):
     assert err < (5e-2 if prefill == "fp8" else 2e-2), err
     assert (fused.lse[:, rows] - cublas.lse[:, rows]).abs().max() < 5e-2
 
+@pytest.mark.parametrize("prefill", ["bf16", "fp8"])
+def test_paged_gemm_in_the_engine(prefill, monkeypatch):
+    """kv_b_proj reading the paged cache (``ops.kv_b_proj.GEMM = "gluon-paged"``, a bf16
+    cache): chunks whose sequences start on 64-row pages go through the paged GEMM (no
+    gather), the others through the gather and the Gluon GEMM; fused and generic give the
+    same bits chunk by chunk, and every chunk's q, k, v, out and LSE are the bits of
+    ``GEMM = "gluon"`` (gather, then the same kernel)."""
+    from ctxprefill.ops import kv_b_proj as kvb_op
+    from ctxprefill.ops import kv_b_proj_gluon as kg
+
+    backend, why = _triton_backend()
+    if kg.GLUON_ERR or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip(f"a Hopper kernel: {kg.GLUON_ERR or 'not sm_90'}")
+    backend = backend if backend is not None else ReferenceBackend()
+    c = dict(contexts=[40000, 9000, 0, 20000, 333], queries=[300, 1000, 20, 700, 5], W=16384, block=64, heads=16,
+             blocks=1200)
+    eng = make_engine(c, "auto", "bf16", prefill, backend)
+    q, seqs = make_request(eng, c)
+    runs, calls = {}, {}
+
+    def counted(fn, name, n):
+        def wrapper(*a, **k):
+            n[name] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    for gemm in ("gluon", "gluon-paged"):
+        monkeypatch.setattr(kvb_op, "GEMM", gemm)
+        n = calls[gemm] = {"paged": 0, "plain": 0}
+        with monkeypatch.context() as m:
+            m.setattr(kg, "launch_paged", counted(kg.launch_paged, "paged", n))
+            m.setattr(kg, "launch", counted(kg.launch, "plain", n))
+            for fused in (True, False):
+                runs[gemm, fused] = record(eng, q, seqs, fused)
+    n = len(runs["gluon", True][1])
+    assert n > 1 and calls["gluon"] == {"paged": 0, "plain": 2 * n}
+    got = calls["gluon-paged"]
+    assert got["paged"] > 0 and got["plain"] > 0 and got["paged"] + got["plain"] == 2 * n, got
+    for (r, seen), (r0, seen0) in ((runs["gluon-paged", f], runs["gluon", f]) for f in (True, False)):
+        for i, (a, b) in enumerate(zip(seen, seen0, strict=True)):
+            for name, x, y in zip(("q", "k", "v", "out", "lse"), a, b):
+                assert torch.equal(bits(x), bits(y)), f"chunk {i}: {name} paged != gathered"
+        assert torch.equal(bits(r.out), bits(r0.out)) and torch.equal(bits(r.lse), bits(r0.lse))
+    (fr, fch), (_, gch) = runs["gluon-paged", True], runs["gluon-paged", False]
+    for i, (a, b) in enumerate(zip(fch, gch, strict=True)):
+        for name, x, y in zip(("q", "k", "v", "out", "lse"), a, b):
+            assert torch.equal(bits(x), bits(y)), f"chunk {i}: {name} fused != generic"
+    assert fr.stats.launches["gather"] == n - got["paged"] // 2  # a paged chunk launches no gather
+
+
 UNPACKED_COMBOS = list(itertools.product(["auto", "fp8", "fp8_ds_mla"], ["bf16", "fp8"]))
 
 

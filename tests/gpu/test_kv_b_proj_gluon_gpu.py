@@ -5,6 +5,8 @@ every call, ``out`` honoured, and its refusals."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -71,3 +73,53 @@ def test_refusals():
         with pytest.raises(ValueError, match="out must be"):
             kg.kv_b_proj_gluon(a, w.to(torch.bfloat16), out=torch.empty((4, 128), dtype=torch.bfloat16,
                                                                           device="cuda"))
+
+
+@needs_hopper
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("lens,starts", [([1640], [0]), ([640, 1000, 37], [64, 0, 1280]), ([5], [128]),
+                                         ([16384], [16384])])
+def test_paged_gemm_equals_gather_then_gemm(block_size, lens, starts):
+    """launch_paged reads each row's latent from its cache slot (shuffled blocks, several
+    sequences starting on 64-row pages, the last ending anywhere) and gives the bits of the
+    gather followed by the GEMM on the gathered latent; it leaves each row's k_pe in the
+    workspace as the gather does, and writes no other column of it."""
+    from ctxprefill.ops.gather import gather_reference
+
+    g = torch.Generator(device="cuda").manual_seed(block_size + len(lens))
+    need = [-(-(s + n) // block_size) for s, n in zip(starts, lens)]
+    num_blocks = sum(need) + 7
+    slots = num_blocks * block_size
+    cache = (torch.randn((slots, 576), generator=g, device="cuda") * 3).to(torch.bfloat16).view(torch.uint8)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+    table = torch.zeros((len(lens), max(need)), dtype=torch.int32)
+    at = 0
+    for b, nb in enumerate(need):
+        table[b, :nb] = torch.tensor(perm[at : at + nb])
+        at += nb
+    table = table.cuda()
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    st = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    M = int(cu[-1])
+    _, w = _operands(8, 16 * 256, 512, seed=3)
+    gathered = torch.empty((M, 576), dtype=torch.bfloat16, device="cuda")
+    gather_reference(cache, table, cu, st, gathered, "auto", 1.0, block_size)
+    want = kg.launch(gathered[:, :512], w)
+    assert kg.paged_problem(cache, w, block_size) is None
+    ws = torch.full((M + 3, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = kg.launch_paged(cache, table, cu, st, block_size, ws[:M], w)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(ws[:M, 512:].view(torch.int16), gathered[:, 512:].view(torch.int16))
+    assert bool(ws[:, :512].isnan().all() and ws[M:].isnan().all())  # the latent is read where it lies
+
+
+def test_paged_refusals():
+    """paged_problem names what it cannot read: a cache that is not bf16's bytes, a block
+    size off the 64-row pages."""
+    dev = "cuda" if HAS_CUDA else "cpu"
+    w = torch.zeros((256, 512), dtype=torch.bfloat16, device=dev)
+    if kg.GLUON_ERR:
+        assert kg.paged_problem(torch.zeros((4, 1152), dtype=torch.uint8), w, 64) == kg.GLUON_ERR
+        return
+    assert "bf16 cache's bytes" in kg.paged_problem(torch.zeros((4, 656), dtype=torch.uint8, device=dev), w, 64)
+    assert "multiple of 64" in kg.paged_problem(torch.zeros((4, 1152), dtype=torch.uint8, device=dev), w, 16)

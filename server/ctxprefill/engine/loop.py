@@ -36,7 +36,7 @@ from ..ops import launches
 from ..ops.cast import cast_latent
 from ..ops.fp8 import FP8
 from ..ops.gather import gather
-from ..ops.kv_b_proj import kv_b_proj
+from ..ops.kv_b_proj import chunk_pages_aligned, kv_b_proj, kv_b_proj_paged, reads_cache
 from ..ops.merge import merge
 from ..ops.pack import (
     KeysLast,
@@ -395,6 +395,15 @@ def _launch_order(backend: AttentionBackend, x: LoopInputs, c: ContextChunk, hea
     return LaunchOrder(codes, got.m_tiles)
 
 
+@functools.lru_cache(maxsize=4096)
+def _pages_aligned(c: ContextChunk) -> bool:
+    """Whether chunk ``c``'s sequences start on the paged GEMM's 64-row pages (remembered per chunk)."""
+    cu = [0]
+    for n in c.context_lens:
+        cu.append(cu[-1] + n)
+    return chunk_pages_aligned(cu, c.context_starts)
+
+
 class _Stage:
     """``with stage("gather"):`` — the launches noted inside count under that stage and its
     device time is recorded. A plain class rather than two generator-based context
@@ -486,6 +495,9 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     # stage, no K buffer) when the backend reads the keys unpacked
     unpacked = use_unpacked_keys(backend, fused, x.unpacked_keys, x.fp8_prefill)
     width = x.latent + 64
+    # the gather folded into kv_b_proj's GEMM (ops.kv_b_proj.GEMM "gluon-paged"), chunk by chunk
+    # where the chunk's sequences start on the GEMM's 64-row pages
+    paged = not x.gather_raw_fp8 and reads_cache(x.cache, x.cache_dtype, x.weight, x.block_size)
     direct = [not c.is_continuation for c in x.chunks]
     # Rows some direct (non-continuation) chunk writes: the union of their row slices
     # (a caller's plan may list a context-less sequence in two chunks, so they can overlap)
@@ -528,24 +540,30 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
             q_c = q[m.q0 : m.q1]
             out_c = None if out is None else out[m.q0 : m.q1]
             lse_c = None if lse is None else lse[:, m.q0 : m.q1]
-        with stage("gather"):
-            views = ws_views.get(rows)
-            if views is None:
-                ws = x.workspace[: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
-                k_pe = ws[:, x.latent :]
-                # unpacked keys: k_pe as every head's rope keys, a head stride of 0 (a view
-                # made only where it is used: each costs the host microseconds)
-                k_rope = k_pe.unsqueeze(1).expand(rows, H, k_pe.shape[1]) if unpacked else None
-                views = ws_views[rows] = _WorkspaceViews(ws, ws[:, : x.latent], k_pe, k_rope)
-            bt = block_table if c.num_sequences == block_table.shape[0] else \
-                block_table[c.first_sequence : c.first_sequence + c.num_sequences]
-            gather(x.cache, bt, m.cu_seqlens_k, m.context_starts, views.ws, x.cache_dtype, x.k_scale, x.block_size)
-        latent = views.latent
-        if x.kv_b_proj_bf16 and latent.dtype != torch.bfloat16:  # else no cast, and no stage:
-            with stage("cast"):  # its two events and bookkeeping were ~10 us of host per chunk
-                latent = cast_latent(latent, torch.bfloat16)
-        with stage("kv_b_proj"):
-            kv = kv_b_proj(latent, x.weight).view(rows, H, x.nope + x.v_dim)
+        views = ws_views.get(rows)
+        if views is None:
+            ws = x.workspace[: rows * width * ws_dtype.itemsize].view(ws_dtype).view(rows, width)
+            k_pe = ws[:, x.latent :]
+            # unpacked keys: k_pe as every head's rope keys, a head stride of 0 (a view
+            # made only where it is used: each costs the host microseconds)
+            k_rope = k_pe.unsqueeze(1).expand(rows, H, k_pe.shape[1]) if unpacked else None
+            views = ws_views[rows] = _WorkspaceViews(ws, ws[:, : x.latent], k_pe, k_rope)
+        bt = block_table if c.num_sequences == block_table.shape[0] else \
+            block_table[c.first_sequence : c.first_sequence + c.num_sequences]
+        if paged and _pages_aligned(c):
+            with stage("kv_b_proj"):  # the latent read where it lies; k_pe left in the workspace
+                kv = kv_b_proj_paged(x.cache, bt, m.cu_seqlens_k, m.context_starts, x.block_size, views.ws,
+                                     x.weight).view(rows, H, x.nope + x.v_dim)
+        else:
+            with stage("gather"):
+                gather(x.cache, bt, m.cu_seqlens_k, m.context_starts, views.ws, x.cache_dtype, x.k_scale,
+                       x.block_size)
+            latent = views.latent
+            if x.kv_b_proj_bf16 and latent.dtype != torch.bfloat16:  # else no cast, and no stage:
+                with stage("cast"):  # its two events and bookkeeping were ~10 us of host per chunk
+                    latent = cast_latent(latent, torch.bfloat16)
+            with stage("kv_b_proj"):
+                kv = kv_b_proj(latent, x.weight).view(rows, H, x.nope + x.v_dim)
         k_nope, v = kv[..., : x.nope], kv[..., x.nope :]
         if unpacked:
             k = k_nope

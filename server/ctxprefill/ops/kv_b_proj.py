@@ -15,14 +15,22 @@ An fp8 latent (raw fp8 cache, fp8 prefill) is widened exactly (fp8 ⊂ bf16 ⊂ 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import launches
 
-#: the bf16 GEMM's kernel on a Hopper GPU: "cublas" (torch's matmul) or "gluon"
-#: (ops/kv_b_proj_gluon.py, persistent and warp-specialized; the same bits on the H200);
-#: cuBLAS leads on the engine's 16k-row chunks (bench/probe_gemm.py, docs/DESIGN.md)
+#: the bf16 GEMM's kernel on a Hopper GPU: "cublas" (torch's matmul), "gluon"
+#: (ops/kv_b_proj_gluon.py, persistent and warp-specialized; the same bits on the H200), or
+#: "gluon-paged": the Gluon kernel reading each chunk's latent from the paged cache, the
+#: gather folded into it, where the cache and the chunk allow (:func:`reads_cache`,
+#: :func:`chunk_pages_aligned`), else "gluon"; docs/DESIGN.md
 GEMM = "cublas"
+#: rows of a paged GEMM tile's half: each half is read from one run of cache slots, so a
+#: chunk's sequences must start on multiples of this (in its rows and in their context) and
+#: the block size be one
+PAGE_ROWS = 64
 
 
 def kv_b_proj(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -32,7 +40,7 @@ def kv_b_proj(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         launches.note(1)
         x = x.to(weight.dtype)
     launches.note(1)
-    if GEMM == "gluon" and x.is_cuda:
+    if GEMM != "cublas" and x.is_cuda:
         from . import kv_b_proj_gluon
 
         if kv_b_proj_gluon.problem(x, weight) is None:  # checked once: launch does not again
@@ -42,3 +50,42 @@ def kv_b_proj(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         launches.note(1)
         y = y.to(torch.bfloat16)
     return y
+
+
+@functools.cache
+def _cache_readable(device: torch.device, row_bytes: int, latent: int, block_size: int) -> bool:
+    from . import kv_b_proj_gluon
+
+    cache = torch.empty((1, row_bytes), dtype=torch.uint8, device=device)
+    weight = torch.empty((256, latent), dtype=torch.bfloat16, device=device)
+    return kv_b_proj_gluon.paged_problem(cache, weight, block_size) is None
+
+
+def reads_cache(cache: torch.Tensor, cache_dtype: str, weight: torch.Tensor, block_size: int) -> bool:
+    """Whether chunks of ``cache`` (uint8 [num_slots, bytes_per_slot]) can go through
+    :func:`kv_b_proj_paged` with ``weight``: GEMM "gluon-paged", a bf16 (``auto``) cache, a
+    bf16 weight, a Hopper GPU, a block size that is a multiple of 64. Asked once a request."""
+    if GEMM != "gluon-paged" or cache_dtype != "auto" or weight.dtype != torch.bfloat16 or not cache.is_cuda:
+        return False
+    return _cache_readable(cache.device, cache.shape[1], weight.shape[1], block_size)
+
+
+def kv_b_proj_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_rows: torch.Tensor,
+                    context_starts: torch.Tensor, block_size: int, workspace: torch.Tensor,
+                    weight: torch.Tensor) -> torch.Tensor:
+    """A chunk's gather and kv_b_proj in one launch (``kv_b_proj_gluon.launch_paged``):
+    [rows, N] bf16, with each row's k_pe left in ``workspace`` [rows, L+64] bf16 as the
+    gather leaves it. Where :func:`reads_cache` holds and the chunk's sequences start on
+    64-row pages (:func:`chunk_pages_aligned`)."""
+    from . import kv_b_proj_gluon
+
+    launches.note(1)
+    return kv_b_proj_gluon.launch_paged(cache, block_table, cu_rows, context_starts, block_size, workspace, weight)
+
+
+def chunk_pages_aligned(cu_rows: list[int], context_starts: tuple[int, ...] | list[int]) -> bool:
+    """Whether every sequence of a chunk starts on a multiple of ``PAGE_ROWS`` in the chunk's
+    rows (``cu_rows`` [B+1]) and in its context, so that each 64-row half of a tile lies in
+    one cache block (rows past a sequence's end are another sequence's only for the last one,
+    whose extra rows fall past the chunk)."""
+    return all(r % PAGE_ROWS == 0 for r in cu_rows[:-1]) and all(j % PAGE_ROWS == 0 for j in context_starts)

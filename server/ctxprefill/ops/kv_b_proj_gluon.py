@@ -49,8 +49,9 @@ from ._gluon import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from .kv_b_proj import PAGE_ROWS
 
-__all__ = ["CONFIG", "GLUON_ERR", "TUNING", "kv_b_proj_gluon", "launch", "problem"]
+__all__ = ["CONFIG", "GLUON_ERR", "TUNING", "kv_b_proj_gluon", "launch", "launch_paged", "paged_problem", "problem"]
 
 #: BM: a tile's rows (64 for each consumer; with PINGPONG, one consumer's); BN, STAGES,
 #: GROUP_M, PINGPONG: the knobs bench/probe_gemm.py tries
@@ -172,6 +173,100 @@ if gluon is not None:
         ], [4, 1], [240, 24])
 
 
+    @gluon.jit
+    @no_type_check
+    def _cache_slot(r, M, BT, stride_bt, CU, ST, n_seqs, block_size):
+        """The cache slot of chunk row ``r`` (0 past the chunk's M rows): its sequence b (the
+        last whose first row is at most r), its context token j, j's block's id."""
+        rc = gl.minimum(r, M - 1)  # a row past the chunk looks up its last row's (read only in range)
+        b = 0
+        for i in range(1, n_seqs):
+            b += (gl.load(CU + i) <= rc).to(gl.int32)
+        j = gl.load(ST + b) + rc - gl.load(CU + b)
+        blk = gl.load(BT + b * stride_bt + j // block_size)
+        return gl.where(r < M, blk * block_size + j % block_size, 0)
+
+    @gluon.jit
+    @no_type_check
+    def _paged_loader(a_d, b_d, kin_d, kout_d, a_s, b_s, k_s, ready, free, kbar, BT, stride_bt, CU, ST, n_seqs,
+                      block_size, M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                      STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+        # _gemm_loader with A read from the paged cache: each half of a tile (64 rows, lying in
+        # one cache block: paged_problem) from its slot; and once per row of tiles (its first
+        # column) the rows' k_pe copied from the cache into the workspace beside the latent
+        HALF: gl.constexpr = BM // 2
+        num_m = gl.cdiv(M, BM)
+        num_n = gl.cdiv(N, BN)
+        k_steps = gl.cdiv(K, BK)
+        g = 0
+        kp = 0  # k_pe copies made: kbar's phase
+        for t in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+            om, on = _tile(t, num_m, num_n, BM, BN, GROUP_M)
+            s0 = _cache_slot(om, M, BT, stride_bt, CU, ST, n_seqs, block_size)
+            s1 = _cache_slot(om + HALF, M, BT, stride_bt, CU, ST, n_seqs, block_size)
+            for kk in range(k_steps):
+                s = g % STAGES
+                mbarrier.wait(free.index(s), ((g // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, 2 * a_d.block_type.nbytes + b_d.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_d, [s0, kk * BK], bar, a_s.index(s).slice(0, HALF))
+                tma.async_copy_global_to_shared(a_d, [s1, kk * BK], bar, a_s.index(s).slice(HALF, HALF))
+                tma.async_copy_global_to_shared(b_d, [on, kk * BK], bar, b_s.index(s))
+                g += 1
+            if on == 0:
+                tma.store_wait(0)  # the previous rows' k_pe has left k_s
+                mbarrier.expect(kbar, 2 * kin_d.block_type.nbytes)
+                tma.async_copy_global_to_shared(kin_d, [s0, 0], kbar, k_s.slice(0, HALF))
+                tma.async_copy_global_to_shared(kin_d, [s1, 0], kbar, k_s.slice(HALF, HALF))
+                mbarrier.wait(kbar, kp & 1)
+                kp += 1
+                tma.async_copy_shared_to_global(kout_d, [om, 0], k_s.slice(0, HALF))
+                tma.async_copy_shared_to_global(kout_d, [om + HALF, 0], k_s.slice(HALF, HALF))
+        tma.store_wait(0)
+
+    @gluon.jit
+    @no_type_check
+    def _kv_b_proj_paged_ws(A, KIN, B, Y, KOUT, BT, CU, ST, M, N, K, num_slots, n_seqs, block_size, stride_slot,
+                            stride_bn, stride_ym, stride_ws, stride_bt,
+                            BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                            GROUP_M: gl.constexpr, PINGPONG: gl.constexpr):
+        HALF: gl.constexpr = BM // 2
+        ROWS: gl.constexpr = BM if PINGPONG else BM // 2
+        a_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
+        b_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
+        c_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BN], gl.bfloat16)
+        k_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, 64], gl.bfloat16)
+        # A: the cache's latents [num_slots, K] (rows stride_slot apart); KIN its k_pe
+        # [num_slots, 64]; KOUT the workspace's k_pe [M, 64] (stores past M are dropped)
+        a_d = tma.make_tensor_descriptor(A, [num_slots, K], [stride_slot, 1], [HALF, BK], a_l)
+        b_d = tma.make_tensor_descriptor(B, [N, K], [stride_bn, 1], [BN, BK], b_l)
+        c_d = tma.make_tensor_descriptor(Y, [M, N], [stride_ym, 1], [ROWS, BN], c_l)
+        kin_d = tma.make_tensor_descriptor(KIN, [num_slots, 64], [stride_slot, 1], [HALF, 64], k_l)
+        kout_d = tma.make_tensor_descriptor(KOUT, [M, 64], [stride_ws, 1], [HALF, 64], k_l)
+        a_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], a_l)
+        b_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], b_l)
+        c_s = gl.allocate_shared_memory(gl.bfloat16, [2, ROWS, BN], c_l)
+        k_s = gl.allocate_shared_memory(gl.bfloat16, [BM, 64], k_l)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(free.index(i), count=1 if PINGPONG else 2)
+        for c in gl.static_range(2):
+            mbarrier.init(turn.index(c), count=1)
+        mbarrier.init(kbar, count=1)
+        gl.warp_specialize([
+            (_gemm_consumer, (a_s, b_s, c_s, ready, free, turn, c_d, M, N, K, 0, BM, BN, BK, STAGES, GROUP_M,
+                              PINGPONG)),
+            (_gemm_consumer, (a_s, b_s, c_s, ready, free, turn, c_d, M, N, K, 1, BM, BN, BK, STAGES, GROUP_M,
+                              PINGPONG)),
+            (_paged_loader, (a_d, b_d, kin_d, kout_d, a_s, b_s, k_s, ready, free, kbar, BT, stride_bt, CU, ST,
+                             n_seqs, block_size, M, N, K, BM, BN, BK, STAGES, GROUP_M)),
+        ], [4, 1], [240, 24])
+
+
 @functools.cache
 def _device_facts(index: int) -> tuple[int, int]:
     """(compute capability's major, SM count) of CUDA device ``index``: looked up once (each
@@ -236,6 +331,54 @@ def launch(latent: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     triton.set_allocator(tma_scratch)  # a ContextVar: set in the calling thread, every call
     _kv_b_proj_ws[(min(sms, tiles),)](
         latent, weight, out, M, N, K, latent.stride(0), weight.stride(0), out.stride(0),
+        BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
+        PINGPONG=cfg["PINGPONG"], num_warps=4, maxnreg=_MAXNREG)
+    return out
+
+
+def paged_problem(cache: torch.Tensor, weight: torch.Tensor, block_size: int) -> str | None:
+    """Why :func:`launch_paged` cannot read ``cache`` (a bf16 cache's bytes, uint8
+    ``[num_slots, 1152]``) with ``weight``, or None. A chunk must also have its
+    sequences' starts on multiples of ``PAGE_ROWS`` (``kv_b_proj.chunk_pages_aligned``)."""
+    if GLUON_ERR:
+        return GLUON_ERR
+    if cache.dim() != 2 or cache.dtype != torch.uint8 or cache.shape[1] != 2 * (weight.shape[1] + 64):
+        width = 2 * (weight.shape[1] + 64)
+        return f"needs a bf16 cache's bytes [slots, {width}], got {cache.dtype} {list(cache.shape)}"
+    if block_size % PAGE_ROWS:
+        return f"needs a block size that is a multiple of {PAGE_ROWS}, got {block_size}"
+    view = cache.view(torch.bfloat16)
+    return problem(view[:, : weight.shape[1]], weight)
+
+
+def launch_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_rows: torch.Tensor, context_starts: torch.Tensor,
+                 block_size: int, workspace: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                 config: dict[str, Any] | None = None) -> torch.Tensor:
+    """The chunk's gather and ``kv_b_proj`` in one launch: ``out [M, N] = latent · weightᵀ``
+    with the latent of chunk row r read from its cache slot (row r of sequence b is context
+    token ``context_starts[b] + r - cu_rows[b]``, in block ``block_table[b, j // block_size]``)
+    instead of from a gathered workspace, and each row's k_pe copied to
+    ``workspace[r, K:K+64]`` on the way, where the gather would have put it.
+
+    cache: uint8 [num_slots, 2·(K+64)], a bf16 cache (:func:`paged_problem` accepted it);
+    block_table: int32 [B, max_blocks], rows contiguous; cu_rows: int32 [B+1]; context_starts:
+    int32 [B]; workspace: bf16 [M, K+64], rows contiguous; weight: bf16 [N, K]. Every
+    sequence starts on a multiple of PAGE_ROWS (``kv_b_proj.chunk_pages_aligned``). Same bits as
+    :func:`launch` on the gathered latent (the same tiles, the same k-steps)."""
+    cfg = dict(CONFIG, **(config or {}))
+    view = cache.view(torch.bfloat16)  # [num_slots, K + 64]
+    M, N, K = workspace.shape[0], weight.shape[0], weight.shape[1]
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.bfloat16, device=cache.device)
+    if M == 0 or N == 0:
+        return out
+    tiles = -(-M // cfg["BM"]) * -(-N // cfg["BN"])
+    sms = _device_facts(cache.get_device())[1]
+    triton.set_allocator(tma_scratch)
+    _kv_b_proj_paged_ws[(min(sms, tiles),)](
+        view, view[:, K:], weight, out, workspace[:, K:], block_table, cu_rows, context_starts,
+        M, N, K, view.shape[0], cu_rows.shape[0] - 1, block_size, view.stride(0),
+        weight.stride(0), out.stride(0), workspace.stride(0), block_table.stride(0),
         BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
         PINGPONG=cfg["PINGPONG"], num_warps=4, maxnreg=_MAXNREG)
     return out
