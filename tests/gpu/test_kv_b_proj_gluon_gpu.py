@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA, NO_CUDA_REASON
+from ctxprefill.ops import kv_b_proj as kvb
 from ctxprefill.ops import kv_b_proj_gluon as kg
 
 needs_hopper = pytest.mark.skipif(
@@ -76,10 +77,11 @@ def test_refusals():
 
 
 @needs_hopper
+@pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("block_size", [64, 128])
-@pytest.mark.parametrize("lens,starts", [([1640], [0]), ([640, 1000, 37], [64, 0, 1280]), ([5], [128]),
-                                         ([16384], [16384])])
-def test_paged_gemm_equals_gather_then_gemm(block_size, lens, starts):
+@pytest.mark.parametrize("lens,starts", [([1640], [0]), ([640, 1024, 37], [64, 0, 1280]), ([5], [128]),
+                                         ([16384], [16384]), ([0, 64, 0, 100], [0, 128, 64, 64])])
+def test_paged_gemm_equals_gather_then_gemm(heads, block_size, lens, starts):
     """launch_paged reads each row's latent from its cache slot (shuffled blocks, several
     sequences starting on 64-row pages, the last ending anywhere) and gives the bits of the
     gather followed by the GEMM on the gathered latent; it leaves each row's k_pe in the
@@ -101,10 +103,11 @@ def test_paged_gemm_equals_gather_then_gemm(block_size, lens, starts):
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
     st = torch.tensor(starts, dtype=torch.int32, device="cuda")
     M = int(cu[-1])
-    _, w = _operands(8, 16 * 256, 512, seed=3)
+    assert kvb.chunk_pages_aligned(cu.tolist(), starts)
+    _, w = _operands(8, heads * 256, 512, seed=3)
     gathered = torch.empty((M, 576), dtype=torch.bfloat16, device="cuda")
     gather_reference(cache, table, cu, st, gathered, "auto", 1.0, block_size)
-    want = kg.launch(gathered[:, :512], w)
+    want = kg.launch(gathered[:, :512], w, config=kg.PAGED_WIDE if w.shape[0] >= kg.WIDE_N else None)
     assert kg.paged_problem(cache, w, block_size) is None
     ws = torch.full((M + 3, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
     got = kg.launch_paged(cache, table, cu, st, block_size, ws[:M], w)
