@@ -88,6 +88,13 @@ def _per_chunk(r: dict, path: str) -> float | None:
     return v
 
 
+def _replay_ratio(r: dict) -> float | None:
+    """A --gemm-ab row's replay time over the other GEMM's (both on the device)."""
+    if not r.get("fused_graph_ab_replay_s") or "fused_graph_replay_s" not in r:
+        return None
+    return r["fused_graph_replay_s"] / r["fused_graph_ab_replay_s"]
+
+
 def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
     """A ``ctxprefill bench`` JSON: one row per configuration; failed or skipped rows listed below."""
     meta = d.get("meta", {})
@@ -101,12 +108,15 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
     packed = any("fused_packed_s" in r for r in d.get("rows", []))
     # runs with the fused request's chunk loop also replayed as a CUDA graph
     graph = any("fused_graph_s" in r for r in d.get("rows", []))
+    # runs with --gemm-ab: the fused request with the other GEMM kernel, timed right after
+    ab = next((r["gemm_ab"] for r in d.get("rows", []) if "gemm_ab" in r), None)
     lines += ["| H | new | ctx | cache | prefill | chunks | generic ms | " + ("fused + K pack ms | " if packed else "")
               + "fused ms | speed-up | floor ms | fused / floor | fused gap ms | "
               + ("fused, CUDA graph ms | graph / floor | graph: host outside the replay ms | " if graph else "")
+              + (f"GEMM {ab}: fused ms | GEMM {ab}: graph ms | replay / {ab}'s | " if ab else "")
               + "launches/chunk generic→fused | bit-identical |",
               "|---|---|---|---|---|---|---|" + ("---|" if packed else "") + "---|---|---|---|---|"
-              + ("---|---|---|" if graph else "") + "---|---|"]
+              + ("---|---|---|" if graph else "") + ("---|---|---|" if ab else "") + "---|---|"]
     notes = []
     for r in d.get("rows", []):
         if "speedup" not in r:
@@ -136,6 +146,9 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
                f"| {_num(r.get('fused_graph_over_floor'), '.2f')} "
                f"| {_num(r['fused_graph_outside_s'] * 1e3 if 'fused_graph_outside_s' in r else None, '.2f')} | "
                if graph else "")
+            + (f"{_num(r['fused_ab_s'] * 1e3 if 'fused_ab_s' in r else None, '.2f')} "
+               f"| {_num(r['fused_graph_ab_s'] * 1e3 if 'fused_graph_ab_s' in r else None, '.2f')} "
+               f"| {_num(_replay_ratio(r), '.3f')} | " if ab else "")
             + f"{_num(lg, '.0f')} → {_num(lf, '.0f')} "
             f"| {'yes' if r.get('bit_identical') else '**NO**'} |")
     if notes:

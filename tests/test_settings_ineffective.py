@@ -13,6 +13,8 @@ def test_defaults_and_settings_in_use_are_not_named():
                        cache_dtype="fp8", k_scale=2.0)
     assert ineffective_settings(on) == []
     assert ineffective_settings(ServeSettings(seed=7, kv_b_proj_dtype="fp8")) == []  # random weights
+    assert ineffective_settings(ServeSettings(kv_b_proj_gemm="paged")) == []
+    assert ineffective_settings(ServeSettings(kv_b_proj_gemm="gluon", cache_dtype="fp8")) == []
 
 
 def test_settings_whose_feature_is_off_are_named_with_what_they_need():
@@ -36,3 +38,11 @@ def test_settings_whose_feature_is_off_are_named_with_what_they_need():
         got = ineffective_settings(ServeSettings(seed=3, kv_b_proj_dtype="fp8", **source))
         assert got == ["--seed (needs random weights: no --weights or --model)",
                        "--kv-b-proj-dtype (needs random weights: no --weights or --model)"]
+
+
+def test_a_gemm_kernel_that_cannot_run_is_named():
+    assert ineffective_settings(ServeSettings(kv_b_proj_gemm="gluon", device="cpu")) == [
+        "--kv-b-proj-gemm (needs a Hopper GPU: on the CPU torch multiplies)"]
+    assert ineffective_settings(ServeSettings(kv_b_proj_gemm="paged", cache_dtype="fp8")) == [
+        "--kv-b-proj-gemm (needs --cache-dtype auto to read the cache: other caches are gathered and go through "
+        "cuBLAS)"]

@@ -181,26 +181,23 @@ def make_device_request(engine, context_lens, query_lens, seed: int = 0, piece: 
     return q, seqs
 
 
-GEMMS = ("cublas", "gluon", "gluon-paged")
-
-
-def _graph_with_gemm(engine, q, seqs, dev, gemm: str, it: dict) -> dict:
-    """The fused request as a CUDA graph with ``ops.kv_b_proj.GEMM = gemm`` (its graphs
-    captured anew), then the engine's graphs dropped again and the GEMM set back:
-    :func:`time_request`'s figures plus ``gemm`` and ``same`` (the replay's bits equal the
-    eager request's with that kernel)."""
+def _with_gemm(engine, q, seqs, dev, gemm: str, it: dict) -> dict:
+    """The fused request with ``ops.kv_b_proj.GEMM = gemm``, eager and as a CUDA graph (its
+    graphs captured anew), then the engine's graphs dropped again and the GEMM set back:
+    :func:`time_request`'s figures of the graph, ``eager`` (the eager request's) and ``gemm``
+    and ``same`` (the replay's bits equal the eager request's with that kernel)."""
     from ctxprefill.ops import kv_b_proj as kv_b_proj_op
 
     was = kv_b_proj_op.GEMM
     engine.release_graphs()
     kv_b_proj_op.GEMM = gemm
     try:
-        eager = engine.prefill_context(q, seqs, fused=True)
+        eager = time_request(engine, q, seqs, True, dev, **it)
         r = time_request(engine, q, seqs, True, dev, graphs_on=True, **it)
     finally:
         kv_b_proj_op.GEMM = was
         engine.release_graphs()
-    r["gemm"], r["same"] = gemm, _same_bits(r["result"], eager)
+    r["gemm"], r["eager"], r["same"] = gemm, eager, _same_bits(r["result"], eager["result"])
     return r
 
 
@@ -412,11 +409,13 @@ def main(argv=None) -> int:
     p.add_argument("--sustained-gemm-s", type=float, default=2.0,
                    help="also measure the GEMM rate held this long (its second half), and report each row's floor "
                         "at that rate too: the H200 lowers its clock under its power cap (0: off)")
+    from ctxprefill.ops.kv_b_proj import GEMMS
+
     p.add_argument("--gemm", choices=GEMMS, default=None,
                    help="kv_b_proj's bf16 GEMM kernel on a Hopper GPU (ops/kv_b_proj.GEMM unless given)")
     p.add_argument("--gemm-ab", choices=GEMMS, default=None,
-                   help="also time each row's fused request as a CUDA graph with this GEMM kernel, in the same "
-                        "process right after the run with --gemm's (the A/B of the two)")
+                   help="also time each row's fused request, eager and as a CUDA graph, with this GEMM kernel, in "
+                        "the same process right after the runs with --gemm's (the A/B of the two)")
     p.add_argument("--out", default=None, help="write JSON results here (rewritten after every row)")
     ns = p.parse_args(argv)
     if ns.sequences < 1:
@@ -529,7 +528,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                     print(f"{H:4d} {new:5d} {ctx:7d} {cd:>10} {pd:>7}: the CUDA graph did not replay", flush=True)
                     fgr = None
                 if fgr is not None and ns.gemm_ab is not None:
-                    ab = _graph_with_gemm(engine, q, seqs, dev, ns.gemm_ab, it)
+                    ab = _with_gemm(engine, q, seqs, dev, ns.gemm_ab, it)
             unordered = _without_launch_order(engine, q, seqs, dev, it) if ns.sequences > 1 else None
             if unordered is not None:
                 same = same and _same_bits(rf, unordered["result"])
@@ -569,8 +568,8 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
               + (f"  (fused without launch order {unordered['median_s'] * 1e3:.3f} ms)" if unordered else "")
               + (f"  (unpacked keys; fused with its K pack {fp['median_s'] * 1e3:.3f} ms)" if fp else "")
               + (f"  (CUDA graph {fgr['median_s'] * 1e3:.3f} ms, {fgr['median_s'] / floor:.2f}x floor)" if fgr else "")
-              + (f"  (with GEMM {ab['gemm']}: {ab['median_s'] * 1e3:.3f} ms, {ab['median_s'] / floor:.2f}x floor)"
-                 if ab else "")
+              + (f"  (with GEMM {ab['gemm']}: eager {ab['eager']['median_s'] * 1e3:.3f} ms, graph "
+                 f"{ab['median_s'] * 1e3:.3f} ms, {ab['median_s'] / floor:.2f}x floor)" if ab else "")
               + (f"  SM MHz g|f {clk_g['sm_mhz_median']:.0f}|{clk_f['sm_mhz_median']:.0f}, "
                  f"W {clk_g['power_w_median']:.0f}|{clk_f['power_w_median']:.0f}" if clk_g and clk_f else ""),
               flush=True)
@@ -593,7 +592,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                 "fused_graph_replay_s": fgr["stage_s"].get("graph", 0.0),
                 "fused_graph_outside_s": fgr["outside_s"]} if fgr else {}),
             # --gemm-ab: the same graph with the other GEMM kernel, timed right after
-            **({"gemm_ab": ab["gemm"], "fused_graph_ab_s": ab["median_s"],
+            **({"gemm_ab": ab["gemm"], "fused_ab_s": ab["eager"]["median_s"], "fused_graph_ab_s": ab["median_s"],
                 "fused_graph_ab_replay_s": ab["stage_s"].get("graph", 0.0), "fused_graph_ab_outside_s": ab["outside_s"],
                 "fused_graph_ab_over_floor": ab["median_s"] / floor, "ab_bit_identical": ab["same"]} if ab else {}),
             "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],

@@ -19,6 +19,7 @@ from .config import CacheConfig, EngineConfig, ModelShape, check_layers
 from .engine.engine import Engine, SequenceSpec
 from .engine.request import q_dtype
 from .errors import ConfigError
+from .ops import kv_b_proj as kv_b_proj_op
 from .settings import (
     ServeSettings,
     check_engine_settings,
@@ -138,6 +139,7 @@ def build_engine(s: ServeSettings, weights: list[KvBProjWeights] | None = None) 
     )
     device = resolve_device(s.device)
     check_memory(config, device)
+    kv_b_proj_op.GEMM = s.kv_b_proj_gemm  # process-wide: one engine per server
     try:
         engine = Engine(config, weights, device)
     except ValueError as e:  # backend selection
@@ -148,7 +150,8 @@ def build_engine(s: ServeSettings, weights: list[KvBProjWeights] | None = None) 
         "engine ready",
         extra={"device": str(device), "backend": engine.backend.name, "backend_reason": engine.backend_reason,
                "fused_kernels": engine.fused_kernels_active, "cache_dtype": s.cache_dtype,
-               "kv_b_proj_dtype": config.kv_b_proj_dtype, "prefill_dtype": s.prefill_dtype,
+               "kv_b_proj_dtype": config.kv_b_proj_dtype, "kv_b_proj_gemm": s.kv_b_proj_gemm,
+               "prefill_dtype": s.prefill_dtype,
                "layers": f"[{s.first_layer}, {s.first_layer + s.layers})",
                "cache_bytes": config.cache.num_slots * config.cache.bytes_per_slot * s.layers},
     )

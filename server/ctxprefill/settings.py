@@ -24,6 +24,7 @@ from .checkpoint import MODEL_FIELDS, resolve_model
 from .config import KV_B_PROJ_DTYPES, MAX_CONTEXT_TOKEN_HEADS, PREFILL_DTYPES, CacheConfig, EngineConfig, ModelShape
 from .engine.request import q_dtype
 from .errors import ConfigError
+from .ops.kv_b_proj import GEMMS
 from .ops.slot_format import CACHE_DTYPES
 
 log = logging.getLogger("ctxprefill")
@@ -58,6 +59,7 @@ class ServeSettings:
     generic: bool = False  # run the generic (unfused) pack path
     unpacked_keys: bool = True  # fused bf16 prefill: no K pack where the attention backend reads the keys unpacked
     cuda_graphs: bool = False  # replay a request shape's chunk loop as a CUDA graph (engine/graphs.py)
+    kv_b_proj_gemm: str = "cublas"  # kv_b_proj's bf16 GEMM on a Hopper GPU, process-wide (ops/kv_b_proj.py)
     softmax_scale: float | None = None
     grace_seconds: float = 25.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 1 << 30  # gRPC send/receive limit
@@ -133,6 +135,12 @@ _HELP = {
                    "(the same kernels and bits, one launch; captured at its second, at most 8 shapes kept): the host "
                    "still checks, plans and copies each request in; requests with a trace timeline, or a deadline "
                    "over more than 4 chunks, run eagerly; per-stage times become one 'graph' stage",
+    "kv_b_proj_gemm": "kv_b_proj's bf16 GEMM on a Hopper GPU: cublas; gluon (the persistent warp-specialized "
+                      "kernel); or paged: that kernel reading each chunk's latents from the cache where they lie, "
+                      "the chunk's gather folded into it, with a bf16 cache, a block size that is a multiple of 64, "
+                      "fewer than 64 heads and every sequence of the chunk starting on a 64-token page (cuBLAS "
+                      "elsewhere). The same results; paged saves 2-4 %% of a 16-head request's device time "
+                      "(docs/DESIGN.md)",
     "softmax_scale": "softmax scale (default (P+R)**-0.5; pass the final one, yarn mscale included)",
     "grace_seconds": "on SIGTERM/SIGINT: seconds in-flight requests get to finish before the server exits",
     "max_message_bytes": "largest gRPC message the server receives or sends, in bytes",
@@ -209,7 +217,7 @@ SHARED_MEMORY_MODES = {"off": (), "system": ("system",), "cuda": ("cuda",), "all
 #: flags whose value is one of a fixed set (argparse ``choices``; an environment value is held to them too)
 _CHOICES: dict[str, tuple[str, ...]] = {
     "cache_dtype": CACHE_DTYPES, "prefill_dtype": PREFILL_DTYPES, "kv_b_proj_dtype": KV_B_PROJ_DTYPES,
-    "shared_memory": tuple(SHARED_MEMORY_MODES),
+    "shared_memory": tuple(SHARED_MEMORY_MODES), "kv_b_proj_gemm": GEMMS,
 }
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
@@ -337,6 +345,9 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
         (("weights_prefix",), bool(s.weights), "--weights"),
         (("seed", "kv_b_proj_dtype"), random_weights, "random weights: no --weights or --model"),
         (("k_scale",), s.cache_dtype == "fp8", "--cache-dtype fp8: fp8_ds_mla keeps a scale per tile"),
+        (("kv_b_proj_gemm",), s.device != "cpu", "a Hopper GPU: on the CPU torch multiplies"),
+        (("kv_b_proj_gemm",), s.kv_b_proj_gemm != "paged" or s.device == "cpu" or s.cache_dtype == "auto",
+         "--cache-dtype auto to read the cache: other caches are gathered and go through cuBLAS"),
     )
 
     def flag(name: str) -> str:  # as given: a switch turned off is its --no- form

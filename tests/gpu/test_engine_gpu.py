@@ -351,11 +351,12 @@ def test_gluon_gemm_in_the_engine(prefill, monkeypatch):
 
 @pytest.mark.parametrize("prefill", ["bf16", "fp8"])
 def test_paged_gemm_in_the_engine(prefill, monkeypatch):
-    """kv_b_proj reading the paged cache (``ops.kv_b_proj.GEMM = "gluon-paged"``, a bf16
-    cache): chunks whose sequences start on 64-row pages go through the paged GEMM (no
-    gather), the others through the gather and the Gluon GEMM; fused and generic give the
-    same bits chunk by chunk, and every chunk's q, k, v, out and LSE are the bits of
-    ``GEMM = "gluon"`` (gather, then the same kernel)."""
+    """kv_b_proj reading the paged cache (``ops.kv_b_proj.GEMM = "paged"``, a bf16 cache, 16
+    heads): the chunks whose sequences start on 64-row pages go through the paged GEMM and
+    launch no gather, the others through the gather and cuBLAS; fused and generic give the
+    same bits chunk by chunk, and every chunk's q, k, v, out and LSE are the bits of the
+    gather followed by the same kernel (``GEMM = "gluon"``), or by cuBLAS."""
+    from ctxprefill.engine.loop import _pages_aligned
     from ctxprefill.ops import kv_b_proj as kvb_op
     from ctxprefill.ops import kv_b_proj_gluon as kg
 
@@ -367,36 +368,29 @@ def test_paged_gemm_in_the_engine(prefill, monkeypatch):
              blocks=1200)
     eng = make_engine(c, "auto", "bf16", prefill, backend)
     q, seqs = make_request(eng, c)
-    runs, calls = {}, {}
-
-    def counted(fn, name, n):
-        def wrapper(*a, **k):
-            n[name] += 1
-            return fn(*a, **k)
-        return wrapper
-
-    for gemm in ("gluon", "gluon-paged"):
+    runs, paged_calls = {}, []
+    real = kg.launch_paged
+    for gemm in ("cublas", "gluon", "paged"):
         monkeypatch.setattr(kvb_op, "GEMM", gemm)
-        n = calls[gemm] = {"paged": 0, "plain": 0}
         with monkeypatch.context() as m:
-            m.setattr(kg, "launch_paged", counted(kg.launch_paged, "paged", n))
-            m.setattr(kg, "launch", counted(kg.launch, "plain", n))
+            m.setattr(kg, "launch_paged", lambda *a, **k: paged_calls.append(gemm) or real(*a, **k))
             for fused in (True, False):
                 runs[gemm, fused] = record(eng, q, seqs, fused)
-    n = len(runs["gluon", True][1])
-    assert n > 1 and calls["gluon"] == {"paged": 0, "plain": 2 * n}
-    got = calls["gluon-paged"]
-    assert got["paged"] > 0 and got["plain"] > 0 and got["paged"] + got["plain"] == 2 * n, got
-    for (r, seen), (r0, seen0) in ((runs["gluon-paged", f], runs["gluon", f]) for f in (True, False)):
-        for i, (a, b) in enumerate(zip(seen, seen0, strict=True)):
-            for name, x, y in zip(("q", "k", "v", "out", "lse"), a, b):
-                assert torch.equal(bits(x), bits(y)), f"chunk {i}: {name} paged != gathered"
-        assert torch.equal(bits(r.out), bits(r0.out)) and torch.equal(bits(r.lse), bits(r0.lse))
-    (fr, fch), (_, gch) = runs["gluon-paged", True], runs["gluon-paged", False]
+    chunks = runs["paged", True][0].stats.chunks
+    aligned = [_pages_aligned(ch) for ch in chunks]
+    assert 0 < sum(aligned) < len(chunks), aligned  # the case has chunks of both kinds
+    assert paged_calls == ["paged"] * 2 * sum(aligned)
+    for fused in (True, False):
+        seen = runs["paged", fused][1]
+        for i, a in enumerate(seen):
+            want = runs["gluon" if aligned[i] else "cublas", fused][1][i]
+            for name, x, y in zip(("q", "k", "v", "out", "lse"), a, want):
+                assert torch.equal(bits(x), bits(y)), f"chunk {i} (paged: {aligned[i]}): {name} differs"
+    (fr, fch), (_, gch) = runs["paged", True], runs["paged", False]
     for i, (a, b) in enumerate(zip(fch, gch, strict=True)):
         for name, x, y in zip(("q", "k", "v", "out", "lse"), a, b):
             assert torch.equal(bits(x), bits(y)), f"chunk {i}: {name} fused != generic"
-    assert fr.stats.launches["gather"] == n - got["paged"] // 2  # a paged chunk launches no gather
+    assert fr.stats.launches["gather"] == len(chunks) - sum(aligned)  # a paged chunk launches no gather
 
 
 UNPACKED_COMBOS = list(itertools.product(["auto", "fp8", "fp8_ds_mla"], ["bf16", "fp8"]))

@@ -259,6 +259,29 @@ def test_one_graph_serves_every_layer(kvb, prefill):
     assert same_bits(eng.prefill_context(*reqs[0], layer=0), eager[0])  # the first shape still replays
 
 
+def test_paged_gemm_replays_every_layer_bit_for_bit(monkeypatch):
+    """``--kv-b-proj-gemm paged``: a captured loop whose GEMM reads each chunk's latents from
+    the cache (no gather launched) replays, layer after layer, the bits of its eager loop."""
+    from ctxprefill.ops import kv_b_proj as kvb_op
+    from ctxprefill.ops import kv_b_proj_gluon as kg
+
+    if kg.GLUON_ERR or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip(f"a Hopper kernel: {kg.GLUON_ERR or 'not sm_90'}")
+    monkeypatch.setattr(kvb_op, "GEMM", "paged")
+    c = CASES["long"]
+    eng = make_engine(c, "auto", "bf16", "bf16", layers=3)
+    reqs = [make_request(eng, c, seed=20 + layer, layer=layer) for layer in range(3)]
+    eager = [eng.prefill_context(q, seqs, layer=layer, graphs_on=False) for layer, (q, seqs) in enumerate(reqs)]
+    assert all(r.stats.launches["gather"] == 0 and r.stats.launches["kv_b_proj"] == len(r.stats.chunks) > 1
+               for r in eager)
+    assert not same_bits(eager[0], eager[1])
+    order = [0, 1, 2, 2, 0, 1]
+    runs = [eng.prefill_context(*reqs[layer], layer=layer) for layer in order]
+    assert (eng.graphs.captures, eng.graphs.replays) == (1, 4)
+    for layer, r in zip(order, runs, strict=True):
+        assert same_bits(r, eager[layer]), layer
+
+
 def test_one_sequence_replays_of_every_layer_take_the_quick_path():
     """A one-sequence shape that replayed is remembered for every layer (they share its
     graph): the next requests of any layer check their layer and block ids alone and replay

@@ -495,7 +495,7 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     # stage, no K buffer) when the backend reads the keys unpacked
     unpacked = use_unpacked_keys(backend, fused, x.unpacked_keys, x.fp8_prefill)
     width = x.latent + 64
-    # the gather folded into kv_b_proj's GEMM (ops.kv_b_proj.GEMM "gluon-paged"), chunk by chunk
+    # the gather folded into kv_b_proj's GEMM (ops.kv_b_proj.GEMM "paged"), chunk by chunk
     # where the chunk's sequences start on the GEMM's 64-row pages
     paged = not x.gather_raw_fp8 and reads_cache(x.cache, x.cache_dtype, x.weight, x.block_size)
     direct = [not c.is_continuation for c in x.chunks]

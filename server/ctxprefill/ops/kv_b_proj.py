@@ -21,12 +21,16 @@ import torch
 
 from . import launches
 
-#: the bf16 GEMM's kernel on a Hopper GPU: "cublas" (torch's matmul), "gluon"
-#: (ops/kv_b_proj_gluon.py, persistent and warp-specialized; the same bits on the H200), or
-#: "gluon-paged": the Gluon kernel reading each chunk's latent from the paged cache, the
-#: gather folded into it, where the cache and the chunk allow (:func:`reads_cache`,
-#: :func:`chunk_pages_aligned`), else "gluon"; docs/DESIGN.md
+#: the bf16 GEMM's kernel on a Hopper GPU, process-wide (``serve --kv-b-proj-gemm``):
+#: "cublas" (torch's matmul); "gluon" (ops/kv_b_proj_gluon.py, persistent and
+#: warp-specialized; the same bits on the H100 and H200); "paged": the Gluon kernel reading
+#: each chunk's latent from the paged cache, the chunk's gather folded into it, where
+#: :func:`reads_cache` and :func:`chunk_pages_aligned` hold, cuBLAS elsewhere (docs/DESIGN.md)
+GEMMS = ("cublas", "gluon", "paged")
 GEMM = "cublas"
+#: "paged" reads the cache for weights narrower than this (16 heads: 4,096 columns), where
+#: it measured faster than the gather and cuBLAS; at 128 heads (32,768) it did not
+PAGED_MAX_N = 16384
 #: rows of a paged GEMM tile's half: each half is read from one run of cache slots, so a
 #: chunk's sequences must start on multiples of this (in its rows and in their context) and
 #: the block size be one
@@ -40,7 +44,7 @@ def kv_b_proj(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         launches.note(1)
         x = x.to(weight.dtype)
     launches.note(1)
-    if GEMM != "cublas" and x.is_cuda:
+    if GEMM == "gluon" and x.is_cuda:
         from . import kv_b_proj_gluon
 
         if kv_b_proj_gluon.problem(x, weight) is None:  # checked once: launch does not again
@@ -62,10 +66,13 @@ def _cache_readable(device: torch.device, row_bytes: int, latent: int, block_siz
 
 
 def reads_cache(cache: torch.Tensor, cache_dtype: str, weight: torch.Tensor, block_size: int) -> bool:
-    """Whether chunks of ``cache`` (uint8 [num_slots, bytes_per_slot]) can go through
-    :func:`kv_b_proj_paged` with ``weight``: GEMM "gluon-paged", a bf16 (``auto``) cache, a
-    bf16 weight, a Hopper GPU, a block size that is a multiple of 64. Asked once a request."""
-    if GEMM != "gluon-paged" or cache_dtype != "auto" or weight.dtype != torch.bfloat16 or not cache.is_cuda:
+    """Whether chunks of ``cache`` (uint8 [num_slots, bytes_per_slot]) go through
+    :func:`kv_b_proj_paged` with ``weight``: GEMM "paged", a bf16 (``auto``) cache, a bf16
+    weight [N < PAGED_MAX_N, L] with 16-byte aligned rows, a Hopper GPU, a block size that is
+    a multiple of 64. Asked once a request."""
+    if GEMM != "paged" or cache_dtype != "auto" or weight.dtype != torch.bfloat16 or not cache.is_cuda:
+        return False
+    if weight.shape[0] >= PAGED_MAX_N or weight.stride(1) != 1 or weight.stride(0) % 8 or weight.data_ptr() % 16:
         return False
     return _cache_readable(cache.device, cache.shape[1], weight.shape[1], block_size)
 
