@@ -112,3 +112,16 @@ def test_chunk_pages_aligned():
     assert kvb.chunk_pages_aligned([0, 100], (16384,))  # the last sequence may end anywhere
     assert not kvb.chunk_pages_aligned([0, 100, 200], (0, 0))  # the second sequence starts at row 100
     assert not kvb.chunk_pages_aligned([0, 128], (32,))  # its first context token is mid-page
+
+
+def test_build_engine_sets_the_process_wide_gemm(monkeypatch):
+    """``--kv-b-proj-gemm`` reaches ops.kv_b_proj.GEMM when the engine is built (what a
+    bench that sets the GEMM must pass in its settings too)."""
+    from ctxprefill.app import build_engine
+    from ctxprefill.settings import ServeSettings
+
+    monkeypatch.setattr(kvb, "GEMM", "cublas")
+    build_engine(ServeSettings(device="cpu", num_blocks=4, workspace_tokens=64, kv_b_proj_gemm="paged"))
+    assert kvb.GEMM == "paged"
+    build_engine(ServeSettings(device="cpu", num_blocks=4, workspace_tokens=64))
+    assert kvb.GEMM == "cublas"

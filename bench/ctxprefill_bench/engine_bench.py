@@ -503,7 +503,8 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
         s = ServeSettings(device=str(dev), heads=H, block_size=ns.block_size,
                           num_blocks=sum(-(-c // ns.block_size) for c in ctx_lens) + 1, cache_dtype=cd,
                           prefill_dtype=pd,
-                          kv_b_proj_dtype=ns.kv_b_proj_dtype, workspace_tokens=ns.workspace_tokens, backend=ns.backend)
+                          kv_b_proj_dtype=ns.kv_b_proj_dtype, workspace_tokens=ns.workspace_tokens, backend=ns.backend,
+                          kv_b_proj_gemm=kv_b_proj_op.GEMM)  # build_engine sets the process-wide GEMM from it
         t_row = time.monotonic()
         engine = q = seqs = g = f = fp = fgr = ab = None
         try:

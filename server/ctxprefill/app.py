@@ -116,7 +116,8 @@ def load_weights(s: ServeSettings) -> list[KvBProjWeights]:
 
 def build_engine(s: ServeSettings, weights: list[KvBProjWeights] | None = None) -> Engine:
     """Validated config + weights (``load_weights``' when not given) -> Engine (raises
-    ConfigError with the flag at fault)."""
+    ConfigError with the flag at fault). Sets the process-wide ``ops.kv_b_proj.GEMM`` from
+    ``--kv-b-proj-gemm``."""
     shard = shard_spec(s)
     shape = ModelShape(heads=s.heads, softmax_scale=s.softmax_scale)  # the whole model's heads
     if weights is None:
