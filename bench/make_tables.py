@@ -759,6 +759,14 @@ BENCHMARKS = (
           "rate + gather/pack bytes at the measured copy bandwidth). Two runs: an H100 (`bench_engine`, the machine "
           "of `probe_host_quiet`; the plot) and an H200 (`bench_engine_h200`).",
           plots=("engine_stages.png",), note=" (`BENCH_ENGINE_FILE=bench_engine_h200` names the second file)"),
+    Bench("The gather folded into kv_b_proj's GEMM: paged against cuBLAS", "bench_engine",
+          ("bench_engine_paged",),
+          "`ctxprefill bench --gemm paged --gemm-ab cublas`: the headline rows with kv_b_proj's GEMM reading each "
+          "chunk's latents from the cache (`--kv-b-proj-gemm paged`: no gather where the cache is bf16 and the "
+          "weight narrower than 16,384 columns; elsewhere the gather and cuBLAS), and each row's fused request "
+          "again, eager and as a CUDA graph, with cuBLAS right after it in the same process. The replays' ratio "
+          "is device time; rows the paged GEMM does not take show how much the order alone moves it.",
+          env='BENCH_ENGINE_FILE=bench_engine_paged GPU_RUN_ENGINE_ARGS="--gemm paged --gemm-ab cublas"'),
     Bench("Ragged requests", "bench_engine_ragged", ("bench_engine_ragged",),
           "`ctxprefill bench --sequences 4 --workspace-tokens 65536`: the request split unevenly over 4 sequences "
           "in one 64k-row chunk."),
