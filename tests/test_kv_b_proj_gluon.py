@@ -15,19 +15,22 @@ import cross_compile  # noqa: E402
 from ctxprefill.ops import kv_b_proj as kvb  # noqa: E402
 from ctxprefill.ops import kv_b_proj_gluon as kg  # noqa: E402
 
+# jobs: [kernel name, configuration change]; per job one dict of facts
 _XCOMPILE_GEMM = cross_compile.RESOURCES + r"""
 import json, re, sys
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from ctxprefill.ops import kv_b_proj_gluon as kg
 
-fn = kg._kv_b_proj_ws
-names = fn.arg_names
+PTRS = {"A": "*bf16", "B": "*bf16", "Y": "*bf16", "KIN": "*bf16", "KOUT": "*bf16", "BT": "*i32", "CU": "*i32",
+        "ST": "*i32"}
 out = []
-for cfg in json.loads(sys.argv[1]):
+for name, cfg in json.loads(sys.argv[1]):
+    fn = getattr(kg, name)
+    names = fn.arg_names
     cfg = dict(kg.CONFIG, **cfg)
-    sig = {n: {"A": "*bf16", "B": "*bf16", "Y": "*bf16"}.get(n, "i32") for n in names}
-    assert not [n for n in names if n.isupper() and n not in cfg and n not in ("A", "B", "Y", "M", "N", "K")]
+    sig = {n: PTRS.get(n, "i32") for n in names}
+    assert not [n for n in names if n.isupper() and n not in cfg and n not in PTRS and n not in ("M", "N", "K")]
     for n in cfg:
         sig[n] = "constexpr"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")
@@ -40,55 +43,30 @@ for cfg in json.loads(sys.argv[1]):
                     wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
                     mma_sync=len(re.findall(r"\bmma\.sync", ptx)),
                     stmatrix=len(re.findall(r"\bstmatrix\b", ptx)),
-                    tma_store=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
-                    setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
-                                                                      ptx)))))
-print(json.dumps(out))
-"""
-
-@pytest.mark.skipif(not triton.__version__.startswith("3.6") or bool(kg.GLUON_ERR),
-                    reason="sm_90 cross-compile check of the Gluon GEMM written for Triton 3.6")
-def test_gemm_configs_cross_compile_for_sm90():
-    for res in cross_compile.cross_compile(_XCOMPILE_GEMM, kg.TUNING):
-        print(res)
-        assert res["wgmma"] == [f"m64n{res['cfg']['BN']}k16"] and res["mma_sync"] == 0, res
-        assert res["stack"] == 0, f"register spills: {res}"
-        assert res["smem"] <= 232448, res
-        assert {24, 240} <= set(res["setmaxnreg"]), res
-        assert res["stmatrix"] > 0 and res["tma_store"] > 0, res
-
-
-
-_XCOMPILE_PAGED = cross_compile.RESOURCES + r"""
-import json, re, sys
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from ctxprefill.ops import kv_b_proj_gluon as kg
-
-fn = kg._kv_b_proj_paged_ws
-names = fn.arg_names
-ptrs = {"A": "*bf16", "KIN": "*bf16", "B": "*bf16", "Y": "*bf16", "KOUT": "*bf16", "BT": "*i32", "CU": "*i32",
-        "ST": "*i32"}
-out = []
-for cfg in json.loads(sys.argv[1]):
-    cfg = dict(kg.CONFIG, **cfg)
-    sig = {n: ptrs.get(n, "i32") for n in names}
-    for n in cfg:
-        sig[n] = "constexpr"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")
-             or n.startswith("stride_")}
-    src = GluonASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in cfg.items()}, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=kg._MAXNREG))
-    regs, stack = resources(k)
-    ptx = k.asm["ptx"]
-    out.append(dict(cfg=cfg, regs=regs, stack=stack, smem=k.metadata.shared,
-                    wgmma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
                     tma_load=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", ptx)),
                     tma_store=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
                     setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                       ptx)))))
 print(json.dumps(out))
 """
+
+
+def _common(res: dict) -> None:
+    """What every configuration of both kernels must show."""
+    print(res)
+    assert res["wgmma"] == [f"m64n{res['cfg']['BN']}k16"] and res["mma_sync"] == 0, res
+    assert res["stack"] == 0, f"register spills: {res}"
+    assert res["smem"] <= 232448, res
+    assert {24, 240} <= set(res["setmaxnreg"]), res
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6") or bool(kg.GLUON_ERR),
+                    reason="sm_90 cross-compile check of the Gluon GEMM written for Triton 3.6")
+def test_gemm_configs_cross_compile_for_sm90():
+    for res in cross_compile.cross_compile(_XCOMPILE_GEMM, [["_kv_b_proj_ws", c] for c in kg.TUNING]):
+        _common(res)
+        assert res["stmatrix"] > 0 and res["tma_store"] > 0, res
+
 
 
 @pytest.mark.skipif(not triton.__version__.startswith("3.6") or bool(kg.GLUON_ERR),
@@ -98,12 +76,9 @@ def test_paged_gemm_cross_compiles_for_sm90():
     configuration and the wide weight's compile to the same wgmma, no spills (the loader's slot lookups within its
     24 registers), within 227 KiB of shared memory with its k_pe buffer; per tile two A loads
     (one per 64-row half) beside B's, and per row of tiles two k_pe loads and two stores."""
-    for res in cross_compile.cross_compile(_XCOMPILE_PAGED, [{}, kg.PAGED_WIDE]):
-        print(res)
-        assert res["wgmma"] == [f"m64n{res['cfg']['BN']}k16"], res
-        assert res["stack"] == 0, f"register spills: {res}"
-        assert res["smem"] <= 232448, res
-        assert {24, 240} <= set(res["setmaxnreg"]), res
+    jobs = [["_kv_b_proj_paged_ws", c] for c in ({}, kg.PAGED_WIDE)]
+    for res in cross_compile.cross_compile(_XCOMPILE_GEMM, jobs):
+        _common(res)
         assert res["tma_load"] == 5 and res["tma_store"] >= 3, res
 
 
@@ -112,6 +87,8 @@ def test_chunk_pages_aligned():
     assert kvb.chunk_pages_aligned([0, 100], (16384,))  # the last sequence may end anywhere
     assert not kvb.chunk_pages_aligned([0, 100, 200], (0, 0))  # the second sequence starts at row 100
     assert not kvb.chunk_pages_aligned([0, 128], (32,))  # its first context token is mid-page
+    # "paged" takes what was measured: one sequence
+    assert kvb.chunk_reads_cache([0, 16384], (16384,)) and not kvb.chunk_reads_cache([0, 640, 1000], (64, 128))
 
 
 def test_build_engine_sets_the_process_wide_gemm(monkeypatch):

@@ -138,7 +138,7 @@ _HELP = {
     "kv_b_proj_gemm": "kv_b_proj's bf16 GEMM on a Hopper GPU: cublas; gluon (the persistent warp-specialized "
                       "kernel); or paged: that kernel reading each chunk's latents from the cache where they lie, "
                       "the chunk's gather folded into it, with a bf16 cache, a block size that is a multiple of 64, "
-                      "fewer than 64 heads and every sequence of the chunk starting on a 64-token page (cuBLAS "
+                      "fewer than 64 heads and a chunk of one sequence starting on a 64-token page (cuBLAS "
                       "elsewhere). The same results; paged saves 2-4 %% of a 16-head request's device time "
                       "(docs/DESIGN.md)",
     "softmax_scale": "softmax scale (default (P+R)**-0.5; pass the final one, yarn mscale included)",

@@ -311,13 +311,9 @@ def test_p_in_registers_in_the_engine(cache_dtype, kvb, monkeypatch):
 
 
 
-@pytest.mark.parametrize("prefill", ["bf16", "fp8"])
-def test_gluon_gemm_in_the_engine(prefill, monkeypatch):
-    """kv_b_proj's GEMM through the persistent Gluon kernel (``ops.kv_b_proj.GEMM =
-    "gluon"``, bf16 weights): fused and generic give the same bits chunk by chunk, every
-    chunk's GEMM ran the kernel, and the result is cuBLAS's within one bf16 rounding of
-    k_nope and V (fp8 prefill: within fp8's)."""
-    from ctxprefill.ops import kv_b_proj as kvb_op
+def _gemm_case(prefill: str):
+    """The GEMM kernels' engine case (skipped off Hopper): a bf16 cache, 16 heads, chunks of
+    16k rows over five sequences, an engine with the kernel backend; (engine, q, seqs)."""
     from ctxprefill.ops import kv_b_proj_gluon as kg
 
     backend, why = _triton_backend()
@@ -327,7 +323,19 @@ def test_gluon_gemm_in_the_engine(prefill, monkeypatch):
     c = dict(contexts=[40000, 9000, 0, 20000, 333], queries=[300, 1000, 20, 700, 5], W=16384, block=64, heads=16,
              blocks=1200)
     eng = make_engine(c, "auto", "bf16", prefill, backend)
-    q, seqs = make_request(eng, c)
+    return (eng, *make_request(eng, c))
+
+
+@pytest.mark.parametrize("prefill", ["bf16", "fp8"])
+def test_gluon_gemm_in_the_engine(prefill, monkeypatch):
+    """kv_b_proj's GEMM through the persistent Gluon kernel (``ops.kv_b_proj.GEMM =
+    "gluon"``, bf16 weights): fused and generic give the same bits chunk by chunk, every
+    chunk's GEMM ran the kernel, and the result is cuBLAS's within one bf16 rounding of
+    k_nope and V (fp8 prefill: within fp8's)."""
+    from ctxprefill.ops import kv_b_proj as kvb_op
+    from ctxprefill.ops import kv_b_proj_gluon as kg
+
+    eng, q, seqs = _gemm_case(prefill)
     cublas = eng.prefill_context(q, seqs, fused=True)
     monkeypatch.setattr(kvb_op, "GEMM", "gluon")
     calls = []
@@ -352,22 +360,15 @@ def test_gluon_gemm_in_the_engine(prefill, monkeypatch):
 @pytest.mark.parametrize("prefill", ["bf16", "fp8"])
 def test_paged_gemm_in_the_engine(prefill, monkeypatch):
     """kv_b_proj reading the paged cache (``ops.kv_b_proj.GEMM = "paged"``, a bf16 cache, 16
-    heads): the chunks whose sequences start on 64-row pages go through the paged GEMM and
-    launch no gather, the others through the gather and cuBLAS; fused and generic give the
+    heads): the chunks of one sequence starting on a 64-row page go through the paged GEMM
+    and launch no gather, the others through the gather and cuBLAS; fused and generic give the
     same bits chunk by chunk, and every chunk's q, k, v, out and LSE are the bits of the
     gather followed by the same kernel (``GEMM = "gluon"``), or by cuBLAS."""
-    from ctxprefill.engine.loop import _pages_aligned
+    from ctxprefill.engine.loop import _reads_pages
     from ctxprefill.ops import kv_b_proj as kvb_op
     from ctxprefill.ops import kv_b_proj_gluon as kg
 
-    backend, why = _triton_backend()
-    if kg.GLUON_ERR or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip(f"a Hopper kernel: {kg.GLUON_ERR or 'not sm_90'}")
-    backend = backend if backend is not None else ReferenceBackend()
-    c = dict(contexts=[40000, 9000, 0, 20000, 333], queries=[300, 1000, 20, 700, 5], W=16384, block=64, heads=16,
-             blocks=1200)
-    eng = make_engine(c, "auto", "bf16", prefill, backend)
-    q, seqs = make_request(eng, c)
+    eng, q, seqs = _gemm_case(prefill)
     runs, paged_calls = {}, []
     real = kg.launch_paged
     for gemm in ("cublas", "gluon", "paged"):
@@ -377,7 +378,7 @@ def test_paged_gemm_in_the_engine(prefill, monkeypatch):
             for fused in (True, False):
                 runs[gemm, fused] = record(eng, q, seqs, fused)
     chunks = runs["paged", True][0].stats.chunks
-    aligned = [_pages_aligned(ch) for ch in chunks]
+    aligned = [_reads_pages(ch) for ch in chunks]
     assert 0 < sum(aligned) < len(chunks), aligned  # the case has chunks of both kinds
     assert paged_calls == ["paged"] * 2 * sum(aligned)
     for fused in (True, False):

@@ -36,7 +36,7 @@ from ..ops import launches
 from ..ops.cast import cast_latent
 from ..ops.fp8 import FP8
 from ..ops.gather import gather
-from ..ops.kv_b_proj import chunk_pages_aligned, kv_b_proj, kv_b_proj_paged, reads_cache
+from ..ops.kv_b_proj import chunk_reads_cache, kv_b_proj, kv_b_proj_paged, reads_cache
 from ..ops.merge import merge
 from ..ops.pack import (
     KeysLast,
@@ -396,12 +396,13 @@ def _launch_order(backend: AttentionBackend, x: LoopInputs, c: ContextChunk, hea
 
 
 @functools.lru_cache(maxsize=4096)
-def _pages_aligned(c: ContextChunk) -> bool:
-    """Whether chunk ``c``'s sequences start on the paged GEMM's 64-row pages (remembered per chunk)."""
+def _reads_pages(c: ContextChunk) -> bool:
+    """Whether the paged GEMM reads chunk ``c`` from the cache (``chunk_reads_cache``;
+    remembered per chunk)."""
     cu = [0]
     for n in c.context_lens:
         cu.append(cu[-1] + n)
-    return chunk_pages_aligned(cu, c.context_starts)
+    return chunk_reads_cache(cu, c.context_starts)
 
 
 class _Stage:
@@ -496,7 +497,7 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     unpacked = use_unpacked_keys(backend, fused, x.unpacked_keys, x.fp8_prefill)
     width = x.latent + 64
     # the gather folded into kv_b_proj's GEMM (ops.kv_b_proj.GEMM "paged"), chunk by chunk
-    # where the chunk's sequences start on the GEMM's 64-row pages
+    # where the chunk is one sequence starting on the GEMM's 64-row pages
     paged = not x.gather_raw_fp8 and reads_cache(x.cache, x.cache_dtype, x.weight, x.block_size)
     direct = [not c.is_continuation for c in x.chunks]
     # Rows some direct (non-continuation) chunk writes: the union of their row slices
@@ -550,7 +551,7 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
             views = ws_views[rows] = _WorkspaceViews(ws, ws[:, : x.latent], k_pe, k_rope)
         bt = block_table if c.num_sequences == block_table.shape[0] else \
             block_table[c.first_sequence : c.first_sequence + c.num_sequences]
-        if paged and _pages_aligned(c):
+        if paged and _reads_pages(c):
             with stage("kv_b_proj"):  # the latent read where it lies; k_pe left in the workspace
                 kv = kv_b_proj_paged(x.cache, bt, m.cu_seqlens_k, m.context_starts, x.block_size, views.ws,
                                      x.weight).view(rows, H, x.nope + x.v_dim)

@@ -25,12 +25,15 @@ from . import launches
 #: "cublas" (torch's matmul); "gluon" (ops/kv_b_proj_gluon.py, persistent and
 #: warp-specialized; the same bits on the H100 and H200); "paged": the Gluon kernel reading
 #: each chunk's latent from the paged cache, the chunk's gather folded into it, where
-#: :func:`reads_cache` and :func:`chunk_pages_aligned` hold, cuBLAS elsewhere (docs/DESIGN.md)
+#: :func:`reads_cache` and :func:`chunk_reads_cache` hold, cuBLAS elsewhere (docs/DESIGN.md)
 GEMMS = ("cublas", "gluon", "paged")
 GEMM = "cublas"
 #: "paged" reads the cache for weights narrower than this (16 heads: 4,096 columns), where
 #: it measured faster than the gather and cuBLAS; at 128 heads (32,768) it did not
 PAGED_MAX_N = 16384
+#: "paged" takes chunks of at most this many sequences: what was measured (the kernel's
+#: loader scans the chunk's sequences for each tile's rows, one load each, in series)
+PAGED_MAX_SEQUENCES = 1
 #: rows of a paged GEMM tile's half: each half is read from one run of cache slots, so a
 #: chunk's sequences must start on multiples of this (in its rows and in their context) and
 #: the block size be one
@@ -82,8 +85,8 @@ def kv_b_proj_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_rows: tor
                     weight: torch.Tensor) -> torch.Tensor:
     """A chunk's gather and kv_b_proj in one launch (``kv_b_proj_gluon.launch_paged``):
     [rows, N] bf16, with each row's k_pe left in ``workspace`` [rows, L+64] bf16 as the
-    gather leaves it. Where :func:`reads_cache` holds and the chunk's sequences start on
-    64-row pages (:func:`chunk_pages_aligned`)."""
+    gather leaves it. Where :func:`reads_cache` and :func:`chunk_reads_cache` hold (the
+    kernel itself takes any chunk :func:`chunk_pages_aligned` accepts)."""
     from . import kv_b_proj_gluon
 
     launches.note(1)
@@ -96,3 +99,9 @@ def chunk_pages_aligned(cu_rows: list[int], context_starts: tuple[int, ...] | li
     one cache block (rows past a sequence's end are another sequence's only for the last one,
     whose extra rows fall past the chunk)."""
     return all(r % PAGE_ROWS == 0 for r in cu_rows[:-1]) and all(j % PAGE_ROWS == 0 for j in context_starts)
+
+
+def chunk_reads_cache(cu_rows: list[int], context_starts: tuple[int, ...] | list[int]) -> bool:
+    """Whether "paged" reads this chunk from the cache: at most ``PAGED_MAX_SEQUENCES``
+    sequences, on pages (:func:`chunk_pages_aligned`)."""
+    return len(context_starts) <= PAGED_MAX_SEQUENCES and chunk_pages_aligned(cu_rows, context_starts)
