@@ -139,8 +139,8 @@ _HELP = {
                       "kernel); or paged: that kernel reading each chunk's latents from the cache where they lie, "
                       "the chunk's gather folded into it, with a bf16 cache, a block size that is a multiple of 64, "
                       "fewer than 64 heads and a chunk of one sequence starting on a 64-token page (cuBLAS "
-                      "elsewhere). The same results; paged saves 2-4 %% of a 16-head request's device time "
-                      "(docs/DESIGN.md)",
+                      "elsewhere). The same results; with --cuda-graphs, paged saves ~3 %% of a 16-head "
+                      "request's device time (docs/DESIGN.md)",
     "softmax_scale": "softmax scale (default (P+R)**-0.5; pass the final one, yarn mscale included)",
     "grace_seconds": "on SIGTERM/SIGINT: seconds in-flight requests get to finish before the server exits",
     "max_message_bytes": "largest gRPC message the server receives or sends, in bytes",
