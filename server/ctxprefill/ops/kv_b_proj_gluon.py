@@ -28,6 +28,12 @@ stages, 192 KiB ping-pong at ``BN`` 128 in 4. Registers: the loader gives its bu
 the consumers (``setmaxnreg`` 24 / 240; each accumulator 128 fp32 a thread).
 Opt-in (``ops.kv_b_proj.GEMM``): ``bench/probe_gemm.py`` times it against cuBLAS in one
 process, and on the engine's 16k-row chunks cuBLAS leads (docs/DESIGN.md).
+
+:func:`launch_paged` is the same kernel with another loader: the chunk's latents are read
+where they lie in the paged cache — each 64-row half of an A tile by one TMA load from
+its run of cache slots, looked up from the block table by the loader — and the rows' k_pe
+copied into the workspace on the way (a TMA load and store per row of tiles), which folds
+the chunk's gather into the GEMM (``ops.kv_b_proj.GEMM = "paged"``).
 """
 
 from __future__ import annotations
@@ -191,8 +197,8 @@ if gluon is not None:
     def _paged_loader(a_d, b_d, kin_d, kout_d, a_s, b_s, k_s, ready, free, kbar, BT, stride_bt, CU, ST, n_seqs,
                       block_size, M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                       STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-        # _gemm_loader with A read from the paged cache: each half of a tile (64 rows, lying in
-        # one cache block: paged_problem) from its slot; and once per row of tiles (its first
+        # _gemm_loader with A read from the paged cache: each half of a tile (64 rows, in one
+        # cache block: paged_problem, chunk_pages_aligned) from its slot; once per row of tiles (its first
         # column) the rows' k_pe copied from the cache into the workspace beside the latent
         HALF: gl.constexpr = BM // 2
         num_m = gl.cdiv(M, BM)
