@@ -179,6 +179,7 @@ def test_a_served_process_writes_only_json_lines():
     assert msgs.index("weights loaded") < msgs.index("listening") < msgs.index("serving")
     serving = next(g for g in lines if g["msg"] == "serving")
     assert serving["device"] == "cpu" and serving["cuda_graphs"] is False and serving["fused_kernels"] is False
+    assert serving["kv_b_proj_gemm"] == "cublas"  # the default (--kv-b-proj-gemm)
     assert "need a CUDA device, got cpu" in serving["cuda_graphs_reason"]
     assert serving["mps_client"] is None  # a CPU server: no CUDA context to share
     ignored = next(g for g in lines if g["msg"] == "settings without effect")

@@ -200,8 +200,9 @@ async def run(s: ServeSettings, security: Security, parts: ServerParts,
             "heads": cfg.shape.heads, "cache_dtype": cfg.cache.dtype,
             "block_size": cfg.cache.block_size,
             "num_blocks": cfg.cache.num_blocks, "k_scale": cfg.cache.k_scale,
-            "kv_b_proj_dtype": cfg.kv_b_proj_dtype, "prefill_dtype": cfg.prefill_dtype,
-            "workspace_tokens": cfg.workspace_tokens, "weights": info.weights_source,
+            "kv_b_proj_dtype": cfg.kv_b_proj_dtype, "kv_b_proj_gemm": s.kv_b_proj_gemm,
+            "prefill_dtype": cfg.prefill_dtype, "workspace_tokens": cfg.workspace_tokens,
+            "weights": info.weights_source,
             "startup_s": round(time.perf_counter() - t_start, 3), "build_and_warmup_s": round(build_s, 3),
         })
 
