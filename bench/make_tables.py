@@ -430,11 +430,6 @@ def _in_place_rounds(rows: list[dict]) -> str:
                          for x in (r["replay_launch_rounds"] for r in rows)))
 
 
-#: probe_host runs whose 12 ms of GEMMs before a validation were queued as separate launches
-#: (the host ran torch's dispatch for each before it waited), not as one CUDA graph
-_GEMM_WAIT_LAUNCHED = {"6cb73b8"}
-
-
 def host_table(d: Doc) -> str:
     """``bench/probe_host_issue.py``: where a request's host time goes, the device held."""
     first = ("the time that call returns for the copies queued" if _first_copy_queued(d)
@@ -485,8 +480,7 @@ def host_table(d: Doc) -> str:
         lines += ["", f"One validation, µs, by what the host did just before it ({order}): " + "; ".join(
             f"{k} " + ", ".join(f"{w[k]:.1f}" for w in waits) for k in waits[0]) + " (hot: in a loop; "
             "1.5 ms, 12 ms: after waiting that long for a spin kernel; 12 ms gemm: for GEMMs, the device at "
-            "its power cap, queued as " + ("a launch per GEMM" if run_of(d)["commit"] in _GEMM_WAIT_LAUNCHED
-                                          else "one CUDA graph") + "; 12 ms busy: "
+            "its power cap, queued as " + d["meta"]["gemm_wait"] + "; 12 ms busy: "
             "after 12 ms spent validating while the spin kernel ran)."]
     return "\n".join(lines) + "\n"
 

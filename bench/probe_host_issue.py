@@ -46,6 +46,8 @@ from ctxprefill_bench.engine_bench import make_device_request, time_request  # n
 HOLD_CYCLES = 200_000_000  # ~0.1 s at 2 GHz: longer than anything issued behind it
 
 
+#: how after_wait_us queues its 12 ms of GEMMs before a validation (the JSON's meta says it)
+GEMM_WAIT = "one CUDA graph"
 #: the paths probed: (name, fused, graphs_on). graph: the replay through the extension, q read
 #: and out and LSE written in place where the capture found and checked that
 #: (engine/graphs.py); graph_copies: the same with q copied into the graph's buffer and out
@@ -254,7 +256,7 @@ def after_wait_us(fn, n: int = 40) -> dict[str, float]:
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     torch.mm(x, x)
     mm_ms = device_ms(lambda: [torch.mm(x, x) for _ in range(20)]) / 20
-    gemms = torch.cuda.CUDAGraph()  # ~12 ms of GEMMs in one launch, as the spin kernel is
+    gemms = torch.cuda.CUDAGraph()  # ~12 ms of GEMMs in one launch (GEMM_WAIT), as the spin kernel is
     with torch.cuda.graph(gemms):
         for _ in range(max(1, round(12.0 / mm_ms))):
             torch.mm(x, x)
@@ -484,7 +486,8 @@ def main(argv=None) -> int:
     if a.out:
         meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "date": run_info.utc_now(),
                 "commit": run_info.commit(), "no_gc": a.no_gc, "cpu_latency": qos, "pinned_cpu": a.pin_cpu,
-                "graph_first_copy": "the copies queued (graph_launch's return)"}
+                "graph_first_copy": "the copies queued (graph_launch's return)",
+                "gemm_wait": GEMM_WAIT}
         with open(a.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0
