@@ -8,6 +8,7 @@ included, are checked on the GPU (tests/gpu/test_kv_b_proj_gluon_gpu.py)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton", reason="triton is not importable")
 
@@ -102,3 +103,15 @@ def test_build_engine_sets_the_process_wide_gemm(monkeypatch):
     assert kvb.GEMM == "paged"
     build_engine(ServeSettings(device="cpu", num_blocks=4, workspace_tokens=64))
     assert kvb.GEMM == "cublas"
+
+
+def test_reads_cache_only_where_paged_can(monkeypatch):
+    """reads_cache: only GEMM "paged", a bf16 cache on a GPU and a weight under PAGED_MAX_N rows."""
+    cache = torch.zeros((4, 1152), dtype=torch.uint8)
+    w = torch.zeros((4096, 512), dtype=torch.bfloat16)
+    monkeypatch.setattr(kvb, "GEMM", "cublas")
+    assert not kvb.reads_cache(cache, "auto", w, 64)
+    monkeypatch.setattr(kvb, "GEMM", "paged")
+    assert not kvb.reads_cache(cache, "auto", w, 64)  # a CPU cache
+    assert not kvb.reads_cache(cache, "fp8", w, 64)
+    assert not kvb.reads_cache(cache, "auto", torch.zeros((kvb.PAGED_MAX_N, 512), dtype=torch.bfloat16), 64)

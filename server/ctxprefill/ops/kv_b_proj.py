@@ -15,8 +15,6 @@ An fp8 latent (raw fp8 cache, fp8 prefill) is widened exactly (fp8 ⊂ bf16 ⊂ 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import launches
@@ -59,25 +57,26 @@ def kv_b_proj(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@functools.cache
-def _cache_readable(device: torch.device, row_bytes: int, latent: int, block_size: int) -> bool:
-    from . import kv_b_proj_gluon
-
-    cache = torch.empty((1, row_bytes), dtype=torch.uint8, device=device)
-    weight = torch.empty((256, latent), dtype=torch.bfloat16, device=device)
-    return kv_b_proj_gluon.paged_problem(cache, weight, block_size) is None
+#: paged_problem's answers, by the facts of the cache and weight it reads (device, widths,
+#: alignment, strides, block size): asked once per layer, looked up per request
+_READABLE: dict[tuple[object, ...], bool] = {}
 
 
 def reads_cache(cache: torch.Tensor, cache_dtype: str, weight: torch.Tensor, block_size: int) -> bool:
     """Whether chunks of ``cache`` (uint8 [num_slots, bytes_per_slot]) go through
-    :func:`kv_b_proj_paged` with ``weight``: GEMM "paged", a bf16 (``auto``) cache, a bf16
-    weight [N < PAGED_MAX_N, L] with 16-byte aligned rows, a Hopper GPU, a block size that is
-    a multiple of 64. Asked once a request."""
-    if GEMM != "paged" or cache_dtype != "auto" or weight.dtype != torch.bfloat16 or not cache.is_cuda:
+    :func:`kv_b_proj_paged` with ``weight``: GEMM "paged", a bf16 (``auto``) cache, a weight
+    of fewer than PAGED_MAX_N rows, and what ``kv_b_proj_gluon.paged_problem`` checks (a
+    Hopper GPU, a bf16 weight, TMA-aligned rows, a block size that is a multiple of 64)."""
+    if GEMM != "paged" or cache_dtype != "auto" or not cache.is_cuda or weight.shape[0] >= PAGED_MAX_N:
         return False
-    if weight.shape[0] >= PAGED_MAX_N or weight.stride(1) != 1 or weight.stride(0) % 8 or weight.data_ptr() % 16:
-        return False
-    return _cache_readable(cache.device, cache.shape[1], weight.shape[1], block_size)
+    key = (cache.device, cache.dtype, cache.shape[1], cache.data_ptr() % 16, weight.dtype, weight.shape[1],
+           weight.stride(), weight.data_ptr() % 16, block_size)
+    ok = _READABLE.get(key)
+    if ok is None:
+        from . import kv_b_proj_gluon
+
+        ok = _READABLE[key] = kv_b_proj_gluon.paged_problem(cache, weight, block_size) is None
+    return ok
 
 
 def kv_b_proj_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_rows: torch.Tensor,
