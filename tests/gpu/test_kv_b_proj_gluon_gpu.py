@@ -107,7 +107,7 @@ def test_paged_gemm_equals_gather_then_gemm(heads, block_size, lens, starts):
     _, w = _operands(8, heads * 256, 512, seed=3)
     gathered = torch.empty((M, 576), dtype=torch.bfloat16, device="cuda")
     gather_reference(cache, table, cu, st, gathered, "auto", 1.0, block_size)
-    want = kg.launch(gathered[:, :512], w, config=kg.PAGED_WIDE if w.shape[0] >= kg.WIDE_N else None)
+    want = kg.launch(gathered[:, :512], w)
     assert kg.paged_problem(cache, w, block_size) is None
     ws = torch.full((M + 3, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
     got = kg.launch_paged(cache, table, cu, st, block_size, ws[:M], w)

@@ -342,12 +342,6 @@ def launch(latent: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     return out
 
 
-#: launch_paged's change to CONFIG for a wide weight (N >= WIDE_N: 128 heads), the
-#: configuration bench/probe_gemm.py found best at 128 heads over a 16k-row chunk
-WIDE_N = 16384
-PAGED_WIDE: dict[str, Any] = dict(BN=128, STAGES=5)
-
-
 def paged_problem(cache: torch.Tensor, weight: torch.Tensor, block_size: int) -> str | None:
     """Why :func:`launch_paged` cannot read ``cache`` (a bf16 cache's bytes, uint8
     ``[num_slots, 1152]``) with ``weight``, or None. A chunk must also have its
@@ -377,7 +371,7 @@ def launch_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_rows: torch.
     int32 [B]; workspace: bf16 [M, K+64], rows contiguous; weight: bf16 [N, K]. Every
     sequence starts on a multiple of PAGE_ROWS (``kv_b_proj.chunk_pages_aligned``). Same bits as
     :func:`launch` on the gathered latent (the same tiles, the same k-steps)."""
-    cfg = dict(CONFIG, **(PAGED_WIDE if weight.shape[0] >= WIDE_N else {}), **(config or {}))
+    cfg = dict(CONFIG, **(config or {}))
     view = cache.view(torch.bfloat16)  # [num_slots, K + 64]
     M, N, K = workspace.shape[0], weight.shape[0], weight.shape[1]
     if out is None:
