@@ -211,10 +211,7 @@ class EngineWorker:
                         if nxt is not None:
                             self.metrics.overlapped_requests.inc()
                         self._finish(started)
-                    started = nxt
-                    if started is not None and not self.request_overlap:
-                        self._finish(started)
-                        started = None
+                    started = nxt  # without request_overlap no call is quick: finished before the next starts
                 item = None  # its future holds the result (an answer's tensor): not until the next job
             if rings and started is not None:  # the rings pipeline their own requests
                 self._finish(started)
