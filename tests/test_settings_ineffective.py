@@ -46,3 +46,7 @@ def test_a_gemm_kernel_that_cannot_run_is_named():
     assert ineffective_settings(ServeSettings(kv_b_proj_gemm="paged", cache_dtype="fp8")) == [
         "--kv-b-proj-gemm (needs --cache-dtype auto to read the cache: other caches are gathered and go through "
         "cuBLAS)"]
+    wide = "--kv-b-proj-gemm (needs fewer than 64 heads a worker to read the cache: wider weights go through cuBLAS)"
+    assert ineffective_settings(ServeSettings(kv_b_proj_gemm="paged", heads=128)) == [wide]
+    assert ineffective_settings(ServeSettings(kv_b_proj_gemm="paged", heads=128, num_shards=8)) == []  # 16 a worker
+    assert ineffective_settings(ServeSettings(kv_b_proj_gemm="paged", heads=128, model="/m")) == []  # its config

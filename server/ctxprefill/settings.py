@@ -24,7 +24,7 @@ from .checkpoint import MODEL_FIELDS, resolve_model
 from .config import KV_B_PROJ_DTYPES, MAX_CONTEXT_TOKEN_HEADS, PREFILL_DTYPES, CacheConfig, EngineConfig, ModelShape
 from .engine.request import q_dtype
 from .errors import ConfigError
-from .ops.kv_b_proj import GEMMS
+from .ops.kv_b_proj import GEMMS, PAGED_MAX_N
 from .ops.slot_format import CACHE_DTYPES
 
 log = logging.getLogger("ctxprefill")
@@ -335,6 +335,10 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
     feature on and off."""
     defaults = ServeSettings()
     random_weights = not s.weights and not s.model
+    paged_on = s.kv_b_proj_gemm == "paged" and s.device != "cpu"  # (on the CPU the rule above names it)
+    shape = ModelShape()
+    per_head = shape.qk_nope_head_dim + shape.v_head_dim  # kv_b_proj's rows per head
+    worker_heads = s.heads // max(1, s.num_shards)
     rules = (  # (settings, whether what they tune is on, what it needs)
         (("shared_memory_max_regions", "shared_memory_max_bytes", "shared_memory_pin"), s.shared_memory != "off",
          "--shared-memory"),
@@ -346,8 +350,10 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
         (("seed", "kv_b_proj_dtype"), random_weights, "random weights: no --weights or --model"),
         (("k_scale",), s.cache_dtype == "fp8", "--cache-dtype fp8: fp8_ds_mla keeps a scale per tile"),
         (("kv_b_proj_gemm",), s.device != "cpu", "a Hopper GPU: on the CPU torch multiplies"),
-        (("kv_b_proj_gemm",), s.kv_b_proj_gemm != "paged" or s.device == "cpu" or s.cache_dtype == "auto",
+        (("kv_b_proj_gemm",), not paged_on or s.cache_dtype == "auto",
          "--cache-dtype auto to read the cache: other caches are gathered and go through cuBLAS"),
+        (("kv_b_proj_gemm",), not paged_on or bool(s.model) or worker_heads * per_head < PAGED_MAX_N,
+         f"fewer than {PAGED_MAX_N // per_head} heads a worker to read the cache: wider weights go through cuBLAS"),
     )
 
     def flag(name: str) -> str:  # as given: a switch turned off is its --no- form
