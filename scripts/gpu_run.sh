@@ -244,25 +244,25 @@ want bench_concurrency_stream && run_step bench_concurrency_stream 200 5 - pytho
 want bench_concurrency_ring && run_step bench_concurrency_ring 200 5 - python3 bench/bench_concurrency.py \
   --shape 16:1024:65536 128:1024:65536 --clients 1 2 4 --transport cuda --ring-depth 2 --seconds 5 --warmup-s 1 \
   --budget-s 190 --out "$OUT/bench_concurrency_ring.json"
-# the request ring's overlap (--request-ring-overlap) against its baseline, same call, 16 heads:
-# on, off, on (the host's speed drifts between runs; the bracketing shows by how much)
-if want bench_ring_overlap; then
+# on_off_on NAME FLAG CAP ARGS...: bench/bench_concurrency.py ARGS against a server with --FLAG on, off
+# (--no-FLAG), then on again (the host's speed drifts between runs; the bracketing shows by how much),
+# each run capped at CAP s -> bench_NAME_{on,off,on2}.json
+on_off_on() {
+  local name=$1 flag=$2 cap=$3 v
+  shift 3
   for v in on off on2; do
-    flag=(); [ "$v" = off ] && flag=(--server-flag no-request-ring-overlap)
-    run_step "ring_overlap_$v" 60 5 - python3 bench/bench_concurrency.py --shape 16:1024:65536 --clients 1 2 4 \
-      --transport cuda --ring-depth 2 --seconds 5 --warmup-s 1 --budget-s 55 "${flag[@]}" --out "$OUT/bench_ring_overlap_$v.json"
+    local off=(); [ "$v" = off ] && off=(--server-flag "no-$flag")
+    run_step "${name}_$v" "$cap" 5 - python3 bench/bench_concurrency.py "$@" --budget-s $((cap - 5)) "${off[@]}" \
+      --out "$OUT/bench_${name}_$v.json"
   done
-fi
-# calls queued behind each other overlapping on the device (--request-overlap) against its baseline, same
-# call, CUDA IPC, 16 and 128 heads: on, off, on
-if want bench_request_overlap; then
-  for v in on off on2; do
-    flag=(); [ "$v" = off ] && flag=(--server-flag no-request-overlap)
-    run_step "request_overlap_$v" 110 5 - python3 bench/bench_concurrency.py --shape 16:1024:65536 128:1024:65536 \
-      --clients 1 2 4 --transport cuda --seconds 4 --warmup-s 1 --budget-s 105 "${flag[@]}" \
-      --out "$OUT/bench_request_overlap_$v.json"
-  done
-fi
+}
+# the request ring's overlap (--request-ring-overlap), 16 heads, a ring per client
+want bench_ring_overlap && on_off_on ring_overlap request-ring-overlap 60 --shape 16:1024:65536 --clients 1 2 4 \
+  --transport cuda --ring-depth 2 --seconds 5 --warmup-s 1
+# calls queued behind each other overlapping on the device (--request-overlap), a call per request over
+# CUDA IPC, 16 and 128 heads
+want bench_request_overlap && on_off_on request_overlap request-overlap 110 --shape 16:1024:65536 128:1024:65536 \
+  --clients 1 2 4 --transport cuda --seconds 4 --warmup-s 1
 want bench_transport && run_step bench_transport 240 5 - python3 bench/bench_transport.py --device cuda --iters 60 \
   --out "$OUT/bench_transport.json"
 # system regions page-locked (default) against pageable (--no-shared-memory-pin), alternating
