@@ -981,13 +981,10 @@ def headline_rows(results: str = RESULTS) -> list[tuple[str, str, str]]:
                          + (f"fused as a CUDA graph {_ms(r['fused_graph_s'])} ms, " if "fused_graph_s" in r else "")
                          + f"floor {_ms(r['floor_s'])} ms")
         # the issue's bar: every cache and prefill dtype as a CUDA graph against its floor
-        every = [r for r in eng if r["heads"] == h and r["new"] == 1024 and r["context"] == 65536
-                 and r.get("fused_graph_over_floor") is not None]
+        every = _graph_rows(eng, h)
         what = ""
         if every:
-            g = [r["fused_graph_over_floor"] for r in every]
-            cells.append(f"every cache and prefill dtype as a CUDA graph {min(g):.2f}–{max(g):.2f}× the floor"
-                         + _held_range(every))
+            cells.append(f"every cache and prefill dtype as a CUDA graph {_graph_floor_range(every)}")
             what = f"; the {len(every)} cache × prefill dtypes as CUDA graphs against their floors"
         rows.append((f"Whole request, {h} heads, bf16 and fp8 prefill, 1,024 new over 64k{what}", "; ".join(cells),
                      "bench_engine"))
@@ -1107,19 +1104,30 @@ def _engine_graph_row(name: str, results: str) -> tuple[str, str, str]:
     d = load(name, results)
     cells, dtypes = [], set()
     for h in (16, 128):
-        every = [r for r in d["rows"] if r["heads"] == h and r["new"] == 1024 and r["context"] == 65536
-                 and r.get("fused_graph_over_floor") is not None]
+        every = _graph_rows(d["rows"], h)
         if not every:
             continue
         r = _row(every, cache_dtype="auto", prefill_dtype="bf16")
-        g = [x["fused_graph_over_floor"] for x in every]
         outside = [x["fused_graph_outside_s"] for x in every]
         dtypes |= {(x["cache_dtype"], x["prefill_dtype"]) for x in every}
         cells.append(f"{h} heads: bf16 as a CUDA graph {_ms(r['fused_graph_s'])} ms, floor {_ms(r['floor_s'])} ms; "
-                     f"every cache and prefill dtype {min(g):.2f}–{max(g):.2f}× the floor" + _held_range(every)
+                     f"every cache and prefill dtype {_graph_floor_range(every)}"
                      + f", the host outside the replay {_ms(min(outside), '.3f')}–{_ms(max(outside), '.3f')} ms")
     return (f"Whole request on {run_of(d)['gpu']}, 16 / 128 heads, 1,024 new over 64k: the {len(dtypes)} cache × "
             "prefill dtypes as CUDA graphs against their floors", "; ".join(cells), name)
+
+
+def _graph_rows(rows: list[dict], heads: int) -> list[dict]:
+    """The headline shape's rows (1,024 new over 64k) at ``heads`` that have a CUDA graph's
+    ratio to the floor: one per cache and prefill dtype."""
+    return [r for r in rows if r["heads"] == heads and r["new"] == 1024 and r["context"] == 65536
+            and r.get("fused_graph_over_floor") is not None]
+
+
+def _graph_floor_range(rows: list[dict]) -> str:
+    """ "a–b× the floor" over ``rows``' CUDA graphs, with the held GEMM rate's range where known."""
+    g = [r["fused_graph_over_floor"] for r in rows]
+    return f"{min(g):.2f}–{max(g):.2f}× the floor" + _held_range(rows)
 
 
 def _held_range(rows: list[dict]) -> str:
