@@ -22,6 +22,7 @@ import torch
 from .backends import registry
 from .checkpoint import MODEL_FIELDS, resolve_model
 from .config import KV_B_PROJ_DTYPES, MAX_CONTEXT_TOKEN_HEADS, PREFILL_DTYPES, CacheConfig, EngineConfig, ModelShape
+from .engine.loop import STOP_AHEAD
 from .engine.request import q_dtype
 from .errors import ConfigError
 from .ops.kv_b_proj import GEMMS, PAGED_MAX_N
@@ -134,7 +135,7 @@ _HELP = {
     "cuda_graphs": "on a GPU, replay a request shape's chunk loop as a CUDA graph from the shape's third request on "
                    "(the same kernels and bits, one launch; captured at its second, at most 8 shapes kept): the host "
                    "still checks, plans and copies each request in; requests with a trace timeline, or a deadline "
-                   "over more than 4 chunks, run eagerly; per-stage times become one 'graph' stage",
+                   f"over more than {STOP_AHEAD} chunks, run eagerly; per-stage times become one 'graph' stage",
     "kv_b_proj_gemm": "kv_b_proj's bf16 GEMM on a Hopper GPU: cublas; gluon (the persistent warp-specialized "
                       "kernel); or paged: that kernel reading each chunk's latents from the cache where they lie, "
                       "the chunk's gather folded into it, with a bf16 cache, a block size that is a multiple of 64, "
@@ -193,7 +194,7 @@ _HELP = {
                             "bench/bench_concurrency.py's A/B)",
     "request_overlap": "start the next queued PrefillContext request (a call's or a stream's) before the previous "
                        "one is waited for and answered, where its start need not wait for the device (a GPU, q in "
-                       "a CUDA region, no cache_write, at most 4 chunks), so that the device goes from one "
+                       f"a CUDA region, no cache_write, at most {STOP_AHEAD} chunks), so that the device goes from one "
                        "request's work to the next; --no-request-overlap answers each before the next starts (the "
                        "baseline of bench/bench_concurrency.py's A/B)",
     "request_ring_stream_order": "allow stream-ordered request rings (CUDA): a ring attached with ready_events "
