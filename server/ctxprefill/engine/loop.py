@@ -498,7 +498,7 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     width = x.latent + 64
     # the gather folded into kv_b_proj's GEMM (ops.kv_b_proj.GEMM "paged"), chunk by chunk
     # where the chunk is one sequence starting on the GEMM's 64-row pages
-    paged = not x.gather_raw_fp8 and reads_cache(x.cache, x.cache_dtype, x.weight, x.block_size)
+    paged = reads_cache(x.cache, x.cache_dtype, x.weight, x.block_size)  # (a bf16 cache: never raw fp8)
     direct = [not c.is_continuation for c in x.chunks]
     # Rows some direct (non-continuation) chunk writes: the union of their row slices
     # (a caller's plan may list a context-less sequence in two chunks, so they can overlap)
