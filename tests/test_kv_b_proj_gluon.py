@@ -106,12 +106,25 @@ def test_build_engine_sets_the_process_wide_gemm(monkeypatch):
 
 
 def test_reads_cache_only_where_paged_can(monkeypatch):
-    """reads_cache: only GEMM "paged", a bf16 cache on a GPU and a weight under PAGED_MAX_N rows."""
-    cache = torch.zeros((4, 1152), dtype=torch.uint8)
+    """reads_cache: only GEMM "paged", a bf16 cache on a GPU and a weight under PAGED_MAX_N rows,
+    and what paged_problem accepts, asked once for the same cache and weight facts. A stand-in
+    for a GPU cache (its attributes only) and a paged_problem that counts its calls."""
+    import types
+
+    asked = []
+    monkeypatch.setattr(kg, "paged_problem", lambda cache, w, bs: asked.append(bs) or (None if bs == 64 else "no"))
+    monkeypatch.setattr(kvb, "_READABLE", {})
+    gpu_cache = types.SimpleNamespace(is_cuda=True, device="cuda:0", dtype=torch.uint8, shape=(4, 1152),
+                                      data_ptr=lambda: 0)
+    cpu_cache = torch.zeros((4, 1152), dtype=torch.uint8)
     w = torch.zeros((4096, 512), dtype=torch.bfloat16)
     monkeypatch.setattr(kvb, "GEMM", "cublas")
-    assert not kvb.reads_cache(cache, "auto", w, 64)
+    assert not kvb.reads_cache(gpu_cache, "auto", w, 64)
     monkeypatch.setattr(kvb, "GEMM", "paged")
-    assert not kvb.reads_cache(cache, "auto", w, 64)  # a CPU cache
-    assert not kvb.reads_cache(cache, "fp8", w, 64)
-    assert not kvb.reads_cache(cache, "auto", torch.zeros((kvb.PAGED_MAX_N, 512), dtype=torch.bfloat16), 64)
+    assert kvb.reads_cache(gpu_cache, "auto", w, 64) and kvb.reads_cache(gpu_cache, "auto", w, 64)
+    assert asked == [64]  # remembered
+    assert not kvb.reads_cache(gpu_cache, "auto", w, 16) and asked == [64, 16]  # what paged_problem refuses
+    assert not kvb.reads_cache(cpu_cache, "auto", w, 64)
+    assert not kvb.reads_cache(gpu_cache, "fp8", w, 64)
+    assert not kvb.reads_cache(gpu_cache, "auto", torch.zeros((kvb.PAGED_MAX_N, 512), dtype=torch.bfloat16), 64)
+    assert asked == [64, 16]
