@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--workspace-tokens", type=int, default=16384)
     p.add_argument("--generic", action="store_true", help="profile the generic path instead of the fused one")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay the fused chunk loop as a CUDA graph")
+    p.add_argument("--gemm", default="cublas", help="serve --kv-b-proj-gemm (cublas, gluon, paged)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--timeline", action="store_true",
@@ -53,7 +55,8 @@ def main(argv=None) -> int:
 
     blocks = math.ceil(a.context / a.block_size) + 8
     s = ServeSettings(device=a.device, heads=a.heads, cache_dtype=a.cache_dtype, prefill_dtype=a.prefill_dtype,
-                      block_size=a.block_size, num_blocks=blocks, workspace_tokens=a.workspace_tokens)
+                      block_size=a.block_size, num_blocks=blocks, workspace_tokens=a.workspace_tokens,
+                      cuda_graphs=a.cuda_graphs, kv_b_proj_gemm=a.gemm)
     engine = build_engine(s)
     dev = engine.device
     q, seqs = make_device_request(engine, [a.context], [a.new])
@@ -112,11 +115,13 @@ def timeline(engine, q, seqs, fused, iters):
     cpu_ops = [e for e in ev if e.device_type == torch.autograd.DeviceType.CPU and not e.name.startswith("request")]
     before, between, after, busy, n_k = [], [], [], [], []
     idles = []  # (idle us, name of the kernel after it)
+    last: list = []  # the last profiled request's kernels
     for r in reqs:
         t0, t1 = r.time_range.start, r.time_range.end
         ks = [k for k in kernels if t0 <= k.time_range.start <= t1]
         if not ks:
             continue
+        last = ks
         n_k.append(len(ks))
         before.append(ks[0].time_range.start - t0)
         after.append(t1 - max(k.time_range.end for k in ks))
@@ -139,6 +144,11 @@ def timeline(engine, q, seqs, fused, iters):
         by[name] = by.get(name, 0.0) + g
     for name, g in sorted(by.items(), key=lambda x: -x[1])[:8]:
         print(f"  {g:9.0f}  {name}")
+    print("the last profiled request's kernels (us): idle before it, its time, its name")
+    end = last[0].time_range.start if last else 0.0
+    for k in last:
+        print(f"  {k.time_range.start - end:7.1f} {k.time_range.end - k.time_range.start:8.1f}  {k.name[:70]}")
+        end = max(end, k.time_range.end)
     top = {}
     for e in cpu_ops:
         top[e.name] = top.get(e.name, 0.0) + e.self_cpu_time_total

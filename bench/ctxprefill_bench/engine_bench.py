@@ -201,6 +201,33 @@ def _with_gemm(engine, q, seqs, dev, gemm: str, it: dict) -> dict:
     return r
 
 
+def _merges_ab(engine, q, seqs, dev, rounds: int, it: dict) -> dict:
+    """The fused request as a CUDA graph with its merges in line (after each attention) and
+    on a branch of their own (``LoopGraphs.merges_beside``), in ``rounds`` interleaved rounds
+    (in line first in odd rounds, beside first in even ones: a GPU under its power cap slows
+    over a run), each captured anew: per arrangement the median of the rounds' medians of
+    the request and of the replay, and whether every replay gave the same bits."""
+    graphs = engine.graphs
+    was = graphs.merges_beside
+    got: dict[bool, list[dict]] = {False: [], True: []}
+    try:
+        for r in range(rounds):
+            for beside in ((False, True) if r % 2 == 0 else (True, False)):
+                engine.release_graphs()
+                graphs.merges_beside = beside
+                got[beside].append(time_request(engine, q, seqs, True, dev, graphs_on=True, **it))
+    finally:
+        graphs.merges_beside = was
+        engine.release_graphs()
+    first = got[False][0]["result"]
+    out = {"rounds": rounds,
+           "same": all(_same_bits(t["result"], first) for ts in got.values() for t in ts)}
+    for beside, name in ((False, "in_line"), (True, "beside")):
+        out[f"{name}_s"] = statistics.median(t["median_s"] for t in got[beside])
+        out[f"{name}_replay_s"] = statistics.median(t["stage_s"].get("graph", 0.0) for t in got[beside])
+    return out
+
+
 def time_request(engine, q, seqs, fused, dev, max_iters=5, min_iters=2, target_s=0.3, unpacked_keys=None,
                  graphs_on=None):
     """Median wall time of a request (device synchronized), median time per stage, the
@@ -416,6 +443,9 @@ def main(argv=None) -> int:
     p.add_argument("--gemm-ab", choices=GEMMS, default=None,
                    help="also time each row's fused request, eager and as a CUDA graph, with this GEMM kernel, in "
                         "the same process right after the runs with --gemm's (the A/B of the two)")
+    p.add_argument("--merges-ab", type=int, default=0, metavar="ROUNDS",
+                   help="also time each row's CUDA graph with its merges in line and on a branch of their own "
+                        "(engine/graphs.py), in this many interleaved rounds (0: off)")
     p.add_argument("--out", default=None, help="write JSON results here (rewritten after every row)")
     ns = p.parse_args(argv)
     if ns.sequences < 1:
@@ -506,7 +536,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                           kv_b_proj_dtype=ns.kv_b_proj_dtype, workspace_tokens=ns.workspace_tokens, backend=ns.backend,
                           kv_b_proj_gemm=kv_b_proj_op.GEMM)  # build_engine sets the process-wide GEMM from it
         t_row = time.monotonic()
-        engine = q = seqs = g = f = fp = fgr = ab = None
+        engine = q = seqs = g = f = fp = fgr = ab = mab = None
         try:
             engine = engines.build(s)
             q, seqs = make_device_request(engine, ctx_lens, new_lens, seed=i)
@@ -530,6 +560,9 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                     fgr = None
                 if fgr is not None and ns.gemm_ab is not None:
                     ab = _with_gemm(engine, q, seqs, dev, ns.gemm_ab, it)
+                if fgr is not None and ns.merges_ab > 0:
+                    mab = _merges_ab(engine, q, seqs, dev, ns.merges_ab, it)
+                    same = same and mab["same"] and _same_bits(rf, fgr["result"])
             unordered = _without_launch_order(engine, q, seqs, dev, it) if ns.sequences > 1 else None
             if unordered is not None:
                 same = same and _same_bits(rf, unordered["result"])
@@ -571,6 +604,9 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
               + (f"  (CUDA graph {fgr['median_s'] * 1e3:.3f} ms, {fgr['median_s'] / floor:.2f}x floor)" if fgr else "")
               + (f"  (with GEMM {ab['gemm']}: eager {ab['eager']['median_s'] * 1e3:.3f} ms, graph "
                  f"{ab['median_s'] * 1e3:.3f} ms, {ab['median_s'] / floor:.2f}x floor)" if ab else "")
+              + (f"  (merges in line | beside: replay {mab['in_line_replay_s'] * 1e3:.3f} | "
+                 f"{mab['beside_replay_s'] * 1e3:.3f} ms, request {mab['in_line_s'] * 1e3:.3f} | "
+                 f"{mab['beside_s'] * 1e3:.3f} ms)" if mab else "")
               + (f"  SM MHz g|f {clk_g['sm_mhz_median']:.0f}|{clk_f['sm_mhz_median']:.0f}, "
                  f"W {clk_g['power_w_median']:.0f}|{clk_f['power_w_median']:.0f}" if clk_g and clk_f else ""),
               flush=True)
@@ -596,6 +632,11 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
             **({"gemm_ab": ab["gemm"], "fused_ab_s": ab["eager"]["median_s"], "fused_graph_ab_s": ab["median_s"],
                 "fused_graph_ab_replay_s": ab["stage_s"].get("graph", 0.0), "fused_graph_ab_outside_s": ab["outside_s"],
                 "fused_graph_ab_over_floor": ab["median_s"] / floor, "ab_bit_identical": ab["same"]} if ab else {}),
+            # --merges-ab: the graph with its merges in line and beside, interleaved rounds
+            **({"merges_ab_rounds": mab["rounds"], "merges_in_line_s": mab["in_line_s"],
+                "merges_in_line_replay_s": mab["in_line_replay_s"], "merges_beside_s": mab["beside_s"],
+                "merges_beside_replay_s": mab["beside_replay_s"], "merges_ab_bit_identical": mab["same"]}
+               if mab else {}),
             "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],
             **({"floor_sustained_s": held, "fused_over_sustained_floor": tf / held} if held else {}),
             **({"fused_graph_over_sustained_floor": fgr["median_s"] / held} if held and fgr else {}),
@@ -612,7 +653,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
         })
         if ns.out:
             _write_json(ns.out, meta, rows)
-        engine = q = seqs = g = f = rg = rf = fp = fgr = unordered = ab = None
+        engine = q = seqs = g = f = rg = rf = fp = fgr = unordered = ab = mab = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     done = [r for r in rows if "speedup" in r]

@@ -302,6 +302,10 @@ class LoopGraphs:
         # stream that allocated it, so a capture on a stream of its own would keep the pool's
         # blocks of every earlier capture and add its own (as torch.cuda.graph shares one)
         self._capture_stream: torch.cuda.Stream | None = None
+        # a capture's merges on a branch of their own, beside the next chunk's gather and
+        # GEMM, rather than between them and the attention before (bench --merges-ab times both)
+        self.merges_beside = True
+        self._merge_stream: torch.cuda.Stream | None = None
         self.replays = 0
         self.captures = 0
 
@@ -418,13 +422,16 @@ class LoopGraphs:
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(x.q.device)  # type: ignore[no-untyped-call]
         stream = self._capture_stream
+        if self.merges_beside and self._merge_stream is None:
+            self._merge_stream = torch.cuda.Stream(x.q.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(x.q.device))
         try:
             with torch.cuda.stream(stream):
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
                     looped = start_chunk_loop(xs, backend, fused, metadata=device_metadata(hm, meta),
-                                              launch_orders=orders, timed=False)
+                                              launch_orders=orders, timed=False,
+                                              merge_stream=self._merge_stream if self.merges_beside else None)
                 finally:
                     graph.capture_end()
             if kept:

@@ -405,6 +405,20 @@ def _reads_pages(c: ContextChunk) -> bool:
     return chunk_reads_cache(cu, c.context_starts)
 
 
+def _accumulate(direct: bool, copy_out: bool, out_c: torch.Tensor, lse_c: torch.Tensor, o_c: torch.Tensor,
+                l_c: torch.Tensor) -> None:
+    """The merge stage: a direct chunk's partial copied into the request's rows (its out
+    only where ``copy_out``: the backend did not write it there), a continuation's merged."""
+    if direct:
+        if copy_out:
+            launches.note(1)
+            out_c.copy_(o_c)
+        launches.note(1)
+        lse_c.copy_(l_c)
+    else:
+        merge(out_c, lse_c, o_c, l_c)
+
+
 class _Stage:
     """``with stage("gather"):`` — the launches noted inside count under that stage and its
     device time is recorded. A plain class rather than two generator-based context
@@ -472,13 +486,15 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
                      observer: Observer | None = None, *,
                      metadata: DeviceMetadata | None = None,
                      launch_orders: Sequence[LaunchOrder | None] | None = None,
-                     timed: bool = True) -> PendingLoop:
+                     timed: bool = True, merge_stream: torch.cuda.Stream | None = None) -> PendingLoop:
     """Queue the chunk loop's work on the device and return without waiting for it (with a
     stop signal on a GPU: for all but its last ``STOP_AHEAD`` chunks). ``metadata``: the
     request's chunk metadata already on the device (:func:`device_metadata`), else it is
     uploaded here; ``launch_orders``: each chunk's, already on the device, else the
     backend's are made per chunk; ``timed=False``: no stage timing (engine/graphs.py
-    captures the loop so)."""
+    captures the loop so); ``merge_stream``: the merge stage runs there, beside the next
+    chunk's gather and GEMM (joined before the next attention and at the end; used by a
+    capture, whose graph then has the merges on a branch of their own)."""
     q = x.q
     device = q.device
     Tq, H = q.shape[0], x.heads
@@ -583,6 +599,10 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
             order = _launch_order(backend, x, c, H, q.dtype, device) if caps.launch_order else None
         # a direct chunk with a backend that writes in place: straight into out[token_slice]
         dest = out_c if direct[i] and caps.supports_out else None
+        if merge_stream is not None and i:
+            # the merge before is done with its partial: memory freed once it is, and that
+            # this attention's partial or the next GEMM's output may take
+            torch.cuda.current_stream(device).wait_stream(merge_stream)
         with stage("attention"):
             launches.note(caps.launches_per_call)
             o_c, l_c = backend.run_context_chunk(
@@ -598,14 +618,12 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
             out, lse = o_c, l_c
         else:
             with stage("merge"):
-                if direct[i]:
-                    if not caps.supports_out:
-                        launches.note(1)
-                        out_c.copy_(o_c)
-                    launches.note(1)
-                    lse_c.copy_(l_c)
-                else:
-                    merge(out_c, lse_c, o_c, l_c)
+                if merge_stream is None:
+                    _accumulate(direct[i], not caps.supports_out, out_c, lse_c, o_c, l_c)
+                else:  # after this attention, beside the next chunk's gather and GEMM
+                    merge_stream.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(merge_stream):
+                        _accumulate(direct[i], not caps.supports_out, out_c, lse_c, o_c, l_c)
         if observer is not None:
             observer(i, c, q_c, generic_kv_concat(k_nope, views.k_pe) if unpacked else k, v, o_c, l_c)
         if stop is not None and timer.cuda:
@@ -613,4 +631,6 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
 
     if out is None or lse is None:  # set above: allocated, or (single) the backend's result
         raise AssertionError("the chunk loop ended without its result tensors")
+    if merge_stream is not None:
+        torch.cuda.current_stream(device).wait_stream(merge_stream)
     return PendingLoop(out, lse, counts, timer, unpacked)
