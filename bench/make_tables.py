@@ -95,6 +95,13 @@ def _replay_ratio(r: dict) -> float | None:
     return r["fused_graph_replay_s"] / r["fused_graph_ab_replay_s"]
 
 
+def _merges_ratio(r: dict) -> float | None:
+    """A --merges-ab row's replay with its merges beside over in line (medians of the rounds)."""
+    if not r.get("merges_in_line_replay_s") or "merges_beside_replay_s" not in r:
+        return None
+    return r["merges_beside_replay_s"] / r["merges_in_line_replay_s"]
+
+
 def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
     """A ``ctxprefill bench`` JSON: one row per configuration; failed or skipped rows listed below."""
     meta = d.get("meta", {})
@@ -110,13 +117,17 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
     graph = any("fused_graph_s" in r for r in d.get("rows", []))
     # runs with --gemm-ab: the fused request with the other GEMM kernel, timed right after
     ab = next((r["gemm_ab"] for r in d.get("rows", []) if "gemm_ab" in r), None)
+    # runs with --merges-ab: the graph with its merges in line and beside, interleaved rounds
+    mab = any("merges_beside_replay_s" in r for r in d.get("rows", []))
     lines += ["| H | new | ctx | cache | prefill | chunks | generic ms | " + ("fused + K pack ms | " if packed else "")
               + "fused ms | speed-up | floor ms | fused / floor | fused gap ms | "
               + ("fused, CUDA graph ms | graph / floor | graph: host outside the replay ms | " if graph else "")
               + (f"GEMM {ab}: fused ms | GEMM {ab}: graph ms | replay / {ab}'s | " if ab else "")
+              + ("replay, merges in line ms | replay, merges beside ms | beside / in line | " if mab else "")
               + "launches/chunk generic→fused | bit-identical |",
               "|---|---|---|---|---|---|---|" + ("---|" if packed else "") + "---|---|---|---|---|"
-              + ("---|---|---|" if graph else "") + ("---|---|---|" if ab else "") + "---|---|"]
+              + ("---|---|---|" if graph else "") + ("---|---|---|" if ab else "") + ("---|---|---|" if mab else "")
+              + "---|---|"]
     notes = []
     for r in d.get("rows", []):
         if "speedup" not in r:
@@ -149,6 +160,9 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
             + (f"{_num(r['fused_ab_s'] * 1e3 if 'fused_ab_s' in r else None, '.2f')} "
                f"| {_num(r['fused_graph_ab_s'] * 1e3 if 'fused_graph_ab_s' in r else None, '.2f')} "
                f"| {_num(_replay_ratio(r), '.3f')} | " if ab else "")
+            + (f"{_num(r['merges_in_line_replay_s'] * 1e3 if 'merges_in_line_replay_s' in r else None, '.3f')} "
+               f"| {_num(r['merges_beside_replay_s'] * 1e3 if 'merges_beside_replay_s' in r else None, '.3f')} "
+               f"| {_num(_merges_ratio(r), '.3f')} | " if mab else "")
             + f"{_num(lg, '.0f')} → {_num(lf, '.0f')} "
             f"| {'yes' if r.get('bit_identical') else '**NO**'} |")
     if notes:
@@ -753,14 +767,17 @@ BENCHMARKS = (
           "rate + gather/pack bytes at the measured copy bandwidth). Two runs: an H100 (`bench_engine`, the machine "
           "of `probe_host_quiet`; the plot) and an H200 (`bench_engine_h200`).",
           plots=("engine_stages.png",), note=" (`BENCH_ENGINE_FILE=bench_engine_h200` names the second file)"),
-    Bench("The gather folded into kv_b_proj's GEMM: paged against cuBLAS", "bench_engine",
+    Bench("The gather folded into kv_b_proj's GEMM, and the merges beside it: paged against cuBLAS, merges "
+          "beside against in line", "bench_engine",
           ("bench_engine_paged",),
           "`ctxprefill bench --gemm paged --gemm-ab cublas`: the headline rows with kv_b_proj's GEMM reading each "
           "chunk's latents from the cache (`--kv-b-proj-gemm paged`: no gather where the cache is bf16 and the "
           "weight narrower than 16,384 columns; elsewhere the gather and cuBLAS), and each row's fused request "
           "again, eager and as a CUDA graph, with cuBLAS right after it in the same process. The replays' ratio "
-          "is device time; rows the paged GEMM does not take show how much the order alone moves it.",
-          env='BENCH_ENGINE_FILE=bench_engine_paged GPU_RUN_ENGINE_ARGS="--gemm paged --gemm-ab cublas"'),
+          "is device time; rows the paged GEMM does not take show how much the order alone moves it. Then each "
+          "row's CUDA graph captured with its merges in line (after each attention) and on a branch of their own "
+          "(beside the next chunk's GEMM: engine/graphs.py), in 3 interleaved rounds.",
+          env='BENCH_ENGINE_FILE=bench_engine_paged GPU_RUN_ENGINE_ARGS="--gemm paged --gemm-ab cublas --merges-ab 3"'),
     Bench("Ragged requests", "bench_engine_ragged", ("bench_engine_ragged",),
           "`ctxprefill bench --sequences 4 --workspace-tokens 65536`: the request split unevenly over 4 sequences "
           "in one 64k-row chunk."),

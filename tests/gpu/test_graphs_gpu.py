@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import math
 import time
 
@@ -280,6 +281,44 @@ def test_paged_gemm_replays_every_layer_bit_for_bit(monkeypatch):
     assert (eng.graphs.captures, eng.graphs.replays) == (1, 4)
     for layer, r in zip(order, runs, strict=True):
         assert same_bits(r, eager[layer]), layer
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_merges_beside_run_on_their_stream_with_the_same_bits(case, tmp_path):
+    """A loop given a merge stream (as a capture is: ``LoopGraphs.merges_beside``) launches
+    every merge there and every other stage where it was called, and gives the bits of the
+    loop without one; so do replays captured with and without it."""
+    from ctxprefill.engine.loop import start_chunk_loop
+    from ctxprefill.engine.request import PrefillRequest, validate_prefill
+
+    c = CASES[case]
+    eng = make_engine(c, "auto", "bf16", "bf16")
+    q, seqs = make_request(eng, c, seed=3)
+    checked = validate_prefill(PrefillRequest(q, seqs), eng.config, eng.instance_id)
+    x = eng.loop_inputs(checked)
+    plain = start_chunk_loop(x, eng.backend, True).finish()
+    side = torch.cuda.Stream()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        beside = start_chunk_loop(x, eng.backend, True, merge_stream=side).finish()
+        torch.cuda.synchronize()
+    assert same_bits(beside, plain) and beside.launches == plain.launches
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    kernels = [e for e in json.loads(trace.read_text())["traceEvents"]
+               if e.get("cat") in ("kernel", "gpu_memcpy") and "stream" in e.get("args", {})]
+    merges = {e["args"]["stream"] for e in kernels if "merge" in e["name"]}
+    rest = {e["args"]["stream"] for e in kernels if "_mla_attn" in e["name"] or "gather" in e["name"]}
+    assert len(merges) == len(rest) == 1 and merges != rest, (merges, rest)
+    assert len(checked.chunks) > 1
+    # captured both ways: the same bits
+    got = []
+    for on in (False, True):
+        eng.release_graphs()
+        eng.graphs.merges_beside = on
+        runs = [eng.prefill_context(q, seqs) for _ in range(3)]
+        assert GRAPH_STAGE in runs[2].stats.stage_ns
+        got.append(runs[2])
+    assert same_bits(got[0], got[1]) and same_bits(got[1], plain)
 
 
 def test_one_sequence_replays_of_every_layer_take_the_quick_path():
