@@ -285,7 +285,7 @@ def test_paged_gemm_replays_every_layer_bit_for_bit(monkeypatch):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_merges_beside_run_on_their_stream_with_the_same_bits(case, tmp_path):
-    """A loop given a merge stream (as a capture is: ``LoopGraphs.merges_beside``) launches
+    """A loop given a merge stream (as a capture is with ``LoopGraphs.merges_beside``) launches
     every merge there and every other stage where it was called, and gives the bits of the
     loop without one; so do replays captured with and without it."""
     from ctxprefill.engine.loop import start_chunk_loop

@@ -13,6 +13,10 @@ checks this once (and waits for it: the capturing request's host work does not o
 its device work): a replay in place, with the captured q overwritten by NaN, must give
 the eager loop's bits, else the shape's replays copy q in and out and LSE out of the
 graph's buffers (as they do for a q that is strided or not 256-byte aligned).
+A capture can put the merges on a branch of their own (``LoopGraphs.merges_beside``, off:
+docs/DESIGN.md has the measurements): each chunk's merge then follows its attention
+beside the next chunk's gather and GEMM, which do not read what it writes, and the next
+attention waits for it; the same kernels on the same inputs, so the same bits (tested).
 Where the CUDA extension is loaded, a replay is two calls into it — the arguments
 redirected, the copies in, the stage's start event and the graph's launch; the copies out
 (if any) and the stage's end event —
@@ -303,8 +307,9 @@ class LoopGraphs:
         # blocks of every earlier capture and add its own (as torch.cuda.graph shares one)
         self._capture_stream: torch.cuda.Stream | None = None
         # a capture's merges on a branch of their own, beside the next chunk's gather and
-        # GEMM, rather than between them and the attention before (bench --merges-ab times both)
-        self.merges_beside = True
+        # GEMM, rather than in line after each attention: off, as measured (docs/DESIGN.md;
+        # ctxprefill bench --merges-ab times both)
+        self.merges_beside = False
         self._merge_stream: torch.cuda.Stream | None = None
         self.replays = 0
         self.captures = 0
