@@ -182,20 +182,19 @@ def make_device_request(engine, context_lens, query_lens, seed: int = 0, piece: 
 
 
 def _with_gemm(engine, q, seqs, dev, gemm: str, it: dict) -> dict:
-    """The fused request with ``ops.kv_b_proj.GEMM = gemm``, eager and as a CUDA graph (its
-    graphs captured anew), then the engine's graphs dropped again and the GEMM set back:
-    :func:`time_request`'s figures of the graph, ``eager`` (the eager request's) and ``gemm``
-    and ``same`` (the replay's bits equal the eager request's with that kernel)."""
-    from ctxprefill.ops import kv_b_proj as kv_b_proj_op
-
-    was = kv_b_proj_op.GEMM
+    """The fused request with the engine's GEMM set to ``gemm`` (its config's
+    ``kv_b_proj_gemm``), eager and as a CUDA graph (its graphs captured anew), then the
+    engine's graphs dropped again and the GEMM set back: :func:`time_request`'s figures of
+    the graph, ``eager`` (the eager request's) and ``gemm`` and ``same`` (the replay's bits
+    equal the eager request's with that kernel)."""
+    was = engine.config
     engine.release_graphs()
-    kv_b_proj_op.GEMM = gemm
+    engine.config = dataclasses.replace(was, kv_b_proj_gemm=gemm)
     try:
         eager = time_request(engine, q, seqs, True, dev, **it)
         r = time_request(engine, q, seqs, True, dev, graphs_on=True, **it)
     finally:
-        kv_b_proj_op.GEMM = was
+        engine.config = was
         engine.release_graphs()
     r["gemm"], r["eager"], r["same"] = gemm, eager, _same_bits(r["result"], eager["result"])
     return r
@@ -439,7 +438,7 @@ def main(argv=None) -> int:
     from ctxprefill.ops.kv_b_proj import GEMMS
 
     p.add_argument("--gemm", choices=GEMMS, default=None,
-                   help="kv_b_proj's bf16 GEMM kernel on a Hopper GPU (ops/kv_b_proj.GEMM unless given)")
+                   help="kv_b_proj's bf16 GEMM kernel on a Hopper GPU (serve --kv-b-proj-gemm; cublas unless given)")
     p.add_argument("--gemm-ab", choices=GEMMS, default=None,
                    help="also time each row's fused request, eager and as a CUDA graph, with this GEMM kernel, in "
                         "the same process right after the runs with --gemm's (the A/B of the two)")
@@ -484,11 +483,8 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
               f"in {ext['load_s']:.1f} s", flush=True)
     grid = list(itertools.product(axes["heads"], axes["new"], axes["context"], axes["cache_dtype"],
                                   axes["prefill_dtype"]))
-    from ctxprefill.ops import kv_b_proj as kv_b_proj_op
-
-    if ns.gemm is not None:
-        kv_b_proj_op.GEMM = ns.gemm
-    meta = {"kind": "engine", "date": run_info.utc_now(), "device": str(dev), "gemm": kv_b_proj_op.GEMM,
+    gemm = ns.gemm or "cublas"
+    meta = {"kind": "engine", "date": run_info.utc_now(), "device": str(dev), "gemm": gemm,
             "gpu": gpu, "torch": torch.__version__, "commit": run_info.commit(), "ceilings": ceil, "args": vars(ns),
             "grid": ns.grid, "axes": axes, "rows_planned": len(grid), "cuda_extension": ext,
             "cpu_latency": cpu_latency}
@@ -534,7 +530,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                           num_blocks=sum(-(-c // ns.block_size) for c in ctx_lens) + 1, cache_dtype=cd,
                           prefill_dtype=pd,
                           kv_b_proj_dtype=ns.kv_b_proj_dtype, workspace_tokens=ns.workspace_tokens, backend=ns.backend,
-                          kv_b_proj_gemm=kv_b_proj_op.GEMM)  # build_engine sets the process-wide GEMM from it
+                          kv_b_proj_gemm=gemm)
         t_row = time.monotonic()
         engine = q = seqs = g = f = fp = fgr = ab = mab = None
         try:

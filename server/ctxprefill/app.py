@@ -19,7 +19,6 @@ from .config import CacheConfig, EngineConfig, ModelShape, check_layers
 from .engine.engine import Engine, SequenceSpec
 from .engine.request import q_dtype
 from .errors import ConfigError
-from .ops import kv_b_proj as kv_b_proj_op
 from .settings import (
     ServeSettings,
     check_engine_settings,
@@ -116,8 +115,7 @@ def load_weights(s: ServeSettings) -> list[KvBProjWeights]:
 
 def build_engine(s: ServeSettings, weights: list[KvBProjWeights] | None = None) -> Engine:
     """Validated config + weights (``load_weights``' when not given) -> Engine (raises
-    ConfigError with the flag at fault). Sets the process-wide ``ops.kv_b_proj.GEMM`` from
-    ``--kv-b-proj-gemm``."""
+    ConfigError with the flag at fault)."""
     shard = shard_spec(s)
     shape = ModelShape(heads=s.heads, softmax_scale=s.softmax_scale)  # the whole model's heads
     if weights is None:
@@ -137,10 +135,10 @@ def build_engine(s: ServeSettings, weights: list[KvBProjWeights] | None = None) 
         first_layer=s.first_layer,
         max_context_token_heads=s.max_context_token_heads,
         cuda_graphs=s.cuda_graphs,
+        kv_b_proj_gemm=s.kv_b_proj_gemm,
     )
     device = resolve_device(s.device)
     check_memory(config, device)
-    kv_b_proj_op.GEMM = s.kv_b_proj_gemm  # process-wide: one engine per server
     try:
         engine = Engine(config, weights, device)
     except ValueError as e:  # backend selection

@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from .errors import ConfigError, InvalidArgument, OutOfRange
+from .ops.kv_b_proj import GEMMS
 from .ops.slot_format import CACHE_DTYPES, bytes_per_slot
 
 KV_B_PROJ_DTYPES = ("bf16", "fp8")
@@ -105,6 +106,8 @@ class EngineConfig:
     max_context_token_heads: int = MAX_CONTEXT_TOKEN_HEADS
     # on a GPU: a request shape's chunk loop replayed as a CUDA graph from its third request on
     cuda_graphs: bool = False
+    # kv_b_proj's bf16 GEMM on a Hopper GPU (ops.kv_b_proj.GEMMS)
+    kv_b_proj_gemm: str = "cublas"
 
     def __post_init__(self):
         check_layers(self.num_layers, self.first_layer)
@@ -114,6 +117,8 @@ class EngineConfig:
                               f"({self.shape.heads * self.cache.block_size}), got {m!r}")
         if self.kv_b_proj_dtype not in KV_B_PROJ_DTYPES:
             raise ConfigError(f"kv_b_proj dtype must be one of {KV_B_PROJ_DTYPES}, got {self.kv_b_proj_dtype!r}")
+        if self.kv_b_proj_gemm not in GEMMS:
+            raise ConfigError(f"kv_b_proj GEMM must be one of {GEMMS}, got {self.kv_b_proj_gemm!r}")
         if self.prefill_dtype not in PREFILL_DTYPES:
             raise ConfigError(f"--prefill-dtype must be one of {', '.join(PREFILL_DTYPES)}, got {self.prefill_dtype!r}")
         if not isinstance(self.workspace_tokens, int) or self.workspace_tokens < self.cache.block_size:

@@ -60,7 +60,7 @@ class ServeSettings:
     generic: bool = False  # run the generic (unfused) pack path
     unpacked_keys: bool = True  # fused bf16 prefill: no K pack where the attention backend reads the keys unpacked
     cuda_graphs: bool = False  # replay a request shape's chunk loop as a CUDA graph (engine/graphs.py)
-    kv_b_proj_gemm: str = "cublas"  # kv_b_proj's bf16 GEMM on a Hopper GPU, process-wide (ops/kv_b_proj.py)
+    kv_b_proj_gemm: str = "cublas"  # kv_b_proj's bf16 GEMM on a Hopper GPU (ops/kv_b_proj.py)
     softmax_scale: float | None = None
     grace_seconds: float = 25.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 1 << 30  # gRPC send/receive limit

@@ -328,16 +328,15 @@ def _gemm_case(prefill: str):
 
 @pytest.mark.parametrize("prefill", ["bf16", "fp8"])
 def test_gluon_gemm_in_the_engine(prefill, monkeypatch):
-    """kv_b_proj's GEMM through the persistent Gluon kernel (``ops.kv_b_proj.GEMM =
+    """kv_b_proj's GEMM through the persistent Gluon kernel (``kv_b_proj_gemm =
     "gluon"``, bf16 weights): fused and generic give the same bits chunk by chunk, every
     chunk's GEMM ran the kernel, and the result is cuBLAS's within one bf16 rounding of
     k_nope and V (fp8 prefill: within fp8's)."""
-    from ctxprefill.ops import kv_b_proj as kvb_op
     from ctxprefill.ops import kv_b_proj_gluon as kg
 
     eng, q, seqs = _gemm_case(prefill)
     cublas = eng.prefill_context(q, seqs, fused=True)
-    monkeypatch.setattr(kvb_op, "GEMM", "gluon")
+    monkeypatch.setattr(eng, "config", dataclasses.replace(eng.config, kv_b_proj_gemm="gluon"))
     calls = []
     real = kg.launch  # what kv_b_proj calls once problem() accepts the operands
     monkeypatch.setattr(kg, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -359,20 +358,19 @@ def test_gluon_gemm_in_the_engine(prefill, monkeypatch):
 
 @pytest.mark.parametrize("prefill", ["bf16", "fp8"])
 def test_paged_gemm_in_the_engine(prefill, monkeypatch):
-    """kv_b_proj reading the paged cache (``ops.kv_b_proj.GEMM = "paged"``, a bf16 cache, 16
+    """kv_b_proj reading the paged cache (``kv_b_proj_gemm = "paged"``, a bf16 cache, 16
     heads): the chunks of one sequence starting on a 64-row page go through the paged GEMM
     and launch no gather, the others through the gather and cuBLAS; fused and generic give the
     same bits chunk by chunk, and every chunk's q, k, v, out and LSE are the bits of the
-    gather followed by the same kernel (``GEMM = "gluon"``), or by cuBLAS."""
+    gather followed by the same kernel (``"gluon"``), or by cuBLAS."""
     from ctxprefill.engine.loop import _reads_pages
-    from ctxprefill.ops import kv_b_proj as kvb_op
     from ctxprefill.ops import kv_b_proj_gluon as kg
 
     eng, q, seqs = _gemm_case(prefill)
     runs, paged_calls = {}, []
     real = kg.launch_paged
     for gemm in ("cublas", "gluon", "paged"):
-        monkeypatch.setattr(kvb_op, "GEMM", gemm)
+        monkeypatch.setattr(eng, "config", dataclasses.replace(eng.config, kv_b_proj_gemm=gemm))
         with monkeypatch.context() as m:
             m.setattr(kg, "launch_paged", lambda *a, **k: paged_calls.append(gemm) or real(*a, **k))
             for fused in (True, False):

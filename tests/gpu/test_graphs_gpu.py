@@ -45,7 +45,7 @@ def _ext(cuda_ext):
     return cuda_ext
 
 
-def make_engine(c: dict, cache_dtype: str, kvb: str, prefill: str, layers: int = 1) -> Engine:
+def make_engine(c: dict, cache_dtype: str, kvb: str, prefill: str, layers: int = 1, gemm: str = "cublas") -> Engine:
     shape = ModelShape(heads=c["heads"])
     ws = []
     for seed in range(layers):
@@ -54,7 +54,7 @@ def make_engine(c: dict, cache_dtype: str, kvb: str, prefill: str, layers: int =
     k_scale = 1.0 if (cache_dtype == "fp8" and prefill == "fp8") else 0.5
     cfg = EngineConfig(shape=shape, cache=CacheConfig(cache_dtype, c["block"], c["blocks"], k_scale),
                        kv_b_proj_dtype=kvb, prefill_dtype=prefill, workspace_tokens=c["W"], cuda_graphs=True,
-                       num_layers=layers)
+                       num_layers=layers, kv_b_proj_gemm=gemm)
     w = ws[0] if layers == 1 else ws
     q_dtype = FP8 if prefill == "fp8" else torch.bfloat16
     backend, _ = registry.create("auto", DEV, q_dtype)  # the kernel backend served here (gluon on Hopper)
@@ -260,17 +260,15 @@ def test_one_graph_serves_every_layer(kvb, prefill):
     assert same_bits(eng.prefill_context(*reqs[0], layer=0), eager[0])  # the first shape still replays
 
 
-def test_paged_gemm_replays_every_layer_bit_for_bit(monkeypatch):
+def test_paged_gemm_replays_every_layer_bit_for_bit():
     """``--kv-b-proj-gemm paged``: a captured loop whose GEMM reads each chunk's latents from
     the cache (no gather launched) replays, layer after layer, the bits of its eager loop."""
-    from ctxprefill.ops import kv_b_proj as kvb_op
     from ctxprefill.ops import kv_b_proj_gluon as kg
 
     if kg.GLUON_ERR or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip(f"a Hopper kernel: {kg.GLUON_ERR or 'not sm_90'}")
-    monkeypatch.setattr(kvb_op, "GEMM", "paged")
     c = CASES["long"]
-    eng = make_engine(c, "auto", "bf16", "bf16", layers=3)
+    eng = make_engine(c, "auto", "bf16", "bf16", layers=3, gemm="paged")
     reqs = [make_request(eng, c, seed=20 + layer, layer=layer) for layer in range(3)]
     eager = [eng.prefill_context(q, seqs, layer=layer, graphs_on=False) for layer, (q, seqs) in enumerate(reqs)]
     assert all(r.stats.launches["gather"] == 0 and r.stats.launches["kv_b_proj"] == len(r.stats.chunks) > 1

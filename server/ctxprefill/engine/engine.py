@@ -546,6 +546,7 @@ class Engine:
             scale=cfg.shape.scale,
             heads=cfg.shape.heads,
             unpacked_keys=cfg.unpacked_keys if unpacked_keys is None else unpacked_keys,
+            gemm=cfg.kv_b_proj_gemm,
             stop=checked.stop,
             stage_places=timeline,
         )

@@ -76,6 +76,7 @@ class LoopInputs:
     scale: float
     heads: int
     unpacked_keys: bool = False  # fused bf16 prefill: no K pack where the backend reads the keys unpacked
+    gemm: str = "cublas"  # kv_b_proj's bf16 GEMM (ops.kv_b_proj.GEMMS; EngineConfig.kv_b_proj_gemm)
     stop: StopSignal | None = None  # asked before each chunk (request.StopSignal)
     stage_places: bool = False  # keep each stage's chunk, start and duration (a traced request's timeline)
     latent: int = 512
@@ -512,9 +513,9 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     # stage, no K buffer) when the backend reads the keys unpacked
     unpacked = use_unpacked_keys(backend, fused, x.unpacked_keys, x.fp8_prefill)
     width = x.latent + 64
-    # the gather folded into kv_b_proj's GEMM (ops.kv_b_proj.GEMM "paged"), chunk by chunk
-    # where the chunk is one sequence starting on the GEMM's 64-row pages
-    paged = reads_cache(x.cache, x.cache_dtype, x.weight, x.block_size)  # (a bf16 cache: never raw fp8)
+    # the gather folded into kv_b_proj's GEMM (gemm "paged"), chunk by chunk where the
+    # chunk is one sequence starting on the GEMM's 64-row pages
+    paged = reads_cache(x.cache, x.cache_dtype, x.weight, x.block_size, x.gemm)  # (a bf16 cache: never raw fp8)
     direct = [not c.is_continuation for c in x.chunks]
     # Rows some direct (non-continuation) chunk writes: the union of their row slices
     # (a caller's plan may list a context-less sequence in two chunks, so they can overlap)
@@ -580,7 +581,7 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
                 with stage("cast"):  # its two events and bookkeeping were ~10 us of host per chunk
                     latent = cast_latent(latent, torch.bfloat16)
             with stage("kv_b_proj"):
-                kv = kv_b_proj(latent, x.weight).view(rows, H, x.nope + x.v_dim)
+                kv = kv_b_proj(latent, x.weight, x.gemm).view(rows, H, x.nope + x.v_dim)
         k_nope, v = kv[..., : x.nope], kv[..., x.nope :]
         if unpacked:
             k = k_nope

@@ -19,13 +19,12 @@ import torch
 
 from . import launches
 
-#: the bf16 GEMM's kernel on a Hopper GPU, process-wide (``serve --kv-b-proj-gemm``):
+#: the bf16 GEMM's kernels on a Hopper GPU, an engine's choice (``serve --kv-b-proj-gemm``):
 #: "cublas" (torch's matmul); "gluon" (ops/kv_b_proj_gluon.py, persistent and
 #: warp-specialized; the same bits on the H100 and H200); "paged": the Gluon kernel reading
 #: each chunk's latent from the paged cache, the chunk's gather folded into it, where
 #: :func:`reads_cache` and :func:`chunk_reads_cache` hold, cuBLAS elsewhere (docs/DESIGN.md)
 GEMMS = ("cublas", "gluon", "paged")
-GEMM = "cublas"
 #: "paged" reads the cache for weights narrower than this (16 heads: 4,096 columns), where
 #: it measured faster than the gather and cuBLAS; at 128 heads (32,768) it did not
 PAGED_MAX_N = 16384
@@ -38,14 +37,15 @@ PAGED_MAX_SEQUENCES = 1
 PAGE_ROWS = 64
 
 
-def kv_b_proj(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """latent [rows, L] (bf16 or fp8); weight [N, L] in its compute dtype (bf16 or fp32)."""
+def kv_b_proj(latent: torch.Tensor, weight: torch.Tensor, gemm: str = "cublas") -> torch.Tensor:
+    """latent [rows, L] (bf16 or fp8); weight [N, L] in its compute dtype (bf16 or fp32);
+    ``gemm``: one of GEMMS ("gluon": the Gluon kernel where it takes the operands)."""
     x = latent
     if x.dtype != weight.dtype:
         launches.note(1)
         x = x.to(weight.dtype)
     launches.note(1)
-    if GEMM == "gluon" and x.is_cuda:
+    if gemm == "gluon" and x.is_cuda:
         from . import kv_b_proj_gluon
 
         if kv_b_proj_gluon.problem(x, weight) is None:  # checked once: launch does not again
@@ -62,12 +62,12 @@ def kv_b_proj(latent: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 _READABLE: dict[tuple[object, ...], bool] = {}
 
 
-def reads_cache(cache: torch.Tensor, cache_dtype: str, weight: torch.Tensor, block_size: int) -> bool:
+def reads_cache(cache: torch.Tensor, cache_dtype: str, weight: torch.Tensor, block_size: int, gemm: str) -> bool:
     """Whether chunks of ``cache`` (uint8 [num_slots, bytes_per_slot]) go through
-    :func:`kv_b_proj_paged` with ``weight``: GEMM "paged", a bf16 (``auto``) cache, a weight
+    :func:`kv_b_proj_paged` with ``weight``: ``gemm`` "paged", a bf16 (``auto``) cache, a weight
     of fewer than PAGED_MAX_N rows, and what ``kv_b_proj_gluon.paged_problem`` checks (a
     Hopper GPU, a bf16 weight, TMA-aligned rows, a block size that is a multiple of 64)."""
-    if GEMM != "paged" or cache_dtype != "auto" or not cache.is_cuda or weight.shape[0] >= PAGED_MAX_N:
+    if gemm != "paged" or cache_dtype != "auto" or not cache.is_cuda or weight.shape[0] >= PAGED_MAX_N:
         return False
     key = (cache.device, cache.dtype, cache.shape[1], cache.data_ptr() % 16, weight.dtype, weight.shape[1],
            weight.stride(), weight.data_ptr() % 16, block_size)

@@ -26,14 +26,14 @@ Shared memory: ``STAGES`` × (A 16 KiB + B ``BN`` × 128 B) + 2 consumers' resul
 × ``BN`` × 2 B cooperative, 2 × 128 × ``BN`` × 2 B ping-pong): 208 KiB at ``BN`` 256 in 3
 stages, 192 KiB ping-pong at ``BN`` 128 in 4. Registers: the loader gives its budget to
 the consumers (``setmaxnreg`` 24 / 240; each accumulator 128 fp32 a thread).
-Opt-in (``ops.kv_b_proj.GEMM``): ``bench/probe_gemm.py`` times it against cuBLAS in one
+Opt-in (``EngineConfig.kv_b_proj_gemm``): ``bench/probe_gemm.py`` times it against cuBLAS in one
 process, and on the engine's 16k-row chunks cuBLAS leads (docs/DESIGN.md).
 
 :func:`launch_paged` is the same kernel with another loader: the chunk's latents are read
 where they lie in the paged cache — each 64-row half of an A tile by one TMA load from
 its run of cache slots, looked up from the block table by the loader — and the rows' k_pe
 copied into the workspace on the way (a TMA load and store per row of tiles), which folds
-the chunk's gather into the GEMM (``ops.kv_b_proj.GEMM = "paged"``).
+the chunk's gather into the GEMM (``kv_b_proj_gemm = "paged"``).
 """
 
 from __future__ import annotations
