@@ -94,6 +94,35 @@ def main(argv=None) -> int:
     return 0
 
 
+def device_gaps(requests: list[tuple[float, float]], kernels: list[tuple[float, float, str]]) -> dict:
+    """Per request (host range ``(start, end)``), from the device work that starts in it
+    (``(start, end, name)``): the host's time before its first kernel, the device's idle
+    time between its kernels, the time after its last one, the kernels' busy time and
+    count; the idles with the kernel that ended each, and the last request's kernels as
+    ``(idle before, time, name)``."""
+    out: dict = {"before": [], "between": [], "after": [], "busy": [], "kernels": [], "idles": [], "last": []}
+    kernels = sorted(kernels)
+    for t0, t1 in sorted(requests):
+        ks = [k for k in kernels if t0 <= k[0] <= t1]
+        if not ks:
+            continue
+        out["kernels"].append(len(ks))
+        out["before"].append(ks[0][0] - t0)
+        out["after"].append(t1 - max(k[1] for k in ks))
+        end, gaps, listed = ks[0][0], 0.0, []
+        for start, stop, name in ks:
+            g = max(0.0, start - end)
+            if g > 0:
+                gaps += g
+                out["idles"].append((g, name[:60]))
+            listed.append((g, stop - start, name))
+            end = max(end, stop)
+        out["between"].append(gaps)
+        out["busy"].append(sum(k[1] - k[0] for k in ks))
+        out["last"] = listed
+    return out
+
+
 def timeline(engine, q, seqs, fused, iters):
     """Where the device waits within a request: torch.profiler's kernel intervals against the
     request's host interval (median over ``iters`` requests, one synchronized each)."""
@@ -109,31 +138,16 @@ def timeline(engine, q, seqs, fused, iters):
                 engine.prefill_context(q, seqs, fused=fused)
                 torch.cuda.synchronize()
     ev = prof.events()
-    reqs = sorted((e for e in ev if e.name.startswith("request")), key=lambda e: e.time_range.start)
-    kernels = sorted((e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
-    cpu_ops = [e for e in ev if e.device_type == torch.autograd.DeviceType.CPU and not e.name.startswith("request")]
-    before, between, after, busy, n_k = [], [], [], [], []
-    idles = []  # (idle us, name of the kernel after it)
-    last: list = []  # the last profiled request's kernels
-    for r in reqs:
-        t0, t1 = r.time_range.start, r.time_range.end
-        ks = [k for k in kernels if t0 <= k.time_range.start <= t1]
-        if not ks:
-            continue
-        last = ks
-        n_k.append(len(ks))
-        before.append(ks[0].time_range.start - t0)
-        after.append(t1 - max(k.time_range.end for k in ks))
-        end, gaps = ks[0].time_range.end, 0.0
-        for k in ks[1:]:
-            g = k.time_range.start - end
-            if g > 0:
-                gaps += g
-                idles.append((g, k.name[:60]))
-            end = max(end, k.time_range.end)
-        between.append(gaps)
-        busy.append(sum(k.time_range.end - k.time_range.start for k in ks))
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    # each request's host range; its device work: kernels and copies (not the requests' own
+    # ranges, which the profiler also shows on the device's timeline)
+    reqs = [(e.time_range.start, e.time_range.end) for e in ev if e.device_type == cpu and e.name.startswith("request")]
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in ev
+               if e.device_type == cuda and not e.name.startswith("request")]
+    cpu_ops = [e for e in ev if e.device_type == cpu and not e.name.startswith("request")]
+    gaps = device_gaps(reqs, kernels)
+    before, between, after, busy, n_k, idles, last = (gaps[k] for k in ("before", "between", "after", "busy", "kernels",
+                                                                      "idles", "last"))
     med = statistics.median
     print(f"timeline over {len(before)} profiled requests (us, median): host before the first kernel "
           f"{med(before):.0f}, device idle between kernels {med(between):.0f}, after the last kernel "
@@ -145,10 +159,8 @@ def timeline(engine, q, seqs, fused, iters):
     for name, g in sorted(by.items(), key=lambda x: -x[1])[:8]:
         print(f"  {g:9.0f}  {name}")
     print("the last profiled request's kernels (us): idle before it, its time, its name")
-    end = last[0].time_range.start if last else 0.0
-    for k in last:
-        print(f"  {k.time_range.start - end:7.1f} {k.time_range.end - k.time_range.start:8.1f}  {k.name[:70]}")
-        end = max(end, k.time_range.end)
+    for idle, took, name in last:
+        print(f"  {idle:7.1f} {took:8.1f}  {name[:70]}")
     top = {}
     for e in cpu_ops:
         top[e.name] = top.get(e.name, 0.0) + e.self_cpu_time_total

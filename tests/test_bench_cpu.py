@@ -110,16 +110,11 @@ def test_time_request_iterations_scale_with_work():
 
 def test_profile_engine_on_the_cpu(capsys):
     """bench/profile_engine.py: request time, stages and gap, then the profile's table."""
-    import importlib.util
-    import os
     import re
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "profile_engine.py")
-    spec = importlib.util.spec_from_file_location("profile_engine", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.main(["--device", "cpu", "--heads", "2", "--new", "8", "--context", "512", "--block-size", "16",
-                     "--workspace-tokens", "128", "--iters", "3", "--top", "5"]) == 0
+    assert _profile_engine().main(["--device", "cpu", "--heads", "2", "--new", "8", "--context", "512",
+                                   "--block-size", "16", "--workspace-tokens", "128", "--iters", "3",
+                                   "--top", "5"]) == 0
     out = capsys.readouterr().out
     m = re.search(r"request ([\d.]+) ms \(median of 3\); device stages ([\d.]+) ms; gap (-?[\d.]+) ms", out)
     assert m, out
@@ -135,6 +130,31 @@ def test_profile_engine_on_the_cpu(capsys):
     # the profile's top rows by own time (which functions lead depends on the host's load)
     rows = re.findall(r"^\s*[\d/]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+ \S", out, re.M)
     assert len(rows) == 5, out
+
+
+def _profile_engine():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "profile_engine.py")
+    spec = importlib.util.spec_from_file_location("profile_engine", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_engine_device_gaps():
+    """profile_engine --timeline's split of a request: the host before its first kernel, the
+    device idle between its kernels (work overlapping on two streams is no idle), after its
+    last; a kernel of the next request is not this one's."""
+    gaps = _profile_engine().device_gaps(
+        [(0.0, 100.0), (200.0, 300.0)],
+        [(10.0, 30.0, "gemm"), (30.0, 60.0, "attention"), (55.0, 58.0, "merge"), (70.0, 90.0, "gemm"),
+         (230.0, 240.0, "gemm"), (240.0, 290.0, "attention")])
+    assert gaps["before"] == [10.0, 30.0] and gaps["after"] == [10.0, 10.0]
+    assert gaps["between"] == [10.0, 0.0] and gaps["idles"] == [(10.0, "gemm")]
+    assert gaps["kernels"] == [4, 2] and gaps["busy"] == [73.0, 60.0]
+    assert gaps["last"] == [(0.0, 10.0, "gemm"), (0.0, 50.0, "attention")]
 
 
 def test_bench_ragged_sequences(tmp_path):
