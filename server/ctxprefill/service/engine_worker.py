@@ -199,19 +199,18 @@ class EngineWorker:
                 return
             if isinstance(item, _Job):
                 quick = self.request_overlap and _quick(item)
-                ahead = started is not None and quick  # started before the previous call's finish
-                if started is not None and not ahead:
+                if started is not None and not quick:  # without request_overlap no call is quick
                     self._finish(started)
                     started = None
                 if item.quick is None:
                     self._call(item)
                 else:
                     nxt = self._start(item, watch=quick)
-                    if ahead and started is not None:  # its work was queued first: it finishes first
+                    if started is not None:  # nxt started ahead of its finish; queued first, it finishes first
                         if nxt is not None:
                             self.metrics.overlapped_requests.inc()
                         self._finish(started)
-                    started = nxt  # without request_overlap no call is quick: finished before the next starts
+                    started = nxt
                 item = None  # its future holds the result (an answer's tensor): not until the next job
             if rings and started is not None:  # the rings pipeline their own requests
                 self._finish(started)
