@@ -200,12 +200,13 @@ def _with_gemm(engine, q, seqs, dev, gemm: str, it: dict) -> dict:
     return r
 
 
-def _merges_ab(engine, q, seqs, dev, rounds: int, it: dict) -> dict:
+def _merges_ab(engine, q, seqs, dev, rounds: int, it: dict, want) -> dict:
     """The fused request as a CUDA graph with its merges in line (after each attention) and
     on a branch of their own (``LoopGraphs.merges_beside``), in ``rounds`` interleaved rounds
-    (in line first in odd rounds, beside first in even ones: a GPU under its power cap slows
-    over a run), each captured anew: per arrangement the median of the rounds' medians of
-    the request and of the replay, and whether every replay gave the same bits."""
+    (in line first in the 1st, 3rd, … round, beside first in the others: a GPU under its
+    power cap slows over a run), each captured anew: per arrangement the median of the
+    rounds' medians of the request and of the replay, and whether every replay gave the
+    bits of ``want`` (a result of the same request)."""
     graphs = engine.graphs
     was = graphs.merges_beside
     got: dict[bool, list[dict]] = {False: [], True: []}
@@ -218,9 +219,7 @@ def _merges_ab(engine, q, seqs, dev, rounds: int, it: dict) -> dict:
     finally:
         graphs.merges_beside = was
         engine.release_graphs()
-    first = got[False][0]["result"]
-    out = {"rounds": rounds,
-           "same": all(_same_bits(t["result"], first) for ts in got.values() for t in ts)}
+    out = {"rounds": rounds, "same": all(_same_bits(t["result"], want) for ts in got.values() for t in ts)}
     for beside, name in ((False, "in_line"), (True, "beside")):
         out[f"{name}_s"] = statistics.median(t["median_s"] for t in got[beside])
         out[f"{name}_replay_s"] = statistics.median(t["stage_s"].get("graph", 0.0) for t in got[beside])
@@ -554,11 +553,12 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                 if "graph" not in fgr["stage_s"]:  # not replayed (a capture failed): no graph figures
                     print(f"{H:4d} {new:5d} {ctx:7d} {cd:>10} {pd:>7}: the CUDA graph did not replay", flush=True)
                     fgr = None
-                if fgr is not None and ns.gemm_ab is not None:
+                if fgr is not None and ns.gemm_ab is not None:  # another GEMM: its replay against its eager bits
                     ab = _with_gemm(engine, q, seqs, dev, ns.gemm_ab, it)
+                    same = same and ab["same"]
                 if fgr is not None and ns.merges_ab > 0:
-                    mab = _merges_ab(engine, q, seqs, dev, ns.merges_ab, it)
-                    same = same and mab["same"] and _same_bits(rf, fgr["result"])
+                    mab = _merges_ab(engine, q, seqs, dev, ns.merges_ab, it, rg)
+                    same = same and mab["same"]
             unordered = _without_launch_order(engine, q, seqs, dev, it) if ns.sequences > 1 else None
             if unordered is not None:
                 same = same and _same_bits(rf, unordered["result"])
