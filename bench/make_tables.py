@@ -88,18 +88,12 @@ def _per_chunk(r: dict, path: str) -> float | None:
     return v
 
 
-def _replay_ratio(r: dict) -> float | None:
-    """A --gemm-ab row's replay time over the other GEMM's (both on the device)."""
-    if not r.get("fused_graph_ab_replay_s") or "fused_graph_replay_s" not in r:
+def _ratio(r: dict, num: str, den: str) -> float | None:
+    """``r[num] / r[den]`` where the row has both (and den is not 0), else None: a --gemm-ab
+    row's replay over the other GEMM's, a --merges-ab row's replay beside over in line."""
+    if not r.get(den) or num not in r:
         return None
-    return r["fused_graph_replay_s"] / r["fused_graph_ab_replay_s"]
-
-
-def _merges_ratio(r: dict) -> float | None:
-    """A --merges-ab row's replay with its merges beside over in line (medians of the rounds)."""
-    if not r.get("merges_in_line_replay_s") or "merges_beside_replay_s" not in r:
-        return None
-    return r["merges_beside_replay_s"] / r["merges_in_line_replay_s"]
+    return r[num] / r[den]
 
 
 def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
@@ -159,10 +153,10 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
                if graph else "")
             + (f"{_num(r['fused_ab_s'] * 1e3 if 'fused_ab_s' in r else None, '.2f')} "
                f"| {_num(r['fused_graph_ab_s'] * 1e3 if 'fused_graph_ab_s' in r else None, '.2f')} "
-               f"| {_num(_replay_ratio(r), '.3f')} | " if ab else "")
+               f"| {_num(_ratio(r, 'fused_graph_replay_s', 'fused_graph_ab_replay_s'), '.3f')} | " if ab else "")
             + (f"{_num(r['merges_in_line_replay_s'] * 1e3 if 'merges_in_line_replay_s' in r else None, '.3f')} "
                f"| {_num(r['merges_beside_replay_s'] * 1e3 if 'merges_beside_replay_s' in r else None, '.3f')} "
-               f"| {_num(_merges_ratio(r), '.3f')} | " if mab else "")
+               f"| {_num(_ratio(r, 'merges_beside_replay_s', 'merges_in_line_replay_s'), '.3f')} | " if mab else "")
             + f"{_num(lg, '.0f')} → {_num(lf, '.0f')} "
             f"| {'yes' if r.get('bit_identical') else '**NO**'} |")
     if notes:
