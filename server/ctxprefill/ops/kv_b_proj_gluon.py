@@ -358,8 +358,7 @@ def paged_problem(cache: torch.Tensor, weight: torch.Tensor, block_size: int) ->
 
 
 def launch_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_rows: torch.Tensor, context_starts: torch.Tensor,
-                 block_size: int, workspace: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-                 config: dict[str, Any] | None = None) -> torch.Tensor:
+                 block_size: int, workspace: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The chunk's gather and ``kv_b_proj`` in one launch: ``out [M, N] = latent · weightᵀ``
     with the latent of chunk row r read from its cache slot (row r of sequence b is context
     token ``context_starts[b] + r - cu_rows[b]``, in block ``block_table[b, j // block_size]``)
@@ -370,12 +369,12 @@ def launch_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_rows: torch.
     block_table: int32 [B, max_blocks], rows contiguous; cu_rows: int32 [B+1]; context_starts:
     int32 [B]; workspace: bf16 [M, K+64], rows contiguous; weight: bf16 [N, K]. Every
     sequence starts on a multiple of PAGE_ROWS (``kv_b_proj.chunk_pages_aligned``). Same bits as
-    :func:`launch` on the gathered latent (the same tiles, the same k-steps)."""
-    cfg = dict(CONFIG, **(config or {}))
+    :func:`launch` on the gathered latent in its default configuration (the same tiles, the
+    same k-steps)."""
+    cfg = CONFIG
     view = cache.view(torch.bfloat16)  # [num_slots, K + 64]
     M, N, K = workspace.shape[0], weight.shape[0], weight.shape[1]
-    if out is None:
-        out = torch.empty((M, N), dtype=torch.bfloat16, device=cache.device)
+    out = torch.empty((M, N), dtype=torch.bfloat16, device=cache.device)
     if M == 0 or N == 0:
         return out
     tiles = -(-M // cfg["BM"]) * -(-N // cfg["BN"])
