@@ -871,8 +871,8 @@ def main():
     ap.add_argument("--cudnn-frontend-stats", choices=["packed", "padded", "both"], default="packed",
                     help="stats layout(s) of the cudnn-frontend column(s)")
     ap.add_argument("--verdict-rounds", type=int, default=5,
-                    help="issue 4's ragged/equal ratio: this many interleaved measurements of each (0: the "
-                         "table's two rows only)")
+                    help="the ragged/equal ratio and ours/FlashInfer: this many interleaved measurements "
+                         "of each (0: the table's two rows only)")
     ap.add_argument("--sweep", nargs="?", const="triton", choices=list(SWEEPS),
                     help="sweep block configs instead of the table: the Triton kernel's, or (ws) the "
                          "warp-specialized kernel's; ws-short: its defaults against 64-key blocks on "

@@ -8,7 +8,7 @@ bit-identical output and LSE, and the floor: kv_b_proj and attention FLOPs at th
 measured matrix rate plus the memory-bound stages' bytes at the measured copy
 bandwidth.
 
-``--grid full`` is issue 8's grid: H ∈ {16, 128} × new ∈ {512, 1024, 8192} × context ∈
+``--grid full`` is the whole grid: H ∈ {16, 128} × new ∈ {512, 1024, 8192} × context ∈
 {8k, 64k, 256k} × cache {auto, fp8, fp8_ds_mla} × prefill {bf16, fp8} (108 rows); an
 axis given explicitly narrows it. Iterations scale with the work: one or two warm-up
 calls, then timed calls until ``--target-s`` of measured time (at least
@@ -64,7 +64,7 @@ def measure_ceilings(dev, sustained_s: float = 0.0) -> dict:
     clock; under minutes of compute the H200 holds its 700 W cap by lowering the SM clock
     (NVML, 2026-12-01: the fused path at 128 heads ran at 1545-1830 MHz under
     sw_power_cap against 1980 MHz at rest), so a floor at the burst rate is not reachable
-    by a compute-bound request. Both floors are reported; issue 8's target uses the first."""
+    by a compute-bound request. Both floors are reported; the README's rows quote the first."""
     nan = float("nan")
     if dev.type != "cuda":
         return {"copy_bytes_per_s": nan, "matmul_flops_per_s": nan,
@@ -399,12 +399,13 @@ def _axes(ns) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="ctxprefill bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="ctxprefill bench", description=(__doc__ or "").replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto")
     p.add_argument("--grid", choices=sorted(GRIDS), default="default",
-                   help="default: H {16,128}, 1024 new over 64k context, every dtype pair; full: issue 8's "
-                        "2x3x3x3x2 grid. An axis flag below overrides that axis of the grid")
+                   help="default: H {16,128}, 1024 new over 64k context, every dtype pair; full: the "
+                        "2x3x3x3x2 grid of H, new, context, cache and prefill dtypes. An axis flag below "
+                        "overrides that axis of the grid")
     p.add_argument("--heads", type=int, nargs="+", default=None)
     p.add_argument("--new", type=int, nargs="+", default=None, help="new (query) tokens per request")
     p.add_argument("--context", type=int, nargs="+", default=None, help="cached context tokens per request")

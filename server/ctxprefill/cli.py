@@ -1,7 +1,7 @@
-"""``ctxprefill``: serve | demo | bench | make-weights | make-model.
+"""ctxprefill: MLA context-attention prefill over a paged latent KV cache, served over gRPC.
 
-Every command logs JSON lines on stderr (``service/logs.py``) at ``--log-level`` (before
-or after the subcommand) or ``CTXPREFILL_LOG_LEVEL``, WARNING by default.
+Every command logs JSON lines on stderr at --log-level (before or after the subcommand)
+or CTXPREFILL_LOG_LEVEL, WARNING by default.
 """
 
 from __future__ import annotations
