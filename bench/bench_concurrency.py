@@ -174,6 +174,7 @@ class TransportHandles:
         self.names: list[str] = []
         self._shm = None
         self._tensors: tuple = ()
+        self._cuda_regions: list = []  # closed after unregistering: torch may then reuse the memory
 
     @classmethod
     def open(cls, transport: str, client, q_spec: tuple, opts: dict) -> TransportHandles:
@@ -224,13 +225,13 @@ class TransportHandles:
         q = make_q_bits(*q_spec)
         q_host = (torch.from_numpy(q).view(torch.float8_e4m3fn) if prefill_dtype == "fp8"
                   else torch.from_numpy(q.view(np.int16)).view(torch.bfloat16))
-        # long-lived buffers: torch keeps a storage shared by IPC handle allocated for good
         q_dev = q_host.to(dev, copy=True)
         out = torch.empty((tq, heads, int(opts["v_head_dim"])), dtype=torch.bfloat16, device=dev)
         lse = torch.empty((heads, tq), dtype=torch.float32, device=dev)
         self._tensors = (q_dev, out, lse)
         name = self._name(opts)
         regions = [CudaSharedMemoryRegion(f"{name}-{k}", t) for k, t in zip(("q", "out", "lse"), self._tensors)]
+        self._cuda_regions = regions
         torch.cuda.current_stream(dev).synchronize()  # q is written before the server reads it (on its own stream)
         for r in regions:
             client.register_cuda_shared_memory(r)
@@ -241,13 +242,17 @@ class TransportHandles:
     def close(self, client) -> None:
         """Unregister (every region, even after an error), then unmap / free. Results that
         are views of the memory must be gone."""
-        errors = []
+        errors, failed = [], set()
         for n in self.names:
             try:
                 client.unregister_shared_memory(n)
             except Exception as e:  # noqa: BLE001 - reported after the rest is freed
                 errors.append(f"unregister {n}: {type(e).__name__}: {e}"[:300])
-        self.names, self.q, self.kwargs = [], None, {}
+                failed.add(n)
+        for r in self._cuda_regions:  # one the server may still hold keeps torch's hold on its memory
+            if r.name not in failed:
+                r.close()
+        self.names, self.q, self.kwargs, self._cuda_regions = [], None, {}, []
         if self._shm is not None:
             shm, self._shm = self._shm, None
             try:

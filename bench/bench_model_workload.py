@@ -152,8 +152,8 @@ class Tensors:
     def close(self, client: Any) -> None:
         client.unregister_shared_memory(self.region.name)
         self.t, self.buf = {}, None  # views of a system segment keep it from closing
+        self.region.close()  # a CUDA region: torch may reuse the memory once it is freed
         if self.kind != "cuda":
-            self.region.close()
             self.region.unlink()
 
 

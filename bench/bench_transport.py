@@ -313,6 +313,8 @@ def run_cuda(ns, client, w: Workload, dev: torch.device, over_stream: bool = Fal
     out_bits = out.view(torch.int16).cpu().numpy().view(np.uint16)
     lse_np = lse.cpu().numpy()
     client.unregister_shared_memory("")
+    for r in regions:
+        r.close()
     return med, out_bits, lse_np
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import math
 import sys
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
@@ -282,6 +283,20 @@ def raw_cuda_ipc_handle(handle: bytes) -> bytes:
     raise ValueError(f"unknown torch CUDA IPC handle format ({len(h)} bytes)")
 
 
+def _share_cuda(tensor: torch.Tensor) -> tuple[int, bytes, int, int, bytes, int]:
+    """``cuda_ipc_handle``'s four values and torch's producer-side reference counter of the
+    share (its file's name and the counter's offset in it: ``_share_cuda_``'s 5th and 6th)."""
+    if not getattr(tensor, "is_cuda", False):
+        raise ValueError("cuda_ipc_handle: the tensor must be a CUDA tensor")
+    if not tensor.is_contiguous():
+        raise ValueError("cuda_ipc_handle: the tensor must be contiguous")
+    storage: Any = tensor.untyped_storage()  # _share_cuda_ is private and unannotated in torch
+    device, handle, _storage_bytes, storage_offset, counter_file, counter_offset, *_ = storage._share_cuda_()
+    offset = int(storage_offset) + int(tensor.storage_offset()) * tensor.element_size()
+    return (int(device), raw_cuda_ipc_handle(handle), offset, tensor.numel() * tensor.element_size(),
+            bytes(counter_file), int(counter_offset))
+
+
 def cuda_ipc_handle(tensor: torch.Tensor) -> tuple[int, bytes, int, int]:
     """``(device index, raw_handle, offset, byte_size)`` that register ``tensor``'s bytes
     as a CUDA region (``RegisterCudaSharedMemory``).
@@ -293,18 +308,13 @@ def cuda_ipc_handle(tensor: torch.Tensor) -> tuple[int, bytes, int, int]:
     the tensor; so the region starts at the storage's offset in that block plus the
     tensor's own ``storage_offset() * element_size()``. Sharing marks the storage as
     shared with another process: torch will not reuse its memory even after the tensor
-    is freed (it waits for a consumer release this server does not send) — register
-    long-lived buffers, not one per request. ``device`` is this process's device index;
-    the server's numbering differs when its CUDA_VISIBLE_DEVICES does.
+    is freed (it waits for a consumer release this server does not send), and warns at
+    exit about such memory. :class:`CudaSharedMemoryRegion` gives that release itself
+    (``close``); with this function, register long-lived buffers, not one per request.
+    ``device`` is this process's device index; the server's numbering differs when its
+    CUDA_VISIBLE_DEVICES does.
     """
-    if not getattr(tensor, "is_cuda", False):
-        raise ValueError("cuda_ipc_handle: the tensor must be a CUDA tensor")
-    if not tensor.is_contiguous():
-        raise ValueError("cuda_ipc_handle: the tensor must be contiguous")
-    storage: Any = tensor.untyped_storage()  # _share_cuda_ is private and unannotated in torch
-    device, handle, _storage_bytes, storage_offset, *_ = storage._share_cuda_()
-    offset = int(storage_offset) + int(tensor.storage_offset()) * tensor.element_size()
-    return int(device), raw_cuda_ipc_handle(handle), offset, tensor.numel() * tensor.element_size()
+    return _share_cuda(tensor)[:4]
 
 
 class CudaSharedMemoryRegion:
@@ -313,6 +323,14 @@ class CudaSharedMemoryRegion:
     overrides the device index sent (the server's numbering of the tensor's GPU).
 
     Keep the tensor alive (and do not resize it) until the region is unregistered.
+
+    Exporting the tensor makes torch keep its memory out of reuse once the tensor is freed,
+    until a consumer releases it, so that a server still writing there cannot hit a new
+    tensor. The server is no torch consumer and sends no release: :meth:`close` (or leaving
+    a ``with`` block) gives it, once the region is unregistered from every server that has
+    it. Without it the memory stays unused after the tensor is freed, and torch warns at
+    exit ("Producer process has been terminated before all shared CUDA tensors released").
+    A closed region cannot be registered again.
     """
 
     #: views handed out, kept for the next request that asks for the same one, least recently
@@ -323,7 +341,9 @@ class CudaSharedMemoryRegion:
     def __init__(self, name: str, tensor: torch.Tensor, *, device_id: int | None = None) -> None:
         self.name = name
         self.tensor = tensor
-        dev, self.raw_handle, self.offset, self.byte_size = cuda_ipc_handle(tensor)
+        dev, self.raw_handle, self.offset, self.byte_size, counter_file, counter_offset = _share_cuda(tensor)
+        self._counter: tuple[bytes, int] | None = (counter_file, counter_offset)  # None once released
+        self._close_lock = threading.Lock()
         self.device_id = dev if device_id is None else int(device_id)
         self._views: collections.OrderedDict[tuple[int, tuple[int, ...], int], torch.Tensor] = \
             collections.OrderedDict()
@@ -375,6 +395,27 @@ class CudaSharedMemoryRegion:
             raise ValueError(f"bytes [{offset}, {offset + n}) are outside region {self.name!r}")
         return SharedMemoryRef(self.name, offset, n, self)
 
+    @property
+    def closed(self) -> bool:
+        return self._counter is None
+
+    def close(self) -> None:
+        """Release torch's hold on the tensor's memory (see the class): call it after the
+        region is unregistered from every server that has it. Idempotent."""
+        with self._close_lock:
+            counter, self._counter = self._counter, None
+        if counter is None:
+            return
+        import torch
+
+        torch.UntypedStorage._release_ipc_counter_cuda(*counter)
+
+    def __enter__(self) -> CudaSharedMemoryRegion:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         return (f"CudaSharedMemoryRegion(name={self.name!r}, device_id={self.device_id}, offset={self.offset}, "
                 f"byte_size={self.byte_size})")
@@ -397,6 +438,8 @@ def register_system_request(region: Any, key: str | None, byte_size: int | None,
 def register_cuda_request(region: Any, raw_handle: bytes | None, device_id: int | None, byte_size: int | None,
                           offset: int) -> pb.RegisterCudaSharedMemoryRequest:
     if isinstance(region, CudaSharedMemoryRegion):
+        if region.closed:
+            raise ValueError(f"CUDA region {region.name!r} is closed: make a new CudaSharedMemoryRegion to register it")
         name, raw_handle, device_id = region.name, region.raw_handle, region.device_id
         offset, byte_size = region.offset, region.byte_size
     else:

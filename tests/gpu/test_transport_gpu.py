@@ -15,6 +15,7 @@ slot_mapping (INVALID_ARGUMENT); afterwards the server still serves.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import grpc
@@ -210,3 +211,33 @@ def test_system_region_is_page_locked_by_the_cuda_runtime_and_unlocked_when_drop
         reg.unregister("pin")
         assert region.tensor is None and not view.is_pinned()
         del view, region
+
+
+_SHARE_AND_FREE = """
+import sys, torch
+from ctxprefill_client import CudaSharedMemoryRegion
+t = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+r = CudaSharedMemoryRegion("x", t)
+if sys.argv[1] == "close":
+    r.close()
+del r, t
+print(torch.cuda.memory_allocated())
+"""
+
+
+@pytest.mark.parametrize("close", [True, False])
+def test_a_closed_region_gives_its_memory_back_when_the_tensor_is_freed(close):
+    """torch keeps an exported tensor's memory out of reuse after it is freed until the
+    share's counter is released, and warns at exit; ``close`` releases it. Both ways are run,
+    so the check can tell them apart (a process of its own: the warning comes at its exit)."""
+    from service_process import env_with_sources
+
+    p = subprocess.run([sys.executable, "-c", _SHARE_AND_FREE, "close" if close else "keep"], capture_output=True,
+                       text=True, env=env_with_sources(), timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    allocated = int(p.stdout.split()[-1])
+    warned = "before all shared CUDA tensors released" in p.stderr
+    if close:
+        assert allocated == 0 and not warned, p.stderr[-2000:]
+    else:
+        assert allocated >= 1 << 20 and warned, (allocated, p.stderr[-2000:])

@@ -253,6 +253,7 @@ class _CudaBuffers:
         if self.registered:
             self.registered = False
             self.client.unregister_shared_memory(self.region.name)
+        self.region.close()  # torch may reuse the memory once the tensor is freed
 
     def stage(self, q: torch.Tensor, kv_c: torch.Tensor,
               k_pe: torch.Tensor) -> tuple[SharedMemoryTensor, SharedMemoryTensor, SharedMemoryTensor,
