@@ -97,6 +97,8 @@ class Setup:
         torch.cuda.synchronize()
         for name in ("q", "out", "lse", "ring"):
             self.c.unregister_shared_memory(name)
+        for r in self.regions:
+            r.close()
         self.shm.close()
         self.shm.unlink()
 
