@@ -251,8 +251,8 @@ class _CudaBuffers:
 
     def close(self) -> None:
         if self.registered:
+            self.client.unregister_shared_memory(self.region.name)  # raises: the server may still hold it
             self.registered = False
-            self.client.unregister_shared_memory(self.region.name)
         self.region.close()  # torch may reuse the memory once the tensor is freed
 
     def stage(self, q: torch.Tensor, kv_c: torch.Tensor,
