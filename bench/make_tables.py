@@ -143,19 +143,19 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
         lines.append(
             f"| {r['heads']} | {r['new']} | {ctx_label(r['context'])} | {r['cache_dtype']} | {r['prefill_dtype']} "
             f"| {r['chunks']} | {r['generic_s'] * 1e3:.2f} | "
-            + (f"{_num(r['fused_packed_s'] * 1e3 if 'fused_packed_s' in r else None, '.2f')} | " if packed else "")
+            + (f"{_ms(r.get('fused_packed_s'))} | " if packed else "")
             + f"{r['fused_s'] * 1e3:.2f} | {sp} "
-            f"| {_num(floor * 1e3 if floor else None, '.2f')} | {_num(ratio, '.2f')} "
-            f"| {_num(gap * 1e3 if gap is not None else None, '.2f')} | "
-            + (f"{_num(r['fused_graph_s'] * 1e3 if 'fused_graph_s' in r else None, '.2f')} "
+            f"| {_ms(floor or None)} | {_num(ratio, '.2f')} "
+            f"| {_ms(gap)} | "
+            + (f"{_ms(r.get('fused_graph_s'))} "
                f"| {_num(r.get('fused_graph_over_floor'), '.2f')} "
-               f"| {_num(r['fused_graph_outside_s'] * 1e3 if 'fused_graph_outside_s' in r else None, '.2f')} | "
+               f"| {_ms(r.get('fused_graph_outside_s'))} | "
                if graph else "")
-            + (f"{_num(r['fused_ab_s'] * 1e3 if 'fused_ab_s' in r else None, '.2f')} "
-               f"| {_num(r['fused_graph_ab_s'] * 1e3 if 'fused_graph_ab_s' in r else None, '.2f')} "
+            + (f"{_ms(r.get('fused_ab_s'))} "
+               f"| {_ms(r.get('fused_graph_ab_s'))} "
                f"| {_num(_ratio(r, 'fused_graph_replay_s', 'fused_graph_ab_replay_s'), '.3f')} | " if ab else "")
-            + (f"{_num(r['merges_in_line_replay_s'] * 1e3 if 'merges_in_line_replay_s' in r else None, '.3f')} "
-               f"| {_num(r['merges_beside_replay_s'] * 1e3 if 'merges_beside_replay_s' in r else None, '.3f')} "
+            + (f"{_ms(r.get('merges_in_line_replay_s'), '.3f')} "
+               f"| {_ms(r.get('merges_beside_replay_s'), '.3f')} "
                f"| {_num(_ratio(r, 'merges_beside_replay_s', 'merges_in_line_replay_s'), '.3f')} | " if mab else "")
             + f"{_num(lg, '.0f')} → {_num(lf, '.0f')} "
             f"| {'yes' if r.get('bit_identical') else '**NO**'} |")
