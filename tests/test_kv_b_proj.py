@@ -19,7 +19,8 @@ def test_chunk_pages_aligned():
     assert not kvb.chunk_pages_aligned([0, 100, 200], (0, 0))  # the second sequence starts at row 100
     assert not kvb.chunk_pages_aligned([0, 128], (32,))  # its first context token is mid-page
     # "paged" takes what was measured: one sequence
-    assert kvb.chunk_reads_cache([0, 16384], (16384,)) and not kvb.chunk_reads_cache([0, 640, 1000], (64, 128))
+    assert kvb.chunk_reads_cache((16384,), (16384,)) and not kvb.chunk_reads_cache((640, 360), (64, 128))
+    assert not kvb.chunk_reads_cache((100,), (32,))  # one sequence, off the pages
 
 
 def test_build_engine_gives_the_engine_its_gemm():

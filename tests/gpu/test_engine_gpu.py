@@ -363,7 +363,7 @@ def test_paged_gemm_in_the_engine(prefill, monkeypatch):
     and launch no gather, the others through the gather and cuBLAS; fused and generic give the
     same bits chunk by chunk, and every chunk's q, k, v, out and LSE are the bits of the
     gather followed by the same kernel (``"gluon"``), or by cuBLAS."""
-    from ctxprefill.engine.loop import _reads_pages
+    from ctxprefill.ops import kv_b_proj as kvb
     from ctxprefill.ops import kv_b_proj_gluon as kg
 
     eng, q, seqs = _gemm_case(prefill)
@@ -376,7 +376,7 @@ def test_paged_gemm_in_the_engine(prefill, monkeypatch):
             for fused in (True, False):
                 runs[gemm, fused] = record(eng, q, seqs, fused)
     chunks = runs["paged", True][0].stats.chunks
-    aligned = [_reads_pages(ch) for ch in chunks]
+    aligned = [kvb.chunk_reads_cache(ch.context_lens, ch.context_starts) for ch in chunks]
     assert 0 < sum(aligned) < len(chunks), aligned  # the case has chunks of both kinds
     assert paged_calls == ["paged"] * 2 * sum(aligned)
     for fused in (True, False):

@@ -396,16 +396,6 @@ def _launch_order(backend: AttentionBackend, x: LoopInputs, c: ContextChunk, hea
     return LaunchOrder(codes, got.m_tiles)
 
 
-@functools.lru_cache(maxsize=4096)
-def _reads_pages(c: ContextChunk) -> bool:
-    """Whether the paged GEMM reads chunk ``c`` from the cache (``chunk_reads_cache``;
-    remembered per chunk)."""
-    cu = [0]
-    for n in c.context_lens:
-        cu.append(cu[-1] + n)
-    return chunk_reads_cache(cu, c.context_starts)
-
-
 def _accumulate(direct: bool, copy_out: bool, out_c: torch.Tensor, lse_c: torch.Tensor, o_c: torch.Tensor,
                 l_c: torch.Tensor) -> None:
     """The merge stage: a direct chunk's partial copied into the request's rows (its out
@@ -568,7 +558,7 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
             views = ws_views[rows] = _WorkspaceViews(ws, ws[:, : x.latent], k_pe, k_rope)
         bt = block_table if c.num_sequences == block_table.shape[0] else \
             block_table[c.first_sequence : c.first_sequence + c.num_sequences]
-        if paged and _reads_pages(c):
+        if paged and chunk_reads_cache(c.context_lens, c.context_starts):
             with stage("kv_b_proj"):  # the latent read where it lies; k_pe left in the workspace
                 kv = kv_b_proj_paged(x.cache, bt, m.cu_seqlens_k, m.context_starts, x.block_size, views.ws,
                                      x.weight).view(rows, H, x.nope + x.v_dim)

@@ -15,6 +15,9 @@ An fp8 latent (raw fp8 cache, fp8 prefill) is widened exactly (fp8 ⊂ bf16 ⊂ 
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import torch
 
 from . import launches
@@ -92,7 +95,7 @@ def kv_b_proj_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_rows: tor
     return kv_b_proj_gluon.launch_paged(cache, block_table, cu_rows, context_starts, block_size, workspace, weight)
 
 
-def chunk_pages_aligned(cu_rows: list[int], context_starts: tuple[int, ...] | list[int]) -> bool:
+def chunk_pages_aligned(cu_rows: Sequence[int], context_starts: Sequence[int]) -> bool:
     """Whether every sequence of a chunk starts on a multiple of ``PAGE_ROWS`` in the chunk's
     rows (``cu_rows`` [B+1]) and in its context, so that each 64-row half of a tile lies in
     one cache block (rows past a sequence's end are another sequence's only for the last one,
@@ -100,7 +103,9 @@ def chunk_pages_aligned(cu_rows: list[int], context_starts: tuple[int, ...] | li
     return all(r % PAGE_ROWS == 0 for r in cu_rows[:-1]) and all(j % PAGE_ROWS == 0 for j in context_starts)
 
 
-def chunk_reads_cache(cu_rows: list[int], context_starts: tuple[int, ...] | list[int]) -> bool:
-    """Whether "paged" reads this chunk from the cache: at most ``PAGED_MAX_SEQUENCES``
-    sequences, on pages (:func:`chunk_pages_aligned`)."""
-    return len(context_starts) <= PAGED_MAX_SEQUENCES and chunk_pages_aligned(cu_rows, context_starts)
+def chunk_reads_cache(context_lens: Sequence[int], context_starts: Sequence[int]) -> bool:
+    """Whether "paged" reads a chunk (its sequences' context rows and first context tokens)
+    from the cache: at most ``PAGED_MAX_SEQUENCES`` sequences, on pages
+    (:func:`chunk_pages_aligned`)."""
+    return len(context_lens) <= PAGED_MAX_SEQUENCES and \
+        chunk_pages_aligned([0, *itertools.accumulate(context_lens)], context_starts)
