@@ -149,7 +149,7 @@ def build_engine(s: ServeSettings, weights: list[KvBProjWeights] | None = None) 
         "engine ready",
         extra={"device": str(device), "backend": engine.backend.name, "backend_reason": engine.backend_reason,
                "fused_kernels": engine.fused_kernels_active, "cache_dtype": s.cache_dtype,
-               "kv_b_proj_dtype": config.kv_b_proj_dtype, "kv_b_proj_gemm": s.kv_b_proj_gemm,
+               "kv_b_proj_dtype": config.kv_b_proj_dtype, "kv_b_proj_gemm": config.kv_b_proj_gemm,
                "prefill_dtype": s.prefill_dtype,
                "layers": f"[{s.first_layer}, {s.first_layer + s.layers})",
                "cache_bytes": config.cache.num_slots * config.cache.bytes_per_slot * s.layers},

@@ -30,6 +30,10 @@ from .ops.slot_format import CACHE_DTYPES
 
 log = logging.getLogger("ctxprefill")
 
+#: heads a worker may serve for "paged" to read the cache: its weight (P + V rows a head)
+#: narrower than PAGED_MAX_N
+_PAGED_MAX_HEADS = PAGED_MAX_N // (ModelShape().qk_nope_head_dim + ModelShape().v_head_dim)
+
 
 @dataclasses.dataclass(frozen=True)
 class ServeSettings:
@@ -139,8 +143,8 @@ _HELP = {
     "kv_b_proj_gemm": "kv_b_proj's bf16 GEMM on a Hopper GPU: cublas; gluon (the persistent warp-specialized "
                       "kernel); or paged: that kernel reading each chunk's latents from the cache where they lie, "
                       "the chunk's gather folded into it, with a bf16 cache, a block size that is a multiple of 64, "
-                      "fewer than 64 heads and a chunk of one sequence starting on a 64-token page (cuBLAS "
-                      "elsewhere). The same results; with --cuda-graphs, paged saves ~3 %% of a 16-head "
+                      f"fewer than {_PAGED_MAX_HEADS} heads and a chunk of one sequence starting on a 64-token "
+                      "page (cuBLAS elsewhere). The same results; with --cuda-graphs, paged saves ~3 %% of a 16-head "
                       "request's device time (docs/DESIGN.md)",
     "softmax_scale": "softmax scale (default (P+R)**-0.5; pass the final one, yarn mscale included)",
     "grace_seconds": "on SIGTERM/SIGINT: seconds in-flight requests get to finish before the server exits",
@@ -337,8 +341,6 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
     defaults = ServeSettings()
     random_weights = not s.weights and not s.model
     paged_on = s.kv_b_proj_gemm == "paged" and s.device != "cpu"  # (on the CPU the rule above names it)
-    shape = ModelShape()
-    per_head = shape.qk_nope_head_dim + shape.v_head_dim  # kv_b_proj's rows per head
     worker_heads = s.heads // max(1, s.num_shards)
     rules = (  # (settings, whether what they tune is on, what it needs)
         (("shared_memory_max_regions", "shared_memory_max_bytes", "shared_memory_pin"), s.shared_memory != "off",
@@ -353,8 +355,8 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
         (("kv_b_proj_gemm",), s.device != "cpu", "a Hopper GPU: on the CPU torch multiplies"),
         (("kv_b_proj_gemm",), not paged_on or s.cache_dtype == "auto",
          "--cache-dtype auto to read the cache: other caches are gathered and go through cuBLAS"),
-        (("kv_b_proj_gemm",), not paged_on or bool(s.model) or worker_heads * per_head < PAGED_MAX_N,
-         f"fewer than {PAGED_MAX_N // per_head} heads a worker to read the cache: wider weights go through cuBLAS"),
+        (("kv_b_proj_gemm",), not paged_on or bool(s.model) or worker_heads < _PAGED_MAX_HEADS,
+         f"fewer than {_PAGED_MAX_HEADS} heads a worker to read the cache: wider weights go through cuBLAS"),
     )
 
     def flag(name: str) -> str:  # as given: a switch turned off is its --no- form
