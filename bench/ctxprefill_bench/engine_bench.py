@@ -437,8 +437,8 @@ def main(argv=None) -> int:
                         "at that rate too: the H200 lowers its clock under its power cap (0: off)")
     from ctxprefill.ops.kv_b_proj import GEMMS
 
-    p.add_argument("--gemm", choices=GEMMS, default=None,
-                   help="kv_b_proj's bf16 GEMM kernel on a Hopper GPU (serve --kv-b-proj-gemm; cublas unless given)")
+    p.add_argument("--gemm", choices=GEMMS, default="cublas",
+                   help="kv_b_proj's bf16 GEMM kernel on a Hopper GPU (serve --kv-b-proj-gemm)")
     p.add_argument("--gemm-ab", choices=GEMMS, default=None,
                    help="also time each row's fused request, eager and as a CUDA graph, with this GEMM kernel, in "
                         "the same process right after the runs with --gemm's (the A/B of the two)")
@@ -483,7 +483,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
               f"in {ext['load_s']:.1f} s", flush=True)
     grid = list(itertools.product(axes["heads"], axes["new"], axes["context"], axes["cache_dtype"],
                                   axes["prefill_dtype"]))
-    gemm = ns.gemm or "cublas"
+    gemm = ns.gemm
     meta = {"kind": "engine", "date": run_info.utc_now(), "device": str(dev), "gemm": gemm,
             "gpu": gpu, "torch": torch.__version__, "commit": run_info.commit(), "ceilings": ceil, "args": vars(ns),
             "grid": ns.grid, "axes": axes, "rows_planned": len(grid), "cuda_extension": ext,
