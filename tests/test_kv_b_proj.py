@@ -66,3 +66,40 @@ def test_reads_cache_only_where_paged_can(monkeypatch):
     wide = torch.zeros((kvb.PAGED_MAX_N, 512), dtype=torch.bfloat16)
     assert not kvb.reads_cache(gpu_cache, "auto", wide, 64, "paged")
     assert asked == [64, 16]
+
+
+def test_both_gemm_launchers_launch_persistent_programs(monkeypatch):
+    """launch and launch_paged on CPU stand-ins for their kernels: at most one program per SM
+    (one per tile below that), the default configuration's knobs, their own arguments in the
+    kernels' order, and a new [M, N] bf16 output each."""
+    if kg.GLUON_ERR:
+        pytest.skip(kg.GLUON_ERR)
+    calls = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((self.name, grid, args, kw))
+
+    monkeypatch.setattr(kg, "_kv_b_proj_ws", Kernel("gemm"))
+    monkeypatch.setattr(kg, "_kv_b_proj_paged_ws", Kernel("paged"))
+    monkeypatch.setattr(kg, "_device_facts", lambda index: (9, 132))
+    knobs = {k: kg.CONFIG[k] for k in ("BM", "BN", "BK", "STAGES", "GROUP_M", "PINGPONG")}
+    w = torch.zeros((4096, 512), dtype=torch.bfloat16)
+    out = kg.launch(torch.zeros((16384, 512), dtype=torch.bfloat16), w)  # 128 x 16 tiles: one program per SM
+    assert out.shape == (16384, 4096) and out.dtype == torch.bfloat16
+    name, grid, args, kw = calls.pop()
+    assert (name, grid, kw) == ("gemm", (132,), dict(knobs, num_warps=4, maxnreg=kg._MAXNREG))
+    assert args[:6] == (args[0], w, out, 16384, 4096, 512)
+    cache = torch.zeros((256, 1152), dtype=torch.uint8)
+    ws = torch.zeros((200, 576), dtype=torch.bfloat16)
+    table, cu, st = (torch.zeros((1, 4), dtype=torch.int32), torch.tensor([0, 200], dtype=torch.int32),
+                     torch.zeros(1, dtype=torch.int32))
+    out = kg.launch_paged(cache, table, cu, st, 64, ws, w)  # 2 x 16 tiles
+    assert out.shape == (200, 4096)
+    name, grid, args, kw = calls.pop()
+    assert (name, grid, kw) == ("paged", (32,), dict(knobs, num_warps=4, maxnreg=kg._MAXNREG))
+    assert args[2:11] == (w, out, args[4], table, cu, st, 200, 4096, 512) and args[11:14] == (256, 1, 64)
+    assert not calls

@@ -332,14 +332,19 @@ def launch(latent: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
         return out
     if K == 0:  # an empty sum
         return out.zero_()
-    tiles = -(-M // cfg["BM"]) * -(-N // cfg["BN"])
-    sms = _device_facts(latent.get_device())[1]
-    triton.set_allocator(tma_scratch)  # a ContextVar: set in the calling thread, every call
-    _kv_b_proj_ws[(min(sms, tiles),)](
-        latent, weight, out, M, N, K, latent.stride(0), weight.stride(0), out.stride(0),
-        BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
-        PINGPONG=cfg["PINGPONG"], num_warps=4, maxnreg=_MAXNREG)
+    _launch_persistent(_kv_b_proj_ws, M, N, latent.get_device(), cfg,
+                       latent, weight, out, M, N, K, latent.stride(0), weight.stride(0), out.stride(0))
     return out
+
+
+def _launch_persistent(kernel: Any, M: int, N: int, device: int, cfg: dict[str, Any], *args: Any) -> None:
+    """Launch one of the GEMM kernels over an [M, N] output: a program per tile, at most one
+    per SM of CUDA device ``device`` (each loops over tiles), ``cfg``'s knobs as constexprs."""
+    tiles = -(-M // cfg["BM"]) * -(-N // cfg["BN"])
+    sms = _device_facts(device)[1]
+    triton.set_allocator(tma_scratch)  # a ContextVar: set in the calling thread, every call
+    kernel[(min(sms, tiles),)](*args, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], STAGES=cfg["STAGES"],
+                               GROUP_M=cfg["GROUP_M"], PINGPONG=cfg["PINGPONG"], num_warps=4, maxnreg=_MAXNREG)
 
 
 def paged_problem(cache: torch.Tensor, weight: torch.Tensor, block_size: int) -> str | None:
@@ -348,8 +353,8 @@ def paged_problem(cache: torch.Tensor, weight: torch.Tensor, block_size: int) ->
     sequences' starts on multiples of ``PAGE_ROWS`` (``kv_b_proj.chunk_pages_aligned``)."""
     if GLUON_ERR:
         return GLUON_ERR
-    if cache.dim() != 2 or cache.dtype != torch.uint8 or cache.shape[1] != 2 * (weight.shape[1] + 64):
-        width = 2 * (weight.shape[1] + 64)
+    width = 2 * (weight.shape[1] + 64)
+    if cache.dim() != 2 or cache.dtype != torch.uint8 or cache.shape[1] != width:
         return f"needs a bf16 cache's bytes [slots, {width}], got {cache.dtype} {list(cache.shape)}"
     if block_size % PAGE_ROWS:
         return f"needs a block size that is a multiple of {PAGE_ROWS}, got {block_size}"
@@ -371,19 +376,13 @@ def launch_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_rows: torch.
     sequence starts on a multiple of PAGE_ROWS (``kv_b_proj.chunk_pages_aligned``). Same bits as
     :func:`launch` on the gathered latent in its default configuration (the same tiles, the
     same k-steps)."""
-    cfg = CONFIG
     view = cache.view(torch.bfloat16)  # [num_slots, K + 64]
     M, N, K = workspace.shape[0], weight.shape[0], weight.shape[1]
     out = torch.empty((M, N), dtype=torch.bfloat16, device=cache.device)
     if M == 0 or N == 0:
         return out
-    tiles = -(-M // cfg["BM"]) * -(-N // cfg["BN"])
-    sms = _device_facts(cache.get_device())[1]
-    triton.set_allocator(tma_scratch)
-    _kv_b_proj_paged_ws[(min(sms, tiles),)](
-        view, view[:, K:], weight, out, workspace[:, K:], block_table, cu_rows, context_starts,
-        M, N, K, view.shape[0], cu_rows.shape[0] - 1, block_size, view.stride(0),
-        weight.stride(0), out.stride(0), workspace.stride(0), block_table.stride(0),
-        BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
-        PINGPONG=cfg["PINGPONG"], num_warps=4, maxnreg=_MAXNREG)
+    _launch_persistent(_kv_b_proj_paged_ws, M, N, cache.get_device(), CONFIG,
+                       view, view[:, K:], weight, out, workspace[:, K:], block_table, cu_rows, context_starts,
+                       M, N, K, view.shape[0], cu_rows.shape[0] - 1, block_size, view.stride(0),
+                       weight.stride(0), out.stride(0), workspace.stride(0), block_table.stride(0))
     return out
