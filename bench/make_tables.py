@@ -489,7 +489,9 @@ def host_table(d: Doc) -> str:
             f"{k} " + ", ".join(f"{w[k]:.1f}" for w in waits) for k in waits[0]) + " (hot: in a loop; "
             "1.5 ms, 12 ms: after waiting that long for a spin kernel; 12 ms gemm: for GEMMs, the device at "
             "its power cap, queued as " + d["meta"]["gemm_wait"] + "; 12 ms busy: "
-            "after 12 ms spent validating while the spin kernel ran)."]
+            "after 12 ms spent validating while the spin kernel ran"
+            + ("; 12 ms polled: after 12 ms asking the stream from Python, nothing else" if "12 ms polled" in waits[0]
+               else "") + ")."]
     return "\n".join(lines) + "\n"
 
 

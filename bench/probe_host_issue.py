@@ -237,8 +237,9 @@ def after_wait_us(fn, n: int = 40) -> dict[str, float]:
     """Median host time (µs) of one ``fn()`` call: in a loop (``hot``), and right after the
     thread waited for a spin kernel of ~1.5 or ~12 ms (a 16- and a 128-head request's
     device time), for ~12 ms of GEMMs (one graph: the device at its power cap), and for
-    ~12 ms spent calling ``fn`` over and over (``12 ms busy``): which part of a request's
-    host steps the wait costs, and whether the device's load or the waiting is why."""
+    ~12 ms spent calling ``fn`` over and over (``12 ms busy``) and ~12 ms polling the stream
+    from Python (``12 ms polled``): which part of a request's host steps the wait costs,
+    whether the device's load or the waiting is why, and whether waiting in Python would do."""
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def device_ms(work) -> float:
@@ -266,15 +267,19 @@ def after_wait_us(fn, n: int = 40) -> dict[str, float]:
         return lambda: torch.cuda._sleep(int(ms * cycles_per_ms))
 
     got = {"hot": [timed_once() for _ in range(n)]}
-    for name, queue, busy in (("1.5 ms", spin(1.5), False), ("12 ms", spin(12.0), False),
-                              ("12 ms gemm", gemms.replay, False), ("12 ms busy", spin(12.0), True)):
+    stream = torch.cuda.current_stream()
+    for name, queue, how in (("1.5 ms", spin(1.5), "sync"), ("12 ms", spin(12.0), "sync"),
+                             ("12 ms gemm", gemms.replay, "sync"), ("12 ms busy", spin(12.0), "busy"),
+                             ("12 ms polled", spin(12.0), "poll")):
         got[name] = []
         for _ in range(n):
             queue()
-            if busy:
-                stream = torch.cuda.current_stream()
+            if how == "busy":
                 while not stream.query():
                     fn()
+            elif how == "poll":  # the thread asks the stream from Python, running nothing else
+                while not stream.query():
+                    pass
             else:
                 torch.cuda.synchronize()
             got[name].append(timed_once())
