@@ -490,8 +490,9 @@ def host_table(d: Doc) -> str:
             "1.5 ms, 12 ms: after waiting that long for a spin kernel; 12 ms gemm: for GEMMs, the device at "
             "its power cap, queued as " + d["meta"]["gemm_wait"] + "; 12 ms busy: "
             "after 12 ms spent validating while the spin kernel ran"
-            + ("; 12 ms polled: after 12 ms asking the stream from Python, nothing else" if "12 ms polled" in waits[0]
-               else "") + ")."]
+            + ("; 12 ms polled: after 12 ms asking the stream from Python, nothing else; yielding: the same "
+               "with sched_yield between asks; asleep: after sleeping 13 ms" if "12 ms polled" in waits[0] else "")
+            + ")."]
     return "\n".join(lines) + "\n"
 
 

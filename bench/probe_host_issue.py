@@ -237,8 +237,9 @@ def after_wait_us(fn, n: int = 40) -> dict[str, float]:
     """Median host time (µs) of one ``fn()`` call: in a loop (``hot``), and right after the
     thread waited for a spin kernel of ~1.5 or ~12 ms (a 16- and a 128-head request's
     device time), for ~12 ms of GEMMs (one graph: the device at its power cap), and for
-    ~12 ms spent calling ``fn`` over and over (``12 ms busy``) and ~12 ms polling the stream
-    from Python (``12 ms polled``): which part of a request's host steps the wait costs,
+    ~12 ms spent calling ``fn`` over and over (``12 ms busy``), ~12 ms polling the stream
+    from Python (``12 ms polled``; ``yielding``: with ``sched_yield`` between polls) and
+    13 ms asleep (``12 ms asleep``): which part of a request's host steps the wait costs,
     whether the device's load or the waiting is why, and whether waiting in Python would do."""
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
@@ -270,7 +271,8 @@ def after_wait_us(fn, n: int = 40) -> dict[str, float]:
     stream = torch.cuda.current_stream()
     for name, queue, how in (("1.5 ms", spin(1.5), "sync"), ("12 ms", spin(12.0), "sync"),
                              ("12 ms gemm", gemms.replay, "sync"), ("12 ms busy", spin(12.0), "busy"),
-                             ("12 ms polled", spin(12.0), "poll")):
+                             ("12 ms polled", spin(12.0), "poll"), ("12 ms yielding", spin(12.0), "yield"),
+                             ("12 ms asleep", spin(12.0), "sleep")):
         got[name] = []
         for _ in range(n):
             queue()
@@ -280,6 +282,12 @@ def after_wait_us(fn, n: int = 40) -> dict[str, float]:
             elif how == "poll":  # the thread asks the stream from Python, running nothing else
                 while not stream.query():
                     pass
+            elif how == "yield":  # the same, giving the GIL and the core away between asks
+                while not stream.query():
+                    os.sched_yield()
+            elif how == "sleep":  # off the core until the work is surely done
+                time.sleep(0.013)
+                torch.cuda.synchronize()
             else:
                 torch.cuda.synchronize()
             got[name].append(timed_once())
