@@ -64,3 +64,56 @@ def test_the_engine_reports_the_span():
     q, seqs = make_device_request(eng, [300], [4], seed=0)
     st = eng.prefill_context(q, seqs).stats
     assert 0 < sum(st.stage_ns.values()) <= st.span_ns <= st.total_ns
+
+
+class _Event:
+    """A stand-in CUDA event that fires at its ``fires_at``-th query."""
+
+    def __init__(self, fires_at: int | None):
+        self.fires_at, self.queries = fires_at, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.fires_at is not None and self.queries >= self.fires_at
+
+
+def test_poll_returns_when_the_event_fires(monkeypatch):
+    yields = []
+    monkeypatch.setattr(timing.os, "sched_yield", lambda: yields.append(1))
+    e = _Event(fires_at=5)
+    timing.poll(e, spin_s=10.0)
+    assert e.queries == 5 and len(yields) == 4  # the core given away between asks, not after the last
+
+
+def test_poll_gives_up_after_its_spin():
+    """An event that never fires: back to the caller (the driver's wait) after spin_s, not
+    later; a spin of 0 asks once."""
+    e = _Event(fires_at=None)
+    t = time.perf_counter()
+    timing.poll(e, spin_s=0.02)
+    assert 0.02 <= time.perf_counter() - t < 1.0 and e.queries > 1
+    once = _Event(fires_at=None)
+    timing.poll(once, spin_s=0.0)
+    assert once.queries == 1
+
+
+def test_device_wait_spin_is_checked_and_reaches_the_engine():
+    """--device-wait-spin-us: an integer in [0, 10 s] (ConfigError naming the flag), the
+    built engine's config in seconds; on the CPU it is named as doing nothing."""
+    import pytest
+
+    from ctxprefill.app import build_engine
+    from ctxprefill.config import EngineConfig
+    from ctxprefill.errors import ConfigError
+    from ctxprefill.settings import ServeSettings, check_engine_settings, ineffective_settings
+
+    engine = build_engine(ServeSettings(device="cpu", num_blocks=4, workspace_tokens=64, device_wait_spin_us=2500))
+    assert engine.config.device_wait_spin_s == 0.0025
+    for bad in (-1, 10_000_001, 1.5, True):
+        with pytest.raises(ConfigError, match="--device-wait-spin-us"):
+            check_engine_settings(ServeSettings(device="cpu", device_wait_spin_us=bad))
+    with pytest.raises(ConfigError, match="device_wait_spin_s"):
+        EngineConfig(device_wait_spin_s=-0.5)
+    assert ineffective_settings(ServeSettings(device="cpu", device_wait_spin_us=100)) == [
+        "--device-wait-spin-us (needs a GPU: on the CPU nothing waits for a device)"]
+    assert ineffective_settings(ServeSettings(device="cuda", device_wait_spin_us=100)) == []
