@@ -168,42 +168,6 @@ def test_merges_ab_interleaves_its_rounds_and_checks_every_replays_bits():
     assert not bench._merges_ab(e, None, [], torch.device("cpu"), 3, it, want)["same"]
 
 
-def test_wait_ab_interleaves_its_rounds_and_sets_the_config_back():
-    """bench --wait-ab: the driver's wait first in the 1st and 3rd rounds, polling first in
-    the 2nd, through the engine's config; the config set back after; every replay held to
-    the given result's bits."""
-    import types
-
-    import torch
-
-    from ctxprefill.config import EngineConfig
-
-    class FakeEngine:
-        def __init__(self, odd_one: int | None = None):
-            self.config = EngineConfig()
-            self.order, self.odd_one = [], odd_one
-
-        def prefill_context(self, q, seqs, fused, graphs_on):
-            self.order.append(self.config.device_wait_spin_s)
-            bad = self.odd_one is not None and len(self.order) == self.odd_one
-            return types.SimpleNamespace(out=torch.full((2,), 1.0 if bad else 0.0, dtype=torch.bfloat16),
-                                         lse=torch.zeros(2), stats=types.SimpleNamespace(
-                                             stage_ns={"graph": 1000}, span_ns=1000))
-
-    want = types.SimpleNamespace(out=torch.zeros(2, dtype=torch.bfloat16), lse=torch.zeros(2))
-    it = dict(max_iters=1, min_iters=1, target_s=0.0)
-    e = FakeEngine()
-    was = e.config
-    got = bench._wait_ab(e, None, [], torch.device("cpu"), 3, 0.02, it, want)
-    per_round = [e.order[i * 3] for i in range(6)]  # 2 warm-ups and 1 timed call each
-    assert per_round == [0.0, 0.02, 0.02, 0.0, 0.0, 0.02]
-    assert got["same"] and got["rounds"] == 3 and got["spin_s"] == 0.02
-    assert set(got) >= {"driver_s", "driver_outside_s", "polled_s", "polled_outside_s"}
-    assert e.config is was
-    e = FakeEngine(odd_one=9)
-    assert not bench._wait_ab(e, None, [], torch.device("cpu"), 3, 0.02, it, want)["same"]
-
-
 def _profile_engine():
     import importlib.util
     import os

@@ -226,29 +226,6 @@ def _merges_ab(engine, q, seqs, dev, rounds: int, it: dict, want) -> dict:
     return out
 
 
-def _wait_ab(engine, q, seqs, dev, rounds: int, spin_s: float, it: dict, want) -> dict:
-    """The fused request as a CUDA graph with its thread waiting for the device in the
-    driver and polling for up to ``spin_s`` first (``EngineConfig.device_wait_spin_s``), in
-    ``rounds`` interleaved rounds (the driver first in the 1st, 3rd, … round): per way the
-    median of the rounds' medians of the request and of its time outside the replay, and
-    whether every replay gave the bits of ``want``."""
-    was = engine.config
-    got: dict[float, list[dict]] = {0.0: [], spin_s: []}
-    try:
-        for r in range(rounds):
-            for s in ((0.0, spin_s) if r % 2 == 0 else (spin_s, 0.0)):
-                engine.config = dataclasses.replace(was, device_wait_spin_s=s)
-                got[s].append(time_request(engine, q, seqs, True, dev, graphs_on=True, **it))
-    finally:
-        engine.config = was
-    out = {"rounds": rounds, "spin_s": spin_s,
-           "same": all(_same_bits(t["result"], want) for ts in got.values() for t in ts)}
-    for s, name in ((0.0, "driver"), (spin_s, "polled")):
-        out[f"{name}_s"] = statistics.median(t["median_s"] for t in got[s])
-        out[f"{name}_outside_s"] = statistics.median(t["outside_s"] for t in got[s])
-    return out
-
-
 def time_request(engine, q, seqs, fused, dev, max_iters=5, min_iters=2, target_s=0.3, unpacked_keys=None,
                  graphs_on=None):
     """Median wall time of a request (device synchronized), median time per stage, the
@@ -468,11 +445,6 @@ def main(argv=None) -> int:
     p.add_argument("--merges-ab", type=int, default=0, metavar="ROUNDS",
                    help="also time each row's CUDA graph with its merges in line and on a branch of their own "
                         "(engine/graphs.py), in this many interleaved rounds (0: off)")
-    p.add_argument("--wait-ab", type=int, default=0, metavar="ROUNDS",
-                   help="also time each row's CUDA graph with the engine thread waiting for the device in the driver "
-                        "and polling first for --wait-spin-us (serve --device-wait-spin-us), in this many "
-                        "interleaved rounds (0: off)")
-    p.add_argument("--wait-spin-us", type=int, default=20000, help="the polling of --wait-ab, microseconds")
     p.add_argument("--out", default=None, help="write JSON results here (rewritten after every row)")
     ns = p.parse_args(argv)
     if ns.sequences < 1:
@@ -560,7 +532,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                           kv_b_proj_dtype=ns.kv_b_proj_dtype, workspace_tokens=ns.workspace_tokens, backend=ns.backend,
                           kv_b_proj_gemm=gemm)
         t_row = time.monotonic()
-        engine = q = seqs = g = f = fp = fgr = ab = mab = wab = None
+        engine = q = seqs = g = f = fp = fgr = ab = mab = None
         try:
             engine = engines.build(s)
             q, seqs = make_device_request(engine, ctx_lens, new_lens, seed=i)
@@ -588,9 +560,6 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                 if fgr is not None and ns.merges_ab > 0:
                     mab = _merges_ab(engine, q, seqs, dev, ns.merges_ab, it, rg)
                     same = same and mab["same"]
-                if fgr is not None and ns.wait_ab > 0:
-                    wab = _wait_ab(engine, q, seqs, dev, ns.wait_ab, ns.wait_spin_us / 1e6, it, rg)
-                    same = same and wab["same"]
             unordered = _without_launch_order(engine, q, seqs, dev, it) if ns.sequences > 1 else None
             if unordered is not None:
                 same = same and _same_bits(rf, unordered["result"])
@@ -665,11 +634,6 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                 "merges_in_line_replay_s": mab["in_line_replay_s"], "merges_beside_s": mab["beside_s"],
                 "merges_beside_replay_s": mab["beside_replay_s"], "merges_ab_bit_identical": mab["same"]}
                if mab else {}),
-            # --wait-ab: the graph with its thread waiting in the driver and polling first, interleaved rounds
-            **({"wait_ab_rounds": wab["rounds"], "wait_spin_s": wab["spin_s"], "driver_wait_s": wab["driver_s"],
-                "driver_wait_outside_s": wab["driver_outside_s"], "polled_wait_s": wab["polled_s"],
-                "polled_wait_outside_s": wab["polled_outside_s"], "wait_ab_bit_identical": wab["same"]}
-               if wab else {}),
             "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],
             **({"floor_sustained_s": held, "fused_over_sustained_floor": tf / held} if held else {}),
             **({"fused_graph_over_sustained_floor": fgr["median_s"] / held} if held and fgr else {}),
@@ -686,7 +650,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
         })
         if ns.out:
             _write_json(ns.out, meta, rows)
-        engine = q = seqs = g = f = rg = rf = fp = fgr = unordered = ab = mab = wab = None
+        engine = q = seqs = g = f = rg = rf = fp = fgr = unordered = ab = mab = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     done = [r for r in rows if "speedup" in r]

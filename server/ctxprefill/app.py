@@ -23,7 +23,6 @@ from .settings import (
     ServeSettings,
     check_engine_settings,
     check_serve_settings,
-    device_wait_spin_s,
     ineffective_settings,
     layer_prefix,
     resolve_device,
@@ -137,7 +136,6 @@ def build_engine(s: ServeSettings, weights: list[KvBProjWeights] | None = None) 
         max_context_token_heads=s.max_context_token_heads,
         cuda_graphs=s.cuda_graphs,
         kv_b_proj_gemm=s.kv_b_proj_gemm,
-        device_wait_spin_s=device_wait_spin_s(s),
     )
     device = resolve_device(s.device)
     check_memory(config, device)

@@ -108,8 +108,6 @@ class EngineConfig:
     cuda_graphs: bool = False
     # kv_b_proj's bf16 GEMM on a Hopper GPU (ops.kv_b_proj.GEMMS)
     kv_b_proj_gemm: str = "cublas"
-    # on a GPU: how long a request's thread polls for its end before waiting in the driver
-    device_wait_spin_s: float = 0.0
 
     def __post_init__(self):
         check_layers(self.num_layers, self.first_layer)
@@ -119,8 +117,6 @@ class EngineConfig:
                               f"({self.shape.heads * self.cache.block_size}), got {m!r}")
         if self.kv_b_proj_dtype not in KV_B_PROJ_DTYPES:
             raise ConfigError(f"kv_b_proj dtype must be one of {KV_B_PROJ_DTYPES}, got {self.kv_b_proj_dtype!r}")
-        if not isinstance(self.device_wait_spin_s, (int, float)) or not 0 <= self.device_wait_spin_s <= 10:
-            raise ConfigError(f"device_wait_spin_s must be seconds in [0, 10], got {self.device_wait_spin_s!r}")
         if self.kv_b_proj_gemm not in GEMMS:
             raise ConfigError(f"kv_b_proj GEMM must be one of {GEMMS}, got {self.kv_b_proj_gemm!r}")
         if self.prefill_dtype not in PREFILL_DTYPES:

@@ -65,7 +65,6 @@ class ServeSettings:
     unpacked_keys: bool = True  # fused bf16 prefill: no K pack where the attention backend reads the keys unpacked
     cuda_graphs: bool = False  # replay a request shape's chunk loop as a CUDA graph (engine/graphs.py)
     kv_b_proj_gemm: str = "cublas"  # kv_b_proj's bf16 GEMM on a Hopper GPU (ops/kv_b_proj.py)
-    device_wait_spin_us: int = 0  # a request's thread polls for its end this long before waiting in the driver
     softmax_scale: float | None = None
     grace_seconds: float = 25.0  # SIGTERM: how long in-flight requests may take to finish
     max_message_bytes: int = 1 << 30  # gRPC send/receive limit
@@ -147,10 +146,6 @@ _HELP = {
                       f"fewer than {_PAGED_MAX_HEADS} heads and a chunk of one sequence starting on a 64-token "
                       "page (cuBLAS elsewhere). The same results; with --cuda-graphs, paged saves ~3 %% of a 16-head "
                       "request's device time (docs/DESIGN.md)",
-    "device_wait_spin_us": "on a GPU, how long (microseconds) the engine thread polls for a request's end, giving "
-                           "the core away between polls, before it waits in the CUDA driver (0: the driver at "
-                           "once). Polling keeps the thread on its core, so that it answers and takes the next "
-                           "request without coming back from a wait; it costs that core (docs/DESIGN.md)",
     "softmax_scale": "softmax scale (default (P+R)**-0.5; pass the final one, yarn mscale included)",
     "grace_seconds": "on SIGTERM/SIGINT: seconds in-flight requests get to finish before the server exits",
     "max_message_bytes": "largest gRPC message the server receives or sends, in bytes",
@@ -358,7 +353,6 @@ def ineffective_settings(s: ServeSettings) -> list[str]:
         (("seed", "kv_b_proj_dtype"), random_weights, "random weights: no --weights or --model"),
         (("k_scale",), s.cache_dtype == "fp8", "--cache-dtype fp8: fp8_ds_mla keeps a scale per tile"),
         (("kv_b_proj_gemm",), s.device != "cpu", "a Hopper GPU: on the CPU torch multiplies"),
-        (("device_wait_spin_us",), s.device != "cpu", "a GPU: on the CPU nothing waits for a device"),
         (("kv_b_proj_gemm",), not paged_on or s.cache_dtype == "auto",
          "--cache-dtype auto to read the cache: other caches are gathered and go through cuBLAS"),
         (("kv_b_proj_gemm",), not paged_on or bool(s.model) or worker_heads < _PAGED_MAX_HEADS,
@@ -463,8 +457,7 @@ def check_engine_settings(s: ServeSettings) -> None:
     cache = CacheConfig(s.cache_dtype, s.block_size, s.num_blocks, s.k_scale)
     config = EngineConfig(shape=shape, cache=cache, kv_b_proj_dtype="bf16" if s.weights else s.kv_b_proj_dtype,
                           prefill_dtype=s.prefill_dtype, workspace_tokens=s.workspace_tokens, fused=not s.generic,
-                          backend=s.backend, max_context_token_heads=s.max_context_token_heads,
-                          device_wait_spin_s=device_wait_spin_s(s))
+                          backend=s.backend, max_context_token_heads=s.max_context_token_heads)
     device = resolve_device(s.device)
     if s.backend != "auto":  # a named backend this device cannot run (auto picks among those that can)
         try:
@@ -474,14 +467,6 @@ def check_engine_settings(s: ServeSettings) -> None:
     shard_spec(s)  # --shard-index / --num-shards against --heads
     if s.weights and not os.path.isfile(s.weights):
         raise ConfigError(f"--weights: no such file {s.weights!r}")
-
-
-def device_wait_spin_s(s: ServeSettings) -> float:
-    """``--device-wait-spin-us`` in seconds (ConfigError naming it unless an integer in [0, 10 s])."""
-    v = s.device_wait_spin_us
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 10_000_000:
-        raise ConfigError(f"--device-wait-spin-us must be an integer in [0, 10000000], got {v!r}")
-    return v / 1e6
 
 
 def layer_prefix(prefix: str, layer: int, num_layers: int) -> str:

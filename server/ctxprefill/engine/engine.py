@@ -150,7 +150,7 @@ class PendingPrefill:
     def result(self) -> PrefillResult:
         self.write_cache()
         with self._engine._on_device():
-            r = self._pending.finish(self._engine.config.device_wait_spin_s)
+            r = self._pending.finish()
         stats = PrefillStats(**self._stats, launches=r.launches, stage_ns=r.stage_ns, total_ns=r.total_ns,
                              span_ns=r.span_ns, unpacked_keys=r.unpacked_keys, stages=r.stages, replay=r.replay)
         return PrefillResult(r.out, r.lse, stats)

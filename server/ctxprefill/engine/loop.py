@@ -452,9 +452,8 @@ class PendingLoop:
         self.out, self.lse, self.counts, self.timer = out, lse, counts, timer
         self.unpacked_keys, self.replay = unpacked_keys, replay
 
-    def finish(self, spin_s: float = 0.0) -> LoopResult:
-        """Wait for the work (polling for up to ``spin_s`` first: ``timing.poll``) and read it."""
-        stage_ns, total_ns = self.timer.finish(spin_s)
+    def finish(self) -> LoopResult:
+        stage_ns, total_ns = self.timer.finish()
         return LoopResult(self.out, self.lse, self.counts, stage_ns, total_ns, self.timer.span_ns,
                           self.unpacked_keys, self.timer.stages, self.replay)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -52,15 +51,6 @@ class StageSpan:
     chunk: int  # the chunk's index in the plan; -1: before the first chunk (the output's initialisation)
     start_ns: int  # perf_counter_ns clock; on a GPU the first stage's issue time plus its device offset
     duration_ns: int  # on the device's clock on a GPU
-
-
-def poll(event: torch.cuda.Event, spin_s: float) -> None:
-    """Ask ``event`` from this thread until it has fired or ``spin_s`` has passed, giving the
-    core and the GIL away between asks; the driver's wait does the rest. A thread that waits
-    in the driver comes back slow on some hosts (docs/DESIGN.md, "The host after a wait")."""
-    end = time.perf_counter() + spin_s
-    while not event.query() and time.perf_counter() < end:  # type: ignore[no-untyped-call]
-        os.sched_yield()
 
 
 # device index -> events ready for reuse (list append/pop are atomic under the GIL)
@@ -161,9 +151,8 @@ class StageTimer:
         yield
         self.end(started)
 
-    def finish(self, spin_s: float = 0.0) -> tuple[dict[str, int], int]:
-        """(nanoseconds per stage, total nanoseconds); synchronizes on a GPU, polling the
-        request's end for up to ``spin_s`` first (:func:`poll`)."""
+    def finish(self) -> tuple[dict[str, int], int]:
+        """(nanoseconds per stage, total nanoseconds); synchronizes on a GPU."""
         if self.cuda:
             # the request's last stage's end event (every stage is on one stream): work queued
             # after the request (the next one's, in a pipelined server) is not waited for
@@ -173,8 +162,6 @@ class StageTimer:
                 # on a GPU every mark is an event
                 events = cast(list[tuple[str, torch.cuda.Event, torch.cuda.Event]], self._events)
                 first, last = cast(torch.cuda.Event, self._first), cast(torch.cuda.Event, self._last)
-                if spin_s > 0:
-                    poll(last, spin_s)
                 last.synchronize()
                 pairs = [(first, last)] + [(a, b) for _, a, b in events]
                 if self._offsets:
