@@ -761,8 +761,8 @@ BENCHMARKS = (
           "`ctxprefill bench` at 16 and 128 heads, 1,024 new tokens over 64k context, every cache and prefill dtype: "
           "one engine in one process runs the same request through the fused and the generic path (bit for bit "
           "the same answer), timed per stage, beside the floor (kv_b_proj and attention FLOPs at the measured GEMM "
-          "rate + gather/pack bytes at the measured copy bandwidth). Two runs: an H100 (`bench_engine`, the machine "
-          "of `probe_host_quiet`; the plot) and an H200 (`bench_engine_h200`).",
+          "rate + gather/pack bytes at the measured copy bandwidth). Two runs: an H100 (`bench_engine`; the plot) "
+          "and an H200 (`bench_engine_h200`).",
           plots=("engine_stages.png",), note=" (`BENCH_ENGINE_FILE=bench_engine_h200` names the second file)"),
     Bench("The gather folded into kv_b_proj's GEMM, and the merges beside it: paged against cuBLAS, merges "
           "beside against in line", "bench_engine",
