@@ -88,11 +88,12 @@ def test_both_gemm_launchers_launch_persistent_programs(monkeypatch):
     monkeypatch.setattr(kg, "_device_facts", lambda index: (9, 132))
     knobs = {k: kg.CONFIG[k] for k in ("BM", "BN", "BK", "STAGES", "GROUP_M", "PINGPONG")}
     w = torch.zeros((4096, 512), dtype=torch.bfloat16)
-    out = kg.launch(torch.zeros((16384, 512), dtype=torch.bfloat16), w)  # 128 x 16 tiles: one program per SM
+    latent = torch.zeros((16384, 512), dtype=torch.bfloat16)
+    out = kg.launch(latent, w)  # 128 x 16 tiles: one program per SM
     assert out.shape == (16384, 4096) and out.dtype == torch.bfloat16
     name, grid, args, kw = calls.pop()
     assert (name, grid, kw) == ("gemm", (132,), dict(knobs, num_warps=4, maxnreg=kg._MAXNREG))
-    assert args[:6] == (args[0], w, out, 16384, 4096, 512)
+    assert args[:6] == (latent, w, out, 16384, 4096, 512) and args[0] is latent
     cache = torch.zeros((256, 1152), dtype=torch.uint8)
     ws = torch.zeros((200, 576), dtype=torch.bfloat16)
     table, cu, st = (torch.zeros((1, 4), dtype=torch.int32), torch.tensor([0, 200], dtype=torch.int32),
@@ -101,5 +102,10 @@ def test_both_gemm_launchers_launch_persistent_programs(monkeypatch):
     assert out.shape == (200, 4096)
     name, grid, args, kw = calls.pop()
     assert (name, grid, kw) == ("paged", (32,), dict(knobs, num_warps=4, maxnreg=kg._MAXNREG))
-    assert args[2:11] == (w, out, args[4], table, cu, st, 200, 4096, 512) and args[11:14] == (256, 1, 64)
+    assert args[2:4] == (w, out) and args[5:11] == (table, cu, st, 200, 4096, 512) and args[11:14] == (256, 1, 64)
+    # the cache's bf16 rows, their k_pe columns and the workspace's k_pe columns, as views
+    view, k_pe, ws_pe = args[0], args[1], args[4]
+    assert view.dtype == torch.bfloat16 and view.shape == (256, 576) and view.data_ptr() == cache.data_ptr()
+    assert k_pe.shape == (256, 64) and k_pe.data_ptr() == cache.data_ptr() + 512 * 2
+    assert ws_pe.shape == (200, 64) and ws_pe.data_ptr() == ws.data_ptr() + 512 * 2
     assert not calls
