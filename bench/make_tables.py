@@ -113,15 +113,19 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
     ab = next((r["gemm_ab"] for r in d.get("rows", []) if "gemm_ab" in r), None)
     # runs with --merges-ab: the graph with its merges in line and beside, interleaved rounds
     mab = any("merges_beside_replay_s" in r for r in d.get("rows", []))
+    # runs with --graph-variants-ab: the graph with attention told it is captured and not
+    vab = any("graph_variants_on_replay_s" in r for r in d.get("rows", []))
     lines += ["| H | new | ctx | cache | prefill | chunks | generic ms | " + ("fused + K pack ms | " if packed else "")
               + "fused ms | speed-up | floor ms | fused / floor | fused gap ms | "
               + ("fused, CUDA graph ms | graph / floor | graph: host outside the replay ms | " if graph else "")
               + (f"GEMM {ab}: fused ms | GEMM {ab}: graph ms | replay / {ab}'s | " if ab else "")
               + ("replay, merges in line ms | replay, merges beside ms | beside / in line | " if mab else "")
+              + ("replay, attention's eager variant ms | replay, its captured variant ms | captured / eager | "
+                 if vab else "")
               + "launches/chunk generic→fused | bit-identical |",
               "|---|---|---|---|---|---|---|" + ("---|" if packed else "") + "---|---|---|---|---|"
               + ("---|---|---|" if graph else "") + ("---|---|---|" if ab else "") + ("---|---|---|" if mab else "")
-              + "---|---|"]
+              + ("---|---|---|" if vab else "") + "---|---|"]
     notes = []
     for r in d.get("rows", []):
         if "speedup" not in r:
@@ -157,6 +161,10 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
             + (f"{_ms(r.get('merges_in_line_replay_s'), '.3f')} "
                f"| {_ms(r.get('merges_beside_replay_s'), '.3f')} "
                f"| {_num(_ratio(r, 'merges_beside_replay_s', 'merges_in_line_replay_s'), '.3f')} | " if mab else "")
+            + (f"{_ms(r.get('graph_variants_off_replay_s'), '.3f')} "
+               f"| {_ms(r.get('graph_variants_on_replay_s'), '.3f')} "
+               f"| {_num(_ratio(r, 'graph_variants_on_replay_s', 'graph_variants_off_replay_s'), '.3f')} | "
+               if vab else "")
             + f"{_num(lg, '.0f')} → {_num(lf, '.0f')} "
             f"| {'yes' if r.get('bit_identical') else '**NO**'} |")
     if notes:

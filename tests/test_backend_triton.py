@@ -143,31 +143,35 @@ def test_many_segments_longest_first_and_past_the_sort_limit(B):
 @cpu_interp
 @pytest.mark.parametrize("backend", [TritonAttentionBackend, GluonAttentionBackend], ids=["triton", "gluon"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-def test_warm_up_runs_every_variant(dtype, backend, monkeypatch):
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
+def test_warm_up_runs_every_variant(dtype, backend, captured, monkeypatch):
     """The backend's warm-up runs the kernel with 1 and 2 segments (program order by
     length or not), on grids below and at least ``programs`` programs (the register
     cap applies or not), with the backend's config (triton: the warp-specialized kernel
-    off) — here in the interpreter."""
+    off), and with ``captured`` each also as a captured launch where the backend has
+    variants for CUDA graphs (gluon) — here in the interpreter."""
     calls = []
     real = ta.mla_context_attention
 
     def spy(q, k, v, cu_q, cu_k, max_q, max_k, scale, **kw):
         calls.append((cu_q.diff().tolist(), -(-max_q // ta.BLOCK_M_MAX) * q.shape[1] * (cu_q.numel() - 1),
                       "k_rope" if kw.get("k_rope") is not None else kw.get("v_layout", "thd"),
-                      kw.get("tile_order") is not None))
+                      kw.get("tile_order") is not None, kw.get("captured", False)))
         assert kw["config"] == backend.config
         return real(q, k, v, cu_q, cu_k, max_q, max_k, scale, **kw)
 
     monkeypatch.setattr(ta, "mla_context_attention", spy)
-    backend().warm_up(torch.device(DEV), heads=2, q_dtype=dtype, programs=5)
+    backend().warm_up(torch.device(DEV), heads=2, q_dtype=dtype, captured=captured, programs=5)
     # fp8: every variant also with V keys-last (what the engine's fp8 pack gives); bf16: also
     # with the keys unpacked (the engine's unpacked keys); gluon on a GPU: the several-segment
     # ones also with a launch order (the warp-specialized kernel's 1-D variant)
     layouts = ["thd", "hdt"] if dtype == FP8 else ["thd", "k_rope"]
     orders = [False, True] if DEV == "cuda" and backend.caps.launch_order else [False]
-    want = [(ql, lay, o) for ql in ([1], [1, 1], [384], [384, 384])  # 3 x 128 rows x 2 heads >= 5
-            for o in (orders if len(ql) > 1 else [False]) for lay in layouts]
-    assert [(c[0], c[2], c[3]) for c in calls] == want
+    caps = [False, True] if captured and backend.caps.graph_variants else [False]
+    want = [(ql, lay, o, c) for ql in ([1], [1, 1], [384], [384, 384])  # 3 x 128 rows x 2 heads >= 5
+            for o in (orders if len(ql) > 1 else [False]) for c in caps for lay in layouts]
+    assert [(c[0], c[2], c[3], c[4]) for c in calls] == want
+    assert (backend is GluonAttentionBackend) == backend.caps.graph_variants
     small = [c for c in calls if c[0] in ([1], [1, 1])]
     assert all(c[1] < 5 for c in small) and all(c[1] >= 5 for c in calls[len(small):])
 
@@ -810,6 +814,13 @@ def test_p_regs_wants_slack_past_the_keys():
     assert not ta.ws_config(regs, dict(WS=dict(STAGES=2)), q, tight, tight[..., 128:], True)["P_REGS"]
     assert ta.ws_config(regs, dict(WS=regs), q, tight, tight[..., 128:], True)["P_REGS"]
     assert ta.ws_config(True, None, q, tight, tight[..., 128:], True) == ga.CONFIG
+    # a captured launch takes CAPTURED_WS over the defaults, except for what the caller's WS sets
+    assert ta.CAPTURED_WS == dict(HOST_DESC=True) and not ga.CONFIG["HOST_DESC"]
+    assert ta.ws_config(regs, None, q, k, k[..., 128:], True, captured=True) == \
+        dict(ga.CONFIG, **regs, **ta.CAPTURED_WS)
+    assert not ta.ws_config(regs, dict(WS=dict(HOST_DESC=False)), q, k, k[..., 128:], True,
+                            captured=True)["HOST_DESC"]
+    assert not ta.ws_config(regs, None, q, k, k[..., 128:], True)["HOST_DESC"]
     # launch checks before it compiles or launches anything
     cu = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="P_REGS"):

@@ -132,17 +132,18 @@ def test_profile_engine_on_the_cpu(capsys):
     assert len(rows) == 5, out
 
 
-def test_merges_ab_interleaves_its_rounds_and_checks_every_replays_bits():
-    """bench --merges-ab: in line first in the 1st and 3rd rounds, beside first in the 2nd,
-    each captured anew (graphs released), the arrangement set back after; every replay is
-    held to the given result's bits, so one that differs marks the row."""
+@pytest.mark.parametrize("switch", ["merges_beside", "graph_variants"])
+def test_graphs_ab_interleaves_its_rounds_and_checks_every_replays_bits(switch):
+    """bench --merges-ab / --graph-variants-ab: the switch off first in the 1st and 3rd
+    rounds, on first in the 2nd, each captured anew (graphs released), the switch set back
+    after; every replay is held to the given result's bits, so one that differs marks the row."""
     import types
 
     import torch
 
     class FakeEngine:
         def __init__(self, odd_one: int | None = None):
-            self.graphs = types.SimpleNamespace(merges_beside=False)
+            self.graphs = types.SimpleNamespace(merges_beside=False, graph_variants=True)
             self.order, self.released, self.odd_one = [], 0, odd_one
 
         def release_graphs(self):
@@ -150,22 +151,25 @@ def test_merges_ab_interleaves_its_rounds_and_checks_every_replays_bits():
 
         def prefill_context(self, q, seqs, fused, graphs_on):
             assert graphs_on
-            self.order.append(self.graphs.merges_beside)
+            self.order.append(getattr(self.graphs, switch))
             bad = self.odd_one is not None and len(self.order) == self.odd_one
             return types.SimpleNamespace(out=torch.full((2,), 1.0 if bad else 0.0, dtype=torch.bfloat16),
                                          lse=torch.zeros(2), stats=types.SimpleNamespace(
-                                             stage_ns={"graph": 1000}, span_ns=1000))
+                                             stage_ns={"graph": 1000 if getattr(self.graphs, switch) else 2000},
+                                             span_ns=1000))
 
     want = types.SimpleNamespace(out=torch.zeros(2, dtype=torch.bfloat16), lse=torch.zeros(2))
     it = dict(max_iters=1, min_iters=1, target_s=0.0)
     e = FakeEngine()
-    got = bench._merges_ab(e, None, [], torch.device("cpu"), 3, it, want)
+    was = getattr(e.graphs, switch)
+    got = bench._graphs_ab(e, None, [], torch.device("cpu"), switch, 3, it, want)
     per_round = [e.order[i * 3] for i in range(6)]  # 2 warm-ups and 1 timed call each
     assert per_round == [False, True, True, False, False, True] and e.released == 7
-    assert got["same"] and got["rounds"] == 3 and got["beside_replay_s"] == pytest.approx(1e-6)
-    assert e.graphs.merges_beside is False
+    assert got["same"] and got["rounds"] == 3
+    assert got["on_replay_s"] == pytest.approx(1e-6) and got["off_replay_s"] == pytest.approx(2e-6)
+    assert getattr(e.graphs, switch) is was
     e = FakeEngine(odd_one=9)  # the timed replay of the 2nd round's first capture differs
-    assert not bench._merges_ab(e, None, [], torch.device("cpu"), 3, it, want)["same"]
+    assert not bench._graphs_ab(e, None, [], torch.device("cpu"), switch, 3, it, want)["same"]
 
 
 def _profile_engine():

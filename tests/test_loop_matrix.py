@@ -256,6 +256,45 @@ def test_launch_order_asked_per_chunk_and_given_on_the_device():
         assert torch.equal(bits(x.out), bits(plain.out)) and torch.equal(bits(x.lse), bits(plain.lse))
 
 
+class _CapturedReference(ReferenceBackend):
+    """The reference attention noting each call's ``captured`` (with or without the caps'
+    ``graph_variants``)."""
+
+    def __init__(self, graph_variants: bool):
+        super().__init__(honor_out=True)
+        self.caps = dataclasses.replace(self.caps, graph_variants=graph_variants)
+        self.given = []
+
+    def run_context_chunk(self, *args, **kw):
+        self.given.append(kw.get("captured", "absent"))
+        return super().run_context_chunk(*args, **kw)
+
+
+@pytest.mark.parametrize("graph_variants", [False, True])
+def test_a_captured_loop_tells_attention_only_where_its_caps_take_it(graph_variants):
+    """start_chunk_loop(captured=True), as engine/graphs.py records a loop: every chunk's
+    attention call gets ``captured=True`` where the backend's caps have ``graph_variants``,
+    none at all otherwise (a backend refuses what its caps rule out), and an eager loop
+    never; the result is the same bits."""
+    from ctxprefill.engine.engine import PrefillRequest, validate_prefill
+    from ctxprefill.engine.loop import start_chunk_loop
+
+    c = CASES["larger"]
+    be = _CapturedReference(graph_variants)
+    eng = make_engine(backend=be, heads=c["heads"], block_size=c["block"], num_blocks=c["blocks"],
+                      workspace_tokens=c["W"])
+    q, seqs = make_request(eng, c["contexts"], c["queries"], seed=2)
+    checked = validate_prefill(PrefillRequest(q, seqs), eng.config, eng.instance_id)
+    got = [start_chunk_loop(eng.loop_inputs(checked), be, True, captured=cap).finish() for cap in (True, False)]
+    n = len(checked.chunks)
+    assert n > 1 and be.given == [True if graph_variants else "absent"] * n + ["absent"] * n
+    assert torch.equal(bits(got[0].out), bits(got[1].out)) and torch.equal(bits(got[0].lse), bits(got[1].lse))
+    if not graph_variants:
+        with pytest.raises(ValueError, match="graph_variants"):
+            be.run_context_chunk(q, q, q[..., :128], *[torch.zeros(2, dtype=torch.int32)] * 2, 1, 1, 1.0,
+                                 captured=True)
+
+
 class _RecordingUnpacked(ReferenceBackend):
     """The reference backend reading the keys unpacked; notes what each call was given."""
 

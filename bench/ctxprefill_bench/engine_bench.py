@@ -200,29 +200,30 @@ def _with_gemm(engine, q, seqs, dev, gemm: str, it: dict) -> dict:
     return r
 
 
-def _merges_ab(engine, q, seqs, dev, rounds: int, it: dict, want) -> dict:
-    """The fused request as a CUDA graph with its merges in line (after each attention) and
-    on a branch of their own (``LoopGraphs.merges_beside``), in ``rounds`` interleaved rounds
-    (in line first in the 1st, 3rd, … round, beside first in the others: a GPU under its
-    power cap slows over a run), each captured anew: per arrangement the median of the
-    rounds' medians of the request and of the replay, and whether every replay gave the
-    bits of ``want`` (a result of the same request)."""
+def _graphs_ab(engine, q, seqs, dev, switch: str, rounds: int, it: dict, want) -> dict:
+    """The fused request as a CUDA graph with ``LoopGraphs``' boolean ``switch`` off and on
+    (``merges_beside``: the merges in line or on a branch of their own; ``graph_variants``:
+    attention told it is captured or not), in ``rounds`` interleaved rounds (off first in
+    the 1st, 3rd, … round, on first in the others: a GPU under its power cap slows over a
+    run), each captured anew: per setting the median of the rounds' medians of the request
+    and of the replay, and whether every replay gave the bits of ``want`` (a result of the
+    same request)."""
     graphs = engine.graphs
-    was = graphs.merges_beside
+    was = getattr(graphs, switch)
     got: dict[bool, list[dict]] = {False: [], True: []}
     try:
         for r in range(rounds):
-            for beside in ((False, True) if r % 2 == 0 else (True, False)):
+            for on in ((False, True) if r % 2 == 0 else (True, False)):
                 engine.release_graphs()
-                graphs.merges_beside = beside
-                got[beside].append(time_request(engine, q, seqs, True, dev, graphs_on=True, **it))
+                setattr(graphs, switch, on)
+                got[on].append(time_request(engine, q, seqs, True, dev, graphs_on=True, **it))
     finally:
-        graphs.merges_beside = was
+        setattr(graphs, switch, was)
         engine.release_graphs()
     out = {"rounds": rounds, "same": all(_same_bits(t["result"], want) for ts in got.values() for t in ts)}
-    for beside, name in ((False, "in_line"), (True, "beside")):
-        out[f"{name}_s"] = statistics.median(t["median_s"] for t in got[beside])
-        out[f"{name}_replay_s"] = statistics.median(t["stage_s"].get("graph", 0.0) for t in got[beside])
+    for on, name in ((False, "off"), (True, "on")):
+        out[f"{name}_s"] = statistics.median(t["median_s"] for t in got[on])
+        out[f"{name}_replay_s"] = statistics.median(t["stage_s"].get("graph", 0.0) for t in got[on])
     return out
 
 
@@ -445,6 +446,9 @@ def main(argv=None) -> int:
     p.add_argument("--merges-ab", type=int, default=0, metavar="ROUNDS",
                    help="also time each row's CUDA graph with its merges in line and on a branch of their own "
                         "(engine/graphs.py), in this many interleaved rounds (0: off)")
+    p.add_argument("--graph-variants-ab", type=int, default=0, metavar="ROUNDS",
+                   help="also time each row's CUDA graph with attention told it is captured and not (its "
+                        "variants for CUDA graphs, engine/graphs.py), in this many interleaved rounds (0: off)")
     p.add_argument("--out", default=None, help="write JSON results here (rewritten after every row)")
     ns = p.parse_args(argv)
     if ns.sequences < 1:
@@ -532,7 +536,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                           kv_b_proj_dtype=ns.kv_b_proj_dtype, workspace_tokens=ns.workspace_tokens, backend=ns.backend,
                           kv_b_proj_gemm=gemm)
         t_row = time.monotonic()
-        engine = q = seqs = g = f = fp = fgr = ab = mab = None
+        engine = q = seqs = g = f = fp = fgr = ab = mab = vab = None
         try:
             engine = engines.build(s)
             q, seqs = make_device_request(engine, ctx_lens, new_lens, seed=i)
@@ -558,8 +562,11 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                     ab = _with_gemm(engine, q, seqs, dev, ns.gemm_ab, it)
                     same = same and ab["same"]
                 if fgr is not None and ns.merges_ab > 0:
-                    mab = _merges_ab(engine, q, seqs, dev, ns.merges_ab, it, rg)
+                    mab = _graphs_ab(engine, q, seqs, dev, "merges_beside", ns.merges_ab, it, rg)
                     same = same and mab["same"]
+                if fgr is not None and ns.graph_variants_ab > 0:
+                    vab = _graphs_ab(engine, q, seqs, dev, "graph_variants", ns.graph_variants_ab, it, rg)
+                    same = same and vab["same"]
             unordered = _without_launch_order(engine, q, seqs, dev, it) if ns.sequences > 1 else None
             if unordered is not None:
                 same = same and _same_bits(rf, unordered["result"])
@@ -630,10 +637,15 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                 "fused_graph_ab_replay_s": ab["stage_s"].get("graph", 0.0), "fused_graph_ab_outside_s": ab["outside_s"],
                 "fused_graph_ab_over_floor": ab["median_s"] / floor, "ab_bit_identical": ab["same"]} if ab else {}),
             # --merges-ab: the graph with its merges in line and beside, interleaved rounds
-            **({"merges_ab_rounds": mab["rounds"], "merges_in_line_s": mab["in_line_s"],
-                "merges_in_line_replay_s": mab["in_line_replay_s"], "merges_beside_s": mab["beside_s"],
-                "merges_beside_replay_s": mab["beside_replay_s"], "merges_ab_bit_identical": mab["same"]}
+            **({"merges_ab_rounds": mab["rounds"], "merges_in_line_s": mab["off_s"],
+                "merges_in_line_replay_s": mab["off_replay_s"], "merges_beside_s": mab["on_s"],
+                "merges_beside_replay_s": mab["on_replay_s"], "merges_ab_bit_identical": mab["same"]}
                if mab else {}),
+            # --graph-variants-ab: the graph with attention told it is captured and not, interleaved rounds
+            **({"graph_variants_ab_rounds": vab["rounds"], "graph_variants_off_s": vab["off_s"],
+                "graph_variants_off_replay_s": vab["off_replay_s"], "graph_variants_on_s": vab["on_s"],
+                "graph_variants_on_replay_s": vab["on_replay_s"], "graph_variants_ab_bit_identical": vab["same"]}
+               if vab else {}),
             "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],
             **({"floor_sustained_s": held, "fused_over_sustained_floor": tf / held} if held else {}),
             **({"fused_graph_over_sustained_floor": fgr["median_s"] / held} if held and fgr else {}),
@@ -650,7 +662,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
         })
         if ns.out:
             _write_json(ns.out, meta, rows)
-        engine = q = seqs = g = f = rg = rf = fp = fgr = unordered = ab = mab = None
+        engine = q = seqs = g = f = rg = rf = fp = fgr = unordered = ab = mab = vab = None
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     done = [r for r in rows if "speedup" in r]

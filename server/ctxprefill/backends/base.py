@@ -9,7 +9,7 @@ What a backend can do is declared once, as a :class:`BackendCaps` (the class att
 ``caps``); whether it can run on a device, for a q dtype, is
 :meth:`AttentionBackend.unavailable_reason`. The chunk loop (``engine/loop.py``) reads the
 caps once per request and passes :meth:`AttentionBackend.run_context_chunk` only the
-inputs they allow (``k_rope``, ``v_layout="hdt"``, ``launch_order``); every other argument
+inputs they allow (``k_rope``, ``v_layout="hdt"``, ``launch_order``, ``captured``); every other argument
 keeps its default. A backend refuses what its caps rule out
 (:meth:`AttentionBackend.refuse_outside_caps`), whoever the caller.
 
@@ -57,6 +57,10 @@ class BackendCaps:
     #: builds a launch order per chunk on the host (:meth:`AttentionBackend.launch_order`),
     #: which the chunk loop copies to the device and passes as ``launch_order=``
     launch_order: bool = False
+    #: takes ``run_context_chunk(captured=True)`` for launches recorded into a CUDA graph
+    #: (engine/graphs.py), where it may pick variants that cost the host more per launch
+    #: (paid once, at capture) and the device less, with the same bits
+    graph_variants: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,6 +113,7 @@ class AttentionBackend(abc.ABC):
         v_layout: VLayout = "thd",
         cu_seqlens_v: torch.Tensor | None = None,
         launch_order: LaunchOrder | None = None,
+        captured: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of one chunk: B segments, query segment b over key segment b.
 
@@ -157,6 +162,9 @@ class AttentionBackend(abc.ABC):
         launch_order : LaunchOrder, optional
             This chunk's :meth:`launch_order` on the device; only where ``caps.launch_order``.
             It changes the order in which tiles run, never a result bit.
+        captured : bool
+            The launch is being recorded into a CUDA graph; only where
+            ``caps.graph_variants``. It may change the kernel variant, never a result bit.
 
         Returns
         -------
@@ -176,7 +184,8 @@ class AttentionBackend(abc.ABC):
         return None
 
     def refuse_outside_caps(self, q_dtype: torch.dtype, k_rope: torch.Tensor | None, v_layout: VLayout,
-                            cu_seqlens_v: torch.Tensor | None, launch_order: LaunchOrder | None) -> None:
+                            cu_seqlens_v: torch.Tensor | None, launch_order: LaunchOrder | None,
+                            captured: bool = False) -> None:
         """ValueError naming the input of :meth:`run_context_chunk` that ``caps`` rule out for
         ``q_dtype``: a caller outside the chunk loop (which passes only what they allow) is
         refused, not ignored. Each backend's ``run_context_chunk`` calls it first."""
@@ -189,11 +198,15 @@ class AttentionBackend(abc.ABC):
                              f"{', cu_seqlens_v' if cu_seqlens_v is not None else ''} given; caps.v_keys_last)")
         if launch_order is not None and not caps.launch_order:
             raise ValueError(f"the {self.name} backend takes no launch order (its caps.launch_order is False)")
+        if captured and not caps.graph_variants:
+            raise ValueError(f"the {self.name} backend has no variants for CUDA graphs (captured=True given; "
+                             f"caps.graph_variants)")
 
-    def warm_up(self, device: torch.device, heads: int, q_dtype: torch.dtype) -> None:
+    def warm_up(self, device: torch.device, heads: int, q_dtype: torch.dtype, captured: bool = False) -> None:
         """Build or compile, before the server is ready, the kernel variants that chunks
-        of ``heads`` heads may need beyond those the engine's warm-up requests reach.
-        Nothing by default."""
+        of ``heads`` heads may need beyond those the engine's warm-up requests reach;
+        ``captured``: also those of launches recorded into CUDA graphs
+        (``caps.graph_variants``). Nothing by default."""
         return None
 
 

@@ -131,9 +131,9 @@ class CudnnDenseBackend(AttentionBackend):
             return f"cudnn backend delegates ragged chunks to triton, which is unavailable: {why}"
         return None
 
-    def warm_up(self, device: torch.device, heads: int, q_dtype: torch.dtype) -> None:
+    def warm_up(self, device: torch.device, heads: int, q_dtype: torch.dtype, captured: bool = False) -> None:
         # ragged and causal chunks go to a kernel backend: its variants, not cuDNN plans
-        # (those are per length pair and cannot be built ahead)
+        # (those are per length pair and cannot be built ahead); never captured ones (caps)
         self._delegate(torch.device(device), q_dtype).warm_up(device, heads, q_dtype)
 
     # -- the call -------------------------------------------------------------------------
@@ -235,8 +235,9 @@ class CudnnDenseBackend(AttentionBackend):
         v_layout: VLayout = "thd",
         cu_seqlens_v: torch.Tensor | None = None,
         launch_order: LaunchOrder | None = None,
+        captured: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.refuse_outside_caps(q.dtype, k_rope, v_layout, cu_seqlens_v, launch_order)
+        self.refuse_outside_caps(q.dtype, k_rope, v_layout, cu_seqlens_v, launch_order, captured)
         if not self._dense_blocker(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, out, causal):
             try:
                 o, lse, n = self._run_dense(q, k, v, scale, out)

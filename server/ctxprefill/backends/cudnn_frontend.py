@@ -487,8 +487,9 @@ class CudnnFrontendBackend(AttentionBackend):
         v_layout: VLayout = "thd",
         cu_seqlens_v: torch.Tensor | None = None,
         launch_order: LaunchOrder | None = None,
+        captured: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.refuse_outside_caps(q.dtype, k_rope, v_layout, cu_seqlens_v, launch_order)
+        self.refuse_outside_caps(q.dtype, k_rope, v_layout, cu_seqlens_v, launch_order, captured)
         self._check(q, k, v, cu_seqlens_q, cu_seqlens_k, out)
         if q.device.type != "cuda" and not _interpreting():
             raise RuntimeError("cudnn-frontend runs CUDA tensors (CPU tensors only in the tests, under "

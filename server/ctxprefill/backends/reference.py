@@ -76,8 +76,9 @@ class ReferenceBackend(AttentionBackend):
         v_layout: VLayout = "thd",
         cu_seqlens_v: torch.Tensor | None = None,
         launch_order: LaunchOrder | None = None,
+        captured: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.refuse_outside_caps(q.dtype, k_rope, v_layout, cu_seqlens_v, launch_order)
+        self.refuse_outside_caps(q.dtype, k_rope, v_layout, cu_seqlens_v, launch_order, captured)
         if k_rope is not None:
             k = torch.cat([k, k_rope], dim=-1)  # the reference computes over the packed keys
         o, lse = attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)

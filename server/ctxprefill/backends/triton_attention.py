@@ -152,6 +152,10 @@ CONFIGS: dict[torch.dtype, dict[str, Any]] = {
 #: caller's K lacks the rows past its end P_REGS reads, ``ws_config`` stages P instead.
 KEYS_LAST_FP8: dict[str, Any] = dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True,
                                                           P_REGS=True))
+#: over the warp-specialized kernel's settings, for launches recorded into a CUDA graph
+#: (``captured``), where what the host spends on a launch is paid once: q's and K's TMA
+#: descriptors made by the launch (``HOST_DESC``) instead of by every program
+CAPTURED_WS: dict[str, Any] = dict(HOST_DESC=True)
 
 if triton is not None:
     # globals read inside @triton.jit code must be constexpr
@@ -435,6 +439,7 @@ def mla_context_attention(
     cu_seqlens_v: torch.Tensor | None = None,
     tile_order: TileOrder | None = None,
     k_rope: torch.Tensor | None = None,
+    captured: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention, one launch. Returns ``(out [Tq,H,128] bf16, lse [H,Tq] f32, ln)``.
 
@@ -471,6 +476,8 @@ def mla_context_attention(
     softmax overlaps the other's MMAs). ``max_k`` is accepted for the interface; the kernel does not need it.
     USE_TMA loads q/k/v through per-(segment, head) device-side tensor descriptors (Hopper
     TMA); inputs whose base or strides are not 16-byte aligned silently use the pointer path.
+    ``captured``: the launch is being recorded into a CUDA graph, and the warp-specialized
+    kernel takes ``CAPTURED_WS`` where ``config``'s WS does not set those keys (the same bits).
     """
     if triton is None:
         raise RuntimeError(_TRITON_ERR)
@@ -570,7 +577,7 @@ def mla_context_attention(
             and q.device.type == "cuda" and _capability(q.device)[0] == 9:
         # (fp8: P·V in fp8 over keys-last V only — Hopper's fp8 MMA wants V K-major)
         # warp-specialized Gluon kernel (Hopper): same semantics, FA3's structure
-        ws_cfg = ws_config(ws, config, q, k, kr, v_t)
+        ws_cfg = ws_config(ws, config, q, k, kr, v_t, captured)
         ws_grid = (max(1, -(-int(max_q) // ws_cfg["BLOCK_M"])), H, max(B, 1))
         ordered = tile_order is not None  # then a 1-D launch in that order, no in-kernel sort
         _ws.launch(q, k, kr, v, out, lse, cu_seqlens_q, cu_seqlens_k,
@@ -594,12 +601,16 @@ def mla_context_attention(
 
 
 def ws_config(ws: dict | bool, config: dict | None, q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor,
-              v_t: bool) -> dict[str, Any]:
-    """The Gluon kernel's config for a call: ``ws`` over its defaults. ``P_REGS`` where it
+              v_t: bool, captured: bool = False) -> dict[str, Any]:
+    """The Gluon kernel's config for a call: ``ws`` over its defaults, and ``CAPTURED_WS``
+    over both where ``captured`` (for the keys ``config``'s WS does not set). ``P_REGS`` where it
     comes from the defaults and the inputs cannot take it (K without the rows past its end
     that it reads) falls back to P staged in shared memory; asked for in ``config``, the
     launch refuses such inputs (the inputs are checked once, here or there)."""
     cfg = dict(_ws.CONFIG, **(ws if isinstance(ws, dict) else {}))
+    if captured:
+        asked = (config or {}).get("WS")
+        cfg.update({key: val for key, val in CAPTURED_WS.items() if not (isinstance(asked, dict) and key in asked)})
     if cfg["P_REGS"] and not _asks_p_regs(config) and _ws.p_regs_problem(q, k, kr, v_t) is not None:
         cfg["P_REGS"] = False
     return cfg
@@ -740,21 +751,24 @@ class TritonAttentionBackend(AttentionBackend):
         v_layout: VLayout = "thd",
         cu_seqlens_v: torch.Tensor | None = None,
         launch_order: LaunchOrder | None = None,
+        captured: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.refuse_outside_caps(q.dtype, k_rope, v_layout, cu_seqlens_v, launch_order)
+        self.refuse_outside_caps(q.dtype, k_rope, v_layout, cu_seqlens_v, launch_order, captured)
         order = None if launch_order is None else \
             TileOrder(launch_order.codes, cu_seqlens_q.numel() - 1, q.shape[1], launch_order.m_tiles)
         return mla_context_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale,
                                      out=out, causal=causal, config=self.config, v_layout=v_layout,
-                                     cu_seqlens_v=cu_seqlens_v, tile_order=order, k_rope=k_rope)
+                                     cu_seqlens_v=cu_seqlens_v, tile_order=order, k_rope=k_rope, captured=captured)
 
-    def warm_up(self, device: torch.device, heads: int, q_dtype: torch.dtype, programs: int | None = None) -> None:
+    def warm_up(self, device: torch.device, heads: int, q_dtype: torch.dtype, captured: bool = False,
+                programs: int | None = None) -> None:
         """Compile every variant of the kernel a chunk can pick: program order by segment
         length or not (1 or 2 segments), and for configs with a register cap, grids below
         and above ``programs`` (default: two programs per SM) — a variant compiled on a
         request's path costs that request seconds; bf16 also with the keys unpacked, fp8
-        with both V layouts; with a launch order too where the backend builds them. Keys
-        of length 1, zero inputs."""
+        with both V layouts; with a launch order too where the backend builds them; and
+        with ``captured`` (where ``caps.graph_variants``) each as captured launches take it
+        too. Keys of length 1, zero inputs."""
         device = torch.device(device)
         if programs is None:
             if device.type != "cuda":
@@ -777,17 +791,18 @@ class TritonAttentionBackend(AttentionBackend):
                 m_tiles = -(-max(q_lens) // _ws.CONFIG["BLOCK_M"])
                 orders.append(TileOrder(torch.arange(n * m_tiles * heads, dtype=torch.int32, device=device), n, heads,
                                         m_tiles))
-            for order in orders:
+            for order, cap in itertools.product(orders, (False, True) if captured and self.caps.graph_variants
+                                                else (False,)):
                 mla_context_attention(q, k, v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, config=self.config,
-                                      tile_order=order)
+                                      tile_order=order, captured=cap)
                 if q_dtype == torch.bfloat16:  # the engine's unpacked keys: k_rope shared by the heads
                     kr = torch.zeros(n, 1, D_ROPE, dtype=q_dtype, device=device).expand(n, heads, D_ROPE)
                     mla_context_attention(q, k[..., :D_NOPE], v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0,
-                                          config=self.config, tile_order=order, k_rope=kr)
+                                          config=self.config, tile_order=order, k_rope=kr, captured=cap)
                 if q_dtype in self.caps.v_keys_last:  # as the engine's pack gives it: segments 16 columns apart
                     vt = torch.zeros(heads, D_V, 16 * n, dtype=q_dtype, device=device)
                     mla_context_attention(q, k, vt, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, config=self.config,
-                                          v_layout="hdt", cu_seqlens_v=cu([16] * n), tile_order=order)
+                                          v_layout="hdt", cu_seqlens_v=cu([16] * n), tile_order=order, captured=cap)
 
 
 class GluonAttentionBackend(TritonAttentionBackend):
@@ -797,7 +812,7 @@ class GluonAttentionBackend(TritonAttentionBackend):
     the rest. Same contract and caps as ``triton``, plus the launch order."""
 
     name = "gluon"
-    caps = dataclasses.replace(_CAPS, launch_order=True)
+    caps = dataclasses.replace(_CAPS, launch_order=True, graph_variants=True)
     config = None  # CONFIGS as they are: ``WS`` on
 
     @classmethod

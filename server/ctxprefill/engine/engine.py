@@ -335,9 +335,11 @@ class Engine:
         return self.read(ReadRequest(slot_mapping, layer))
 
     def warm_up_backend(self) -> None:
-        """The attention backend's own warm-up (kernel variants no warm-up request reaches)."""
+        """The attention backend's own warm-up (kernel variants no warm-up request reaches;
+        with CUDA graphs on, those of captured launches too)."""
         with self._lock, self._on_device():
-            self.backend.warm_up(self.device, self.config.shape.heads, self.q_dtype)
+            self.backend.warm_up(self.device, self.config.shape.heads, self.q_dtype,
+                                 captured=self.cuda_graphs_active and self.backend.caps.graph_variants)
 
     # -- the request ------------------------------------------------------------------
     def prefill_context(

@@ -311,6 +311,10 @@ class LoopGraphs:
         # ctxprefill bench --merges-ab times both)
         self.merges_beside = False
         self._merge_stream: torch.cuda.Stream | None = None
+        # attention told it is captured (caps.graph_variants: the Gluon kernel's launch-made
+        # descriptors, which cost the host per launch and the device less; ctxprefill bench
+        # --graph-variants-ab times both)
+        self.graph_variants = True
         self.replays = 0
         self.captures = 0
 
@@ -436,7 +440,8 @@ class LoopGraphs:
                 try:
                     looped = start_chunk_loop(xs, backend, fused, metadata=device_metadata(hm, meta),
                                               launch_orders=orders, timed=False,
-                                              merge_stream=self._merge_stream if self.merges_beside else None)
+                                              merge_stream=self._merge_stream if self.merges_beside else None,
+                                              captured=self.graph_variants)
                 finally:
                     graph.capture_end()
             if kept:

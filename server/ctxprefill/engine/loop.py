@@ -477,7 +477,8 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
                      observer: Observer | None = None, *,
                      metadata: DeviceMetadata | None = None,
                      launch_orders: Sequence[LaunchOrder | None] | None = None,
-                     timed: bool = True, merge_stream: torch.cuda.Stream | None = None) -> PendingLoop:
+                     timed: bool = True, merge_stream: torch.cuda.Stream | None = None,
+                     captured: bool = False) -> PendingLoop:
     """Queue the chunk loop's work on the device and return without waiting for it (with a
     stop signal on a GPU: for all but its last ``STOP_AHEAD`` chunks). ``metadata``: the
     request's chunk metadata already on the device (:func:`device_metadata`), else it is
@@ -485,7 +486,9 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     backend's are made per chunk; ``timed=False``: no stage timing (engine/graphs.py
     captures the loop so); ``merge_stream``: the merge stage runs there, beside the next
     chunk's gather and GEMM (joined before the next attention and at the end; used by a
-    capture, whose graph then has the merges on a branch of their own)."""
+    capture, whose graph then has the merges on a branch of their own); ``captured``: the
+    loop is being recorded into a CUDA graph, which attention is told where its caps take it
+    (``graph_variants``)."""
     q = x.q
     device = q.device
     Tq, H = q.shape[0], x.heads
@@ -495,6 +498,7 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
     stage = _Stage(counts, timer)  # stages do not nest
 
     keys_last = uses_keys_last(backend, x.fp8_prefill, q.dtype)
+    graph_kw = {"captured": True} if captured and caps.graph_variants else {}
     v_layout: VLayout = "hdt" if keys_last else "thd"
     dm = metadata if metadata is not None else _chunk_metadata(x, device, keys_last)
     block_table, meta = dm.block_table, dm.chunks
@@ -599,7 +603,8 @@ def start_chunk_loop(x: LoopInputs, backend: AttentionBackend, fused: bool,
             o_c, l_c = backend.run_context_chunk(
                 q_c, k, v, m.cu_seqlens_q, m.cu_seqlens_k, m.max_q, m.max_k, x.scale, out=dest,
                 k_rope=views.k_rope, v_layout=v_layout,
-                cu_seqlens_v=None if m.keys_last is None else m.keys_last.cu_v_dev, launch_order=order)
+                cu_seqlens_v=None if m.keys_last is None else m.keys_last.cu_v_dev, launch_order=order,
+                **graph_kw)
             if dest is not None and o_c.data_ptr() != dest.data_ptr():
                 raise RuntimeError(
                     f"attention backend {backend.name!r} claims supports_out but did not write into the "
