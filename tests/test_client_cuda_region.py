@@ -81,3 +81,17 @@ def test_a_with_block_closes_the_region_and_each_region_releases_its_own_share(r
 
 def test_cuda_ipc_handle_keeps_its_four_values():
     assert cuda_ipc_handle(FakeCudaTensor([])) == (0, RAW, 544, 200)  # type: ignore[arg-type]
+
+
+def test_a_refused_tensor_is_named_by_what_was_called():
+    """A host tensor or a strided one is refused by the name the caller used, nothing shared."""
+    for call, name in ((cuda_ipc_handle, "cuda_ipc_handle"),
+                       (lambda t: CudaSharedMemoryRegion("r", t), "CudaSharedMemoryRegion")):
+        with pytest.raises(ValueError, match=f"^{name}: the tensor must be a CUDA tensor"):
+            call(torch.zeros(4))
+        log: list = []
+        strided = FakeCudaTensor(log)
+        strided.is_contiguous = lambda: False  # type: ignore[method-assign]
+        with pytest.raises(ValueError, match=f"^{name}: the tensor must be contiguous"):
+            call(strided)
+        assert log == []  # nothing shared

@@ -283,13 +283,14 @@ def raw_cuda_ipc_handle(handle: bytes) -> bytes:
     raise ValueError(f"unknown torch CUDA IPC handle format ({len(h)} bytes)")
 
 
-def _share_cuda(tensor: torch.Tensor) -> tuple[int, bytes, int, int, bytes, int]:
+def _share_cuda(tensor: torch.Tensor, caller: str) -> tuple[int, bytes, int, int, bytes, int]:
     """``cuda_ipc_handle``'s four values and torch's producer-side reference counter of the
-    share (its file's name and the counter's offset in it: ``_share_cuda_``'s 5th and 6th)."""
+    share (its file's name and the counter's offset in it: ``_share_cuda_``'s 5th and 6th).
+    ``caller``: the public name a refusal names."""
     if not getattr(tensor, "is_cuda", False):
-        raise ValueError("cuda_ipc_handle: the tensor must be a CUDA tensor")
+        raise ValueError(f"{caller}: the tensor must be a CUDA tensor")
     if not tensor.is_contiguous():
-        raise ValueError("cuda_ipc_handle: the tensor must be contiguous")
+        raise ValueError(f"{caller}: the tensor must be contiguous")
     storage: Any = tensor.untyped_storage()  # _share_cuda_ is private and unannotated in torch
     device, handle, _storage_bytes, storage_offset, counter_file, counter_offset, *_ = storage._share_cuda_()
     offset = int(storage_offset) + int(tensor.storage_offset()) * tensor.element_size()
@@ -314,7 +315,7 @@ def cuda_ipc_handle(tensor: torch.Tensor) -> tuple[int, bytes, int, int]:
     ``device`` is this process's device index; the server's numbering differs when its
     CUDA_VISIBLE_DEVICES does.
     """
-    return _share_cuda(tensor)[:4]
+    return _share_cuda(tensor, "cuda_ipc_handle")[:4]
 
 
 class CudaSharedMemoryRegion:
@@ -341,7 +342,8 @@ class CudaSharedMemoryRegion:
     def __init__(self, name: str, tensor: torch.Tensor, *, device_id: int | None = None) -> None:
         self.name = name
         self.tensor = tensor
-        dev, self.raw_handle, self.offset, self.byte_size, counter_file, counter_offset = _share_cuda(tensor)
+        dev, self.raw_handle, self.offset, self.byte_size, counter_file, counter_offset = \
+            _share_cuda(tensor, "CudaSharedMemoryRegion")
         self._counter: tuple[bytes, int] | None = (counter_file, counter_offset)  # None once released
         self._close_lock = threading.Lock()
         self.device_id = dev if device_id is None else int(device_id)
