@@ -324,39 +324,40 @@ def test_merges_beside_run_on_their_stream_with_the_same_bits(case, tmp_path):
 def test_captured_attention_takes_its_graph_variant_with_the_same_bits(case, prefill, monkeypatch):
     """With ``LoopGraphs.graph_variants`` a capture's attention launches take the Gluon
     kernel's CAPTURED_WS (q's and K's descriptors made by the launch: HOST_DESC) and eager
-    loops never; without it the capture's do not. Replays in place (the q descriptor pointed
-    at each request's q, as GraphPatch found it) give the eager loop's bits either way."""
+    loops never; without it the capture's do not. Replays in place (q's two descriptors a
+    chunk among the arguments pointed at each request's q) give the eager loop's bits
+    either way."""
     from ctxprefill.backends import gluon_attention as ga
     from ctxprefill.backends import triton_attention as ta
 
     c = CASES[case]
     eng = make_engine(c, "auto", "bf16", prefill)
-    assert eng.backend.caps.graph_variants
+    assert eng.backend.caps.graph_variants and ta.CAPTURED_WS["HOST_DESC"]
     seen = []
     real = ga.launch
 
     def spy(*args, **kw):
-        seen.append(bool(kw["config"]["HOST_DESC"] if "config" in kw else args[13]["HOST_DESC"]))
+        seen.append(bool(args[13]["HOST_DESC"]))
         return real(*args, **kw)
 
     monkeypatch.setattr(ga, "launch", spy)
-    q, seqs = make_request(eng, c, seed=4)
-    eager = eng.prefill_context(q, seqs, graphs_on=False)
-    chunks = len(eager.stats.chunks)
-    assert seen == [False] * chunks and ta.CAPTURED_WS["HOST_DESC"]
+    q_args = {}
     for on in (True, False):
         eng.release_graphs()
         eng.graphs.graph_variants = on
         seen.clear()
+        q, seqs = make_request(eng, c, seed=4)  # (the same blocks and values each time)
+        eager = eng.prefill_context(q, seqs, graphs_on=False)
+        chunks = len(eager.stats.chunks)
         runs = [eng.prefill_context(q, seqs) for _ in range(3)]  # eager, eager + capture, replay
-        assert seen == [False] * chunks * 2 + [on] * chunks, (on, seen)
+        assert seen == [False] * chunks * 3 + [on] * chunks, (on, seen)
         [loop] = eng.graphs._graphs.values()
         assert loop.in_place, loop.copies_because
-        # q's descriptors (two a chunk) among the arguments pointed at each request's q
-        assert (loop.patch.descriptor_counts[0] >= 2 * chunks) == on
+        q_args[on] = loop.patch.counts[0]
         q2, seqs2 = make_request(eng, c, seed=5)
         eager2 = eng.prefill_context(q2, seqs2, graphs_on=False)
         assert all(same_bits(r, eager) for r in runs) and same_bits(eng.prefill_context(q2, seqs2), eager2)
+    assert q_args[True] - q_args[False] == 2 * chunks, q_args
 
 
 def test_one_sequence_replays_of_every_layer_take_the_quick_path():
