@@ -783,6 +783,14 @@ BENCHMARKS = (
           "row's CUDA graph captured with its merges in line (after each attention) and on a branch of their own "
           "(beside the next chunk's GEMM: engine/graphs.py), in 3 interleaved rounds.",
           env='BENCH_ENGINE_FILE=bench_engine_paged GPU_RUN_ENGINE_ARGS="--gemm paged --gemm-ab cublas --merges-ab 3"'),
+    Bench("Attention's variant for CUDA graphs, and paged against cuBLAS: in one run", "bench_engine",
+          ("bench_engine_graph_variants",),
+          "`ctxprefill bench --gemm paged --gemm-ab cublas --graph-variants-ab 3`: the headline rows with the "
+          "paged GEMM, each row's fused request again with cuBLAS right after it (as above), then each row's CUDA "
+          "graph captured with attention told it is captured (the Gluon kernel's q and K descriptors made by the "
+          "launch, `HOST_DESC`: engine/graphs.py) and not, in 3 interleaved rounds.",
+          env='BENCH_ENGINE_FILE=bench_engine_graph_variants '
+              'GPU_RUN_ENGINE_ARGS="--gemm paged --gemm-ab cublas --graph-variants-ab 3"'),
     Bench("Ragged requests", "bench_engine_ragged", ("bench_engine_ragged",),
           "`ctxprefill bench --sequences 4 --workspace-tokens 65536`: the request split unevenly over 4 sequences "
           "in one 64k-row chunk."),
@@ -836,6 +844,13 @@ BENCHMARKS = (
           "serial consumers over 256-key blocks, without and with turns, and pipelined consumers over 128-key "
           "blocks in 4 stages (B), against pipelined consumers over 256-key blocks with P staged in shared memory, "
           "the late wait and turns (A), 5 rounds per shape.", env="GPU_RUN_AB=ws-fp8-regs"),
+    Bench("q's and K's descriptors made by the launch, in interleaved rounds", "attention_ab",
+          ("attention_ab_ws-host-desc",),
+          "`bench/bench_attention.py --ab ws-host-desc`: the defaults of both dtypes with q's and K's TMA "
+          "descriptors made once by the launch (`HOST_DESC`, B) against made by every program (A), over 1k, 4k "
+          "and 16k keys and a ragged batch, 5 rounds per shape: the device's side of the variant a CUDA graph "
+          "captures (do_bench's figures, which hold a launch's host time where the kernel is shorter: 16 heads "
+          "over 1k keys).", env="GPU_RUN_AB=ws-host-desc"),
     Bench("Throughput under concurrency", "bench_concurrency", ("bench_concurrency",),
           "`bench/bench_concurrency.py`: 1 to 16 clients against one server per shape, inline tensors and CUDA IPC "
           "regions."),
