@@ -54,9 +54,10 @@ natural log. Each descriptor a program makes costs a GPU-scope fence before the 
 it serves: the loader makes V's after issuing the copies of q and the first K.
 ``HOST_DESC`` reads q and K through descriptors the launch passes over the whole tensors
 (safe: q rows past a segment only feed rows that are never stored, and keys past it are
-masked out of the scores; V keeps its own, as 0 · inf is not 0); it is opt-in, since
-Triton's launcher spends more host time on descriptor arguments than the kernel saves
-in an eager loop (docs/DESIGN.md). ``triton_attention.mla_context_attention`` validates
+masked out of the scores; V keeps its own, as 0 · inf is not 0); launches recorded into
+a CUDA graph take it (``triton_attention.CAPTURED_WS``), eager ones do not, since making
+the descriptors and passing them through Triton's launcher costs the host every launch
+(docs/DESIGN.md). ``triton_attention.mla_context_attention`` validates
 the inputs and picks this kernel for the chunks it takes; the registry serves it as the
 ``"gluon"`` backend (``triton_attention.GluonAttentionBackend``).
 """
