@@ -338,8 +338,7 @@ class Engine:
         """The attention backend's own warm-up (kernel variants no warm-up request reaches;
         with CUDA graphs on, those of captured launches too)."""
         with self._lock, self._on_device():
-            self.backend.warm_up(self.device, self.config.shape.heads, self.q_dtype,
-                                 captured=self.cuda_graphs_active and self.backend.caps.graph_variants)
+            self.backend.warm_up(self.device, self.config.shape.heads, self.q_dtype, captured=self.cuda_graphs_active)
 
     # -- the request ------------------------------------------------------------------
     def prefill_context(
