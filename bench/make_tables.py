@@ -849,8 +849,8 @@ BENCHMARKS = (
           "`bench/bench_attention.py --ab ws-host-desc`: the defaults of both dtypes with q's and K's TMA "
           "descriptors made once by the launch (`HOST_DESC`, B) against made by every program (A), over 1k, 4k "
           "and 16k keys and a ragged batch, 5 rounds per shape: the device's side of the variant a CUDA graph "
-          "captures (do_bench's figures, which hold a launch's host time where the kernel is shorter: 16 heads "
-          "over 1k keys).", env="GPU_RUN_AB=ws-host-desc"),
+          "captures (do_bench's figures; at 16 heads over 1k keys, ~0.2 ms kernels, the rounds vary too much "
+          "to tell).", env="GPU_RUN_AB=ws-host-desc"),
     Bench("Throughput under concurrency", "bench_concurrency", ("bench_concurrency",),
           "`bench/bench_concurrency.py`: 1 to 16 clients against one server per shape, inline tensors and CUDA IPC "
           "regions."),
