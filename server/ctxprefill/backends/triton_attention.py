@@ -583,7 +583,7 @@ def mla_context_attention(
         _ws.launch(q, k, kr, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                    cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v, float(scale) * _LOG2E, ws_grid,
                    0 if ordered else sort_b, v_t, ws_cfg, order=None if tile_order is None else tile_order.codes,
-                   m_tiles=0 if tile_order is None else tile_order.m_tiles, p_regs_checked=not _asks_p_regs(config))
+                   m_tiles=0 if tile_order is None else tile_order.m_tiles, p_regs_checked=not _asks(config, "P_REGS"))
         return out, lse
     sq, sk, sv, sr = strides
     _mla_ctx_attn_fwd[grid](
@@ -609,17 +609,16 @@ def ws_config(ws: dict | bool, config: dict | None, q: torch.Tensor, k: torch.Te
     launch refuses such inputs (the inputs are checked once, here or there)."""
     cfg = dict(_ws.CONFIG, **(ws if isinstance(ws, dict) else {}))
     if captured:
-        asked = (config or {}).get("WS")
-        cfg.update({key: val for key, val in CAPTURED_WS.items() if not (isinstance(asked, dict) and key in asked)})
-    if cfg["P_REGS"] and not _asks_p_regs(config) and _ws.p_regs_problem(q, k, kr, v_t) is not None:
+        cfg.update({key: val for key, val in CAPTURED_WS.items() if not _asks(config, key)})
+    if cfg["P_REGS"] and not _asks(config, "P_REGS") and _ws.p_regs_problem(q, k, kr, v_t) is not None:
         cfg["P_REGS"] = False
     return cfg
 
 
-def _asks_p_regs(config: dict | None) -> bool:
-    """Whether a caller's ``config`` sets the Gluon kernel's ``P_REGS`` itself."""
+def _asks(config: dict | None, key: str) -> bool:
+    """Whether a caller's ``config`` sets the Gluon kernel's ``key`` itself (in its ``WS``)."""
     ws = (config or {}).get("WS")
-    return isinstance(ws, dict) and "P_REGS" in ws
+    return isinstance(ws, dict) and key in ws
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
