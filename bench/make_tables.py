@@ -96,6 +96,16 @@ def _ratio(r: dict, num: str, den: str) -> float | None:
     return r[num] / r[den]
 
 
+#: the CUDA graph A/Bs of ``ctxprefill bench`` (--merges-ab, --graph-variants-ab): the replay's
+#: field with the switch off and on, and the three columns' heads
+GRAPH_AB_COLUMNS = (
+    ("merges_in_line_replay_s", "merges_beside_replay_s",
+     "replay, merges in line ms | replay, merges beside ms | beside / in line"),
+    ("graph_variants_off_replay_s", "graph_variants_on_replay_s",
+     "replay, attention's eager variant ms | replay, its captured variant ms | captured / eager"),
+)
+
+
 def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
     """A ``ctxprefill bench`` JSON: one row per configuration; failed or skipped rows listed below."""
     meta = d.get("meta", {})
@@ -111,21 +121,17 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
     graph = any("fused_graph_s" in r for r in d.get("rows", []))
     # runs with --gemm-ab: the fused request with the other GEMM kernel, timed right after
     ab = next((r["gemm_ab"] for r in d.get("rows", []) if "gemm_ab" in r), None)
-    # runs with --merges-ab: the graph with its merges in line and beside, interleaved rounds
-    mab = any("merges_beside_replay_s" in r for r in d.get("rows", []))
-    # runs with --graph-variants-ab: the graph with attention told it is captured and not
-    vab = any("graph_variants_on_replay_s" in r for r in d.get("rows", []))
+    # runs with --merges-ab / --graph-variants-ab: the graph with a switch off and on, interleaved rounds
+    gabs = [g for g in GRAPH_AB_COLUMNS if any(g[1] in r for r in d.get("rows", []))]
     lines += ["| H | new | ctx | cache | prefill | chunks | generic ms | " + ("fused + K pack ms | " if packed else "")
               + "fused ms | speed-up | floor ms | fused / floor | fused gap ms | "
               + ("fused, CUDA graph ms | graph / floor | graph: host outside the replay ms | " if graph else "")
               + (f"GEMM {ab}: fused ms | GEMM {ab}: graph ms | replay / {ab}'s | " if ab else "")
-              + ("replay, merges in line ms | replay, merges beside ms | beside / in line | " if mab else "")
-              + ("replay, attention's eager variant ms | replay, its captured variant ms | captured / eager | "
-                 if vab else "")
+              + "".join(f"{head} | " for _, _, head in gabs)
               + "launches/chunk generic→fused | bit-identical |",
               "|---|---|---|---|---|---|---|" + ("---|" if packed else "") + "---|---|---|---|---|"
-              + ("---|---|---|" if graph else "") + ("---|---|---|" if ab else "") + ("---|---|---|" if mab else "")
-              + ("---|---|---|" if vab else "") + "---|---|"]
+              + ("---|---|---|" if graph else "") + ("---|---|---|" if ab else "") + "---|---|---|" * len(gabs)
+              + "---|---|"]
     notes = []
     for r in d.get("rows", []):
         if "speedup" not in r:
@@ -158,13 +164,8 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
             + (f"{_ms(r.get('fused_ab_s'))} "
                f"| {_ms(r.get('fused_graph_ab_s'))} "
                f"| {_num(_ratio(r, 'fused_graph_replay_s', 'fused_graph_ab_replay_s'), '.3f')} | " if ab else "")
-            + (f"{_ms(r.get('merges_in_line_replay_s'), '.3f')} "
-               f"| {_ms(r.get('merges_beside_replay_s'), '.3f')} "
-               f"| {_num(_ratio(r, 'merges_beside_replay_s', 'merges_in_line_replay_s'), '.3f')} | " if mab else "")
-            + (f"{_ms(r.get('graph_variants_off_replay_s'), '.3f')} "
-               f"| {_ms(r.get('graph_variants_on_replay_s'), '.3f')} "
-               f"| {_num(_ratio(r, 'graph_variants_on_replay_s', 'graph_variants_off_replay_s'), '.3f')} | "
-               if vab else "")
+            + "".join(f"{_ms(r.get(off), '.3f')} | {_ms(r.get(on), '.3f')} | {_num(_ratio(r, on, off), '.3f')} | "
+                      for off, on, _ in gabs)
             + f"{_num(lg, '.0f')} → {_num(lf, '.0f')} "
             f"| {'yes' if r.get('bit_identical') else '**NO**'} |")
     if notes:

@@ -172,6 +172,25 @@ def test_graphs_ab_interleaves_its_rounds_and_checks_every_replays_bits(switch):
     assert not bench._graphs_ab(e, None, [], torch.device("cpu"), switch, 3, it, want)["same"]
 
 
+def test_graph_abs_note_fields_and_table_columns_agree():
+    """A row's graph A/B result (_graphs_ab: off and on) is printed and stored under the names
+    make_tables reads: the progress note of each switch present, and its fields, whose
+    replay fields are make_tables' columns, in the same order."""
+    import make_tables  # bench/ is on the path (conftest.py)
+
+    ab = {"rounds": 3, "off_s": 2e-3, "off_replay_s": 1.5e-3, "on_s": 1.9e-3, "on_replay_s": 1.4e-3, "same": True}
+    note = bench._graphs_ab_note({"merges_beside": ab, "graph_variants": dict(ab, on_replay_s=1.6e-3)})
+    assert note == ("  (merges in line | beside: replay 1.500 | 1.400 ms, request 2.000 | 1.900 ms)"
+                    "  (graph variants off | on: replay 1.500 | 1.600 ms, request 2.000 | 1.900 ms)")
+    assert bench._graphs_ab_note({}) == ""
+    assert len(bench.GRAPH_ABS) == len(make_tables.GRAPH_AB_COLUMNS)
+    for (switch, opt, *names), (off, on, _) in zip(bench.GRAPH_ABS, make_tables.GRAPH_AB_COLUMNS, strict=True):
+        fields = bench._graphs_ab_fields(*names, ab)
+        assert (fields[off], fields[on]) == (1.5e-3, 1.4e-3), switch
+        assert fields[f"{names[0]}_ab_rounds"] == 3 and fields[f"{names[0]}_ab_bit_identical"] is True
+        assert len(fields) == 6 and opt.replace("_", "-") in ("merges-ab", "graph-variants-ab")
+
+
 def _profile_engine():
     import importlib.util
     import os

@@ -200,6 +200,27 @@ def _with_gemm(engine, q, seqs, dev, gemm: str, it: dict) -> dict:
     return r
 
 
+#: the CUDA graph A/Bs (``_graphs_ab``): LoopGraphs' switch, the option giving its rounds,
+#: and its row fields' prefix and names for the switch off and on
+GRAPH_ABS = (("merges_beside", "merges_ab", "merges", "in_line", "beside"),
+             ("graph_variants", "graph_variants_ab", "graph_variants", "off", "on"))
+
+
+def _graphs_ab_fields(prefix: str, off: str, on: str, ab: dict) -> dict:
+    """A row's fields of a ``_graphs_ab`` result, named ``{prefix}_{off|on}_...``."""
+    return {f"{prefix}_ab_rounds": ab["rounds"], f"{prefix}_{off}_s": ab["off_s"],
+            f"{prefix}_{off}_replay_s": ab["off_replay_s"], f"{prefix}_{on}_s": ab["on_s"],
+            f"{prefix}_{on}_replay_s": ab["on_replay_s"], f"{prefix}_ab_bit_identical": ab["same"]}
+
+
+def _graphs_ab_note(graph_abs: dict[str, dict]) -> str:
+    """The progress line's note of each ``_graphs_ab`` result a row has, by switch."""
+    return "".join(
+        f"  ({prefix.replace('_', ' ')} {off.replace('_', ' ')} | {on}: replay {ab['off_replay_s'] * 1e3:.3f} | "
+        f"{ab['on_replay_s'] * 1e3:.3f} ms, request {ab['off_s'] * 1e3:.3f} | {ab['on_s'] * 1e3:.3f} ms)"
+        for switch, _, prefix, off, on in GRAPH_ABS if (ab := graph_abs.get(switch)) is not None)
+
+
 def _graphs_ab(engine, q, seqs, dev, switch: str, rounds: int, it: dict, want) -> dict:
     """The fused request as a CUDA graph with ``LoopGraphs``' boolean ``switch`` off and on
     (``merges_beside``: the merges in line or on a branch of their own; ``graph_variants``:
@@ -536,7 +557,8 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                           kv_b_proj_dtype=ns.kv_b_proj_dtype, workspace_tokens=ns.workspace_tokens, backend=ns.backend,
                           kv_b_proj_gemm=gemm)
         t_row = time.monotonic()
-        engine = q = seqs = g = f = fp = fgr = ab = mab = vab = None
+        engine = q = seqs = g = f = fp = fgr = ab = None
+        graph_abs: dict[str, dict] = {}
         try:
             engine = engines.build(s)
             q, seqs = make_device_request(engine, ctx_lens, new_lens, seed=i)
@@ -561,12 +583,10 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                 if fgr is not None and ns.gemm_ab is not None:  # another GEMM: its replay against its eager bits
                     ab = _with_gemm(engine, q, seqs, dev, ns.gemm_ab, it)
                     same = same and ab["same"]
-                if fgr is not None and ns.merges_ab > 0:
-                    mab = _graphs_ab(engine, q, seqs, dev, "merges_beside", ns.merges_ab, it, rg)
-                    same = same and mab["same"]
-                if fgr is not None and ns.graph_variants_ab > 0:
-                    vab = _graphs_ab(engine, q, seqs, dev, "graph_variants", ns.graph_variants_ab, it, rg)
-                    same = same and vab["same"]
+                for switch, opt, *_ in GRAPH_ABS:  # --merges-ab, --graph-variants-ab
+                    if fgr is not None and getattr(ns, opt) > 0:
+                        graph_abs[switch] = _graphs_ab(engine, q, seqs, dev, switch, getattr(ns, opt), it, rg)
+                        same = same and graph_abs[switch]["same"]
             unordered = _without_launch_order(engine, q, seqs, dev, it) if ns.sequences > 1 else None
             if unordered is not None:
                 same = same and _same_bits(rf, unordered["result"])
@@ -608,9 +628,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
               + (f"  (CUDA graph {fgr['median_s'] * 1e3:.3f} ms, {fgr['median_s'] / floor:.2f}x floor)" if fgr else "")
               + (f"  (with GEMM {ab['gemm']}: eager {ab['eager']['median_s'] * 1e3:.3f} ms, graph "
                  f"{ab['median_s'] * 1e3:.3f} ms, {ab['median_s'] / floor:.2f}x floor)" if ab else "")
-              + (f"  (merges in line | beside: replay {mab['in_line_replay_s'] * 1e3:.3f} | "
-                 f"{mab['beside_replay_s'] * 1e3:.3f} ms, request {mab['in_line_s'] * 1e3:.3f} | "
-                 f"{mab['beside_s'] * 1e3:.3f} ms)" if mab else "")
+              + _graphs_ab_note(graph_abs)
               + (f"  SM MHz g|f {clk_g['sm_mhz_median']:.0f}|{clk_f['sm_mhz_median']:.0f}, "
                  f"W {clk_g['power_w_median']:.0f}|{clk_f['power_w_median']:.0f}" if clk_g and clk_f else ""),
               flush=True)
@@ -636,16 +654,9 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
             **({"gemm_ab": ab["gemm"], "fused_ab_s": ab["eager"]["median_s"], "fused_graph_ab_s": ab["median_s"],
                 "fused_graph_ab_replay_s": ab["stage_s"].get("graph", 0.0), "fused_graph_ab_outside_s": ab["outside_s"],
                 "fused_graph_ab_over_floor": ab["median_s"] / floor, "ab_bit_identical": ab["same"]} if ab else {}),
-            # --merges-ab: the graph with its merges in line and beside, interleaved rounds
-            **({"merges_ab_rounds": mab["rounds"], "merges_in_line_s": mab["off_s"],
-                "merges_in_line_replay_s": mab["off_replay_s"], "merges_beside_s": mab["on_s"],
-                "merges_beside_replay_s": mab["on_replay_s"], "merges_ab_bit_identical": mab["same"]}
-               if mab else {}),
-            # --graph-variants-ab: the graph with attention told it is captured and not, interleaved rounds
-            **({"graph_variants_ab_rounds": vab["rounds"], "graph_variants_off_s": vab["off_s"],
-                "graph_variants_off_replay_s": vab["off_replay_s"], "graph_variants_on_s": vab["on_s"],
-                "graph_variants_on_replay_s": vab["on_replay_s"], "graph_variants_ab_bit_identical": vab["same"]}
-               if vab else {}),
+            # --merges-ab, --graph-variants-ab: the graph with the switch off and on, interleaved rounds
+            **{k: v for switch, _, *names in GRAPH_ABS if switch in graph_abs
+               for k, v in _graphs_ab_fields(*names, graph_abs[switch]).items()},
             "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],
             **({"floor_sustained_s": held, "fused_over_sustained_floor": tf / held} if held else {}),
             **({"fused_graph_over_sustained_floor": fgr["median_s"] / held} if held and fgr else {}),
@@ -662,7 +673,8 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
         })
         if ns.out:
             _write_json(ns.out, meta, rows)
-        engine = q = seqs = g = f = rg = rf = fp = fgr = unordered = ab = mab = vab = None
+        engine = q = seqs = g = f = rg = rf = fp = fgr = unordered = ab = None
+        graph_abs = {}
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     done = [r for r in rows if "speedup" in r]
