@@ -17,6 +17,9 @@ A capture can put the merges on a branch of their own (``LoopGraphs.merges_besid
 docs/DESIGN.md has the measurements): each chunk's merge then follows its attention
 beside the next chunk's gather and GEMM, which do not read what it writes, and the next
 attention waits for it; the same kernels on the same inputs, so the same bits (tested).
+A capture tells attention it is captured (``LoopGraphs.graph_variants``, on), and a backend
+whose caps have ``graph_variants`` may take a variant that costs the host more per launch
+and the device less (the Gluon kernel's launch-made descriptors): the same bits (tested).
 Where the CUDA extension is loaded, a replay is two calls into it — the arguments
 redirected, the copies in, the stage's start event and the graph's launch; the copies out
 (if any) and the stage's end event —
