@@ -86,7 +86,7 @@ def test_both_gemm_launchers_launch_persistent_programs(monkeypatch):
     monkeypatch.setattr(kg, "_kv_b_proj_ws", Kernel("gemm"))
     monkeypatch.setattr(kg, "_kv_b_proj_paged_ws", Kernel("paged"))
     monkeypatch.setattr(kg, "_device_facts", lambda index: (9, 132))
-    knobs = {k: kg.CONFIG[k] for k in ("BM", "BN", "BK", "STAGES", "GROUP_M", "PINGPONG")}
+    knobs = {k: kg.CONFIG[k] for k in ("BM", "BN", "BK", "STAGES", "GROUP_M", "PINGPONG", "STORE_UNDER_MMA")}
     w = torch.zeros((4096, 512), dtype=torch.bfloat16)
     latent = torch.zeros((16384, 512), dtype=torch.bfloat16)
     out = kg.launch(latent, w)  # 128 x 16 tiles: one program per SM

@@ -20,7 +20,10 @@ neighbouring programs share the weight's columns in L2), three partitions:
   the same B; ``PINGPONG`` (CUTLASS's name), each owns every other tile whole and their
   main loops take turns (an mbarrier each), so that one's epilogue can run under the
   other's MMAs, at the price of a narrower tile (128 × 128: the accumulator of a whole
-  128 × 256 tile would be 256 registers a thread).
+  128 × 256 tile would be 256 registers a thread). ``STORE_UNDER_MMA`` keeps a
+  cooperative consumer's result in registers as bf16 (64 a thread beside the next
+  accumulator's 128) and stores it once the next tile's first two k-steps are issued, so
+  that the store runs under MMAs instead of between them.
 
 Shared memory: ``STAGES`` × (A 16 KiB + B ``BN`` × 128 B) + 2 consumers' results (2 × 64
 × ``BN`` × 2 B cooperative, 2 × 128 × ``BN`` × 2 B ping-pong): 208 KiB at ``BN`` 256 in 3
@@ -60,11 +63,11 @@ from .kv_b_proj import PAGE_ROWS
 __all__ = ["CONFIG", "GLUON_ERR", "TUNING", "kv_b_proj_gluon", "launch", "launch_paged", "paged_problem", "problem"]
 
 #: BM: a tile's rows (64 for each consumer; with PINGPONG, one consumer's); BN, STAGES,
-#: GROUP_M, PINGPONG: the knobs bench/probe_gemm.py tries
-CONFIG: dict[str, Any] = dict(BM=128, BN=256, BK=64, STAGES=3, GROUP_M=8, PINGPONG=False)
+#: GROUP_M, PINGPONG, STORE_UNDER_MMA: the knobs bench/probe_gemm.py tries
+CONFIG: dict[str, Any] = dict(BM=128, BN=256, BK=64, STAGES=3, GROUP_M=8, PINGPONG=False, STORE_UNDER_MMA=False)
 #: the configurations bench/probe_gemm.py times (changes to CONFIG), each tested on the GPU
-TUNING: list[dict[str, Any]] = [{}, dict(BN=128, STAGES=5), dict(BN=128, STAGES=4, PINGPONG=True),
-                                dict(BN=128, STAGES=5, PINGPONG=True, GROUP_M=4)]
+TUNING: list[dict[str, Any]] = [{}, dict(STORE_UNDER_MMA=True), dict(BN=128, STAGES=5),
+                                dict(BN=128, STAGES=4, PINGPONG=True), dict(BN=128, STAGES=5, PINGPONG=True, GROUP_M=4)]
 #: launch: 4 + 4 + 1 warps with 168 registers a thread (3 x 128 x 168 <= 65,536), then
 #: ``setmaxnreg`` moves them: loader 24, consumers 240
 _MAXNREG = 168
@@ -102,11 +105,23 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
+    def _store_tile(acc, c_buf, c_d, row, col):
+        """A consumer's result tile (bf16, in registers) to [row, col] of the output, through
+        c_buf (``stmatrix``) and an asynchronous TMA store."""
+        tma.store_wait(0)  # the previous tile's store has left c_buf
+        c_buf.store(acc)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_d, [row, col], c_buf)
+
+    @gluon.jit
+    @no_type_check
     def _gemm_consumer(a_s, b_s, c_s, ready, free, turn, c_d, M, N, K, C: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                       GROUP_M: gl.constexpr, PINGPONG: gl.constexpr):
+                       GROUP_M: gl.constexpr, PINGPONG: gl.constexpr, STORE_UNDER_MMA: gl.constexpr):
         # cooperative: 64 rows of every tile; PINGPONG: every other tile whole, the two
-        # consumers' main loops taking turns (one's epilogue under the other's MMAs)
+        # consumers' main loops taking turns (one's epilogue under the other's MMAs);
+        # STORE_UNDER_MMA: a tile's result kept in registers as bf16 and stored while the
+        # next tile's first two k-steps run on the tensor cores
         ROWS: gl.constexpr = BM if PINGPONG else BM // 2
         STEP: gl.constexpr = 2 if PINGPONG else 1
         FIRST: gl.constexpr = C if PINGPONG else 0
@@ -115,7 +130,11 @@ if gluon is not None:
         num_m = gl.cdiv(M, BM)
         num_n = gl.cdiv(N, BN)
         k_steps = gl.cdiv(K, BK)
+        store_at = gl.minimum(k_steps - 1, 1)  # STORE_UNDER_MMA: after issuing this k-step's MMA
         c_buf = c_s.index(C)
+        held = gl.zeros([ROWS, BN], gl.bfloat16, acc_l)  # STORE_UNDER_MMA: the last tile's result
+        held_row = 0
+        held_col = 0
         i = FIRST  # this program's tile count: its k-steps start at ring position i * k_steps
         for t in range(gl.program_id(0) + FIRST * gl.num_programs(0), num_m * num_n, STEP * gl.num_programs(0)):
             om, on = _tile(t, num_m, num_n, BM, BN, GROUP_M)
@@ -131,6 +150,9 @@ if gluon is not None:
                 else:
                     a = a_s.index(s).slice(C * ROWS, ROWS)
                 acc = warpgroup_mma(a, b_s.index(s).permute((1, 0)), acc, is_async=True)
+                if STORE_UNDER_MMA:
+                    if kk == store_at and i > FIRST:
+                        _store_tile(held, c_buf, c_d, held_row, held_col)
                 acc = warpgroup_mma_wait(1, deps=(acc, ))
                 if kk > 0:  # the group before is done: its slot is free (for this consumer)
                     mbarrier.arrive(free.index((g - 1) % STAGES), count=1)
@@ -139,18 +161,23 @@ if gluon is not None:
             mbarrier.arrive(free.index((g - 1) % STAGES), count=1)
             if PINGPONG:  # the tensor cores to the other consumer
                 mbarrier.arrive(turn.index(1 - C), count=1)
-            tma.store_wait(0)  # the previous tile's store has left c_buf
-            c_buf.store(acc.to(gl.bfloat16))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_d, [om + (C - FIRST) * ROWS, on], c_buf)
+            if STORE_UNDER_MMA:
+                held = acc.to(gl.bfloat16)
+                held_row = om + (C - FIRST) * ROWS
+                held_col = on
+            else:
+                _store_tile(acc.to(gl.bfloat16), c_buf, c_d, om + (C - FIRST) * ROWS, on)
             i += STEP
+        if STORE_UNDER_MMA:
+            if i > FIRST:  # the last tile's result
+                _store_tile(held, c_buf, c_d, held_row, held_col)
         tma.store_wait(0)
 
     @gluon.jit
     @no_type_check
     def _kv_b_proj_ws(A, B, Y, M, N, K, stride_am, stride_bn, stride_ym,
                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                      GROUP_M: gl.constexpr, PINGPONG: gl.constexpr):
+                      GROUP_M: gl.constexpr, PINGPONG: gl.constexpr, STORE_UNDER_MMA: gl.constexpr):
         ROWS: gl.constexpr = BM if PINGPONG else BM // 2  # a consumer's rows of a tile
         a_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
         b_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
@@ -172,9 +199,9 @@ if gluon is not None:
             mbarrier.init(turn.index(c), count=1)
         gl.warp_specialize([
             (_gemm_consumer, (a_s, b_s, c_s, ready, free, turn, c_d, M, N, K, 0, BM, BN, BK, STAGES, GROUP_M,
-                              PINGPONG)),
+                              PINGPONG, STORE_UNDER_MMA)),
             (_gemm_consumer, (a_s, b_s, c_s, ready, free, turn, c_d, M, N, K, 1, BM, BN, BK, STAGES, GROUP_M,
-                              PINGPONG)),
+                              PINGPONG, STORE_UNDER_MMA)),
             (_gemm_loader, (a_d, b_d, a_s, b_s, ready, free, M, N, K, BM, BN, BK, STAGES, GROUP_M)),
         ], [4, 1], [240, 24])
 
@@ -235,7 +262,7 @@ if gluon is not None:
     def _kv_b_proj_paged_ws(A, KIN, B, Y, KOUT, BT, CU, ST, M, N, K, num_slots, n_seqs, block_size, stride_slot,
                             stride_bn, stride_ym, stride_ws, stride_bt,
                             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                            GROUP_M: gl.constexpr, PINGPONG: gl.constexpr):
+                            GROUP_M: gl.constexpr, PINGPONG: gl.constexpr, STORE_UNDER_MMA: gl.constexpr):
         HALF: gl.constexpr = BM // 2
         ROWS: gl.constexpr = BM if PINGPONG else BM // 2
         a_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16)
@@ -265,9 +292,9 @@ if gluon is not None:
         mbarrier.init(kbar, count=1)
         gl.warp_specialize([
             (_gemm_consumer, (a_s, b_s, c_s, ready, free, turn, c_d, M, N, K, 0, BM, BN, BK, STAGES, GROUP_M,
-                              PINGPONG)),
+                              PINGPONG, STORE_UNDER_MMA)),
             (_gemm_consumer, (a_s, b_s, c_s, ready, free, turn, c_d, M, N, K, 1, BM, BN, BK, STAGES, GROUP_M,
-                              PINGPONG)),
+                              PINGPONG, STORE_UNDER_MMA)),
             (_paged_loader, (a_d, b_d, kin_d, kout_d, a_s, b_s, k_s, ready, free, kbar, BT, stride_bt, CU, ST,
                              n_seqs, block_size, M, N, K, BM, BN, BK, STAGES, GROUP_M)),
         ], [4, 1], [240, 24])
@@ -344,7 +371,8 @@ def _launch_persistent(kernel: Any, M: int, N: int, device: int, cfg: dict[str, 
     sms = _device_facts(device)[1]
     triton.set_allocator(tma_scratch)  # a ContextVar: set in the calling thread, every call
     kernel[(min(sms, tiles),)](*args, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], STAGES=cfg["STAGES"],
-                               GROUP_M=cfg["GROUP_M"], PINGPONG=cfg["PINGPONG"], num_warps=4, maxnreg=_MAXNREG)
+                               GROUP_M=cfg["GROUP_M"], PINGPONG=cfg["PINGPONG"],
+                               STORE_UNDER_MMA=cfg["STORE_UNDER_MMA"], num_warps=4, maxnreg=_MAXNREG)
 
 
 def paged_problem(cache: torch.Tensor, weight: torch.Tensor, block_size: int) -> str | None:
