@@ -535,7 +535,17 @@ def gemm_table(d: Doc) -> str:
                   + (f"| {_us(r.get('cublas_host_s'))} / {_us(r.get('gluon_host_s'))} "
                      if host else "")
                   + f"| {r.get('gluon_config', '—')} |" for r in rows]
+    if any("gluon_configs" in r for r in rows):  # every configuration of the tuning list, where the run kept them
+        each = [f"H={r['heads']} {r['rows']:,} rows: "
+                + ", ".join(f"{_change(c['change'])} {c['tflops']:.1f}" for c in r["gluon_configs"])
+                for r in rows if "gluon_configs" in r]
+        lines += ["", "Each configuration of the tuning list (changes to `CONFIG`), TFLOP/s: " + "; ".join(each) + "."]
     return "\n".join(lines) + "\n"
+
+
+def _change(change: dict[str, Any]) -> str:
+    """A tuning entry's changes to the kernel's CONFIG, as ``BN=128 STAGES=5`` (``defaults`` for none)."""
+    return " ".join(f"{k}={v}" for k, v in change.items()) or "defaults"
 
 
 def sharded_table(d: Doc) -> str:

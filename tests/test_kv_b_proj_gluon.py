@@ -72,9 +72,10 @@ def test_gemm_configs_cross_compile_for_sm90():
                     reason="sm_90 cross-compile check of the Gluon GEMM written for Triton 3.6")
 def test_paged_gemm_cross_compiles_for_sm90():
     """The GEMM that reads its latent from the paged cache (launch_paged): the default
-    configuration (and with ``STORE_UNDER_MMA``) compiles to the same wgmma, no spills (the loader's slot lookups within its
-    24 registers), within 227 KiB of shared memory with its k_pe buffer; per tile two A loads
-    (one per 64-row half) beside B's, and per row of tiles two k_pe loads and two stores."""
+    configuration, and with ``STORE_UNDER_MMA``, compiles to the same wgmma, no spills (the
+    loader's slot lookups within its 24 registers), within 227 KiB of shared memory with its
+    k_pe buffer; per tile two A loads (one per 64-row half) beside B's, and per row of tiles
+    two k_pe loads and two stores."""
     jobs = [["_kv_b_proj_paged_ws", {}], ["_kv_b_proj_paged_ws", {"STORE_UNDER_MMA": True}]]
     for res in cross_compile.cross_compile(_XCOMPILE_GEMM, jobs):
         _common(res)

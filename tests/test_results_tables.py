@@ -289,3 +289,17 @@ def test_docs_cite_runs_that_bench_results_holds():
             text = f.read()
         for m in re.finditer(r"commit[ `]*([0-9a-f]{7,40})\b", text):
             assert f'"{m.group(1)}' in held, f"{doc} cites commit {m.group(1)}, a run bench/results no longer holds"
+
+
+def test_gemm_table_gives_every_tuning_configuration_where_kept(mt):
+    """probe_gemm's rows with every Gluon configuration's rate: the table lists them by their
+    changes to CONFIG (the A/B of a knob such as STORE_UNDER_MMA); rows without them, none."""
+    d = mt.load("probe_gemm")
+    assert "Each configuration" not in mt.gemm_table(d)
+    r = dict(d["rows"][0], gluon_tflops=600.0, gluon_configs=[
+        {"change": {}, "s": 1e-4, "tflops": 600.04}, {"change": {"STORE_UNDER_MMA": True}, "s": 9e-5, "tflops": 640.0},
+        {"change": {"BN": 128, "STAGES": 5}, "s": 1.1e-4, "tflops": 560.0}])
+    text = mt.gemm_table(dict(d, rows=[r]))
+    line = next(x for x in text.splitlines() if x.startswith("Each configuration"))
+    assert f"H={r['heads']} {r['rows']:,} rows: defaults 600.0, STORE_UNDER_MMA=True 640.0, BN=128 STAGES=5 560.0" \
+        in line, line
