@@ -135,13 +135,13 @@ if gluon is not None:
         held = gl.zeros([ROWS, BN], gl.bfloat16, acc_l)  # STORE_UNDER_MMA: the last tile's result
         held_row = 0
         held_col = 0
+        acc = gl.zeros([ROWS, BN], gl.float32, acc_l)  # each tile's first MMA ignores it (use_acc)
         i = FIRST  # this program's tile count: its k-steps start at ring position i * k_steps
         for t in range(gl.program_id(0) + FIRST * gl.num_programs(0), num_m * num_n, STEP * gl.num_programs(0)):
             om, on = _tile(t, num_m, num_n, BM, BN, GROUP_M)
             g = i * k_steps
             if PINGPONG:  # this consumer's n-th turn, n = i // 2 (consumer 0's first is free)
                 mbarrier.wait(turn.index(C), ((i // 2) & 1) ^ (1 - C))
-            acc = gl.zeros([ROWS, BN], gl.float32, acc_l)
             for kk in range(k_steps):
                 s = g % STAGES
                 mbarrier.wait(ready.index(s), (g // STAGES) & 1)
@@ -149,7 +149,7 @@ if gluon is not None:
                     a = a_s.index(s)
                 else:
                     a = a_s.index(s).slice(C * ROWS, ROWS)
-                acc = warpgroup_mma(a, b_s.index(s).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(a, b_s.index(s).permute((1, 0)), acc, use_acc=kk > 0, is_async=True)
                 if STORE_UNDER_MMA:
                     if kk == store_at and i > FIRST:
                         _store_tile(held, c_buf, c_d, held_row, held_col)
