@@ -464,9 +464,11 @@ if gluon is not None:
         rows_s = m0 + C * HALF_M + gl.arange(0, HALF_M, layout=row_s)
         gl.store(LSE + h.to(gl.int64) * stride_lh + q_start + rows_s, lse, mask=rows_s < q_len)
 
-    # the order's bounds vary per batch: not specialized (a value of 1 or a multiple of 16
-    # would otherwise compile another variant on a request's path)
-    @gluon.jit(do_not_specialize=["n_heads", "m_tiles"])
+    # what varies per request is not specialized: the batch's sizes and strides (a value of
+    # 1 or a multiple of 16) and the metadata's addresses (16-byte aligned or not) would
+    # otherwise compile another variant on a request's path
+    @gluon.jit(do_not_specialize=["B", "stride_vt", "stride_vh", "stride_lh", "n_heads", "m_tiles"],
+               do_not_specialize_on_alignment=["cu_q", "cu_k", "cu_v", "ORDER"])
     @no_type_check
     def _mla_attn_ws_fwd(
         Q, K, KR, V, O, LSE, QN_D, QR_D, KN_D, KR_D,  # noqa: E741  (the output, as in BLAS)

@@ -274,7 +274,9 @@ if triton is not None:
             acc = tl.dot(_rnd(p, tl.bfloat16, 16, UPCAST), _mm(v, UPCAST), acc)
         return acc, l_i, m_new
 
-    @triton.jit
+    # what varies per request is not specialized (gluon_attention._mla_attn_ws_fwd says why)
+    @triton.jit(do_not_specialize=["B", "stride_vt", "stride_vh", "stride_lh"],
+                do_not_specialize_on_alignment=["cu_q", "cu_k", "cu_v"])
     @no_type_check
     def _mla_ctx_attn_fwd(
         Q, K, KR, V, O, LSE, cu_q, cu_k, cu_v, qk_scale, B,  # noqa: E741  (the output, as in BLAS)

@@ -173,7 +173,9 @@ if gluon is not None:
                 _store_tile(held, c_buf, c_d, held_row, held_col)
         tma.store_wait(0)
 
-    @gluon.jit
+    # a chunk's rows vary per request: not specialized (1 or a multiple of 16 would compile
+    # another variant on a request's path)
+    @gluon.jit(do_not_specialize=["M"])
     @no_type_check
     def _kv_b_proj_ws(A, B, Y, M, N, K, stride_am, stride_bn, stride_ym,
                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
@@ -257,7 +259,8 @@ if gluon is not None:
                 tma.async_copy_shared_to_global(kout_d, [om + HALF, 0], k_s.slice(HALF, HALF))
         tma.store_wait(0)
 
-    @gluon.jit
+    # rows, sequences, the block table's width and the metadata's addresses vary per request
+    @gluon.jit(do_not_specialize=["M", "n_seqs", "stride_bt"], do_not_specialize_on_alignment=["BT", "CU", "ST"])
     @no_type_check
     def _kv_b_proj_paged_ws(A, KIN, B, Y, KOUT, BT, CU, ST, M, N, K, num_slots, n_seqs, block_size, stride_slot,
                             stride_bn, stride_ym, stride_ws, stride_bt,
