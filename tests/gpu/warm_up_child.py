@@ -48,7 +48,9 @@ def main() -> None:
     compiled: list[str] = []
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 (Triton's names)
-        compiled.append(f"{fn.name}: constants {compile.get('constants')!s:.1500} attrs {compile.get('configs')!s:.800}")
+        # the variant's constexprs and specializations (divisibility, equal to 1): what differs
+        compiled.append(f"{fn.name}: constants {compile.get('constants')!s:.1500} "
+                        f"attrs {compile.get('configs')!s:.800}")
         return None  # compile as usual
 
     triton.knobs.runtime.jit_cache_hook = hook
