@@ -32,6 +32,7 @@ from ctxprefill.backends.triton_attention import (  # noqa: E402
     TritonAttentionBackend,
     mla_context_attention,
 )
+from ctxprefill.ops.pack import rows_readable  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 HAS_CUDA = torch.cuda.is_available()
@@ -149,14 +150,16 @@ def test_warm_up_runs_every_variant(dtype, backend, captured, monkeypatch):
     length or not), on grids below and at least ``programs`` programs (the register
     cap applies or not), with the backend's config (triton: the warp-specialized kernel
     off), and with ``captured`` each also as a captured launch where the backend has
-    variants for CUDA graphs (gluon) — here in the interpreter."""
+    variants for CUDA graphs (gluon); fp8 keys-last with K's slack rows, as the engine's
+    pack gives it (P_REGS) — here in the interpreter."""
     calls = []
     real = ta.mla_context_attention
 
     def spy(q, k, v, cu_q, cu_k, max_q, max_k, scale, **kw):
         calls.append((cu_q.diff().tolist(), -(-max_q // ta.BLOCK_M_MAX) * q.shape[1] * (cu_q.numel() - 1),
                       "k_rope" if kw.get("k_rope") is not None else kw.get("v_layout", "thd"),
-                      kw.get("tile_order") is not None, kw.get("captured", False)))
+                      kw.get("tile_order") is not None, kw.get("captured", False),
+                      rows_readable(k) - k.shape[0]))
         assert kw["config"] == backend.config
         return real(q, k, v, cu_q, cu_k, max_q, max_k, scale, **kw)
 
@@ -172,6 +175,9 @@ def test_warm_up_runs_every_variant(dtype, backend, captured, monkeypatch):
             for o in (orders if len(ql) > 1 else [False]) for c in caps for lay in layouts]
     assert [(c[0], c[2], c[3], c[4]) for c in calls] == want
     assert (backend is GluonAttentionBackend) == backend.caps.graph_variants
+    # keys-last as the engine's pack gives it: K with its slack rows, where P_REGS runs
+    assert all(c[5] >= ga.P_REGS_SLACK_ROWS for c in calls if c[2] == "hdt") and any(c[2] == "hdt" for c in calls) \
+        == (dtype == FP8)
     small = [c for c in calls if c[0] in ([1], [1, 1])]
     assert all(c[1] < 5 for c in small) and all(c[1] >= 5 for c in calls[len(small):])
 

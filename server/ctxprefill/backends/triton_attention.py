@@ -800,9 +800,11 @@ class TritonAttentionBackend(AttentionBackend):
                     kr = torch.zeros(n, 1, D_ROPE, dtype=q_dtype, device=device).expand(n, heads, D_ROPE)
                     mla_context_attention(q, k[..., :D_NOPE], v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0,
                                           config=self.config, tile_order=order, k_rope=kr, captured=cap)
-                if q_dtype in self.caps.v_keys_last:  # as the engine's pack gives it: segments 16 columns apart
+                if q_dtype in self.caps.v_keys_last:  # as the engine's pack gives it: segments 16 columns apart,
+                    # K with its slack rows (ops.pack.KEY_SLACK_ROWS), where P_REGS runs
                     vt = torch.zeros(heads, D_V, 16 * n, dtype=q_dtype, device=device)
-                    mla_context_attention(q, k, vt, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, config=self.config,
+                    ks = torch.zeros(n + _ws.P_REGS_SLACK_ROWS, heads, D_QK, dtype=q_dtype, device=device)[:n]
+                    mla_context_attention(q, ks, vt, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, config=self.config,
                                           v_layout="hdt", cu_seqlens_v=cu([16] * n), tile_order=order, captured=cap)
 
 
