@@ -67,7 +67,7 @@ def main() -> None:
                 engine.write_cache(torch.from_numpy(slot_mapping(blocks, 0, n, bs)),
                                    torch.randn((n, 512), generator=g), torch.randn((n, 64), generator=g))
             seqs.append(SequenceSpec(qn, n, blocks))
-        q = torch.randn((sum(queries), 16, 192), generator=g)
+        q = torch.randn((sum(queries), settings.heads, 192), generator=g)
         q = q.to(torch.float8_e4m3fn) if settings.prefill_dtype == "fp8" else q.to(torch.bfloat16)
         for _ in range(runs):
             engine.prefill_context(q.to(engine.device), seqs)
