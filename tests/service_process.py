@@ -3,6 +3,7 @@ HTTP scraping with timeouts, parsing of the Prometheus text page, and a bounded 
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
@@ -25,10 +26,19 @@ SHARED_MEMORY_MARKS = [
 ]
 
 
+_GIVEN: set[int] = set()  # ports free_port has handed out in this process
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A local port the OS calls free and that this process has not handed out before (the
+    OS may offer a port again once its probing socket is closed, before a server binds it)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
@@ -126,7 +136,9 @@ class ServerProcess:
             try:
                 if http_get(self.metrics_url + "/readyz", timeout=1.0)[0] == 200:
                     return
-            except OSError:
+            except (OSError, http.client.HTTPException):
+                # not listening yet, or another process's port (a gRPC server answers HTTP/2):
+                # this server then fails to bind and starts again above
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
