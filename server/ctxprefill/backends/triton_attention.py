@@ -81,6 +81,7 @@ from typing import Any, ClassVar, no_type_check
 import torch
 
 from ..ops._gluon import tma_scratch
+from ..ops.pack import key_buffer
 from . import gluon_attention as _ws
 from . import tile_order as _tile_order
 from ._triton import TRITON_ERR as _TRITON_ERR
@@ -801,9 +802,9 @@ class TritonAttentionBackend(AttentionBackend):
                     mla_context_attention(q, k[..., :D_NOPE], v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0,
                                           config=self.config, tile_order=order, k_rope=kr, captured=cap)
                 if q_dtype in self.caps.v_keys_last:  # as the engine's pack gives it: segments 16 columns apart,
-                    # K with its slack rows (ops.pack.KEY_SLACK_ROWS), where P_REGS runs
+                    # K in the pack's buffer (its slack rows: P_REGS runs)
                     vt = torch.zeros(heads, D_V, 16 * n, dtype=q_dtype, device=device)
-                    ks = torch.zeros(n + _ws.P_REGS_SLACK_ROWS, heads, D_QK, dtype=q_dtype, device=device)[:n]
+                    ks = key_buffer(n, heads, D_QK, device).zero_()
                     mla_context_attention(q, ks, vt, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, config=self.config,
                                           v_layout="hdt", cu_seqlens_v=cu([16] * n), tile_order=order, captured=cap)
 
