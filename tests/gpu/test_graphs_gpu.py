@@ -333,14 +333,11 @@ def test_captured_attention_takes_its_graph_variant_with_the_same_bits(case, pre
     c = CASES[case]
     eng = make_engine(c, "auto", "bf16", prefill)
     assert eng.backend.caps.graph_variants and ta.CAPTURED_WS["HOST_DESC"]
-    seen = []
+    launches = []  # per launch: q's address and shape, P_REGS, HOST_DESC
     real = ga.launch
 
-    launches = []
-
     def spy(*args, **kw):
-        seen.append(bool(args[13]["HOST_DESC"]))
-        launches.append((args[0].data_ptr(), tuple(args[0].shape), args[13]["P_REGS"], args[13]["HOST_DESC"]))
+        launches.append((args[0].data_ptr(), tuple(args[0].shape), args[13]["P_REGS"], bool(args[13]["HOST_DESC"])))
         return real(*args, **kw)
 
     monkeypatch.setattr(ga, "launch", spy)
@@ -348,17 +345,18 @@ def test_captured_attention_takes_its_graph_variant_with_the_same_bits(case, pre
     for on in (True, False):
         eng.release_graphs()
         eng.graphs.graph_variants = on
-        seen.clear()
+        launches.clear()
         q, seqs = make_request(eng, c, seed=4)  # (the same blocks and values each time)
         eager = eng.prefill_context(q, seqs, graphs_on=False)
         chunks = len(eager.stats.chunks)
         runs = [eng.prefill_context(q, seqs) for _ in range(3)]  # eager, eager + capture, replay
-        assert seen == [False] * chunks * 3 + [on] * chunks, (on, seen)
+        host_desc = [x[3] for x in launches]
+        assert host_desc == [False] * chunks * 3 + [on] * chunks, (on, host_desc)
         [loop] = eng.graphs._graphs.values()
         assert loop.in_place, loop.copies_because
+        # q's arguments, and what names them where the count is not the expected one
         q_args[on] = (loop.patch.counts[0], list(loop.patch.counts), list(loop.patch.descriptor_counts),
                       launches[-chunks:])
-        launches.clear()
         q2, seqs2 = make_request(eng, c, seed=5)
         eager2 = eng.prefill_context(q2, seqs2, graphs_on=False)
         assert all(same_bits(r, eager) for r in runs) and same_bits(eng.prefill_context(q2, seqs2), eager2)
