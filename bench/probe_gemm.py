@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 if best is None or t < best[0]:
                     best = (t, cfg, diff)
-            gbest, gall = None, []
+            gall = []  # every tuning entry: its change to CONFIG, time, rate, max |diff|, host time
             for cfg in kg.TUNING if not kg.problem(a, w) else []:
                 got = kg.kv_b_proj_gluon(a, w, config=cfg)
                 diff = (got.float() - ref.float()).abs().max().item()
@@ -182,16 +182,16 @@ def main(argv: list[str] | None = None) -> int:
                 t_cublas = min(t_cublas, timed(lambda: a @ w.t()))
                 print(f"  H={heads} M={m} gluon {cfg}: {flops / t / 1e12:7.1f} TFLOP/s  max|diff| {diff:.3g}",
                       flush=True)
-                gall.append({"change": cfg, "s": t, "tflops": flops / t / 1e12})
-                if gbest is None or t < gbest[0]:
-                    gbest = (t, dict(kg.CONFIG, **cfg), diff, host)
+                gall.append({"change": cfg, "s": t, "tflops": flops / t / 1e12, "max_abs_diff": diff, "host_s": host})
             row.update({"cublas_s": t_cublas, "cublas_host_s": host_cublas, "cublas_tflops": flops / t_cublas / 1e12,
                         "cublas_of_burst": flops / t_cublas / burst, "cublaslt_over_cublas": t_cublas / t_lt})
+            gbest = min(gall, key=lambda c: c["s"]) if gall else None
             if gbest is not None:
-                row.update({"gluon_s": gbest[0], "gluon_tflops": flops / gbest[0] / 1e12,
-                            "gluon_of_burst": flops / gbest[0] / burst, "gluon_config": gbest[1],
-                            "gluon_max_abs_diff": gbest[2], "gluon_over_cublas": t_cublas / gbest[0],
-                            "gluon_host_s": gbest[3], "gluon_configs": gall})
+                row.update({"gluon_s": gbest["s"], "gluon_tflops": gbest["tflops"],
+                            "gluon_of_burst": flops / gbest["s"] / burst,
+                            "gluon_config": dict(kg.CONFIG, **gbest["change"]),
+                            "gluon_max_abs_diff": gbest["max_abs_diff"], "gluon_over_cublas": t_cublas / gbest["s"],
+                            "gluon_host_s": gbest["host_s"], "gluon_configs": gall})
             if best is not None:
                 row.update({"triton_s": best[0], "triton_tflops": flops / best[0] / 1e12,
                             "triton_of_burst": flops / best[0] / burst, "triton_config": list(best[1]),
