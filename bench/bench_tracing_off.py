@@ -104,7 +104,7 @@ async def measure(calls: int, block: int) -> dict[str, list[float]]:
     finally:
         prefill.PrefillCall.open = shipped
         await parts.grpc_server.stop(0)
-        parts.worker.stop()
+        parts.worker.stop(5)  # the engine thread ends before the process exits
     return {k: v[1:] for k, v in times.items()}
 
 

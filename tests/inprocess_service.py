@@ -48,7 +48,7 @@ class Harness:
     async def __aexit__(self, *exc):
         await self.channel.close()
         await self.server.stop(0)
-        self.worker.stop()
+        self.worker.stop(5)
 
     def handled(self, method, code) -> float:
         m = parse_metrics(self.metrics.render().decode())

@@ -257,3 +257,27 @@ def test_worker_bookkeeping_of_cancelled_calls():
         w.stop()
 
     asyncio.run(main())
+
+
+def test_worker_stop_waits_for_the_thread_within_its_bound():
+    """``stop(wait_s)`` returns once the engine thread has ended (so the process can exit
+    without a thread freeing tensors during interpreter shutdown), and gives up after
+    ``wait_s`` while a call still runs; the queued call before the stop still runs."""
+    import asyncio
+
+    from ctxprefill.service.engine_worker import EngineWorker
+    from ctxprefill.service.metrics import Metrics
+
+    async def main():
+        w = EngineWorker(Metrics())
+        gate, ran = threading.Event(), []
+        first = w.submit(lambda: gate.wait(20))
+        second = w.submit(lambda: ran.append(np.ones(4)))
+        t0 = time.monotonic()
+        assert w.stop(0.2) is False and w._thread.is_alive()
+        assert 0.2 <= time.monotonic() - t0 < 5 and ran == []
+        gate.set()
+        assert w.stop(10) is True and not w._thread.is_alive()
+        assert await first and await second is None and len(ran) == 1
+
+    asyncio.run(main())

@@ -299,7 +299,7 @@ async def main():
     finally:
         sys.setprofile(None)
         await parts.grpc_server.stop(0)
-        parts.worker.stop()
+        parts.worker.stop(5)  # the engine thread ends before the process exits
 
 asyncio.run(main())
 print(json.dumps({"chain": [type(i).__name__ for i in chain], "calls": sorted(calls),

@@ -113,7 +113,7 @@ def test_device_out_of_memory_is_resource_exhausted_and_the_server_goes_on(cuda_
             hog.clear()
             await ch.close()
             await server.stop(0)
-            worker.stop()
+            worker.stop(5)
 
     asyncio.run(main())
 

@@ -86,7 +86,7 @@ def test_launch_metric_equals_profiler_and_fp8_path_counts_chunks(cache_dtype, p
     try:
         before, after, resp, prof = asyncio.run(main())
     finally:
-        worker.stop()
+        worker.stop(5)
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels = [n for n in names if not any(x in n.lower() for x in ("memcpy", "memset"))]  # as device_profile
     dtod = [n for n in names if "memcpy dtod" in n.lower()]

@@ -161,8 +161,15 @@ class EngineWorker:
             awaited.add_done_callback(on_cancel)
         return awaited
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 0.0) -> bool:
+        """End the thread after the calls queued so far; wait up to ``wait_s`` for it. True
+        once it has ended. The process must not exit while it runs: interpreter shutdown
+        ends a daemon thread that takes the GIL back inside torch's C++ (freeing a tensor
+        does) with an unwind that C++ turns into std::terminate, and the process aborts."""
         self._q.put(None)
+        if wait_s > 0:
+            self._thread.join(wait_s)
+        return not self._thread.is_alive()
 
     def add_ring(self, ring: AttachedRing) -> None:
         """Poll ``ring`` from now on (until it reports itself stopped)."""

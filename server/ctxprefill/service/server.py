@@ -73,6 +73,8 @@ def memory_limits(s: ServeSettings) -> MemoryLimits:
 
 #: streams one connection may have open at once (a client's further calls wait for one to end)
 MAX_CONCURRENT_STREAMS = 256
+#: seconds exit waits for the engine thread to end (after a second signal: the shorter one)
+ENGINE_STOP_S, ENGINE_STOP_FORCED_S = 5.0, 0.5
 
 
 def grpc_options(s: ServeSettings) -> list[tuple[str, int]]:
@@ -231,6 +233,9 @@ async def run(s: ServeSettings, security: Security, parts: ServerParts,
             await asyncio.wait_for(http_task, timeout=5)
         except Exception:  # noqa: BLE001 - shutting down anyway (a timeout included)
             http_task.cancel()
-        worker.stop()
+        # the engine thread ends before the process does (EngineWorker.stop says why)
+        wait_s = ENGINE_STOP_FORCED_S if force.is_set() else ENGINE_STOP_S
+        if not await asyncio.to_thread(worker.stop, wait_s):
+            lifecycle.warning("engine thread still running at exit", extra={"waited_s": wait_s})
         for h in logging.getLogger().handlers:
             h.flush()
