@@ -190,6 +190,51 @@ def test_sigterm_drains_every_admitted_request(slow_context):
         p.kill()
 
 
+_SLOW_WARM_UP = r"""
+import sys, torch
+from ctxprefill import app
+from ctxprefill.settings import ServeSettings
+
+def build_and_warm(s, weights):  # a warm-up that never ends, inside torch's C++ most of the time
+    a = torch.ones(512, 512)
+    while True:
+        a = torch.mm(a, a) * 1e-3
+
+app.build_and_warm = build_and_warm
+sys.exit(app.serve(ServeSettings(device="cpu", port=int(sys.argv[1]), metrics_port=int(sys.argv[2]))))
+"""
+
+
+def test_sigterm_during_a_long_warm_up_exits_zero_after_the_wait(tmp_path):
+    """SIGTERM while the engine thread still builds: the process waits ENGINE_STOP_S for
+    it, says so, and exits 0 without interpreter shutdown (which would end the thread
+    inside torch's C++ and abort: exit 134)."""
+    import subprocess
+    import sys
+
+    from ctxprefill.service.server import ENGINE_STOP_S
+    from service_process import ROOT, env_with_sources, free_port
+
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _SLOW_WARM_UP, str(free_port()), str(free_port())],
+                                cwd=ROOT, env=env_with_sources(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: '"msg": "listening"' in log.read_text(), timeout=60, what="listening")
+        time.sleep(0.3)  # the warm-up runs
+        t0 = time.monotonic()
+        proc.terminate()
+        rc = proc.wait(timeout=ENGINE_STOP_S + 30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    assert "stopped before the engine was ready" in text and "engine thread still running at exit" in text, text
+    assert ENGINE_STOP_S <= took < ENGINE_STOP_S + 20, took
+
+
 def test_a_restarted_server_is_detected():
     p1 = ServerProcess(FLAGS)
     p2 = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -233,11 +234,14 @@ async def build_server(s: ServeSettings, security: Security, tracing: Tracing | 
 
 
 async def _serve(s: ServeSettings, security: Security, weights: list[KvBProjWeights],
-                 tracing: Tracing | None) -> int:
+                 tracing: Tracing | None, ended: list[bool]) -> int:
     from .service import server
 
     parts = await build_server(s, security, tracing)
-    return await server.run(s, security, parts, build=lambda: build_and_warm(s, weights))
+    try:
+        return await server.run(s, security, parts, build=lambda: build_and_warm(s, weights))
+    finally:
+        ended.append(parts.worker.ended)
 
 
 def serve(settings: ServeSettings) -> int:
@@ -262,9 +266,17 @@ def serve(settings: ServeSettings) -> int:
     security = load_security(settings)
     check_exposure(settings, security)  # beyond loopback: a credential or --allow-insecure, before anything starts
     tracing = from_settings(settings.otlp_endpoint, __version__)
+    ended: list[bool] = []  # whether the engine thread ended before the loop did
     try:
         weights = load_weights(settings)
-        return asyncio.run(_serve(settings, security, weights, tracing))
+        rc = asyncio.run(_serve(settings, security, weights, tracing, ended))
     finally:
         if tracing is not None:
             tracing.shutdown()  # the spans still batched go out
+    if ended == [False]:
+        # a call outlived the wait (a warm-up's compiles): interpreter shutdown would end the
+        # engine thread inside torch's C++ and abort the process (EngineWorker.stop)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc

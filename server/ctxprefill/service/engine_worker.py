@@ -169,6 +169,10 @@ class EngineWorker:
         self._q.put(None)
         if wait_s > 0:
             self._thread.join(wait_s)
+        return self.ended
+
+    @property
+    def ended(self) -> bool:
         return not self._thread.is_alive()
 
     def add_ring(self, ring: AttachedRing) -> None:

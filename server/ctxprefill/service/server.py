@@ -236,6 +236,7 @@ async def run(s: ServeSettings, security: Security, parts: ServerParts,
         # the engine thread ends before the process does (EngineWorker.stop says why)
         wait_s = ENGINE_STOP_FORCED_S if force.is_set() else ENGINE_STOP_S
         if not await asyncio.to_thread(worker.stop, wait_s):
-            lifecycle.warning("engine thread still running at exit", extra={"waited_s": wait_s})
+            lifecycle.warning("engine thread still running at exit: exiting without interpreter shutdown",
+                              extra={"waited_s": wait_s})
         for h in logging.getLogger().handlers:
             h.flush()
