@@ -295,6 +295,7 @@ async def main():
             got = await call.read()
             assert not got.HasField("error"), got
             await call.done_writing()
+            assert await call.read() == grpc.aio.EOF and await call.code() == grpc.StatusCode.OK
             on.clear()
     finally:
         sys.setprofile(None)
