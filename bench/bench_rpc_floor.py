@@ -164,6 +164,7 @@ def _measure(ns) -> dict:
         ch.close()
     finally:
         server.kill()
+        server.wait(timeout=10)
     return res
 
 

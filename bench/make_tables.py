@@ -1255,7 +1255,10 @@ def main(argv: list[str] | None = None) -> int:
     targets: list[tuple[str, str, str, str]] = []  # path, text, text made from the JSON, command that makes it
     if not ns.readme or ns.check:
         path = os.path.join(ns.results, "README.md")
-        old = open(path).read() if os.path.exists(path) else ""
+        old = ""
+        if os.path.exists(path):
+            with open(path) as fh:
+                old = fh.read()
         targets.append((path, old, results_readme(ns.results), "python bench/make_tables.py"))
     readme = ns.readme or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
     if ns.readme or ns.check:

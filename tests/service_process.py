@@ -130,6 +130,7 @@ class ServerProcess:
                 if self._auto_ports and restarts < 3 and "cannot bind" in self.log():
                     restarts += 1
                     self.port, self.metrics_port = free_port(), free_port()
+                    self._log.close()  # the exited attempt's log
                     self._start()
                     continue
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")

@@ -114,7 +114,8 @@ def test_the_key_scan_is_its_own_table_and_not_a_verdict():
 
     import make_tables
 
-    d = json.loads(open(os.path.join(ROOT, "bench", "results", "bench_attention.json")).read())
+    with open(os.path.join(ROOT, "bench", "results", "bench_attention.json")) as fh:
+        d = json.load(fh)
     # the stored run without a key scan of its own, if it has one
     d["results"] = [r for r in d["results"] if "fit" not in r and r.get("verdict") != ba.KEY_SCAN_VERDICT]
     before = make_tables.attention_table(d)

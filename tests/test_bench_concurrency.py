@@ -206,7 +206,8 @@ def test_engine_table_with_unpacked_keys(bench_mods):
     the recorded headline run (bench/results/bench_engine.json) makes that table, its figures as recorded."""
     _, mt, _ = bench_mods
     path = os.path.join(ROOT, "bench", "results", "bench_engine.json")
-    run = json.load(open(path))
+    with open(path) as fh:
+        run = json.load(fh)
     t = mt.table(run)
     assert "| generic ms | fused + K pack ms | fused ms |" in t
     by_key = {(r["heads"], r["cache_dtype"], r["prefill_dtype"]): r for r in run["rows"]}
@@ -222,7 +223,8 @@ def test_engine_table_of_the_recorded_run(bench_mods):
     its table takes the gap as the request time above the sum of the stages."""
     _, mt, _ = bench_mods
     path = os.path.join(ROOT, "bench", "results", "bench_engine_full.json")
-    d = json.load(open(path))
+    with open(path) as fh:
+        d = json.load(fh)
     assert not any("fused_host_gap_s" in r for r in d["rows"])
     t = mt.table(d)
     assert "| 128 | 1024 | 64k | fp8 | fp8 | 4 | 26.14 | 16.08 | **1.63** | 11.34 | 1.42 | 1.31 | 10 → 6 | yes |" in t

@@ -347,7 +347,8 @@ def test_bench_kernels_targets_cover_the_stated_regime():
     assert t({"op": "gather", "variant": "torch fp8->bf16", "rows": 262144}) is None
     assert t({"op": "merge", "variant": "kernel", "H": 16, "T": 65536}) == 85.0
     assert t({"op": "merge", "variant": "kernel", "H": 16, "T": 8192}) is None
-    run = json.load(open(os.path.join(root, "bench", "results", "bench_kernels.json")))
+    with open(os.path.join(root, "bench", "results", "bench_kernels.json")) as fh:
+        run = json.load(fh)
     rows = run["results"]
     # the recorded run's verdicts are what target_pct gives again from its rows
     assert [(r["variant"], r.get("target_pct")) for r in rows] == [(r["variant"], t(r)) for r in rows]

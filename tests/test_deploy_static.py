@@ -761,7 +761,9 @@ def test_every_alert_has_a_test_case_and_docs():
         assert a in fired, f"{a}: no test input that fires it"
         assert a in quiet, f"{a}: no test case where it stays quiet"
         assert f"`{a}`" in deploy_md, f"{a}: not explained in docs/DEPLOY.md"
-    for r in (r for g in yaml.safe_load(open(RULES))["groups"] for r in g["rules"]):
+    with open(RULES) as fh:
+        groups = yaml.safe_load(fh)["groups"]
+    for r in (r for g in groups for r in g["rules"]):
         assert r["labels"]["severity"] in ("critical", "warning", "info")
         assert r["annotations"]["summary"] and r["annotations"]["description"]
 
