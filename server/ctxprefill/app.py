@@ -233,15 +233,19 @@ async def build_server(s: ServeSettings, security: Security, tracing: Tracing | 
     return ServerParts(metrics, worker, servicer, grpc_server, health_servicer, closer)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Served:
+    code: int  # the exit code
+    engine_ended: bool  # False: a call outlived the wait for the engine thread (EngineWorker.stop)
+
+
 async def _serve(s: ServeSettings, security: Security, weights: list[KvBProjWeights],
-                 tracing: Tracing | None, ended: list[bool]) -> int:
+                 tracing: Tracing | None) -> _Served:
     from .service import server
 
     parts = await build_server(s, security, tracing)
-    try:
-        return await server.run(s, security, parts, build=lambda: build_and_warm(s, weights))
-    finally:
-        ended.append(parts.worker.ended)
+    code = await server.run(s, security, parts, build=lambda: build_and_warm(s, weights))
+    return _Served(code, parts.worker.ended)
 
 
 def serve(settings: ServeSettings) -> int:
@@ -266,17 +270,16 @@ def serve(settings: ServeSettings) -> int:
     security = load_security(settings)
     check_exposure(settings, security)  # beyond loopback: a credential or --allow-insecure, before anything starts
     tracing = from_settings(settings.otlp_endpoint, __version__)
-    ended: list[bool] = []  # whether the engine thread ended before the loop did
     try:
         weights = load_weights(settings)
-        rc = asyncio.run(_serve(settings, security, weights, tracing, ended))
+        served = asyncio.run(_serve(settings, security, weights, tracing))
     finally:
         if tracing is not None:
             tracing.shutdown()  # the spans still batched go out
-    if ended == [False]:
+    if not served.engine_ended:
         # a call outlived the wait (a warm-up's compiles): interpreter shutdown would end the
         # engine thread inside torch's C++ and abort the process (EngineWorker.stop)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(rc)
-    return rc
+        os._exit(served.code)
+    return served.code
