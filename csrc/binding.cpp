@@ -609,6 +609,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("counts", &ctxprefill::GraphPatch::counts, "per buffer: arguments found")
       .def_property_readonly("descriptor_counts", &ctxprefill::GraphPatch::descriptor_counts,
                              "per buffer: TMA descriptors among them")
+      .def_property_readonly("sites", [](const ctxprefill::GraphPatch& p) {
+             py::list out;
+             for (const ctxprefill::PatchSite& s : p.sites())
+               out.append(py::dict(py::arg("kernel") = s.kernel, py::arg("param") = s.param,
+                                   py::arg("offset") = s.offset, py::arg("buffer") = s.buffer,
+                                   py::arg("delta") = s.delta, py::arg("descriptor") = s.descriptor));
+             return out;
+           }, "every argument found, as dicts (kernel, param, offset, buffer, delta, descriptor): "
+              "what counts counts, named")
       .def_property_readonly("nodes", &ctxprefill::GraphPatch::nodes, "nodes a launch rewrites (kernels, copies and memsets)")
       .def_property_readonly("unlisted", &ctxprefill::GraphPatch::unlisted,
                              "kernel nodes whose arguments could not be listed");

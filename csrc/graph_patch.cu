@@ -16,6 +16,8 @@ using ExecSetParamsFn = CUresult (*)(CUgraphExec, CUgraphNode, const CUDA_KERNEL
 using FuncParamInfoFn = CUresult (*)(CUfunction, size_t, size_t*, size_t*);
 using KernelParamInfoFn = CUresult (*)(CUkernel, size_t, size_t*, size_t*);
 using ReplaceAddressFn = CUresult (*)(CUtensorMap*, void*);
+using FuncGetNameFn = CUresult (*)(const char**, CUfunction);
+using KernelGetNameFn = CUresult (*)(const char**, CUkernel);
 
 // The driver calls used here, fetched once through the runtime (nullptr where the driver lacks one).
 struct Driver {
@@ -24,6 +26,8 @@ struct Driver {
   FuncParamInfoFn func_param_info = nullptr;
   KernelParamInfoFn kernel_param_info = nullptr;
   ReplaceAddressFn replace_address = nullptr;
+  FuncGetNameFn func_get_name = nullptr;      // names for sites() alone
+  KernelGetNameFn kernel_get_name = nullptr;
 };
 
 const Driver& driver() {
@@ -36,6 +40,8 @@ const Driver& driver() {
     r.func_param_info = reinterpret_cast<FuncParamInfoFn>(driver_entry_point("cuFuncGetParamInfo", 12040));
     r.kernel_param_info = reinterpret_cast<KernelParamInfoFn>(driver_entry_point("cuKernelGetParamInfo", 12040));
     r.replace_address = reinterpret_cast<ReplaceAddressFn>(driver_entry_point("cuTensorMapReplaceAddress", 12000));
+    r.func_get_name = reinterpret_cast<FuncGetNameFn>(driver_entry_point("cuFuncGetName", 12030));
+    r.kernel_get_name = reinterpret_cast<KernelGetNameFn>(driver_entry_point("cuKernelGetName", 12030));
     return r;
   }();
   return d;
@@ -208,19 +214,25 @@ void GraphPatch::scan(CUgraphNode node) {
     std::memcpy(arg, p.kernelParams[i], sizes[i]);
     n.args.push_back(arg);
     uint64_t a = 0;
+    const uint32_t param = static_cast<uint32_t>(i);
     if (sizes[i] == sizeof(CUtensorMap) && offsets[i] % 64 == 0 && descriptor_address(arg, &a)) {
       const int b = buffer_of(base_, size_, a);
-      if (b >= 0) n.sites.push_back({static_cast<uint32_t>(offsets[i]), static_cast<uint32_t>(b), a - base_[b], true});
+      if (b >= 0)
+        n.sites.push_back({static_cast<uint32_t>(offsets[i]), param, static_cast<uint32_t>(b), a - base_[b], true});
       continue;  // a descriptor's other words are sizes and strides
     }
     for (size_t w = (offsets[i] + 7) / 8 * 8; w + 8 <= offsets[i] + sizes[i]; w += 8) {
       uint64_t v;
       std::memcpy(&v, n.bytes + w, 8);
       const int b = buffer_of(base_, size_, v);
-      if (b >= 0) n.sites.push_back({static_cast<uint32_t>(w), static_cast<uint32_t>(b), v - base_[b], false});
+      if (b >= 0) n.sites.push_back({static_cast<uint32_t>(w), param, static_cast<uint32_t>(b), v - base_[b], false});
     }
   }
   if (n.sites.empty()) return;
+  const char* name = nullptr;
+  if (p.func != nullptr ? (d.func_get_name != nullptr && d.func_get_name(&name, p.func) == CUDA_SUCCESS)
+                        : (d.kernel_get_name != nullptr && d.kernel_get_name(&name, p.kern) == CUDA_SUCCESS))
+    n.name = name != nullptr ? name : "";
   n.params = p;
   n.params.kernelParams = n.args.data();
   n.params.extra = nullptr;
@@ -292,6 +304,18 @@ std::vector<int64_t> GraphPatch::counts() const {
     for (int e = 0; e < 2; ++e)
       if (k.buffer[e] >= 0) ++c[k.buffer[e]];
   return c;
+}
+
+std::vector<PatchSite> GraphPatch::sites() const {
+  std::vector<PatchSite> out;
+  for (const Node& n : nodes_)
+    for (const Site& s : n.sites)
+      out.push_back({n.name, s.param, s.offset, s.buffer, static_cast<int64_t>(s.delta), s.descriptor});
+  for (const Copy& k : copies_)
+    for (int e = 0; e < 2; ++e)
+      if (k.buffer[e] >= 0)
+        out.push_back({k.set ? "memset" : "memcpy", e, -1, k.buffer[e], static_cast<int64_t>(k.delta[e]), false});
+  return out;
 }
 
 std::vector<int64_t> GraphPatch::descriptor_counts() const {

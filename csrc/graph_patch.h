@@ -18,6 +18,16 @@
 
 namespace ctxprefill {
 
+// One argument found pointing into a buffer (GraphPatch::sites): what a test names.
+struct PatchSite {
+  std::string kernel;  // the kernel's name ("" where the driver gives none); "memcpy" / "memset" for copies
+  int64_t param;       // the kernel's parameter index; for a copy its end (0 source, 1 destination)
+  int64_t offset;      // byte offset in the node's argument bytes (-1 for a copy)
+  int64_t buffer;
+  int64_t delta;       // the captured address - the buffer's captured base
+  bool descriptor;     // a TMA descriptor, else a raw address word (or a copy's pointer)
+};
+
 class GraphPatch {
  public:
   // Finds, in `graph`'s kernel nodes, each argument word that holds an address inside one
@@ -39,6 +49,8 @@ class GraphPatch {
   std::vector<int64_t> counts() const;
   // per buffer: the descriptors among them
   std::vector<int64_t> descriptor_counts() const;
+  // every argument found, node by node (what counts() counts)
+  std::vector<PatchSite> sites() const;
   // nodes rewritten by apply() (kernels, copies and memsets), and kernel nodes whose
   // arguments could not be listed
   int64_t nodes() const { return static_cast<int64_t>(nodes_.size() + copies_.size()); }
@@ -47,6 +59,7 @@ class GraphPatch {
  private:
   struct Site {
     uint32_t offset;  // byte offset in the node's argument bytes
+    uint32_t param;   // the kernel's parameter index
     uint32_t buffer;
     uint64_t delta;   // captured address - captured base
     bool descriptor;  // a CUtensorMap (rewritten with cuTensorMapReplaceAddress), else a raw address word
@@ -58,6 +71,7 @@ class GraphPatch {
     unsigned char* bytes;
     std::vector<void*> args;
     std::vector<Site> sites;
+    std::string name;  // the kernel's, for sites()
   };
   struct Copy {  // a copy (or memset: `set`) node with an end inside a buffer
     CUgraphNode node;

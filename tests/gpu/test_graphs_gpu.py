@@ -104,6 +104,12 @@ def test_replay_equals_the_eager_loop_bit_for_bit(case, cache_dtype, kvb, prefil
     [loop] = eng.graphs._graphs.values()
     assert loop.in_place and all(loop.patch.counts), loop.copies_because
     assert dict(runs[2].stats.launches) == dict(eager.stats.launches)
+    # each argument found, named: what counts and descriptor_counts count
+    sites = loop.patch.sites
+    for b, (n, nd) in enumerate(zip(loop.patch.counts, loop.patch.descriptor_counts, strict=True)):
+        assert [len([x for x in sites if x["buffer"] == b and x["descriptor"] == d]) for d in (False, True)] \
+            == [n - nd, nd], (b, sites)
+    assert all(x["kernel"] and (x["offset"] >= 0) != (x["kernel"] in ("memcpy", "memset")) for x in sites), sites
     # another request of the same shape (other blocks, cache contents, q) replays with its values
     q2, seqs2 = make_request(eng, c, seed=2)
     assert [s.block_table for s in seqs2] != [s.block_table for s in seqs]
@@ -356,7 +362,7 @@ def test_captured_attention_takes_its_graph_variant_with_the_same_bits(case, pre
         assert loop.in_place, loop.copies_because
         # q's arguments, and what names them where the count is not the expected one
         q_args[on] = (loop.patch.counts[0], list(loop.patch.counts), list(loop.patch.descriptor_counts),
-                      launches[-chunks:])
+                      launches[-chunks:], [x for x in loop.patch.sites if x["buffer"] == 0])
         q2, seqs2 = make_request(eng, c, seed=5)
         eager2 = eng.prefill_context(q2, seqs2, graphs_on=False)
         assert all(same_bits(r, eager) for r in runs) and same_bits(eng.prefill_context(q2, seqs2), eager2)
