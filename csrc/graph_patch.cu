@@ -84,20 +84,31 @@ std::pair<uint64_t, uint64_t> copied_bytes(const cudaPitchedPtr& p, const cudaPo
   return {first, first + slices * slice + rows * p.pitch + e.width};
 }
 
+// Why descriptor_address found no address (PatchSite::probe): a CUresult where the probe
+// call failed, else one of these.
+constexpr int kProbeNoCall = -2, kProbeNoWord = -3, kProbeCheckFailed = -4;
+
 // The global address of the CUtensorMap at `src`, learnt without assuming its layout: a
 // copy given a probe address shows which 8-byte word holds it, and the map given back the
-// value of that word must come out byte for byte as it was. False where either fails.
-bool descriptor_address(const unsigned char* src, uint64_t* address) {
+// value of that word must come out byte for byte as it was. False where either fails, with
+// the reason in `why`.
+bool descriptor_address(const unsigned char* src, uint64_t* address, int* why) {
   const ReplaceAddressFn replace = driver().replace_address;
+  *why = kProbeNoCall;
   if (replace == nullptr) return false;
   CUtensorMap map, probe, check;  // alignas(64) by their declaration
   std::memcpy(&map, src, sizeof(map));
   probe = map;
   constexpr uint64_t kProbe = 0x00007a5a5a5a5a00ull;  // 256-byte aligned, never dereferenced
-  if (replace(&probe, reinterpret_cast<void*>(kProbe)) != CUDA_SUCCESS) return false;
+  const CUresult r = replace(&probe, reinterpret_cast<void*>(kProbe));
+  if (r != CUDA_SUCCESS) {
+    *why = static_cast<int>(r);
+    return false;
+  }
   uint64_t pw[sizeof(CUtensorMap) / 8], mw[sizeof(CUtensorMap) / 8];
   std::memcpy(pw, &probe, sizeof(pw));
   std::memcpy(mw, &map, sizeof(mw));
+  *why = kProbeNoWord;
   for (size_t j = 0; j < sizeof(pw) / 8; ++j) {
     if (pw[j] != kProbe || mw[j] == 0 || mw[j] % 16 != 0) continue;
     check = map;
@@ -106,6 +117,7 @@ bool descriptor_address(const unsigned char* src, uint64_t* address) {
       *address = mw[j];
       return true;
     }
+    *why = kProbeCheckFailed;
   }
   return false;
 }
@@ -215,17 +227,20 @@ void GraphPatch::scan(CUgraphNode node) {
     n.args.push_back(arg);
     uint64_t a = 0;
     const uint32_t param = static_cast<uint32_t>(i);
-    if (sizes[i] == sizeof(CUtensorMap) && offsets[i] % 64 == 0 && descriptor_address(arg, &a)) {
+    int why = kProbeNotTried;
+    if (sizes[i] == sizeof(CUtensorMap) && offsets[i] % 64 == 0 && descriptor_address(arg, &a, &why)) {
       const int b = buffer_of(base_, size_, a);
       if (b >= 0)
-        n.sites.push_back({static_cast<uint32_t>(offsets[i]), param, static_cast<uint32_t>(b), a - base_[b], true});
+        n.sites.push_back(
+            {static_cast<uint32_t>(offsets[i]), param, static_cast<uint32_t>(b), a - base_[b], true, kProbeNotTried});
       continue;  // a descriptor's other words are sizes and strides
     }
     for (size_t w = (offsets[i] + 7) / 8 * 8; w + 8 <= offsets[i] + sizes[i]; w += 8) {
       uint64_t v;
       std::memcpy(&v, n.bytes + w, 8);
       const int b = buffer_of(base_, size_, v);
-      if (b >= 0) n.sites.push_back({static_cast<uint32_t>(w), param, static_cast<uint32_t>(b), v - base_[b], false});
+      if (b >= 0)
+        n.sites.push_back({static_cast<uint32_t>(w), param, static_cast<uint32_t>(b), v - base_[b], false, why});
     }
   }
   if (n.sites.empty()) return;
@@ -310,11 +325,12 @@ std::vector<PatchSite> GraphPatch::sites() const {
   std::vector<PatchSite> out;
   for (const Node& n : nodes_)
     for (const Site& s : n.sites)
-      out.push_back({n.name, s.param, s.offset, s.buffer, static_cast<int64_t>(s.delta), s.descriptor});
+      out.push_back({n.name, s.param, s.offset, s.buffer, static_cast<int64_t>(s.delta), s.descriptor, s.probe});
   for (const Copy& k : copies_)
     for (int e = 0; e < 2; ++e)
       if (k.buffer[e] >= 0)
-        out.push_back({k.set ? "memset" : "memcpy", e, -1, k.buffer[e], static_cast<int64_t>(k.delta[e]), false});
+        out.push_back({k.set ? "memset" : "memcpy", e, -1, k.buffer[e], static_cast<int64_t>(k.delta[e]), false,
+                       kProbeNotTried});
   return out;
 }
 

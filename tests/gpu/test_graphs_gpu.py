@@ -110,6 +110,7 @@ def test_replay_equals_the_eager_loop_bit_for_bit(case, cache_dtype, kvb, prefil
         assert [len([x for x in sites if x["buffer"] == b and x["descriptor"] == d]) for d in (False, True)] \
             == [n - nd, nd], (b, sites)
     assert all(x["kernel"] and (x["offset"] >= 0) != (x["kernel"] in ("memcpy", "memset")) for x in sites), sites
+    assert all(x["probe"] == -1 for x in sites if x["descriptor"] or x["offset"] < 0), sites
     # another request of the same shape (other blocks, cache contents, q) replays with its values
     q2, seqs2 = make_request(eng, c, seed=2)
     assert [s.block_table for s in seqs2] != [s.block_table for s in seqs]
