@@ -328,7 +328,7 @@ def test_merges_beside_run_on_their_stream_with_the_same_bits(case, tmp_path):
 
 @pytest.mark.parametrize("prefill", ["bf16", "fp8"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_captured_attention_takes_its_graph_variant_with_the_same_bits(case, prefill, monkeypatch):
+def test_captured_attention_takes_its_graph_variant_with_the_same_bits(case, prefill, monkeypatch, record_property):
     """With ``LoopGraphs.graph_variants`` a capture's attention launches take the Gluon
     kernel's CAPTURED_WS (q's and K's descriptors made by the launch: HOST_DESC) and eager
     loops never; without it the capture's do not. Replays in place (q's two descriptors a
@@ -367,6 +367,7 @@ def test_captured_attention_takes_its_graph_variant_with_the_same_bits(case, pre
         q2, seqs2 = make_request(eng, c, seed=5)
         eager2 = eng.prefill_context(q2, seqs2, graphs_on=False)
         assert all(same_bits(r, eager) for r in runs) and same_bits(eng.prefill_context(q2, seqs2), eager2)
+    record_property("q_sites", json.dumps({str(on): a[4] for on, a in q_args.items()}))  # junit.xml: read, not asserted
     assert q_args[True][0] - q_args[False][0] == 2 * chunks, q_args
 
 
