@@ -155,7 +155,17 @@ for tc in ET.parse(sys.argv[1]).iter("testcase"):
                     f"{p.get('profiler_dtod_copies')} DtoD, stats {p['stats_launches']}{'  MISMATCH' if bad else ''}")
 print(f"launch-count tests: {len(rows)} recorded, {sum('MISMATCH' in r for r in rows)} mismatched")
 print("\n".join([r for r in rows if "MISMATCH" in r][:10] + [r for r in rows if "MISMATCH" not in r][:4]))
+# q's arguments in the graph-variant test's captures (GraphPatch.sites), grouped
+import collections, json
+for tc in ET.parse(sys.argv[1]).iter("testcase"):
+    p = {q.get("name"): q.get("value") for q in tc.iter("property")}
+    if "q_sites" in p:
+        for on, sites in json.loads(p["q_sites"]).items():
+            c = collections.Counter((x["kernel"][:40], x["param"], x["offset"], x["descriptor"], x["probe"])
+                                    for x in sites)
+            print(f"  q sites {tc.get('name')} variants={on}: " + "; ".join(f"{k} x{n}" for k, n in c.items()))
 PY
+cp /tmp/junit.xml "$OUT/junit.xml" 2>/dev/null || true
 fi
 
 # ---- 3b. a native backtrace of a crashing test (GPU_RUN_SEGV_TEST=node id) -------------------
