@@ -145,25 +145,19 @@ run_step pytest_gpu 400 "$FIRST_RESERVE" \
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?) in " "$OUT/pytest.log" | tail -n 25 | sed 's/^/  pytest: /' >>"$SUMMARY" || true
 # launch counts (profiler vs stats) recorded by tests/gpu/test_engine_gpu.py as junit properties
 [ -f /tmp/junit.xml ] && python3 - /tmp/junit.xml >>"$SUMMARY" 2>&1 <<'PY' || true
-import sys, xml.etree.ElementTree as ET
-rows = []
+import collections, json, sys, xml.etree.ElementTree as ET
+rows, sites = [], []  # launch counts; q's GraphPatch sites in the graph-variant test's captures
 for tc in ET.parse(sys.argv[1]).iter("testcase"):
     p = {q.get("name"): q.get("value") for q in tc.iter("property")}
     if "stats_launches" in p:
         bad = tc.find("failure") is not None or tc.find("error") is not None
         rows.append(f"  launches {tc.get('name')}: profiler {p.get('profiler_kernels')} kernels + "
                     f"{p.get('profiler_dtod_copies')} DtoD, stats {p['stats_launches']}{'  MISMATCH' if bad else ''}")
+    for on, found in json.loads(p.get("q_sites", "{}")).items():  # grouped
+        c = collections.Counter((x["kernel"][:40], x["param"], x["offset"], x["descriptor"], x["probe"]) for x in found)
+        sites.append(f"  q sites {tc.get('name')} variants={on}: " + "; ".join(f"{k} x{n}" for k, n in c.items()))
 print(f"launch-count tests: {len(rows)} recorded, {sum('MISMATCH' in r for r in rows)} mismatched")
-print("\n".join([r for r in rows if "MISMATCH" in r][:10] + [r for r in rows if "MISMATCH" not in r][:4]))
-# q's arguments in the graph-variant test's captures (GraphPatch.sites), grouped
-import collections, json
-for tc in ET.parse(sys.argv[1]).iter("testcase"):
-    p = {q.get("name"): q.get("value") for q in tc.iter("property")}
-    if "q_sites" in p:
-        for on, sites in json.loads(p["q_sites"]).items():
-            c = collections.Counter((x["kernel"][:40], x["param"], x["offset"], x["descriptor"], x["probe"])
-                                    for x in sites)
-            print(f"  q sites {tc.get('name')} variants={on}: " + "; ".join(f"{k} x{n}" for k, n in c.items()))
+print("\n".join([r for r in rows if "MISMATCH" in r][:10] + [r for r in rows if "MISMATCH" not in r][:4] + sites))
 PY
 cp /tmp/junit.xml "$OUT/junit.xml" 2>/dev/null || true
 fi
