@@ -319,10 +319,10 @@ def test_worker_stop_waits_for_the_thread_within_its_bound():
         first = w.submit(lambda: gate.wait(20))
         second = w.submit(lambda: ran.append(np.ones(4)))
         t0 = time.monotonic()
-        assert w.stop(0.2) is False and w._thread.is_alive()
+        assert w.stop(0.2) is False and not w.ended
         assert 0.2 <= time.monotonic() - t0 < 5 and ran == []
         gate.set()
-        assert w.stop(10) is True and not w._thread.is_alive()
+        assert w.stop(10) is True and w.ended
         assert await first and await second is None and len(ran) == 1
 
     asyncio.run(main())
