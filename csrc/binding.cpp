@@ -613,11 +613,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::list out;
              for (const ctxprefill::PatchSite& s : p.sites())
                out.append(py::dict(py::arg("kernel") = s.kernel, py::arg("param") = s.param,
-                                   py::arg("offset") = s.offset, py::arg("buffer") = s.buffer,
+                                   py::arg("offset") = s.offset, py::arg("size") = s.size,
+                                   py::arg("buffer") = s.buffer,
                                    py::arg("delta") = s.delta, py::arg("descriptor") = s.descriptor,
                                    py::arg("probe") = s.probe));
              return out;
-           }, "every argument found, as dicts (kernel, param, offset, buffer, delta, descriptor, probe: "
+           }, "every argument found, as dicts (kernel, param, offset, size, buffer, delta, descriptor, probe: "
               "csrc/graph_patch.h PatchSite): what counts counts, named")
       .def_property_readonly("nodes", &ctxprefill::GraphPatch::nodes, "nodes a launch rewrites (kernels, copies and memsets)")
       .def_property_readonly("unlisted", &ctxprefill::GraphPatch::unlisted,

@@ -232,7 +232,8 @@ void GraphPatch::scan(CUgraphNode node) {
       const int b = buffer_of(base_, size_, a);
       if (b >= 0)
         n.sites.push_back(
-            {static_cast<uint32_t>(offsets[i]), param, static_cast<uint32_t>(b), a - base_[b], true, kProbeNotTried});
+            {static_cast<uint32_t>(offsets[i]), param, static_cast<uint32_t>(sizes[i]), static_cast<uint32_t>(b),
+             a - base_[b], true, kProbeNotTried});
       continue;  // a descriptor's other words are sizes and strides
     }
     for (size_t w = (offsets[i] + 7) / 8 * 8; w + 8 <= offsets[i] + sizes[i]; w += 8) {
@@ -240,7 +241,8 @@ void GraphPatch::scan(CUgraphNode node) {
       std::memcpy(&v, n.bytes + w, 8);
       const int b = buffer_of(base_, size_, v);
       if (b >= 0)
-        n.sites.push_back({static_cast<uint32_t>(w), param, static_cast<uint32_t>(b), v - base_[b], false, why});
+        n.sites.push_back({static_cast<uint32_t>(w), param, static_cast<uint32_t>(sizes[i]), static_cast<uint32_t>(b),
+                           v - base_[b], false, why});
     }
   }
   if (n.sites.empty()) return;
@@ -325,11 +327,12 @@ std::vector<PatchSite> GraphPatch::sites() const {
   std::vector<PatchSite> out;
   for (const Node& n : nodes_)
     for (const Site& s : n.sites)
-      out.push_back({n.name, s.param, s.offset, s.buffer, static_cast<int64_t>(s.delta), s.descriptor, s.probe});
+      out.push_back({n.name, s.param, s.offset, s.size, s.buffer, static_cast<int64_t>(s.delta), s.descriptor,
+                     s.probe});
   for (const Copy& k : copies_)
     for (int e = 0; e < 2; ++e)
       if (k.buffer[e] >= 0)
-        out.push_back({k.set ? "memset" : "memcpy", e, -1, k.buffer[e], static_cast<int64_t>(k.delta[e]), false,
+        out.push_back({k.set ? "memset" : "memcpy", e, -1, -1, k.buffer[e], static_cast<int64_t>(k.delta[e]), false,
                        kProbeNotTried});
   return out;
 }

@@ -23,6 +23,7 @@ struct PatchSite {
   std::string kernel;  // the kernel's name ("" where the driver gives none); "memcpy" / "memset" for copies
   int64_t param;       // the kernel's parameter index; for a copy its end (0 source, 1 destination)
   int64_t offset;      // byte offset in the node's argument bytes (-1 for a copy)
+  int64_t size;        // the parameter's size in bytes, as the driver lists it (-1 for a copy)
   int64_t buffer;
   int64_t delta;       // the captured address - the buffer's captured base
   bool descriptor;     // a TMA descriptor, else a raw address word (or a copy's pointer)
@@ -67,6 +68,7 @@ class GraphPatch {
   struct Site {
     uint32_t offset;  // byte offset in the node's argument bytes
     uint32_t param;   // the kernel's parameter index
+    uint32_t size;    // that parameter's size in bytes
     uint32_t buffer;
     uint64_t delta;   // captured address - captured base
     bool descriptor;  // a CUtensorMap (rewritten with cuTensorMapReplaceAddress), else a raw address word
