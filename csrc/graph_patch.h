@@ -27,7 +27,7 @@ struct PatchSite {
   int64_t buffer;
   int64_t delta;       // the captured address - the buffer's captured base
   bool descriptor;     // a TMA descriptor, else a raw address word (or a copy's pointer)
-  // a raw word in a parameter shaped like a CUtensorMap (128 bytes) that the
+  // a raw word in a parameter shaped like a CUtensorMap (128 bytes, 64-aligned) that the
   // address probe did not recognise: the probe call's CUresult where it failed, -2 no such
   // driver call, -3 no word took the probe address, -4 the map given back that word
   // changed; -1 where no probe was tried
