@@ -84,10 +84,6 @@ std::pair<uint64_t, uint64_t> copied_bytes(const cudaPitchedPtr& p, const cudaPo
   return {first, first + slices * slice + rows * p.pitch + e.width};
 }
 
-// Why descriptor_address found no address (PatchSite::probe): a CUresult where the probe
-// call failed, else one of these.
-constexpr int kProbeNoCall = -2, kProbeNoWord = -3, kProbeCheckFailed = -4;
-
 // The global address of the CUtensorMap at `src`, learnt without assuming its layout: a
 // copy given a probe address shows which 8-byte word holds it, and the map given back the
 // value of that word must come out byte for byte as it was. False where either fails, with
@@ -226,14 +222,14 @@ void GraphPatch::scan(CUgraphNode node) {
     std::memcpy(arg, p.kernelParams[i], sizes[i]);
     n.args.push_back(arg);
     uint64_t a = 0;
-    const uint32_t param = static_cast<uint32_t>(i);
+    const uint32_t param = static_cast<uint32_t>(i), psize = static_cast<uint32_t>(sizes[i]);
     int why = kProbeNotTried;
     if (sizes[i] == sizeof(CUtensorMap) && offsets[i] % 64 == 0 && descriptor_address(arg, &a, &why)) {
       const int b = buffer_of(base_, size_, a);
       if (b >= 0)
         n.sites.push_back(
-            {static_cast<uint32_t>(offsets[i]), param, static_cast<uint32_t>(sizes[i]), static_cast<uint32_t>(b),
-             a - base_[b], true, kProbeNotTried});
+            {static_cast<uint32_t>(offsets[i]), param, psize, static_cast<uint32_t>(b), a - base_[b], true,
+             kProbeNotTried});
       continue;  // a descriptor's other words are sizes and strides
     }
     for (size_t w = (offsets[i] + 7) / 8 * 8; w + 8 <= offsets[i] + sizes[i]; w += 8) {
@@ -241,8 +237,7 @@ void GraphPatch::scan(CUgraphNode node) {
       std::memcpy(&v, n.bytes + w, 8);
       const int b = buffer_of(base_, size_, v);
       if (b >= 0)
-        n.sites.push_back({static_cast<uint32_t>(w), param, static_cast<uint32_t>(sizes[i]), static_cast<uint32_t>(b),
-                           v - base_[b], false, why});
+        n.sites.push_back({static_cast<uint32_t>(w), param, psize, static_cast<uint32_t>(b), v - base_[b], false, why});
     }
   }
   if (n.sites.empty()) return;

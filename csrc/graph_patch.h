@@ -28,13 +28,14 @@ struct PatchSite {
   int64_t delta;       // the captured address - the buffer's captured base
   bool descriptor;     // a TMA descriptor, else a raw address word (or a copy's pointer)
   // a raw word in a parameter shaped like a CUtensorMap (128 bytes, 64-aligned) that the
-  // address probe did not recognise: the probe call's CUresult where it failed, -2 no such
-  // driver call, -3 no word took the probe address, -4 the map given back that word
-  // changed; -1 where no probe was tried
+  // address probe did not recognise: the probe call's CUresult where it failed, else one
+  // of the kProbe* values below
   int64_t probe;
 };
 
-constexpr int kProbeNotTried = -1;
+// PatchSite::probe other than a CUresult: no probe tried, no such driver call, no word took
+// the probe address, the map given back that word changed
+constexpr int kProbeNotTried = -1, kProbeNoCall = -2, kProbeNoWord = -3, kProbeCheckFailed = -4;
 
 class GraphPatch {
  public:
