@@ -154,7 +154,7 @@ for tc in ET.parse(sys.argv[1]).iter("testcase"):
         rows.append(f"  launches {tc.get('name')}: profiler {p.get('profiler_kernels')} kernels + "
                     f"{p.get('profiler_dtod_copies')} DtoD, stats {p['stats_launches']}{'  MISMATCH' if bad else ''}")
     for on, found in json.loads(p.get("q_sites", "{}")).items():  # grouped
-        c = collections.Counter((x["kernel"][:40], x["param"], x["offset"], x.get("size"), x["descriptor"], x["probe"]) for x in found)
+        c = collections.Counter((x["kernel"][:40], x["param"], x["offset"], x["size"], x["descriptor"], x["probe"]) for x in found)
         sites.append(f"  q sites {tc.get('name')} variants={on}: " + "; ".join(f"{k} x{n}" for k, n in c.items()))
 print(f"launch-count tests: {len(rows)} recorded, {sum('MISMATCH' in r for r in rows)} mismatched")
 print("\n".join([r for r in rows if "MISMATCH" in r][:10] + [r for r in rows if "MISMATCH" not in r][:4] + sites))
