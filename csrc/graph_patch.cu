@@ -216,7 +216,7 @@ void GraphPatch::scan(CUgraphNode node) {
   n.node = node;
   n.raw.reset(new unsigned char[total + 64]);
   const uint64_t at = reinterpret_cast<uint64_t>(n.raw.get());
-  n.bytes = n.raw.get() + ((64 - at % 64) % 64);  // parameter offsets keep their alignment (a CUtensorMap's: 64)
+  n.bytes = n.raw.get() + ((64 - at % 64) % 64);
   for (size_t i = 0; i < offsets.size(); ++i) {
     unsigned char* arg = n.bytes + offsets[i];
     std::memcpy(arg, p.kernelParams[i], sizes[i]);
@@ -224,7 +224,9 @@ void GraphPatch::scan(CUgraphNode node) {
     uint64_t a = 0;
     const uint32_t param = static_cast<uint32_t>(i), psize = static_cast<uint32_t>(sizes[i]);
     int why = kProbeNotTried;
-    if (sizes[i] == sizeof(CUtensorMap) && offsets[i] % 64 == 0 && descriptor_address(arg, &a, &why)) {
+    // (at any offset: the driver lists Triton's launch-made maps at offsets 48 and 240,
+    // counted from a parameter space whose start need not be 64-aligned)
+    if (sizes[i] == sizeof(CUtensorMap) && descriptor_address(arg, &a, &why)) {
       const int b = buffer_of(base_, size_, a);
       if (b >= 0)
         n.sites.push_back(
@@ -281,9 +283,11 @@ void GraphPatch::redirect(const std::vector<uint64_t>& bases, const std::vector<
       if (!changed[s.buffer]) continue;
       const uint64_t a = bases[s.buffer] + s.delta;
       if (s.descriptor) {
-        if (d.replace_address(reinterpret_cast<CUtensorMap*>(n.bytes + s.offset), reinterpret_cast<void*>(a)) !=
-            CUDA_SUCCESS)
+        CUtensorMap map;  // aligned, where the argument bytes may not be
+        std::memcpy(&map, n.bytes + s.offset, sizeof(map));
+        if (d.replace_address(&map, reinterpret_cast<void*>(a)) != CUDA_SUCCESS)
           throw std::runtime_error("graph_patch: cuTensorMapReplaceAddress failed");
+        std::memcpy(n.bytes + s.offset, &map, sizeof(map));
       } else {
         std::memcpy(n.bytes + s.offset, &a, 8);
       }

@@ -27,7 +27,7 @@ struct PatchSite {
   int64_t buffer;
   int64_t delta;       // the captured address - the buffer's captured base
   bool descriptor;     // a TMA descriptor, else a raw address word (or a copy's pointer)
-  // a raw word in a parameter shaped like a CUtensorMap (128 bytes, 64-aligned) that the
+  // a raw word in a parameter shaped like a CUtensorMap (128 bytes) that the
   // address probe did not recognise: the probe call's CUresult where it failed, else one
   // of the kProbe* values below
   int64_t probe;
