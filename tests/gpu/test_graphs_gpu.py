@@ -378,6 +378,9 @@ def test_captured_attention_takes_its_graph_variant_with_the_same_bits(case, pre
             for on, a in q_args.items()}
     assert len(attn[True]) == 3 and attn[True][0] == chunks and set(attn[True].values()) == {chunks} \
         and attn[False] == {0: chunks}, q_args
+    # q's descriptors (params past 0) are found as TMA maps, whatever their byte offset
+    assert all(x["descriptor"] == (x["param"] != 0) for x in q_args[True]["sites"]
+               if x["kernel"] == "_mla_attn_ws_fwd"), q_args
 
 
 def test_one_sequence_replays_of_every_layer_take_the_quick_path():
