@@ -216,6 +216,8 @@ void GraphPatch::scan(CUgraphNode node) {
   n.node = node;
   n.raw.reset(new unsigned char[total + 64]);
   const uint64_t at = reinterpret_cast<uint64_t>(n.raw.get());
+  // a 64-aligned start: each argument keeps the alignment the driver's layout gives it
+  // (this file reads and writes them through memcpy; maps through aligned copies)
   n.bytes = n.raw.get() + ((64 - at % 64) % 64);
   for (size_t i = 0; i < offsets.size(); ++i) {
     unsigned char* arg = n.bytes + offsets[i];

@@ -371,7 +371,7 @@ def test_captured_attention_takes_its_graph_variant_with_the_same_bits(case, pre
         assert all(same_bits(r, eager) for r in runs) and same_bits(eng.prefill_context(q2, seqs2), eager2)
     record_property("q_sites", json.dumps({str(on): a["sites"] for on, a in q_args.items()}))  # junit.xml: read
     # the attention's q arguments: its pointer, plus q's two descriptors with the variant.
-    # (Other kernels' words are not counted: in one ragged-fp8 capture torch's
+    # (Other kernels' words are not counted: in ragged-fp8 captures torch's
     # direct_copy_kernel_cuda held q's address at byte 496 of its arguments, and the
     # replays' bits, checked above, were the eager ones with that word patched.)
     attn = {on: Counter(x["param"] for x in a["sites"] if x["kernel"] == "_mla_attn_ws_fwd")
