@@ -795,7 +795,7 @@ def test_warp_specialized_exp2_poly_cross_compiles_for_sm90():
         assert [t for _, t in res["pv_wait"]] == [t - (t - 2) // 8 for _, t in base["pv_wait"]], (base, res)
 
 
-def test_p_regs_wants_slack_past_the_keys():
+def test_p_regs_wants_slack_past_the_keys(monkeypatch):
     """``P_REGS`` reads K in whole 16-key groups: up to 15 rows past the last segment must lie
     in K's storage, fp8 only, V keys-last; anything else is a ValueError before any launch."""
     buf = torch.zeros(100 + ga.P_REGS_SLACK_ROWS, 2, 192, dtype=FP8)
@@ -827,6 +827,11 @@ def test_p_regs_wants_slack_past_the_keys():
     assert not ta.ws_config(regs, dict(WS=dict(HOST_DESC=False)), q, k, k[..., 128:], True,
                             captured=True)["HOST_DESC"]
     assert not ta.ws_config(regs, None, q, k, k[..., 128:], True)["HOST_DESC"]
+    # an eager launch takes EAGER_WS alike (empty by default; bench --eager-variants-ab sets it)
+    assert ta.EAGER_WS == {}
+    monkeypatch.setattr(ta, "EAGER_WS", dict(HOST_DESC=True))
+    assert ta.ws_config(regs, None, q, k, k[..., 128:], True)["HOST_DESC"]
+    assert not ta.ws_config(regs, dict(WS=dict(HOST_DESC=False)), q, k, k[..., 128:], True)["HOST_DESC"]
     # launch checks before it compiles or launches anything
     cu = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="P_REGS"):

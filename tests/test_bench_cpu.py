@@ -172,6 +172,44 @@ def test_graphs_ab_interleaves_its_rounds_and_checks_every_replays_bits(switch):
     assert not bench._graphs_ab(e, None, [], torch.device("cpu"), switch, 3, it, want)["same"]
 
 
+def test_eager_variants_ab_interleaves_its_rounds_and_restores_the_knob():
+    """bench --eager-variants-ab: triton_attention.EAGER_WS without and with HOST_DESC, the
+    order alternating by round, set back after (also when a request fails); every request
+    is held to the given result's bits, and the attention stage is reported per setting."""
+    import types
+
+    import torch
+
+    from ctxprefill.backends import triton_attention as ta
+
+    class FakeEngine:
+        def __init__(self, odd_one: int | None = None, fail_at: int | None = None):
+            self.order, self.odd_one, self.fail_at = [], odd_one, fail_at
+
+        def prefill_context(self, q, seqs, fused):
+            on = bool(ta.EAGER_WS.get("HOST_DESC"))
+            self.order.append(on)
+            if len(self.order) == self.fail_at:
+                raise RuntimeError("a failed request")
+            bad = self.odd_one is not None and len(self.order) == self.odd_one
+            return types.SimpleNamespace(out=torch.full((2,), 1.0 if bad else 0.0, dtype=torch.bfloat16),
+                                         lse=torch.zeros(2), stats=types.SimpleNamespace(
+                                             stage_ns={"attention": 1000 if on else 3000}, span_ns=1000))
+
+    want = types.SimpleNamespace(out=torch.zeros(2, dtype=torch.bfloat16), lse=torch.zeros(2))
+    it = dict(max_iters=1, min_iters=1, target_s=0.0)
+    was = ta.EAGER_WS
+    e = FakeEngine()
+    got = bench._eager_variants_ab(e, None, [], torch.device("cpu"), 3, it, want)
+    assert [e.order[i * 3] for i in range(6)] == [False, True, True, False, False, True]  # 2 warm-ups, 1 timed
+    assert got["same"] and got["rounds"] == 3 and ta.EAGER_WS is was
+    assert got["on_attention_s"] == pytest.approx(1e-6) and got["off_attention_s"] == pytest.approx(3e-6)
+    assert not bench._eager_variants_ab(FakeEngine(odd_one=6), None, [], torch.device("cpu"), 3, it, want)["same"]
+    with pytest.raises(RuntimeError, match="failed"):
+        bench._eager_variants_ab(FakeEngine(fail_at=4), None, [], torch.device("cpu"), 3, it, want)
+    assert ta.EAGER_WS is was
+
+
 def test_graph_abs_note_fields_and_table_columns_agree():
     """A row's graph A/B result (_graphs_ab: off and on) is printed and stored under the names
     make_tables reads: the progress note of each switch present, and its fields, whose

@@ -206,6 +206,31 @@ GRAPH_ABS = (("merges_beside", "merges_ab", "merges", "in_line", "beside"),
              ("graph_variants", "graph_variants_ab", "graph_variants", "off", "on"))
 
 
+def _eager_variants_ab(engine, q, seqs, dev, rounds: int, it: dict, want) -> dict:
+    """The eager fused request with attention's Gluon kernel taking q's and K's TMA
+    descriptors from the launch (``HOST_DESC`` through ``triton_attention.EAGER_WS``: host
+    work each launch, a shorter start for every tile) and not, in ``rounds`` interleaved
+    rounds (the order alternating, as ``_graphs_ab``): per setting the median of the
+    rounds' medians of the request and of its attention stage, and whether every request
+    gave the bits of ``want``."""
+    from ctxprefill.backends import triton_attention as ta
+
+    was = ta.EAGER_WS
+    got: dict[bool, list[dict]] = {False: [], True: []}
+    try:
+        for r in range(rounds):
+            for on in ((False, True) if r % 2 == 0 else (True, False)):
+                ta.EAGER_WS = {"HOST_DESC": True} if on else {}
+                got[on].append(time_request(engine, q, seqs, True, dev, **it))
+    finally:
+        ta.EAGER_WS = was
+    out = {"rounds": rounds, "same": all(_same_bits(t["result"], want) for ts in got.values() for t in ts)}
+    for on, name in ((False, "off"), (True, "on")):
+        out[f"{name}_s"] = statistics.median(t["median_s"] for t in got[on])
+        out[f"{name}_attention_s"] = statistics.median(t["stage_s"].get("attention", 0.0) for t in got[on])
+    return out
+
+
 def _graphs_ab_fields(prefix: str, off: str, on: str, ab: dict) -> dict:
     """A row's fields of a ``_graphs_ab`` result, named ``{prefix}_{off|on}_...``."""
     return {f"{prefix}_ab_rounds": ab["rounds"], f"{prefix}_{off}_s": ab["off_s"],
@@ -470,6 +495,10 @@ def main(argv=None) -> int:
     p.add_argument("--graph-variants-ab", type=int, default=0, metavar="ROUNDS",
                    help="also time each row's CUDA graph with attention told it is captured and not (its "
                         "variants for CUDA graphs, engine/graphs.py), in this many interleaved rounds (0: off)")
+    p.add_argument("--eager-variants-ab", type=int, default=0, metavar="ROUNDS",
+                   help="also time each row's eager fused request with attention's q and K descriptors made by "
+                        "the launch and by every program (triton_attention.EAGER_WS), in this many interleaved "
+                        "rounds (0: off)")
     p.add_argument("--out", default=None, help="write JSON results here (rewritten after every row)")
     ns = p.parse_args(argv)
     if ns.sequences < 1:
@@ -557,7 +586,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                           kv_b_proj_dtype=ns.kv_b_proj_dtype, workspace_tokens=ns.workspace_tokens, backend=ns.backend,
                           kv_b_proj_gemm=gemm)
         t_row = time.monotonic()
-        engine = q = seqs = g = f = fp = fgr = ab = None
+        engine = q = seqs = g = f = fp = fgr = ab = eab = None
         graph_abs: dict[str, dict] = {}
         try:
             engine = engines.build(s)
@@ -587,6 +616,9 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                     if fgr is not None and getattr(ns, opt) > 0:
                         graph_abs[switch] = _graphs_ab(engine, q, seqs, dev, switch, getattr(ns, opt), it, rg)
                         same = same and graph_abs[switch]["same"]
+                if ns.eager_variants_ab > 0:  # --eager-variants-ab
+                    eab = _eager_variants_ab(engine, q, seqs, dev, ns.eager_variants_ab, it, rg)
+                    same = same and eab["same"]
             unordered = _without_launch_order(engine, q, seqs, dev, it) if ns.sequences > 1 else None
             if unordered is not None:
                 same = same and _same_bits(rf, unordered["result"])
@@ -629,6 +661,9 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
               + (f"  (with GEMM {ab['gemm']}: eager {ab['eager']['median_s'] * 1e3:.3f} ms, graph "
                  f"{ab['median_s'] * 1e3:.3f} ms, {ab['median_s'] / floor:.2f}x floor)" if ab else "")
               + _graphs_ab_note(graph_abs)
+              + (f"  (eager, attention's descriptors by every program | the launch: request "
+                 f"{eab['off_s'] * 1e3:.3f} | {eab['on_s'] * 1e3:.3f} ms, attention {eab['off_attention_s'] * 1e3:.3f} "
+                 f"| {eab['on_attention_s'] * 1e3:.3f} ms)" if eab else "")
               + (f"  SM MHz g|f {clk_g['sm_mhz_median']:.0f}|{clk_f['sm_mhz_median']:.0f}, "
                  f"W {clk_g['power_w_median']:.0f}|{clk_f['power_w_median']:.0f}" if clk_g and clk_f else ""),
               flush=True)
@@ -657,6 +692,11 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
             # --merges-ab, --graph-variants-ab: the graph with the switch off and on, interleaved rounds
             **{k: v for switch, _, *names in GRAPH_ABS if switch in graph_abs
                for k, v in _graphs_ab_fields(*names, graph_abs[switch]).items()},
+            # --eager-variants-ab: the eager request with attention's q and K descriptors by the launch
+            **({"eager_variants_ab_rounds": eab["rounds"], "eager_variants_off_s": eab["off_s"],
+                "eager_variants_on_s": eab["on_s"], "eager_variants_off_attention_s": eab["off_attention_s"],
+                "eager_variants_on_attention_s": eab["on_attention_s"],
+                "eager_variants_ab_bit_identical": eab["same"]} if eab else {}),
             "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],
             **({"floor_sustained_s": held, "fused_over_sustained_floor": tf / held} if held else {}),
             **({"fused_graph_over_sustained_floor": fgr["median_s"] / held} if held and fgr else {}),
@@ -673,7 +713,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
         })
         if ns.out:
             _write_json(ns.out, meta, rows)
-        engine = q = seqs = g = f = rg = rf = fp = fgr = unordered = ab = None
+        engine = q = seqs = g = f = rg = rf = fp = fgr = unordered = ab = eab = None
         graph_abs = {}
         if dev.type == "cuda":
             torch.cuda.empty_cache()

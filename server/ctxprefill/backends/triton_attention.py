@@ -157,6 +157,9 @@ KEYS_LAST_FP8: dict[str, Any] = dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=25
 #: (``captured``), where what the host spends on a launch is paid once: q's and K's TMA
 #: descriptors made by the launch (``HOST_DESC``) instead of by every program
 CAPTURED_WS: dict[str, Any] = dict(HOST_DESC=True)
+#: the same for every other (eager) launch, where the host pays for it each time: none
+#: (``ctxprefill bench --eager-variants-ab`` measures ``HOST_DESC`` there as whole requests)
+EAGER_WS: dict[str, Any] = {}
 
 if triton is not None:
     # globals read inside @triton.jit code must be constexpr
@@ -606,13 +609,13 @@ def mla_context_attention(
 def ws_config(ws: dict | bool, config: dict | None, q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor,
               v_t: bool, captured: bool = False) -> dict[str, Any]:
     """The Gluon kernel's config for a call: ``ws`` over its defaults, and ``CAPTURED_WS``
-    over both where ``captured`` (for the keys ``config``'s WS does not set). ``P_REGS`` where it
+    over both where ``captured``, ``EAGER_WS`` where not (for the keys ``config``'s WS does
+    not set). ``P_REGS`` where it
     comes from the defaults and the inputs cannot take it (K without the rows past its end
     that it reads) falls back to P staged in shared memory; asked for in ``config``, the
     launch refuses such inputs (the inputs are checked once, here or there)."""
     cfg = dict(_ws.CONFIG, **(ws if isinstance(ws, dict) else {}))
-    if captured:
-        cfg.update({key: val for key, val in CAPTURED_WS.items() if not _asks(config, key)})
+    cfg.update({key: val for key, val in (CAPTURED_WS if captured else EAGER_WS).items() if not _asks(config, key)})
     if cfg["P_REGS"] and not _asks(config, "P_REGS") and _ws.p_regs_problem(q, k, kr, v_t) is not None:
         cfg["P_REGS"] = False
     return cfg
