@@ -104,6 +104,12 @@ GRAPH_AB_COLUMNS = (
     ("graph_variants_off_replay_s", "graph_variants_on_replay_s",
      "replay, attention's eager variant ms | replay, its captured variant ms | captured / eager"),
 )
+#: --eager-variants-ab: the eager request with attention's q and K descriptors made by every
+#: program and by the launch (``triton_attention.EAGER_WS``), as ``GRAPH_AB_COLUMNS``
+EAGER_AB_COLUMNS = (
+    ("eager_variants_off_s", "eager_variants_on_s",
+     "eager, descriptors per program ms | eager, descriptors by the launch ms | launch / per program"),
+)
 
 
 def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
@@ -122,7 +128,7 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
     # runs with --gemm-ab: the fused request with the other GEMM kernel, timed right after
     ab = next((r["gemm_ab"] for r in d.get("rows", []) if "gemm_ab" in r), None)
     # runs with --merges-ab / --graph-variants-ab: the graph with a switch off and on, interleaved rounds
-    gabs = [g for g in GRAPH_AB_COLUMNS if any(g[1] in r for r in d.get("rows", []))]
+    gabs = [g for g in (*GRAPH_AB_COLUMNS, *EAGER_AB_COLUMNS) if any(g[1] in r for r in d.get("rows", []))]
     lines += ["| H | new | ctx | cache | prefill | chunks | generic ms | " + ("fused + K pack ms | " if packed else "")
               + "fused ms | speed-up | floor ms | fused / floor | fused gap ms | "
               + ("fused, CUDA graph ms | graph / floor | graph: host outside the replay ms | " if graph else "")

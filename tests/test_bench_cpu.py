@@ -208,6 +208,11 @@ def test_eager_variants_ab_interleaves_its_rounds_and_restores_the_knob():
     with pytest.raises(RuntimeError, match="failed"):
         bench._eager_variants_ab(FakeEngine(fail_at=4), None, [], torch.device("cpu"), 3, it, want)
     assert ta.EAGER_WS is was
+    import make_tables  # bench/ is on the path (conftest.py): its columns are the row's fields
+
+    fields = bench._eager_ab_fields(got)
+    ((off, on, _),) = make_tables.EAGER_AB_COLUMNS
+    assert (fields[off], fields[on]) == (got["off_s"], got["on_s"]) and fields["eager_variants_ab_bit_identical"]
 
 
 def test_graph_abs_note_fields_and_table_columns_agree():

@@ -231,6 +231,13 @@ def _eager_variants_ab(engine, q, seqs, dev, rounds: int, it: dict, want) -> dic
     return out
 
 
+def _eager_ab_fields(ab: dict) -> dict:
+    """A row's fields of an ``_eager_variants_ab`` result."""
+    return {"eager_variants_ab_rounds": ab["rounds"], "eager_variants_off_s": ab["off_s"],
+            "eager_variants_on_s": ab["on_s"], "eager_variants_off_attention_s": ab["off_attention_s"],
+            "eager_variants_on_attention_s": ab["on_attention_s"], "eager_variants_ab_bit_identical": ab["same"]}
+
+
 def _graphs_ab_fields(prefix: str, off: str, on: str, ab: dict) -> dict:
     """A row's fields of a ``_graphs_ab`` result, named ``{prefix}_{off|on}_...``."""
     return {f"{prefix}_ab_rounds": ab["rounds"], f"{prefix}_{off}_s": ab["off_s"],
@@ -693,10 +700,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
             **{k: v for switch, _, *names in GRAPH_ABS if switch in graph_abs
                for k, v in _graphs_ab_fields(*names, graph_abs[switch]).items()},
             # --eager-variants-ab: the eager request with attention's q and K descriptors by the launch
-            **({"eager_variants_ab_rounds": eab["rounds"], "eager_variants_off_s": eab["off_s"],
-                "eager_variants_on_s": eab["on_s"], "eager_variants_off_attention_s": eab["off_attention_s"],
-                "eager_variants_on_attention_s": eab["on_attention_s"],
-                "eager_variants_ab_bit_identical": eab["same"]} if eab else {}),
+            **(_eager_ab_fields(eab) if eab else {}),
             "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],
             **({"floor_sustained_s": held, "fused_over_sustained_floor": tf / held} if held else {}),
             **({"fused_graph_over_sustained_floor": fgr["median_s"] / held} if held and fgr else {}),
