@@ -610,12 +610,14 @@ def ws_config(ws: dict | bool, config: dict | None, q: torch.Tensor, k: torch.Te
               v_t: bool, captured: bool = False) -> dict[str, Any]:
     """The Gluon kernel's config for a call: ``ws`` over its defaults, and ``CAPTURED_WS``
     over both where ``captured``, ``EAGER_WS`` where not (for the keys ``config``'s WS does
-    not set). ``P_REGS`` where it
-    comes from the defaults and the inputs cannot take it (K without the rows past its end
-    that it reads) falls back to P staged in shared memory; asked for in ``config``, the
-    launch refuses such inputs (the inputs are checked once, here or there)."""
+    not set). ``P_REGS`` where it comes from the defaults and the inputs cannot take it (K
+    without the rows past its end that it reads) falls back to P staged in shared memory;
+    asked for in ``config``, the launch refuses such inputs (the inputs are checked once,
+    here or there)."""
     cfg = dict(_ws.CONFIG, **(ws if isinstance(ws, dict) else {}))
-    cfg.update({key: val for key, val in (CAPTURED_WS if captured else EAGER_WS).items() if not _asks(config, key)})
+    extra = CAPTURED_WS if captured else EAGER_WS
+    if extra:  # (an eager launch's host path: nothing to do while EAGER_WS is empty)
+        cfg.update({key: val for key, val in extra.items() if not _asks(config, key)})
     if cfg["P_REGS"] and not _asks(config, "P_REGS") and _ws.p_regs_problem(q, k, kr, v_t) is not None:
         cfg["P_REGS"] = False
     return cfg
