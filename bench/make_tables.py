@@ -105,7 +105,7 @@ GRAPH_AB_COLUMNS = (
      "replay, attention's eager variant ms | replay, its captured variant ms | captured / eager"),
 )
 #: --eager-variants-ab: the eager request with attention's q and K descriptors made by every
-#: program and by the launch (``triton_attention.EAGER_WS``), as ``GRAPH_AB_COLUMNS``
+#: program and by the launch (``triton_attention.EAGER_WS``): the request, as ``GRAPH_AB_COLUMNS``
 EAGER_AB_COLUMNS = (
     ("eager_variants_off_s", "eager_variants_on_s",
      "eager, descriptors per program ms | eager, descriptors by the launch ms | launch / per program"),
@@ -127,7 +127,7 @@ def engine_table(d: dict, bold_speedup: float = 1.4) -> str:
     graph = any("fused_graph_s" in r for r in d.get("rows", []))
     # runs with --gemm-ab: the fused request with the other GEMM kernel, timed right after
     ab = next((r["gemm_ab"] for r in d.get("rows", []) if "gemm_ab" in r), None)
-    # runs with --merges-ab / --graph-variants-ab: the graph with a switch off and on, interleaved rounds
+    # runs with --merges-ab / --graph-variants-ab / --eager-variants-ab: a switch off and on, interleaved rounds
     gabs = [g for g in (*GRAPH_AB_COLUMNS, *EAGER_AB_COLUMNS) if any(g[1] in r for r in d.get("rows", []))]
     lines += ["| H | new | ctx | cache | prefill | chunks | generic ms | " + ("fused + K pack ms | " if packed else "")
               + "fused ms | speed-up | floor ms | fused / floor | fused gap ms | "

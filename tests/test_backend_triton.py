@@ -795,7 +795,7 @@ def test_warp_specialized_exp2_poly_cross_compiles_for_sm90():
         assert [t for _, t in res["pv_wait"]] == [t - (t - 2) // 8 for _, t in base["pv_wait"]], (base, res)
 
 
-def test_p_regs_wants_slack_past_the_keys(monkeypatch):
+def test_p_regs_wants_slack_past_the_keys():
     """``P_REGS`` reads K in whole 16-key groups: up to 15 rows past the last segment must lie
     in K's storage, fp8 only, V keys-last; anything else is a ValueError before any launch."""
     buf = torch.zeros(100 + ga.P_REGS_SLACK_ROWS, 2, 192, dtype=FP8)
@@ -820,18 +820,6 @@ def test_p_regs_wants_slack_past_the_keys(monkeypatch):
     assert not ta.ws_config(regs, dict(WS=dict(STAGES=2)), q, tight, tight[..., 128:], True)["P_REGS"]
     assert ta.ws_config(regs, dict(WS=regs), q, tight, tight[..., 128:], True)["P_REGS"]
     assert ta.ws_config(True, None, q, tight, tight[..., 128:], True) == ga.CONFIG
-    # a captured launch takes CAPTURED_WS over the defaults, except for what the caller's WS sets
-    assert ta.CAPTURED_WS == dict(HOST_DESC=True) and not ga.CONFIG["HOST_DESC"]
-    assert ta.ws_config(regs, None, q, k, k[..., 128:], True, captured=True) == \
-        dict(ga.CONFIG, **regs, **ta.CAPTURED_WS)
-    assert not ta.ws_config(regs, dict(WS=dict(HOST_DESC=False)), q, k, k[..., 128:], True,
-                            captured=True)["HOST_DESC"]
-    assert not ta.ws_config(regs, None, q, k, k[..., 128:], True)["HOST_DESC"]
-    # an eager launch takes EAGER_WS alike (empty by default; bench --eager-variants-ab sets it)
-    assert ta.EAGER_WS == {}
-    monkeypatch.setattr(ta, "EAGER_WS", dict(HOST_DESC=True))
-    assert ta.ws_config(regs, None, q, k, k[..., 128:], True)["HOST_DESC"]
-    assert not ta.ws_config(regs, dict(WS=dict(HOST_DESC=False)), q, k, k[..., 128:], True)["HOST_DESC"]
     # launch checks before it compiles or launches anything
     cu = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="P_REGS"):
@@ -840,6 +828,25 @@ def test_p_regs_wants_slack_past_the_keys(monkeypatch):
     with pytest.raises(ValueError, match="EXP2_POLY"):
         ga.launch(q, k, k[..., 128:], torch.zeros(2, 128, 16, dtype=FP8), torch.zeros(4, 2, 128),
                   torch.zeros(2, 4), cu, cu, cu, 1.0, (1, 2, 1), 0, True, dict(EXP2_POLY=3))
+
+def test_ws_config_of_captured_and_eager_launches(monkeypatch):
+    """A captured launch takes ``CAPTURED_WS`` over the Gluon kernel's defaults and an eager one
+    ``EAGER_WS`` (empty by default; ``ctxprefill bench --eager-variants-ab`` sets it), except
+    for what the caller's WS sets."""
+    k = torch.zeros(100 + ga.P_REGS_SLACK_ROWS, 2, 192, dtype=FP8)[:100]
+    q = torch.zeros(4, 2, 192, dtype=FP8)
+    regs = dict(PIPE=False, BLOCK_N=256, P_REGS=True)
+    assert ta.CAPTURED_WS == dict(HOST_DESC=True) and not ga.CONFIG["HOST_DESC"]
+    assert ta.ws_config(regs, None, q, k, k[..., 128:], True, captured=True) == \
+        dict(ga.CONFIG, **regs, **ta.CAPTURED_WS)
+    assert not ta.ws_config(regs, dict(WS=dict(HOST_DESC=False)), q, k, k[..., 128:], True,
+                            captured=True)["HOST_DESC"]
+    assert not ta.ws_config(regs, None, q, k, k[..., 128:], True)["HOST_DESC"]
+    assert ta.EAGER_WS == {}
+    monkeypatch.setattr(ta, "EAGER_WS", dict(HOST_DESC=True))
+    assert ta.ws_config(regs, None, q, k, k[..., 128:], True)["HOST_DESC"]
+    assert not ta.ws_config(regs, dict(WS=dict(HOST_DESC=False)), q, k, k[..., 128:], True)["HOST_DESC"]
+
 
 # ----------------------------------------------------------------------------- warp-specialized kernel (Gluon)
 

@@ -210,9 +210,12 @@ def test_eager_variants_ab_interleaves_its_rounds_and_restores_the_knob():
     assert ta.EAGER_WS is was
     import make_tables  # bench/ is on the path (conftest.py): its columns are the row's fields
 
-    fields = bench._eager_ab_fields(got)
+    fields = bench._ab_fields(*bench.EAGER_AB, got, "attention")
     ((off, on, _),) = make_tables.EAGER_AB_COLUMNS
     assert (fields[off], fields[on]) == (got["off_s"], got["on_s"]) and fields["eager_variants_ab_bit_identical"]
+    assert fields["eager_variants_on_attention_s"] == got["on_attention_s"] and len(fields) == 6
+    note = bench._ab_note(*bench.EAGER_AB, got, "attention")
+    assert note.startswith("  (eager variants off | on: attention 0.003 | 0.001 ms"), note
 
 
 def test_graph_abs_note_fields_and_table_columns_agree():
@@ -228,7 +231,7 @@ def test_graph_abs_note_fields_and_table_columns_agree():
     assert bench._graphs_ab_note({}) == ""
     assert len(bench.GRAPH_ABS) == len(make_tables.GRAPH_AB_COLUMNS)
     for (switch, opt, *names), (off, on, _) in zip(bench.GRAPH_ABS, make_tables.GRAPH_AB_COLUMNS, strict=True):
-        fields = bench._graphs_ab_fields(*names, ab)
+        fields = bench._ab_fields(*names, ab)
         assert (fields[off], fields[on]) == (1.5e-3, 1.4e-3), switch
         assert fields[f"{names[0]}_ab_rounds"] == 3 and fields[f"{names[0]}_ab_bit_identical"] is True
         assert len(fields) == 6 and opt.replace("_", "-") in ("merges-ab", "graph-variants-ab")

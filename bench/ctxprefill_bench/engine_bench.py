@@ -206,78 +206,85 @@ GRAPH_ABS = (("merges_beside", "merges_ab", "merges", "in_line", "beside"),
              ("graph_variants", "graph_variants_ab", "graph_variants", "off", "on"))
 
 
-def _eager_variants_ab(engine, q, seqs, dev, rounds: int, it: dict, want) -> dict:
-    """The eager fused request with attention's Gluon kernel taking q's and K's TMA
-    descriptors from the launch (``HOST_DESC`` through ``triton_attention.EAGER_WS``: host
-    work each launch, a shorter start for every tile) and not, in ``rounds`` interleaved
-    rounds (the order alternating, as ``_graphs_ab``): per setting the median of the
-    rounds' medians of the request and of its attention stage, and whether every request
-    gave the bits of ``want``."""
-    from ctxprefill.backends import triton_attention as ta
-
-    was = ta.EAGER_WS
+def _rounds_ab(rounds: int, switch, request, want, stage: str, label: str) -> dict:
+    """``request()`` timed with ``switch(False)`` and ``switch(True)`` in ``rounds``
+    interleaved rounds (off first in the 1st, 3rd, … round, on first in the others: a GPU
+    under its power cap slows over a run): per setting the median of the rounds' medians
+    of the request (``off_s``, ``on_s``) and of its ``stage`` (``off_{label}_s``, …), and
+    whether every request gave the bits of ``want`` (a result of the same request)."""
     got: dict[bool, list[dict]] = {False: [], True: []}
-    try:
-        for r in range(rounds):
-            for on in ((False, True) if r % 2 == 0 else (True, False)):
-                ta.EAGER_WS = {"HOST_DESC": True} if on else {}
-                got[on].append(time_request(engine, q, seqs, True, dev, **it))
-    finally:
-        ta.EAGER_WS = was
+    for r in range(rounds):
+        for on in ((False, True) if r % 2 == 0 else (True, False)):
+            switch(on)
+            got[on].append(request())
     out = {"rounds": rounds, "same": all(_same_bits(t["result"], want) for ts in got.values() for t in ts)}
     for on, name in ((False, "off"), (True, "on")):
         out[f"{name}_s"] = statistics.median(t["median_s"] for t in got[on])
-        out[f"{name}_attention_s"] = statistics.median(t["stage_s"].get("attention", 0.0) for t in got[on])
+        out[f"{name}_{label}_s"] = statistics.median(t["stage_s"].get(stage, 0.0) for t in got[on])
     return out
 
 
-def _eager_ab_fields(ab: dict) -> dict:
-    """A row's fields of an ``_eager_variants_ab`` result."""
-    return {"eager_variants_ab_rounds": ab["rounds"], "eager_variants_off_s": ab["off_s"],
-            "eager_variants_on_s": ab["on_s"], "eager_variants_off_attention_s": ab["off_attention_s"],
-            "eager_variants_on_attention_s": ab["on_attention_s"], "eager_variants_ab_bit_identical": ab["same"]}
+def _eager_variants_ab(engine, q, seqs, dev, rounds: int, it: dict, want) -> dict:
+    """The eager fused request with attention's Gluon kernel taking q's and K's TMA
+    descriptors from the launch (``HOST_DESC`` through ``triton_attention.EAGER_WS``: host
+    work each launch, a shorter start for every tile) and not (``_rounds_ab``, its
+    attention stage as ``off_attention_s`` / ``on_attention_s``)."""
+    from ctxprefill.backends import triton_attention as ta
+
+    was = ta.EAGER_WS
+
+    def switch(on: bool) -> None:
+        ta.EAGER_WS = {"HOST_DESC": True} if on else {}
+
+    try:
+        return _rounds_ab(rounds, switch, lambda: time_request(engine, q, seqs, True, dev, **it), want,
+                          "attention", "attention")
+    finally:
+        ta.EAGER_WS = was
 
 
-def _graphs_ab_fields(prefix: str, off: str, on: str, ab: dict) -> dict:
-    """A row's fields of a ``_graphs_ab`` result, named ``{prefix}_{off|on}_...``."""
+#: --eager-variants-ab (``_eager_variants_ab``): its row fields' prefix and names for the
+#: setting off and on, as ``GRAPH_ABS``' last three (its stage: attention, not the replay)
+EAGER_AB = ("eager_variants", "off", "on")
+
+
+def _ab_fields(prefix: str, off: str, on: str, ab: dict, label: str = "replay") -> dict:
+    """A row's fields of a ``_rounds_ab`` result, named ``{prefix}_{off|on}_...``."""
     return {f"{prefix}_ab_rounds": ab["rounds"], f"{prefix}_{off}_s": ab["off_s"],
-            f"{prefix}_{off}_replay_s": ab["off_replay_s"], f"{prefix}_{on}_s": ab["on_s"],
-            f"{prefix}_{on}_replay_s": ab["on_replay_s"], f"{prefix}_ab_bit_identical": ab["same"]}
+            f"{prefix}_{off}_{label}_s": ab[f"off_{label}_s"], f"{prefix}_{on}_s": ab["on_s"],
+            f"{prefix}_{on}_{label}_s": ab[f"on_{label}_s"], f"{prefix}_ab_bit_identical": ab["same"]}
+
+
+def _ab_note(prefix: str, off: str, on: str, ab: dict, label: str = "replay") -> str:
+    """The progress line's note of a ``_rounds_ab`` result."""
+    return (f"  ({prefix.replace('_', ' ')} {off.replace('_', ' ')} | {on}: {label} {ab[f'off_{label}_s'] * 1e3:.3f} "
+            f"| {ab[f'on_{label}_s'] * 1e3:.3f} ms, request {ab['off_s'] * 1e3:.3f} | {ab['on_s'] * 1e3:.3f} ms)")
 
 
 def _graphs_ab_note(graph_abs: dict[str, dict]) -> str:
     """The progress line's note of each ``_graphs_ab`` result a row has, by switch."""
-    return "".join(
-        f"  ({prefix.replace('_', ' ')} {off.replace('_', ' ')} | {on}: replay {ab['off_replay_s'] * 1e3:.3f} | "
-        f"{ab['on_replay_s'] * 1e3:.3f} ms, request {ab['off_s'] * 1e3:.3f} | {ab['on_s'] * 1e3:.3f} ms)"
-        for switch, _, prefix, off, on in GRAPH_ABS if (ab := graph_abs.get(switch)) is not None)
+    return "".join(_ab_note(prefix, off, on, ab)
+                   for switch, _, prefix, off, on in GRAPH_ABS if (ab := graph_abs.get(switch)) is not None)
 
 
 def _graphs_ab(engine, q, seqs, dev, switch: str, rounds: int, it: dict, want) -> dict:
     """The fused request as a CUDA graph with ``LoopGraphs``' boolean ``switch`` off and on
     (``merges_beside``: the merges in line or on a branch of their own; ``graph_variants``:
-    attention told it is captured or not), in ``rounds`` interleaved rounds (off first in
-    the 1st, 3rd, … round, on first in the others: a GPU under its power cap slows over a
-    run), each captured anew: per setting the median of the rounds' medians of the request
-    and of the replay, and whether every replay gave the bits of ``want`` (a result of the
-    same request)."""
+    attention told it is captured or not), each captured anew (``_rounds_ab``, the replay
+    as ``off_replay_s`` / ``on_replay_s``)."""
     graphs = engine.graphs
     was = getattr(graphs, switch)
-    got: dict[bool, list[dict]] = {False: [], True: []}
+
+    def flip(on: bool) -> None:
+        engine.release_graphs()
+        setattr(graphs, switch, on)
+
     try:
-        for r in range(rounds):
-            for on in ((False, True) if r % 2 == 0 else (True, False)):
-                engine.release_graphs()
-                setattr(graphs, switch, on)
-                got[on].append(time_request(engine, q, seqs, True, dev, graphs_on=True, **it))
+        return _rounds_ab(rounds, flip, lambda: time_request(engine, q, seqs, True, dev, graphs_on=True, **it),
+                          want, "graph", "replay")
     finally:
         setattr(graphs, switch, was)
         engine.release_graphs()
-    out = {"rounds": rounds, "same": all(_same_bits(t["result"], want) for ts in got.values() for t in ts)}
-    for on, name in ((False, "off"), (True, "on")):
-        out[f"{name}_s"] = statistics.median(t["median_s"] for t in got[on])
-        out[f"{name}_replay_s"] = statistics.median(t["stage_s"].get("graph", 0.0) for t in got[on])
-    return out
 
 
 def time_request(engine, q, seqs, fused, dev, max_iters=5, min_iters=2, target_s=0.3, unpacked_keys=None,
@@ -668,9 +675,7 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
               + (f"  (with GEMM {ab['gemm']}: eager {ab['eager']['median_s'] * 1e3:.3f} ms, graph "
                  f"{ab['median_s'] * 1e3:.3f} ms, {ab['median_s'] / floor:.2f}x floor)" if ab else "")
               + _graphs_ab_note(graph_abs)
-              + (f"  (eager, attention's descriptors by every program | the launch: request "
-                 f"{eab['off_s'] * 1e3:.3f} | {eab['on_s'] * 1e3:.3f} ms, attention {eab['off_attention_s'] * 1e3:.3f} "
-                 f"| {eab['on_attention_s'] * 1e3:.3f} ms)" if eab else "")
+              + (_ab_note(*EAGER_AB, eab, "attention") if eab else "")
               + (f"  SM MHz g|f {clk_g['sm_mhz_median']:.0f}|{clk_f['sm_mhz_median']:.0f}, "
                  f"W {clk_g['power_w_median']:.0f}|{clk_f['power_w_median']:.0f}" if clk_g and clk_f else ""),
               flush=True)
@@ -698,9 +703,9 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                 "fused_graph_ab_over_floor": ab["median_s"] / floor, "ab_bit_identical": ab["same"]} if ab else {}),
             # --merges-ab, --graph-variants-ab: the graph with the switch off and on, interleaved rounds
             **{k: v for switch, _, *names in GRAPH_ABS if switch in graph_abs
-               for k, v in _graphs_ab_fields(*names, graph_abs[switch]).items()},
+               for k, v in _ab_fields(*names, graph_abs[switch]).items()},
             # --eager-variants-ab: the eager request with attention's q and K descriptors by the launch
-            **(_eager_ab_fields(eab) if eab else {}),
+            **(_ab_fields(*EAGER_AB, eab, "attention") if eab else {}),
             "floor": fl, "generic_min_s": g["min_s"], "fused_min_s": f["min_s"],
             **({"floor_sustained_s": held, "fused_over_sustained_floor": tf / held} if held else {}),
             **({"fused_graph_over_sustained_floor": fgr["median_s"] / held} if held and fgr else {}),
