@@ -829,6 +829,7 @@ def test_p_regs_wants_slack_past_the_keys():
         ga.launch(q, k, k[..., 128:], torch.zeros(2, 128, 16, dtype=FP8), torch.zeros(4, 2, 128),
                   torch.zeros(2, 4), cu, cu, cu, 1.0, (1, 2, 1), 0, True, dict(EXP2_POLY=3))
 
+
 def test_ws_config_of_captured_and_eager_launches(monkeypatch):
     """A captured launch takes ``CAPTURED_WS`` over the Gluon kernel's defaults and an eager one
     ``EAGER_WS`` (empty by default; ``ctxprefill bench --eager-variants-ab`` sets it), except
