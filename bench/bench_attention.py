@@ -690,10 +690,10 @@ SWEEP = {
             _c(128, 128, 8, 2, PV_FP8=True, v_layout="hdt")],
 }
 def _ws(pipe, bn, stages, EARLY_K=True, RESCALE_EARLY=False, PINGPONG=False, PV_WAIT_LATE=False,  # noqa: N803
-        P_REGS=False, EXP2_POLY=0, HOST_DESC=False, **kw):  # (the kernel's own names)
+        P_REGS=False, EXP2_POLY=0, HOST_DESC=False, ARRIVE_NOSYNC=False, **kw):  # (the kernel's own names)
     return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages, EARLY_K=EARLY_K, RESCALE_EARLY=RESCALE_EARLY,
                         PINGPONG=PINGPONG, PV_WAIT_LATE=PV_WAIT_LATE, P_REGS=P_REGS,
-                        EXP2_POLY=EXP2_POLY, HOST_DESC=HOST_DESC), **kw)
+                        EXP2_POLY=EXP2_POLY, HOST_DESC=HOST_DESC, ARRIVE_NOSYNC=ARRIVE_NOSYNC), **kw)
 
 
 # the warp-specialized Gluon kernel (--sweep ws): serial or pipelined consumers, key block,
@@ -769,6 +769,12 @@ AB = {
                        _ws(False, 256, 2, PINGPONG=True, P_REGS=True, HOST_DESC=True, **_FP8_KL))],
                      [(16, "1x8192q/1024k"), (128, "1x8192q/1024k"), (16, "1x8192q/4096k"),
                       (128, "1x8192q/4096k"), (16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "ragged4")]),
+    # a K or V slot released by one thread of each consumer warpgroup after its wgmma wait,
+    # without the warpgroup barrier before it (ARRIVE_NOSYNC, FA3's release): both defaults
+    "ws-arrive-nosync": ([("bf16", _PIPE_LATE, _ws(True, 128, 2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True)),
+                          ("fp8", _ws(False, 256, 2, PINGPONG=True, P_REGS=True, **_FP8_KL),
+                           _ws(False, 256, 2, PINGPONG=True, P_REGS=True, ARRIVE_NOSYNC=True, **_FP8_KL))],
+                         AB_SHAPES),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),

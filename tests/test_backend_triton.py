@@ -639,6 +639,21 @@ def pv_wait_order(k):
     return loops
 
 
+def loop_bar_syncs(k):
+    # BAR.SYNCs in each loop of the SASS whose body issues wgmma (the consumers' key loops)
+    sass = cuobjdump(k, "-sass")
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    out = []
+    for addr, text in ins:
+        m = re.match(r"@!?U?P\d\s+BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if not m or int(m[1], 16) >= addr:
+            continue
+        body = [t for a, t in ins if int(m[1], 16) <= a <= addr]
+        if any("GMMA" in t for t in body):  # HGMMA (bf16), QGMMA (fp8)
+            out.append(sum("BAR.SYNC" in t for t in body))
+    return out
+
+
 DESCS = ("QN_D", "QR_D", "KN_D", "KR_D")
 
 
@@ -664,7 +679,8 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
                  IS_FP8=dt != "bf16", V_T=v_t, EARLY_K=ws.get("EARLY_K", True), USE_ORDER=use_order,
                  RESCALE_EARLY=ws.get("RESCALE_EARLY", False), PINGPONG=ws.get("PINGPONG", False),
                  PV_WAIT_LATE=ws.get("PV_WAIT_LATE", False), P_REGS=ws.get("P_REGS", False),
-                 EXP2_POLY=ws.get("EXP2_POLY", 0), HOST_DESC=ws.get("HOST_DESC", ga.CONFIG["HOST_DESC"]))
+                 EXP2_POLY=ws.get("EXP2_POLY", 0), HOST_DESC=ws.get("HOST_DESC", ga.CONFIG["HOST_DESC"]),
+                 ARRIVE_NOSYNC=ws.get("ARRIVE_NOSYNC", False))
     for n, d in zip(DESCS, host_descriptors(dt, dict(ws, HOST_DESC=const["HOST_DESC"]))):
         if d is None:
             const[n] = None
@@ -684,6 +700,7 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
     out.append(dict(dt=dt, ws=ws, sort_b=sort_b, use_order=use_order, regs=regs, stack=stack, smem=k.metadata.shared,
                     ex2=ex2,
                     pv_wait=pv_wait_order(k), sts=len(re.findall(r"st\.shared", k.asm["ptx"])),
+                    loop_bar_syncs=loop_bar_syncs(k),
                     fences=len(re.findall(r"tensormap\.cp_fenceproxy", k.asm["ptx"])),  # descriptors made per program
                     wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
                     setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
@@ -744,6 +761,75 @@ def test_warp_specialized_host_descriptors_cross_compile_for_sm90():
         if res["ws"]["PIPE"]:
             assert len(res["pv_wait"]) == 2 and all(0 < n == total for n, total in res["pv_wait"]), res
         assert res["fences"] == (3 if res["ws"].get("P_REGS") else 1), res
+
+
+_PTX_SYNCS = """\
+\tbar.sync \t2, 128;
+\t// begin inline asm
+\t@%p21 mbarrier.arrive.shared::cta.b64 _, [%r761];
+\t// end inline asm
+\tbar.sync \t0, 128;
+\t.loc\t1 399 46
+\tadd.s32 \t%r385, %r183, 188800;
+\t// begin inline asm
+{
+\t.reg .pred complete;
+\twaitLoop:
+\tmbarrier.try_wait.parity.shared.b64 complete, [%r611], %r612;
+\t@!complete bra.uni waitLoop;
+}
+\tbar.sync \t2, 128;
+\t@%p4 mbarrier.arrive.expect_tx.shared.b64 _, [%r254], 24576;
+\tbar.sync \t2, 128;
+\tst.shared.b32 [%r9], %r10;
+\tbar.sync \t1, 32;
+\t@%p21 mbarrier.arrive.shared::cta.b64 _, [%r762];
+\tbarrier.sync \t1;
+\twgmma.fence.sync.aligned;
+"""
+
+
+def test_strip_arrive_syncs_drops_only_a_warpgroups_barrier_before_an_arrive_or_wait():
+    """``ARRIVE_NOSYNC``'s PTX pass drops ``bar.sync N, 128`` before a plain mbarrier arrive
+    and before a wait (an address computed between), and keeps it before a TMA's
+    expect-bytes arrive and before a shared store, and keeps other barriers."""
+    out, n = ga.strip_arrive_syncs(_PTX_SYNCS)
+    assert n == 2, out
+    assert out.count("bar.sync \t2, 128;") == 2 and "bar.sync \t0, 128;" not in out
+    assert "bar.sync \t1, 32;" in out and "barrier.sync \t1;" in out
+    assert out.count("mbarrier") == _PTX_SYNCS.count("mbarrier")  # nothing else touched
+    assert ga.strip_arrive_syncs(out) == (out, 0)
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6") or ga.gluon is None,
+                    reason="sm_90 cross-compile check of the Gluon kernel written for Triton 3.6")
+def test_warp_specialized_arrive_nosync_cross_compiles_without_loop_barriers():
+    """``ARRIVE_NOSYNC`` on both defaults (bf16 pipelined with the late wait; fp8 serial
+    with turns and ``P_REGS``): no warpgroup barrier left in either consumer's key loop,
+    where the defaults hold some, the late wait's order and registers as they were."""
+    bf, f8 = ta.CONFIGS[torch.bfloat16]["WS"], ta.KEYS_LAST_FP8["WS"]
+    jobs = [(dt, dict(ws, ARRIVE_NOSYNC=on), 0, dt != "bf16", False)
+            for dt, ws in (("bf16", bf), ("fp8e4nv", f8)) for on in (False, True)]
+    res = _cross_compile(_XCOMPILE_WS, jobs)
+    for r in res:
+        print(r)
+        assert r["stack"] == 0 and {24, 240} <= set(r["setmaxnreg"]) and len(r["loop_bar_syncs"]) == 2, r
+        if r["ws"]["PIPE"]:
+            assert len(r["pv_wait"]) == 2 and all(0 < n == total for n, total in r["pv_wait"]), r
+    for off, on in (res[:2], res[2:]):
+        assert min(off["loop_bar_syncs"]) > 0 and on["loop_bar_syncs"] == [0, 0], (off, on)
+        assert on["regs"] == off["regs"] and on["ex2"] == off["ex2"] and on["wgmma"] == off["wgmma"], (off, on)
+
+
+def test_arrive_nosync_refuses_p_staged_in_shared_memory():
+    """fp8 P staged in shared memory is ordered before P·V by the barriers ``ARRIVE_NOSYNC``
+    drops: the launch refuses that pair before it compiles anything."""
+    q = torch.zeros(4, 1, 192, dtype=FP8)
+    with pytest.raises(ValueError, match="ARRIVE_NOSYNC"):
+        ga.launch(q, q, q[..., 128:], q, torch.zeros(4, 1, 128, dtype=torch.bfloat16), torch.zeros(1, 4),
+                  torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                  torch.zeros(2, dtype=torch.int32), 1.0, (1, 1, 1), 0, True,
+                  config=dict(P_REGS=False, ARRIVE_NOSYNC=True))
 
 
 #: fp8 keys-last with P·V's operand in registers (``P_REGS``): serial over 256-key blocks,
@@ -934,6 +1020,39 @@ def test_gpu_warp_specialized_schedule_same_bits(pipe, key):
             names = _kernel_names(lambda: mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, **kw,  # noqa: B023
                                                                 config=c))
             assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], (H, dtype, names)
+
+
+@needs_ws
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8_p_regs"])
+def test_gpu_warp_specialized_arrive_nosync_same_bits(dtype):
+    """K and V slots released by one thread of each consumer warpgroup without the
+    warpgroup barrier before it (``ARRIVE_NOSYNC``) give the defaults' bits: a slot is
+    refilled only after every warp's MMA read it. Ragged with empty and one-key segments
+    and a 1 × 8,192-query segment over 16k keys, 16 and 128 heads, each launch three
+    times."""
+    from ctxprefill.ops.pack import key_buffer
+
+    base = dict(PV_FP8=True) if dtype == FP8 else {}
+    ws = dict(ta.KEYS_LAST_FP8["WS"] if dtype == FP8 else ta.CONFIGS[torch.bfloat16]["WS"])
+    for (q_lens, k_lens), H in itertools.product((([1000, 0, 1, 257, 2048, 64], [4096, 300, 0, 1, 2500, 129]),
+                                                  ([8192], [16384])), (16, 128)):
+        q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, dtype, device="cuda", seed=H + 5)
+        kw: dict = {}
+        if dtype == FP8:
+            v, cv = _keys_last(v, k_lens)
+            k = key_buffer(*k.shape, k.device).copy_(k)  # rows past the end for P_REGS
+            kw = dict(v_layout="hdt", cu_seqlens_v=cv)
+        runs = [mla_context_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), 0.07, **kw,
+                                      config=dict(base, WS=dict(ws, ARRIVE_NOSYNC=on)))
+                for on in (False, True, True, True)]
+        torch.cuda.synchronize()
+        (a, la), *rest = runs
+        assert torch.isfinite(la[:, : q_lens[0]]).all(), (H, q_lens)
+        for b, lb in rest:
+            assert torch.equal(a, b) and torch.equal(la, lb), (H, q_lens)
+    names = _kernel_names(lambda: mla_context_attention(q, k, v, cu_q, cu_k, 8192, 16384, 0.07, **kw,
+                                                        config=dict(base, WS=dict(ws, ARRIVE_NOSYNC=True))))
+    assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], names
 
 
 @needs_ws

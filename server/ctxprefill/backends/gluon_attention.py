@@ -39,7 +39,10 @@ order, a relabelling the kernel asserts moves nothing. It reads whole 16-key gro
 to ``P_REGS_SLACK_ROWS`` rows past a segment (masked out of the scores), which must lie in
 K's storage (``check_p_regs``). ``EXP2_POLY`` computes 1 (or 2) of every 8 of the
 softmax's exp2s on the FMA pipes (``_exp2``), FA4's offload of the SFU; measured slower or
-level, it is no default.
+level, it is no default. ``ARRIVE_NOSYNC`` drops the warpgroup barrier Triton puts before
+each of the consumers' mbarrier arrives and waits (``strip_arrive_syncs``): a slot is
+released by one thread of the warpgroup once its wgmma wait returns, as FA3's pipelines
+do; for consumers that write no shared memory themselves (bf16, ``P_REGS``).
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory, bf16 with 128×128 tiles and 2 stages: Q 48 KiB +
@@ -65,6 +68,8 @@ the inputs and picks this kernel for the chunks it takes; the registry serves it
 from __future__ import annotations
 
 import functools
+import re
+import zlib
 from typing import Any, no_type_check
 
 import torch
@@ -103,11 +108,78 @@ def _exp2_mixed_asm(poly: int) -> str:
                     for i in range(8))
 
 
+# ``ARRIVE_NOSYNC``: a kernel whose PTX holds this mark loses each consumer warpgroup's
+# ``bar.sync N, 128`` right before an mbarrier arrive (no byte count) or wait, in Triton's
+# PTX stage (``_install_ptx_hook``)
+_BAR_SYNC_128 = re.compile(r"bar\.sync\s+\d+,\s*128;")
+_MBARRIER_OP = re.compile(r"(@!?%\w+\s+)?mbarrier\.(arrive\.shared::cta\.b64\s+_,\s*\[[^\]]+\];|try_wait)")
+_REGISTER_OP = re.compile(r"(add|sub|mul|mad|shl|shr|and|or|xor|not|mov|cvt|bfe|selp|setp)(\.\w+)*\s")
+# the patterns' checksum in the mark: Triton's cache key covers the mark, so a kernel
+# compiled under other patterns is not reused
+_NOSYNC_SUM = zlib.crc32("".join(p.pattern for p in (_BAR_SYNC_128, _MBARRIER_OP, _REGISTER_OP)).encode())
+_NOSYNC_MARK = f"/* ctxprefill:arrive-nosync {_NOSYNC_SUM:08x} */"
+
+
+def _next_instruction(lines: list[str], i: int) -> str:
+    """The first PTX instruction at or after line ``i`` that is more than register
+    arithmetic (comments, labels, ``.loc``, ``.reg``, braces and such arithmetic, as an
+    address computed for the arrive, skipped)."""
+    for line in lines[i:]:
+        s = line.strip()
+        if (not s or s.startswith(("//", ".loc", ".reg")) or s in ("{", "}") or s.endswith(":")
+                or _REGISTER_OP.match(s)):
+            continue
+        return s
+    return ""
+
+
+def strip_arrive_syncs(ptx: str) -> tuple[str, int]:
+    """``ptx`` without every ``bar.sync N, 128`` whose next instruction is an mbarrier
+    arrive without a byte count or an mbarrier wait, and how many were dropped. Each
+    such barrier lines up a warpgroup before one of its threads arrives: the release of a
+    K or V slot after a wgmma wait, or the turn; a wait needs none before it."""
+    lines = ptx.split("\n")
+    keep = [line for i, line in enumerate(lines)
+            if not (_BAR_SYNC_128.fullmatch(line.strip()) and _MBARRIER_OP.match(_next_instruction(lines, i + 1)))]
+    return "\n".join(keep), len(lines) - len(keep)
+
+
+def _install_ptx_hook() -> None:
+    """Wrap the PTX stage of every Triton compile in this process (Triton's
+    ``knobs.runtime.add_stages_inspection_hook``, chained after any hook already there):
+    PTX holding ``_NOSYNC_MARK`` goes through :func:`strip_arrive_syncs`, any other PTX
+    is left as it is. The mark is a constexpr's code, so the two kernels differ in
+    Triton's cache key."""
+    from triton import knobs
+
+    prev = knobs.runtime.add_stages_inspection_hook
+    if getattr(prev, "ctxprefill", False):
+        return
+
+    def hook(*args: Any) -> None:  # (backend,) stages, options, language, capability
+        if prev is not None:
+            prev(*args)
+        stages = args[-4]
+        make_ptx = stages.get("ptx")
+        if make_ptx is None:
+            return
+
+        def ptx(src: Any, metadata: Any) -> Any:
+            text = make_ptx(src, metadata)
+            return strip_arrive_syncs(text)[0] if isinstance(text, str) and _NOSYNC_MARK in text else text
+
+        stages["ptx"] = ptx
+
+    hook.ctxprefill = True  # type: ignore[attr-defined]
+    knobs.runtime.add_stages_inspection_hook = hook
+
+
 #: Tiles, stages, pipelining. 2 consumers x 64 query rows = BLOCK_M 128 (fixed). The
 #: caller's defaults per dtype are in ``triton_attention`` (measured there).
 # (HOST_DESC: q and K through the launch's descriptors, ``_host_descriptors``)
 CONFIG: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True, RESCALE_EARLY=False,
-                              PINGPONG=False, PV_WAIT_LATE=False, P_REGS=False, EXP2_POLY=0, HOST_DESC=False)
+                              PINGPONG=False, PV_WAIT_LATE=False, P_REGS=False, EXP2_POLY=0, HOST_DESC=False,
+                              ARRIVE_NOSYNC=False)
 #: rows a key tensor must hold past the last segment's end for ``P_REGS`` (its K loads
 #: read whole 16-key groups: up to 15 rows past a segment, masked out of the scores): what
 #: every keys-last K the engine packs leaves (``ops.pack.KEY_SLACK_ROWS``)
@@ -122,6 +194,14 @@ if gluon is not None:
     _EXP2_POLY1 = gl.constexpr(_exp2_mixed_asm(1))
     _EXP2_POLY2 = gl.constexpr(_exp2_mixed_asm(2))
     _EXP2_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 8 + ["f"] * 8))
+    _NOSYNC_ASM = gl.constexpr(_NOSYNC_MARK + " mov.b32 $0, $1;")
+    _install_ptx_hook()
+
+    @gluon.jit
+    @no_type_check
+    def _mark_nosync(x):
+        """``x`` unchanged, through an asm statement carrying ``_NOSYNC_MARK`` into the PTX."""
+        return gl.inline_asm_elementwise(_NOSYNC_ASM, "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
 
     @gluon.jit
     @no_type_check
@@ -354,7 +434,7 @@ if gluon is not None:
                      C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
                      RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
-                     P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr):
+                     P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, ARRIVE_NOSYNC: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
         K_INSTR: gl.constexpr = 32 if IS_FP8 else 16
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -367,6 +447,8 @@ if gluon is not None:
 
         m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([HALF_M], gl.float32, row_s)
+        if ARRIVE_NOSYNC:
+            l_i = _mark_nosync(l_i)
         acc = gl.zeros([HALF_M, 128], gl.float32, o_layout)
         zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -478,7 +560,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
         SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
         USE_ORDER: gl.constexpr, RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
-        P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, HOST_DESC: gl.constexpr,
+        P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, HOST_DESC: gl.constexpr, ARRIVE_NOSYNC: gl.constexpr,
     ):
         HALF_M: gl.constexpr = BLOCK_M // 2
         HOST_K: gl.constexpr = HOST_DESC and not P_REGS
@@ -602,11 +684,11 @@ if gluon is not None:
             (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                             0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                            PV_WAIT_LATE, P_REGS, EXP2_POLY)),
+                            PV_WAIT_LATE, P_REGS, EXP2_POLY, ARRIVE_NOSYNC)),
             (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                             1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                            PV_WAIT_LATE, P_REGS, EXP2_POLY)),
+                            PV_WAIT_LATE, P_REGS, EXP2_POLY, ARRIVE_NOSYNC)),
             (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_seg, k_rows, stride_vt, qn_s, qr_s, kn_s, kr_s, v_s,
                           q_bar, k_bar, v_bar, k_free, v_free, q_row, k_row, h, h_r, n_blocks, BLOCK_M, BLOCK_N,
                           STAGES, V_T, P_REGS, HOST_DESC, HOST_K)),
@@ -648,6 +730,9 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
     cfg = dict(CONFIG, **(config or {}))
     if cfg["P_REGS"] and not p_regs_checked:
         check_p_regs(q, k, kr, v_t)
+    if cfg["ARRIVE_NOSYNC"] and q.dtype.itemsize == 1 and not cfg["P_REGS"]:
+        raise ValueError("ARRIVE_NOSYNC needs consumers that write no shared memory: bf16, or fp8 with P_REGS "
+                         "(fp8 P staged in shared memory is ordered by those barriers)")
     if cfg["EXP2_POLY"] not in (0, 1, 2):
         raise ValueError(f"EXP2_POLY (exp2s of every 8 on the FMA pipes) must be 0, 1 or 2, got {cfg['EXP2_POLY']}")
     H = q.shape[1]
@@ -665,7 +750,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
         SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t, EARLY_K=cfg["EARLY_K"],
         USE_ORDER=order is not None, RESCALE_EARLY=cfg["RESCALE_EARLY"], PINGPONG=cfg["PINGPONG"],
         PV_WAIT_LATE=cfg["PV_WAIT_LATE"], P_REGS=cfg["P_REGS"], EXP2_POLY=cfg["EXP2_POLY"], HOST_DESC=host,
-        num_warps=4,
+        ARRIVE_NOSYNC=bool(cfg["ARRIVE_NOSYNC"]), num_warps=4,
         maxnreg=_MAXNREG,
     )
 
