@@ -690,10 +690,12 @@ SWEEP = {
             _c(128, 128, 8, 2, PV_FP8=True, v_layout="hdt")],
 }
 def _ws(pipe, bn, stages, EARLY_K=True, RESCALE_EARLY=False, PINGPONG=False, PV_WAIT_LATE=False,  # noqa: N803
-        P_REGS=False, EXP2_POLY=0, HOST_DESC=False, ARRIVE_NOSYNC=False, **kw):  # (the kernel's own names)
+        P_REGS=False, EXP2_POLY=0, HOST_DESC=False, ARRIVE_NOSYNC=False, LAZY_RESCALE=False,
+        **kw):  # (the kernel's own names)
     return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages, EARLY_K=EARLY_K, RESCALE_EARLY=RESCALE_EARLY,
                         PINGPONG=PINGPONG, PV_WAIT_LATE=PV_WAIT_LATE, P_REGS=P_REGS,
-                        EXP2_POLY=EXP2_POLY, HOST_DESC=HOST_DESC, ARRIVE_NOSYNC=ARRIVE_NOSYNC), **kw)
+                        EXP2_POLY=EXP2_POLY, HOST_DESC=HOST_DESC, ARRIVE_NOSYNC=ARRIVE_NOSYNC,
+                        LAZY_RESCALE=LAZY_RESCALE), **kw)
 
 
 # the warp-specialized Gluon kernel (--sweep ws): serial or pipelined consumers, key block,
@@ -775,6 +777,12 @@ AB = {
                           ("fp8", _ws(False, 256, 2, PINGPONG=True, P_REGS=True, **_FP8_KL),
                            _ws(False, 256, 2, PINGPONG=True, P_REGS=True, ARRIVE_NOSYNC=True, **_FP8_KL))],
                          AB_SHAPES),
+    # bf16: a row's max kept until it grows by 2**8 and O's rescale skipped where no row of a
+    # warpgroup moved (LAZY_RESCALE), with and without ARRIVE_NOSYNC, against the default
+    "ws-lazy-rescale": ([("bf16", _PIPE_LATE, _ws(True, 128, 2, PV_WAIT_LATE=True, LAZY_RESCALE=True)),
+                         ("bf16", _PIPE_LATE, _ws(True, 128, 2, PV_WAIT_LATE=True, LAZY_RESCALE=True,
+                                                  ARRIVE_NOSYNC=True))],
+                        AB_SHAPES),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),

@@ -680,7 +680,7 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
                  RESCALE_EARLY=ws.get("RESCALE_EARLY", False), PINGPONG=ws.get("PINGPONG", False),
                  PV_WAIT_LATE=ws.get("PV_WAIT_LATE", False), P_REGS=ws.get("P_REGS", False),
                  EXP2_POLY=ws.get("EXP2_POLY", 0), HOST_DESC=ws.get("HOST_DESC", ga.CONFIG["HOST_DESC"]),
-                 ARRIVE_NOSYNC=ws.get("ARRIVE_NOSYNC", False))
+                 ARRIVE_NOSYNC=ws.get("ARRIVE_NOSYNC", False), LAZY_RESCALE=ws.get("LAZY_RESCALE", False))
     for n, d in zip(DESCS, host_descriptors(dt, dict(ws, HOST_DESC=const["HOST_DESC"]))):
         if d is None:
             const[n] = None
@@ -806,19 +806,43 @@ def test_strip_arrive_syncs_drops_only_a_warpgroups_barrier_before_an_arrive_or_
 def test_warp_specialized_arrive_nosync_cross_compiles_without_loop_barriers():
     """``ARRIVE_NOSYNC`` on both defaults (bf16 pipelined with the late wait; fp8 serial
     with turns and ``P_REGS``): no warpgroup barrier left in either consumer's key loop,
-    where the defaults hold some, the late wait's order and registers as they were."""
+    where the defaults hold some, the late wait's order and registers as they were; and
+    bf16 with ``LAZY_RESCALE`` too, which builds as they do."""
     bf, f8 = ta.CONFIGS[torch.bfloat16]["WS"], ta.KEYS_LAST_FP8["WS"]
     jobs = [(dt, dict(ws, ARRIVE_NOSYNC=on), 0, dt != "bf16", False)
             for dt, ws in (("bf16", bf), ("fp8e4nv", f8)) for on in (False, True)]
+    jobs += [("bf16", dict(bf, ARRIVE_NOSYNC=True, LAZY_RESCALE=True), 0, False, False)]
     res = _cross_compile(_XCOMPILE_WS, jobs)
     for r in res:
         print(r)
         assert r["stack"] == 0 and {24, 240} <= set(r["setmaxnreg"]) and len(r["loop_bar_syncs"]) == 2, r
         if r["ws"]["PIPE"]:
             assert len(r["pv_wait"]) == 2 and all(0 < n == total for n, total in r["pv_wait"]), r
-    for off, on in (res[:2], res[2:]):
+    for off, on in (res[:2], res[2:4]):
         assert min(off["loop_bar_syncs"]) > 0 and on["loop_bar_syncs"] == [0, 0], (off, on)
         assert on["regs"] == off["regs"] and on["ex2"] == off["ex2"] and on["wgmma"] == off["wgmma"], (off, on)
+    lazy = res[4]  # LAZY_RESCALE beside it: O's multiplies behind a branch, the late wait kept
+    assert lazy["loop_bar_syncs"] == [0, 0] and lazy["ex2"] == res[1]["ex2"], lazy
+
+
+def test_lazy_rescale_refuses_fp8_and_the_serial_consumer():
+    """``LAZY_RESCALE`` lets p reach 2**8: fp8's p, scaled by 2**8 for its e4m3 cast, has no
+    room for it; the serial consumer and ``RESCALE_EARLY`` do not carry it. Refused at launch."""
+    bf, f8 = torch.zeros(4, 1, 192, dtype=torch.bfloat16), torch.zeros(4, 1, 192, dtype=FP8)
+    for q, cfg in ((f8, dict(PIPE=True)), (bf, dict(PIPE=False)), (bf, dict(PIPE=True, RESCALE_EARLY=True))):
+        with pytest.raises(ValueError, match="LAZY_RESCALE"):
+            ga.launch(q, q, q[..., 128:], q, torch.zeros(4, 1, 128, dtype=torch.bfloat16), torch.zeros(1, 4),
+                      torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                      torch.zeros(2, dtype=torch.int32), 1.0, (1, 1, 1), 0, True,
+                      config=dict(cfg, LAZY_RESCALE=True))
+
+
+def test_rescale_if_asm_moves_then_multiplies_only_under_the_flag():
+    """The PTX of ``_rescale_if``: every output takes its input, then a uniform branch on the
+    flag skips the multiplies (each output times its alpha) where it is 0."""
+    asm = ga._rescale_if_asm(2)
+    assert asm == ("{ .reg .pred p; setp.ne.b32 p, $6, 0; mov.b32 $0, $2; mov.b32 $1, $3; @!p bra.uni SKIP; "
+                   "mul.f32 $0, $2, $4; mul.f32 $1, $3, $5; SKIP: }")
 
 
 def test_arrive_nosync_refuses_p_staged_in_shared_memory():
@@ -949,6 +973,8 @@ WS_CFGS = {
     "ws_pipe_wait_late_exp2_poly": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True, EXP2_POLY=1)),  # 1 in 8 exp2s on FMAs
     "ws_pipe_host_desc": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True, HOST_DESC=True)),  # q, K: the launch's
     "ws_pipe_device_desc": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True, HOST_DESC=False)),  # all made per program
+    # a row's max kept until it grows by 2**8, O's rescale skipped where no row moved; no barrier before a release
+    "ws_pipe_lazy_nosync": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True, LAZY_RESCALE=True, ARRIVE_NOSYNC=True)),
 }
 needs_ws = pytest.mark.skipif(
     not HAS_CUDA or INTERPRETING or ga.gluon is None or torch.cuda.get_device_capability()[0] != 9,
@@ -1053,6 +1079,35 @@ def test_gpu_warp_specialized_arrive_nosync_same_bits(dtype):
     names = _kernel_names(lambda: mla_context_attention(q, k, v, cu_q, cu_k, 8192, 16384, 0.07, **kw,
                                                         config=dict(base, WS=dict(ws, ARRIVE_NOSYNC=True))))
     assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], names
+
+
+@needs_ws
+def test_gpu_warp_specialized_lazy_rescale_against_float64():
+    """``LAZY_RESCALE`` where the max moves: keys whose scores grow block after block (each
+    step under 2**8, so O is rescaled only where the growth adds up), a segment whose
+    scores jump from very negative to very positive (O's old terms must vanish: alpha
+    underflows to 0) and one that falls after its first block (the max never moves):
+    against float64 and beside the defaults, both within the same tolerance."""
+    torch.manual_seed(0)
+    H, d = 16, 192
+    u = torch.randn(H, d, device="cuda")
+    lens = [3000, 2500, 1500]
+    # scores ~ 0.07 · a · |u|² (|u|² ~ 192): the ramp's max grows ~0.9 a block in log2 units
+    # (past 2**8 every ~9 blocks); the jump's, 156 at once (alpha 2**-156: 0 in fp32)
+    ramp = torch.linspace(0.0, 1.0, lens[0], device="cuda")
+    jump = torch.where(torch.arange(lens[1], device="cuda") < 1000, -4.0, 4.0)
+    fall = torch.linspace(1.0, -2.0, lens[2], device="cuda")
+    noise = lambda n: 0.5 * torch.randn(n, H, d, device="cuda")  # noqa: E731
+    k = torch.cat([a[:, None, None] * u + noise(a.numel()) for a in (ramp, jump, fall)]).to(torch.bfloat16)
+    q = (u + 0.3 * torch.randn(3 * 300, H, d, device="cuda")).to(torch.bfloat16)
+    v = torch.randn(sum(lens), H, 128, device="cuda").to(torch.bfloat16)
+    cu_q = torch.tensor([0, 300, 600, 900], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, lens[0], lens[0] + lens[1], sum(lens)], dtype=torch.int32, device="cuda")
+    ref_out, ref_lse = reference(q, k, v, cu_q, cu_k, 0.07)
+    assert (ref_lse[:, 300:600] > 50).all()  # the jump's scores: e**50 past its first keys
+    for cfg in (WS_CFGS["ws_pipe_lazy_nosync"], dict(WS=dict(PIPE=True, PV_WAIT_LATE=True))):
+        out, lse = mla_context_attention(q, k, v, cu_q, cu_k, 300, max(lens), 0.07, config=cfg)
+        check(out, lse, ref_out, ref_lse)
 
 
 @needs_ws

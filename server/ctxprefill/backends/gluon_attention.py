@@ -174,12 +174,27 @@ def _install_ptx_hook() -> None:
     knobs.runtime.add_stages_inspection_hook = hook
 
 
+# ``LAZY_RESCALE`` (bf16): a row's max moves only when it grows by more than this (log2
+# units), so p stays within 2**8 and most blocks leave O's scale alone; a block where no
+# row of a warpgroup moved skips O's rescale (``_rescale_if``, per 16 accumulators)
+_LAZY_TAU = 8.0
+_RESCALE_N = 16
+
+
+def _rescale_if_asm(n: int) -> str:
+    """PTX for ``n`` accumulators: $0.. out, $n.. in, $2n.. the alphas, $3n.. the flag;
+    the outputs take the inputs, and are multiplied only where the flag is set."""
+    moves = " ".join(f"mov.b32 ${i}, ${n + i};" for i in range(n))
+    muls = " ".join(f"mul.f32 ${i}, ${n + i}, ${2 * n + i};" for i in range(n))
+    return (f"{{ .reg .pred p; setp.ne.b32 p, ${3 * n}, 0; {moves} @!p bra.uni SKIP; {muls} SKIP: }}")
+
+
 #: Tiles, stages, pipelining. 2 consumers x 64 query rows = BLOCK_M 128 (fixed). The
 #: caller's defaults per dtype are in ``triton_attention`` (measured there).
 # (HOST_DESC: q and K through the launch's descriptors, ``_host_descriptors``)
 CONFIG: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True, RESCALE_EARLY=False,
                               PINGPONG=False, PV_WAIT_LATE=False, P_REGS=False, EXP2_POLY=0, HOST_DESC=False,
-                              ARRIVE_NOSYNC=False)
+                              ARRIVE_NOSYNC=False, LAZY_RESCALE=False)
 #: rows a key tensor must hold past the last segment's end for ``P_REGS`` (its K loads
 #: read whole 16-key groups: up to 15 rows past a segment, masked out of the scores): what
 #: every keys-last K the engine packs leaves (``ops.pack.KEY_SLACK_ROWS``)
@@ -195,6 +210,11 @@ if gluon is not None:
     _EXP2_POLY2 = gl.constexpr(_exp2_mixed_asm(2))
     _EXP2_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 8 + ["f"] * 8))
     _NOSYNC_ASM = gl.constexpr(_NOSYNC_MARK + " mov.b32 $0, $1;")
+    _LAZY_TAU_C = gl.constexpr(_LAZY_TAU)
+    _RESCALE_PACK = gl.constexpr(_RESCALE_N)
+    _RESCALE_IF_ASM = gl.constexpr(_rescale_if_asm(_RESCALE_N))
+    _RESCALE_IF_CONSTRAINTS = gl.constexpr(",".join(["=f"] * _RESCALE_N + ["f"] * (2 * _RESCALE_N)
+                                                    + ["r"] * _RESCALE_N))
     _install_ptx_hook()
 
     @gluon.jit
@@ -322,6 +342,29 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
+    def _after_any(x, need, C: gl.constexpr):
+        """:func:`_after` whose barrier reduction also ORs ``need`` [64] (int32) over consumer
+        C's warpgroup: (``x`` unchanged, 1 where any of its rows needs it else 0, per row)."""
+        BAR: gl.constexpr = 14 + C
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred q; .reg .b32 t; or.b32 t, $6, $7; setp.ne.b32 q, t, 0; "
+            f"bar.red.or.pred q, {BAR}, 128, q; selp.b32 $2, 1, 0, q; selp.b32 $3, 1, 0, q; "
+            "mov.b32 $0, $4; mov.b32 $1, $5; }",
+            "=r,=r,=r,=r,r,r,r,r", [x, need], dtype=(gl.float32, gl.int32), is_pure=False, pack=2)
+
+    @gluon.jit
+    @no_type_check
+    def _rescale_if(acc, alpha, any_need, row_o: gl.constexpr):
+        """``acc`` [64, 128] times ``alpha`` [64] by row where ``any_need`` (the same for the
+        whole warpgroup, :func:`_after_any`) is set; left as is, without the multiplies,
+        where it is not (``LAZY_RESCALE``: every alpha is then 1)."""
+        a, _ = gl.broadcast(gl.convert_layout(alpha, row_o)[:, None], acc)
+        f, _ = gl.broadcast(gl.convert_layout(any_need, row_o)[:, None], acc)
+        return gl.inline_asm_elementwise(_RESCALE_IF_ASM, _RESCALE_IF_CONSTRAINTS, [acc, a, f],
+                                         dtype=gl.float32, is_pure=True, pack=_RESCALE_PACK)
+
+    @gluon.jit
+    @no_type_check
     def _qk(qn, qr, kn_s, kr_s, s, zero_s):
         """S = q_nope·k_noperᵀ + q_rope·k_ropeᵀ of slot s, issued asynchronously."""
         acc = warpgroup_mma(qn, kn_s.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -330,12 +373,16 @@ if gluon is not None:
     @gluon.jit
     @no_type_check
     def _softmax(sc, m_i, l_i, start_n, k_len, qk_scale, offs_n, IS_FP8: gl.constexpr,
-                 EXP2_POLY: gl.constexpr):
+                 EXP2_POLY: gl.constexpr, LAZY: gl.constexpr = False):
         """Online-softmax step on raw scores ``sc`` (scale folded into exp2's FMA).
-        Returns (p, alpha, l, m): m in raw score units."""
+        Returns (p, alpha, l, m): m in raw score units. ``LAZY``: a row keeps its max
+        unless the new one exceeds it by more than ``_LAZY_TAU`` in log2 units (its alpha
+        then exactly 1, its p at most 2**_LAZY_TAU)."""
         if start_n + sc.shape[1] > k_len:  # the segment's last, partial block
             sc = gl.where(((start_n + offs_n) < k_len)[None, :], sc, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        if LAZY:  # (-inf - -inf: NaN, not above: a row with no keys yet stays at -inf)
+            m_new = gl.where((m_new - m_i) * qk_scale > _LAZY_TAU_C, m_new, m_i)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no -inf - -inf
         alpha = gl.exp2((m_i - m_use) * qk_scale)
         m_scaled = m_use * qk_scale
@@ -434,7 +481,8 @@ if gluon is not None:
                      C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
                      RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
-                     P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, ARRIVE_NOSYNC: gl.constexpr):
+                     P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, ARRIVE_NOSYNC: gl.constexpr,
+                     LAZY_RESCALE: gl.constexpr):
         HALF_M: gl.constexpr = BLOCK_M // 2
         K_INSTR: gl.constexpr = 32 if IS_FP8 else 16
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -468,7 +516,8 @@ if gluon is not None:
                 _turn_pass(turn, C, PINGPONG)
                 sc = warpgroup_mma_wait(0, deps=(s_tok, ))
                 _free_k(k_free, 0, EARLY_K)
-                p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, 0, k_len, qk_scale, offs_n, IS_FP8, EXP2_POLY)
+                p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, 0, k_len, qk_scale, offs_n, IS_FP8, EXP2_POLY,
+                                              LAZY_RESCALE)
                 # fp8: P goes to shared memory (or becomes the register operand) before the
                 # next Q·Kᵀ is issued, so that its registers are free for that block's scores
                 if IS_FP8:
@@ -488,14 +537,20 @@ if gluon is not None:
                     _turn_pass(turn, C, PINGPONG)
                     sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # Q·Kᵀ done, P·V may run on
                     _free_k(k_free, s, EARLY_K)
+                    m_prev = m_i
                     p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, j * BLOCK_N, k_len, qk_scale, offs_n, IS_FP8,
-                                                  EXP2_POLY)
-                    if PV_WAIT_LATE:  # the softmax (its row sums) before P·V's wait, as written
+                                                  EXP2_POLY, LAZY_RESCALE)
+                    if LAZY_RESCALE:  # O is rescaled where a row with keys before moved its max
+                        need = ((alpha != 1.0) & (m_prev > float("-inf"))).to(gl.int32)
+                        l_i, any_need = _after_any(l_i, need, C)
+                    elif PV_WAIT_LATE:  # the softmax (its row sums) before P·V's wait, as written
                         l_i = _after(l_i, C)
                     acc = _pv_wait(o_tok, pop, IS_FP8, P_REGS)
                     _free_k(k_free, prev, not EARLY_K)
                     mbarrier.arrive(v_free.index(prev), count=1)
-                    if not RESCALE_EARLY:
+                    if LAZY_RESCALE:
+                        acc = _rescale_if(acc, alpha, any_need, row_o)
+                    elif not RESCALE_EARLY:
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     if IS_FP8:  # the P·V that read the buffer is done
                         p = _hand_over_p(p, p_smem, p_layout, P_REGS)
@@ -561,6 +616,7 @@ if gluon is not None:
         SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
         USE_ORDER: gl.constexpr, RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
         P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, HOST_DESC: gl.constexpr, ARRIVE_NOSYNC: gl.constexpr,
+        LAZY_RESCALE: gl.constexpr,
     ):
         HALF_M: gl.constexpr = BLOCK_M // 2
         HOST_K: gl.constexpr = HOST_DESC and not P_REGS
@@ -684,11 +740,11 @@ if gluon is not None:
             (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                             0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                            PV_WAIT_LATE, P_REGS, EXP2_POLY, ARRIVE_NOSYNC)),
+                            PV_WAIT_LATE, P_REGS, EXP2_POLY, ARRIVE_NOSYNC, LAZY_RESCALE)),
             (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
                             q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
                             1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                            PV_WAIT_LATE, P_REGS, EXP2_POLY, ARRIVE_NOSYNC)),
+                            PV_WAIT_LATE, P_REGS, EXP2_POLY, ARRIVE_NOSYNC, LAZY_RESCALE)),
             (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_seg, k_rows, stride_vt, qn_s, qr_s, kn_s, kr_s, v_s,
                           q_bar, k_bar, v_bar, k_free, v_free, q_row, k_row, h, h_r, n_blocks, BLOCK_M, BLOCK_N,
                           STAGES, V_T, P_REGS, HOST_DESC, HOST_K)),
@@ -733,6 +789,9 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
     if cfg["ARRIVE_NOSYNC"] and q.dtype.itemsize == 1 and not cfg["P_REGS"]:
         raise ValueError("ARRIVE_NOSYNC needs consumers that write no shared memory: bf16, or fp8 with P_REGS "
                          "(fp8 P staged in shared memory is ordered by those barriers)")
+    if cfg["LAZY_RESCALE"] and (q.dtype.itemsize == 1 or not cfg["PIPE"] or cfg["RESCALE_EARLY"]):
+        raise ValueError("LAZY_RESCALE runs in the pipelined bf16 consumer with O rescaled after P·V (fp8's p, "
+                         "scaled by 2**8 for its e4m3 cast, has no room for 2**8 more)")
     if cfg["EXP2_POLY"] not in (0, 1, 2):
         raise ValueError(f"EXP2_POLY (exp2s of every 8 on the FMA pipes) must be 0, 1 or 2, got {cfg['EXP2_POLY']}")
     H = q.shape[1]
@@ -750,7 +809,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
         SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t, EARLY_K=cfg["EARLY_K"],
         USE_ORDER=order is not None, RESCALE_EARLY=cfg["RESCALE_EARLY"], PINGPONG=cfg["PINGPONG"],
         PV_WAIT_LATE=cfg["PV_WAIT_LATE"], P_REGS=cfg["P_REGS"], EXP2_POLY=cfg["EXP2_POLY"], HOST_DESC=host,
-        ARRIVE_NOSYNC=bool(cfg["ARRIVE_NOSYNC"]), num_warps=4,
+        ARRIVE_NOSYNC=bool(cfg["ARRIVE_NOSYNC"]), LAZY_RESCALE=bool(cfg["LAZY_RESCALE"]), num_warps=4,
         maxnreg=_MAXNREG,
     )
 
