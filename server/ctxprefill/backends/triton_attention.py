@@ -124,10 +124,13 @@ _P_SHIFT = 8.0  # P·V in fp8: P scaled by 2**8 (≤ 256 < 448) before the e4m3 
 #: after the softmax in the machine code, where ptxas would otherwise put it before:
 #: 1.00-1.04 of without over 6 shapes, median of 5 interleaved rounds each (H200, 2026-12-04,
 #: ``bench_attention.py --ab ws-wait``, bench/results/attention_ab_ws-wait.json).
-#: Causal chunks and pointer-path inputs keep the kernel below.
+#: ``ARRIVE_NOSYNC`` (a slot released without the warpgroup barrier before it) and
+#: ``LAZY_RESCALE`` (O rescaled only where a row's max grew by 2**8): ``--ab ws-release``
+#: (docs/DESIGN.md). Causal chunks and pointer-path inputs keep the kernel below.
 CONFIGS: dict[torch.dtype, dict[str, Any]] = {
     torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, USE_TMA=True,
-                         WS=dict(PIPE=True, BLOCK_N=128, STAGES=2, PV_WAIT_LATE=True)),
+                         WS=dict(PIPE=True, BLOCK_N=128, STAGES=2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True,
+                                 LAZY_RESCALE=True)),
     _FP8: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, PV_FP8=False, USE_TMA=True, maxnreg=128),
 }
 
@@ -150,9 +153,10 @@ CONFIGS: dict[torch.dtype, dict[str, Any]] = {
 #: serial. Serial with turns and P·V's operand in registers (``P_REGS``: no P through shared
 #: memory) beats that pipelined kernel by 1.05-1.06 over the same 6 shapes (``--ab ws-fp8-regs``,
 #: H200, 2026-12-05, commit 5d6bb38, attention_ab_ws-fp8-regs.json): the default. Where a
-#: caller's K lacks the rows past its end P_REGS reads, ``ws_config`` stages P instead.
+#: caller's K lacks the rows past its end P_REGS reads, ``ws_config`` stages P instead
+#: (and keeps the barrier before a slot's release, which then orders P's stores).
 KEYS_LAST_FP8: dict[str, Any] = dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True,
-                                                          P_REGS=True))
+                                                          P_REGS=True, ARRIVE_NOSYNC=True))
 #: over the warp-specialized kernel's settings, for launches recorded into a CUDA graph
 #: (``captured``), where what the host spends on a launch is paid once: q's and K's TMA
 #: descriptors made by the launch (``HOST_DESC``) instead of by every program
@@ -620,6 +624,15 @@ def ws_config(ws: dict | bool, config: dict | None, q: torch.Tensor, k: torch.Te
         cfg.update({key: val for key, val in extra.items() if not _asks(config, key)})
     if cfg["P_REGS"] and not _asks(config, "P_REGS") and _ws.p_regs_problem(q, k, kr, v_t) is not None:
         cfg["P_REGS"] = False
+    fp8 = q.dtype.itemsize == 1
+    # the defaults' variants where these inputs or settings cannot take them (asked for, the
+    # launch refuses): no barrier before a release where fp8 P goes through shared memory,
+    # the lazy rescale only in the pipelined bf16 consumer that rescales after P·V
+    if cfg["ARRIVE_NOSYNC"] and fp8 and not cfg["P_REGS"] and not _asks(config, "ARRIVE_NOSYNC"):
+        cfg["ARRIVE_NOSYNC"] = False
+    if (cfg["LAZY_RESCALE"] and (fp8 or not cfg["PIPE"] or cfg["RESCALE_EARLY"])
+            and not _asks(config, "LAZY_RESCALE")):
+        cfg["LAZY_RESCALE"] = False
     return cfg
 
 
