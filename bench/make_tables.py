@@ -868,6 +868,12 @@ BENCHMARKS = (
           "and 16k keys and a ragged batch, 5 rounds per shape: the device's side of the variant a CUDA graph "
           "captures (do_bench's figures; at 16 heads over 1k keys, ~0.2 ms kernels, the rounds vary too much "
           "to tell).", env="GPU_RUN_AB=ws-host-desc"),
+    Bench("K and V slots released without a barrier, in interleaved rounds", "attention_ab",
+          ("attention_ab_ws-arrive-nosync",),
+          "`bench/bench_attention.py --ab ws-arrive-nosync`: the defaults of both dtypes with each K and V slot "
+          "released by one thread of a consumer warpgroup once its wgmma wait returns, without the warpgroup "
+          "barrier before it (`ARRIVE_NOSYNC`, B), against with it (A), 5 rounds per shape.",
+          env="GPU_RUN_AB=ws-arrive-nosync"),
     Bench("Throughput under concurrency", "bench_concurrency", ("bench_concurrency",),
           "`bench/bench_concurrency.py`: 1 to 16 clients against one server per shape, inline tensors and CUDA IPC "
           "regions."),

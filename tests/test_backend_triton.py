@@ -807,7 +807,7 @@ def test_warp_specialized_arrive_nosync_cross_compiles_without_loop_barriers():
     """``ARRIVE_NOSYNC`` on and off (bf16 pipelined with the late wait; fp8 serial with
     turns and ``P_REGS``): no warpgroup barrier left in either consumer's key loop, where
     the kernel without it holds some, the late wait's order and registers as they were;
-    and bf16 with ``LAZY_RESCALE`` too (the default), which builds as they do."""
+    and bf16 with ``LAZY_RESCALE`` too, which builds as they do."""
     bf, f8 = dict(ta.CONFIGS[torch.bfloat16]["WS"], LAZY_RESCALE=False), ta.KEYS_LAST_FP8["WS"]
     jobs = [(dt, dict(ws, ARRIVE_NOSYNC=on), 0, dt != "bf16", False)
             for dt, ws in (("bf16", bf), ("fp8e4nv", f8)) for on in (False, True)]
@@ -931,13 +931,13 @@ def test_p_regs_wants_slack_past_the_keys():
     assert ta.ws_config(regs, dict(WS=regs), q, tight, tight[..., 128:], True)["P_REGS"]
     assert ta.ws_config(True, None, q, tight, tight[..., 128:], True) == ga.CONFIG
     # the fp8 default's release without a barrier goes with P staged (its stores need the
-    # barrier); the bf16 default's lazy rescale with a serial consumer; asked for, both stay
+    # barrier); a lazy rescale in defaults, with a serial consumer; asked for, both stay
     f8 = ta.KEYS_LAST_FP8["WS"]
     assert ta.ws_config(f8, None, q, k, k[..., 128:], True)["ARRIVE_NOSYNC"]
     staged = ta.ws_config(f8, None, q, tight, tight[..., 128:], True)
     assert not staged["P_REGS"] and not staged["ARRIVE_NOSYNC"]
     assert ta.ws_config(f8, dict(WS=dict(ARRIVE_NOSYNC=True)), q, tight, tight[..., 128:], True)["ARRIVE_NOSYNC"]
-    bf, qb = ta.CONFIGS[torch.bfloat16]["WS"], q.to(torch.bfloat16)
+    bf, qb = dict(ta.CONFIGS[torch.bfloat16]["WS"], LAZY_RESCALE=True), q.to(torch.bfloat16)
     assert ta.ws_config(bf, None, qb, k, k, False)["LAZY_RESCALE"]
     assert not ta.ws_config(dict(bf, PIPE=False), None, qb, k, k, False)["LAZY_RESCALE"]
     assert ta.ws_config(dict(bf, PIPE=False), dict(WS=dict(LAZY_RESCALE=True)), qb, k, k, False)["LAZY_RESCALE"]

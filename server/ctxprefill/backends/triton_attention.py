@@ -124,13 +124,13 @@ _P_SHIFT = 8.0  # P·V in fp8: P scaled by 2**8 (≤ 256 < 448) before the e4m3 
 #: after the softmax in the machine code, where ptxas would otherwise put it before:
 #: 1.00-1.04 of without over 6 shapes, median of 5 interleaved rounds each (H200, 2026-12-04,
 #: ``bench_attention.py --ab ws-wait``, bench/results/attention_ab_ws-wait.json).
-#: ``ARRIVE_NOSYNC`` (a slot released without the warpgroup barrier before it) and
-#: ``LAZY_RESCALE`` (O rescaled only where a row's max grew by 2**8): ``--ab ws-release``
-#: (docs/DESIGN.md). Causal chunks and pointer-path inputs keep the kernel below.
+#: ``ARRIVE_NOSYNC`` releases a K or V slot without the warpgroup barrier before it: the
+#: same bits, 1.002-1.014 of without over 6 shapes and both dtypes (H200, 2026-12-07,
+#: commit 7670d01, bench/results/attention_ab_ws-arrive-nosync.json). Causal chunks and
+#: pointer-path inputs keep the kernel below.
 CONFIGS: dict[torch.dtype, dict[str, Any]] = {
     torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, USE_TMA=True,
-                         WS=dict(PIPE=True, BLOCK_N=128, STAGES=2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True,
-                                 LAZY_RESCALE=True)),
+                         WS=dict(PIPE=True, BLOCK_N=128, STAGES=2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True)),
     _FP8: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, PV_FP8=False, USE_TMA=True, maxnreg=128),
 }
 
