@@ -29,7 +29,7 @@ on 4 × 1,024 rows by 3.9-7.9 % (two rounds each; H200, 2026-12-04, commit 58e91
 machine code (ptxas moves it above the softmax otherwise, which undoes the pipelining);
 ``PINGPONG`` makes the two consumers take turns issuing their MMAs (FA3's ping-pong). The
 backend's defaults (``triton_attention``): bf16 pipelined with the late wait; fp8 serial
-over 256-key blocks with turns and ``P_REGS`` (docs/DESIGN.md).
+over 256-key blocks with turns and ``P_REGS``; both with ``ARRIVE_NOSYNC`` (docs/DESIGN.md).
 
 ``P_REGS`` (fp8) keeps P·V's operand in registers, as bf16 does, instead of staging P in
 shared memory (2 × 16 KiB at 256-key blocks, and each block's P written and read there):
@@ -43,6 +43,8 @@ level, it is no default. ``ARRIVE_NOSYNC`` drops the warpgroup barrier Triton pu
 each of the consumers' mbarrier arrives and waits (``strip_arrive_syncs``): a slot is
 released by one thread of the warpgroup once its wgmma wait returns, as FA3's pipelines
 do; for consumers that write no shared memory themselves (bf16, ``P_REGS``).
+``LAZY_RESCALE`` (bf16, pipelined) keeps a row's max until it grows by 2**8 and skips O's
+rescale where no row of the warpgroup moved; opt-in.
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory, bf16 with 128×128 tiles and 2 stages: Q 48 KiB +
