@@ -620,17 +620,21 @@ fn = ga._mla_attn_ws_fwd
 names = fn.arg_names
 
 
-def pv_wait_order(k):
-    # for each pipelined consumer loop in the SASS (a conditional backward branch whose body
-    # waits with one MMA group left in flight): (exp2s before P·V's wait, exp2s in the body)
+def sass_loops(k):
+    # the body of each loop in the SASS: a conditional backward branch and what it jumps back over
     sass = cuobjdump(k, "-sass")
     ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loops = []
     for addr, text in ins:
-        m = re.match(r"@!?P\d\s+BRA\s+0x([0-9a-f]+)", text)
-        if not m or int(m[1], 16) >= addr:
-            continue
-        body = [t for a, t in ins if int(m[1], 16) <= a <= addr]
+        m = re.match(r"@!?U?P\d\s+BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if m and int(m[1], 16) < addr:
+            yield [t for a, t in ins if int(m[1], 16) <= a <= addr]
+
+
+def pv_wait_order(k):
+    # for each pipelined consumer loop (its body waits with one MMA group left in flight):
+    # (exp2s before P·V's wait, exp2s in the body)
+    loops = []
+    for body in sass_loops(k):
         if not any("DEPBAR.LE gsb0, 0x1" in t for t in body):
             continue
         ex2 = [i for i, t in enumerate(body) if "MUFU.EX2" in t]
@@ -640,18 +644,8 @@ def pv_wait_order(k):
 
 
 def loop_bar_syncs(k):
-    # BAR.SYNCs in each loop of the SASS whose body issues wgmma (the consumers' key loops)
-    sass = cuobjdump(k, "-sass")
-    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    out = []
-    for addr, text in ins:
-        m = re.match(r"@!?U?P\d\s+BRA\s+(?:`\()?0x([0-9a-f]+)", text)
-        if not m or int(m[1], 16) >= addr:
-            continue
-        body = [t for a, t in ins if int(m[1], 16) <= a <= addr]
-        if any("GMMA" in t for t in body):  # HGMMA (bf16), QGMMA (fp8)
-            out.append(sum("BAR.SYNC" in t for t in body))
-    return out
+    # BAR.SYNCs in each loop whose body issues wgmma (HGMMA bf16, QGMMA fp8): the consumers' key loops
+    return [sum("BAR.SYNC" in t for t in body) for body in sass_loops(k) if any("GMMA" in t for t in body)]
 
 
 DESCS = ("QN_D", "QR_D", "KN_D", "KR_D")
