@@ -1091,14 +1091,14 @@ def test_gpu_warp_specialized_lazy_rescale_against_float64():
     """``LAZY_RESCALE`` where the max moves: keys whose scores grow block after block (each
     step under 2**8, so O is rescaled only where the growth adds up), a segment whose
     scores jump from very negative to very positive (O's old terms must vanish: alpha
-    underflows to 0) and one that falls after its first block (the max never moves):
+    ~2**-150) and one that falls after its first block (the max never moves):
     against float64 and beside the defaults, both within the same tolerance."""
     torch.manual_seed(0)
     H, d = 16, 192
     u = torch.randn(H, d, device="cuda")
     lens = [3000, 2500, 1500]
     # scores ~ 0.07 · a · |u|² (|u|² ~ 192): the ramp's max grows ~0.9 a block in log2 units
-    # (past 2**8 every ~9 blocks); the jump's, 156 at once (alpha 2**-156: 0 in fp32)
+    # (past 2**8 every ~9 blocks); the jump's, ~150 at once (alpha ~2**-150: O's old terms vanish)
     ramp = torch.linspace(0.0, 1.0, lens[0], device="cuda")
     jump = torch.where(torch.arange(lens[1], device="cuda") < 1000, -4.0, 4.0)
     fall = torch.linspace(1.0, -2.0, lens[2], device="cuda")
@@ -1109,7 +1109,7 @@ def test_gpu_warp_specialized_lazy_rescale_against_float64():
     cu_q = torch.tensor([0, 300, 600, 900], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, lens[0], lens[0] + lens[1], sum(lens)], dtype=torch.int32, device="cuda")
     ref_out, ref_lse = reference(q, k, v, cu_q, cu_k, 0.07)
-    assert (ref_lse[:, 300:600] > 50).all()  # the jump's scores: e**50 past its first keys
+    assert (ref_lse[:, 300:600] > 30).all()  # the jump's scores: past e**30 after its first 1,000 keys
     for cfg in (WS_CFGS["ws_pipe_lazy_nosync"], dict(WS=dict(PIPE=True, PV_WAIT_LATE=True))):
         out, lse = mla_context_attention(q, k, v, cu_q, cu_k, 300, max(lens), 0.07, config=cfg)
         check(out, lse, ref_out, ref_lse)
