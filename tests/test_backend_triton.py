@@ -802,7 +802,7 @@ def test_warp_specialized_arrive_nosync_cross_compiles_without_loop_barriers():
     turns and ``P_REGS``): no warpgroup barrier left in either consumer's key loop, where
     the kernel without it holds some, the late wait's order and registers as they were;
     and bf16 with ``LAZY_RESCALE`` too, which builds as they do."""
-    bf, f8 = dict(ta.CONFIGS[torch.bfloat16]["WS"], LAZY_RESCALE=False), ta.KEYS_LAST_FP8["WS"]
+    bf, f8 = ta.CONFIGS[torch.bfloat16]["WS"], ta.KEYS_LAST_FP8["WS"]
     jobs = [(dt, dict(ws, ARRIVE_NOSYNC=on), 0, dt != "bf16", False)
             for dt, ws in (("bf16", bf), ("fp8e4nv", f8)) for on in (False, True)]
     jobs += [("bf16", dict(bf, ARRIVE_NOSYNC=True, LAZY_RESCALE=True), 0, False, False)]
@@ -819,16 +819,21 @@ def test_warp_specialized_arrive_nosync_cross_compiles_without_loop_barriers():
     assert lazy["loop_bar_syncs"] == [0, 0] and lazy["ex2"] == res[1]["ex2"], lazy
 
 
+def _launch_on_cpu(q, config):
+    """The Gluon kernel's launch over 4 rows of ``q`` (as q, K and V) on the CPU: its checks
+    run before anything compiles or launches."""
+    cu = torch.zeros(2, dtype=torch.int32)
+    ga.launch(q, q, q[..., 128:], q, torch.zeros(4, 1, 128, dtype=torch.bfloat16), torch.zeros(1, 4),
+              cu, cu, cu, 1.0, (1, 1, 1), 0, True, config=config)
+
+
 def test_lazy_rescale_refuses_fp8_and_the_serial_consumer():
     """``LAZY_RESCALE`` lets p reach 2**8: fp8's p, scaled by 2**8 for its e4m3 cast, has no
     room for it; the serial consumer and ``RESCALE_EARLY`` do not carry it. Refused at launch."""
     bf, f8 = torch.zeros(4, 1, 192, dtype=torch.bfloat16), torch.zeros(4, 1, 192, dtype=FP8)
     for q, cfg in ((f8, dict(PIPE=True)), (bf, dict(PIPE=False)), (bf, dict(PIPE=True, RESCALE_EARLY=True))):
         with pytest.raises(ValueError, match="LAZY_RESCALE"):
-            ga.launch(q, q, q[..., 128:], q, torch.zeros(4, 1, 128, dtype=torch.bfloat16), torch.zeros(1, 4),
-                      torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
-                      torch.zeros(2, dtype=torch.int32), 1.0, (1, 1, 1), 0, True,
-                      config=dict(cfg, LAZY_RESCALE=True))
+            _launch_on_cpu(q, dict(cfg, LAZY_RESCALE=True))
 
 
 def test_rescale_if_asm_moves_then_multiplies_only_under_the_flag():
@@ -842,12 +847,8 @@ def test_rescale_if_asm_moves_then_multiplies_only_under_the_flag():
 def test_arrive_nosync_refuses_p_staged_in_shared_memory():
     """fp8 P staged in shared memory is ordered before P·V by the barriers ``ARRIVE_NOSYNC``
     drops: the launch refuses that pair before it compiles anything."""
-    q = torch.zeros(4, 1, 192, dtype=FP8)
     with pytest.raises(ValueError, match="ARRIVE_NOSYNC"):
-        ga.launch(q, q, q[..., 128:], q, torch.zeros(4, 1, 128, dtype=torch.bfloat16), torch.zeros(1, 4),
-                  torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
-                  torch.zeros(2, dtype=torch.int32), 1.0, (1, 1, 1), 0, True,
-                  config=dict(P_REGS=False, ARRIVE_NOSYNC=True))
+        _launch_on_cpu(torch.zeros(4, 1, 192, dtype=FP8), dict(P_REGS=False, ARRIVE_NOSYNC=True))
 
 
 #: fp8 keys-last with P·V's operand in registers (``P_REGS``): serial over 256-key blocks,
@@ -1057,10 +1058,10 @@ def test_gpu_warp_specialized_schedule_same_bits(pipe, key):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8_p_regs"])
 def test_gpu_warp_specialized_arrive_nosync_same_bits(dtype):
     """K and V slots released by one thread of each consumer warpgroup without the
-    warpgroup barrier before it (``ARRIVE_NOSYNC``) give the defaults' bits: a slot is
-    refilled only after every warp's MMA read it. Ragged with empty and one-key segments
-    and a 1 × 8,192-query segment over 16k keys, 16 and 128 heads, each launch three
-    times."""
+    warpgroup barrier before it (``ARRIVE_NOSYNC``, the defaults') give the bits of the
+    kernel with the barrier: a slot is refilled only after every warp's MMA read it.
+    Ragged with empty and one-key segments and a 1 × 8,192-query segment over 16k keys,
+    16 and 128 heads, each launch three times."""
     from ctxprefill.ops.pack import key_buffer
 
     base = dict(PV_FP8=True) if dtype == FP8 else {}

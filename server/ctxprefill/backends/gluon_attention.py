@@ -773,6 +773,19 @@ def check_p_regs(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v_t: bool) 
         raise ValueError(why)
 
 
+def unrunnable(cfg: dict[str, Any], fp8: bool) -> dict[str, str]:
+    """The variants ``cfg`` turns on that its other settings cannot carry, each with why
+    (the launch refuses them; ``triton_attention.ws_config`` drops them from defaults)."""
+    out = {}
+    if cfg["ARRIVE_NOSYNC"] and fp8 and not cfg["P_REGS"]:
+        out["ARRIVE_NOSYNC"] = ("needs consumers that write no shared memory: bf16, or fp8 with P_REGS "
+                                "(fp8 P staged in shared memory is ordered by those barriers)")
+    if cfg["LAZY_RESCALE"] and (fp8 or not cfg["PIPE"] or cfg["RESCALE_EARLY"]):
+        out["LAZY_RESCALE"] = ("runs in the pipelined bf16 consumer with O rescaled after P·V (fp8's p, scaled "
+                               "by 2**8 for its e4m3 cast, has no room for 2**8 more)")
+    return out
+
+
 def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
            lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, cu_v: torch.Tensor, qk_scale: float,
            grid: tuple[int, int, int], sort_b: int, v_t: bool, config: dict[str, Any] | None = None,
@@ -788,12 +801,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
     cfg = dict(CONFIG, **(config or {}))
     if cfg["P_REGS"] and not p_regs_checked:
         check_p_regs(q, k, kr, v_t)
-    if cfg["ARRIVE_NOSYNC"] and q.dtype.itemsize == 1 and not cfg["P_REGS"]:
-        raise ValueError("ARRIVE_NOSYNC needs consumers that write no shared memory: bf16, or fp8 with P_REGS "
-                         "(fp8 P staged in shared memory is ordered by those barriers)")
-    if cfg["LAZY_RESCALE"] and (q.dtype.itemsize == 1 or not cfg["PIPE"] or cfg["RESCALE_EARLY"]):
-        raise ValueError("LAZY_RESCALE runs in the pipelined bf16 consumer with O rescaled after P·V (fp8's p, "
-                         "scaled by 2**8 for its e4m3 cast, has no room for 2**8 more)")
+    for key, why in unrunnable(cfg, q.dtype.itemsize == 1).items():
+        raise ValueError(f"{key} {why}")
     if cfg["EXP2_POLY"] not in (0, 1, 2):
         raise ValueError(f"EXP2_POLY (exp2s of every 8 on the FMA pipes) must be 0, 1 or 2, got {cfg['EXP2_POLY']}")
     H = q.shape[1]

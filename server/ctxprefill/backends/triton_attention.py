@@ -624,15 +624,11 @@ def ws_config(ws: dict | bool, config: dict | None, q: torch.Tensor, k: torch.Te
         cfg.update({key: val for key, val in extra.items() if not _asks(config, key)})
     if cfg["P_REGS"] and not _asks(config, "P_REGS") and _ws.p_regs_problem(q, k, kr, v_t) is not None:
         cfg["P_REGS"] = False
-    fp8 = q.dtype.itemsize == 1
-    # the defaults' variants where these inputs or settings cannot take them (asked for, the
-    # launch refuses): no barrier before a release where fp8 P goes through shared memory,
-    # the lazy rescale only in the pipelined bf16 consumer that rescales after P·V
-    if cfg["ARRIVE_NOSYNC"] and fp8 and not cfg["P_REGS"] and not _asks(config, "ARRIVE_NOSYNC"):
-        cfg["ARRIVE_NOSYNC"] = False
-    if (cfg["LAZY_RESCALE"] and (fp8 or not cfg["PIPE"] or cfg["RESCALE_EARLY"])
-            and not _asks(config, "LAZY_RESCALE")):
-        cfg["LAZY_RESCALE"] = False
+    # the defaults' variants these settings cannot carry (P staged, a serial consumer) are
+    # dropped; asked for in ``config``, the launch refuses them
+    for key in _ws.unrunnable(cfg, q.dtype.itemsize == 1):
+        if not _asks(config, key):
+            cfg[key] = False
     return cfg
 
 
