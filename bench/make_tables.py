@@ -874,6 +874,12 @@ BENCHMARKS = (
           "released by one thread of a consumer warpgroup once its wgmma wait returns, without the warpgroup "
           "barrier before it (`ARRIVE_NOSYNC`, B), against with it (A), 5 rounds per shape.",
           env="GPU_RUN_AB=ws-arrive-nosync"),
+    Bench("O rescaled only when a row's max moved, in interleaved rounds", "attention_ab",
+          ("attention_ab_ws-lazy-rescale",),
+          "`bench/bench_attention.py --ab ws-lazy-rescale --verdict-rounds 21`: bf16 pipelined consumers that keep "
+          "a row's max until it grows past 2⁸ in p and skip O's rescale when no row of the warpgroup moved "
+          "(`LAZY_RESCALE`, B), against rescaling every key block (A), 21 rounds per shape.",
+          env="GPU_RUN_AB=ws-lazy-rescale GPU_RUN_AB_ROUNDS=21"),
     Bench("Throughput under concurrency", "bench_concurrency", ("bench_concurrency",),
           "`bench/bench_concurrency.py`: 1 to 16 clients against one server per shape, inline tensors and CUDA IPC "
           "regions."),

@@ -44,7 +44,7 @@ each of the consumers' mbarrier arrives and waits (``strip_arrive_syncs``): a sl
 released by one thread of the warpgroup once its wgmma wait returns, as FA3's pipelines
 do; for consumers that write no shared memory themselves (bf16, ``P_REGS``).
 ``LAZY_RESCALE`` (bf16, pipelined) keeps a row's max until it grows by 2**8 and skips O's
-rescale where no row of the warpgroup moved; opt-in.
+rescale where no row of the warpgroup moved; on in the bf16 default (``triton_attention.CONFIGS``).
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory, bf16 with 128×128 tiles and 2 stages: Q 48 KiB +
