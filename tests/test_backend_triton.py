@@ -990,6 +990,33 @@ needs_ws = pytest.mark.skipif(
 
 
 @needs_ws
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("ws", [True, False], ids=["gluon", "triton"])
+def test_gpu_empty_batch_reads_nothing_past_its_metadata(ws, dtype):
+    """B == 0 still launches one program a head: past the one-entry cu_seqlens lie another
+    tensor's values (here a 64-row segment over 4,096 keys), which no program may take for
+    the batch's. Nothing is computed or stored: an ``out`` inside a larger buffer keeps
+    every byte around it."""
+    H = 2
+    cu = torch.tensor([0, 64, 0, 4096], dtype=torch.int32, device="cuda")  # views cu[0:1], cu[2:3]
+    q_all, k, _, _, _ = make_batch([64], [4096], H, dtype, device="cuda", seed=5)
+    v = torch.randn(4096, H, 128, device="cuda").to(dtype)
+    kw: dict = {}
+    if dtype == FP8:  # the fp8 path the Gluon kernel runs: V keys-last
+        v, kw = v.permute(1, 2, 0).contiguous(), dict(v_layout="hdt", cu_seqlens_v=cu[2:3])
+    out_all = torch.full((64, H, 128), 7.0, dtype=torch.bfloat16, device="cuda")
+    cfg = None if ws else dict(WS=None)
+    call = lambda: mla_context_attention(q_all[:0], k, v, cu[0:1], cu[2:3], 0, 0, 0.1,  # noqa: E731
+                                         out=out_all[:0], config=cfg, **kw)
+    names = _kernel_names(call)
+    assert len(names) == 1 and ("_mla_attn_ws_fwd" in names[0]) == ws, names
+    out, lse = call()
+    torch.cuda.synchronize()
+    assert out.shape == (0, H, 128) and lse.shape == (H, 0)
+    assert (out_all == 7.0).all()
+
+
+@needs_ws
 @pytest.mark.parametrize("ws", list(WS_CFGS))
 def test_gpu_warp_specialized_ragged(ws):
     """Against float64: empty q and k segments, one-token ones, lengths off the tiles, long

@@ -625,7 +625,7 @@ if gluon is not None:
         pid_m = gl.program_id(0)
         h = gl.program_id(1)
         b = gl.program_id(2)
-        valid = True
+        valid = b < B  # B == 0 still launches one program: cu_q[1] and cu_k[1] are not the batch's
         if USE_ORDER:
             # 1-D launch in the host's order (``tile_order``): program p runs tile ORDER[p],
             # code (b * m_tiles + m) * n_heads + h; a code outside the batch runs nothing
@@ -647,12 +647,13 @@ if gluon is not None:
             ahead = (kl_c[None, :] > kl_r[:, None]) | ((kl_c[None, :] == kl_r[:, None]) & (i_c[None, :] < i_r[:, None]))
             rank = gl.sum(ahead.to(gl.int32), axis=1)
             b = gl.sum(gl.where(rank == b, i_r, 0), axis=0)
-        q_start = gl.load(cu_q + b)
-        # a code outside the batch: no rows (nothing computed, every store masked)
-        q_len = gl.where(valid, gl.load(cu_q + b + 1) - q_start, 0)
+        # a program outside the batch (a code past it, B == 0) reads no metadata: no rows, no
+        # keys (nothing computed, every store masked)
+        q_start = gl.load(cu_q + b, mask=valid, other=0)
+        q_len = gl.load(cu_q + b + 1, mask=valid, other=0) - q_start
         m0 = pid_m * BLOCK_M
-        k_start = gl.load(cu_k + b)
-        k_len = gl.load(cu_k + b + 1) - k_start
+        k_start = gl.load(cu_k + b, mask=valid, other=0)
+        k_len = gl.load(cu_k + b + 1, mask=valid, other=0) - k_start
         # a tile past its segment's end does nothing (its loader and consumers see 0 blocks
         # and its stores are masked): no early return, the partitions all run
         n_blocks = gl.where(m0 < q_len, gl.cdiv(k_len, BLOCK_N), 0)
@@ -704,7 +705,7 @@ if gluon is not None:
         h_r = gl.where(stride_rh == 0, 0, h) if HOST_K else h
         if V_T:  # V [H, 128, Tv], keys contiguous from column cu_v[b] (16-byte aligned: the caller's)
             vt_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, BLOCK_N], dt)
-            v_seg = V + gl.load(cu_v + b).to(gl.int64) + h.to(gl.int64) * stride_vh
+            v_seg = V + gl.load(cu_v + b, mask=valid, other=0).to(gl.int64) + h.to(gl.int64) * stride_vh
             v_s = gl.allocate_shared_memory(dt, [STAGES, 128, BLOCK_N], vt_l)
         else:
             v_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], dt)
