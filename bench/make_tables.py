@@ -836,8 +836,7 @@ BENCHMARKS = (
           "`bench/bench_attention.py --flashinfer`: chunk attention with LSE (192-wide q·k, 128-wide v) by the "
           "engine's Triton/Gluon kernels, FlashInfer's FA3 ragged prefill, cuDNN, torch's flash (v padded to 192) "
           "and flex attention, on equal, single and ragged batches; the same data for every provider. "
-          "(`GPU_RUN_STEPS=bench_attention` runs it without FlashInfer.)",
-          env='GPU_RUN_FI_ARGS="--budget-s 170"'),
+          "(`GPU_RUN_STEPS=bench_attention` runs it without FlashInfer.)"),
     Bench("Warp-specialized attention configurations", "attention_sweep_ws", ("attention_sweep_ws",),
           "`bench/bench_attention.py --sweep ws`: the warp-specialized (Gluon) kernel's pipelining, key block and "
           "stages."),
