@@ -132,14 +132,20 @@ def keys_last_v(v, kl):
     return keys_last_copy(v, layout), layout.cu_v_dev
 
 
+#: ``--captured``: our launches take the variants a CUDA graph's capture gives them
+#: (``triton_attention.CAPTURED_WS``), launched eagerly all the same
+LAUNCH = dict(captured=False)
+
+
 def prov_triton(q, k, v, cq, ck, ql, kl, scale, causal=False, config=None):
     """Our backend as the engine calls it: with the launch order the engine builds per chunk
     (``device_tile_order``: tiles packed per SM where a ragged batch leaves a tail; built
     here outside the timed call, its host time reported as order_ms) unless the config
-    says ``order=False`` (longest segment first, the kernel's own order)."""
+    says ``order=False`` (longest segment first, the kernel's own order); as a captured
+    launch runs under ``--captured`` (``LAUNCH``)."""
     from ctxprefill.backends.triton_attention import device_tile_order, mla_context_attention
 
-    out = torch.empty(q.shape[0], q.shape[1], 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(q.shape[0], q.shape[1], 128, device=q.device, dtype=torch.bfloat16)
     mq, mk = max(ql), max(kl)
     config = dict(config or {})
     order, order_ms = None, None
@@ -153,10 +159,11 @@ def prov_triton(q, k, v, cq, ck, ql, kl, scale, causal=False, config=None):
     if config.pop("v_layout", "thd") == "hdt":  # built here, outside the timed call
         vt, cv = keys_last_v(v, kl)
         fn = lambda: mla_context_attention(q, k, vt, cq, ck, mq, mk, scale, out=out, causal=causal,
-                                           config=config, v_layout="hdt", cu_seqlens_v=cv, tile_order=order)
+                                           config=config, v_layout="hdt", cu_seqlens_v=cv, tile_order=order,
+                                           captured=LAUNCH["captured"])
     else:
         fn = lambda: mla_context_attention(q, k, v, cq, ck, mq, mk, scale, out=out, causal=causal, config=config,
-                                           tile_order=order)
+                                           tile_order=order, captured=LAUNCH["captured"])
     fn.order_ms = order_ms if order is not None else None
     return fn
 
@@ -181,7 +188,7 @@ def prov_cudnn_frontend(q, k, v, cq, ck, ql, kl, scale, stats_layout=None):
     if why is not None:
         raise RuntimeError(f"unavailable: {why}")
     be = CudnnFrontendBackend(stats_layout=stats_layout)
-    out = torch.empty(q.shape[0], q.shape[1], 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(q.shape[0], q.shape[1], 128, device=q.device, dtype=torch.bfloat16)
     mq, mk = max(ql), max(kl)
     fn = lambda: be.run_context_chunk(q, k, v, cq, ck, mq, mk, scale, out=out)
     fn.backend = be  # measure() reports its graph build time
@@ -895,7 +902,11 @@ def main():
     ap.add_argument("--key-scan", action="store_true",
                     help="with --flashinfer, after the table: ours against FlashInfer's FA3 (bf16) over 4k to 32k "
                          "keys, interleaved: the key loop's rate and the time every tile pays once, per kernel")
+    ap.add_argument("--captured", action="store_true",
+                    help="our kernels with the variants a CUDA graph's launch takes (CAPTURED_WS: q's and K's "
+                         "descriptors made by the launch), as the engine's --cuda-graphs replays them")
     args = ap.parse_args()
+    LAUNCH["captured"] = args.captured
     if args.flashinfer_fp8:
         FLASHINFER_DTYPES.append("fp8")
     if not torch.cuda.is_available():
@@ -922,7 +933,8 @@ def main():
     meta = dict(device=torch.cuda.get_device_name(), date=run_info.utc_now(), commit=run_info.commit(),
                 torch=torch.__version__, triton=triton.__version__, flashinfer=_flashinfer_version(),
                 configs={str(k): v for k, v in CONFIGS.items()}, flops_rule="2*visible_pairs*H*(192+128)",
-                mode="ab" if args.ab else "sweep" if args.sweep else "table", wall_s=elapsed(),
+                mode="ab" if args.ab else "sweep" if args.sweep else "table", captured=args.captured,
+                wall_s=elapsed(),
                 targets=[dict(line=line, met=met) for line, met in targets])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -288,10 +288,11 @@ want bench_rpc_floor_awake && run_step bench_rpc_floor_awake 60 5 - python3 benc
 
 # ---- 7c. FlashInfer's FA3 ragged prefill next to ours (carried wheels; compiles on first use)
 # (GPU_RUN_FI_ARGS replaces the provider filter and budget, e.g. "--budget-s 175": every provider;
-# the default's budget leaves the key scan, started before it passes, room within the step's 420 s)
+# the default's budget leaves the key scan, started before it passes, room within the step's 420 s;
+# BENCH_ATTENTION_FILE: its JSON's name, bench_attention; bench_attention_captured with --captured)
 want bench_attention_flashinfer && run_step bench_attention_flashinfer 420 5 - python3 bench/bench_attention.py \
   --flashinfer ${GPU_RUN_FI_ARGS:---providers triton flashinfer cudnn --no-flex --budget-s 340 --key-scan} \
-  --out "$OUT/bench_attention.json"
+  --out "$OUT/${BENCH_ATTENTION_FILE:-bench_attention}.json"
 
 # ---- 7d. how fast writes stream, by every way to write (for the bf16 pack: is 3.38 TB/s torch's
 # fill kernel or the memory?), and the bf16 pack in CUDA against Triton packs with plain / TMA stores

@@ -233,3 +233,29 @@ def test_every_ab_names_cases_and_kernel_options_that_exist():
                 assert set(cfg["WS"]) <= set(ga.CONFIG), (name, cfg)
             assert a != b, name
     assert any(b["WS"]["HOST_DESC"] and not a["WS"]["HOST_DESC"] for _, a, b in ba.AB["ws-host-desc"][0])
+
+
+def test_captured_runs_our_launches_as_a_graph_does_and_the_table_says_so(monkeypatch):
+    """``--captured``: each of our launches asks for the captured variants (``captured=True``
+    reaches the backend, in both V layouts), and the table of such a run names it."""
+    import json
+
+    import torch
+
+    import make_tables
+    from ctxprefill.backends import triton_attention
+
+    seen = []
+    monkeypatch.setattr(triton_attention, "mla_context_attention", lambda *a, **kw: seen.append(kw["captured"]))
+    monkeypatch.setattr(ba, "keys_last_v", lambda v, kl: (v, None))
+    q = torch.zeros(4, 1, 192)
+    for captured in (False, True):
+        monkeypatch.setitem(ba.LAUNCH, "captured", captured)
+        for cfg in (dict(order=False), dict(order=False, v_layout="hdt")):
+            ba.prov_triton(q, q, q[..., :128], None, None, [4], [4], 0.1, config=cfg)()
+    assert seen == [False, False, True, True]
+    with open(os.path.join(ROOT, "bench", "results", "bench_attention.json")) as fh:
+        d = json.load(fh)
+    assert "`--captured`" not in make_tables.attention_table(d)
+    d["meta"]["captured"] = True
+    assert "with the variants a CUDA graph's launch takes: `--captured`" in make_tables.attention_table(d)
