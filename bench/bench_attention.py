@@ -779,13 +779,14 @@ AB = {
                      [(16, "1x8192q/1024k"), (128, "1x8192q/1024k"), (16, "1x8192q/4096k"),
                       (128, "1x8192q/4096k"), (16, "1x8192q/16384k"), (128, "1x8192q/16384k"), (16, "ragged4")]),
     # a K or V slot released by one thread of each consumer warpgroup after its wgmma wait,
-    # without the warpgroup barrier before it (ARRIVE_NOSYNC, FA3's release): both defaults
+    # without the warpgroup barrier before it (ARRIVE_NOSYNC, FA3's release), over both dtypes'
+    # defaults as they were without it (bf16 without LAZY_RESCALE)
     "ws-arrive-nosync": ([("bf16", _PIPE_LATE, _ws(True, 128, 2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True)),
                           ("fp8", _ws(False, 256, 2, PINGPONG=True, P_REGS=True, **_FP8_KL),
                            _ws(False, 256, 2, PINGPONG=True, P_REGS=True, ARRIVE_NOSYNC=True, **_FP8_KL))],
                          AB_SHAPES),
     # bf16: a row's max kept until it grows by 2**8 and O's rescale skipped where no row of a
-    # warpgroup moved (LAZY_RESCALE), against the default
+    # warpgroup moved (LAZY_RESCALE, in the bf16 default), against O rescaled every block
     "ws-lazy-rescale": ([("bf16", _ws(True, 128, 2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True),
                           _ws(True, 128, 2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True, LAZY_RESCALE=True))],
                         AB_SHAPES),

@@ -851,6 +851,9 @@ def test_arrive_nosync_refuses_p_staged_in_shared_memory():
     drops: the launch refuses that pair before it compiles anything."""
     with pytest.raises(ValueError, match="ARRIVE_NOSYNC"):
         _launch_on_cpu(torch.zeros(4, 1, 192, dtype=FP8), dict(P_REGS=False, ARRIVE_NOSYNC=True))
+    # every variant the config cannot carry is named in the one refusal
+    with pytest.raises(ValueError, match=r"ARRIVE_NOSYNC .*; LAZY_RESCALE "):
+        _launch_on_cpu(torch.zeros(4, 1, 192, dtype=FP8), dict(PIPE=True, ARRIVE_NOSYNC=True, LAZY_RESCALE=True))
 
 
 #: fp8 keys-last with P·V's operand in registers (``P_REGS``): serial over 256-key blocks,

@@ -238,8 +238,6 @@ def test_every_ab_names_cases_and_kernel_options_that_exist():
 def test_captured_runs_our_launches_as_a_graph_does_and_the_table_says_so(monkeypatch):
     """``--captured``: each of our launches asks for the captured variants (``captured=True``
     reaches the backend, in both V layouts), and the table of such a run names it."""
-    import json
-
     import torch
 
     import make_tables

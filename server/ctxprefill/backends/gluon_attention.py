@@ -802,8 +802,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
     cfg = dict(CONFIG, **(config or {}))
     if cfg["P_REGS"] and not p_regs_checked:
         check_p_regs(q, k, kr, v_t)
-    for key, why in unrunnable(cfg, q.dtype.itemsize == 1).items():
-        raise ValueError(f"{key} {why}")
+    if bad := unrunnable(cfg, q.dtype.itemsize == 1):
+        raise ValueError("; ".join(f"{key} {why}" for key, why in bad.items()))
     if cfg["EXP2_POLY"] not in (0, 1, 2):
         raise ValueError(f"EXP2_POLY (exp2s of every 8 on the FMA pipes) must be 0, 1 or 2, got {cfg['EXP2_POLY']}")
     H = q.shape[1]
