@@ -697,12 +697,12 @@ SWEEP = {
             _c(128, 128, 8, 2, PV_FP8=True, v_layout="hdt")],
 }
 def _ws(pipe, bn, stages, EARLY_K=True, RESCALE_EARLY=False, PINGPONG=False, PV_WAIT_LATE=False,  # noqa: N803
-        P_REGS=False, EXP2_POLY=0, HOST_DESC=False, ARRIVE_NOSYNC=False, LAZY_RESCALE=False,
+        P_REGS=False, EXP2_POLY=0, HOST_DESC=False, ARRIVE_NOSYNC=False, LAZY_RESCALE=False, PERSIST=False,
         **kw):  # (the kernel's own names)
     return dict(WS=dict(PIPE=pipe, BLOCK_N=bn, STAGES=stages, EARLY_K=EARLY_K, RESCALE_EARLY=RESCALE_EARLY,
                         PINGPONG=PINGPONG, PV_WAIT_LATE=PV_WAIT_LATE, P_REGS=P_REGS,
                         EXP2_POLY=EXP2_POLY, HOST_DESC=HOST_DESC, ARRIVE_NOSYNC=ARRIVE_NOSYNC,
-                        LAZY_RESCALE=LAZY_RESCALE), **kw)
+                        LAZY_RESCALE=LAZY_RESCALE, PERSIST=PERSIST), **kw)
 
 
 # the warp-specialized Gluon kernel (--sweep ws): serial or pipelined consumers, key block,
@@ -742,6 +742,8 @@ _SERIAL_FP8 = _ws(False, 128, 3, **_FP8_KL)
 _PIPE_FP8_128 = _ws(True, 128, 3, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL)
 _SERIAL_FP8_256 = _ws(False, 256, 2, **_FP8_KL)
 _PIPE_FP8_256 = _ws(True, 256, 2, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL)
+_BF16_DEFAULT = _ws(True, 128, 2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True, LAZY_RESCALE=True)
+_FP8_DEFAULT = _ws(False, 256, 2, PINGPONG=True, P_REGS=True, ARRIVE_NOSYNC=True, **_FP8_KL)
 AB = {
     # P·V's wait held after the softmax (bf16), with turns (both dtypes), pipelined fp8 against serial
     "ws-wait": ([("bf16", _ws(True, 128, 2), _PIPE_LATE),
@@ -790,6 +792,13 @@ AB = {
     "ws-lazy-rescale": ([("bf16", _ws(True, 128, 2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True),
                           _ws(True, 128, 2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True, LAZY_RESCALE=True))],
                         AB_SHAPES),
+    # one program per SM taking tile after tile, the next tile's queries and first keys loading
+    # while the consumers finish this one (PERSIST), against a program per tile: both defaults
+    "ws-persist": ([("bf16", _BF16_DEFAULT, _ws(True, 128, 2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True,
+                                                LAZY_RESCALE=True, PERSIST=True)),
+                    ("fp8", _FP8_DEFAULT, _ws(False, 256, 2, PINGPONG=True, P_REGS=True, ARRIVE_NOSYNC=True,
+                                              PERSIST=True, **_FP8_KL))],
+                   AB_SHAPES + [(128, "4x1024q/16384k"), (128, "ragged4")]),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),

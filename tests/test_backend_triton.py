@@ -630,11 +630,19 @@ def sass_loops(k):
             yield [t for a, t in ins if int(m[1], 16) <= a <= addr]
 
 
+def key_loops(k):
+    # the consumers' key loops: loops that issue wgmma (HGMMA bf16, QGMMA fp8) and hold no
+    # such loop inside (a persistent program's tile loop holds its key loop)
+    loops = [body for body in sass_loops(k) if any("GMMA" in t for t in body)]
+    return [b for b in loops if not any(o is not b and len(o) < len(b) and o[0] in b and o[-1] in b
+                                        and "\n".join(o) in "\n".join(b) for o in loops)]
+
+
 def pv_wait_order(k):
     # for each pipelined consumer loop (its body waits with one MMA group left in flight):
     # (exp2s before P·V's wait, exp2s in the body)
     loops = []
-    for body in sass_loops(k):
+    for body in key_loops(k):
         if not any("DEPBAR.LE gsb0, 0x1" in t for t in body):
             continue
         ex2 = [i for i, t in enumerate(body) if "MUFU.EX2" in t]
@@ -644,8 +652,13 @@ def pv_wait_order(k):
 
 
 def loop_bar_syncs(k):
-    # BAR.SYNCs in each loop whose body issues wgmma (HGMMA bf16, QGMMA fp8): the consumers' key loops
-    return [sum("BAR.SYNC" in t for t in body) for body in sass_loops(k) if any("GMMA" in t for t in body)]
+    # BAR.SYNCs in each of the consumers' key loops
+    return [sum("BAR.SYNC" in t for t in body) for body in key_loops(k)]
+
+
+def loop_spills(k):
+    # local-memory loads and stores in each of the consumers' key loops
+    return [sum(("STL" in t or "LDL" in t) for t in body) for body in key_loops(k)]
 
 
 DESCS = ("QN_D", "QR_D", "KN_D", "KR_D")
@@ -674,7 +687,8 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
                  RESCALE_EARLY=ws.get("RESCALE_EARLY", False), PINGPONG=ws.get("PINGPONG", False),
                  PV_WAIT_LATE=ws.get("PV_WAIT_LATE", False), P_REGS=ws.get("P_REGS", False),
                  EXP2_POLY=ws.get("EXP2_POLY", 0), HOST_DESC=ws.get("HOST_DESC", ga.CONFIG["HOST_DESC"]),
-                 ARRIVE_NOSYNC=ws.get("ARRIVE_NOSYNC", False), LAZY_RESCALE=ws.get("LAZY_RESCALE", False))
+                 ARRIVE_NOSYNC=ws.get("ARRIVE_NOSYNC", False), LAZY_RESCALE=ws.get("LAZY_RESCALE", False),
+                 PERSIST=ws.get("PERSIST", False))
     for n, d in zip(DESCS, host_descriptors(dt, dict(ws, HOST_DESC=const["HOST_DESC"]))):
         if d is None:
             const[n] = None
@@ -694,7 +708,7 @@ for dt, ws, sort_b, v_t, use_order in json.loads(sys.argv[1]):
     out.append(dict(dt=dt, ws=ws, sort_b=sort_b, use_order=use_order, regs=regs, stack=stack, smem=k.metadata.shared,
                     ex2=ex2,
                     pv_wait=pv_wait_order(k), sts=len(re.findall(r"st\.shared", k.asm["ptx"])),
-                    loop_bar_syncs=loop_bar_syncs(k),
+                    loop_bar_syncs=loop_bar_syncs(k), loop_spills=loop_spills(k),
                     fences=len(re.findall(r"tensormap\.cp_fenceproxy", k.asm["ptx"])),  # descriptors made per program
                     wgmma=len(re.findall(r"wgmma\.mma_async", k.asm["ptx"])),
                     setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
@@ -755,6 +769,32 @@ def test_warp_specialized_host_descriptors_cross_compile_for_sm90():
         if res["ws"]["PIPE"]:
             assert len(res["pv_wait"]) == 2 and all(0 < n == total for n, total in res["pv_wait"]), res
         assert res["fences"] == (3 if res["ws"].get("P_REGS") else 1), res
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6") or ga.gluon is None,
+                    reason="sm_90 cross-compile check of the Gluon kernel written for Triton 3.6")
+def test_warp_specialized_persistent_cross_compiles_for_sm90():
+    """``PERSIST`` builds for an H200 without a GPU as the defaults do, its key loops
+    untouched by the tile loop around them: no local memory and no warpgroup barrier in
+    them, every exp2 before P·V's wait (pipelined), setmaxnreg 24/240, the same descriptor
+    call sites; what a tile leaves for the next (ring positions, its bounds) may wait on the
+    stack across its key loop (a few words)."""
+    bf, f8 = ta.CONFIGS[torch.bfloat16]["WS"], ta.KEYS_LAST_FP8["WS"]
+    jobs = [("bf16", dict(bf, PERSIST=True), 0, False, False), ("bf16", dict(bf, PERSIST=True), 0, False, True),
+            ("bf16", dict(bf, PERSIST=True, HOST_DESC=True), 0, False, True),
+            ("fp8e4nv", dict(f8, PERSIST=True), 0, True, False), ("fp8e4nv", dict(f8, PERSIST=True), 0, True, True),
+            ("fp8e4nv", dict(FP8_PIPE_256, PERSIST=True), 0, True, False)]
+    for res in _cross_compile(_XCOMPILE_WS, jobs):
+        print(res)
+        ws = res["ws"]
+        assert res["stack"] <= 64 and res["wgmma"] > 0 and res["smem"] <= 232448, res
+        assert {24, 240} <= set(res["setmaxnreg"]), res
+        assert len(res["loop_spills"]) == 2 and res["loop_spills"] == [0, 0], res
+        if ws.get("ARRIVE_NOSYNC"):
+            assert res["loop_bar_syncs"] == [0, 0], res
+        if ws["PIPE"]:
+            assert len(res["pv_wait"]) == 2 and all(0 < n == total for n, total in res["pv_wait"]), res
+        assert res["fences"] == (1 if ws.get("HOST_DESC") else 5), res
 
 
 _PTX_SYNCS = """\
@@ -827,6 +867,42 @@ def _launch_on_cpu(q, config):
     cu = torch.zeros(2, dtype=torch.int32)
     ga.launch(q, q, q[..., 128:], q, torch.zeros(4, 1, 128, dtype=torch.bfloat16), torch.zeros(1, 4),
               cu, cu, cu, 1.0, (1, 1, 1), 0, True, config=config)
+
+
+@pytest.mark.skipif(ga.gluon is None, reason=f"Gluon: {ga.GLUON_ERR}")
+def test_persistent_launch_takes_a_program_per_sm(monkeypatch):
+    """``PERSIST`` launches min(tiles, SMs) programs over the tiles (the 3-D grid's count, or
+    the launch order's codes), with the in-kernel sort off (a program's tiles follow the
+    grid's order); without it the grid (or one program a code) and the sort stay."""
+    names = ga._mla_attn_ws_fwd.arg_names
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((grid, dict(zip(names, args, strict=False)), kw))
+
+    monkeypatch.setattr(ga, "_mla_attn_ws_fwd", Kernel())
+    monkeypatch.setattr(ga, "_sms", lambda device: 132)
+    q = torch.zeros(4, 16, 192, dtype=torch.bfloat16)
+    cu = torch.zeros(4, dtype=torch.int32)
+    order = torch.zeros(500, dtype=torch.int32)
+
+    def launch(grid, persist, order=None):
+        ga.launch(q, q, q[..., 128:], q, torch.zeros(4, 16, 128, dtype=torch.bfloat16), torch.zeros(16, 4),
+                  cu, cu, cu, 1.0, grid, 64, False, config=dict(PERSIST=persist), order=order, m_tiles=7)
+        return seen[-1]
+
+    for grid, programs in (((4, 16, 3), 132), ((2, 16, 3), 96), ((1, 1, 1), 1)):
+        got, args, kw = launch(grid, True)
+        n = grid[0] * grid[1] * grid[2]
+        assert got == (programs, 1, 1) and args["n_tiles"] == n and args["m_tiles"] == grid[0], (grid, got, args)
+        assert kw["PERSIST"] and kw["SORT_B"] == 0 and not kw["USE_ORDER"]
+        got, args, kw = launch(grid, False)
+        assert got == grid and not kw["PERSIST"] and kw["SORT_B"] == 64 and args["n_tiles"] == n
+    got, args, kw = launch((4, 16, 3), True, order)
+    assert got == (132, 1, 1) and args["n_tiles"] == 500 and args["m_tiles"] == 7 and kw["USE_ORDER"]
+    got, args, kw = launch((4, 16, 3), False, order)
+    assert got == (500, 1, 1) and args["n_tiles"] == 500 and not kw["PERSIST"]
 
 
 def test_lazy_rescale_refuses_fp8_and_the_serial_consumer():
@@ -986,6 +1062,9 @@ WS_CFGS = {
     "ws_pipe_device_desc": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True, HOST_DESC=False)),  # all made per program
     # a row's max kept until it grows by 2**8, O's rescale skipped where no row moved; no barrier before a release
     "ws_pipe_lazy_nosync": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True, LAZY_RESCALE=True, ARRIVE_NOSYNC=True)),
+    # one program per SM taking tile after tile: rings, queries' and turns' phases carried across tiles
+    "ws_pipe_persist": dict(WS=dict(PIPE=True, PV_WAIT_LATE=True, PERSIST=True)),
+    "ws_serial_pingpong_persist": dict(WS=dict(PIPE=False, PINGPONG=True, PERSIST=True)),
 }
 needs_ws = pytest.mark.skipif(
     not HAS_CUDA or INTERPRETING or ga.gluon is None or torch.cuda.get_device_capability()[0] != 9,
@@ -994,7 +1073,7 @@ needs_ws = pytest.mark.skipif(
 
 @needs_ws
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("ws", [True, False], ids=["gluon", "triton"])
+@pytest.mark.parametrize("ws", [True, "persist", False], ids=["gluon", "gluon_persist", "triton"])
 def test_gpu_empty_batch_reads_nothing_past_its_metadata(ws, dtype):
     """B == 0 still launches one program a head: past the one-entry cu_seqlens lie another
     tensor's values (here a 64-row segment over 4,096 keys), which no program may take for
@@ -1008,11 +1087,11 @@ def test_gpu_empty_batch_reads_nothing_past_its_metadata(ws, dtype):
     if dtype == FP8:  # the fp8 path the Gluon kernel runs: V keys-last
         v, kw = v.permute(1, 2, 0).contiguous(), dict(v_layout="hdt", cu_seqlens_v=cu[2:3])
     out_all = torch.full((64, H, 128), 7.0, dtype=torch.bfloat16, device="cuda")
-    cfg = None if ws else dict(WS=None)
+    cfg = dict(WS=dict(PERSIST=True)) if ws == "persist" else None if ws else dict(WS=None)
     call = lambda: mla_context_attention(q_all[:0], k, v, cu[0:1], cu[2:3], 0, 0, 0.1,  # noqa: E731
                                          out=out_all[:0], config=cfg, **kw)
     names = _kernel_names(call)
-    assert len(names) == 1 and ("_mla_attn_ws_fwd" in names[0]) == ws, names
+    assert len(names) == 1 and ("_mla_attn_ws_fwd" in names[0]) == bool(ws), names
     out, lse = call()
     torch.cuda.synchronize()
     assert out.shape == (0, H, 128) and lse.shape == (H, 0)
@@ -1216,6 +1295,53 @@ def test_gpu_warp_specialized_host_descriptors_same_bits(dtype, ws):
         names = _kernel_names(lambda: mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, **kw,  # noqa: B023
                                                             config=dict(base, WS=dict(ws, HOST_DESC=True))))
         assert len(names) == 1 and "_mla_attn_ws_fwd" in names[0], (H, names)
+
+
+@needs_ws
+@pytest.mark.parametrize("dtype,ws", [(torch.bfloat16, {}), (FP8, {}), (FP8, dict(P_REGS=False, PIPE=True,
+                                                                                      PINGPONG=True))],
+                         ids=["bf16", "fp8_p_regs", "fp8_pipe_turns"])
+def test_gpu_warp_specialized_persistent_same_bits(dtype, ws):
+    """``PERSIST`` (one program per SM taking every 132nd tile or so, the rings, the
+    queries' and the turns' phases running on across its tiles, descriptors rewritten per
+    tile) gives the bits of one program per tile: the defaults and fp8 pipelined with
+    turns; ragged with empty and one-key segments, at 16 and 128 heads (up to 15 tiles a
+    program), grid order and the host's launch order, q and K through the launch's
+    descriptors or made per tile, packed and unpacked keys. One launch of the Gluon kernel,
+    with as many programs as the device has SMs."""
+    from ctxprefill.ops.pack import key_buffer
+
+    q_lens, k_lens = [1000, 0, 1, 257, 2048, 64], [4096, 300, 0, 1, 2500, 129]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    base = dict(PV_FP8=True) if dtype == FP8 else {}
+    for H in (16, 128):
+        q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, dtype, device="cuda", seed=H + 7)
+        k, k_nope, k_rope = _apart(k, H, dtype, "cuda")
+        kw: dict = {}
+        if dtype == FP8:
+            v, cv = _keys_last(v, k_lens)
+            kw = dict(v_layout="hdt", cu_seqlens_v=cv)
+            k = key_buffer(*k.shape, k.device).copy_(k)  # the rows P_REGS reads past the end
+        order = ta.device_tile_order(q_lens, k_lens, H, q.dtype, q.device)
+        cases = [(k, {}), (k, dict(tile_order=order))] + ([] if dtype == FP8 else [(k_nope, dict(k_rope=k_rope))])
+        for (keys, extra), host in itertools.product(cases, (False, True)):
+            runs = [mla_context_attention(q, keys, v, cu_q, cu_k, 2048, 4096, 0.07, **kw, **extra,
+                                          config=dict(base, WS=dict(ws, HOST_DESC=host, PERSIST=persist)))
+                    for persist in (False, True)]
+            torch.cuda.synchronize()
+            (a, la), (b, lb) = runs
+            assert torch.isfinite(la[:, :1000]).all() and not torch.isnan(b.float()).any(), (H, host, list(extra))
+            assert torch.equal(a, b) and torch.equal(la, lb), (H, host, list(extra))
+        kernels = _kernel_names(lambda: mla_context_attention(  # noqa: B023
+            q, k, v, cu_q, cu_k, 2048, 4096, 0.07, **kw, config=dict(base, WS=dict(ws, PERSIST=True))))
+        assert len(kernels) == 1 and "_mla_attn_ws_fwd" in kernels[0], (H, kernels)
+    # fewer tiles than SMs: a program each
+    q, k, v, cu_q, cu_k = make_batch([130], [300], 1, torch.bfloat16, device="cuda", seed=3)
+    a, la = mla_context_attention(q, k, v, cu_q, cu_k, 130, 300, 0.07, config=dict(WS=dict(PERSIST=False)))
+    b, lb = mla_context_attention(q, k, v, cu_q, cu_k, 130, 300, 0.07, config=dict(WS=dict(PERSIST=True)))
+    torch.cuda.synchronize()
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    assert sms > 2
 
 
 @needs_ws

@@ -196,7 +196,7 @@ def _rescale_if_asm(n: int) -> str:
 # (HOST_DESC: q and K through the launch's descriptors, ``_host_descriptors``)
 CONFIG: dict[str, Any] = dict(BLOCK_M=128, BLOCK_N=128, STAGES=2, PIPE=False, EARLY_K=True, RESCALE_EARLY=False,
                               PINGPONG=False, PV_WAIT_LATE=False, P_REGS=False, EXP2_POLY=0, HOST_DESC=False,
-                              ARRIVE_NOSYNC=False, LAZY_RESCALE=False)
+                              ARRIVE_NOSYNC=False, LAZY_RESCALE=False, PERSIST=False)
 #: rows a key tensor must hold past the last segment's end for ``P_REGS`` (its K loads
 #: read whole 16-key groups: up to 15 rows past a segment, masked out of the scores): what
 #: every keys-last K the engine packs leaves (``ops.pack.KEY_SLACK_ROWS``)
@@ -242,6 +242,19 @@ if gluon is not None:
                    q_bar, k_bar, v_bar, k_free, v_free, q_row, k_row, h, h_r, n_blocks,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr,
                    P_REGS: gl.constexpr, HOST_Q: gl.constexpr, HOST_K: gl.constexpr):
+        _load_tile(qn_d, qr_d, kn_d, kr_d, v_seg, k_rows, stride_vt, qn_s, qr_s, kn_s, kr_s, v_s,
+                   q_bar, k_bar, v_bar, k_free, v_free, q_row, k_row, h, h_r, n_blocks, 0,
+                   BLOCK_M, BLOCK_N, STAGES, V_T, P_REGS, HOST_Q, HOST_K, False)
+
+    @gluon.jit
+    @no_type_check
+    def _load_tile(qn_d, qr_d, kn_d, kr_d, v_seg, k_rows, stride_vt, qn_s, qr_s, kn_s, kr_s, v_s,
+                   q_bar, k_bar, v_bar, k_free, v_free, q_row, k_row, h, h_r, n_blocks, g,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr,
+                   P_REGS: gl.constexpr, HOST_Q: gl.constexpr, HOST_K: gl.constexpr, PERSIST: gl.constexpr):
+        """One tile's loads: its queries, then K and V of its ``n_blocks`` key blocks into the
+        rings, block j in ring position ``g + j`` (``g``: blocks a persistent program loaded
+        for its earlier tiles, 0 otherwise)."""
         HALF_M: gl.constexpr = BLOCK_M // 2
         if n_blocks > 0:
             for c in gl.static_range(2):
@@ -255,7 +268,12 @@ if gluon is not None:
                 else:
                     tma.async_copy_global_to_shared(qn_d, [q_row + c * HALF_M, 0], bar, qn_s.index(c))
                     tma.async_copy_global_to_shared(qr_d, [q_row + c * HALF_M, 128], bar, qr_s.index(c))
-            _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, 0, k_row, h, h_r, BLOCK_N, STAGES, P_REGS, HOST_K)
+            _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, 0, g, k_row, h, h_r, BLOCK_N, STAGES, P_REGS, HOST_K)
+        if PERSIST:
+            # V's descriptor is rewritten in place: the earlier tile's V copies have all
+            # landed once its last V slot is released (the consumers read them in order)
+            if g > 0:
+                mbarrier.wait(v_free.index((g - 1) % STAGES), ((g - 1) // STAGES) & 1)
         # V through a descriptor over this (segment, head), so that rows past the segment's end
         # read zeros (P is 0 there, but 0 · inf is not), made while q and the first K land
         if V_T:  # [H, 128, Tv]: keys contiguous
@@ -267,11 +285,12 @@ if gluon is not None:
             # as its scores are computed (a softmax and a P·V earlier than its V slot), and
             # they need the next K first (FA3's order)
             if j + 1 < n_blocks:
-                _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j + 1, k_row, h, h_r, BLOCK_N, STAGES, P_REGS,
-                        HOST_K)
-            s = j % STAGES
+                _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j + 1, g + j + 1, k_row, h, h_r, BLOCK_N, STAGES,
+                        P_REGS, HOST_K)
+            r = g + j
+            s = r % STAGES
             # a slot's barrier starts "phase 1 complete": the first pass does not wait
-            mbarrier.wait(v_free.index(s), ((j // STAGES) & 1) ^ 1)
+            mbarrier.wait(v_free.index(s), ((r // STAGES) & 1) ^ 1)
             vb = v_bar.index(s)
             mbarrier.expect(vb, v_d.block_type.nbytes)
             if V_T:
@@ -281,13 +300,13 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
-    def _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j, k_row, h, h_r, BLOCK_N: gl.constexpr,
+    def _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, j, r, k_row, h, h_r, BLOCK_N: gl.constexpr,
                 STAGES: gl.constexpr, P_REGS: gl.constexpr, HOST_K: gl.constexpr):
-        """K of block j (nope and rope) into its slot, once the consumers freed it; with
+        """K of block j (nope and rope) into ring position r's slot, once freed; with
         ``P_REGS`` through 5-D descriptors whose rows land in ``_key_of``'s order; with
         ``HOST_K`` through the launch's [Tk, H, cols] descriptors (rope at head ``h_r``)."""
-        s = j % STAGES
-        mbarrier.wait(k_free.index(s), ((j // STAGES) & 1) ^ 1)
+        s = r % STAGES
+        mbarrier.wait(k_free.index(s), ((r // STAGES) & 1) ^ 1)
         kb = k_bar.index(s)
         mbarrier.expect(kb, kn_d.block_type.nbytes + kr_d.block_type.nbytes)
         if HOST_K:
@@ -485,6 +504,26 @@ if gluon is not None:
                      RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
                      P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, ARRIVE_NOSYNC: gl.constexpr,
                      LAZY_RESCALE: gl.constexpr):
+        _consume_tile(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, q_bar, O, LSE,
+                      q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale, 0, 0, 0,
+                      C, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
+                      PV_WAIT_LATE, P_REGS, EXP2_POLY, ARRIVE_NOSYNC, LAZY_RESCALE, False)
+
+    @gluon.jit
+    @no_type_check
+    def _consume_tile(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, q_free,
+                      O, LSE,  # noqa: E741  (the output, as in BLAS)
+                      q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
+                      g, qi, tb,
+                      C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
+                      RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
+                      P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, ARRIVE_NOSYNC: gl.constexpr,
+                      LAZY_RESCALE: gl.constexpr, PERSIST: gl.constexpr):
+        """Consumer C's half of one tile, its epilogue included. Key block j lies in ring
+        position ``g + j``, this is the consumer's ``qi``-th tile with keys and its turns
+        start at ``tb`` (a persistent program's counts over its earlier tiles, 0 otherwise);
+        with ``PERSIST`` it releases its queries (``q_free``) once its last scores are in."""
         HALF_M: gl.constexpr = BLOCK_M // 2
         K_INSTR: gl.constexpr = 32 if IS_FP8 else 16
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -508,16 +547,17 @@ if gluon is not None:
         qr = qr_s.index(C)
         p_smem = p_s.index(C)
         if n_blocks > 0:
-            mbarrier.wait(q_bar.index(C), 0)
+            mbarrier.wait(q_bar.index(C), qi & 1)
         if PIPE:
             if n_blocks > 0:
                 # block 0: scores and softmax, its P·V waits for the next iteration
-                mbarrier.wait(k_bar.index(0), 0)
-                _turn_wait(turn, C, 0, PINGPONG)
-                s_tok = _qk(qn, qr, kn_s, kr_s, 0, zero_s)
+                s0 = g % STAGES
+                mbarrier.wait(k_bar.index(s0), (g // STAGES) & 1)
+                _turn_wait(turn, C, tb, PINGPONG)
+                s_tok = _qk(qn, qr, kn_s, kr_s, s0, zero_s)
                 _turn_pass(turn, C, PINGPONG)
                 sc = warpgroup_mma_wait(0, deps=(s_tok, ))
-                _free_k(k_free, 0, EARLY_K)
+                _free_k(k_free, s0, EARLY_K)
                 p, alpha, l_i, m_i = _softmax(sc, m_i, l_i, 0, k_len, qk_scale, offs_n, IS_FP8, EXP2_POLY,
                                               LAZY_RESCALE)
                 # fp8: P goes to shared memory (or becomes the register operand) before the
@@ -525,12 +565,12 @@ if gluon is not None:
                 if IS_FP8:
                     p = _hand_over_p(p, p_smem, p_layout, P_REGS)
                 for j in range(1, n_blocks):
-                    s = j % STAGES
-                    ph = (j // STAGES) & 1
-                    prev = (j - 1) % STAGES
-                    prev_ph = ((j - 1) // STAGES) & 1
+                    s = (g + j) % STAGES
+                    ph = ((g + j) // STAGES) & 1
+                    prev = (g + j - 1) % STAGES
+                    prev_ph = ((g + j - 1) // STAGES) & 1
                     mbarrier.wait(k_bar.index(s), ph)
-                    _turn_wait(turn, C, j, PINGPONG)  # this block's Q·Kᵀ and the last one's P·V in one turn
+                    _turn_wait(turn, C, tb + j, PINGPONG)  # this block's Q·Kᵀ and the last one's P·V in one turn
                     s_tok = _qk(qn, qr, kn_s, kr_s, s, zero_s)
                     if RESCALE_EARLY:  # the previous block's rescale, under this block's Q·Kᵀ
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -556,11 +596,13 @@ if gluon is not None:
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     if IS_FP8:  # the P·V that read the buffer is done
                         p = _hand_over_p(p, p_smem, p_layout, P_REGS)
-                last = (n_blocks - 1) % STAGES
+                if PERSIST:  # every Q·Kᵀ of the tile done: the loader may load the next queries
+                    mbarrier.arrive(q_free.index(C), count=1)
+                last = (g + n_blocks - 1) % STAGES
                 if RESCALE_EARLY:
                     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                mbarrier.wait(v_bar.index(last), ((n_blocks - 1) // STAGES) & 1)
-                _turn_wait(turn, C, n_blocks, PINGPONG)
+                mbarrier.wait(v_bar.index(last), ((g + n_blocks - 1) // STAGES) & 1)
+                _turn_wait(turn, C, tb + n_blocks, PINGPONG)
                 o_tok, pop = _pv(p, v_s, last, acc, p_layout, p_smem, V_T, IS_FP8, P_REGS)
                 _turn_pass(turn, C, PINGPONG)
                 acc = _pv_wait(o_tok, pop, IS_FP8, P_REGS)
@@ -568,10 +610,10 @@ if gluon is not None:
                 mbarrier.arrive(v_free.index(last), count=1)
         else:
             for j in range(n_blocks):
-                s = j % STAGES
-                ph = (j // STAGES) & 1
+                s = (g + j) % STAGES
+                ph = ((g + j) // STAGES) & 1
                 mbarrier.wait(k_bar.index(s), ph)
-                _turn_wait(turn, C, j, PINGPONG)  # serial: the turn covers Q·Kᵀ's issue
+                _turn_wait(turn, C, tb + j, PINGPONG)  # serial: the turn covers Q·Kᵀ's issue
                 s_tok = _qk(qn, qr, kn_s, kr_s, s, zero_s)
                 _turn_pass(turn, C, PINGPONG)
                 sc = warpgroup_mma_wait(0, deps=(s_tok, ))
@@ -586,6 +628,9 @@ if gluon is not None:
                 acc = _pv_wait(o_tok, pop, IS_FP8, P_REGS)
                 _free_k(k_free, s, not EARLY_K)
                 mbarrier.arrive(v_free.index(s), count=1)
+            if PERSIST:
+                if n_blocks > 0:
+                    mbarrier.arrive(q_free.index(C), count=1)
 
         # epilogue: l == 0 exactly when the row saw no key -> out 0, lse -inf
         empty = l_i == 0.0
@@ -603,61 +648,42 @@ if gluon is not None:
         rows_s = m0 + C * HALF_M + gl.arange(0, HALF_M, layout=row_s)
         gl.store(LSE + h.to(gl.int64) * stride_lh + q_start + rows_s, lse, mask=rows_s < q_len)
 
-    # what varies per request is not specialized: the batch's sizes and strides (a value of
-    # 1 or a multiple of 16) and the metadata's addresses (16-byte aligned or not) would
-    # otherwise compile another variant on a request's path
-    @gluon.jit(do_not_specialize=["B", "stride_vt", "stride_vh", "stride_lh", "n_heads", "m_tiles"],
-               do_not_specialize_on_alignment=["cu_q", "cu_k", "cu_v", "ORDER"])
+    @gluon.jit
     @no_type_check
-    def _mla_attn_ws_fwd(
-        Q, K, KR, V, O, LSE, QN_D, QR_D, KN_D, KR_D,  # noqa: E741  (the output, as in BLAS)
-        cu_q, cu_k, cu_v, qk_scale, B,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
-        stride_ot, stride_oh, stride_lh, ORDER, n_heads, m_tiles,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
-        SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
-        USE_ORDER: gl.constexpr, RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
-        P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, HOST_DESC: gl.constexpr, ARRIVE_NOSYNC: gl.constexpr,
-        LAZY_RESCALE: gl.constexpr,
-    ):
-        HALF_M: gl.constexpr = BLOCK_M // 2
-        HOST_K: gl.constexpr = HOST_DESC and not P_REGS
-        pid_m = gl.program_id(0)
-        h = gl.program_id(1)
-        b = gl.program_id(2)
-        valid = b < B  # B == 0 still launches one program: cu_q[1] and cu_k[1] are not the batch's
+    def _tile(t, ORDER, cu_q, cu_k, B, n_heads, m_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              USE_ORDER: gl.constexpr):
+        """Tile ``t`` of a persistent launch: (valid, b, h, m0, q_start, q_len, k_start, k_len,
+        n_blocks). With ``USE_ORDER`` tile t is code ``ORDER[t]`` (a code outside the batch
+        runs nothing), else the 3-D grid's order: query tile fastest, then head, then segment."""
         if USE_ORDER:
-            # 1-D launch in the host's order (``tile_order``): program p runs tile ORDER[p],
-            # code (b * m_tiles + m) * n_heads + h; a code outside the batch runs nothing
-            code = gl.load(ORDER + pid_m)
+            code = gl.load(ORDER + t)
             valid = (code >= 0) & (code < B * m_tiles * n_heads)
             code = gl.where(valid, code, 0)
             h = code % n_heads
-            pid_m = (code // n_heads) % m_tiles
+            m = (code // n_heads) % m_tiles
             b = code // (n_heads * m_tiles)
-        elif SORT_B > 0:
-            # longest segment first (LPT), as triton_attention: rank r runs the r-th longest
-            L2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
-            i_r = gl.arange(0, SORT_B, layout=gl.SliceLayout(1, L2))
-            i_c = gl.arange(0, SORT_B, layout=gl.SliceLayout(0, L2))
-            kl_r = gl.load(cu_k + i_r + 1, mask=i_r < B, other=0) - gl.load(cu_k + i_r, mask=i_r < B, other=0)
-            kl_c = gl.load(cu_k + i_c + 1, mask=i_c < B, other=0) - gl.load(cu_k + i_c, mask=i_c < B, other=0)
-            kl_r = gl.where(i_r < B, kl_r, -1)
-            kl_c = gl.where(i_c < B, kl_c, -1)
-            ahead = (kl_c[None, :] > kl_r[:, None]) | ((kl_c[None, :] == kl_r[:, None]) & (i_c[None, :] < i_r[:, None]))
-            rank = gl.sum(ahead.to(gl.int32), axis=1)
-            b = gl.sum(gl.where(rank == b, i_r, 0), axis=0)
-        # a program outside the batch (a code past it, B == 0) reads no metadata: no rows, no
-        # keys (nothing computed, every store masked)
+        else:
+            m = t % m_tiles
+            h = (t // m_tiles) % n_heads
+            b = t // (m_tiles * n_heads)
+            valid = b < B
         q_start = gl.load(cu_q + b, mask=valid, other=0)
         q_len = gl.load(cu_q + b + 1, mask=valid, other=0) - q_start
-        m0 = pid_m * BLOCK_M
         k_start = gl.load(cu_k + b, mask=valid, other=0)
         k_len = gl.load(cu_k + b + 1, mask=valid, other=0) - k_start
-        # a tile past its segment's end does nothing (its loader and consumers see 0 blocks
-        # and its stores are masked): no early return, the partitions all run
+        m0 = m * BLOCK_M
         n_blocks = gl.where(m0 < q_len, gl.cdiv(k_len, BLOCK_N), 0)
+        return valid, b, h, m0, q_start, q_len, k_start, k_len, n_blocks
 
+    @gluon.jit
+    @no_type_check
+    def _tile_descriptors(Q, K, KR, V, QN_D, QR_D, KN_D, KR_D, cu_v, valid, b, h, m0, q_start, q_len, k_start,
+                          k_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
+                          stride_vh, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, V_T: gl.constexpr,
+                          P_REGS: gl.constexpr, HOST_DESC: gl.constexpr, HOST_K: gl.constexpr):
+        """A tile's q and K descriptors and where its loads start: (qn_d, qr_d, kn_d, kr_d,
+        q_row, k_row, h_r, k_rows, v_seg); the loader makes V's from ``v_seg``."""
+        HALF_M: gl.constexpr = BLOCK_M // 2
         dt: gl.constexpr = Q.dtype.element_ty
         qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, 128], dt)
         qr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, 64], dt)
@@ -704,14 +730,139 @@ if gluon is not None:
         # the rope keys' head in KR_D (0: one head shared by all, stride 0)
         h_r = gl.where(stride_rh == 0, 0, h) if HOST_K else h
         if V_T:  # V [H, 128, Tv], keys contiguous from column cu_v[b] (16-byte aligned: the caller's)
-            vt_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, BLOCK_N], dt)
             v_seg = V + gl.load(cu_v + b, mask=valid, other=0).to(gl.int64) + h.to(gl.int64) * stride_vh
+        else:
+            v_seg = V + k_start.to(gl.int64) * stride_vt + h.to(gl.int64) * stride_vh
+        return qn_d, qr_d, kn_d, kr_d, q_row, k_row, h_r, k_rows, v_seg
+
+    @gluon.jit
+    @no_type_check
+    def _ws_loader_persist(Q, K, KR, V, QN_D, QR_D, KN_D, KR_D, ORDER, cu_q, cu_k, cu_v, B, n_heads, m_tiles,
+                           n_tiles, stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
+                           stride_vh, qn_s, qr_s, kn_s, kr_s, v_s, q_bar, k_bar, v_bar, k_free, v_free, q_free,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr,
+                           P_REGS: gl.constexpr, HOST_DESC: gl.constexpr, HOST_K: gl.constexpr,
+                           USE_ORDER: gl.constexpr):
+        """``PERSIST``'s loader: the program's tiles one after another through the same rings,
+        the next tile's queries and first K loading while the consumers finish this one."""
+        g = 0  # key blocks loaded for the earlier tiles: the rings' position
+        qi = 0  # the earlier tiles with keys: the queries' phase
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            valid, b, h, m0, q_start, q_len, k_start, k_len, n_blocks = _tile(
+                t, ORDER, cu_q, cu_k, B, n_heads, m_tiles, BLOCK_M, BLOCK_N, USE_ORDER)
+            if n_blocks > 0:
+                # q's and K's descriptors are rewritten in place: both consumers released their
+                # queries after the earlier tile's last scores, so every copy through them landed
+                for c in gl.static_range(2):
+                    mbarrier.wait(q_free.index(c), (qi & 1) ^ 1)
+                qn_d, qr_d, kn_d, kr_d, q_row, k_row, h_r, k_rows, v_seg = _tile_descriptors(
+                    Q, K, KR, V, QN_D, QR_D, KN_D, KR_D, cu_v, valid, b, h, m0, q_start, q_len, k_start, k_len,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
+                    BLOCK_M, BLOCK_N, V_T, P_REGS, HOST_DESC, HOST_K)
+                _load_tile(qn_d, qr_d, kn_d, kr_d, v_seg, k_rows, stride_vt, qn_s, qr_s, kn_s, kr_s, v_s,
+                           q_bar, k_bar, v_bar, k_free, v_free, q_row, k_row, h, h_r, n_blocks, g,
+                           BLOCK_M, BLOCK_N, STAGES, V_T, P_REGS, HOST_DESC, HOST_K, True)
+                g += n_blocks
+                qi += 1
+
+    @gluon.jit
+    @no_type_check
+    def _ws_consumer_persist(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, q_free,
+                             O, LSE, ORDER, cu_q, cu_k, B, n_heads, m_tiles, n_tiles,  # noqa: E741
+                             stride_ot, stride_oh, stride_lh, qk_scale,
+                             C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                             PIPE: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
+                             RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
+                             P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, ARRIVE_NOSYNC: gl.constexpr,
+                             LAZY_RESCALE: gl.constexpr, USE_ORDER: gl.constexpr):
+        """``PERSIST``'s consumer C: the program's tiles in the loader's order."""
+        g = 0  # key blocks of the earlier tiles (the rings' position)
+        qi = 0  # the earlier tiles with keys (the queries' phase)
+        tb = 0  # turns taken (PINGPONG)
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            valid, b, h, m0, q_start, q_len, k_start, k_len, n_blocks = _tile(
+                t, ORDER, cu_q, cu_k, B, n_heads, m_tiles, BLOCK_M, BLOCK_N, USE_ORDER)
+            _consume_tile(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, q_free, O,
+                          LSE, q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
+                          g, qi, tb, C, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY,
+                          PINGPONG, PV_WAIT_LATE, P_REGS, EXP2_POLY, ARRIVE_NOSYNC, LAZY_RESCALE, True)
+            if n_blocks > 0:
+                g += n_blocks
+                qi += 1
+                tb += n_blocks + 1 if PIPE else n_blocks  # (pipelined: one turn more, the last P·V)
+
+    # what varies per request is not specialized: the batch's sizes and strides (a value of
+    # 1 or a multiple of 16) and the metadata's addresses (16-byte aligned or not) would
+    # otherwise compile another variant on a request's path
+    @gluon.jit(do_not_specialize=["B", "stride_vt", "stride_vh", "stride_lh", "n_heads", "m_tiles", "n_tiles"],
+               do_not_specialize_on_alignment=["cu_q", "cu_k", "cu_v", "ORDER"])
+    @no_type_check
+    def _mla_attn_ws_fwd(
+        Q, K, KR, V, O, LSE, QN_D, QR_D, KN_D, KR_D,  # noqa: E741  (the output, as in BLAS)
+        cu_q, cu_k, cu_v, qk_scale, B,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
+        stride_ot, stride_oh, stride_lh, ORDER, n_heads, m_tiles, n_tiles,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
+        SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
+        USE_ORDER: gl.constexpr, RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
+        P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, HOST_DESC: gl.constexpr, ARRIVE_NOSYNC: gl.constexpr,
+        LAZY_RESCALE: gl.constexpr, PERSIST: gl.constexpr,
+    ):
+        HALF_M: gl.constexpr = BLOCK_M // 2
+        HOST_K: gl.constexpr = HOST_DESC and not P_REGS
+        dt: gl.constexpr = Q.dtype.element_ty
+        if not PERSIST:
+            pid_m = gl.program_id(0)
+            h = gl.program_id(1)
+            b = gl.program_id(2)
+            valid = b < B  # B == 0 still launches one program: cu_q[1] and cu_k[1] are not the batch's
+            if USE_ORDER:
+                # 1-D launch in the host's order (``tile_order``): program p runs tile ORDER[p],
+                # code (b * m_tiles + m) * n_heads + h; a code outside the batch runs nothing
+                code = gl.load(ORDER + pid_m)
+                valid = (code >= 0) & (code < B * m_tiles * n_heads)
+                code = gl.where(valid, code, 0)
+                h = code % n_heads
+                pid_m = (code // n_heads) % m_tiles
+                b = code // (n_heads * m_tiles)
+            elif SORT_B > 0:
+                # longest segment first (LPT), as triton_attention: rank r runs the r-th longest
+                L2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
+                i_r = gl.arange(0, SORT_B, layout=gl.SliceLayout(1, L2))
+                i_c = gl.arange(0, SORT_B, layout=gl.SliceLayout(0, L2))
+                kl_r = gl.load(cu_k + i_r + 1, mask=i_r < B, other=0) - gl.load(cu_k + i_r, mask=i_r < B, other=0)
+                kl_c = gl.load(cu_k + i_c + 1, mask=i_c < B, other=0) - gl.load(cu_k + i_c, mask=i_c < B, other=0)
+                kl_r = gl.where(i_r < B, kl_r, -1)
+                kl_c = gl.where(i_c < B, kl_c, -1)
+                ahead = (kl_c[None, :] > kl_r[:, None]) | ((kl_c[None, :] == kl_r[:, None])
+                                                            & (i_c[None, :] < i_r[:, None]))
+                rank = gl.sum(ahead.to(gl.int32), axis=1)
+                b = gl.sum(gl.where(rank == b, i_r, 0), axis=0)
+            # a program outside the batch (a code past it, B == 0) reads no metadata: no rows, no
+            # keys (nothing computed, every store masked)
+            q_start = gl.load(cu_q + b, mask=valid, other=0)
+            q_len = gl.load(cu_q + b + 1, mask=valid, other=0) - q_start
+            m0 = pid_m * BLOCK_M
+            k_start = gl.load(cu_k + b, mask=valid, other=0)
+            k_len = gl.load(cu_k + b + 1, mask=valid, other=0) - k_start
+            # a tile past its segment's end does nothing (its loader and consumers see 0 blocks
+            # and its stores are masked): no early return, the partitions all run
+            n_blocks = gl.where(m0 < q_len, gl.cdiv(k_len, BLOCK_N), 0)
+            qn_d, qr_d, kn_d, kr_d, q_row, k_row, h_r, k_rows, v_seg = _tile_descriptors(
+                Q, K, KR, V, QN_D, QR_D, KN_D, KR_D, cu_v, valid, b, h, m0, q_start, q_len, k_start, k_len,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
+                BLOCK_M, BLOCK_N, V_T, P_REGS, HOST_DESC, HOST_K)
+
+        qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, 128], dt)
+        qr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, 64], dt)
+        kn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], dt)
+        kr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dt)
+        if V_T:
+            vt_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, BLOCK_N], dt)
             v_s = gl.allocate_shared_memory(dt, [STAGES, 128, BLOCK_N], vt_l)
         else:
             v_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], dt)
-            v_seg = V + k_start.to(gl.int64) * stride_vt + h.to(gl.int64) * stride_vh
             v_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, 128], v_l)
-
         qn_s = gl.allocate_shared_memory(dt, [2, HALF_M, 128], qn_l)
         qr_s = gl.allocate_shared_memory(dt, [2, HALF_M, 64], qr_l)
         kn_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, 128], kn_l)
@@ -739,19 +890,42 @@ if gluon is not None:
             mbarrier.init(k_free.index(i), count=2)  # both consumers release a slot
             mbarrier.init(v_free.index(i), count=2)
 
-        gl.warp_specialize([
-            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
-                            q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
-                            0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                            PV_WAIT_LATE, P_REGS, EXP2_POLY, ARRIVE_NOSYNC, LAZY_RESCALE)),
-            (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
-                            q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
-                            1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
-                            PV_WAIT_LATE, P_REGS, EXP2_POLY, ARRIVE_NOSYNC, LAZY_RESCALE)),
-            (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_seg, k_rows, stride_vt, qn_s, qr_s, kn_s, kr_s, v_s,
-                          q_bar, k_bar, v_bar, k_free, v_free, q_row, k_row, h, h_r, n_blocks, BLOCK_M, BLOCK_N,
-                          STAGES, V_T, P_REGS, HOST_DESC, HOST_K)),
-        ], [4, 1], [240, 24])
+        if PERSIST:
+            # PERSIST: consumer c's queries released (after its last scores of a tile)
+            q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for c in gl.static_range(2):
+                mbarrier.init(q_free.index(c), count=1)
+            gl.warp_specialize([
+                (_ws_consumer_persist, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn,
+                                        q_free, O, LSE, ORDER, cu_q, cu_k, B, n_heads, m_tiles, n_tiles, stride_ot,
+                                        stride_oh, stride_lh, qk_scale, 0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8,
+                                        V_T, EARLY_K, RESCALE_EARLY, PINGPONG, PV_WAIT_LATE, P_REGS, EXP2_POLY,
+                                        ARRIVE_NOSYNC, LAZY_RESCALE, USE_ORDER)),
+                (_ws_consumer_persist, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn,
+                                        q_free, O, LSE, ORDER, cu_q, cu_k, B, n_heads, m_tiles, n_tiles, stride_ot,
+                                        stride_oh, stride_lh, qk_scale, 1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8,
+                                        V_T, EARLY_K, RESCALE_EARLY, PINGPONG, PV_WAIT_LATE, P_REGS, EXP2_POLY,
+                                        ARRIVE_NOSYNC, LAZY_RESCALE, USE_ORDER)),
+                (_ws_loader_persist, (Q, K, KR, V, QN_D, QR_D, KN_D, KR_D, ORDER, cu_q, cu_k, cu_v, B, n_heads,
+                                      m_tiles, n_tiles, stride_qt, stride_qh, stride_kt, stride_kh, stride_rt,
+                                      stride_rh, stride_vt, stride_vh, qn_s, qr_s, kn_s, kr_s, v_s, q_bar, k_bar,
+                                      v_bar, k_free, v_free, q_free, BLOCK_M, BLOCK_N, STAGES, V_T, P_REGS,
+                                      HOST_DESC, HOST_K, USE_ORDER)),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
+                                q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
+                                0, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
+                                PV_WAIT_LATE, P_REGS, EXP2_POLY, ARRIVE_NOSYNC, LAZY_RESCALE)),
+                (_ws_consumer, (qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, O, LSE,
+                                q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale,
+                                1, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
+                                PV_WAIT_LATE, P_REGS, EXP2_POLY, ARRIVE_NOSYNC, LAZY_RESCALE)),
+                (_ws_loader, (qn_d, qr_d, kn_d, kr_d, v_seg, k_rows, stride_vt, qn_s, qr_s, kn_s, kr_s, v_s,
+                              q_bar, k_bar, v_bar, k_free, v_free, q_row, k_row, h, h_r, n_blocks, BLOCK_M, BLOCK_N,
+                              STAGES, V_T, P_REGS, HOST_DESC, HOST_K)),
+            ], [4, 1], [240, 24])
 
 
 
@@ -807,8 +981,14 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
     if cfg["EXP2_POLY"] not in (0, 1, 2):
         raise ValueError(f"EXP2_POLY (exp2s of every 8 on the FMA pipes) must be 0, 1 or 2, got {cfg['EXP2_POLY']}")
     H = q.shape[1]
-    if order is not None:
-        grid = (order.numel(), 1, 1)
+    m_tiles = int(m_tiles) if order is not None else grid[0]
+    n_tiles = order.numel() if order is not None else grid[0] * grid[1] * grid[2]
+    persist = bool(cfg["PERSIST"])
+    if persist:  # one program per SM (or per tile, if fewer), each taking every P-th tile
+        grid = (max(1, min(n_tiles, _sms(q.device))), 1, 1)
+        sort_b = 0
+    elif order is not None:
+        grid = (n_tiles, 1, 1)
     # no keys or no queries at all: no descriptor over them (TMA wants every size > 0)
     host = bool(cfg["HOST_DESC"]) and q.shape[0] > 0 and k.shape[0] > 0
     descs = _host_descriptors(q, k, kr, cfg) if host else (None, None, None, None)
@@ -816,12 +996,12 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
         q, k, kr, v, out, lse, *descs, cu_q, cu_k, cu_v, qk_scale, cu_q.numel() - 1,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), kr.stride(0), kr.stride(1),
         v.stride(1) if v_t else v.stride(0), v.stride(0) if v_t else v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), cu_q if order is None else order, H, max(int(m_tiles), 1),
+        out.stride(0), out.stride(1), lse.stride(0), cu_q if order is None else order, H, max(m_tiles, 1), n_tiles,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], PIPE=cfg["PIPE"],
         SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t, EARLY_K=cfg["EARLY_K"],
         USE_ORDER=order is not None, RESCALE_EARLY=cfg["RESCALE_EARLY"], PINGPONG=cfg["PINGPONG"],
         PV_WAIT_LATE=cfg["PV_WAIT_LATE"], P_REGS=cfg["P_REGS"], EXP2_POLY=cfg["EXP2_POLY"], HOST_DESC=host,
-        ARRIVE_NOSYNC=bool(cfg["ARRIVE_NOSYNC"]), LAZY_RESCALE=bool(cfg["LAZY_RESCALE"]), num_warps=4,
+        ARRIVE_NOSYNC=bool(cfg["ARRIVE_NOSYNC"]), LAZY_RESCALE=bool(cfg["LAZY_RESCALE"]), PERSIST=persist, num_warps=4,
         maxnreg=_MAXNREG,
     )
 
@@ -850,6 +1030,12 @@ def _host_descriptors(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor,
     shared = kr.stride(1) == 0
     krd = desc(kr, [Tk, 1 if shared else H, 64], [kr.stride(0), 64 if shared else kr.stride(1), 1], [bn, 1, 64])
     return qn, qr, kn, krd
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    """The device's SM count (``PERSIST``'s programs)."""
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 @functools.cache
