@@ -1351,7 +1351,8 @@ def test_gpu_warp_specialized_unsorted_many_segments():
 
 
 @needs_ws
-@pytest.mark.parametrize("ws", ["ws_pipe", "ws_pipe_bn64", "ws_serial", "ws_pipe_host_desc", "ws_pipe_device_desc"])
+@pytest.mark.parametrize("ws", ["ws_pipe", "ws_pipe_bn64", "ws_serial", "ws_pipe_host_desc", "ws_pipe_device_desc",
+                                "ws_pipe_persist"])
 def test_gpu_warp_specialized_neighbours_do_not_leak(ws):
     """A tile reads past its segment's end; those rows must be zeros, not the next
     segment's values: an inf in the next segment's k/v leaves this segment's result equal
