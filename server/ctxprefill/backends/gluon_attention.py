@@ -738,30 +738,59 @@ if gluon is not None:
     @gluon.jit
     @no_type_check
     def _ws_loader_persist(Q, K, KR, V, QN_D, QR_D, KN_D, KR_D, ORDER, cu_q, cu_k, cu_v, B, n_heads, m_tiles,
-                           n_tiles, stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt,
-                           stride_vh, qn_s, qr_s, kn_s, kr_s, v_s, q_bar, k_bar, v_bar, k_free, v_free, q_free,
-                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr,
-                           P_REGS: gl.constexpr, HOST_DESC: gl.constexpr, HOST_K: gl.constexpr,
+                           n_tiles, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh,
+                           stride_vt, stride_vh, qn_s, qr_s, kn_s, kr_s, v_s, q_bar, k_bar, v_bar, k_free, v_free,
+                           q_free, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                           V_T: gl.constexpr, P_REGS: gl.constexpr, HOST_DESC: gl.constexpr,
                            USE_ORDER: gl.constexpr):
         """``PERSIST``'s loader: the program's tiles one after another through the same rings,
-        the next tile's queries and first K loading while the consumers finish this one."""
+        the next tile's queries and first K loading while the consumers finish this one. q
+        and K (but ``P_REGS``'s 5-D K) come through descriptors over the whole tensors, as
+        ``HOST_DESC``'s: the launch's, or made here once for all the program's tiles."""
+        HALF_M: gl.constexpr = BLOCK_M // 2
+        WIDE_K: gl.constexpr = not P_REGS
+        dt: gl.constexpr = Q.dtype.element_ty
+        if HOST_DESC:
+            qn_w = QN_D
+            qr_w = QR_D
+            kn_w = KN_D
+            kr_w = KR_D
+        else:  # [Tq, H, 192] in boxes of [64, 1, cols]; K [Tk, H, 128], rope [Tk, H or 1, 64]
+            qn_w = tma.make_tensor_descriptor(Q, [gl.maximum(Tq, 1), n_heads, 192], [stride_qt, stride_qh, 1],
+                                              [HALF_M, 1, 128],
+                                              gl.NVMMASharedLayout.get_default_for([HALF_M, 1, 128], dt))
+            qr_w = tma.make_tensor_descriptor(Q, [gl.maximum(Tq, 1), n_heads, 192], [stride_qt, stride_qh, 1],
+                                              [HALF_M, 1, 64],
+                                              gl.NVMMASharedLayout.get_default_for([HALF_M, 1, 64], dt))
+            if WIDE_K:
+                kn_w = tma.make_tensor_descriptor(K, [gl.maximum(Tk, 1), n_heads, 128], [stride_kt, stride_kh, 1],
+                                                  [BLOCK_N, 1, 128],
+                                                  gl.NVMMASharedLayout.get_default_for([BLOCK_N, 1, 128], dt))
+                # rope keys shared by the heads (head stride 0): one head
+                shared = stride_rh == 0
+                kr_w = tma.make_tensor_descriptor(KR, [gl.maximum(Tk, 1), gl.where(shared, 1, n_heads), 64],
+                                                  [stride_rt, gl.where(shared, 64, stride_rh), 1], [BLOCK_N, 1, 64],
+                                                  gl.NVMMASharedLayout.get_default_for([BLOCK_N, 1, 64], dt))
+            else:
+                kn_w = KN_D
+                kr_w = KR_D
         g = 0  # key blocks loaded for the earlier tiles: the rings' position
         qi = 0  # the earlier tiles with keys: the queries' phase
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             valid, b, h, m0, q_start, q_len, k_start, k_len, n_blocks = _tile(
                 t, ORDER, cu_q, cu_k, B, n_heads, m_tiles, BLOCK_M, BLOCK_N, USE_ORDER)
             if n_blocks > 0:
-                # q's and K's descriptors are rewritten in place: both consumers released their
-                # queries after the earlier tile's last scores, so every copy through them landed
+                # both consumers released their queries after the earlier tile's last scores:
+                # every copy of q and K landed (P_REGS's K descriptors are rewritten in place)
                 for c in gl.static_range(2):
                     mbarrier.wait(q_free.index(c), (qi & 1) ^ 1)
                 qn_d, qr_d, kn_d, kr_d, q_row, k_row, h_r, k_rows, v_seg = _tile_descriptors(
-                    Q, K, KR, V, QN_D, QR_D, KN_D, KR_D, cu_v, valid, b, h, m0, q_start, q_len, k_start, k_len,
+                    Q, K, KR, V, qn_w, qr_w, kn_w, kr_w, cu_v, valid, b, h, m0, q_start, q_len, k_start, k_len,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
-                    BLOCK_M, BLOCK_N, V_T, P_REGS, HOST_DESC, HOST_K)
+                    BLOCK_M, BLOCK_N, V_T, P_REGS, True, WIDE_K)
                 _load_tile(qn_d, qr_d, kn_d, kr_d, v_seg, k_rows, stride_vt, qn_s, qr_s, kn_s, kr_s, v_s,
                            q_bar, k_bar, v_bar, k_free, v_free, q_row, k_row, h, h_r, n_blocks, g,
-                           BLOCK_M, BLOCK_N, STAGES, V_T, P_REGS, HOST_DESC, HOST_K, True)
+                           BLOCK_M, BLOCK_N, STAGES, V_T, P_REGS, True, WIDE_K, True)
                 g += n_blocks
                 qi += 1
 
@@ -794,14 +823,15 @@ if gluon is not None:
     # what varies per request is not specialized: the batch's sizes and strides (a value of
     # 1 or a multiple of 16) and the metadata's addresses (16-byte aligned or not) would
     # otherwise compile another variant on a request's path
-    @gluon.jit(do_not_specialize=["B", "stride_vt", "stride_vh", "stride_lh", "n_heads", "m_tiles", "n_tiles"],
+    @gluon.jit(do_not_specialize=["B", "stride_vt", "stride_vh", "stride_lh", "n_heads", "m_tiles", "n_tiles",
+                                   "Tq", "Tk"],
                do_not_specialize_on_alignment=["cu_q", "cu_k", "cu_v", "ORDER"])
     @no_type_check
     def _mla_attn_ws_fwd(
         Q, K, KR, V, O, LSE, QN_D, QR_D, KN_D, KR_D,  # noqa: E741  (the output, as in BLAS)
         cu_q, cu_k, cu_v, qk_scale, B,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
-        stride_ot, stride_oh, stride_lh, ORDER, n_heads, m_tiles, n_tiles,
+        stride_ot, stride_oh, stride_lh, ORDER, n_heads, m_tiles, n_tiles, Tq, Tk,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PIPE: gl.constexpr,
         SORT_B: gl.constexpr, IS_FP8: gl.constexpr, V_T: gl.constexpr, EARLY_K: gl.constexpr,
         USE_ORDER: gl.constexpr, RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
@@ -907,10 +937,10 @@ if gluon is not None:
                                         V_T, EARLY_K, RESCALE_EARLY, PINGPONG, PV_WAIT_LATE, P_REGS, EXP2_POLY,
                                         ARRIVE_NOSYNC, LAZY_RESCALE, USE_ORDER)),
                 (_ws_loader_persist, (Q, K, KR, V, QN_D, QR_D, KN_D, KR_D, ORDER, cu_q, cu_k, cu_v, B, n_heads,
-                                      m_tiles, n_tiles, stride_qt, stride_qh, stride_kt, stride_kh, stride_rt,
-                                      stride_rh, stride_vt, stride_vh, qn_s, qr_s, kn_s, kr_s, v_s, q_bar, k_bar,
-                                      v_bar, k_free, v_free, q_free, BLOCK_M, BLOCK_N, STAGES, V_T, P_REGS,
-                                      HOST_DESC, HOST_K, USE_ORDER)),
+                                      m_tiles, n_tiles, Tq, Tk, stride_qt, stride_qh, stride_kt, stride_kh,
+                                      stride_rt, stride_rh, stride_vt, stride_vh, qn_s, qr_s, kn_s, kr_s, v_s,
+                                      q_bar, k_bar, v_bar, k_free, v_free, q_free, BLOCK_M, BLOCK_N, STAGES, V_T,
+                                      P_REGS, HOST_DESC, USE_ORDER)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
@@ -997,6 +1027,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), kr.stride(0), kr.stride(1),
         v.stride(1) if v_t else v.stride(0), v.stride(0) if v_t else v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), cu_q if order is None else order, H, max(m_tiles, 1), n_tiles,
+        q.shape[0], k.shape[0],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], PIPE=cfg["PIPE"],
         SORT_B=sort_b, IS_FP8=q.dtype.itemsize == 1, V_T=v_t, EARLY_K=cfg["EARLY_K"],
         USE_ORDER=order is not None, RESCALE_EARLY=cfg["RESCALE_EARLY"], PINGPONG=cfg["PINGPONG"],
