@@ -45,6 +45,14 @@ released by one thread of the warpgroup once its wgmma wait returns, as FA3's pi
 do; for consumers that write no shared memory themselves (bf16, ``P_REGS``).
 ``LAZY_RESCALE`` (bf16, pipelined) keeps a row's max until it grows by 2**8 and skips O's
 rescale where no row of the warpgroup moved; on in the bf16 default (``triton_attention.CONFIGS``).
+``PERSIST`` launches one program per SM, each taking every P-th tile (P programs) in the
+3-D grid's order or the host's launch order: the rings' positions and the queries' and
+turns' phases run on across a program's tiles, a consumer releases its queries
+(``q_free``) after its last scores so that the loader loads the next tile's queries and
+first keys during the last P·V and the epilogue, and q and K come through descriptors over
+the whole tensors (as ``HOST_DESC``'s: the launch's, or made by the program once), so that
+V's (and ``P_REGS``'s K) are the only ones a tile makes, rewritten in place once every copy
+through them has landed. Same bits as a program per tile (tested).
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory, bf16 with 128×128 tiles and 2 stages: Q 48 KiB +
