@@ -24,7 +24,7 @@ ATTENTION_FIXED = {"Q", "K", "KR", "V", "O", "LSE", "qk_scale", "stride_qt", "st
                    "stride_rt", "stride_rh", "stride_ot", "stride_oh"}
 KERNELS = {
     "gluon attention": (lambda: ga._mla_attn_ws_fwd,
-                        {"B", "stride_vt", "stride_vh", "stride_lh", "n_heads", "m_tiles"},
+                        {"B", "stride_vt", "stride_vh", "stride_lh", "n_heads", "m_tiles", "n_tiles", "Tq", "Tk"},
                         {"cu_q", "cu_k", "cu_v", "ORDER"},
                         ATTENTION_FIXED | {"QN_D", "QR_D", "KN_D", "KR_D"}),
     "triton attention": (lambda: ta._mla_ctx_attn_fwd,
