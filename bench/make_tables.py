@@ -838,6 +838,13 @@ BENCHMARKS = (
           "engine's Triton/Gluon kernels, FlashInfer's FA3 ragged prefill, cuDNN, torch's flash (v padded to 192) "
           "and flex attention, on equal, single and ragged batches; the same data for every provider. "
           "(`GPU_RUN_STEPS=bench_attention` runs it without FlashInfer.)"),
+    Bench("Attention against FA3 with a CUDA graph's launch variants", "bench_attention_flashinfer",
+          ("bench_attention_captured",),
+          "`bench/bench_attention.py --flashinfer --captured --key-scan`: ours with the variants a CUDA graph's "
+          "launch takes (q's and K's descriptors from the launch, `HOST_DESC`) beside FlashInfer's FA3, and where "
+          "each launch's time goes by key count.",
+          env='GPU_RUN_FI_ARGS="--providers triton flashinfer --no-flex --budget-s 200 --key-scan --captured" '
+              "BENCH_ATTENTION_FILE=bench_attention_captured"),
     Bench("Warp-specialized attention configurations", "attention_sweep_ws", ("attention_sweep_ws",),
           "`bench/bench_attention.py --sweep ws`: the warp-specialized (Gluon) kernel's pipelining, key block and "
           "stages."),
