@@ -1298,9 +1298,8 @@ def test_gpu_warp_specialized_host_descriptors_same_bits(dtype, ws):
 
 
 @needs_ws
-@pytest.mark.parametrize("dtype,ws", [(torch.bfloat16, {}), (FP8, {}), (FP8, dict(P_REGS=False, PIPE=True,
-                                                                                      PINGPONG=True))],
-                         ids=["bf16", "fp8_p_regs", "fp8_pipe_turns"])
+@pytest.mark.parametrize("dtype,ws", [(torch.bfloat16, ta.CONFIGS[torch.bfloat16]["WS"]), (FP8, ta.KEYS_LAST_FP8["WS"]),
+                                      (FP8, FP8_PIPE_256)], ids=["bf16", "fp8_p_regs", "fp8_pipe_turns"])
 def test_gpu_warp_specialized_persistent_same_bits(dtype, ws):
     """``PERSIST`` (one program per SM taking every 132nd tile or so, the rings, the
     queries' and the turns' phases running on across its tiles, descriptors rewritten per
