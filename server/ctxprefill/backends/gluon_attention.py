@@ -658,29 +658,44 @@ if gluon is not None:
 
     @gluon.jit
     @no_type_check
+    def _decode(code, B, n_heads, m_tiles):
+        """A launch order's tile code, (b * m_tiles + m) * n_heads + h: (valid, b, h, m); a
+        code outside the batch is not valid (and reads as tile 0)."""
+        valid = (code >= 0) & (code < B * m_tiles * n_heads)
+        code = gl.where(valid, code, 0)
+        h = code % n_heads
+        m = (code // n_heads) % m_tiles
+        return valid, code // (n_heads * m_tiles), h, m
+
+    @gluon.jit
+    @no_type_check
+    def _segment(cu_q, cu_k, b, valid, m, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """(m0, q_start, q_len, k_start, k_len, n_blocks) of segment b's query tile m (rows
+        from m0): no metadata read where not ``valid`` (no rows, no keys: nothing computed,
+        every store masked), no key blocks for a tile past the segment's end."""
+        q_start = gl.load(cu_q + b, mask=valid, other=0)
+        q_len = gl.load(cu_q + b + 1, mask=valid, other=0) - q_start
+        m0 = m * BLOCK_M
+        k_start = gl.load(cu_k + b, mask=valid, other=0)
+        k_len = gl.load(cu_k + b + 1, mask=valid, other=0) - k_start
+        n_blocks = gl.where(m0 < q_len, gl.cdiv(k_len, BLOCK_N), 0)
+        return m0, q_start, q_len, k_start, k_len, n_blocks
+
+    @gluon.jit
+    @no_type_check
     def _tile(t, ORDER, cu_q, cu_k, B, n_heads, m_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               USE_ORDER: gl.constexpr):
         """Tile ``t`` of a persistent launch: (valid, b, h, m0, q_start, q_len, k_start, k_len,
-        n_blocks). With ``USE_ORDER`` tile t is code ``ORDER[t]`` (a code outside the batch
-        runs nothing), else the 3-D grid's order: query tile fastest, then head, then segment."""
+        n_blocks). With ``USE_ORDER`` tile t is code ``ORDER[t]``, else the 3-D grid's order:
+        query tile fastest, then head, then segment."""
         if USE_ORDER:
-            code = gl.load(ORDER + t)
-            valid = (code >= 0) & (code < B * m_tiles * n_heads)
-            code = gl.where(valid, code, 0)
-            h = code % n_heads
-            m = (code // n_heads) % m_tiles
-            b = code // (n_heads * m_tiles)
+            valid, b, h, m = _decode(gl.load(ORDER + t), B, n_heads, m_tiles)
         else:
             m = t % m_tiles
             h = (t // m_tiles) % n_heads
             b = t // (m_tiles * n_heads)
             valid = b < B
-        q_start = gl.load(cu_q + b, mask=valid, other=0)
-        q_len = gl.load(cu_q + b + 1, mask=valid, other=0) - q_start
-        k_start = gl.load(cu_k + b, mask=valid, other=0)
-        k_len = gl.load(cu_k + b + 1, mask=valid, other=0) - k_start
-        m0 = m * BLOCK_M
-        n_blocks = gl.where(m0 < q_len, gl.cdiv(k_len, BLOCK_N), 0)
+        m0, q_start, q_len, k_start, k_len, n_blocks = _segment(cu_q, cu_k, b, valid, m, BLOCK_M, BLOCK_N)
         return valid, b, h, m0, q_start, q_len, k_start, k_len, n_blocks
 
     @gluon.jit
@@ -855,14 +870,8 @@ if gluon is not None:
             b = gl.program_id(2)
             valid = b < B  # B == 0 still launches one program: cu_q[1] and cu_k[1] are not the batch's
             if USE_ORDER:
-                # 1-D launch in the host's order (``tile_order``): program p runs tile ORDER[p],
-                # code (b * m_tiles + m) * n_heads + h; a code outside the batch runs nothing
-                code = gl.load(ORDER + pid_m)
-                valid = (code >= 0) & (code < B * m_tiles * n_heads)
-                code = gl.where(valid, code, 0)
-                h = code % n_heads
-                pid_m = (code // n_heads) % m_tiles
-                b = code // (n_heads * m_tiles)
+                # 1-D launch in the host's order (``tile_order``): program p runs tile ORDER[p]
+                valid, b, h, pid_m = _decode(gl.load(ORDER + pid_m), B, n_heads, m_tiles)
             elif SORT_B > 0:
                 # longest segment first (LPT), as triton_attention: rank r runs the r-th longest
                 L2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
@@ -876,16 +885,10 @@ if gluon is not None:
                                                             & (i_c[None, :] < i_r[:, None]))
                 rank = gl.sum(ahead.to(gl.int32), axis=1)
                 b = gl.sum(gl.where(rank == b, i_r, 0), axis=0)
-            # a program outside the batch (a code past it, B == 0) reads no metadata: no rows, no
-            # keys (nothing computed, every store masked)
-            q_start = gl.load(cu_q + b, mask=valid, other=0)
-            q_len = gl.load(cu_q + b + 1, mask=valid, other=0) - q_start
-            m0 = pid_m * BLOCK_M
-            k_start = gl.load(cu_k + b, mask=valid, other=0)
-            k_len = gl.load(cu_k + b + 1, mask=valid, other=0) - k_start
-            # a tile past its segment's end does nothing (its loader and consumers see 0 blocks
-            # and its stores are masked): no early return, the partitions all run
-            n_blocks = gl.where(m0 < q_len, gl.cdiv(k_len, BLOCK_N), 0)
+            # a program outside the batch (a code past it, B == 0) reads no metadata; a tile past
+            # its segment's end does nothing (0 blocks, stores masked): no early return, the
+            # partitions all run
+            m0, q_start, q_len, k_start, k_len, n_blocks = _segment(cu_q, cu_k, b, valid, pid_m, BLOCK_M, BLOCK_N)
             qn_d, qr_d, kn_d, kr_d, q_row, k_row, h_r, k_rows, v_seg = _tile_descriptors(
                 Q, K, KR, V, QN_D, QR_D, KN_D, KR_D, cu_v, valid, b, h, m0, q_start, q_len, k_start, k_len,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_rt, stride_rh, stride_vt, stride_vh,
