@@ -48,8 +48,8 @@ rescale where no row of the warpgroup moved; on in the bf16 default (``triton_at
 ``PERSIST`` launches one program per SM, each taking every P-th tile (P programs) in the
 3-D grid's order or the host's launch order: the rings' positions and the queries' and
 turns' phases run on across a program's tiles, a consumer releases its queries
-(``q_free``) after its last scores so that the loader loads the next tile's queries and
-first keys during the last P·V and the epilogue, and q and K come through descriptors over
+(``q_free``) after its last scores (serial: its last P·V) so that the loader loads the
+next tile's queries and first keys during the tile's end, and q and K come through descriptors over
 the whole tensors (as ``HOST_DESC``'s: the launch's, or made by the program once), so that
 V's (and ``P_REGS``'s K) are the only ones a tile makes, rewritten in place once every copy
 through them has landed. Same bits as a program per tile (tested).
@@ -531,7 +531,8 @@ if gluon is not None:
         """Consumer C's half of one tile, its epilogue included. Key block j lies in ring
         position ``g + j``, this is the consumer's ``qi``-th tile with keys and its turns
         start at ``tb`` (a persistent program's counts over its earlier tiles, 0 otherwise);
-        with ``PERSIST`` it releases its queries (``q_free``) once its last scores are in."""
+        with ``PERSIST`` it releases its queries (``q_free``) once its last scores are in
+        (serial: after its last P·V, outside the key loop)."""
         HALF_M: gl.constexpr = BLOCK_M // 2
         K_INSTR: gl.constexpr = 32 if IS_FP8 else 16
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
