@@ -1304,14 +1304,14 @@ def test_gpu_warp_specialized_persistent_same_bits(dtype, ws):
     """``PERSIST`` (one program per SM taking every 132nd tile or so, the rings, the
     queries' and the turns' phases running on across its tiles, descriptors rewritten per
     tile) gives the bits of one program per tile: the defaults and fp8 pipelined with
-    turns; ragged with empty and one-key segments, at 16 and 128 heads (up to 15 tiles a
-    program), grid order and the host's launch order, q and K through the launch's
-    descriptors or made per tile, packed and unpacked keys. One launch of the Gluon kernel,
-    with as many programs as the device has SMs."""
+    turns; ragged with empty and one-key segments, at 16 and 128 heads (about 12 and 93
+    tiles a program over 132 SMs in grid order, empty tiles included), grid order and the
+    host's launch order, q and K through the launch's descriptors or made per tile, packed
+    and unpacked keys; and fewer tiles than SMs. One launch of the Gluon kernel (its
+    program count: ``test_persistent_launch_takes_a_program_per_sm``)."""
     from ctxprefill.ops.pack import key_buffer
 
     q_lens, k_lens = [1000, 0, 1, 257, 2048, 64], [4096, 300, 0, 1, 2500, 129]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     base = dict(PV_FP8=True) if dtype == FP8 else {}
     for H in (16, 128):
         q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, dtype, device="cuda", seed=H + 7)
@@ -1334,13 +1334,12 @@ def test_gpu_warp_specialized_persistent_same_bits(dtype, ws):
         kernels = _kernel_names(lambda: mla_context_attention(  # noqa: B023
             q, k, v, cu_q, cu_k, 2048, 4096, 0.07, **kw, config=dict(base, WS=dict(ws, PERSIST=True))))
         assert len(kernels) == 1 and "_mla_attn_ws_fwd" in kernels[0], (H, kernels)
-    # fewer tiles than SMs: a program each
+    # fewer tiles than SMs (2): a program each
     q, k, v, cu_q, cu_k = make_batch([130], [300], 1, torch.bfloat16, device="cuda", seed=3)
     a, la = mla_context_attention(q, k, v, cu_q, cu_k, 130, 300, 0.07, config=dict(WS=dict(PERSIST=False)))
     b, lb = mla_context_attention(q, k, v, cu_q, cu_k, 130, 300, 0.07, config=dict(WS=dict(PERSIST=True)))
     torch.cuda.synchronize()
     assert torch.equal(a, b) and torch.equal(la, lb)
-    assert sms > 2
 
 
 @needs_ws
