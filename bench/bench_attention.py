@@ -793,12 +793,14 @@ AB = {
                           _ws(True, 128, 2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True, LAZY_RESCALE=True))],
                         AB_SHAPES),
     # one program per SM taking tile after tile, the next tile's queries and first keys loading
-    # while the consumers finish this one (PERSIST), against a program per tile: both defaults
+    # while the consumers finish this one (PERSIST), against a program per tile: both defaults,
+    # the FA3 table's shapes and two over 4k keys (where a tile's fixed cost weighs most)
     "ws-persist": ([("bf16", _BF16_DEFAULT, _ws(True, 128, 2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True,
                                                 LAZY_RESCALE=True, PERSIST=True)),
                     ("fp8", _FP8_DEFAULT, _ws(False, 256, 2, PINGPONG=True, P_REGS=True, ARRIVE_NOSYNC=True,
                                               PERSIST=True, **_FP8_KL))],
-                   AB_SHAPES + [(128, "4x1024q/16384k"), (128, "ragged4")]),
+                   AB_SHAPES + [(128, "4x1024q/16384k"), (128, "ragged4"), (16, "1x8192q/4096k"),
+                                (128, "1x8192q/4096k")]),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),
