@@ -882,7 +882,7 @@ def test_persistent_launch_takes_a_program_per_sm(monkeypatch):
             return lambda *args, **kw: seen.append((grid, dict(zip(names, args, strict=False)), kw))
 
     monkeypatch.setattr(ga, "_mla_attn_ws_fwd", Kernel())
-    monkeypatch.setattr(ga, "_sms", lambda device: 132)
+    monkeypatch.setattr(ga, "sms", lambda device: 132)
     q = torch.zeros(4, 16, 192, dtype=torch.bfloat16)
     cu = torch.zeros(4, dtype=torch.int32)
     order = torch.zeros(500, dtype=torch.int32)

@@ -52,7 +52,8 @@ turns' phases run on across a program's tiles, a consumer releases its queries
 next tile's queries and first keys during the tile's end, and q and K come through descriptors over
 the whole tensors (as ``HOST_DESC``'s: the launch's, or made by the program once), so that
 V's (and ``P_REGS``'s K) are the only ones a tile makes, rewritten in place once every copy
-through them has landed. Same bits as a program per tile (tested).
+through them has landed. ``test_gpu_warp_specialized_persistent_same_bits`` holds it to a
+program per tile's bits; ``bench_attention.py --ab ws-persist`` measures it; opt-in.
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory, bf16 with 128×128 tiles and 2 stages: Q 48 KiB +
@@ -250,6 +251,8 @@ if gluon is not None:
                    q_bar, k_bar, v_bar, k_free, v_free, q_row, k_row, h, h_r, n_blocks,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr,
                    P_REGS: gl.constexpr, HOST_Q: gl.constexpr, HOST_K: gl.constexpr):
+        # a program per tile: ring position 0 written here, a constant the slot arithmetic
+        # folds (passed through warp_specialize it would be a runtime value)
         _load_tile(qn_d, qr_d, kn_d, kr_d, v_seg, k_rows, stride_vt, qn_s, qr_s, kn_s, kr_s, v_s,
                    q_bar, k_bar, v_bar, k_free, v_free, q_row, k_row, h, h_r, n_blocks, 0,
                    BLOCK_M, BLOCK_N, STAGES, V_T, P_REGS, HOST_Q, HOST_K, False)
@@ -512,6 +515,7 @@ if gluon is not None:
                      RESCALE_EARLY: gl.constexpr, PINGPONG: gl.constexpr, PV_WAIT_LATE: gl.constexpr,
                      P_REGS: gl.constexpr, EXP2_POLY: gl.constexpr, ARRIVE_NOSYNC: gl.constexpr,
                      LAZY_RESCALE: gl.constexpr):
+        # a program per tile: ring position, queries' phase and turns 0 as constants (as above)
         _consume_tile(qn_s, qr_s, kn_s, kr_s, v_s, p_s, q_bar, k_bar, v_bar, k_free, v_free, turn, q_bar, O, LSE,
                       q_start, q_len, m0, k_len, n_blocks, h, stride_ot, stride_oh, stride_lh, qk_scale, 0, 0, 0,
                       C, BLOCK_M, BLOCK_N, STAGES, PIPE, IS_FP8, V_T, EARLY_K, RESCALE_EARLY, PINGPONG,
@@ -774,12 +778,11 @@ if gluon is not None:
         HALF_M: gl.constexpr = BLOCK_M // 2
         WIDE_K: gl.constexpr = not P_REGS
         dt: gl.constexpr = Q.dtype.element_ty
-        if HOST_DESC:
-            qn_w = QN_D
-            qr_w = QR_D
-            kn_w = KN_D
-            kr_w = KR_D
-        else:  # [Tq, H, 192] in boxes of [64, 1, cols]; K [Tk, H, 128], rope [Tk, H or 1, 64]
+        qn_w = QN_D
+        qr_w = QR_D
+        kn_w = KN_D
+        kr_w = KR_D
+        if not HOST_DESC:  # [Tq, H, 192] in boxes of [64, 1, cols]; K [Tk, H, 128], rope [Tk, H or 1, 64]
             qn_w = tma.make_tensor_descriptor(Q, [gl.maximum(Tq, 1), n_heads, 192], [stride_qt, stride_qh, 1],
                                               [HALF_M, 1, 128],
                                               gl.NVMMASharedLayout.get_default_for([HALF_M, 1, 128], dt))
@@ -795,9 +798,6 @@ if gluon is not None:
                 kr_w = tma.make_tensor_descriptor(KR, [gl.maximum(Tk, 1), gl.where(shared, 1, n_heads), 64],
                                                   [stride_rt, gl.where(shared, 64, stride_rh), 1], [BLOCK_N, 1, 64],
                                                   gl.NVMMASharedLayout.get_default_for([BLOCK_N, 1, 64], dt))
-            else:
-                kn_w = KN_D
-                kr_w = KR_D
         g = 0  # key blocks loaded for the earlier tiles: the rings' position
         qi = 0  # the earlier tiles with keys: the queries' phase
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -1027,7 +1027,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor, v: torch.Tensor, 
     n_tiles = order.numel() if order is not None else grid[0] * grid[1] * grid[2]
     persist = bool(cfg["PERSIST"])
     if persist:  # one program per SM (or per tile, if fewer), each taking every P-th tile
-        grid = (max(1, min(n_tiles, _sms(q.device))), 1, 1)
+        grid = (max(1, min(n_tiles, sms(q.device))), 1, 1)
         sort_b = 0
     elif order is not None:
         grid = (n_tiles, 1, 1)
@@ -1076,8 +1076,8 @@ def _host_descriptors(q: torch.Tensor, k: torch.Tensor, kr: torch.Tensor,
 
 
 @functools.cache
-def _sms(device: torch.device) -> int:
-    """The device's SM count (``PERSIST``'s programs)."""
+def sms(device: torch.device | str) -> int:
+    """The device's SM count (``PERSIST``'s programs; ``tile_order``'s lists)."""
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 

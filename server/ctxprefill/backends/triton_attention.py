@@ -665,7 +665,7 @@ def tile_order_codes(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, q
     ws = (KEYS_LAST_FP8 if q_dtype == _FP8 else CONFIGS[q_dtype]).get("WS") or {}
     block_m = _ws.CONFIG["BLOCK_M"]
     block_n = (ws if isinstance(ws, dict) else {}).get("BLOCK_N", _ws.CONFIG["BLOCK_N"])
-    got = _tile_order.tile_order(q_lens, k_lens, heads, _sms(device), block_m, block_n)
+    got = _tile_order.tile_order(q_lens, k_lens, heads, _ws.sms(device), block_m, block_n)
     return None if got is None else HostLaunchOrder(*got)
 
 
@@ -676,11 +676,6 @@ def device_tile_order(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, 
     if got is None:
         return None
     return TileOrder(torch.tensor(got.codes, dtype=torch.int32).to(device), len(q_lens), heads, got.m_tiles)
-
-
-@functools.cache
-def _sms(device: torch.device) -> int:
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 # Segments per call up to which programs are ordered longest-first (one compiled variant
@@ -700,7 +695,7 @@ _TMA_SCRATCH_CAP = 64 << 20
 def uncapped_below(device: torch.device) -> int:
     """Grids with fewer programs than this run without the default register cap: two
     programs for every multiprocessor."""
-    return 2 * int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 2 * _ws.sms(device)
 
 
 @functools.cache
