@@ -281,10 +281,12 @@ if gluon is not None:
                     tma.async_copy_global_to_shared(qr_d, [q_row + c * HALF_M, 128], bar, qr_s.index(c))
             _load_k(kn_d, kr_d, kn_s, kr_s, k_bar, k_free, 0, g, k_row, h, h_r, BLOCK_N, STAGES, P_REGS, HOST_K)
         if PERSIST:
-            # V's descriptor is rewritten in place: the earlier tile's V copies have all
-            # landed once its last V slot is released (the consumers read them in order)
-            if g > 0:
-                mbarrier.wait(v_free.index((g - 1) % STAGES), ((g - 1) // STAGES) & 1)
+            # V's descriptor is rewritten in place once every copy through it landed: those
+            # of the last STAGES positions (an earlier position's slot was since refilled)
+            for i in gl.static_range(STAGES):
+                r = g - STAGES + i
+                if r >= 0:
+                    mbarrier.wait(v_bar.index(r % STAGES), (r // STAGES) & 1)
         # V through a descriptor over this (segment, head), so that rows past the segment's end
         # read zeros (P is 0 there, but 0 · inf is not), made while q and the first K land
         if V_T:  # [H, 128, Tv]: keys contiguous
