@@ -9,6 +9,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -147,7 +148,8 @@ def test_run_ab_alternates_and_takes_the_median_ratio(monkeypatch):
         tag = config["tag"]
         if tag == "broken":
             raise RuntimeError("no such config")
-        return lambda: calls.append(tag)
+        # (out, lse) as the backend returns them: the same for A and B
+        return lambda: (calls.append(tag), (torch.ones(2), torch.zeros(2)))[1]
 
     def bench_ms(fn, rep):
         fn()
@@ -164,8 +166,26 @@ def test_run_ab_alternates_and_takes_the_median_ratio(monkeypatch):
     bf16, fp8 = ba.run_ab(args)
     assert calls[:2] == ["b", "a"] and calls[2::2] == ["b"] * 3 and calls[3::2] == ["a"] * 3
     assert bf16["ratio_median"] == pytest.approx(4 / 3) and bf16["ratio_min"] == pytest.approx(10 / 9)
-    assert bf16["config_b"] == {"tag": "b"} and len(bf16["tflops_b"]) == 3
+    assert bf16["config_b"] == {"tag": "b"} and len(bf16["tflops_b"]) == 3 and bf16["same_bits"] is True
     assert "no such config" in fp8["error"]
+
+
+def test_run_ab_records_whether_b_gives_a_s_bits(monkeypatch):
+    """--ab records ``same_bits``: B's output and LSE equal to A's, compared once before the rounds."""
+    lse = {"a": torch.zeros(2), "b": torch.tensor([0.0, 2.0**-20])}  # B's LSE differs in one row
+
+    class Data:
+        def get(self, H, name, ql, kl):
+            return {"bf16": (None, None, None), "cq": None, "ck": None}
+
+    monkeypatch.setattr(ba, "Inputs", Data)
+    monkeypatch.setattr(ba, "prov_triton", lambda *a, config=None: lambda: (torch.ones(2), lse[config["tag"]]))
+    monkeypatch.setattr(ba, "bench_ms", lambda fn, rep: 1.0)
+    monkeypatch.setitem(ba.AB, "t", ([("bf16", {"tag": "a"}, {"tag": "b"}), ("bf16", {"tag": "a"}, {"tag": "a"})],
+                                     [(16, "1x1024q/16384k")]))
+    args = types.SimpleNamespace(ab="t", heads=[16], verdict_rounds=1, rep=10, budget_s=1e9)
+    off, same = ba.run_ab(args)
+    assert off["same_bits"] is False and same["same_bits"] is True and "error" not in off
 
 
 def test_ab_and_sweep_configs_name_only_the_kernels_parameters():
