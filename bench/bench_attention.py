@@ -807,8 +807,9 @@ AB = {
     # while the consumers finish this one (PERSIST), against a program per tile: both defaults,
     # the FA3 table's shapes and two over 4k keys (where a tile's fixed cost weighs most)
     "ws-persist": ([(dt, c, _with(c, PERSIST=True)) for dt, c in (("bf16", _BF16_DEFAULT), ("fp8", _FP8_DEFAULT))],
-                   AB_SHAPES + [(128, "4x1024q/16384k"), (128, "ragged4"), (16, "1x8192q/4096k"),
-                                (128, "1x8192q/4096k")]),
+                   # where a tile's fixed cost weighs most first (4k keys, ragged)
+                   [(16, "1x8192q/4096k"), (128, "1x8192q/4096k"), (16, "ragged4"), (128, "ragged4")]
+                   + [s for s in AB_SHAPES if s != (16, "ragged4")] + [(128, "4x1024q/16384k")]),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),
