@@ -137,6 +137,20 @@ def keys_last_v(v, kl):
 LAUNCH = dict(captured=False)
 
 
+def apply_ws_over(over: dict) -> None:
+    """``--ws-over``: Gluon kernel settings over the backend's defaults for every launch of
+    ours, eager and captured (``triton_attention.EAGER_WS`` / ``CAPTURED_WS``), so that a
+    variant runs beside FlashInfer before it is a default; a name the kernel lacks exits."""
+    from ctxprefill.backends import gluon_attention as ga
+    from ctxprefill.backends import triton_attention as ta
+
+    unknown = sorted(set(over) - set(ga.CONFIG))
+    if unknown:
+        sys.exit(f"--ws-over: not a setting of the Gluon kernel: {', '.join(unknown)}")
+    ta.EAGER_WS = {**ta.EAGER_WS, **over}
+    ta.CAPTURED_WS = {**ta.CAPTURED_WS, **over}
+
+
 def prov_triton(q, k, v, cq, ck, ql, kl, scale, causal=False, config=None):
     """Our backend as the engine calls it: with the launch order the engine builds per chunk
     (``device_tile_order``: tiles packed per SM where a ragged batch leaves a tail; built
@@ -927,8 +941,13 @@ def main():
     ap.add_argument("--captured", action="store_true",
                     help="our kernels with the variants a CUDA graph's launch takes (CAPTURED_WS: q's and K's "
                          "descriptors made by the launch), as the engine's --cuda-graphs replays them")
+    ap.add_argument("--ws-over", type=json.loads, default={}, metavar="JSON",
+                    help='Gluon kernel settings over the defaults for every launch of ours, eager and captured '
+                         '(e.g. \'{"PERSIST":true}\': a variant beside FlashInfer before it is a default)')
     args = ap.parse_args()
     LAUNCH["captured"] = args.captured
+    if args.ws_over:
+        apply_ws_over(args.ws_over)
     if args.flashinfer_fp8:
         FLASHINFER_DTYPES.append("fp8")
     if not torch.cuda.is_available():
@@ -956,6 +975,7 @@ def main():
                 torch=torch.__version__, triton=triton.__version__, flashinfer=_flashinfer_version(),
                 configs={str(k): v for k, v in CONFIGS.items()}, flops_rule="2*visible_pairs*H*(192+128)",
                 mode="ab" if args.ab else "sweep" if args.sweep else "table", captured=args.captured,
+                ws_over=args.ws_over,
                 wall_s=elapsed(),
                 targets=[dict(line=line, met=met) for line, met in targets])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

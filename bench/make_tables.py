@@ -297,7 +297,9 @@ def attention_table(d: Doc) -> str:
     rows = [r for r in d["results"] if "tflops" in r and "case" in r]
     lines = [_run_line(d), "", f"TFLOP/s (FLOPs counted as {meta['flops_rule']}); \"triton\" is the engine's "
              "attention (the warp-specialized kernel where it applies" + (", with the variants a CUDA graph's "
-             "launch takes: `--captured`" if meta.get("captured") else "") + "); – : not run (no such path, or "
+             "launch takes: `--captured`" if meta.get("captured") else "") + (
+             f", with `--ws-over {json.dumps(meta['ws_over'], separators=(',', ':'))}` over its defaults"
+             if meta.get("ws_over") else "") + "); – : not run (no such path, or "
              "past the run's time budget).", ""]
     lines += _pivot(rows, _provider, lambda r: f"H={r['H']} {r['case']}", "provider")
     rounds = [r for r in d["results"] if "ratio_median" in r]  # the interleaved rounds' records

@@ -288,3 +288,33 @@ def test_captured_runs_our_launches_as_a_graph_does_and_the_table_says_so(monkey
     assert "`--captured`" not in make_tables.attention_table(d)
     d["meta"]["captured"] = True
     assert "with the variants a CUDA graph's launch takes: `--captured`" in make_tables.attention_table(d)
+
+
+def test_ws_over_sets_every_launch_of_ours_and_refuses_unknown_names(monkeypatch):
+    """--ws-over: the settings reach eager and captured launches' configs (over the defaults,
+    the captured variants kept); a name the Gluon kernel lacks exits naming it."""
+    from ctxprefill.backends import triton_attention as ta
+
+    monkeypatch.setattr(ta, "EAGER_WS", {})
+    monkeypatch.setattr(ta, "CAPTURED_WS", {"HOST_DESC": True})
+    q, k = torch.zeros(4, 16, 192, dtype=torch.bfloat16), torch.zeros(4, 16, 192, dtype=torch.bfloat16)
+    assert not ta.ws_config(True, None, q, k, k[..., 128:], False)["PERSIST"]
+    ba.apply_ws_over({"PERSIST": True})
+    eager = ta.ws_config(True, None, q, k, k[..., 128:], False)
+    captured = ta.ws_config(True, None, q, k, k[..., 128:], False, captured=True)
+    assert eager["PERSIST"] and not eager["HOST_DESC"] and captured["PERSIST"] and captured["HOST_DESC"]
+    with pytest.raises(SystemExit, match="PERSISTENT"):
+        ba.apply_ws_over({"PERSISTENT": True})
+    assert ta.EAGER_WS == {"PERSIST": True}
+
+
+def test_the_attention_table_names_a_run_s_ws_over():
+    """A run with --ws-over says so above its table (its "triton" is not the defaults)."""
+    import make_tables
+
+    with open(os.path.join(ROOT, "bench", "results", "bench_attention.json")) as fh:
+        d = json.load(fh)
+    d["meta"].pop("ws_over", None)
+    assert "--ws-over" not in make_tables.attention_table(d)
+    d["meta"]["ws_over"] = {"PERSIST": True}
+    assert 'with `--ws-over {"PERSIST":true}` over its defaults' in make_tables.attention_table(d)
