@@ -168,7 +168,10 @@ def prov_triton(q, k, v, cq, ck, ql, kl, scale, causal=False, config=None):
 
         tile_order._cached.cache_clear()  # the host cost of a shape seen for the first time
         t0 = time.perf_counter()
-        order = device_tile_order(ql, kl, q.shape[1], q.dtype, q.device)
+        # laid out for a persistent launch where the config asks for one (else as the defaults)
+        ws = config.get("WS")
+        persist = ws.get("PERSIST") if isinstance(ws, dict) else None
+        order = device_tile_order(ql, kl, q.shape[1], q.dtype, q.device, persist)
         order_ms = (time.perf_counter() - t0) * 1e3
     if config.pop("v_layout", "thd") == "hdt":  # built here, outside the timed call
         vt, cv = keys_last_v(v, kl)

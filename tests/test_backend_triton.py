@@ -1306,8 +1306,9 @@ def test_gpu_warp_specialized_persistent_same_bits(dtype, ws):
     tile) gives the bits of one program per tile: the defaults and fp8 pipelined with
     turns; ragged with empty and one-key segments, at 16 and 128 heads (about 12 and 93
     tiles a program over 132 SMs in grid order, empty tiles included), grid order and the
-    host's launch order, q and K through the launch's descriptors or made per tile, packed
-    and unpacked keys; and fewer tiles than SMs. One launch of the Gluon kernel (its
+    host's launch order laid out for it (16 heads: 9-10 codes a program, padding included),
+    q and K through the launch's descriptors or made per tile, packed and unpacked keys;
+    and fewer tiles than SMs. One launch of the Gluon kernel (its
     program count: ``test_persistent_launch_takes_a_program_per_sm``)."""
     from ctxprefill.ops.pack import key_buffer
 
@@ -1321,7 +1322,10 @@ def test_gpu_warp_specialized_persistent_same_bits(dtype, ws):
             v, cv = _keys_last(v, k_lens)
             kw = dict(v_layout="hdt", cu_seqlens_v=cv)
             k = key_buffer(*k.shape, k.device).copy_(k)  # the rows P_REGS reads past the end
-        order = ta.device_tile_order(q_lens, k_lens, H, q.dtype, q.device)
+        # the host's order laid out for a persistent launch (its packed lists, padded with -1),
+        # which the program-per-tile launch runs too (a padding code: an empty program)
+        order = ta.device_tile_order(q_lens, k_lens, H, q.dtype, q.device, persistent=True)
+        assert (order is not None) == (H == 16) and (order is None or -1 in order.codes.tolist()), H
         cases = [(k, {}), (k, dict(tile_order=order))] + ([] if dtype == FP8 else [(k_nope, dict(k_rope=k_rope))])
         for (keys, extra), host in itertools.product(cases, (False, True)):
             runs = [mla_context_attention(q, keys, v, cu_q, cu_k, 2048, 4096, 0.07, **kw, **extra,

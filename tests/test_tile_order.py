@@ -165,3 +165,81 @@ def test_the_engine_case_is_packed_for_both_dtypes_defaults():
         order = tile_order(q_lens, k_lens, 16, SMS, 128, ws["BLOCK_N"])
         assert order is not None, ws
         check_every_tile_once(order, q_lens, 16)
+
+
+def walk_loads(codes, q_lens, k_lens, heads, sms):
+    """Each program's work in a persistent launch: program p runs codes p, p + P, ... (P =
+    min(codes, sms)); a code outside the batch (-1) costs nothing."""
+    m_tiles = max(cdiv(q, 128) for q in q_lens)
+    P = min(len(codes), sms)
+    load = [0.0] * P
+    for t, c in enumerate(codes):
+        b, m = c // (heads * m_tiles), (c // heads) % m_tiles
+        if c >= 0 and m < cdiv(q_lens[b], 128):
+            load[t % P] += cdiv(k_lens[b], 128) + STARTUP_BLOCKS
+    return load
+
+
+def test_persistent_layout_walks_the_packed_lists():
+    """persistent=True: the packed SM lists laid out so that program p's stride-``sms`` walk
+    is list p (padding -1): every tile once, each walk's segments costliest first, and the
+    longest program shorter than that walk over the dynamic order or the kernel's
+    grid order (m fastest, then head, then segment)."""
+    codes, m_tiles = tile_order(RQ, RK, 16, SMS, persistent=True)
+    assert len(codes) % SMS == 0 and -1 in codes
+    real = [c for c in codes if c >= 0]
+    check_every_tile_once((real, m_tiles), RQ, 16)
+    for p in range(SMS):  # each program walks one packed list: its segments costliest first
+        walk = [c for c in codes[p::SMS] if c >= 0]
+        keys = [RK[b] for b, _, _ in decode((walk, m_tiles), RQ, 16)]
+        assert keys == sorted(keys, reverse=True)
+    ours = max(walk_loads(codes, RQ, RK, 16, SMS))
+    dynamic, _ = tile_order(RQ, RK, 16, SMS)
+    grid = [(b * m_tiles + m) * 16 + h for b in range(len(RQ)) for h in range(16) for m in range(m_tiles)]
+    assert ours < max(walk_loads(dynamic, RQ, RK, 16, SMS)) and ours < max(walk_loads(grid, RQ, RK, 16, SMS))
+    balanced = sum(walk_loads(real, RQ, RK, 16, SMS)) / SMS
+    assert balanced / ours >= 0.96
+    # the same batch where the dynamic order is not given either: none
+    assert tile_order(RQ, RK, 128, SMS, persistent=True) is None
+
+
+def test_persistent_layout_only_where_it_beats_the_grid_walk():
+    """Random batches at H=16: a persistent layout given is never longer than the grid
+    order's walk (else None) and lists every tile once."""
+    rng = random.Random(1)
+    given = 0
+    for _ in range(60):
+        n = rng.randint(2, 12)
+        q_lens = [rng.randint(1, 2048) for _ in range(n)]
+        k_lens = [rng.randint(0, 40000) for _ in range(n)]
+        got = tile_order(q_lens, k_lens, 16, SMS, persistent=True)
+        if got is None:
+            continue
+        given += 1
+        codes, m_tiles = got
+        check_every_tile_once(([c for c in codes if c >= 0], m_tiles), q_lens, 16)
+        grid = [(b * m_tiles + m) * 16 + h for b in range(n) for h in range(16) for m in range(m_tiles)]
+        assert max(walk_loads(codes, q_lens, k_lens, 16, SMS)) < max(walk_loads(grid, q_lens, k_lens, 16, SMS))
+    assert given >= 10
+
+
+def test_the_backend_lays_the_order_out_for_a_persistent_launch(monkeypatch):
+    """``tile_order_codes``: the persistent layout where asked, or (None) where the dtype's
+    defaults with ``EAGER_WS`` launch persistent programs; the start-time order otherwise."""
+    import torch
+
+    from ctxprefill.backends import gluon_attention as ga
+    from ctxprefill.backends import triton_attention as ta
+
+    monkeypatch.setattr(ga, "sms", lambda device: SMS)
+    monkeypatch.setattr(ta, "EAGER_WS", {})
+    want = {p: tile_order(RQ, RK, 16, SMS, 128, 128, p) for p in (False, True)}
+    assert want[False] != want[True]
+
+    def got(persistent=None):
+        o = ta.tile_order_codes(RQ, RK, 16, torch.bfloat16, "cuda", persistent)
+        return o.codes, o.m_tiles
+
+    assert got() == want[False] and got(True) == want[True]
+    monkeypatch.setattr(ta, "EAGER_WS", {"PERSIST": True})
+    assert got() == want[True] and got(False) == want[False]

@@ -67,7 +67,7 @@ class BackendCaps:
 class HostLaunchOrder:
     """A chunk's launch order as a backend builds it on the host (``launch_order``)."""
 
-    codes: tuple[int, ...]  # one program each, in launch order: (b * m_tiles + m) * heads + h
+    codes: tuple[int, ...]  # one tile each, in launch order: (b * m_tiles + m) * heads + h (-1: none, padding)
     m_tiles: int  # query tiles per segment the codes count with
 
 

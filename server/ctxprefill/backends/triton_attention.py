@@ -653,10 +653,11 @@ class TileOrder:
 
 
 def tile_order_codes(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, q_dtype: torch.dtype,
-                     device: torch.device | str) -> HostLaunchOrder | None:
+                     device: torch.device | str, persistent: bool | None = None) -> HostLaunchOrder | None:
     """The warp-specialized kernel's launch order for segments of ``q_lens`` query rows over
     ``k_lens`` keys on ``device`` (host lists, no sync), or None where its own order serves
-    (not CUDA, one segment, no tail to pack): ``tile_order``."""
+    (not CUDA, one segment, no tail to pack): ``tile_order``, laid out for a persistent
+    launch where ``persistent`` (None: where the dtype's defaults with ``EAGER_WS`` are)."""
     if len(q_lens) < 2:  # (the engine asks for every chunk: a short request's host time)
         return None
     device = torch.device(device)
@@ -665,14 +666,16 @@ def tile_order_codes(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, q
     ws = (KEYS_LAST_FP8 if q_dtype == _FP8 else CONFIGS[q_dtype]).get("WS") or {}
     block_m = _ws.CONFIG["BLOCK_M"]
     block_n = (ws if isinstance(ws, dict) else {}).get("BLOCK_N", _ws.CONFIG["BLOCK_N"])
-    got = _tile_order.tile_order(q_lens, k_lens, heads, _ws.sms(device), block_m, block_n)
+    if persistent is None:
+        persistent = bool({**_ws.CONFIG, **(ws if isinstance(ws, dict) else {}), **EAGER_WS}["PERSIST"])
+    got = _tile_order.tile_order(q_lens, k_lens, heads, _ws.sms(device), block_m, block_n, persistent)
     return None if got is None else HostLaunchOrder(*got)
 
 
 def device_tile_order(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, q_dtype: torch.dtype,
-                      device: torch.device | str) -> TileOrder | None:
+                      device: torch.device | str, persistent: bool | None = None) -> TileOrder | None:
     """``tile_order_codes`` copied to the device (one small copy) for ``mla_context_attention``."""
-    got = tile_order_codes(q_lens, k_lens, heads, q_dtype, device)
+    got = tile_order_codes(q_lens, k_lens, heads, q_dtype, device, persistent)
     if got is None:
         return None
     return TileOrder(torch.tensor(got.codes, dtype=torch.int32).to(device), len(q_lens), heads, got.m_tiles)
