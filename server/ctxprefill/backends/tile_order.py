@@ -126,14 +126,13 @@ def _persistent(groups: list[Group], segs: list[int], q_tiles: tuple[int, ...], 
                 cost: list[float], m_tiles: int) -> tuple[tuple[int, ...], int] | None:
     """``tile_order(persistent=True)``'s codes: the packed SM lists laid out for a stride-``sms``
     walk, or None where the kernel's grid order walked so runs as short (both static)."""
-    # the longest list of the grid order's walk: tile g = (b, h, m), m fastest, to program g % P
-    tiles = len(q_tiles) * m_tiles * heads
-    walk = [0.0] * min(sms, tiles)
-    rank = {b: i for i, b in enumerate(segs)}
-    for g in range(tiles):
-        b, m = g // (m_tiles * heads), g % m_tiles
-        if m < q_tiles[b]:
-            walk[g % len(walk)] += cost[rank[b]]
+    # the grid order's walk: tile (b * heads + h) * m_tiles + m to program (that) % P; the
+    # tiles past a segment's end cost nothing, so only the segments' own are summed
+    walk = [0.0] * min(sms, len(q_tiles) * m_tiles * heads)
+    for i, b in enumerate(segs):
+        for g in range(b * heads * m_tiles, (b + 1) * heads * m_tiles, m_tiles):  # head h's first tile
+            for m in range(q_tiles[b]):
+                walk[(g + m) % len(walk)] += cost[i]
     if max(load for _, load, _ in groups) >= max(walk):
         return None
     # list entries (start time, segment rank, list) by start time, as the launch order's events;

@@ -663,11 +663,12 @@ def tile_order_codes(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, q
     device = torch.device(device)
     if device.type != "cuda" or q_dtype not in CONFIGS:
         return None
-    ws = (KEYS_LAST_FP8 if q_dtype == _FP8 else CONFIGS[q_dtype]).get("WS") or {}
+    ws = (KEYS_LAST_FP8 if q_dtype == _FP8 else CONFIGS[q_dtype]).get("WS")
+    ws = ws if isinstance(ws, dict) else {}
     block_m = _ws.CONFIG["BLOCK_M"]
-    block_n = (ws if isinstance(ws, dict) else {}).get("BLOCK_N", _ws.CONFIG["BLOCK_N"])
-    if persistent is None:
-        persistent = bool({**_ws.CONFIG, **(ws if isinstance(ws, dict) else {}), **EAGER_WS}["PERSIST"])
+    block_n = ws.get("BLOCK_N", _ws.CONFIG["BLOCK_N"])
+    if persistent is None:  # as ws_config sets it for a call without a config: EAGER_WS over the defaults
+        persistent = bool(EAGER_WS.get("PERSIST", ws.get("PERSIST", _ws.CONFIG["PERSIST"])))
     got = _tile_order.tile_order(q_lens, k_lens, heads, _ws.sms(device), block_m, block_n, persistent)
     return None if got is None else HostLaunchOrder(*got)
 
