@@ -340,23 +340,30 @@ def _config(c: dict) -> str:
 def ab_table(d: Doc) -> str:
     """``bench/bench_attention.py --ab``: config B against config A per shape, interleaved rounds."""
     rows = d["results"]
+    # runs that compared B's output and LSE with A's once (``same_bits``): a column for it
+    bits = any("same_bits" in r for r in rows)
     lines = [_run_line(d), "", "B / A: the median (least, largest) of the per-round TFLOP/s ratios, the two "
-             "measured in turn in every round; TFLOP/s medians.", ""]
+             "measured in turn in every round; TFLOP/s medians" + ("; same bits: B's output and LSE equal to A's"
+                                                                  if bits else "") + ".", ""]
+
     def pair(r: dict) -> tuple[str, str, str]:
         return r["dtype"], _config(r["config_a"]), _config(r["config_b"])
 
     for dt, a, b in dict.fromkeys(pair(r) for r in rows):
         lines += [f"{dt}: A = {a}; B = {b}.", "",
-                  "| H | shape | rounds | A | B | B / A | min | max |", "|---|---|---|---|---|---|---|---|"]
+                  "| H | shape | rounds | A | B | B / A | min | max |" + (" same bits |" if bits else ""),
+                  "|---|---|---|---|---|---|---|---|" + ("---|" if bits else "")]
         for r in rows:
             if pair(r) != (dt, a, b):
                 continue
+            same = (" yes |" if r["same_bits"] else " **no** |") if "same_bits" in r else " |" if bits else ""
             if "ratio_median" not in r:
-                lines.append(f"| {r['H']} | {r['case']} | – | – | – | {r.get('error', r.get('skipped'))} | | |")
+                lines.append(f"| {r['H']} | {r['case']} | – | – | – | {r.get('error', r.get('skipped'))} | | |"
+                             + same)
                 continue
             lines.append(f"| {r['H']} | {r['case']} | {r['rounds']} | {statistics.median(r['tflops_a']):.1f} "
                          f"| {statistics.median(r['tflops_b']):.1f} | {r['ratio_median']:.3f} "
-                         f"| {r['ratio_min']:.3f} | {r['ratio_max']:.3f} |")
+                         f"| {r['ratio_min']:.3f} | {r['ratio_max']:.3f} |" + same)
         lines.append("")
     return "\n".join(lines)
 

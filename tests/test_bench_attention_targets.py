@@ -318,3 +318,22 @@ def test_the_attention_table_names_a_run_s_ws_over():
     assert "--ws-over" not in make_tables.attention_table(d)
     d["meta"]["ws_over"] = {"PERSIST": True}
     assert 'with `--ws-over {"PERSIST":true}` over its defaults' in make_tables.attention_table(d)
+
+
+def test_the_ab_table_shows_same_bits_where_the_run_recorded_them():
+    """--ab runs that record ``same_bits`` get a column for it (a B that differs in bold);
+    runs without keep their columns."""
+    import make_tables
+
+    with open(os.path.join(ROOT, "bench", "results", "attention_ab_ws-host-desc.json")) as fh:
+        d = json.load(fh)
+    for r in d["results"]:
+        r.pop("same_bits", None)
+    assert "same bits" not in make_tables.ab_table(d)
+    for i, r in enumerate(d["results"]):
+        r["same_bits"] = i != 1
+    table = make_tables.ab_table(d)
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line and "shape" not in line]
+    assert "| same bits |" in table and rows and all(line.count("|") == 10 for line in rows)
+    assert sum(line.endswith("| **no** |") for line in rows) == 1
+    assert sum(line.endswith("| yes |") for line in rows) == len(d["results"]) - 1
