@@ -827,6 +827,15 @@ AB = {
                    # where a tile's fixed cost weighs most first (4k keys, ragged)
                    [(16, "1x8192q/4096k"), (128, "1x8192q/4096k"), (16, "ragged4"), (128, "ragged4")]
                    + [s for s in AB_SHAPES if s != (16, "ragged4")] + [(128, "4x1024q/16384k")]),
+    # where PERSIST's bf16 time goes: against the launch's descriptors alone (HOST_DESC), without
+    # the lazy rescale, and over serial and turn-taking consumers (fp8's structure)
+    "ws-persist-bf16": ([("bf16", _with(_BF16_DEFAULT, HOST_DESC=True), _with(_BF16_DEFAULT, PERSIST=True)),
+                         ("bf16", _BF16_DEFAULT, _with(_BF16_DEFAULT, PERSIST=True, LAZY_RESCALE=False)),
+                         ("bf16", _with(_BF16_DEFAULT, PIPE=False, LAZY_RESCALE=False),
+                          _with(_BF16_DEFAULT, PIPE=False, LAZY_RESCALE=False, PERSIST=True)),
+                         ("bf16", _with(_BF16_DEFAULT, PINGPONG=True), _with(_BF16_DEFAULT, PINGPONG=True,
+                                                                              PERSIST=True))],
+                        [(16, "1x8192q/4096k"), (128, "1x8192q/4096k"), (16, "1x8192q/16384k")]),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),
