@@ -225,7 +225,8 @@ def test_persistent_layout_only_where_it_beats_the_grid_walk():
 
 def test_the_backend_lays_the_order_out_for_a_persistent_launch(monkeypatch):
     """``tile_order_codes``: the persistent layout where asked, or (None) where the dtype's
-    defaults with ``EAGER_WS`` launch persistent programs; the start-time order otherwise."""
+    defaults with ``EAGER_WS`` launch persistent programs (they do); the start-time order
+    otherwise."""
     import torch
 
     from ctxprefill.backends import gluon_attention as ga
@@ -236,10 +237,31 @@ def test_the_backend_lays_the_order_out_for_a_persistent_launch(monkeypatch):
     want = {p: tile_order(RQ, RK, 16, SMS, 128, 128, p) for p in (False, True)}
     assert want[False] != want[True]
 
-    def got(persistent=None):
-        o = ta.tile_order_codes(RQ, RK, 16, torch.bfloat16, "cuda", persistent)
-        return o.codes, o.m_tiles
+    def got(persistent=None, heads=16):
+        o = ta.tile_order_codes(RQ, RK, heads, torch.bfloat16, "cuda", persistent)
+        return None if o is None else (o.codes, o.m_tiles, o.persistent)
 
-    assert got() == want[False] and got(True) == want[True]
-    monkeypatch.setattr(ta, "EAGER_WS", {"PERSIST": True})
-    assert got() == want[True] and got(False) == want[False]
+    assert ta.CONFIGS[torch.bfloat16]["WS"]["PERSIST"]  # the default
+    assert got() == (*want[True], True) and got(False) == (*want[False], False)
+    monkeypatch.setattr(ta, "EAGER_WS", {"PERSIST": False})
+    assert got() == (*want[False], False) and got(True) == (*want[True], True)
+    # no layout beats the grid walk (a batch whose lists the walk already balances): the
+    # start-time order, marked for a program per tile (persistent_launch then says no)
+    even = ([2048, 2048, 512], [15360, 9216, 4096])
+    assert tile_order(*even, 16, SMS, 128, 128, True) is None and tile_order(*even, 16, SMS) is not None
+    o = ta.tile_order_codes(*even, 16, torch.bfloat16, "cuda", True)
+    assert (o.codes, o.m_tiles, o.persistent) == (*tile_order(*even, 16, SMS), False)
+
+
+def test_a_ragged_batch_without_a_persistent_layout_runs_a_program_per_tile():
+    """``persistent_launch``: one segment, or an order laid out for a persistent launch;
+    not several segments in the grid's order or in a start-time order."""
+    import torch
+
+    from ctxprefill.backends import triton_attention as ta
+
+    codes = torch.zeros(4, dtype=torch.int32)
+    assert ta.persistent_launch(1, None) and ta.persistent_launch(0, None)
+    assert ta.persistent_launch(3, ta.TileOrder(codes, 3, 2, 1, persistent=True))
+    assert not ta.persistent_launch(3, None)
+    assert not ta.persistent_launch(3, ta.TileOrder(codes, 3, 2, 1))

@@ -69,6 +69,7 @@ class HostLaunchOrder:
 
     codes: tuple[int, ...]  # one tile each, in launch order: (b * m_tiles + m) * heads + h (-1: none, padding)
     m_tiles: int  # query tiles per segment the codes count with
+    persistent: bool = False  # laid out for a persistent launch's stride walk (else: start-time order)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,6 +78,7 @@ class LaunchOrder:
 
     codes: torch.Tensor  # int32 [programs] on q.device, contiguous
     m_tiles: int
+    persistent: bool = False  # as HostLaunchOrder's
 
 
 class AttentionBackend(abc.ABC):

@@ -133,7 +133,7 @@ _P_SHIFT = 8.0  # P·V in fp8: P scaled by 2**8 (≤ 256 < 448) before the e4m3 
 CONFIGS: dict[torch.dtype, dict[str, Any]] = {
     torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, USE_TMA=True,
                          WS=dict(PIPE=True, BLOCK_N=128, STAGES=2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True,
-                                 LAZY_RESCALE=True)),
+                                 LAZY_RESCALE=True, PINGPONG=True, PERSIST=True)),
     _FP8: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, PV_FP8=False, USE_TMA=True, maxnreg=128),
 }
 
@@ -159,7 +159,7 @@ CONFIGS: dict[torch.dtype, dict[str, Any]] = {
 #: caller's K lacks the rows past its end P_REGS reads, ``ws_config`` stages P instead
 #: (and keeps the barrier before a slot's release, which then orders P's stores).
 KEYS_LAST_FP8: dict[str, Any] = dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True,
-                                                          P_REGS=True, ARRIVE_NOSYNC=True))
+                                                          P_REGS=True, ARRIVE_NOSYNC=True, PERSIST=True))
 #: over the warp-specialized kernel's settings, for launches recorded into a CUDA graph
 #: (``captured``), where what the host spends on a launch is paid once: q's and K's TMA
 #: descriptors made by the launch (``HOST_DESC``) instead of by every program
@@ -591,6 +591,8 @@ def mla_context_attention(
         # (fp8: P·V in fp8 over keys-last V only — Hopper's fp8 MMA wants V K-major)
         # warp-specialized Gluon kernel (Hopper): same semantics, FA3's structure
         ws_cfg = ws_config(ws, config, q, k, kr, v_t, captured)
+        if ws_cfg["PERSIST"] and not _asks(config, "PERSIST") and not persistent_launch(B, tile_order):
+            ws_cfg["PERSIST"] = False
         ws_grid = (max(1, -(-int(max_q) // ws_cfg["BLOCK_M"])), H, max(B, 1))
         ordered = tile_order is not None  # then a 1-D launch in that order, no in-kernel sort
         _ws.launch(q, k, kr, v, out, lse, cu_seqlens_q, cu_seqlens_k,
@@ -650,6 +652,7 @@ class TileOrder:
     segments: int  # B
     heads: int  # H
     m_tiles: int  # query tiles per segment the codes count with
+    persistent: bool = False  # laid out for a persistent launch (``tile_order(persistent=True)``)
 
 
 def tile_order_codes(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, q_dtype: torch.dtype,
@@ -669,7 +672,13 @@ def tile_order_codes(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, q
     block_n = ws.get("BLOCK_N", _ws.CONFIG["BLOCK_N"])
     if persistent is None:  # as ws_config sets it for a call without a config: EAGER_WS over the defaults
         persistent = bool(EAGER_WS.get("PERSIST", ws.get("PERSIST", _ws.CONFIG["PERSIST"])))
-    got = _tile_order.tile_order(q_lens, k_lens, heads, _ws.sms(device), block_m, block_n, persistent)
+    sms = _ws.sms(device)
+    got = _tile_order.tile_order(q_lens, k_lens, heads, sms, block_m, block_n, True) if persistent else None
+    if got is not None:
+        return HostLaunchOrder(*got, persistent=True)
+    # no persistent layout: the launch runs a program per tile (``persistent_launch``), in
+    # the start-time order where there is one
+    got = _tile_order.tile_order(q_lens, k_lens, heads, sms, block_m, block_n)
     return None if got is None else HostLaunchOrder(*got)
 
 
@@ -679,7 +688,17 @@ def device_tile_order(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, 
     got = tile_order_codes(q_lens, k_lens, heads, q_dtype, device, persistent)
     if got is None:
         return None
-    return TileOrder(torch.tensor(got.codes, dtype=torch.int32).to(device), len(q_lens), heads, got.m_tiles)
+    return TileOrder(torch.tensor(got.codes, dtype=torch.int32).to(device), len(q_lens), heads, got.m_tiles,
+                     got.persistent)
+
+
+def persistent_launch(B: int, tile_order: TileOrder | None) -> bool:
+    """Whether a launch whose settings take ``PERSIST`` from the defaults runs persistent
+    programs: with one segment (a stride walk over tiles that cost alike) or a launch order
+    laid out for it. A ragged batch without one runs a program per tile, longest segment
+    first: the hardware hands each SM that frees the next tile, where a static walk runs
+    the SMs apart and the query tiles of one head (one K/V in L2) no longer run together."""
+    return B <= 1 or (tile_order is not None and tile_order.persistent)
 
 
 # Segments per call up to which programs are ordered longest-first (one compiled variant
@@ -773,7 +792,8 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.refuse_outside_caps(q.dtype, k_rope, v_layout, cu_seqlens_v, launch_order, captured)
         order = None if launch_order is None else \
-            TileOrder(launch_order.codes, cu_seqlens_q.numel() - 1, q.shape[1], launch_order.m_tiles)
+            TileOrder(launch_order.codes, cu_seqlens_q.numel() - 1, q.shape[1], launch_order.m_tiles,
+                      launch_order.persistent)
         return mla_context_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale,
                                      out=out, causal=causal, config=self.config, v_layout=v_layout,
                                      cu_seqlens_v=cu_seqlens_v, tile_order=order, k_rope=k_rope, captured=captured)
@@ -807,8 +827,9 @@ class TritonAttentionBackend(AttentionBackend):
             orders: list[TileOrder | None] = [None]
             if n > 1 and device.type == "cuda" and self.caps.launch_order:
                 m_tiles = -(-max(q_lens) // _ws.CONFIG["BLOCK_M"])
-                orders.append(TileOrder(torch.arange(n * m_tiles * heads, dtype=torch.int32, device=device), n, heads,
-                                        m_tiles))
+                codes = torch.arange(n * m_tiles * heads, dtype=torch.int32, device=device)
+                # a program per tile in that order, and (where the settings persist) persistent programs
+                orders += [TileOrder(codes, n, heads, m_tiles), TileOrder(codes, n, heads, m_tiles, True)]
             for order, cap in itertools.product(orders, (False, True) if captured and self.caps.graph_variants
                                                 else (False,)):
                 mla_context_attention(q, k, v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, config=self.config,

@@ -393,7 +393,7 @@ def _launch_order(backend: AttentionBackend, x: LoopInputs, c: ContextChunk, hea
         return None
     cuda = device.type == "cuda"
     codes = torch.tensor(got.codes, dtype=torch.int32, pin_memory=cuda).to(device, non_blocking=cuda)
-    return LaunchOrder(codes, got.m_tiles)
+    return LaunchOrder(codes, got.m_tiles, got.persistent)
 
 
 def _accumulate(direct: bool, copy_out: bool, out_c: torch.Tensor, lse_c: torch.Tensor, o_c: torch.Tensor,
