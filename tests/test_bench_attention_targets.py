@@ -253,23 +253,21 @@ def test_every_ab_names_cases_and_kernel_options_that_exist():
                 assert set(cfg["WS"]) <= set(ga.CONFIG), (name, cfg)
             assert a != b, name
     assert any(b["WS"]["HOST_DESC"] and not a["WS"]["HOST_DESC"] for _, a, b in ba.AB["ws-host-desc"][0])
-    # ws-persist-defaults: each dtype's default (as triton_attention sets it; PERSIST left to
-    # the launch) against the same without persistent programs (bf16 without turns either);
-    # ws-persist: that A against the same with PERSIST asked for
+    # ws-persist: each dtype's default (as triton_attention sets it) against the same with
+    # PERSIST; ws-persist-launch: against the same (bf16 with turns) leaving PERSIST to the launch
     import torch
 
     from ctxprefill.backends import triton_attention as ta
 
     defaults = {"bf16": ta.CONFIGS[torch.bfloat16]["WS"], "fp8": ta.KEYS_LAST_FP8["WS"]}
-    pairs = ba.AB["ws-persist-defaults"][0]
+    pairs = ba.AB["ws-persist"][0]
     assert sorted(dt for dt, _, _ in pairs) == ["bf16", "fp8"]
     for dt, a, b in pairs:
-        assert "PERSIST" not in b["WS"] and defaults[dt]["PERSIST"], (dt, b)
-        assert all(b["WS"][key] == val for key, val in defaults[dt].items() if key != "PERSIST"), (dt, b)
-        off = dict(defaults[dt], PERSIST=False, PINGPONG=dt == "fp8")
-        assert all(a["WS"][key] == val for key, val in off.items()), (dt, a)
-    for (dt, a, b), (_, a2, _) in zip(ba.AB["ws-persist"][0], pairs, strict=True):
-        assert a == a2 and b["WS"]["PERSIST"] and dict(b["WS"], PERSIST=False) == a["WS"], (dt, b)
+        assert all(a["WS"][key] == val for key, val in defaults[dt].items()), (dt, a)
+        assert b["WS"]["PERSIST"] and dict(b["WS"], PERSIST=False) == a["WS"] and not a["WS"]["PERSIST"], (dt, b)
+    for (dt, a, b), (_, a2, _) in zip(ba.AB["ws-persist-launch"][0], pairs, strict=True):
+        assert a == a2 and "PERSIST" not in b["WS"], (dt, b)
+        assert dict(b["WS"], PERSIST=False, PINGPONG=a["WS"]["PINGPONG"]) == a["WS"] and b["WS"]["PINGPONG"], (dt, b)
 
 
 def test_captured_runs_our_launches_as_a_graph_does_and_the_table_says_so(monkeypatch):
