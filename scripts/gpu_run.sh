@@ -344,10 +344,11 @@ want attention_sweep_ws && run_step attention_sweep_ws 360 5 - python3 bench/ben
   --out "$OUT/attention_sweep_${GPU_RUN_WS_SWEEP:-ws}.json"
 
 # ---- 8a'. two configs of the warp-specialized kernel in interleaved rounds (GPU_RUN_AB: names of
-# bench_attention.AB, one step each, default ws-wait; GPU_RUN_AB_ROUNDS: rounds per shape, default 5)
+# bench_attention.AB, one step each, default ws-wait; GPU_RUN_AB_ROUNDS: rounds per shape, default 5;
+# GPU_RUN_AB_ARGS: more arguments, split at spaces, e.g. --ws-over {"PERSIST":true})
 for ab in ${GPU_RUN_AB:-ws-wait}; do
   want attention_ab && run_step "attention_ab $ab" 300 5 - python3 bench/bench_attention.py --ab "$ab" \
-    --verdict-rounds "${GPU_RUN_AB_ROUNDS:-5}" --budget-s 240 --out "$OUT/attention_ab_$ab.json"
+    --verdict-rounds "${GPU_RUN_AB_ROUNDS:-5}" --budget-s 240 ${GPU_RUN_AB_ARGS:-} --out "$OUT/attention_ab_$ab.json"
 done
 
 # ---- 8a''. one launch of each config of an --ab entry (GPU_RUN_NCU_AB) under Nsight Compute (clocks left alone):
