@@ -896,6 +896,16 @@ BENCHMARKS = (
           "a row's max until it grows past 2⁸ in p and skip O's rescale when no row of the warpgroup moved "
           "(`LAZY_RESCALE`, B), against rescaling every key block (A), 21 rounds per shape.",
           env="GPU_RUN_AB=ws-lazy-rescale GPU_RUN_AB_ROUNDS=21"),
+    Bench("Persistent programs, in interleaved rounds", "attention_ab", ("attention_ab_ws-persist",),
+          "`bench/bench_attention.py --ab ws-persist --verdict-rounds 11`: the defaults of both dtypes with one "
+          "program per SM taking tile after tile (`PERSIST`, B) against a program per tile (A), 11 rounds per "
+          "shape; a ragged batch's order laid out for the persistent walk where one beats the grid's (16 heads), "
+          "the grid's order otherwise.", env="GPU_RUN_AB=ws-persist GPU_RUN_AB_ROUNDS=11"),
+    Bench("Where persistent bf16 programs lose, in interleaved rounds", "attention_ab", ("attention_ab_ws-persist-bf16",),
+          "`bench/bench_attention.py --ab ws-persist-bf16 --verdict-rounds 9`: bf16 persistent programs against "
+          "q's and K's descriptors made by the launch alone (`HOST_DESC`), without the lazy rescale, with serial "
+          "consumers and with turns at the tensor cores (`PINGPONG`), each against the same without `PERSIST`, "
+          "9 rounds per shape.", env="GPU_RUN_AB=ws-persist-bf16 GPU_RUN_AB_ROUNDS=9"),
     Bench("Throughput under concurrency", "bench_concurrency", ("bench_concurrency",),
           "`bench/bench_concurrency.py`: 1 to 16 clients against one server per shape, inline tensors and CUDA IPC "
           "regions."),
