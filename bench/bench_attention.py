@@ -763,8 +763,9 @@ _PIPE_FP8_256 = _ws(True, 256, 2, PV_WAIT_LATE=True, PINGPONG=True, **_FP8_KL)
 # each dtype's default as triton_attention sets it (tests/test_bench_attention_targets.py
 # holds them to it; not imported here: this module is imported before the interpreter
 # setting that import depends on)
-_BF16_DEFAULT = _ws(True, 128, 2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True, LAZY_RESCALE=True)
-_FP8_DEFAULT = _ws(False, 256, 2, PINGPONG=True, P_REGS=True, ARRIVE_NOSYNC=True, **_FP8_KL)
+_BF16_DEFAULT = _ws(True, 128, 2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True, LAZY_RESCALE=True, PINGPONG=True,
+                    PERSIST=True)
+_FP8_DEFAULT = _ws(False, 256, 2, PINGPONG=True, P_REGS=True, ARRIVE_NOSYNC=True, PERSIST=True, **_FP8_KL)
 
 
 def _with(cfg, **ws):
@@ -773,9 +774,15 @@ def _with(cfg, **ws):
 
 
 def _unasked(cfg, key):
-    """``cfg`` without kernel option ``key``: the launch takes it from the defaults (and,
-    for ``PERSIST``, decides it per launch: ``triton_attention.persistent_launch``)."""
+    """``cfg`` without kernel option ``key``: the launch's settings set it (``EAGER_WS``,
+    ``--ws-over``; a config's WS stands in for the defaults whole), and ``PERSIST`` so set
+    is decided per launch (``triton_attention.persistent_launch``)."""
     return dict(cfg, WS={k: v for k, v in cfg["WS"].items() if k != key})
+
+
+# the same as a program per tile (bf16 without turns): the A of the PERSIST A/Bs
+_BF16_TILE = _with(_BF16_DEFAULT, PINGPONG=False, PERSIST=False)
+_FP8_TILE = _with(_FP8_DEFAULT, PERSIST=False)
 
 
 # where a tile's fixed cost weighs most first (4k keys, ragged), then the FA3 table's shapes
@@ -833,22 +840,22 @@ AB = {
     # one program per SM taking tile after tile, the next tile's queries and first keys loading
     # while the consumers finish this one (PERSIST), against a program per tile: both defaults,
     # the FA3 table's shapes and two over 4k keys (where a tile's fixed cost weighs most)
-    "ws-persist": ([(dt, c, _with(c, PERSIST=True)) for dt, c in (("bf16", _BF16_DEFAULT), ("fp8", _FP8_DEFAULT))],
+    "ws-persist": ([(dt, c, _with(c, PERSIST=True)) for dt, c in (("bf16", _BF16_TILE), ("fp8", _FP8_TILE))],
                    _PERSIST_SHAPES),
     # where PERSIST's bf16 time goes: against the launch's descriptors alone (HOST_DESC), without
     # the lazy rescale, and over serial and turn-taking consumers (fp8's structure)
-    "ws-persist-bf16": ([("bf16", _with(_BF16_DEFAULT, HOST_DESC=True), _with(_BF16_DEFAULT, PERSIST=True)),
-                         ("bf16", _BF16_DEFAULT, _with(_BF16_DEFAULT, PERSIST=True, LAZY_RESCALE=False)),
-                         ("bf16", _with(_BF16_DEFAULT, PIPE=False, LAZY_RESCALE=False),
-                          _with(_BF16_DEFAULT, PIPE=False, LAZY_RESCALE=False, PERSIST=True)),
-                         ("bf16", _with(_BF16_DEFAULT, PINGPONG=True), _with(_BF16_DEFAULT, PINGPONG=True,
+    "ws-persist-bf16": ([("bf16", _with(_BF16_TILE, HOST_DESC=True), _with(_BF16_TILE, PERSIST=True)),
+                         ("bf16", _BF16_TILE, _with(_BF16_TILE, PERSIST=True, LAZY_RESCALE=False)),
+                         ("bf16", _with(_BF16_TILE, PIPE=False, LAZY_RESCALE=False),
+                          _with(_BF16_TILE, PIPE=False, LAZY_RESCALE=False, PERSIST=True)),
+                         ("bf16", _with(_BF16_TILE, PINGPONG=True), _with(_BF16_TILE, PINGPONG=True,
                                                                               PERSIST=True))],
                         [(16, "1x8192q/4096k"), (128, "1x8192q/4096k"), (16, "1x8192q/16384k")]),
     # the defaults against persistent programs as a launch takes them from its settings
     # (``persistent_launch``: one segment, or an order laid out for them), bf16 with turns:
     # B leaves PERSIST to the settings, so run it with --ws-over '{"PERSIST":true}'
-    "ws-persist-launch": ([("bf16", _BF16_DEFAULT, _unasked(_with(_BF16_DEFAULT, PINGPONG=True), "PERSIST")),
-                           ("fp8", _FP8_DEFAULT, _unasked(_FP8_DEFAULT, "PERSIST"))], _PERSIST_SHAPES),
+    "ws-persist-launch": ([("bf16", _BF16_TILE, _unasked(_with(_BF16_TILE, PINGPONG=True), "PERSIST")),
+                           ("fp8", _FP8_TILE, _unasked(_FP8_TILE, "PERSIST"))], _PERSIST_SHAPES),
 }
 #: --sweep NAME -> (configs per dtype, shapes)
 SWEEPS = {"triton": (SWEEP, SWEEP_SHAPES), "ws": (SWEEP_WS, SWEEP_SHAPES),

@@ -901,11 +901,21 @@ BENCHMARKS = (
           "program per SM taking tile after tile (`PERSIST`, B) against a program per tile (A), 11 rounds per "
           "shape; a ragged batch's order laid out for the persistent walk where one beats the grid's (16 heads), "
           "the grid's order otherwise.", env="GPU_RUN_AB=ws-persist GPU_RUN_AB_ROUNDS=11"),
-    Bench("Where persistent bf16 programs lose, in interleaved rounds", "attention_ab", ("attention_ab_ws-persist-bf16",),
+    Bench("Where persistent bf16 programs lose, in interleaved rounds", "attention_ab",
+          ("attention_ab_ws-persist-bf16",),
           "`bench/bench_attention.py --ab ws-persist-bf16 --verdict-rounds 9`: bf16 persistent programs against "
           "q's and K's descriptors made by the launch alone (`HOST_DESC`), without the lazy rescale, with serial "
           "consumers and with turns at the tensor cores (`PINGPONG`), each against the same without `PERSIST`, "
-          "9 rounds per shape.", env="GPU_RUN_AB=ws-persist-bf16 GPU_RUN_AB_ROUNDS=9"),
+          "9 rounds per shape (B without the lazy rescale computes other bits, as it should).",
+          env="GPU_RUN_AB=ws-persist-bf16 GPU_RUN_AB_ROUNDS=9"),
+    Bench("Persistent programs as a launch takes them, in interleaved rounds", "attention_ab",
+          ("attention_ab_ws-persist-launch",),
+          "`bench/bench_attention.py --ab ws-persist-launch --ws-over '{\"PERSIST\":true}' --verdict-rounds 9`: "
+          "bf16 with turns at the tensor cores (`PINGPONG`) and fp8 as it was, `PERSIST` set for every launch and "
+          "decided per launch (B) — persistent programs over one segment or in an order laid out for them, a "
+          "program per tile for several segments without one (`persistent_launch`: here 4x1024q, and ragged4 at "
+          "128 heads) — against a program per tile without turns (A), 9 rounds per shape.",
+          env="GPU_RUN_AB=ws-persist-launch GPU_RUN_AB_ROUNDS=9 GPU_RUN_AB_ARGS='--ws-over {\"PERSIST\":true}'"),
     Bench("Throughput under concurrency", "bench_concurrency", ("bench_concurrency",),
           "`bench/bench_concurrency.py`: 1 to 16 clients against one server per shape, inline tensors and CUDA IPC "
           "regions."),

@@ -169,7 +169,8 @@ def test_warm_up_runs_every_variant(dtype, backend, captured, monkeypatch):
     # with the keys unpacked (the engine's unpacked keys); gluon on a GPU: the several-segment
     # ones also with a launch order (the warp-specialized kernel's 1-D variant)
     layouts = ["thd", "hdt"] if dtype == FP8 else ["thd", "k_rope"]
-    orders = [False, True] if DEV == "cuda" and backend.caps.launch_order else [False]
+    # (in grid order as a program per tile runs it, and as persistent programs do)
+    orders = [False, True, True] if DEV == "cuda" and backend.caps.launch_order else [False]
     caps = [False, True] if captured and backend.caps.graph_variants else [False]
     want = [(ql, lay, o, c) for ql in ([1], [1, 1], [384], [384, 384])  # 3 x 128 rows x 2 heads >= 5
             for o in (orders if len(ql) > 1 else [False]) for c in caps for lay in layouts]
@@ -724,26 +725,34 @@ FP8_PIPE_256 = dict(PIPE=True, BLOCK_N=256, STAGES=2, PV_WAIT_LATE=True, PINGPON
 @pytest.mark.skipif(not triton.__version__.startswith("3.6") or ga.gluon is None,
                     reason="sm_90 cross-compile check of the Gluon kernel written for Triton 3.6")
 def test_warp_specialized_defaults_cross_compile_for_sm90():
-    """The warp-specialized kernel's default configs (bf16; fp8 keys-last), in grid order,
-    longest segment first and in a host-given launch order, build for an H200 without a
-    GPU: wgmma, no spills, shared memory within 227 KiB, registers moved by setmaxnreg
-    (loader 24, consumers 240); pipelined with PV_WAIT_LATE, every exp2 of the softmax lies
-    before P·V's wait in each consumer's loop (without it ptxas moves the wait above them)."""
-    orders = [(0, False), (ta._SORT_MAX, False), (0, True)]
-    jobs = [("bf16", ta.CONFIGS[torch.bfloat16]["WS"], s, False, o) for s, o in orders]
-    jobs += [("fp8e4nv", ta.KEYS_LAST_FP8["WS"], s, True, o) for s, o in orders]
+    """The warp-specialized kernel's default configs (bf16; fp8 keys-last) as launches take
+    them — persistent in grid order and in a host-given launch order, a program per tile
+    longest segment first and in a launch order (``persistent_launch``) — build for an H200
+    without a GPU: wgmma, no spills (a persistent program's tile loop may keep a few words
+    on the stack, none inside its key loops), shared memory within 227 KiB, registers moved
+    by setmaxnreg (loader 24, consumers 240); pipelined with PV_WAIT_LATE, every exp2 of the
+    softmax lies before P·V's wait in each consumer's loop (without it ptxas moves the wait
+    above them)."""
+    assert ta.CONFIGS[torch.bfloat16]["WS"]["PERSIST"] and ta.KEYS_LAST_FP8["WS"]["PERSIST"]
+    orders = [(0, False, True), (0, True, True), (ta._SORT_MAX, False, False), (0, True, False)]
+    jobs = [("bf16", dict(ta.CONFIGS[torch.bfloat16]["WS"], PERSIST=p), s, False, o) for s, o, p in orders]
+    jobs += [("fp8e4nv", dict(ta.KEYS_LAST_FP8["WS"], PERSIST=p), s, True, o) for s, o, p in orders]
     # neighbours: the pipelined bf16 consumers taking turns; fp8 with P staged (the default's
     # fallback for K without rows past its end), pipelined over 256-key blocks, over 128
-    jobs += [("bf16", dict(ta.CONFIGS[torch.bfloat16]["WS"], PINGPONG=True), 0, False, False),
-             ("fp8e4nv", dict(ta.KEYS_LAST_FP8["WS"], P_REGS=False), 0, True, False),
+    jobs += [("bf16", dict(ta.CONFIGS[torch.bfloat16]["WS"], PINGPONG=False, PERSIST=False), 0, False, False),
+             ("fp8e4nv", dict(ta.KEYS_LAST_FP8["WS"], P_REGS=False, PERSIST=False), 0, True, False),
              ("fp8e4nv", FP8_PIPE_256, 0, True, False),
              ("fp8e4nv", dict(FP8_PIPE_256, BLOCK_N=128, STAGES=3), 0, True, False)]
     assert ta.CONFIGS[torch.bfloat16]["WS"]["PV_WAIT_LATE"] and ta.KEYS_LAST_FP8["WS"]["P_REGS"]
     for res in _cross_compile(_XCOMPILE_WS, jobs):
         print(res)
         # the pipelined bf16 consumers with turns keep one word on the stack (cuobjdump -sass:
-        # stored before the main loop, loaded after it); the defaults none
-        assert res["stack"] <= (8 if res["ws"].get("PINGPONG") and res["dt"] == "bf16" else 0), res
+        # stored before the main loop, loaded after it); a persistent program a few, outside
+        # its key loops
+        if res["ws"].get("PERSIST"):
+            assert res["stack"] <= 64 and res["loop_spills"] == [0, 0], res
+        else:
+            assert res["stack"] <= (8 if res["ws"].get("PINGPONG") and res["dt"] == "bf16" else 0), res
         assert res["wgmma"] > 0 and res["smem"] <= 232448, res
         assert {24, 240} <= set(res["setmaxnreg"]), res
         if res["ws"]["PIPE"]:  # both consumers' loops, the softmax whole before P·V's wait
@@ -757,7 +766,9 @@ def test_warp_specialized_host_descriptors_cross_compile_for_sm90():
     """With ``HOST_DESC`` the defaults read q and K through the launch's descriptors: a
     program makes only V's (bf16, fp8 with P staged) or V's and K's 5-D ones (``P_REGS``),
     and builds as the defaults do: no spills, setmaxnreg 24/240, the late wait in place."""
-    bf, f8 = ta.CONFIGS[torch.bfloat16]["WS"], ta.KEYS_LAST_FP8["WS"]
+    # (a program per tile: a persistent program's descriptors, test below)
+    bf = dict(ta.CONFIGS[torch.bfloat16]["WS"], PERSIST=False, PINGPONG=False)
+    f8 = dict(ta.KEYS_LAST_FP8["WS"], PERSIST=False)
     jobs = [("bf16", dict(bf, HOST_DESC=True), 0, False, True),
             ("bf16", dict(bf, HOST_DESC=True), ta._SORT_MAX, False, False),
             ("fp8e4nv", dict(f8, HOST_DESC=True), 0, True, True),
@@ -843,7 +854,9 @@ def test_warp_specialized_arrive_nosync_cross_compiles_without_loop_barriers():
     the kernel without it holds some, the late wait's order and registers as they were;
     and the bf16 default, which adds ``LAZY_RESCALE``, builds as they do (the two are offered
     together: with the barriers kept, ptxas moves one exp2 past the late wait)."""
-    bf, f8 = ta.CONFIGS[torch.bfloat16]["WS"], ta.KEYS_LAST_FP8["WS"]
+    # (a program per tile, bf16 without turns: the persistent defaults' loops are checked above)
+    bf = dict(ta.CONFIGS[torch.bfloat16]["WS"], PERSIST=False, PINGPONG=False)
+    f8 = dict(ta.KEYS_LAST_FP8["WS"], PERSIST=False)
     assert bf["LAZY_RESCALE"] and bf["ARRIVE_NOSYNC"]
     jobs = [(dt, dict(ws, ARRIVE_NOSYNC=on), 0, dt != "bf16", False)
             for dt, ws in (("bf16", dict(bf, LAZY_RESCALE=False)), ("fp8e4nv", f8)) for on in (False, True)]
@@ -969,7 +982,8 @@ def test_warp_specialized_exp2_poly_cross_compiles_for_sm90():
     """``EXP2_POLY=1`` moves 1 of every 8 softmax exp2s from the SFU to the FMA pipes: fewer
     MUFU.EX2 than the same config without it, no spills, and the pipelined consumers keep
     every SFU exp2 before P·V's wait (the late wait), for bf16's default and fp8 pipelined."""
-    fp8, bf16 = FP8_PIPE_256, ta.CONFIGS[torch.bfloat16]["WS"]
+    # (bf16's default as a program per tile runs it, without turns)
+    fp8, bf16 = FP8_PIPE_256, dict(ta.CONFIGS[torch.bfloat16]["WS"], PERSIST=False, PINGPONG=False)
     jobs = [(dt, dict(ws, EXP2_POLY=n), 0, dt != "bf16", True) for dt, ws in (("fp8e4nv", fp8), ("bf16", bf16))
             for n in (0, 1)]
     f0, f1, b0, b1 = _cross_compile(_XCOMPILE_WS, jobs)

@@ -133,7 +133,7 @@ _P_SHIFT = 8.0  # P·V in fp8: P scaled by 2**8 (≤ 256 < 448) before the e4m3 
 CONFIGS: dict[torch.dtype, dict[str, Any]] = {
     torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, USE_TMA=True,
                          WS=dict(PIPE=True, BLOCK_N=128, STAGES=2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True,
-                                 LAZY_RESCALE=True)),
+                                 LAZY_RESCALE=True, PINGPONG=True, PERSIST=True)),
     _FP8: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, PV_FP8=False, USE_TMA=True, maxnreg=128),
 }
 
@@ -159,7 +159,7 @@ CONFIGS: dict[torch.dtype, dict[str, Any]] = {
 #: caller's K lacks the rows past its end P_REGS reads, ``ws_config`` stages P instead
 #: (and keeps the barrier before a slot's release, which then orders P's stores).
 KEYS_LAST_FP8: dict[str, Any] = dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True,
-                                                          P_REGS=True, ARRIVE_NOSYNC=True))
+                                                          P_REGS=True, ARRIVE_NOSYNC=True, PERSIST=True))
 #: over the warp-specialized kernel's settings, for launches recorded into a CUDA graph
 #: (``captured``), where what the host spends on a launch is paid once: q's and K's TMA
 #: descriptors made by the launch (``HOST_DESC``) instead of by every program
@@ -827,8 +827,9 @@ class TritonAttentionBackend(AttentionBackend):
             orders: list[TileOrder | None] = [None]
             if n > 1 and device.type == "cuda" and self.caps.launch_order:
                 m_tiles = -(-max(q_lens) // _ws.CONFIG["BLOCK_M"])
-                orders.append(TileOrder(torch.arange(n * m_tiles * heads, dtype=torch.int32, device=device), n, heads,
-                                        m_tiles))
+                codes = torch.arange(n * m_tiles * heads, dtype=torch.int32, device=device)
+                # a program per tile in that order, and persistent programs in an order laid out for them
+                orders += [TileOrder(codes, n, heads, m_tiles), TileOrder(codes, n, heads, m_tiles, True)]
             for order, cap in itertools.product(orders, (False, True) if captured and self.caps.graph_variants
                                                 else (False,)):
                 mla_context_attention(q, k, v, cu(q_lens), cu([1] * n), max(q_lens), 1, 1.0, config=self.config,
