@@ -53,7 +53,8 @@ next tile's queries and first keys during the tile's end, and q and K come throu
 the whole tensors (as ``HOST_DESC``'s: the launch's, or made by the program once), so that
 V's (and ``P_REGS``'s K) are the only ones a tile makes, rewritten in place once every copy
 through them has landed. ``test_gpu_warp_specialized_persistent_same_bits`` holds it to a
-program per tile's bits; ``bench_attention.py --ab ws-persist`` measures it; opt-in.
+program per tile's bits; ``bench_attention.py --ab ws-persist`` measures it; in both dtypes'
+defaults, where ``triton_attention.persistent_launch`` decides it per launch.
 
 Registers: the loader warp gives its budget to the consumers (``setmaxnreg``: 24 for
 it, 240 for each consumer). Shared memory, bf16 with 128×128 tiles and 2 stages: Q 48 KiB +

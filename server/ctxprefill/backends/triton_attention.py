@@ -129,7 +129,10 @@ _P_SHIFT = 8.0  # P·V in fp8: P scaled by 2**8 (≤ 256 < 448) before the e4m3 
 #: commit 7670d01, bench/results/attention_ab_ws-arrive-nosync.json). ``LAZY_RESCALE`` skips
 #: O's rescale while no row's max grew past 2**8: 0.994-1.038 of without over 6 shapes, 5
 #: of 6 medians above 1, medians of 21 interleaved rounds (H100, 2026-12-07, commit 7119e53,
-#: attention_ab_ws-lazy-rescale.json). Causal chunks and pointer-path inputs keep the kernel below.
+#: attention_ab_ws-lazy-rescale.json). ``PERSIST`` with ``PINGPONG`` (persistent programs whose
+#: consumers take turns at the tensor cores, decided per launch: ``persistent_launch``): 1.056-1.074
+#: of a program per tile over 4k keys, 1.010-1.064 over 16k, the same bits (H100, 2026-12-07,
+#: commit 637e1eb, attention_ab_ws-persist-launch.json). Causal chunks and pointer-path inputs keep the kernel below.
 CONFIGS: dict[torch.dtype, dict[str, Any]] = {
     torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, USE_TMA=True,
                          WS=dict(PIPE=True, BLOCK_N=128, STAGES=2, PV_WAIT_LATE=True, ARRIVE_NOSYNC=True,
@@ -157,7 +160,9 @@ CONFIGS: dict[torch.dtype, dict[str, Any]] = {
 #: memory) beats that pipelined kernel by 1.05-1.06 over the same 6 shapes (``--ab ws-fp8-regs``,
 #: H200, 2026-12-05, commit 5d6bb38, attention_ab_ws-fp8-regs.json): the default. Where a
 #: caller's K lacks the rows past its end P_REGS reads, ``ws_config`` stages P instead
-#: (and keeps the barrier before a slot's release, which then orders P's stores).
+#: (and keeps the barrier before a slot's release, which then orders P's stores). Persistent
+#: programs (``PERSIST``): 1.046-1.052 over 4k keys, 1.030 on a ragged batch, 0.994-1.013
+#: elsewhere (attention_ab_ws-persist-launch.json, as above).
 KEYS_LAST_FP8: dict[str, Any] = dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True,
                                                           P_REGS=True, ARRIVE_NOSYNC=True, PERSIST=True))
 #: over the warp-specialized kernel's settings, for launches recorded into a CUDA graph
