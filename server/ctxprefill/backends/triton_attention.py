@@ -698,11 +698,11 @@ def device_tile_order(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, 
 
 
 def persistent_launch(B: int, tile_order: TileOrder | None) -> bool:
-    """Whether a launch whose settings take ``PERSIST`` from the defaults runs persistent
-    programs: with one segment (a stride walk over tiles that cost alike) or a launch order
-    laid out for it. A ragged batch without one runs a program per tile, longest segment
-    first: the hardware hands each SM that frees the next tile, where a static walk runs
-    the SMs apart and the query tiles of one head (one K/V in L2) no longer run together."""
+    """Whether a launch whose settings turn ``PERSIST`` on (not the call's ``config``) runs
+    persistent programs: over one segment (a stride walk over tiles that cost alike) or in
+    a launch order laid out for them. Several segments without one run a program per tile,
+    longest segment first, which the hardware hands to whichever SM frees first; a static
+    walk over the grid's order ran a 20-wave ragged batch at 0.765 × that (docs/DESIGN.md)."""
     return B <= 1 or (tile_order is not None and tile_order.persistent)
 
 
