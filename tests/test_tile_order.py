@@ -225,7 +225,8 @@ def test_persistent_layout_only_where_it_beats_the_grid_walk():
 
 def test_the_backend_lays_the_order_out_for_a_persistent_launch(monkeypatch):
     """``tile_order_codes``: the persistent layout where asked, or (None) where the dtype's
-    defaults with ``EAGER_WS`` launch persistent programs; the start-time order otherwise."""
+    defaults with ``EAGER_WS`` launch persistent programs (they do); the start-time order
+    otherwise."""
     import torch
 
     from ctxprefill.backends import gluon_attention as ga
@@ -240,9 +241,10 @@ def test_the_backend_lays_the_order_out_for_a_persistent_launch(monkeypatch):
         o = ta.tile_order_codes(RQ, RK, heads, torch.bfloat16, "cuda", persistent)
         return None if o is None else (o.codes, o.m_tiles, o.persistent)
 
-    assert got() == (*want[False], False) and got(True) == (*want[True], True)
-    monkeypatch.setattr(ta, "EAGER_WS", {"PERSIST": True})
+    assert ta.CONFIGS[torch.bfloat16]["WS"]["PERSIST"]  # the default
     assert got() == (*want[True], True) and got(False) == (*want[False], False)
+    monkeypatch.setattr(ta, "EAGER_WS", {"PERSIST": False})
+    assert got() == (*want[False], False) and got(True) == (*want[True], True)
     # no layout beats the grid walk (a batch whose lists the walk already balances): the
     # start-time order, marked for a program per tile (persistent_launch then says no)
     even = ([2048, 2048, 512], [15360, 9216, 4096])
