@@ -157,7 +157,7 @@ def prov_triton(q, k, v, cq, ck, ql, kl, scale, causal=False, config=None):
     here outside the timed call, its host time reported as order_ms) unless the config
     says ``order=False`` (longest segment first, the kernel's own order); as a captured
     launch runs under ``--captured`` (``LAUNCH``)."""
-    from ctxprefill.backends.triton_attention import device_tile_order, mla_context_attention
+    from ctxprefill.backends.triton_attention import device_tile_order, mla_context_attention, persists
 
     out = torch.empty(q.shape[0], q.shape[1], 128, device=q.device, dtype=torch.bfloat16)
     mq, mk = max(ql), max(kl)
@@ -167,11 +167,10 @@ def prov_triton(q, k, v, cq, ck, ql, kl, scale, causal=False, config=None):
         from ctxprefill.backends import tile_order
 
         tile_order._cached.cache_clear()  # the host cost of a shape seen for the first time
+        tile_order._packed.cache_clear()
         t0 = time.perf_counter()
-        # laid out for a persistent launch where the config asks for one (else as the defaults)
-        ws = config.get("WS")
-        persist = ws.get("PERSIST") if isinstance(ws, dict) else None
-        order = device_tile_order(ql, kl, q.shape[1], q.dtype, q.device, persist)
+        # laid out for a persistent launch where this call's settings persist
+        order = device_tile_order(ql, kl, q.shape[1], q.dtype, q.device, persists(q.dtype, config))
         order_ms = (time.perf_counter() - t0) * 1e3
     if config.pop("v_layout", "thd") == "hdt":  # built here, outside the timed call
         vt, cv = keys_last_v(v, kl)

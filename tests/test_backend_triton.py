@@ -11,6 +11,7 @@ per element, errors of random sign that do not average out against the output)
 ≤ 5e-2, measured ~2e-2; the LSE comes from fp32 P in both modes, ≤ 1e-2.
 """
 
+import inspect
 import itertools
 import os
 
@@ -1368,7 +1369,12 @@ def test_gpu_persist_from_the_defaults_follows_the_launch_order(monkeypatch):
     every way."""
     seen: list[bool] = []
     launch = ga.launch
-    monkeypatch.setattr(ga, "launch", lambda *a, **kw: (seen.append(bool(a[13]["PERSIST"])), launch(*a, **kw)))
+
+    def spy(*a, **kw):
+        seen.append(bool(inspect.signature(launch).bind(*a, **kw).arguments["config"]["PERSIST"]))
+        return launch(*a, **kw)
+
+    monkeypatch.setattr(ga, "launch", spy)
     monkeypatch.setattr(ta, "EAGER_WS", {"PERSIST": True})
     H, q_lens, k_lens = 16, [1000, 257, 2048, 64], [4096, 1, 2500, 129]
     q, k, v, cu_q, cu_k = make_batch(q_lens, k_lens, H, torch.bfloat16, device="cuda", seed=11)

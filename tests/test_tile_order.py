@@ -2,6 +2,7 @@
 every tile once, the kernel's code layout, and (through ``bench/simulate_tiles.py``'s
 list-scheduling model) a shorter makespan than longest-first where the tail matters."""
 
+import itertools
 import os
 import random
 import sys
@@ -137,6 +138,17 @@ def test_cost_per_call():
     print(f"\ntile_order per call: {uncached * 1e3:.2f} ms uncached, {cached * 1e6:.1f} us cached")
 
 
+def test_both_layouts_share_one_packing():
+    """A launch that finds no persistent layout asks for the start-time order: the batch's SM
+    lists are packed once for both (the packing is most of a new shape's host time)."""
+    q_lens, k_lens = [2048, 2048, 512], [15360, 9216, 4096 + 7]  # a shape no other test asks for
+    before = tile_order_module._packed.cache_info()
+    assert tile_order(q_lens, k_lens, 16, SMS, persistent=True) is None
+    assert tile_order(q_lens, k_lens, 16, SMS) is not None
+    after = tile_order_module._packed.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+
+
 def test_start_up_is_a_time_whatever_the_key_block():
     """A program's start-up is priced in 128-key blocks: over keys that fill 256-key blocks
     the model's costs are the 128-key ones halved, so the orders are the same."""
@@ -265,3 +277,25 @@ def test_a_ragged_batch_without_a_persistent_layout_runs_a_program_per_tile():
     assert ta.persistent_launch(3, ta.TileOrder(codes, 3, 2, 1, persistent=True))
     assert not ta.persistent_launch(3, None)
     assert not ta.persistent_launch(3, ta.TileOrder(codes, 3, 2, 1))
+
+
+def test_persists_resolves_persist_as_the_launch_does(monkeypatch):
+    """``persists`` (the host's choice of layout) says what ``ws_config`` gives the launch,
+    for the defaults, a call's own WS (set or not), and ``EAGER_WS`` over them."""
+    import torch
+
+    from ctxprefill.backends import triton_attention as ta
+
+    fp8 = torch.float8_e4m3fn
+    configs = [None, dict(BLOCK_M=128), dict(WS=True), dict(WS=dict(PIPE=True)), dict(WS=dict(PERSIST=False)),
+               dict(WS=dict(PERSIST=True))]
+    seen = set()
+    for eager, dtype, config in itertools.product(({}, {"PERSIST": False}, {"PERSIST": True}),
+                                                  (torch.bfloat16, fp8), configs):
+        monkeypatch.setattr(ta, "EAGER_WS", eager)
+        cfg = {**ta.CONFIGS[dtype], **(ta.KEYS_LAST_FP8 if dtype == fp8 else {}), **(config or {})}
+        q = torch.zeros(4, 2, 192, dtype=dtype)
+        want = ta.ws_config(cfg["WS"], config, q, q, q[..., 128:], dtype == fp8)["PERSIST"]
+        assert ta.persists(dtype, config) == want, (eager, dtype, config)
+        seen.add(want)
+    assert seen == {False, True}

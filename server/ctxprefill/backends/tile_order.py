@@ -81,18 +81,30 @@ def tile_order(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, sms: in
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int, sms: int,
-            startup: float, persistent: bool = False) -> tuple[tuple[int, ...], int] | None:
+def _packed(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int, sms: int,
+            startup: float) -> tuple[list[int], list[int], list[float], list[Group]] | None:
+    """(segments longest first, their tiles, a tile's cost, the packed SM lists), or None
+    where nothing is packed; shared by both layouts (a launch that finds no persistent one
+    asks for the other)."""
     B = len(q_tiles)
-    m_tiles = max(q_tiles, default=0)
-    if not 2 <= B <= MAX_SEGMENTS or B * m_tiles * heads >= 2**31:
+    if not 2 <= B <= MAX_SEGMENTS or B * max(q_tiles, default=0) * heads >= 2**31:
         return None
     segs = sorted((b for b in range(B) if q_tiles[b] > 0), key=lambda b: (-k_blocks[b], b))  # LPT
     count = [q_tiles[b] * heads for b in segs]
     if not sms < sum(count) < PACK_WAVES * sms:  # one wave, or no tail worth packing
         return None
     cost = [k_blocks[b] + startup for b in segs]
-    groups = pack_lists(cost, count, sms)
+    return segs, count, cost, pack_lists(cost, count, sms)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int, sms: int,
+            startup: float, persistent: bool = False) -> tuple[tuple[int, ...], int] | None:
+    packed = _packed(q_tiles, k_blocks, heads, sms, startup)
+    if packed is None:
+        return None
+    segs, count, cost, groups = packed
+    m_tiles = max(q_tiles)
     if persistent:
         return _persistent(groups, segs, q_tiles, heads, sms, cost, m_tiles)
     # each group of SM lists runs its segments costliest first, back to back: programs

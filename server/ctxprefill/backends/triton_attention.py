@@ -131,7 +131,7 @@ _P_SHIFT = 8.0  # P·V in fp8: P scaled by 2**8 (≤ 256 < 448) before the e4m3 
 #: of 6 medians above 1, medians of 21 interleaved rounds (H100, 2026-12-07, commit 7119e53,
 #: attention_ab_ws-lazy-rescale.json). ``PERSIST`` with ``PINGPONG`` (persistent programs whose
 #: consumers take turns at the tensor cores, decided per launch: ``persistent_launch``): 1.056-1.074
-#: of a program per tile over 4k keys, 1.010-1.064 over 16k, the same bits (H100, 2026-12-07,
+#: of a program per tile over 4k keys, 1.007-1.064 over 16k where it persists, the same bits (H100, 2026-12-07,
 #: commit 637e1eb, attention_ab_ws-persist-launch.json). Causal chunks and pointer-path inputs keep the kernel below.
 CONFIGS: dict[torch.dtype, dict[str, Any]] = {
     torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, USE_TMA=True,
@@ -161,8 +161,8 @@ CONFIGS: dict[torch.dtype, dict[str, Any]] = {
 #: H200, 2026-12-05, commit 5d6bb38, attention_ab_ws-fp8-regs.json): the default. Where a
 #: caller's K lacks the rows past its end P_REGS reads, ``ws_config`` stages P instead
 #: (and keeps the barrier before a slot's release, which then orders P's stores). Persistent
-#: programs (``PERSIST``): 1.046-1.052 over 4k keys, 1.030 on a ragged batch, 0.994-1.013
-#: elsewhere (attention_ab_ws-persist-launch.json, as above).
+#: programs (``PERSIST``): 1.046-1.052 over 4k keys, 1.030 on a ragged batch, 0.994-1.007
+#: over 16k keys (attention_ab_ws-persist-launch.json, as above).
 KEYS_LAST_FP8: dict[str, Any] = dict(PV_FP8=True, WS=dict(PIPE=False, BLOCK_N=256, STAGES=2, PINGPONG=True,
                                                           P_REGS=True, ARRIVE_NOSYNC=True, PERSIST=True))
 #: over the warp-specialized kernel's settings, for launches recorded into a CUDA graph
@@ -642,6 +642,16 @@ def ws_config(ws: dict | bool, config: dict | None, q: torch.Tensor, k: torch.Te
     return cfg
 
 
+def persists(q_dtype: torch.dtype, config: dict | None = None) -> bool:
+    """Whether the Gluon kernel's settings for a call with ``config`` turn ``PERSIST`` on, as
+    ``ws_config`` resolves them: ``EAGER_WS`` over a key the call's WS does not set, the
+    call's WS (which stands in for the dtype's defaults whole) or the defaults."""
+    if not _asks(config, "PERSIST") and "PERSIST" in EAGER_WS:
+        return bool(EAGER_WS["PERSIST"])
+    ws = (config or {}).get("WS", (KEYS_LAST_FP8 if q_dtype == _FP8 else CONFIGS[q_dtype]).get("WS"))
+    return bool((ws if isinstance(ws, dict) else {}).get("PERSIST", _ws.CONFIG["PERSIST"]))
+
+
 def _asks(config: dict | None, key: str) -> bool:
     """Whether a caller's ``config`` sets the Gluon kernel's ``key`` itself (in its ``WS``)."""
     ws = (config or {}).get("WS")
@@ -665,7 +675,7 @@ def tile_order_codes(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, q
     """The warp-specialized kernel's launch order for segments of ``q_lens`` query rows over
     ``k_lens`` keys on ``device`` (host lists, no sync), or None where its own order serves
     (not CUDA, one segment, no tail to pack): ``tile_order``, laid out for a persistent
-    launch where ``persistent`` (None: where the dtype's defaults with ``EAGER_WS`` are)."""
+    launch where ``persistent`` (None: where a call without a config persists: ``persists``)."""
     if len(q_lens) < 2:  # (the engine asks for every chunk: a short request's host time)
         return None
     device = torch.device(device)
@@ -675,8 +685,8 @@ def tile_order_codes(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, q
     ws = ws if isinstance(ws, dict) else {}
     block_m = _ws.CONFIG["BLOCK_M"]
     block_n = ws.get("BLOCK_N", _ws.CONFIG["BLOCK_N"])
-    if persistent is None:  # as ws_config sets it for a call without a config: EAGER_WS over the defaults
-        persistent = bool(EAGER_WS.get("PERSIST", ws.get("PERSIST", _ws.CONFIG["PERSIST"])))
+    if persistent is None:  # as ws_config sets it for a call without a config
+        persistent = persists(q_dtype)
     sms = _ws.sms(device)
     got = _tile_order.tile_order(q_lens, k_lens, heads, sms, block_m, block_n, True) if persistent else None
     if got is not None:
