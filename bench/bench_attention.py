@@ -166,8 +166,7 @@ def prov_triton(q, k, v, cq, ck, ql, kl, scale, causal=False, config=None):
     if config.pop("order", True):
         from ctxprefill.backends import tile_order
 
-        tile_order._cached.cache_clear()  # the host cost of a shape seen for the first time
-        tile_order._packed.cache_clear()
+        tile_order.cache_clear()  # the host cost of a shape seen for the first time
         t0 = time.perf_counter()
         # laid out for a persistent launch where this call's settings persist
         order = device_tile_order(ql, kl, q.shape[1], q.dtype, q.device, persists(q.dtype, config))

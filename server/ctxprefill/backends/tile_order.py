@@ -80,6 +80,12 @@ def tile_order(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, sms: in
                    STARTUP_BLOCKS * 128 / block_n, persistent)
 
 
+def cache_clear() -> None:
+    """Forget every shape's order (a benchmark's host cost of a shape seen for the first time)."""
+    _cached.cache_clear()
+    _packed.cache_clear()
+
+
 @functools.lru_cache(maxsize=1024)
 def _packed(q_tiles: tuple[int, ...], k_blocks: tuple[int, ...], heads: int, sms: int,
             startup: float) -> tuple[list[int], list[int], list[float], list[Group]] | None:

@@ -642,13 +642,19 @@ def ws_config(ws: dict | bool, config: dict | None, q: torch.Tensor, k: torch.Te
     return cfg
 
 
+def _default_ws(q_dtype: torch.dtype) -> dict[str, Any]:
+    """The dtype's default Gluon settings (fp8: keys-last V, the only fp8 layout it runs)."""
+    ws = (KEYS_LAST_FP8 if q_dtype == _FP8 else CONFIGS[q_dtype]).get("WS")
+    return ws if isinstance(ws, dict) else {}
+
+
 def persists(q_dtype: torch.dtype, config: dict | None = None) -> bool:
     """Whether the Gluon kernel's settings for a call with ``config`` turn ``PERSIST`` on, as
     ``ws_config`` resolves them: ``EAGER_WS`` over a key the call's WS does not set, the
     call's WS (which stands in for the dtype's defaults whole) or the defaults."""
     if not _asks(config, "PERSIST") and "PERSIST" in EAGER_WS:
         return bool(EAGER_WS["PERSIST"])
-    ws = (config or {}).get("WS", (KEYS_LAST_FP8 if q_dtype == _FP8 else CONFIGS[q_dtype]).get("WS"))
+    ws = (config or {}).get("WS", _default_ws(q_dtype))
     return bool((ws if isinstance(ws, dict) else {}).get("PERSIST", _ws.CONFIG["PERSIST"]))
 
 
@@ -681,8 +687,7 @@ def tile_order_codes(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, q
     device = torch.device(device)
     if device.type != "cuda" or q_dtype not in CONFIGS:
         return None
-    ws = (KEYS_LAST_FP8 if q_dtype == _FP8 else CONFIGS[q_dtype]).get("WS")
-    ws = ws if isinstance(ws, dict) else {}
+    ws = _default_ws(q_dtype)
     block_m = _ws.CONFIG["BLOCK_M"]
     block_n = ws.get("BLOCK_N", _ws.CONFIG["BLOCK_N"])
     if persistent is None:  # as ws_config sets it for a call without a config
