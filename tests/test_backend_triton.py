@@ -1364,9 +1364,10 @@ def test_gpu_warp_specialized_persistent_same_bits(dtype, ws):
 @needs_ws
 def test_gpu_persist_from_the_defaults_follows_the_launch_order(monkeypatch):
     """``PERSIST`` from the defaults (here through ``EAGER_WS``) runs persistent programs for
-    one segment and for an order laid out for them, a program per tile for a ragged batch
-    without one (``persistent_launch``); asked for in ``config``, always. The same bits
-    every way."""
+    one segment of more tiles than SMs and for an order laid out for them, a program per
+    tile for a ragged batch without one and for one segment whose tiles the SMs take in
+    one go (``persistent_launch``); asked for in ``config``, always. The same bits every
+    way."""
     seen: list[bool] = []
     launch = ga.launch
 
@@ -1385,13 +1386,22 @@ def test_gpu_persist_from_the_defaults_follows_the_launch_order(monkeypatch):
     runs = [mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07),  # ragged, no order
             mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, tile_order=laid),
             mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, config=dict(WS=dict(ws, PERSIST=True)))]
-    one = [mla_context_attention(q[:1000], k[:4096], v[:4096], cu_q[:2], cu_k[:2], 1000, 4096, 0.07, config=c)
+    # one segment: 2,048 queries (16 tiles x 16 heads, more than the SMs) and 1,000 (8 x 16 = 128,
+    # no more than an H100's or H200's 132)
+    assert 8 * H <= ga.sms(q.device) < 16 * H
+
+    def cu(n):
+        return torch.tensor([0, n], dtype=torch.int32, device=q.device)
+
+    one = [mla_context_attention(q[s:s + n], k[t:t + kl], v[t:t + kl], cu(n), cu(kl), n, kl, 0.07, config=c)
+           for s, n, t, kl in ((1257, 2048, 4097, 2500), (0, 1000, 0, 4096))
            for c in (dict(WS=dict(ws, PERSIST=False)), None)]
     torch.cuda.synchronize()
-    assert seen == [False, False, True, True, False, True]
+    assert seen == [False, False, True, True, False, True, False, False]
     for out, lse in runs:
         assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
-    assert torch.equal(one[0][0], one[1][0]) and torch.equal(one[0][1], one[1][1])
+    for (a, la), (b, lb) in (one[:2], one[2:]):
+        assert torch.equal(a, b) and torch.equal(la, lb)
 
 
 @needs_ws

@@ -269,17 +269,20 @@ def test_the_backend_lays_the_order_out_for_a_persistent_launch(monkeypatch):
 
 
 def test_a_ragged_batch_without_a_persistent_layout_runs_a_program_per_tile():
-    """``persistent_launch``: one segment, or an order laid out for a persistent launch;
-    not several segments in the grid's order or in a start-time order."""
+    """``persistent_launch``: one segment of more tiles than SMs, or an order laid out for a
+    persistent launch; not several segments in the grid's order or in a start-time order,
+    nor one segment whose tiles the SMs take in one go (a program each)."""
     import torch
 
     from ctxprefill.backends import triton_attention as ta
 
     codes = torch.zeros(4, dtype=torch.int32)
-    assert ta.persistent_launch(1, None) and ta.persistent_launch(0, None)
-    assert ta.persistent_launch(3, ta.TileOrder(codes, 3, 2, 1, persistent=True))
-    assert not ta.persistent_launch(3, None)
-    assert not ta.persistent_launch(3, ta.TileOrder(codes, 3, 2, 1))
+    assert ta.persistent_launch(1, None, 133, 132) and ta.persistent_launch(0, None, 1000, 132)
+    assert not ta.persistent_launch(1, None, 132, 132) and not ta.persistent_launch(1, None, 128, 132)
+    assert not ta.persistent_launch(0, None, 16, 132)
+    assert ta.persistent_launch(3, ta.TileOrder(codes, 3, 2, 1, persistent=True), 6, 132)
+    assert not ta.persistent_launch(3, None, 1000, 132)
+    assert not ta.persistent_launch(3, ta.TileOrder(codes, 3, 2, 1), 1000, 132)
 
 
 def test_persists_resolves_persist_as_the_launch_does(monkeypatch):

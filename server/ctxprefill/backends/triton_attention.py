@@ -596,9 +596,10 @@ def mla_context_attention(
         # (fp8: P·V in fp8 over keys-last V only — Hopper's fp8 MMA wants V K-major)
         # warp-specialized Gluon kernel (Hopper): same semantics, FA3's structure
         ws_cfg = ws_config(ws, config, q, k, kr, v_t, captured)
-        if ws_cfg["PERSIST"] and not _asks(config, "PERSIST") and not persistent_launch(B, tile_order):
-            ws_cfg["PERSIST"] = False
         ws_grid = (max(1, -(-int(max_q) // ws_cfg["BLOCK_M"])), H, max(B, 1))
+        if ws_cfg["PERSIST"] and not _asks(config, "PERSIST") and not persistent_launch(
+                B, tile_order, ws_grid[0] * ws_grid[1] * ws_grid[2], _ws.sms(q.device)):
+            ws_cfg["PERSIST"] = False
         ordered = tile_order is not None  # then a 1-D launch in that order, no in-kernel sort
         _ws.launch(q, k, kr, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                    cu_seqlens_k if cu_seqlens_v is None else cu_seqlens_v, float(scale) * _LOG2E, ws_grid,
@@ -712,13 +713,15 @@ def device_tile_order(q_lens: Sequence[int], k_lens: Sequence[int], heads: int, 
                      got.persistent)
 
 
-def persistent_launch(B: int, tile_order: TileOrder | None) -> bool:
+def persistent_launch(B: int, tile_order: TileOrder | None, tiles: int, sms: int) -> bool:
     """Whether a launch whose settings turn ``PERSIST`` on (not the call's ``config``) runs
-    persistent programs: over one segment (a stride walk over tiles that cost alike) or in
-    a launch order laid out for them. Several segments without one run a program per tile,
-    longest segment first, which the hardware hands to whichever SM frees first; a static
-    walk over the grid's order ran a 20-wave ragged batch at 0.765 × that (docs/DESIGN.md)."""
-    return B <= 1 or (tile_order is not None and tile_order.persistent)
+    persistent programs: in a launch order laid out for them, or over one segment of more
+    ``tiles`` than the device has ``sms`` (a stride walk over tiles that cost alike; with
+    no more, each program would run one tile and there is nothing to carry across tiles).
+    Several segments without such an order run a program per tile, longest segment first,
+    which the hardware hands to whichever SM frees first; a static walk over the grid's
+    order ran a 20-wave ragged batch at 0.765 × that (docs/DESIGN.md)."""
+    return (tile_order is not None and tile_order.persistent) or (B <= 1 and tiles > sms)
 
 
 # Segments per call up to which programs are ordered longest-first (one compiled variant
