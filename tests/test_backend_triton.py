@@ -13,6 +13,7 @@ per element, errors of random sign that do not average out against the output)
 
 import inspect
 import itertools
+import math
 import os
 
 import pytest
@@ -1368,11 +1369,12 @@ def test_gpu_persist_from_the_defaults_follows_the_launch_order(monkeypatch):
     tile for a ragged batch without one and for one segment whose tiles the SMs take in
     one go (``persistent_launch``); asked for in ``config``, always. The same bits every
     way."""
-    seen: list[bool] = []
+    seen: list[tuple[bool, int]] = []  # (PERSIST, the launch's tiles)
     launch = ga.launch
 
     def spy(*a, **kw):
-        seen.append(bool(inspect.signature(launch).bind(*a, **kw).arguments["config"]["PERSIST"]))
+        args = inspect.signature(launch).bind(*a, **kw).arguments
+        seen.append((bool(args["config"]["PERSIST"]), math.prod(args["grid"])))
         return launch(*a, **kw)
 
     monkeypatch.setattr(ga, "launch", spy)
@@ -1386,18 +1388,16 @@ def test_gpu_persist_from_the_defaults_follows_the_launch_order(monkeypatch):
     runs = [mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07),  # ragged, no order
             mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, tile_order=laid),
             mla_context_attention(q, k, v, cu_q, cu_k, 2048, 4096, 0.07, config=dict(WS=dict(ws, PERSIST=True)))]
-    # one segment: 2,048 queries (16 tiles x 16 heads, more than the SMs) and 1,000 (8 x 16 = 128,
-    # no more than an H100's or H200's 132)
-    assert 8 * H <= ga.sms(q.device) < 16 * H
-
-    def cu(n):
-        return torch.tensor([0, n], dtype=torch.int32, device=q.device)
-
-    one = [mla_context_attention(q[s:s + n], k[t:t + kl], v[t:t + kl], cu(n), cu(kl), n, kl, 0.07, config=c)
-           for s, n, t, kl in ((1257, 2048, 4097, 2500), (0, 1000, 0, 4096))
-           for c in (dict(WS=dict(ws, PERSIST=False)), None)]
+    # one segment of one query tile a head more than the SMs take at once, and one of no more
+    sms, bm = ga.sms(q.device), ga.CONFIG["BLOCK_M"]
+    one = []
+    for n in (bm * (sms // H + 1), bm * (sms // H)):
+        q1, k1, v1, cq1, ck1 = make_batch([n], [2500], H, torch.bfloat16, device="cuda", seed=n)
+        one += [mla_context_attention(q1, k1, v1, cq1, ck1, n, 2500, 0.07, config=c)
+                for c in (dict(WS=dict(ws, PERSIST=False)), None)]
     torch.cuda.synchronize()
-    assert seen == [False, False, True, True, False, True, False, False]
+    assert [persist for persist, _ in seen] == [False, False, True, True, False, True, False, False]
+    assert seen[7][1] <= sms < seen[5][1], (seen, sms)  # the two segments' tiles lie either side of the SMs
     for out, lse in runs:
         assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
     for (a, la), (b, lb) in (one[:2], one[2:]):
