@@ -7,7 +7,7 @@
 # copy it over that file and run python bench/make_tables.py to remake the tables.
 #
 # Steps (each runs even if an earlier one failed; rc per step in $OUT/summary.txt):
-#   0. environment facts (GPU, driver, nvcc, torch, triton)
+#   0. environment facts (GPU, driver, the host's CPUs and speed, nvcc, torch, triton)
 #   1. install carried wheels from .whl/ (if present; bash scripts/fetch_gpu_wheels.sh) into /tmp/site
 #   2. build the CUDA extension ahead of time (python3 -m ctxprefill.ops.build_ext)   -> build.log
 #   3. GPU tests: tests/gpu, then tests/test_backend_triton.py                        -> pytest.log, junit.xml
@@ -55,15 +55,20 @@ want() { [[ "$STEPS" == *" $1 "* ]]; }
 say() { echo "[gpu_run +$(($(date +%s) - T0))s] $*"; }
 note() { echo "$*" >>"$SUMMARY"; }
 
+# The least time a step needs to leave its result (JSON written at its end): one that would
+# start with less is recorded as skipped, its device time saved, not started to be cut off
+# (default 15 s)
+declare -A STEP_MIN=([bench_attention_flashinfer]=150 [bench_engine]=75)
+
 # run_step NAME CAP_SECONDS RESERVE_SECONDS LOGFILE CMD...
 #   LOGFILE "-": output appended to the summary; "+PATH": appended to PATH; else PATH is overwritten
 run_step() {
   local name=$1 cap=$2 reserve=$3 logfile=$4
   shift 4
   local left=$((BUDGET - ($(date +%s) - T0) - reserve))
-  local limit=$((cap < left ? cap : left))
-  if [ "$limit" -lt 15 ]; then
-    say "SKIP $name: no time left in the ${BUDGET}s budget"
+  local limit=$((cap < left ? cap : left)) least=${STEP_MIN["$name"]:-15}
+  if [ "$limit" -lt "$least" ]; then
+    say "SKIP $name: ${limit}s left in the ${BUDGET}s budget, it needs ${least}s"
     note "$name: SKIPPED (time budget) rc=125"
     FAILED=1
     return 0
@@ -89,6 +94,11 @@ run_step() {
 # ---- 0. environment ---------------------------------------------------------------------
 note "== ctxprefill gpu_run $(date -u +%Y-%m-%dT%H:%M:%SZ) commit=${CTXPREFILL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 note "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi unavailable')"
+# the host's speed (eager rows are bounded by it): the median of a 100,000-step Python loop
+note "host: $(nproc) CPUs, a 100k-step Python loop in $(python3 -c 'import statistics as s, time as t
+def f():
+    a = t.perf_counter(); sum(range(100_000)); return t.perf_counter() - a
+print(f"{s.median(f() for _ in range(20)) * 1e3:.2f} ms")' 2>&1 | tail -n 1)"
 note "nvcc: $( (nvcc --version 2>/dev/null || "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" --version 2>/dev/null) | tail -n 1 || echo 'not found')"
 
 # ---- 1. carried wheels ----------------------------------------------------------------------

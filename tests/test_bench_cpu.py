@@ -30,6 +30,9 @@ def test_bench_grid_full_narrowed_by_flags(tmp_path):
                   "--target-s", "0")
     assert d["meta"]["grid"] == "full" and d["meta"]["axes"]["heads"] == [2] and d["meta"]["rows_planned"] == 1
     assert d["meta"]["kind"] == "engine" and d["meta"]["rows_done"] == 1 and d["meta"]["torch"]
+    # the host's speed beside the rows it bounds: both figures measured (positive, finite)
+    assert set(d["meta"]["host"]) == {"op_issue_us", "python_loop_ms"}
+    assert all(0 < v < 1e6 for v in d["meta"]["host"].values()), d["meta"]["host"]
     (r,) = d["rows"]
     # --target-s 0: the minimum of timed calls per path; floor is n/a (null) on the CPU
     assert r["generic_iters"] == r["fused_iters"] == 2 and r["bit_identical"] and r["floor_s"] is None

@@ -56,6 +56,26 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def measure_host(dev, n: int = 400) -> dict:
+    """How fast this machine's host runs, for comparing eager rows across runs (a 16-head
+    eager request is bounded by its host): the median µs to issue one small op on ``dev``
+    (torch's dispatch and the launch; a CUDA device keeps them queued) and the median ms of
+    a 100,000-step Python loop."""
+    x = torch.zeros(1, device=dev)
+    issue, loop = [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        x.add_(1.0)
+        issue.append(time.perf_counter() - t)
+    for _ in range(20):
+        t = time.perf_counter()
+        sum(range(100_000))
+        loop.append(time.perf_counter() - t)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return {"op_issue_us": statistics.median(issue) * 1e6, "python_loop_ms": statistics.median(loop) * 1e3}
+
+
 def measure_ceilings(dev, sustained_s: float = 0.0) -> dict:
     """Device copy bandwidth (bytes read + written) and bf16 GEMM rate, measured now.
 
@@ -533,12 +553,14 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
     axes = _axes(ns)
     dev = resolve_device(ns.device)
     ceil = measure_ceilings(dev, ns.sustained_gemm_s)
+    host = measure_host(dev)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
     print(f"device {dev} ({gpu or 'cpu'}); torch {torch.__version__}; "
           f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
           + (f" ({ceil['matmul_sustained_flops_per_s'] / 1e12:.0f} held for {ns.sustained_gemm_s:g} s)"
-             if "matmul_sustained_flops_per_s" in ceil else ""),
-          flush=True)
+             if "matmul_sustained_flops_per_s" in ceil else "")
+          + f"; host: a small op issued in {host['op_issue_us']:.1f} µs, a 100k-step Python loop in "
+          f"{host['python_loop_ms']:.2f} ms", flush=True)
     ext = {"loaded": None, "why_not": None, "load_s": None}
     if dev.type == "cuda":  # build or load the fused kernels now, not inside the first row's warm-up
         from ctxprefill.ops import _cuda
@@ -553,8 +575,8 @@ def _measure(ns: argparse.Namespace, cpu_latency: str) -> int:
                                   axes["prefill_dtype"]))
     gemm = ns.gemm
     meta = {"kind": "engine", "date": run_info.utc_now(), "device": str(dev), "gemm": gemm,
-            "gpu": gpu, "torch": torch.__version__, "commit": run_info.commit(), "ceilings": ceil, "args": vars(ns),
-            "grid": ns.grid, "axes": axes, "rows_planned": len(grid), "cuda_extension": ext,
+            "gpu": gpu, "torch": torch.__version__, "commit": run_info.commit(), "ceilings": ceil, "host": host,
+            "args": vars(ns), "grid": ns.grid, "axes": axes, "rows_planned": len(grid), "cuda_extension": ext,
             "cpu_latency": cpu_latency}
     rows: list[dict] = []
     history: list[dict] = []
