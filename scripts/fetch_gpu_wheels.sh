@@ -4,7 +4,8 @@
 # others among them: requirements/runtime.txt), and it cannot download. FlashInfer and the modules it imports are for bench_attention.py's
 # --flashinfer comparison only (its kernels compile with nvcc on first use). scripts/gpu_run.sh installs whatever is in .whl/ into /tmp/site;
 # h2 (with hpack, hyperframe) is the raw HTTP/2 client of the hostile-client tests; py-spy samples
-# the workload bench for gpu_run.sh's profile_workload step.
+# the workload bench for gpu_run.sh's profile_workload step; pytest-xdist (with execnet) runs
+# the Triton file's compile-bound tests in parallel (gpu_run.sh's GPU_RUN_PYTEST_WORKERS).
 # name ".whl" in the device call's carry.
 #
 #   bash scripts/fetch_gpu_wheels.sh
@@ -22,7 +23,8 @@ python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --im
   nvidia-cudnn-frontend==1.32.0 \
   apache-tvm-ffi==0.1.15.post2 einops==0.8.2 tabulate==0.10.0 nvidia-ml-py==13.615.71 \
   ninja==1.13.2 tqdm==4.70.1 requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1 \
-  h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0
+  h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 \
+  pytest-xdist==3.8.0 execnet==2.1.2
 # py-spy's wheel is tagged manylinux1 only
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux1_x86_64 -d .whl \
   py-spy==0.4.3

@@ -137,6 +137,19 @@ if want pytest; then
 LATER=$(for s in $STEPS; do case $s in build|pytest) ;; *) echo "$s";; esac; done)
 K_ARGS=()
 [ -z "${GPU_RUN_PYTEST_K:-}" ] || K_ARGS=(-k "$GPU_RUN_PYTEST_K")
+# GPU_RUN_PYTEST_WORKERS=N: the Triton file's run (or GPU_RUN_PYTEST's) in N pytest-xdist
+# processes sharing the GPU (xdist travels in .whl): its tests are bound by compiling their
+# kernel variants on the host, ~18 s a test on a fresh machine; tests/gpu stays in one process
+W_ARGS=()
+if [ -n "${GPU_RUN_PYTEST_WORKERS:-}" ]; then
+  if python3 -c "import xdist" 2>/dev/null; then
+    W_ARGS=(-n "$GPU_RUN_PYTEST_WORKERS")
+    note "pytest: $GPU_RUN_PYTEST_WORKERS xdist workers for the Triton file / GPU_RUN_PYTEST"
+  else
+    note "pytest: GPU_RUN_PYTEST_WORKERS set, but pytest-xdist is not installed (bash scripts/fetch_gpu_wheels.sh)"
+    FAILED=1
+  fi
+fi
 if [ -z "${GPU_RUN_PYTEST:-}" ]; then
   # tests/gpu (~210-300 s on the H200) first claims 300 s of what is left: the Triton file's
   # reserve, 200 s, shrinks under a smaller budget (to 5 s) rather than cut tests/gpu short
@@ -148,10 +161,10 @@ fi
 run_step pytest_gpu 400 "$FIRST_RESERVE" \
   "+$OUT/pytest.log" \
   python3 -m pytest -q -rsfE -p no:cacheprovider --durations=10 --tb=short --junitxml=/tmp/junit.xml \
-  ${GPU_RUN_PYTEST:-tests/gpu} ${K_ARGS[@]+"${K_ARGS[@]}"}
+  ${GPU_RUN_PYTEST:-tests/gpu} ${K_ARGS[@]+"${K_ARGS[@]}"} ${GPU_RUN_PYTEST:+${W_ARGS[@]+"${W_ARGS[@]}"}}
 [ -n "${GPU_RUN_PYTEST:-}" ] || run_step pytest_triton 240 "$([ -n "$LATER" ] && echo 150 || echo 5)" "+$OUT/pytest.log" \
   python3 -m pytest -q -rs -p no:cacheprovider --durations=5 tests/test_backend_triton.py \
-  $(ls tests/test_backend_cudnn.py 2>/dev/null)
+  $(ls tests/test_backend_cudnn.py 2>/dev/null) ${W_ARGS[@]+"${W_ARGS[@]}"}
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?) in " "$OUT/pytest.log" | tail -n 25 | sed 's/^/  pytest: /' >>"$SUMMARY" || true
 # launch counts (profiler vs stats) recorded by tests/gpu/test_engine_gpu.py as junit properties
 [ -f /tmp/junit.xml ] && python3 - /tmp/junit.xml >>"$SUMMARY" 2>&1 <<'PY' || true
