@@ -94,11 +94,9 @@ run_step() {
 # ---- 0. environment ---------------------------------------------------------------------
 note "== ctxprefill gpu_run $(date -u +%Y-%m-%dT%H:%M:%SZ) commit=${CTXPREFILL_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 note "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'nvidia-smi unavailable')"
-# the host's speed (eager rows are bounded by it): the median of a 100,000-step Python loop
-note "host: $(nproc) CPUs, a 100k-step Python loop in $(python3 -c 'import statistics as s, time as t
-def f():
-    a = t.perf_counter(); sum(range(100_000)); return t.perf_counter() - a
-print(f"{s.median(f() for _ in range(20)) * 1e3:.2f} ms")' 2>&1 | tail -n 1)"
+# the host's speed (eager rows are bounded by it): run_info.python_loop_ms, as ctxprefill bench records it
+note "host: $(nproc) CPUs, a 100k-step Python loop in $(python3 -c 'from ctxprefill_bench.run_info import python_loop_ms
+print(f"{python_loop_ms():.2f} ms")' 2>&1 | tail -n 1)"
 note "nvcc: $( (nvcc --version 2>/dev/null || "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" --version 2>/dev/null) | tail -n 1 || echo 'not found')"
 
 # ---- 1. carried wheels ----------------------------------------------------------------------

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import statistics
 import subprocess
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,3 +49,14 @@ def gpu_name() -> str | None:
     except (OSError, subprocess.SubprocessError):
         out = ""
     return out.splitlines()[0].strip() if out else None
+
+
+def python_loop_ms(rounds: int = 20) -> float:
+    """The host's speed as the median ms of a 100,000-step Python loop (eager rows, bounded by
+    the host, compare across runs only beside it)."""
+    def once() -> float:
+        t = time.perf_counter()
+        sum(range(100_000))
+        return time.perf_counter() - t
+
+    return statistics.median(once() for _ in range(rounds)) * 1e3
