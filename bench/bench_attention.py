@@ -16,7 +16,8 @@ Per head count H and batch shape, side by side in one process:
   flash bf16    F.scaled_dot_product_attention, flash backend, v padded to 192
   flex bf16/fp8 flex_attention compiled (document mask for ragged), if it works
   flashinfer    (--flashinfer) FlashInfer's FA3 ragged prefill (the carried release, its version in
-                the JSON's meta), checked against ours
+                the JSON's meta), checked against ours; its interleaved rounds against ours also
+                time an 8192³ bf16 GEMM (cuBLAS), the matrix rate in the same power state
 The ragged batch does (within ~1 %) the same work as the equal-length one. A table run
 ends with the attention targets' verdict lines (``target_lines``), also stored in the JSON's meta.
 
@@ -31,6 +32,7 @@ Stays within --budget-s seconds (optional competitors are skipped past it).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -499,15 +501,25 @@ LONG_CASE, RAGGED_CASE, EQUAL_CASE, RAGGED_MIN = "1x8192q/16384k", "ragged4", "4
 RAGGED_VERDICT, FLASHINFER_VERDICT = f"{RAGGED_CASE} / {EQUAL_CASE}", "ours / flashinfer fa3"
 #: the frontier: bf16 ahead of FlashInfer's FA3 by this factor on each shape both ran; fp8 at this TFLOP/s
 AHEAD_OF_FLASHINFER, FP8_FRONTIER = 1.05, 1000.0
+#: measured in the rounds against FlashInfer: an M = N = K bf16 GEMM (cuBLAS), the chip's
+#: matrix rate in the power state the attention runs in
+GEMM_CEILING_N = 8192
 
 
 def _ratio_line(label: str, rounds: dict | None, table: float | None, least: float) -> list[tuple[str, bool]]:
     """A ratio's verdict line: the interleaved rounds' median where they ran, else the
-    table rows' ratio (none without either)."""
+    table rows' ratio (none without either). Rounds with a GEMM beside them
+    (``tflops_gemm``) add where the target stands against it: ``least`` × the
+    denominator's median TFLOP/s over the GEMM's."""
     if rounds is not None:
         x = rounds["ratio_median"]
+        ceiling = ""
+        if rounds.get("tflops_gemm") and rounds.get("tflops_theirs"):
+            need, gemm = least * statistics.median(rounds["tflops_theirs"]), statistics.median(rounds["tflops_gemm"])
+            ceiling = (f"; {least} x theirs = {need:.1f} TFLOP/s, {need / gemm:.3f} x the "
+                       f"{rounds.get('gemm_n', GEMM_CEILING_N)}^3 GEMM's {gemm:.1f} in those rounds")
         return [(f"{label}: {x:.3f} (median of {rounds['rounds']} interleaved rounds, {rounds['ratio_min']:.3f}-"
-                 f"{rounds['ratio_max']:.3f}) (>= {least}: {x >= least})", x >= least)]
+                 f"{rounds['ratio_max']:.3f}) (>= {least}: {x >= least}){ceiling}", x >= least)]
     if table is not None:
         return [(f"{label}: {table:.3f} (>= {least}: {table >= least})", table >= least)]
     return []
@@ -549,15 +561,17 @@ def target_lines(results) -> list[tuple[str, bool]]:
 
 
 def _interleaved(rec: dict, label: str, make, args) -> dict:
-    """Measure two calls ``--verdict-rounds`` times, alternating. ``make()`` gives them:
-    ((field, (fn, GFLOP)), (field, (fn, GFLOP))), numerator first. Records each one's
-    per-round TFLOP/s under its field and the median, least and largest of the per-round
-    ratios, or the error of a call that does not run; returns ``rec``."""
+    """Measure calls ``--verdict-rounds`` times, in turn. ``make()`` gives them:
+    ((field, (fn, GFLOP)), (field, (fn, GFLOP)), ...), the ratio's numerator first, its
+    denominator second, any more measured in the same rounds beside them. Records each
+    one's per-round TFLOP/s under its field and the median, least and largest of the
+    per-round ratios, or the error of a call that does not run; returns ``rec``."""
     try:
-        num, den = make()
-        got: dict[str, list[float]] = {num[0]: [], den[0]: []}
+        calls = make()
+        num, den = calls[:2]
+        got: dict[str, list[float]] = {c[0]: [] for c in calls}
         for _ in range(args.verdict_rounds):
-            for field, (fn, flop) in (num, den):
+            for field, (fn, flop) in calls:
                 got[field].append(flop / bench_ms(fn, args.rep))
         ratios = sorted(a / b for a, b in zip(got[num[0]], got[den[0]]))
         rec.update({k: [round(v, 1) for v in vs] for k, vs in got.items()})
@@ -599,11 +613,24 @@ def verdict_rounds(args, data, provs) -> list[dict]:
     return out
 
 
+@functools.cache
+def gemm_ceiling(n: int = GEMM_CEILING_N):
+    """(fn, GFLOP) of an n³ bf16 matmul through torch (cuBLAS) into a preallocated output
+    (made once per process, on first use)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    fn = lambda: torch.matmul(a, b, out=c)  # noqa: E731
+    fn()
+    return fn, 2 * n**3 / 1e9
+
+
 def flashinfer_rounds(args, data, provs, shapes) -> list[dict]:
     """Ours over FlashInfer's FA3 (bf16) on every shape, measured ``--verdict-rounds``
     times, the two alternating (as :func:`verdict_rounds`: one pair of table rows measured
     ~100 s apart is a noisy verdict). One record per (H, shape): per-round TFLOP/s of each
-    and the median ratio (of the per-round ratios)."""
+    and of an 8192³ GEMM measured in the same rounds (``tflops_gemm``: the ceiling at the
+    clock the power cap leaves), and the median ratio (of the per-round ratios)."""
     prov = TARGETS["bf16"][0]
     mine = next((p[4] for p in provs if p[1] == prov and p[2] == "bf16" and not p[3]), None)
     theirs = next((p[4] for p in provs if p[1] == "flashinfer fa3" and p[2] == "bf16"), None)
@@ -612,13 +639,14 @@ def flashinfer_rounds(args, data, provs, shapes) -> list[dict]:
     out = []
     for H, (name, ql, kl) in shapes:
         rec = dict(H=H, case=name, dtype="bf16", provider=prov, verdict=FLASHINFER_VERDICT,
-                   rounds=args.verdict_rounds)
+                   rounds=args.verdict_rounds, gemm_n=GEMM_CEILING_N)
 
         def make(H=H, name=name, ql=ql, kl=kl):
             x = data.get(H, name, ql, kl)
             flop = gflop(ql, kl, H)
             return (("tflops_ours", (mine(x["bf16"], x["cq"], x["ck"], ql, kl), flop)),
-                    ("tflops_theirs", (theirs(x["bf16"], x["cq"], x["ck"], ql, kl), flop)))
+                    ("tflops_theirs", (theirs(x["bf16"], x["cq"], x["ck"], ql, kl), flop)),
+                    ("tflops_gemm", gemm_ceiling()))
 
         out.append(_interleaved(rec, f"H={H:<3} {name} ours / FlashInfer FA3", make, args))
     return out
@@ -634,7 +662,7 @@ def key_scan_fit(rounds: list[dict], H: int, ql: int = 8192) -> dict:
     ``rounds`` (``_interleaved`` records with ``keys``): ``rate_tflops`` = the work of one more
     key / b, the rate of a tile's key loop; ``fixed_ms`` = a, the time that does not grow with
     the keys (launch, every tile's start and end); ``fixed_share_16k`` = a over the time at
-    16,384 keys."""
+    16,384 keys; ``gemm_tflops``, where the rounds ran a GEMM beside them, its median."""
     got: dict = dict(H=H, q=ql, keys=[r["keys"] for r in rounds])
     for who in ("ours", "theirs"):
         ms = [gflop([ql], [r["keys"]], H) / statistics.median(r[f"tflops_{who}"]) for r in rounds]
@@ -642,6 +670,9 @@ def key_scan_fit(rounds: list[dict], H: int, ql: int = 8192) -> dict:
         got[who] = dict(ms=[round(m, 4) for m in ms], fixed_ms=round(a, 4),
                         rate_tflops=round(gflop([ql], [1], H) / b, 1),
                         fixed_share_16k=round(a / (a + b * 16384), 4))
+    gemm = [x for r in rounds for x in r.get("tflops_gemm", [])]
+    if gemm:  # the GEMM measured in the same rounds: the ceiling both key loops run under
+        got["gemm_tflops"] = round(statistics.median(gemm), 1)
     return got
 
 
@@ -658,7 +689,7 @@ def run_key_scan(args):
         for kl in KEY_SCAN:
             name = f"1x8192q/{kl}k"
             rec = dict(H=H, case=name, keys=kl, dtype="bf16", verdict=KEY_SCAN_VERDICT,
-                       rounds=args.verdict_rounds)
+                       rounds=args.verdict_rounds, gemm_n=GEMM_CEILING_N)
             if elapsed() > args.budget_s:  # as the table's optional phases: the step's time is capped
                 out.append(dict(rec, skipped="time budget"))
                 continue
@@ -670,7 +701,8 @@ def run_key_scan(args):
                        prov_flashinfer(*x["bf16"], x["cq"], x["ck"], [8192], [kl], scale)]
                 for fn in fns:  # compiled outside the rounds
                     fn()
-                return ("tflops_ours", (fns[0], flop)), ("tflops_theirs", (fns[1], flop))
+                return (("tflops_ours", (fns[0], flop)), ("tflops_theirs", (fns[1], flop)),
+                        ("tflops_gemm", gemm_ceiling()))
 
             rec = _interleaved(rec, f"H={H:<3} {name:<16} ours / FlashInfer FA3", make, args)
             out.append(rec)
@@ -684,6 +716,8 @@ def run_key_scan(args):
                 f = fit[who]
                 log(f"H={H:<3} {who:<6} key loop {f['rate_tflops']:6.1f} TFLOP/s, fixed {f['fixed_ms']:.3f} ms "
                     f"({100 * f['fixed_share_16k']:.1f} % of the 16k-key launch)")
+            if "gemm_tflops" in fit:
+                log(f"H={H:<3} {GEMM_CEILING_N}^3 GEMM in the same rounds {fit['gemm_tflops']:6.1f} TFLOP/s")
     return out
 
 

@@ -311,21 +311,37 @@ def attention_table(d: Doc) -> str:
                   f"| {r['ratio_min']:.3f} | {r['ratio_max']:.3f} |" for r in verdict]
     ahead = _flashinfer_rounds(d)
     if ahead:
-        lines += ["", "Ours over FlashInfer's FA3, bf16 (interleaved rounds; TFLOP/s medians):", "",
-                  "| H | shape | rounds | ours | FlashInfer | ratio median | min | max |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['H']} | {r['case']} | {r['rounds']} | {statistics.median(r['tflops_ours']):.1f} "
-                  f"| {statistics.median(r['tflops_theirs']):.1f} | {r['ratio_median']:.3f} | {r['ratio_min']:.3f} "
-                  f"| {r['ratio_max']:.3f} |" for r in ahead]
+        # a GEMM measured in the same rounds (bench_attention's tflops_gemm): the matrix rate at
+        # the clock the power cap leaves, and the target's rate (1.05 x FA3's) as a share of it
+        gemm = all(r.get("tflops_gemm") for r in ahead)
+        n = ahead[0].get("gemm_n", 8192)
+        lines += ["", "Ours over FlashInfer's FA3, bf16 (interleaved rounds; TFLOP/s medians" + (
+                  f"; an {n}³ bf16 GEMM (cuBLAS) measured in the same rounds, and 1.05 × FA3's rate over "
+                  "the GEMM's" if gemm else "") + "):", "",
+                  "| H | shape | rounds | ours | FlashInfer | ratio median | min | max |"
+                  + (" GEMM | 1.05 × FA3 / GEMM |" if gemm else ""),
+                  "|---|---|---|---|---|---|---|---|" + ("---|---|" if gemm else "")]
+        for r in ahead:
+            theirs = statistics.median(r["tflops_theirs"])
+            lines.append(f"| {r['H']} | {r['case']} | {r['rounds']} | {statistics.median(r['tflops_ours']):.1f} "
+                         f"| {theirs:.1f} | {r['ratio_median']:.3f} | {r['ratio_min']:.3f} | {r['ratio_max']:.3f} |"
+                         + (f" {statistics.median(r['tflops_gemm']):.1f} "
+                            f"| {1.05 * theirs / statistics.median(r['tflops_gemm']):.3f} |" if gemm else ""))
     fits = [r["fit"] for r in d["results"] if "fit" in r]
     if fits:
+        gemm = all("gemm_tflops" in f for f in fits)
         lines += ["", "Where a launch's time goes (`--key-scan`): one segment of 8,192 queries over "
                   f"{', '.join(f'{k:,}' for k in fits[0]['keys'])} keys, ours and FA3 in turn per round (bf16); per "
                   "kernel a line through the median times: its slope is the key loop's rate, its intercept the time "
-                  "the launch pays once per tile, whatever the keys (start, first loads, epilogue).", "",
-                  "| H | kernel | key loop TFLOP/s | fixed ms | fixed share at 16,384 keys |", "|---|---|---|---|---|"]
+                  "the launch pays once per tile, whatever the keys (start, first loads, epilogue)" + (
+                  "; the GEMM measured in the same rounds, and each key loop's rate over it" if gemm else "")
+                  + ".", "",
+                  "| H | kernel | key loop TFLOP/s | fixed ms | fixed share at 16,384 keys |"
+                  + (" GEMM TFLOP/s | key loop / GEMM |" if gemm else ""),
+                  "|---|---|---|---|---|" + ("---|---|" if gemm else "")]
         lines += [f"| {f['H']} | {who} | {f[k]['rate_tflops']:.1f} | {f[k]['fixed_ms']:.3f} "
                   f"| {100 * f[k]['fixed_share_16k']:.1f} % |"
+                  + (f" {f['gemm_tflops']:.1f} | {f[k]['rate_tflops'] / f['gemm_tflops']:.3f} |" if gemm else "")
                   for f in fits for k, who in (("ours", "ours"), ("theirs", "FlashInfer FA3"))]
     if meta.get("targets"):
         lines += ["", "Targets (CONTRACT §6):", ""]

@@ -100,6 +100,63 @@ def test_interleaved_rounds_alternate_and_take_the_median_ratio(monkeypatch):
     assert failed == {"error": "ZeroDivisionError: division by zero"}
 
 
+def test_a_third_call_is_measured_in_the_same_rounds_outside_the_ratio(monkeypatch):
+    """A GEMM beside ours and FA3 (``tflops_gemm``) runs in every round, after the two, and
+    the ratio stays the first over the second."""
+    order = []
+    times = iter([1.0, 2.0, 4.0, 1.0, 1.0, 2.0])  # ms: ours, theirs, gemm, ours, theirs, gemm
+
+    def fake_bench_ms(fn, rep):
+        order.append(fn())
+        return next(times)
+
+    monkeypatch.setattr(ba, "bench_ms", fake_bench_ms)
+    rec: dict = {}
+    args = types.SimpleNamespace(verdict_rounds=2, rep=1)
+    ba._interleaved(rec, "o / t", lambda: (("tflops_ours", (lambda: "o", 4.0)), ("tflops_theirs", (lambda: "t", 4.0)),
+                                           ("tflops_gemm", (lambda: "g", 8.0))), args)
+    assert order == ["o", "t", "g"] * 2
+    assert rec["tflops_gemm"] == [2.0, 4.0] and (rec["ratio_min"], rec["ratio_max"]) == (1.0, 2.0)
+
+
+def test_the_ahead_line_says_where_the_target_stands_against_the_gemm():
+    """Rounds that ran a GEMM beside ours and FA3 add 1.05 x FA3's median over the GEMM's to
+    the verdict line (the line, and whether it is met, stay the ratio's); the table gets the
+    two columns; without a GEMM neither changes."""
+    import make_tables
+
+    rounds = dict(H=16, case="4x1024q/16384k", dtype="bf16", provider="triton", verdict=ba.FLASHINFER_VERDICT,
+                  rounds=3, ratio_median=1.02, ratio_min=0.99, ratio_max=1.06, tflops_ours=[700.0] * 3,
+                  tflops_theirs=[680.0, 700.0, 720.0], tflops_gemm=[760.0, 750.0, 740.0], gemm_n=8192)
+    (line, met), = ba.target_lines([rounds])
+    assert met is False and line.startswith("H=16 bf16 4x1024q/16384k ours / FlashInfer FA3: 1.020 (median of 3 ")
+    assert line.endswith("(>= 1.05: False); 1.05 x theirs = 735.0 TFLOP/s, 0.980 x the 8192^3 GEMM's 750.0 "
+                         "in those rounds")
+    bare = {k: v for k, v in rounds.items() if k not in ("tflops_gemm", "gemm_n")}
+    assert ba.target_lines([bare])[0][0] == line.split("; 1.05 x")[0]
+    d = dict(meta=dict(device="GPU", date="2026-12-08T00:00:00+00:00", commit="abc", flops_rule="r"), results=[rounds])
+    table = make_tables.attention_table(d)
+    assert "| 16 | 4x1024q/16384k | 3 | 700.0 | 700.0 | 1.020 | 0.990 | 1.060 | 750.0 | 0.980 |" in table
+    assert "GEMM" not in make_tables.attention_table(dict(d, results=[bare]))
+
+
+def test_the_key_scan_fit_carries_the_gemm_of_its_rounds():
+    """The key scan's GEMM (measured in its rounds) is the median over all of them, and its
+    table gives each key loop's rate over it."""
+    import make_tables
+
+    rounds = [dict(keys=k, tflops_ours=[600.0 + k / 1024] * 3, tflops_theirs=[590.0] * 3,
+                   tflops_gemm=[g, g + 10.0, g + 20.0]) for k, g in zip(ba.KEY_SCAN, (700.0, 740.0, 760.0, 780.0))]
+    fit = ba.key_scan_fit(rounds, 16)
+    assert fit["gemm_tflops"] == 760.0  # the median of the 12 rounds' GEMMs
+    d = dict(meta=dict(device="GPU", date="2026-12-08T00:00:00+00:00", commit="abc", flops_rule="r"),
+             results=[dict(fit=fit)])
+    table = make_tables.attention_table(d)
+    assert f"| 760.0 | {fit['theirs']['rate_tflops'] / 760.0:.3f} |" in table
+    assert "gemm_tflops" not in ba.key_scan_fit([{k: v for k, v in r.items() if k != "tflops_gemm"} for r in rounds],
+                                                16)
+
+
 def test_the_tables_read_the_rounds_the_bench_writes():
     """make_tables picks the FlashInfer rounds by the verdict bench_attention writes."""
     import make_tables
