@@ -138,6 +138,9 @@ def test_the_ahead_line_says_where_the_target_stands_against_the_gemm():
     table = make_tables.attention_table(d)
     assert "| 16 | 4x1024q/16384k | 3 | 700.0 | 700.0 | 1.020 | 0.990 | 1.060 | 750.0 | 0.980 |" in table
     assert "GEMM" not in make_tables.attention_table(dict(d, results=[bare]))
+    assert make_tables._ahead_of_flashinfer(d).endswith(
+        "16 heads 1.020–1.020; an 8192³ GEMM in the same rounds 750.0–750.0, 1.05 × FA3 0.980–0.980 of it")
+    assert "GEMM" not in make_tables._ahead_of_flashinfer(dict(d, results=[bare]))
 
 
 def test_the_key_scan_fit_carries_the_gemm_of_its_rounds():
