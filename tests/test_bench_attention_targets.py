@@ -3,6 +3,7 @@ right provider, dtype and shapes, and a miss reads as a miss."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -158,6 +159,43 @@ def test_the_key_scan_fit_carries_the_gemm_of_its_rounds():
     assert f"| 760.0 | {fit['theirs']['rate_tflops'] / 760.0:.3f} |" in table
     assert "gemm_tflops" not in ba.key_scan_fit([{k: v for k, v in r.items() if k != "tflops_gemm"} for r in rounds],
                                                 16)
+
+
+def test_the_rounds_against_flashinfer_time_the_gemm_in_each_round(monkeypatch):
+    """flashinfer_rounds and run_key_scan run the GEMM (made once) after ours and FA3 in
+    every round, and record it beside them (the key scan's fit carries its median)."""
+    made, order, keys = [], [], [1]
+
+    class Data:
+        _d: dict = {}
+
+        def get(self, H, name, ql, kl):
+            keys[0] = kl[0]  # the kernels' time grows with the keys (the scan fits a line)
+            return {"bf16": (None, None, None), "cq": None, "ck": None}
+
+    def gemm(n=ba.GEMM_CEILING_N):
+        made.append(n)
+        return (lambda: order.append("gemm")), 1.0
+
+    def kernel(who):
+        return lambda *a, **k: (lambda: order.append(who))
+
+    ms = {"ours": lambda: keys[0] / 4096, "theirs": lambda: keys[0] / 4096 + 1, "gemm": lambda: 2.0}
+    monkeypatch.setattr(ba, "Inputs", Data)
+    monkeypatch.setattr(ba, "gemm_ceiling", functools.cache(gemm))
+    monkeypatch.setattr(ba, "prov_triton", kernel("ours"))
+    monkeypatch.setattr(ba, "prov_flashinfer", kernel("theirs"))
+    monkeypatch.setattr(ba, "bench_ms", lambda fn, rep: (fn(), ms[order[-1]]())[1])
+    args = types.SimpleNamespace(heads=[16], verdict_rounds=2, rep=1, budget_s=1e9)
+    out = ba.run_key_scan(args)
+    scan, fit = out[:-1], out[-1]["fit"]
+    assert len(scan) == len(ba.KEY_SCAN) and all(r["tflops_gemm"] == [0.5, 0.5] for r in scan)
+    assert order[-6:] == ["ours", "theirs", "gemm"] * 2 and fit["gemm_tflops"] == 0.5
+    provs = [(None, "triton", "bf16", False, kernel("ours")), (None, "flashinfer fa3", "bf16", False, kernel("theirs"))]
+    order.clear()
+    rec, = ba.flashinfer_rounds(args, Data(), provs, [(16, ("1x1024q/16384k", [1024], [16384]))])
+    assert order == ["ours", "theirs", "gemm"] * 2 and rec["tflops_gemm"] == [0.5, 0.5] and rec["gemm_n"] == 8192
+    assert made == [ba.GEMM_CEILING_N]
 
 
 def test_the_tables_read_the_rounds_the_bench_writes():
