@@ -517,7 +517,7 @@ def _ratio_line(label: str, rounds: dict | None, table: float | None, least: flo
         if rounds.get("tflops_gemm") and rounds.get("tflops_theirs"):
             need, gemm = least * statistics.median(rounds["tflops_theirs"]), statistics.median(rounds["tflops_gemm"])
             ceiling = (f"; {least} x theirs = {need:.1f} TFLOP/s, {need / gemm:.3f} x the "
-                       f"{rounds.get('gemm_n', GEMM_CEILING_N)}^3 GEMM's {gemm:.1f} in those rounds")
+                       f"{rounds['gemm_n']}^3 GEMM's {gemm:.1f} in those rounds")
         return [(f"{label}: {x:.3f} (median of {rounds['rounds']} interleaved rounds, {rounds['ratio_min']:.3f}-"
                  f"{rounds['ratio_max']:.3f}) (>= {least}: {x >= least}){ceiling}", x >= least)]
     if table is not None:

@@ -204,6 +204,7 @@ def test_the_tables_read_the_rounds_the_bench_writes():
 
     assert make_tables.FLASHINFER_VERDICT == ba.FLASHINFER_VERDICT
     assert make_tables.KEY_SCAN_VERDICT == ba.KEY_SCAN_VERDICT != ba.FLASHINFER_VERDICT
+    assert make_tables.AHEAD_OF_FLASHINFER == ba.AHEAD_OF_FLASHINFER
 
 
 def test_the_key_scan_is_its_own_table_and_not_a_verdict():
